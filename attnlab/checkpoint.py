@@ -1,0 +1,206 @@
+"""Checkpoints that survive kills and never execute code.
+
+A checkpoint is a folder, checkpoints/step_0000500/, holding
+  model.safetensors        the weights (safetensors: raw tensors, no pickle)
+  train_state.safetensors  optimizer moments and RNG states, as tensors
+  state.json               step, optimizer hyper-parameters, a SHA-256 of each file
+  config.json, tokenizer.json   so the folder stands on its own
+It is written under a temporary name and renamed into place only when complete, so a
+kill during a write leaves the previous checkpoint as it was. Loading checks every
+file against its recorded hash and refuses a corrupt folder, naming it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from attnlab.errors import CheckpointError
+
+CKPT_DIR = "checkpoints"
+PREFIX = "step_"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, data) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2))
+    _fsync(tmp)
+    os.replace(tmp, path)
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with tied tensors stored once (safetensors refuses shared memory)."""
+    seen, out = set(), {}
+    for name, tensor in model.state_dict().items():
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        out[name] = tensor.detach().cpu().contiguous()
+    return out
+
+
+def optimizer_split(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Optimizer state as (tensors, JSON-able rest)."""
+    sd = optimizer.state_dict()
+    tensors, plain = {}, {}
+    for idx, state in sd["state"].items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                tensors[f"optim.{idx}.{key}"] = value.detach().cpu().contiguous()
+            else:
+                plain.setdefault(str(idx), {})[key] = value
+    return tensors, {"param_groups": sd["param_groups"], "plain_state": plain}
+
+
+def optimizer_join(tensors: dict, info: dict) -> dict:
+    state: dict[int, dict] = {}
+    for name, value in tensors.items():
+        if name.startswith("optim."):
+            _, idx, key = name.split(".", 2)
+            state.setdefault(int(idx), {})[key] = value
+    for idx, rest in info.get("plain_state", {}).items():
+        state.setdefault(int(idx), {}).update(rest)
+    return {"state": state, "param_groups": info["param_groups"]}
+
+
+def save(run_dir: Path, step: int, model, optimizer, tensors: dict, state: dict,
+         files: dict[str, str], keep_last: int) -> Path:
+    """Write checkpoint `step` atomically; prune to the last `keep_last` plus the best."""
+    root = Path(run_dir) / CKPT_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:07d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file(model_tensors(model), tmp / "model.safetensors")
+    opt_tensors, opt_info = optimizer_split(optimizer)
+    save_file({**opt_tensors, **tensors}, tmp / "train_state.safetensors")
+    for name, text in files.items():
+        (tmp / name).write_text(text, encoding="utf-8")
+    names = ["model.safetensors", "train_state.safetensors", *files]
+    manifest = {}
+    for name in names:
+        _fsync(tmp / name)
+        manifest[name] = _sha256(tmp / name)
+    write_json_atomic(tmp / "state.json", {**state, "step": step, "optimizer": opt_info,
+                                           "files": manifest})
+    if final.exists():                      # the same step saved again (e.g. Ctrl-C right after)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync(root)
+    prune(run_dir, keep_last)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+
+
+def best_step(run_dir: Path) -> int | None:
+    try:
+        return json.loads((Path(run_dir) / "best.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def prune(run_dir: Path, keep_last: int) -> None:
+    ckpts = list_checkpoints(run_dir)
+    best = best_step(run_dir)
+    for path in ckpts[:-keep_last]:
+        if best is None or path.name != f"{PREFIX}{best:07d}":
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_partial(run_dir: Path) -> None:
+    """Temporary folders left by a write that was killed."""
+    root = Path(run_dir) / CKPT_DIR
+    if root.is_dir():
+        for path in root.glob(".tmp-*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def resolve(path: str | Path, which: str = "latest") -> Path:
+    """A checkpoint folder from a run directory (its latest or best) or the folder itself."""
+    path = Path(path)
+    if (path / "state.json").is_file():
+        return path
+    if not path.is_dir():
+        raise CheckpointError(f"run directory {path} does not exist; train one with "
+                              "`python train.py`, or pass the folder printed by train.py")
+    ckpts = list_checkpoints(path)
+    if not ckpts:
+        raise CheckpointError(f"{path} holds no checkpoint (no {CKPT_DIR}/{PREFIX}*/); "
+                              "train first, or point at another run")
+    if which == "best" and best_step(path) is not None:
+        best = path / CKPT_DIR / f"{PREFIX}{best_step(path):07d}"
+        if best.is_dir():
+            return best
+    return ckpts[-1]
+
+
+def load(ckpt: Path) -> tuple[dict, dict, dict]:
+    """(model tensors, train-state tensors, state.json), every file checked first."""
+    try:
+        state = json.loads((ckpt / "state.json").read_text())
+        manifest = state["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"checkpoint {ckpt} has no readable state.json ({err}); "
+                              "it is incomplete or corrupt: use an earlier checkpoint") from None
+    for name, digest in manifest.items():
+        file = ckpt / name
+        if not file.is_file() or _sha256(file) != digest:
+            raise CheckpointError(f"checkpoint file {file} is missing or corrupt (its hash does "
+                                  "not match state.json); use an earlier checkpoint")
+    try:
+        weights = load_file(ckpt / "model.safetensors")
+        train_state = load_file(ckpt / "train_state.safetensors")
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {ckpt} cannot be read as safetensors ({err})") from None
+    return weights, train_state, state
+
+
+def load_weights(model: torch.nn.Module, weights: dict, origin: Path) -> None:
+    """Load weights, allowing only tied tensors to be absent; refuse shape mismatches."""
+    own = model.state_dict()
+    tied = {n for n in own if n not in weights and any(
+        own[n].untyped_storage().data_ptr() == own[m].untyped_storage().data_ptr()
+        for m in weights if m in own)}
+    missing = set(own) - set(weights) - tied
+    unexpected = set(weights) - set(own)
+    wrong = [n for n in weights if n in own and weights[n].shape != own[n].shape]
+    if missing or unexpected or wrong:
+        detail = "; ".join(filter(None, [
+            f"missing {sorted(missing)[:4]}" if missing else "",
+            f"unexpected {sorted(unexpected)[:4]}" if unexpected else "",
+            "shape differs for " + ", ".join(f"{n} {tuple(weights[n].shape)} vs {tuple(own[n].shape)}"
+                                             for n in wrong[:3]) if wrong else ""]))
+        raise CheckpointError(f"checkpoint {origin} does not fit this model config: {detail}")
+    model.load_state_dict(weights, strict=False)

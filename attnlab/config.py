@@ -1,0 +1,275 @@
+"""The run configuration: one dataclass per concern, one place for every default.
+
+    python train.py --config cpu --model.n_layer=6 --train.lr 3e-4
+
+A preset (configs/NAME.toml) overrides some defaults; `--section.key=value` overrides
+anything after that. Every value is checked against its field's type, every variant
+name against its registry, and an unknown key is refused with the valid ones listed,
+all before any work starts.
+"""
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from attnlab.errors import ConfigError, choices_hint
+from model.config import ModelConfig, opt
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass
+class DataConfig:
+    path: str = opt("", "UTF-8 text file to train on (.gz allowed); empty = bundled Shakespeare")
+    tokenizer: str = opt("char", "tokenizer", registry="tokenizer")
+    vocab_size: int = opt(2048, "BPE vocabulary size (ignored by the char tokenizer)")
+    val_fraction: float = opt(0.1, "share of the text, from its end, held out for validation")
+    cache_dir: str = opt("", "where token files are cached; empty = data/cache")
+
+
+@dataclass
+class TrainConfig:
+    device: str = opt("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
+    dtype: str = opt("auto", "autocast precision: auto, float32, bfloat16 or float16")
+    compile: bool = opt(False, "torch.compile the model (pays off on GPUs for long runs)")
+    batch_size: int = opt(64, "sequences per micro-batch")
+    grad_accum: int = opt(1, "micro-batches whose gradients add up to one optimizer step")
+    max_iters: int = opt(5000, "optimizer steps")
+    lr: float = opt(1e-3, "peak learning rate")
+    min_lr: float = opt(1e-4, "learning rate at the end of the cosine decay")
+    warmup_iters: int = opt(100, "steps of linear warm-up from 0 to lr")
+    weight_decay: float = opt(0.1, "AdamW decoupled weight decay (matrices only)")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.99, "AdamW beta2")
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = off")
+    eval_interval: int = opt(250, "evaluate and write a checkpoint every N steps")
+    eval_iters: int = opt(100, "validation batches per evaluation")
+    log_interval: int = opt(10, "write training metrics every N steps")
+    seed: int = opt(1337, "random seed (weights, batches, dropout)")
+    out_dir: str = opt("runs", "folder that holds run directories")
+    run_name: str = opt("", "run directory name; empty = <preset>-<date>-<time>")
+    keep_last: int = opt(3, "checkpoints to keep (the best by val loss is always kept)")
+    wandb: str = opt("disabled", "Weights & Biases logging: disabled, offline or online")
+    wandb_project: str = opt("attnlab", "wandb project name")
+
+
+@dataclass
+class SampleConfig:
+    prompt: str = opt("", "text to continue; empty = start of a new line (or document)")
+    max_new_tokens: int = opt(500, "tokens to generate per sample")
+    temperature: float = opt(0.8, "divide logits by this; 0 = greedy")
+    top_k: int = opt(200, "keep only the k most likely tokens; 0 = all")
+    top_p: float = opt(1.0, "keep the smallest set of tokens whose probability reaches p")
+    seed: int = opt(1337, "random seed for sampling")
+    num_samples: int = opt(1, "independent samples to draw")
+    use_cache: bool = opt(True, "reuse keys/values of earlier tokens (KV cache)")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    preset: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def validate(self) -> None:
+        self.model.validate()
+        _check_choices(self)
+        t, s = self.train, self.sample
+        for name in ("batch_size", "grad_accum", "max_iters", "eval_interval",
+                     "eval_iters", "log_interval", "keep_last"):
+            if getattr(t, name) <= 0:
+                raise ConfigError(f"train.{name} must be positive, got {getattr(t, name)}")
+        if t.warmup_iters < 0:
+            raise ConfigError(f"train.warmup_iters must not be negative, got {t.warmup_iters}")
+        if not t.lr > 0:
+            raise ConfigError(f"train.lr must be positive, got {t.lr}")
+        if not 0 <= t.min_lr <= t.lr:
+            raise ConfigError(f"train.min_lr must be between 0 and train.lr={t.lr}, got {t.min_lr}")
+        if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
+            raise ConfigError("train.beta1 and train.beta2 must be in [0, 1)")
+        if t.weight_decay < 0 or t.grad_clip < 0:
+            raise ConfigError("train.weight_decay and train.grad_clip must not be negative")
+        if not 0.0 < self.data.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction must be between 0 and 1, got {self.data.val_fraction}")
+        if s.temperature < 0:
+            raise ConfigError(f"sample.temperature must be 0 (greedy) or positive, got {s.temperature}")
+        if not 0.0 < s.top_p <= 1.0:
+            raise ConfigError(f"sample.top_p must be in (0, 1], got {s.top_p}")
+        if s.top_k < 0 or s.max_new_tokens < 0 or s.num_samples <= 0:
+            raise ConfigError("sample.top_k and sample.max_new_tokens must not be negative, "
+                              "and sample.num_samples must be positive")
+
+
+SECTIONS = {f.name: f.type for f in fields(RunConfig) if f.name != "preset"}
+_SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
+                    "sample": SampleConfig}
+_FIXED_CHOICES = {
+    ("train", "dtype"): ("auto", "float32", "bfloat16", "float16"),
+    ("train", "wandb"): ("disabled", "offline", "online"),
+}
+
+
+def _registry(name: str):
+    if name == "tokenizer":
+        from data.tokenizer import TOKENIZERS
+        return TOKENIZERS
+    from model.registry import REGISTRIES
+    return REGISTRIES[name]
+
+
+def _check_choices(cfg: RunConfig) -> None:
+    for section, cls in _SECTION_CLASSES.items():
+        obj = getattr(cfg, section)
+        for f in fields(cls):
+            value = getattr(obj, f.name)
+            choices = _FIXED_CHOICES.get((section, f.name))
+            if f.metadata.get("registry"):
+                choices = _registry(f.metadata["registry"])
+            if choices is not None and value not in choices:
+                raise ConfigError(f"unknown {section}.{f.name} {value!r}" + choices_hint(value, choices))
+
+
+def _field_types(cls) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def convert(key: str, raw, typ: type):
+    """Convert a command-line string (or a TOML/JSON value) to the field's type."""
+    if typ is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(raw, str) and raw.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key} must be true or false, got {raw!r}")
+    if typ is int:
+        if isinstance(raw, bool) or isinstance(raw, float):
+            raise ConfigError(f"{key} must be an integer, got {raw!r}")
+        try:
+            return int(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be an integer, got {raw!r}") from None
+    if typ is float:
+        if isinstance(raw, bool):
+            raise ConfigError(f"{key} must be a number, got {raw!r}")
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be a number, got {raw!r}") from None
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {raw!r}")
+        return value
+    if typ is str:
+        if not isinstance(raw, str):
+            raise ConfigError(f"{key} must be a string, got {raw!r}")
+        return raw
+    raise ConfigError(f"{key} has an unsupported type {typ}")
+
+
+def apply(cfg: RunConfig, section: str, values: dict, origin: str) -> None:
+    """Set section.key = value for each entry, checking keys and types."""
+    if section not in _SECTION_CLASSES:
+        raise ConfigError(f"unknown config section {section!r} in {origin}"
+                          + choices_hint(section, _SECTION_CLASSES))
+    if not isinstance(values, dict):
+        raise ConfigError(f"[{section}] in {origin} must be a table of key = value")
+    types = _field_types(_SECTION_CLASSES[section])
+    obj = getattr(cfg, section)
+    for key, raw in values.items():
+        if key not in types:
+            raise ConfigError(f"unknown key {section}.{key} in {origin}" + choices_hint(key, types))
+        setattr(obj, key, convert(f"{section}.{key}", raw, types[key]))
+
+
+def preset_path(name: str) -> Path:
+    path = Path(name)
+    if path.suffix == ".toml" or path.exists():
+        return path
+    return CONFIG_DIR / f"{name}.toml"
+
+
+def load_preset(cfg: RunConfig, name: str) -> None:
+    path = preset_path(name)
+    if not path.is_file():
+        available = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+        raise ConfigError(f"no preset {name!r} (looked for {path})" + choices_hint(name, available))
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"preset {path} is not valid TOML: {err}") from None
+    for section, values in data.items():
+        apply(cfg, section, values, str(path))
+    cfg.preset = path.stem
+
+
+def from_dict(data: dict, origin: str) -> RunConfig:
+    """Rebuild a saved config (config.json of a run); missing keys keep their defaults."""
+    cfg = RunConfig()
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin} does not hold a config object")
+    for section, values in data.items():
+        if section == "preset":
+            cfg.preset = str(values)
+        else:
+            apply(cfg, section, values, origin)
+    cfg.validate()
+    return cfg
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
+    """['--model.n_layer=4', '--train.lr', '3e-4'] -> [('model', 'n_layer', '4'), ...]."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like "
+                              "--section.key=value (sections: " + ", ".join(_SECTION_CLASSES) + ")")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{arg} needs a value: {arg}=VALUE")
+            value, i = args[i + 1], i + 1
+        section, _, key = name.partition(".")
+        out.append((section, key, value))
+        i += 1
+    return out
+
+
+def build(preset: str | None, overrides: list[str]) -> RunConfig:
+    """Defaults, then the preset, then command-line overrides; validated."""
+    cfg = RunConfig()
+    if preset:
+        load_preset(cfg, preset)
+    for section, key, value in parse_overrides(overrides):
+        apply(cfg, section, {key: value}, "the command line")
+    cfg.validate()
+    return cfg
+
+
+def help_text() -> str:
+    lines = []
+    for section, cls in _SECTION_CLASSES.items():
+        lines.append(f"\n[{section}]")
+        defaults = cls()
+        for f in fields(cls):
+            choices = _FIXED_CHOICES.get((section, f.name))
+            if f.metadata.get("registry"):
+                choices = list(_registry(f.metadata["registry"]))
+            extra = f" {{{', '.join(choices)}}}" if choices else ""
+            flag = f"--{section}.{f.name}={getattr(defaults, f.name)!r}"
+            lines.append(f"  {flag:<34} {f.metadata.get('help', '')}{extra}")
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+"""Device and precision, decided once and shared by train.py, sample.py and bench/."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from attnlab.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """auto: CUDA, then Apple's MPS, then the CPU."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {name!r}; valid: auto, cpu, cuda, cuda:N, mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but torch sees no CUDA GPU; use train.device=auto or cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("train.device=mps but this torch has no MPS support; use auto or cpu")
+    return device
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX-512 BF16 or AMX: bf16 matmuls run at about twice the fp32 rate."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(cpu, name, lambda: False)() for name in checks)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The autocast precision. auto: bf16 on GPUs that have it (fp16 on older ones),
+    fp32 on MPS and CPU (presets switch bf16 on for CPUs where it pays)."""
+    if name != "auto":
+        dtype = DTYPES[name]
+        if dtype == torch.float16 and device.type == "cpu":
+            raise ConfigError("float16 autocast is for GPUs; on the CPU use bfloat16 or float32")
+        if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ConfigError("this GPU has no bfloat16; use train.dtype=float16 or float32")
+        return dtype
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """Matmuls in dtype, master weights and reductions in fp32; a no-op for fp32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def setup_backends(device: torch.device) -> None:
+    if device.type == "cuda":
+        # TF32 matmuls on Ampere and newer: fp32 range, ~10-bit mantissa, much faster.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()

@@ -1,0 +1,66 @@
+"""Metrics: a JSONL file in every run directory, and Weights & Biases when asked.
+
+wandb is optional and never required: `disabled` (the default) imports nothing;
+`offline` writes to <run>/wandb for a later `wandb sync`; `online` falls back to
+offline, with one line saying so, when the server cannot be reached."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class Metrics:
+    def __init__(self, run_dir: Path, wandb_mode: str, project: str, config: dict,
+                 run_name: str, resume_id: str | None = None, log=print):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.wandb_run = None
+        if wandb_mode != "disabled":
+            self.wandb_run = _start_wandb(wandb_mode, project, config, run_dir, run_name,
+                                          resume_id, log)
+
+    @property
+    def wandb_id(self) -> str | None:
+        return getattr(self.wandb_run, "id", None)
+
+    def log(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step"},
+                               step=record["step"])
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop records the killed run wrote past its last checkpoint."""
+        if not self.path.exists():
+            return
+        keep = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) < step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, self.path)
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def _start_wandb(mode, project, config, run_dir, run_name, resume_id, log):
+    try:
+        import wandb
+    except ImportError:
+        log("wandb is not installed; logging to metrics.jsonl only")
+        return None
+    kwargs = dict(project=project, config=config, dir=str(run_dir), name=run_name,
+                  id=resume_id, resume="allow" if resume_id else None)
+    if mode == "online":
+        try:
+            return wandb.init(mode="online", settings=wandb.Settings(init_timeout=20), **kwargs)
+        except Exception as err:  # no network, no API key, server down: all the same to us
+            log(f"wandb: cannot log online ({type(err).__name__}); logging offline to "
+                f"{run_dir}/wandb instead (upload later with `wandb sync`)")
+    try:
+        return wandb.init(mode="offline", **kwargs)
+    except Exception as err:
+        log(f"wandb: offline logging failed too ({err}); metrics.jsonl only")
+        return None

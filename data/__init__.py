@@ -1,0 +1,1 @@
+"""Corpora, tokenizers and the cached token files that train.py reads."""

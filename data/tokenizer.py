@@ -1,0 +1,158 @@
+"""Two tokenizers behind one interface: encode, decode, vocab_size, save, load.
+
+* `char`: one token per character of the corpus (nanoGPT's Shakespeare setting): a
+  vocabulary of a few dozen symbols, every model output readable letter by letter.
+* `bpe`: byte-level BPE trained on the corpus with Hugging Face `tokenizers` (the
+  GPT-2 scheme): any UTF-8 text encodes, and frequent words become single tokens.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterable
+
+from attnlab.errors import TokenizerError
+
+FILENAME = "tokenizer.json"
+
+
+class Tokenizer:
+    kind: str
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def to_json(self) -> str:
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        """A hash of the saved form: equal fingerprints encode identically."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / FILENAME
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(self.to_json(), encoding="utf-8")
+        tmp.replace(path)
+        return path
+
+    @staticmethod
+    def load(directory: str | Path) -> "Tokenizer":
+        path = Path(directory) / FILENAME
+        try:
+            text = path.read_text(encoding="utf-8")
+            data = json.loads(text)
+        except FileNotFoundError:
+            raise TokenizerError(f"no tokenizer at {path}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise TokenizerError(f"tokenizer file {path} is not valid JSON ({err})") from None
+        if isinstance(data, dict) and data.get("type") == "char":
+            return CharTokenizer(data["chars"])
+        return BPETokenizer.from_json(text, path)
+
+
+class CharTokenizer(Tokenizer):
+    kind = "char"
+
+    def __init__(self, chars: Iterable[str]):
+        self.chars = sorted(set(chars))
+        self.stoi = {ch: i for i, ch in enumerate(self.chars)}
+
+    @classmethod
+    def train(cls, text: str) -> "CharTokenizer":
+        if not text:
+            raise TokenizerError("cannot build a character vocabulary from empty text")
+        return cls(set(text))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.stoi[ch] for ch in text]
+        except KeyError:
+            unknown = sorted(set(text) - self.stoi.keys())
+            raise TokenizerError(
+                "the character tokenizer never saw these characters in its corpus: "
+                + ", ".join(repr(c) for c in unknown)
+                + "; remove them from the text, or train with data.tokenizer=bpe, "
+                "which encodes any text") from None
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids)
+
+    def to_json(self) -> str:
+        return json.dumps({"type": "char", "chars": self.chars}, ensure_ascii=False)
+
+
+class BPETokenizer(Tokenizer):
+    kind = "bpe"
+    END_OF_TEXT = "<|endoftext|>"
+
+    def __init__(self, hf_tokenizer):
+        self.hf = hf_tokenizer
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int) -> "BPETokenizer":
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+        if vocab_size < 257:
+            raise TokenizerError(f"a byte-level BPE vocabulary needs more than the 256 "
+                                 f"byte tokens plus one special; got {vocab_size}")
+        hf = HFTokenizer(models.BPE())
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=[cls.END_OF_TEXT], show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        hf.train_from_iterator(texts, trainer=trainer)
+        return cls(hf)
+
+    @classmethod
+    def from_json(cls, text: str, path: Path | str = "<string>") -> "BPETokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+        try:
+            return cls(HFTokenizer.from_str(text))
+        except Exception as err:  # tokenizers raises plain Exception for bad files
+            raise TokenizerError(f"tokenizer file {path} cannot be read ({err})") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.hf.encode_batch(texts)]
+
+    def decode(self, ids):
+        return self.hf.decode(list(ids))
+
+    def to_json(self) -> str:
+        return self.hf.to_str()
+
+
+def train_tokenizer(kind: str, text: str, vocab_size: int) -> Tokenizer:
+    if kind == "char":
+        return CharTokenizer.train(text)
+    # BPE learns its merges from an iterator of chunks (whole lines, so no word is cut).
+    return BPETokenizer.train(line_chunks(text), vocab_size)
+
+
+def line_chunks(text: str, lines_per_chunk: int = 2000):
+    lines = text.splitlines(keepends=True)
+    for i in range(0, len(lines), lines_per_chunk):
+        yield "".join(lines[i:i + lines_per_chunk])
+
+
+TOKENIZERS = {"char": CharTokenizer, "bpe": BPETokenizer}

@@ -1,0 +1,73 @@
+"""The one model configuration. Variant fields hold registry names (strings), so a
+config stays plain data that saves to JSON and loads back; the names are looked up
+in the registries once, when the layers are built."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from attnlab.errors import ConfigError, choices_hint
+
+
+def opt(default, help: str, registry: str | None = None):
+    """A config field with its one-line doc (shown by --help) and, for variant
+    fields, the name of the registry that lists the valid choices."""
+    return field(default=default, metadata={"help": help, "registry": registry})
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = opt(0, "vocabulary size; 0 = take it from the tokenizer")
+    block_size: int = opt(256, "training context length T (tokens a query can see)")
+    n_layer: int = opt(6, "number of Transformer blocks")
+    n_head: int = opt(6, "attention heads per block; head size d_k = n_embd / n_head")
+    n_kv_head: int = opt(0, "key/value heads (GQA/MQA); 0 = n_head, plain multi-head")
+    n_embd: int = opt(384, "model width d_model")
+    attention: str = opt("sdpa", "attention backend", registry="attention")
+    position: str = opt("rope", "position encoding", registry="position")
+    norm: str = opt("layernorm", "normalisation layer", registry="norm")
+    mlp: str = opt("gelu", "feed-forward block", registry="mlp")
+    tie_embeddings: bool = opt(True, "share the token embedding with the output layer")
+    bias: bool = opt(False, "bias in linear layers and LayerNorm")
+    dropout: float = opt(0.0, "dropout probability (0 keeps SDPA on its fused path)")
+    rope_theta: float = opt(10000.0, "RoPE base: pair i turns by position * theta^(-2i/d_k)")
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    def validate(self) -> None:
+        """Refuse impossible settings before any work, saying why."""
+        for name in ("block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.vocab_size < 0 or self.n_kv_head < 0:
+            raise ConfigError("model.vocab_size and model.n_kv_head must not be negative")
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}: "
+                "each head gets an equal slice d_k = n_embd / n_head")
+        if self.head_dim % 2 and self.position == "rope":
+            raise ConfigError(f"RoPE rotates pairs of dimensions, so the head size "
+                              f"(n_embd/n_head = {self.head_dim}) must be even")
+        if self.n_head % self.kv_heads:
+            raise ConfigError(f"model.n_kv_head={self.n_kv_head} must divide "
+                              f"model.n_head={self.n_head}: each key/value head serves "
+                              "a whole group of query heads")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"model.rope_theta must be positive, got {self.rope_theta}")
+        from model.registry import REGISTRIES  # late: the registries import this module
+        for f in fields(self):
+            registry = f.metadata.get("registry")
+            if registry and getattr(self, f.name) not in REGISTRIES[registry]:
+                raise ConfigError(f"unknown model.{f.name} {getattr(self, f.name)!r}"
+                                  + choices_hint(getattr(self, f.name), REGISTRIES[registry]))

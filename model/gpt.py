@@ -1,0 +1,155 @@
+"""The decoder-only Transformer: embeddings, a stack of blocks, and the output layer
+that scores every vocabulary entry as the next token. Also the KV cache that makes
+generation cost one token's work per step."""
+from __future__ import annotations
+
+from typing import Iterator, NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attnlab.errors import ConfigError
+from model.attention import Mask
+from model.config import ModelConfig
+from model.layers import NORMS, Block
+from model.positions import POSITION_ENCODINGS
+from model.sampling import sample_next
+
+
+class Output(NamedTuple):
+    logits: torch.Tensor                     # (B, T, vocab_size)
+    loss: torch.Tensor | None                # mean cross-entropy when targets are given
+    attentions: list | None                  # per layer (B, H, T, T_keys) when asked for
+
+
+class KVCache:
+    """Keys and values of every token seen so far, per layer, so that decoding a new
+    token computes only its own query, key and value. Preallocated to `max_len`; the
+    model (not a layer) advances `length` after all layers have written."""
+
+    def __init__(self, n_layer: int, max_len: int):
+        self.n_layer, self.max_len = n_layer, max_len
+        self.k: torch.Tensor | None = None   # (n_layer, B, H_kv, max_len, d_k)
+        self.v: torch.Tensor | None = None
+        self.length = 0
+
+    def update(self, layer: int, k_new, v_new):
+        """Store this chunk's keys/values; return all keys/values up to and including it."""
+        if self.k is None:
+            B, H_kv, _, D = k_new.shape
+            shape = (self.n_layer, B, H_kv, self.max_len, D)
+            self.k = torch.zeros(shape, dtype=k_new.dtype, device=k_new.device)
+            self.v = torch.zeros(shape, dtype=v_new.dtype, device=v_new.device)
+        start, end = self.length, self.length + k_new.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens; {end} requested")
+        self.k[layer, :, :, start:end] = k_new
+        self.v[layer, :, :, start:end] = v_new
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def nbytes(self) -> int:
+        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        config.validate()
+        if config.vocab_size <= 0:
+            raise ConfigError("model.vocab_size must be set (it comes from the tokenizer)")
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)    # token -> vector
+        self.positions = POSITION_ENCODINGS[config.position](config)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.norm_f = NORMS[config.norm](config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            # The same matrix reads tokens in and scores them out (arXiv:1608.05859).
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        # GPT-2: scale the layers that write into the residual stream by 1/√(2·n_layer),
+        # so the stream's variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith(("w_o.weight", "mlp.proj.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameters, counting a tied matrix once; non_embedding leaves out the
+        token and position tables (the usual count for scaling laws)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.wte.weight.numel()
+            n -= sum(p.numel() for p in self.positions.parameters())
+            if not self.config.tie_embeddings:
+                n += self.lm_head.weight.numel()     # the output matmul still does work
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (forward + backward): 6 per weight that multiplies
+        (the output layer included) plus 12·L·d·T for the attention scores and the
+        weighted sum (PaLM, arXiv:2204.02311, appendix B)."""
+        c = self.config
+        T = seq_len or c.block_size
+        matmul_weights = self.num_params(non_embedding=True)
+        if c.tie_embeddings:
+            matmul_weights += self.lm_head.weight.numel()
+        return 6 * matmul_weights + 12 * c.n_layer * c.n_embd * T
+
+    def forward(self, idx, targets=None, cache: KVCache | None = None,
+                return_attention: bool = False) -> Output:
+        B, T = idx.shape
+        start = cache.length if cache is not None else 0
+        mask = Mask(q_start=start, q_len=T, k_len=start + T, device=idx.device)
+        x = self.drop(self.positions.embed(self.wte(idx), start))   # (B, T, C)
+        attentions = [] if return_attention else None
+        for block in self.blocks:
+            x, weights = block(x, self.positions, mask, cache, return_attention)
+            if return_attention:
+                attentions.append(weights)
+        if cache is not None:
+            cache.length += T
+        logits = self.lm_head(self.norm_f(x))                        # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)),
+                                   targets.reshape(-1), ignore_index=-1)
+        return Output(logits, loss, attentions)
+
+    def new_cache(self, max_len: int) -> KVCache:
+        return KVCache(self.config.n_layer, max_len)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, generator: torch.Generator | None = None,
+                 use_cache: bool = True) -> Iterator[torch.Tensor]:
+        """Yield (B, 1) new tokens one at a time, so a caller can print them as they come.
+
+        The model sees at most block_size tokens. With the cache, when it fills up the
+        oldest half of the context is dropped and the rest is re-read in one pass
+        (its positions restart at 0), so every token is still predicted from between
+        block_size/2 and block_size tokens of context."""
+        window = self.config.block_size
+        context = idx[:, -window:]
+        cache = None
+        for _ in range(max_new_tokens):
+            if not use_cache:
+                logits = self(context[:, -window:]).logits
+            else:
+                if cache is None or cache.length >= window:
+                    context = context[:, -(window // 2 or 1):] if cache is not None else context
+                    cache = self.new_cache(window)
+                    logits = self(context, cache=cache).logits
+                else:
+                    logits = self(context[:, -1:], cache=cache).logits
+            token = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
+            context = torch.cat([context, token], dim=1)
+            yield token

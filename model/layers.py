@@ -1,0 +1,73 @@
+"""The rest of a Transformer block: normalisation, the feed-forward MLP, and the
+pre-norm residual block that wraps attention and MLP."""
+from __future__ import annotations
+
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.attention import MultiHeadAttention
+from model.config import ModelConfig
+
+
+def layer_norm(config: ModelConfig) -> nn.Module:
+    return nn.LayerNorm(config.n_embd, bias=config.bias)
+
+
+def rms_norm(config: ModelConfig) -> nn.Module:
+    # RMSNorm (arXiv:1910.07467) drops LayerNorm's mean subtraction and bias.
+    return nn.RMSNorm(config.n_embd, eps=1e-5)
+
+
+NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm}
+
+
+class GeluMLP(nn.Module):
+    """Position-wise feed-forward: widen 4×, GELU, project back (GPT-2)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class SwiGLU(nn.Module):
+    """Gated feed-forward silu(x·W_gate) ⊙ (x·W_up) (arXiv:2002.05202). The hidden
+    width is 8/3 of n_embd (rounded up to a multiple of 32) so the three matrices
+    hold about as many weights as the GELU MLP's two."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden = -(-8 * config.n_embd // 3 // 32) * 32
+        self.hidden = hidden
+        self.fc = nn.Linear(config.n_embd, 2 * hidden, bias=config.bias)   # gate and up, fused
+        self.proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        gate, up = self.fc(x).split(self.hidden, dim=-1)
+        return self.dropout(self.proj(F.silu(gate) * up))
+
+
+MLPS = {"gelu": GeluMLP, "swiglu": SwiGLU}
+
+
+class Block(nn.Module):
+    """x + attention(norm(x)), then x + mlp(norm(x)): pre-norm residual (GPT-2), which
+    keeps an identity path from input to output so deep stacks train stably."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.norm_attn = NORMS[config.norm](config)
+        self.attn = MultiHeadAttention(config, layer_idx)
+        self.norm_mlp = NORMS[config.norm](config)
+        self.mlp = MLPS[config.mlp](config)
+
+    def forward(self, x, positions, mask, cache=None, need_weights=False):
+        a, weights = self.attn(self.norm_attn(x), positions, mask, cache, need_weights)
+        x = x + a
+        x = x + self.mlp(self.norm_mlp(x))
+        return x, weights

@@ -1,0 +1,37 @@
+"""Turning the model's last-position logits into the next token."""
+from __future__ import annotations
+
+import torch
+
+
+def next_token_distribution(logits: torch.Tensor, temperature: float = 1.0,
+                            top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Probabilities over the vocabulary for the next token, (B, V) -> (B, V).
+
+    Temperature divides the logits (below 1 sharpens, above 1 flattens); top-k keeps
+    the k most likely tokens; top-p keeps the smallest set whose probability reaches p
+    (nucleus sampling, arXiv:1904.09751). Temperature 0 means greedy: all mass on the
+    arg-max."""
+    logits = logits.float()
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.size(-1)).float()
+    logits = logits / temperature
+    if 0 < top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # Drop a token when the tokens before it already reach top_p (the first always stays).
+        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def sample_next(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None) -> torch.Tensor:
+    """Draw one token per row: (B, V) logits -> (B, 1) token ids."""
+    probs = next_token_distribution(logits, temperature, top_k, top_p)
+    if temperature == 0:
+        return probs.argmax(-1, keepdim=True)
+    return torch.multinomial(probs, 1, generator=generator)
