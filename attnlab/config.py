@@ -187,8 +187,11 @@ def apply(cfg: RunConfig, section: str, values: dict, origin: str) -> None:
                           + choices_hint(section, _SECTION_CLASSES))
     if not isinstance(values, dict):
         raise ConfigError(f"[{section}] in {origin} must be a table of key = value")
+    apply_to(getattr(cfg, section), section, values, origin)
+
+
+def apply_to(obj, section: str, values: dict, origin: str) -> None:
     types = _field_types(_SECTION_CLASSES[section])
-    obj = getattr(cfg, section)
     for key, raw in values.items():
         if key not in types:
             raise ConfigError(f"unknown key {section}.{key} in {origin}" + choices_hint(key, types))

@@ -1,0 +1,67 @@
+"""Loading a trained run for sampling, and streaming its text as it is generated."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from attnlab import checkpoint
+from attnlab.config import RunConfig, from_dict
+from attnlab.errors import CheckpointError, TokenizerError
+from data.tokenizer import BPETokenizer, Tokenizer
+from model import GPT
+
+
+def load_run(path: str | Path, which: str = "best", device: str | torch.device = "cpu"):
+    """(model in eval mode, its RunConfig, its tokenizer, the checkpoint folder)."""
+    ckpt = checkpoint.resolve(path, which)
+    weights, _, state = checkpoint.load(ckpt)
+    try:
+        cfg: RunConfig = from_dict(json.loads((ckpt / "config.json").read_text()),
+                                   str(ckpt / "config.json"))
+        tokenizer = Tokenizer.load(ckpt)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {ckpt} has an unreadable config or tokenizer ({err})") from None
+    model = GPT(cfg.model)
+    checkpoint.load_weights(model, weights, ckpt)
+    return model.to(device).eval(), cfg, tokenizer, ckpt
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    """Token ids for a prompt. An empty prompt starts a new line (character models)
+    or a new document (BPE models, from the end-of-text token)."""
+    if prompt:
+        return tokenizer.encode(prompt)
+    if isinstance(tokenizer, BPETokenizer):
+        return [tokenizer.hf.token_to_id(BPETokenizer.END_OF_TEXT)]
+    if "\n" in getattr(tokenizer, "stoi", {}):
+        return tokenizer.encode("\n")
+    raise TokenizerError("the prompt is empty and this vocabulary has no newline to start "
+                         "from; give a prompt with --prompt")
+
+
+def stream_text(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], max_new_tokens: int,
+                temperature: float, top_k: int, top_p: float, seed: int,
+                use_cache: bool = True) -> Iterator[str]:
+    """Yield the generated text piece by piece, as soon as each token is sampled.
+
+    Byte-level BPE tokens can end inside a multi-byte character; a piece is released
+    only once the bytes decode to whole characters."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    ids: list[int] = []
+    shown = ""
+    for token in model.generate(idx, max_new_tokens, temperature, top_k, top_p,
+                                generator=generator, use_cache=use_cache):
+        ids.append(int(token[0, 0]))
+        text = tokenizer.decode(ids)
+        if text.endswith("\ufffd"):          # an incomplete UTF-8 sequence: wait for more bytes
+            continue
+        yield text[len(shown):]
+        shown = text
+    text = tokenizer.decode(ids)
+    if len(text) > len(shown):
+        yield text[len(shown):]

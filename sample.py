@@ -1,0 +1,91 @@
+"""Generate text from a trained run, printing each token the moment it is sampled.
+
+    python sample.py                              # the latest run, its best checkpoint
+    python sample.py --run runs/cpu-20261129-0900 --prompt "ROMEO:" --num_samples 3
+    python sample.py --temperature 0 --max_new_tokens 200     # greedy
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from attnlab.errors import friendly_errors
+
+USAGE = """usage: python sample.py [--run DIR] [--checkpoint best|latest] [--device D] [--KEY=VALUE ...]
+
+  --run DIR          a run directory or a checkpoint folder (default: runs/LATEST)
+  --checkpoint W     best (lowest val loss, the default) or latest
+  --device D         auto, cpu, cuda, mps
+Sampling options (also accepted as --sample.KEY=VALUE):"""
+
+
+def parse(argv: list[str]):
+    from attnlab import config
+    from attnlab.errors import ConfigError
+    opts = {"run": "", "checkpoint": "best", "device": "auto"}
+    overrides = []
+    i = 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        key = name[2:] if name.startswith("--") else None
+        if key is None:
+            raise ConfigError(f"unexpected argument {argv[i]!r}; see python sample.py --help")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{name} needs a value: {name}=VALUE")
+            value, i = argv[i + 1], i + 1
+        if key in opts:
+            opts[key] = value
+        else:
+            overrides.append(f"--{key if '.' in key else 'sample.' + key}={value}")
+        i += 1
+    if opts["checkpoint"] not in ("best", "latest"):
+        raise ConfigError(f"--checkpoint must be best or latest, got {opts['checkpoint']!r}")
+    sample = config.RunConfig().sample
+    for section, key, value in config.parse_overrides(overrides):
+        if section != "sample":
+            raise ConfigError(f"sample.py takes sampling options only, not {section}.{key}")
+        config.apply_to(sample, "sample", {key: value}, "the command line")
+    probe = config.RunConfig(sample=sample)
+    probe.validate()
+    return opts, sample
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        from attnlab.config import help_text
+        print(USAGE + help_text().split("[sample]", 1)[1])
+        return 0
+    from attnlab.device import pick_device
+    from attnlab.errors import CheckpointError
+    from attnlab.inference import encode_prompt, load_run, stream_text
+
+    opts, s = parse(argv)
+    run = opts["run"]
+    if not run:
+        marker = Path("runs") / "LATEST"
+        if not marker.is_file():
+            raise CheckpointError("no trained run found (runs/LATEST is missing); train one with "
+                                  "`python train.py`, or pass --run DIR")
+        run = Path("runs") / marker.read_text().strip()
+    device = pick_device(opts["device"])
+    model, cfg, tokenizer, ckpt = load_run(run, opts["checkpoint"], device)
+    prompt_ids = encode_prompt(tokenizer, s.prompt)
+    print(f"[{ckpt}: {cfg.model.position} positions, {model.num_params() / 1e6:.2f}M parameters; "
+          f"temperature {s.temperature}, top-k {s.top_k}, top-p {s.top_p}, seed {s.seed}]",
+          file=sys.stderr)
+    for n in range(s.num_samples):
+        if s.num_samples > 1:
+            print(f"\n--- sample {n + 1} ---", flush=True)
+        sys.stdout.write(s.prompt)
+        for piece in stream_text(model, tokenizer, prompt_ids, s.max_new_tokens, s.temperature,
+                                 s.top_k, s.top_p, s.seed + n, s.use_cache):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    with friendly_errors():
+        sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,33 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Tests that compare numbers do so in fp32 on the CPU, single-threaded where it matters
+# for speed on a 2-core machine.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A small text corpus (about 60 kB) cut from the bundled plays."""
+    import gzip
+    text = gzip.open(ROOT / "data" / "shakespeare" / "plays.txt.gz", "rt").read()[:60_000]
+    path = tmp_path_factory.mktemp("corpus") / "small.txt"
+    path.write_text(text)
+    return path
+
+
+def run_script(*args, cwd=None, timeout=240, check=True, env=None):
+    """Run train.py / sample.py as a user would, in a subprocess."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", **(env or {})}
+    proc = subprocess.run([sys.executable, *map(str, args)], cwd=cwd or ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc

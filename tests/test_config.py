@@ -1,0 +1,95 @@
+"""The configuration (attnlab/config.py, model/config.py): presets, overrides, and
+refusing mistakes before any work with the valid choices listed."""
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from attnlab import config
+from attnlab.errors import ConfigError
+
+PRESETS = sorted(p.stem for p in config.CONFIG_DIR.glob("*.toml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_loads_and_validates(preset):
+    cfg = config.build(preset, [])
+    assert cfg.preset == preset
+
+
+def test_overrides_beat_presets_and_are_typed():
+    cfg = config.build("cpu", ["--model.n_layer=3", "--train.lr", "3e-4", "--model.bias=true",
+                               "--data.tokenizer=bpe"])
+    assert cfg.model.n_layer == 3 and cfg.train.lr == 3e-4 and cfg.model.bias is True
+    assert cfg.data.tokenizer == "bpe"
+    assert cfg.model.n_embd == 128                   # from the preset
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model.n_layr=4"], "did you mean 'n_layer'"),
+    (["--modle.n_layer=4"], "did you mean 'model'"),
+    (["--model.attention=flash"], "valid choices: eager, sdpa"),
+    (["--model.position=alibi2"], "valid choices: learned, none, rope, sinusoidal"),
+    (["--data.tokenizer=word"], "valid choices: bpe, char"),
+    (["--train.dtype=fp8"], "valid choices"),
+    (["--train.lr=fast"], "train.lr must be a number"),
+    (["--train.lr=nan"], "finite"),
+    (["--train.lr=0"], "train.lr must be positive"),
+    (["--model.n_layer=2.5"], "must be an integer"),
+    (["--model.n_layer=0"], "positive integer"),
+    (["--model.n_head=-2"], "positive integer"),
+    (["--model.n_embd=100", "--model.n_head=3"], "not divisible"),
+    (["--model.n_kv_head=4", "--model.n_head=6"], "must divide"),
+    (["--model.bias=maybe"], "true or false"),
+    (["--train.batch_size=0"], "must be positive"),
+    (["--sample.top_p=1.5"], "top_p"),
+    (["--sample.temperature=-1"], "temperature"),
+    (["--model.n_layer"], "needs a value"),
+    (["n_layer=4"], "unexpected argument"),
+])
+def test_bad_configuration_is_refused_with_a_reason(args, message):
+    with pytest.raises(ConfigError, match=message):
+        config.build(None, args)
+
+
+def test_unknown_preset_lists_the_available_ones():
+    with pytest.raises(ConfigError, match="cpu"):
+        config.build("cpuu", [])
+
+
+def test_preset_files_are_checked_like_the_command_line(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nn_layers = 3\n")
+    with pytest.raises(ConfigError, match=r"unknown key model.n_layers in .*bad.toml"):
+        config.build(str(bad), [])
+    bad.write_text("[model\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config.build(str(bad), [])
+
+
+def test_saved_config_round_trips():
+    cfg = config.build("tiny", ["--model.position=learned"])
+    again = config.from_dict(cfg.to_dict(), "test")
+    assert again == cfg
+
+
+def test_help_lists_every_field_with_its_choices():
+    text = config.help_text()
+    assert "--model.position='rope'" in text and "{none, sinusoidal, learned, rope}" in text
+    assert "--train.wandb='disabled'" in text
+
+
+KEYS = st.sampled_from(["model.n_layer", "model.position", "train.lr", "train.dtype",
+                        "model.bias", "sample.top_p", "data.path", "nope.x", "model.zzz", "x"])
+VALUES = st.one_of(st.text(max_size=12), st.integers(-5, 10**6).map(str),
+                   st.floats(allow_nan=True, allow_infinity=True).map(str),
+                   st.sampled_from(["true", "rope", "eager", "1e-3", "", "-0", "bfloat16"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.tuples(KEYS, VALUES).map(lambda kv: f"--{kv[0]}={kv[1]}"),
+                          st.text(max_size=15)), max_size=4))
+def test_random_overrides_are_accepted_or_refused_with_our_error(args):
+    try:
+        cfg = config.build(None, args)
+    except ConfigError:
+        return
+    cfg.validate()

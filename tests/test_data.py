@@ -1,0 +1,90 @@
+"""The token cache and batches (data/tokens.py)."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from attnlab.errors import DataError
+from data.tokens import BUNDLED_CORPUS, Batches, load_tokens
+
+
+def test_bundled_corpus_is_large_public_domain_text():
+    import gzip
+    text = gzip.open(BUNDLED_CORPUS, "rt", encoding="utf-8").read()
+    assert len(text.encode()) > 1_000_000
+    assert "ROMEO" in text and "HAMLET" in text
+    assert "gutenberg" not in text.lower()
+
+
+def test_cache_is_built_once_reused_and_rebuilt_on_change(corpus, tmp_path):
+    logs = []
+    first = load_tokens(str(corpus), "char", cache_dir=str(tmp_path), log=logs.append)
+    assert any("tokenizing" in line for line in logs)
+    assert first.train.dtype == np.uint16
+    assert len(first.train) + len(first.val) == len(corpus.read_text())
+    logs.clear()
+    again = load_tokens(str(corpus), "char", cache_dir=str(tmp_path), log=logs.append)
+    assert logs == [] and np.array_equal(again.train, first.train)
+    # Changing the text rebuilds ...
+    changed = tmp_path / "small.txt"
+    changed.write_text(corpus.read_text() + "\nZounds!\n")
+    load_tokens(str(changed), "char", cache_dir=str(tmp_path), log=logs.append)
+    assert any("changed" in line for line in logs)
+    # ... and so does a different tokenizer, in a cache of its own.
+    logs.clear()
+    bpe = load_tokens(str(corpus), "bpe", vocab_size=300, cache_dir=str(tmp_path), log=logs.append)
+    assert any("tokenizing" in line for line in logs)
+    assert bpe.tokenizer.kind == "bpe" and bpe.meta["vocab_size"] == 300
+    # Editing the cached tokenizer file counts as a tokenizer change.
+    (first.directory / "tokenizer.json").write_text(json.dumps({"type": "char", "chars": ["a"]}))
+    logs.clear()
+    load_tokens(str(corpus), "char", cache_dir=str(tmp_path), log=logs.append)
+    assert any("rebuilding" in line for line in logs)
+
+
+def test_bits_per_character_and_per_byte(corpus, tmp_path):
+    char = load_tokens(str(corpus), "char", cache_dir=str(tmp_path))
+    assert char.bits_unit == "bpc" and char.bits(np.log(2)) == pytest.approx(1.0)
+    bpe = load_tokens(str(corpus), "bpe", vocab_size=300, cache_dir=str(tmp_path))
+    # A BPE token covers several bytes, so one bit per token is less than one per byte.
+    assert bpe.bits_unit == "bpb" and bpe.bits(np.log(2)) < 0.8
+
+
+def test_large_vocabularies_use_uint32(tmp_path):
+    chars = [chr(c) for c in range(0x100, 0x100 + 70_000) if not 0xD800 <= c < 0xE000]
+    path = tmp_path / "wide.txt"
+    path.write_text("".join(chars) * 2, encoding="utf-8")
+    data = load_tokens(str(path), "char", cache_dir=str(tmp_path))
+    assert data.tokenizer.vocab_size > 65535 and data.train.dtype == np.uint32
+    assert int(data.train.max()) > 65535
+
+
+def test_missing_and_empty_corpora_are_explained(tmp_path):
+    with pytest.raises(DataError, match="not found.*data.path"):
+        load_tokens(str(tmp_path / "nope.txt"), cache_dir=str(tmp_path))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(DataError, match="empty"):
+        load_tokens(str(empty), cache_dir=str(tmp_path))
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00abc")
+    with pytest.raises(DataError, match="UTF-8"):
+        load_tokens(str(binary), cache_dir=str(tmp_path))
+
+
+def test_too_short_for_one_window():
+    with pytest.raises(DataError, match="too few.*block_size"):
+        Batches(np.zeros(50, dtype=np.uint16), 4, 64, split="val")
+
+
+def test_batches_are_shifted_by_one_and_resumable():
+    tokens = np.arange(1000, dtype=np.uint16)
+    b = Batches(tokens, 4, 16, seed=0)
+    x, y = b.next()
+    assert torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(y[:, -1], x[:, -1] + 1)
+    state = b.state_dict()
+    after = [b.next() for _ in range(3)]
+    b2 = Batches(tokens, 4, 16, seed=99)
+    b2.load_state_dict(state)
+    assert all(torch.equal(p[0], q[0]) for p, q in zip(after, [b2.next() for _ in range(3)]))

@@ -1,0 +1,156 @@
+"""The whole model (model/gpt.py): causality, loss at initialisation, learning, the
+KV cache, and every registered variant."""
+import itertools
+import math
+
+import pytest
+import torch
+
+from model import GPT, REGISTRIES, ModelConfig
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(vocab_size=40, n_layer=2, n_head=4, n_embd=32, block_size=24)
+    return ModelConfig(**{**base, **kw})
+
+
+BACKEND_X_POSITION = list(itertools.product(sorted(REGISTRIES["attention"]),
+                                            sorted(REGISTRIES["position"])))
+
+
+@pytest.mark.parametrize("position", sorted(REGISTRIES["position"]))
+def test_eager_equals_sdpa_in_the_full_model(position):
+    torch.manual_seed(0)
+    eager = GPT(tiny(attention="eager", position=position))
+    sdpa = GPT(tiny(attention="sdpa", position=position))
+    sdpa.load_state_dict(eager.state_dict())
+    x = torch.randint(0, 40, (3, 24))
+    a, b = eager(x, x), sdpa(x, x)
+    assert torch.allclose(a.logits, b.logits, atol=1e-5)
+    ga = torch.autograd.grad(a.loss, eager.wte.weight)[0]
+    gb = torch.autograd.grad(b.loss, sdpa.wte.weight)[0]
+    assert torch.allclose(ga, gb, atol=1e-6)
+
+
+@pytest.mark.parametrize("attention,position", BACKEND_X_POSITION)
+def test_changing_the_future_never_changes_the_past(attention, position):
+    torch.manual_seed(0)
+    model = GPT(tiny(attention=attention, position=position)).eval()
+    x = torch.randint(0, 40, (2, 24))
+    t = 10
+    y = x.clone()
+    y[:, t + 1:] = torch.randint(0, 40, (2, 24 - t - 1))
+    a, b = model(x).logits, model(y).logits
+    assert torch.equal(a[:, :t + 1], b[:, :t + 1])
+    assert not torch.allclose(a[:, t + 1:], b[:, t + 1:])
+
+
+def test_attention_weights_are_zero_above_the_diagonal_in_every_layer():
+    model = GPT(tiny(attention="sdpa")).eval()      # weights come from eager on request
+    out = model(torch.randint(0, 40, (1, 24)), return_attention=True)
+    assert len(out.attentions) == 2
+    upper = torch.triu(torch.ones(24, 24, dtype=torch.bool), 1)
+    for w in out.attentions:
+        assert w.shape == (1, 4, 24, 24)
+        assert (w[..., upper] == 0).all()
+        assert torch.allclose(w.sum(-1), torch.ones(1, 4, 24), atol=1e-5)
+
+
+def test_loss_at_initialisation_is_about_ln_vocab():
+    torch.manual_seed(0)
+    model = GPT(tiny(vocab_size=500, n_embd=64))
+    x = torch.randint(0, 500, (8, 24))
+    y = torch.randint(0, 500, (8, 24))
+    assert model(x, y).loss.item() == pytest.approx(math.log(500), abs=0.1)
+
+
+def test_a_tiny_model_overfits_one_batch():
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    x = torch.randint(0, 40, (4, 24))
+    y = torch.roll(x, -1, dims=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss = model(x, y).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.05
+
+
+@pytest.mark.parametrize("attention,position", BACKEND_X_POSITION)
+@pytest.mark.parametrize("n_kv_head", [0, 2])
+def test_cached_decoding_equals_the_full_forward_pass(attention, position, n_kv_head):
+    torch.manual_seed(0)
+    model = GPT(tiny(attention=attention, position=position, n_kv_head=n_kv_head)).eval()
+    x = torch.randint(0, 40, (2, 24))
+    full = model(x).logits
+    cache = model.new_cache(24)
+    pieces = [model(x[:, :7], cache=cache).logits, model(x[:, 7:12], cache=cache).logits]
+    pieces += [model(x[:, t:t + 1], cache=cache).logits for t in range(12, 24)]
+    assert cache.length == 24
+    assert torch.allclose(torch.cat(pieces, 1), full, atol=1e-5)
+
+
+def test_kv_cache_memory_shrinks_with_fewer_kv_heads():
+    sizes = {}
+    for n_kv in (4, 2, 1):
+        model = GPT(tiny(n_kv_head=n_kv)).eval()
+        cache = model.new_cache(24)
+        model(torch.zeros(1, 24, dtype=torch.long), cache=cache)
+        sizes[n_kv] = cache.nbytes()
+    assert sizes[4] == 2 * sizes[2] == 4 * sizes[1]
+
+
+@pytest.mark.parametrize("position", sorted(REGISTRIES["position"]))
+def test_greedy_tokens_are_the_same_with_and_without_cache(position):
+    torch.manual_seed(0)
+    model = GPT(tiny(position=position, block_size=16)).eval()
+    prompt = torch.randint(0, 40, (1, 5))
+    # 30 new tokens run past block_size, through the cache's context shift.
+    with_cache = torch.cat(list(model.generate(prompt, 30, temperature=0)), 1)
+    no_cache = torch.cat(list(model.generate(prompt, 30, temperature=0, use_cache=False)), 1)
+    first = 16 - 5        # up to the first shift the contexts are identical
+    assert torch.equal(with_cache[:, :first], no_cache[:, :first])
+    assert with_cache.shape == (1, 30)
+
+
+def test_generation_within_the_context_matches_argmax_of_full_forward():
+    torch.manual_seed(1)
+    model = GPT(tiny()).eval()
+    seq = torch.randint(0, 40, (1, 4))
+    for token in model.generate(seq.clone(), 12, temperature=0):
+        expected = model(seq).logits[:, -1].argmax(-1, keepdim=True)
+        assert torch.equal(token, expected)
+        seq = torch.cat([seq, token], 1)
+
+
+@pytest.mark.parametrize("registry", ["norm", "mlp"])
+def test_every_norm_and_mlp_variant_trains(registry):
+    for name in REGISTRIES[registry]:
+        torch.manual_seed(0)
+        model = GPT(tiny(**{registry: name}))
+        x = torch.randint(0, 40, (2, 24))
+        loss = model(x, x).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_parameter_count_counts_tied_weights_once(tie, bias):
+    model = GPT(tiny(tie_embeddings=tie, bias=bias))
+    unique = {p.data_ptr(): p.numel() for p in model.parameters()}
+    assert model.num_params() == sum(unique.values())
+    assert (model.lm_head.weight is model.wte.weight) == tie
+    assert model.flops_per_token() > 6 * model.num_params(non_embedding=True)
+
+
+def test_dropout_is_active_in_training_only():
+    model = GPT(tiny(dropout=0.5))
+    x = torch.randint(0, 40, (2, 24))
+    model.train()
+    assert not torch.equal(model(x).logits, model(x).logits)
+    model.eval()
+    assert torch.equal(model(x).logits, model(x).logits)

@@ -1,0 +1,71 @@
+"""Position encodings (model/positions.py): what each one promises."""
+import pytest
+import torch
+
+from model import GPT, ModelConfig
+from model.positions import POSITION_ENCODINGS, PositionRangeError, RoPE
+
+
+def _rope_score(rope, q, k, m, n):
+    """q at position m against k at position n, after rotation."""
+    qr, _ = rope.rotate(q.view(1, 1, 1, -1), q.view(1, 1, 1, -1), m)
+    _, kr = rope.rotate(k.view(1, 1, 1, -1), k.view(1, 1, 1, -1), n)
+    return (qr * kr).sum().item()
+
+
+def test_rope_score_depends_only_on_the_offset():
+    rope = RoPE(ModelConfig(vocab_size=8, n_head=1, n_embd=16, block_size=64))
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(16, generator=g), torch.randn(16, generator=g)
+    for offset in (0, 1, 5, 17):
+        scores = [_rope_score(rope, q, k, n + offset, n) for n in (0, 3, 40, 200)]
+        assert max(scores) - min(scores) < 1e-4, (offset, scores)
+    # ... and it does depend on the offset.
+    assert abs(_rope_score(rope, q, k, 5, 0) - _rope_score(rope, q, k, 6, 0)) > 1e-3
+
+
+def test_rope_keeps_vector_length():
+    rope = RoPE(ModelConfig(vocab_size=8, n_head=2, n_embd=32))
+    q = torch.randn(1, 2, 10, 16)
+    qr, _ = rope.rotate(q, q, 7)
+    assert torch.allclose(qr.norm(dim=-1), q.norm(dim=-1), atol=1e-5)
+
+
+def test_learned_positions_refuse_sequences_past_their_table():
+    model = GPT(ModelConfig(vocab_size=8, n_layer=1, n_head=2, n_embd=16, block_size=8,
+                            position="learned"))
+    model(torch.zeros(1, 8, dtype=torch.long))               # exactly the table: fine
+    with pytest.raises(PositionRangeError, match="block_size"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+@pytest.mark.parametrize("position", ["none", "sinusoidal", "rope"])
+def test_other_encodings_run_past_the_training_context(position):
+    model = GPT(ModelConfig(vocab_size=8, n_layer=1, n_head=2, n_embd=16, block_size=8,
+                            position=position))
+    out = model(torch.zeros(1, 40, dtype=torch.long)).logits
+    assert out.shape == (1, 40, 8) and torch.isfinite(out).all()
+
+
+def test_sinusoidal_values_match_the_formula():
+    cfg = ModelConfig(vocab_size=8, n_head=1, n_embd=8, position="sinusoidal")
+    pe = POSITION_ENCODINGS["sinusoidal"](cfg).embed(torch.zeros(1, 5, 8), 0)[0]
+    pos, i = 3, 1                                            # dimensions 2 and 3
+    angle = pos / 10000 ** (2 * i / 8)
+    assert pe[pos, 2].item() == pytest.approx(torch.tensor(angle).sin().item(), abs=1e-6)
+    assert pe[pos, 3].item() == pytest.approx(torch.tensor(angle).cos().item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("position", sorted(POSITION_ENCODINGS))
+def test_encodings_distinguish_order_except_none(position):
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=8, n_layer=1, n_head=2, n_embd=16, block_size=8,
+                            position=position)).eval()
+    a = model(torch.tensor([[1, 2, 3, 4]])).logits[0, -1]
+    b = model(torch.tensor([[2, 1, 3, 4]])).logits[0, -1]
+    # With no positions the last token sees the same set of (token, value) pairs in a
+    # one-layer model, so swapping earlier tokens changes nothing; every encoding does.
+    if position == "none":
+        assert torch.allclose(a, b, atol=1e-6)
+    else:
+        assert not torch.allclose(a, b, atol=1e-6)

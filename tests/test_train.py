@@ -1,0 +1,259 @@
+"""train.py and sample.py end to end, as a user runs them (subprocesses), plus the
+promises about runs: exact resume, Ctrl-C, atomic checkpoints, clear refusals."""
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from attnlab import checkpoint
+from attnlab.errors import CheckpointError
+from conftest import ROOT, run_script
+
+
+def tiny_args(corpus, out, name, *extra):
+    return ["train.py", "--config", "tiny", f"--data.path={corpus}",
+            f"--data.cache_dir={out / 'cache'}", f"--train.out_dir={out / 'runs'}",
+            f"--train.run_name={name}", *extra]
+
+
+def losses(run_dir: Path) -> dict:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec:
+            out[rec["step"]] = (rec["loss"], rec["grad_norm"], rec["lr"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    proc = run_script(*tiny_args(corpus, out, "run"))
+    return out, out / "runs" / "run", proc
+
+
+def test_train_runs_end_to_end_and_writes_a_run_directory(trained):
+    out, run_dir, proc = trained
+    assert "parameters" in proc.stdout and "MFLOPs per token" in proc.stdout
+    assert "config:" in proc.stdout and " n_layer=2 " in proc.stdout                 # the resolved config is printed
+    ckpts = checkpoint.list_checkpoints(run_dir)
+    assert [p.name for p in ckpts] == ["step_0000000", "step_0000010", "step_0000020"]
+    files = {p.name for p in ckpts[-1].iterdir()}
+    assert files == {"model.safetensors", "train_state.safetensors", "state.json",
+                     "config.json", "tokenizer.json"}
+    assert json.loads((run_dir / "config.json").read_text())["model"]["vocab_size"] > 10
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in records if "val_loss" in r} == {0, 10, 20}
+    assert all("val_bpc" in r for r in records if "val_loss" in r)
+    assert len(losses(run_dir)) == 20
+    assert (out / "runs" / "LATEST").read_text().strip() == "run"
+
+
+def test_sample_streams_text_from_the_run(trained):
+    _, run_dir, _ = trained
+    proc = run_script("sample.py", "--run", run_dir, "--prompt", "KING", "--max_new_tokens", "40",
+                      "--temperature", "0")
+    assert proc.stdout.startswith("KING") and len(proc.stdout.strip()) >= 40
+    again = run_script("sample.py", "--run", run_dir, "--prompt", "KING", "--max_new_tokens", "40",
+                       "--temperature", "0", "--use_cache", "false")
+    assert again.stdout == proc.stdout                    # cache or not, greedy text is the same
+    two = run_script("sample.py", "--run", run_dir, "--num_samples", "2", "--max_new_tokens", "20",
+                     "--top_p", "0.9", "--top_k", "5")
+    assert two.stdout.count("--- sample") == 2
+
+
+def test_sample_explains_bad_prompts_and_options(trained):
+    _, run_dir, _ = trained
+    bad = run_script("sample.py", "--run", run_dir, "--prompt", "€uro", check=False)
+    assert bad.returncode == 2 and "'€'" in bad.stderr and "Traceback" not in bad.stderr
+    for args, text in [(["--top_p", "0"], "top_p"), (["--temperature", "-1"], "temperature"),
+                       (["--run", run_dir / "nope"], "does not exist")]:
+        proc = run_script("sample.py", "--run", run_dir, *map(str, args), check=False)
+        assert proc.returncode == 2 and text in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_resume_continues_from_the_saved_step(trained, corpus, tmp_path):
+    out, run_dir, _ = trained
+    proc = run_script("train.py", "--resume", run_dir, "--train.max_iters=30",
+                      f"--train.out_dir={out / 'runs'}")
+    assert "from step_0000020 (step 20)" in proc.stdout
+    assert checkpoint.list_checkpoints(run_dir)[-1].name == "step_0000030"
+    assert sorted(losses(run_dir)) == list(range(1, 31))
+
+
+def test_resume_refuses_a_different_model(trained):
+    _, run_dir, _ = trained
+    proc = run_script("train.py", "--resume", run_dir, "--model.n_layer=3", check=False)
+    assert proc.returncode == 2 and "model.n_layer: 2 -> 3" in proc.stderr
+
+
+def _start(args, env=None):
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def _wait_for_step(run_dir: Path, step: int, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if max(losses(run_dir), default=0) >= step:
+                return True
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.005)
+    return False
+
+
+SLOW = ["--model.n_embd=64", "--train.batch_size=16", "--model.dropout=0.1",
+        "--train.max_iters=120", "--train.eval_interval=15"]
+
+
+def test_killed_run_resumes_with_exactly_the_same_losses(corpus, tmp_path):
+    run_script(*tiny_args(corpus, tmp_path, "straight", *SLOW))
+    reference = losses(tmp_path / "runs" / "straight")
+    rng = random.Random()
+    for attempt in range(3):
+        name = f"killed{attempt}"
+        kill_at = rng.randint(20, 100)
+        proc = _start(tiny_args(corpus, tmp_path, name, *SLOW))
+        reached = _wait_for_step(tmp_path / "runs" / name, kill_at, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if reached and proc.returncode == -signal.SIGKILL:
+            break
+    else:
+        pytest.fail("could not kill the run in flight")
+    run_dir = tmp_path / "runs" / name
+    resumed = run_script("train.py", "--resume", run_dir)
+    assert "resuming" in resumed.stdout
+    assert losses(run_dir) == reference          # bitwise: loss, gradient norm, learning rate
+
+
+def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(corpus, tmp_path):
+    proc = _start(tiny_args(corpus, tmp_path, "int", *SLOW))
+    run_dir = tmp_path / "runs" / "int"
+    assert _wait_for_step(run_dir, 20, proc)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "--resume" in stdout
+    step = int(checkpoint.list_checkpoints(run_dir)[-1].name.split("_")[1])
+    assert step >= 20 and step % 15 != 0      # saved where it stopped, not at an eval
+
+
+def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(corpus, tmp_path):
+    # Kill the process (SIGKILL, no clean-up) half way through writing its second checkpoint.
+    script = (
+        "import os, signal, sys\n"
+        "import attnlab.checkpoint as c\n"
+        "real, calls = c.save_file, []\n"
+        "def dying(tensors, path, *a, **k):\n"
+        "    calls.append(path)\n"
+        "    real(tensors, path, *a, **k)\n"
+        "    if len(calls) == 3: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "c.save_file = dying\n"
+        "sys.argv = ['train.py'] + sys.argv[1:]\n"
+        "import runpy; runpy.run_path('train.py', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", script, *tiny_args(corpus, tmp_path, "k")[1:]],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    run_dir = tmp_path / "runs" / "k"
+    assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == ["step_0000000"]
+    assert list((run_dir / "checkpoints").glob(".tmp-*"))          # the half-written one
+    checkpoint.load(checkpoint.resolve(run_dir))                    # the previous one loads
+    resumed = run_script("train.py", "--resume", run_dir)
+    assert "step_0000000" in resumed.stdout
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+
+def test_only_the_last_k_and_the_best_are_kept(corpus, tmp_path):
+    run_script(*tiny_args(corpus, tmp_path, "keep", "--train.max_iters=50", "--train.keep_last=2",
+                          "--train.lr=3e-3"))
+    run_dir = tmp_path / "runs" / "keep"
+    names = [p.name for p in checkpoint.list_checkpoints(run_dir)]
+    best = json.loads((run_dir / "best.json").read_text())
+    assert names[-2:] == ["step_0000040", "step_0000050"]
+    assert f"step_{best['step']:07d}" in names and len(names) <= 3
+
+
+def test_corrupt_checkpoints_are_refused_naming_the_file(trained, tmp_path):
+    import shutil
+    _, run_dir, _ = trained
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoint.list_checkpoints(run_dir)[-1], ckpt)
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])             # truncated
+    proc = run_script("sample.py", "--run", ckpt, check=False)
+    assert proc.returncode == 2 and str(weights) in proc.stderr and "Traceback" not in proc.stderr
+    (ckpt / "state.json").write_text("{")
+    with pytest.raises(CheckpointError, match="state.json"):
+        checkpoint.load(ckpt)
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ.get('EXPLOIT_MARKER', '/tmp/attnlab-pwned')}",))
+
+
+def test_a_planted_pickle_is_never_executed(trained, tmp_path, monkeypatch):
+    import hashlib
+    import shutil
+    _, run_dir, _ = trained
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("EXPLOIT_MARKER", str(marker))
+    ckpt = tmp_path / "evil"
+    shutil.copytree(checkpoint.list_checkpoints(run_dir)[-1], ckpt)
+    payload = pickle.dumps(_Exploit())
+    (ckpt / "model.safetensors").write_bytes(payload)
+    state = json.loads((ckpt / "state.json").read_text())
+    state["files"]["model.safetensors"] = hashlib.sha256(payload).hexdigest()   # hash passes
+    (ckpt / "state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match="cannot be read as safetensors"):
+        checkpoint.load(ckpt)
+    assert not marker.exists()
+
+
+def test_no_code_path_unpickles():
+    for path in [*ROOT.glob("*.py"), *ROOT.glob("model/*.py"), *ROOT.glob("attnlab/*.py"),
+                 *ROOT.glob("data/*.py")]:
+        text = path.read_text()
+        assert "pickle.load" not in text, path
+        for line in text.splitlines():
+            if "torch.load(" in line:
+                assert "weights_only=True" in line, (path, line)
+
+
+def test_missing_run_and_corpus_get_one_clear_line(tmp_path):
+    proc = run_script("train.py", "--config", "tiny", f"--data.path={tmp_path / 'none.txt'}",
+                      check=False)
+    assert proc.returncode == 2 and "none.txt not found" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = run_script("train.py", "--resume", tmp_path / "norun", check=False)
+    assert proc.returncode == 2 and "not a run directory" in proc.stderr
+    short = tmp_path / "short.txt"
+    short.write_text("To be, or not to be.\n")
+    proc = run_script("train.py", "--config", "tiny", f"--data.path={short}",
+                      f"--data.cache_dir={tmp_path}", check=False)
+    assert proc.returncode == 2 and "too few" in proc.stderr
+
+
+def test_unknown_option_fails_before_any_work(tmp_path):
+    proc = run_script("train.py", "--model.attn=eager", f"--train.out_dir={tmp_path}", check=False)
+    assert proc.returncode == 2 and "did you mean 'attention'" in proc.stderr
+    assert not (tmp_path / "LATEST").exists()
+
+
+def test_help_lists_options():
+    proc = run_script("train.py", "--help")
+    assert "--model.position" in proc.stdout and "--resume" in proc.stdout
+    proc = run_script("sample.py", "--help")
+    assert "--sample.temperature" in proc.stdout or "temperature" in proc.stdout
