@@ -121,11 +121,10 @@ class MultiHeadAttention(nn.Module):
     def forward(self, x, positions, mask: Mask, cache=None, need_weights: bool = False):
         B, T, C = x.shape
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
-        q, k, v = self.w_qkv(x).split([H * D, H_kv * D, H_kv * D], dim=-1)
-        q = q.view(B, T, H, D).transpose(1, 2)                       # (B, H, T, D)
-        k = k.view(B, T, H_kv, D).transpose(1, 2)                    # (B, H_kv, T, D)
-        v = v.view(B, T, H_kv, D).transpose(1, 2)
-        q, k = positions.rotate(q, k, mask.q_start)
+        qkv = self.w_qkv(x).view(B, T, H + 2 * H_kv, D).transpose(1, 2)   # (B, heads, T, D)
+        qk, v = qkv.split([H + H_kv, H_kv], dim=1)
+        # Queries and keys get their positions in one call (RoPE turns both alike).
+        q, k = positions.rotate(qk, mask.q_start).split([H, H_kv], dim=1)   # (B, H|H_kv, T, D)
         if cache is not None:                # keys and values of every earlier token too
             k, v = cache.update(self.layer_idx, k, v)
         if H_kv != H:                        # each key/value head serves H / H_kv query heads

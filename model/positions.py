@@ -6,8 +6,9 @@ encoding here is one of two hooks, so the attention code has no branches:
 
 * `embed(x, start)` adds a vector per absolute position to the token embeddings
   (sinusoidal, learned), as in "Attention Is All You Need" (arXiv:1706.03762);
-* `rotate(q, k, start)` turns queries and keys by an angle proportional to their
-  position (RoPE, arXiv:2104.09864), so q·k depends only on the offset between them.
+* `rotate(x, start)` turns query and key vectors (passed together, one call per
+  layer) by an angle proportional to their position (RoPE, arXiv:2104.09864), so
+  q·k depends only on the offset between them.
 
 `start` is the absolute position of the first token in the chunk, which is what lets
 cached decoding (one new token at position start) use the same code as training.
@@ -37,8 +38,8 @@ class PositionEncoding(nn.Module):
     def embed(self, x: torch.Tensor, start: int) -> torch.Tensor:
         return x
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, start: int):
-        return q, k
+    def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        return x
 
 
 class Sinusoidal(PositionEncoding):
@@ -103,19 +104,16 @@ class RoPE(PositionEncoding):
         self.register_buffer("cos", angle.cos(), persistent=False)   # (length, d/2)
         self.register_buffer("sin", angle.sin(), persistent=False)
 
-    def rotate(self, q, k, start):
-        T = q.shape[-2]
+    def rotate(self, x, start):
+        # x: (B, heads, T, D), queries and keys of the same T positions.
+        T = x.shape[-2]
         if start + T > self.cos.shape[0]:     # past the table: extend it (works at any length)
             self._build(max(start + T, 2 * self.cos.shape[0]))
-        cos = self.cos[start:start + T].to(q.dtype)
-        sin = self.sin[start:start + T].to(q.dtype)
-        return _rotate_half(q, cos, sin), _rotate_half(k, cos, sin)
-
-
-def _rotate_half(x, cos, sin):
-    # x: (B, H, T, D); each pair (x1[i], x2[i]) turns by the angle of pair i.
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        cos = self.cos[start:start + T].to(x.dtype)
+        sin = self.sin[start:start + T].to(x.dtype)
+        # Each pair (x1[i], x2[i]) turns by its angle: a 2-D rotation matrix, written out.
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 POSITION_ENCODINGS = {

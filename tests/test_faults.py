@@ -1,0 +1,81 @@
+"""Faults inside a run: a diverging loss, and experiment tracking with no network."""
+import math
+
+import pytest
+import torch
+
+from attnlab import checkpoint, config
+from attnlab.tracking import Metrics
+from attnlab.training import Trainer, TrainingDiverged
+
+
+def make_trainer(corpus, tmp_path, *extra):
+    cfg = config.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                                f"--train.out_dir={tmp_path / 'runs'}", "--train.run_name=r", *extra])
+    return Trainer(cfg, log=lambda *a: None)
+
+
+def test_a_nan_loss_stops_the_run_naming_the_step_and_keeping_the_last_checkpoint(corpus, tmp_path):
+    trainer = make_trainer(corpus, tmp_path, "--train.max_iters=40")
+    class Poisoned(torch.nn.Module):
+        """The real model, whose training loss turns to NaN from the 16th step on."""
+
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.calls = model, 0
+
+        def forward(self, x, y):
+            out = self.model(x, y)
+            self.calls += self.training
+            return out._replace(loss=out.loss * math.nan) if self.calls > 15 else out
+
+    trainer.compiled = Poisoned(trainer.model)
+    with pytest.raises(TrainingDiverged) as err:
+        trainer.run()
+    message = str(err.value)
+    assert "nan at step 16" in message and "train.lr" in message and "float32" in message
+    assert "step_0000010" in message
+    last = checkpoint.resolve(trainer.run_dir)
+    weights, _, _ = checkpoint.load(last)                       # still intact and loadable
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_gradient_norms_are_logged(corpus, tmp_path):
+    import json
+    trainer = make_trainer(corpus, tmp_path, "--train.max_iters=5")
+    trainer.run()
+    records = [json.loads(l) for l in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    norms = [r["grad_norm"] for r in records if "grad_norm" in r]
+    assert len(norms) == 5 and all(n > 0 and math.isfinite(n) for n in norms)
+
+
+def test_wandb_offline_needs_no_network(corpus, tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    trainer = make_trainer(corpus, tmp_path, "--train.max_iters=3", "--train.wandb=offline")
+    trainer.run()
+    assert list((trainer.run_dir / "wandb").glob("offline-run-*"))
+
+
+def test_wandb_online_without_network_falls_back_to_offline(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    modes, lines = [], []
+
+    class FakeRun:
+        id = "abc"
+
+        def log(self, *a, **k):
+            pass
+
+        def finish(self):
+            pass
+
+    def fake_init(mode, **kwargs):
+        modes.append(mode)
+        if mode == "online":
+            raise wandb.errors.CommError("network is unreachable")
+        return FakeRun()
+
+    monkeypatch.setattr(wandb, "init", fake_init)
+    metrics = Metrics(tmp_path, "online", "p", {}, "r", log=lines.append)
+    assert modes == ["online", "offline"] and metrics.wandb_id == "abc"
+    assert len(lines) == 1 and "offline" in lines[0]
