@@ -21,10 +21,15 @@ import torch.nn.functional as F
 from model.config import ModelConfig
 
 
-def visible(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0) -> torch.Tensor:
     """The mask rule, from absolute positions: a query may look at a key that is not
-    ahead of it. Returns a bool (Tq, Tk) matrix, True where the key is visible."""
-    return k_pos[None, :] <= q_pos[:, None]
+    ahead of it and, with a sliding window W, at most W-1 positions behind it.
+    Returns a bool (Tq, Tk) matrix, True where the key is visible."""
+    offset = q_pos[:, None] - k_pos[None, :]                 # how far back the key is
+    ok = offset >= 0
+    if window:
+        ok &= offset < window
+    return ok
 
 
 @dataclass
@@ -40,22 +45,25 @@ class Mask:
     q_start: int
     q_len: int
     k_len: int
+    window: int = 0
     device: torch.device | str = "cpu"
 
     @property
     def is_square_causal(self) -> bool:
-        return self.q_start == 0 and self.q_len == self.k_len
+        return self.q_start == 0 and self.q_len == self.k_len and not self.window
 
     @property
     def sees_everything(self) -> bool:
-        # The last key is not ahead of the first query: nothing to hide.
-        return self.k_len - 1 <= self.q_start
+        # Nothing to hide: the last key is not ahead of the first query, and the first
+        # key is still inside the window of the last query.
+        last_query = self.q_start + self.q_len - 1
+        return self.k_len - 1 <= self.q_start and (not self.window or last_query < self.window)
 
     @cached_property
     def dense(self) -> torch.Tensor:
         q_pos = torch.arange(self.q_start, self.q_start + self.q_len, device=self.device)
         k_pos = torch.arange(self.k_len, device=self.device)
-        return visible(q_pos, k_pos)
+        return visible(q_pos, k_pos, self.window)
 
 
 def eager_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):

@@ -22,6 +22,8 @@ class ModelConfig:
     n_head: int = opt(6, "attention heads per block; head size d_k = n_embd / n_head")
     n_kv_head: int = opt(0, "key/value heads (GQA/MQA); 0 = n_head, plain multi-head")
     n_embd: int = opt(384, "model width d_model")
+    sliding_window: int = opt(0, "each query sees its W most recent tokens (itself "
+                                 "included); 0 = every earlier token")
     attention: str = opt("sdpa", "attention backend", registry="attention")
     position: str = opt("rope", "position encoding", registry="position")
     norm: str = opt("layernorm", "normalisation layer", registry="norm")
@@ -48,8 +50,13 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
-        if self.vocab_size < 0 or self.n_kv_head < 0:
-            raise ConfigError("model.vocab_size and model.n_kv_head must not be negative")
+        for name in ("vocab_size", "n_kv_head", "sliding_window"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model.{name} must not be negative, got {getattr(self, name)}")
+        if self.sliding_window > self.block_size:
+            raise ConfigError(f"model.sliding_window={self.sliding_window} is larger than the "
+                              f"context model.block_size={self.block_size}; a window that wide "
+                              "is plain causal attention: use 0, or a smaller window")
         if self.n_embd % self.n_head:
             raise ConfigError(
                 f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}: "

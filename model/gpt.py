@@ -108,7 +108,8 @@ class GPT(nn.Module):
                 return_attention: bool = False) -> Output:
         B, T = idx.shape
         start = cache.length if cache is not None else 0
-        mask = Mask(q_start=start, q_len=T, k_len=start + T, device=idx.device)
+        mask = Mask(q_start=start, q_len=T, k_len=start + T, window=self.config.sliding_window,
+                    device=idx.device)
         x = self.drop(self.positions.embed(self.wte(idx), start))   # (B, T, C)
         attentions = [] if return_attention else None
         for block in self.blocks:

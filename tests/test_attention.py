@@ -63,15 +63,30 @@ def _qkv(B=2, H=3, T=12, D=8, Tk=None, seed=0):
             torch.randn(B, H, Tk, D, generator=g))
 
 
-MASKS = {"square causal": (0, 12, 12), "chunk after cache": (5, 7, 12), "one token decode": (11, 1, 12)}
+MASKS = {  # (q_start, q_len, k_len, window)
+    "square causal": (0, 12, 12, 0), "chunk after cache": (5, 7, 12, 0),
+    "one token decode": (11, 1, 12, 0), "window 4": (0, 12, 12, 4),
+    "window 4 chunk after cache": (5, 7, 12, 4), "window 4 decode": (11, 1, 12, 4),
+}
+
+
+def test_sliding_window_rule():
+    m = visible(torch.arange(5), torch.arange(5), window=2).int()
+    assert m.tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0],
+                          [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]
+    assert not Mask(q_start=11, q_len=1, k_len=12, window=4).sees_everything
+    assert Mask(q_start=3, q_len=1, k_len=4, window=4).sees_everything
 
 
 @pytest.mark.parametrize("backend", sorted(ATTENTION_BACKENDS))
 @pytest.mark.parametrize("mask_name", sorted(MASKS))
 def test_every_backend_equals_eager(backend, mask_name):
-    q_start, q_len, k_len = MASKS[mask_name]
+    q_start, q_len, k_len, window = MASKS[mask_name]
     q, k, v = _qkv(T=q_len, Tk=k_len)
-    mask = Mask(q_start, q_len, k_len)
+    mask = Mask(q_start, q_len, k_len, window)
+    if window:                           # check the eager path against the rule itself
+        _, w = eager_attention(q, k, v, mask, need_weights=True)
+        assert torch.equal(w[0, 0] > 0, mask.dense)
     q.requires_grad_(True)
     ref, _ = eager_attention(q, k, v, mask)
     out, _ = ATTENTION_BACKENDS[backend](q, k, v, mask)

@@ -39,6 +39,8 @@ def test_overrides_beat_presets_and_are_typed():
     (["--model.n_embd=100", "--model.n_head=3"], "not divisible"),
     (["--model.n_kv_head=4", "--model.n_head=6"], "must divide"),
     (["--model.bias=maybe"], "true or false"),
+    (["--model.sliding_window=300", "--model.block_size=256"], "larger than the context"),
+    (["--model.sliding_window=-1"], "must not be negative"),
     (["--train.batch_size=0"], "must be positive"),
     (["--sample.top_p=1.5"], "top_p"),
     (["--sample.temperature=-1"], "temperature"),

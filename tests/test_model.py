@@ -79,10 +79,11 @@ def test_a_tiny_model_overfits_one_batch():
 
 
 @pytest.mark.parametrize("attention,position", BACKEND_X_POSITION)
-@pytest.mark.parametrize("n_kv_head", [0, 2])
-def test_cached_decoding_equals_the_full_forward_pass(attention, position, n_kv_head):
+@pytest.mark.parametrize("n_kv_head,window", [(0, 0), (2, 0), (0, 5)])
+def test_cached_decoding_equals_the_full_forward_pass(attention, position, n_kv_head, window):
     torch.manual_seed(0)
-    model = GPT(tiny(attention=attention, position=position, n_kv_head=n_kv_head)).eval()
+    model = GPT(tiny(attention=attention, position=position, n_kv_head=n_kv_head,
+                     sliding_window=window)).eval()
     x = torch.randint(0, 40, (2, 24))
     full = model(x).logits
     cache = model.new_cache(24)
