@@ -101,6 +101,12 @@ class RunConfig:
             raise ConfigError("train.beta1 and train.beta2 must be in [0, 1)")
         if t.weight_decay < 0 or t.grad_clip < 0:
             raise ConfigError("train.weight_decay and train.grad_clip must not be negative")
+        if self.model.attention == "flex" and t.device in ("cpu", "auto"):
+            from attnlab.device import pick_device
+            if pick_device(t.device).type == "cpu":
+                raise ConfigError("model.attention=flex has no backward on CPU in torch (its "
+                                  "forward works, for sampling); to train on a CPU use banded "
+                                  "(sliding windows), sdpa or eager")
         if not 0.0 < self.data.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction must be between 0 and 1, got {self.data.val_fraction}")
         if s.temperature < 0:

@@ -1,18 +1,26 @@
-"""Scaled dot-product attention, the causal mask and multi-head attention.
+"""Scaled dot-product attention, the mask rule and multi-head attention.
 
     Attention(Q, K, V) = softmax(Q·Kᵀ / √d_k) · V
 
 Each backend computes exactly that and shares one signature,
 `backend(q, k, v, mask, dropout_p, need_weights) -> (out, weights | None)`:
-`eager` writes the formula out step by step and can hand back the weights;
-`sdpa` calls torch's fused kernel (FlashAttention on supported GPUs, a fused
-C++ kernel on CPU), which never materialises the T×T weights. Tests prove the two equal.
+
+* `eager` writes the formula out step by step and can hand back the weights;
+* `sdpa` calls torch's fused kernel (FlashAttention on supported GPUs, a fused C++
+  kernel on CPU), which never materialises the T×T weights;
+* `banded` computes only the band a sliding window can see, so time and memory grow
+  with T·W instead of T² (Longformer's banded attention, arXiv:2004.05150);
+* `flex` hands the same rule to torch's FlexAttention, which compiles it into a
+  kernel that skips fully masked blocks (model/flex.py).
+
+tests/test_attention.py proves every backend equal to a float64 NumPy reference.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -21,49 +29,86 @@ import torch.nn.functional as F
 from model.config import ModelConfig
 
 
-def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0) -> torch.Tensor:
-    """The mask rule, from absolute positions: a query may look at a key that is not
-    ahead of it and, with a sliding window W, at most W-1 positions behind it.
-    Returns a bool (Tq, Tk) matrix, True where the key is visible."""
-    offset = q_pos[:, None] - k_pos[None, :]                 # how far back the key is
-    ok = offset >= 0
+def rule(q, k, window: int = 0, n_global: int = 0):
+    """The one mask rule, on absolute positions (broadcastable tensors): a query at
+    position q may look at a key at position k when the key is not ahead of it and,
+    with a sliding window W, at most W-1 positions behind it, unless the key is one
+    of the first n_global positions, which every later query may see (global tokens /
+    attention sinks, arXiv:2004.05150, arXiv:2309.17453)."""
+    ok = k <= q
     if window:
-        ok &= offset < window
+        near = (q - k) < window
+        if n_global:
+            near = near | (k < n_global)
+        ok = ok & near
     return ok
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0, n_global: int = 0):
+    """The rule as a bool (Tq, Tk) matrix, True where the key is visible."""
+    return rule(q_pos[:, None], k_pos[None, :], window, n_global)
 
 
 @dataclass
 class Mask:
-    """Which keys each query may see, for queries at positions [q_start, q_start+q_len)
-    against keys at [0, k_len). Built once per forward pass and shared by every layer.
+    """What each query may see: queries at positions [q_start, q_start + q_len),
+    keys at the absolute positions `k_pos` (in the order they are stored; a rolling
+    cache keeps only some). Built once per forward pass and shared by every layer.
 
-    Kept as positions rather than a tensor because the fast paths need no tensor:
-    training (q_start = 0, q_len = k_len) is plain causal, and decoding one token
-    after a cache sees every key. Working from absolute positions keeps the rule right
-    when a short query attends to a long cache, where SDPA's `is_causal` (which aligns
-    the triangle to the top-left corner) would be wrong."""
+    Kept as positions rather than a tensor because the fast paths need none: training
+    (keys 0..T-1, no window) is plain causal, and one decoded token with no window sees
+    every cached key. Absolute positions keep the rule right when a short query meets a
+    long cache, where SDPA's `is_causal` (aligned to the top-left corner) would not be.
+    `bias_fn(q_pos, k_pos)` adds a score bias per head (ALiBi)."""
     q_start: int
     q_len: int
-    k_len: int
+    k_pos: torch.Tensor
+    k_first: int = 0                 # the smallest key position (known without a sync)
     window: int = 0
-    device: torch.device | str = "cpu"
+    n_global: int = 0
+    bias_fn: Callable | None = None
+
+    @classmethod
+    def over(cls, q_start: int, q_len: int, k_len: int, device=None, **kw) -> "Mask":
+        """Queries at [q_start, q_start + q_len) against keys at positions 0..k_len-1."""
+        return cls(q_start, q_len, torch.arange(k_len, device=device), **kw)
+
+    @property
+    def k_len(self) -> int:
+        return self.k_pos.shape[0]
+
+    @cached_property
+    def q_pos(self) -> torch.Tensor:
+        return torch.arange(self.q_start, self.q_start + self.q_len, device=self.k_pos.device)
 
     @property
     def is_square_causal(self) -> bool:
-        return self.q_start == 0 and self.q_len == self.k_len and not self.window
+        return (self.q_start == 0 and self.q_len == self.k_len and not self.window
+                and self.bias_fn is None)
 
     @property
     def sees_everything(self) -> bool:
-        # Nothing to hide: the last key is not ahead of the first query, and the first
-        # key is still inside the window of the last query.
-        last_query = self.q_start + self.q_len - 1
-        return self.k_len - 1 <= self.q_start and (not self.window or last_query < self.window)
+        # One query, every key at or before it and inside its window: nothing to hide.
+        return self.q_len == 1 and (not self.window or self.q_start - self.k_first < self.window)
 
     @cached_property
     def dense(self) -> torch.Tensor:
-        q_pos = torch.arange(self.q_start, self.q_start + self.q_len, device=self.device)
-        k_pos = torch.arange(self.k_len, device=self.device)
-        return visible(q_pos, k_pos, self.window)
+        return visible(self.q_pos, self.k_pos, self.window, self.n_global)
+
+    @cached_property
+    def bias(self) -> torch.Tensor | None:
+        if self.bias_fn is None:
+            return None
+        return self.bias_fn(self.q_pos[:, None], self.k_pos[None, :])      # (H, Tq, Tk)
+
+    def additive(self, dtype) -> torch.Tensor:
+        """Bias and mask as one float matrix: bias where visible, -inf elsewhere."""
+        bias = self.bias if self.bias is not None else torch.zeros((), device=self.k_pos.device)
+        return bias.to(dtype).masked_fill(~self.dense, float("-inf"))
+
+
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def eager_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
@@ -73,13 +118,15 @@ def eager_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: b
     # of d_k unit-variance terms has a spread of √d_k; unscaled, large scores would
     # push the softmax into a one-hot corner where its gradients vanish.
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(d_k)              # (B, H, Tq, Tk)
+    if mask.bias is not None:
+        scores = scores + mask.bias                                   # ALiBi: farther is fainter
     if not mask.sees_everything:
-        # Future keys get -inf before the softmax: exp(-inf) = 0, so their weight is
-        # exactly zero and no information flows backwards from the future.
+        # Hidden keys get -inf before the softmax: exp(-inf) = 0, so their weight is
+        # exactly zero and no information flows from the future (or beyond the window).
         scores = scores.masked_fill(~mask.dense, float("-inf"))
     # Softmax over the keys turns each row of scores into weights that sum to 1
-    # (computed in fp32 so low-precision rows still sum to 1).
-    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    # (computed in at least fp32 so low-precision rows still sum to 1).
+    weights = torch.softmax(at_least_fp32(scores), dim=-1).to(q.dtype)
     # The output is the weighted average of the values.
     out = F.dropout(weights, dropout_p) @ v                          # (B, H, Tq, d_k)
     return out, (weights if need_weights else None)
@@ -90,20 +137,71 @@ def sdpa_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bo
     which picks FlashAttention or memory-efficient kernels where it can."""
     if need_weights:
         raise ValueError("the sdpa backend never forms the attention weights; use eager")
-    if mask.sees_everything:           # decoding after a cache: no mask at all
-        attn_mask, is_causal = None, False
-    elif mask.is_square_causal:        # training: the kernel's built-in triangle
-        attn_mask, is_causal = None, True
-    else:                              # a chunk after a cache: the explicit rule
-        attn_mask, is_causal = mask.dense, False
+    attn_mask, is_causal = None, False
+    if mask.is_square_causal:                              # training: the built-in triangle
+        is_causal = True
+    elif mask.bias is not None:                            # ALiBi: bias and mask in one
+        attn_mask = mask.additive(q.dtype)
+    elif not mask.sees_everything:                         # window, or a chunk after a cache
+        attn_mask = mask.dense
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
                                          dropout_p=dropout_p, is_causal=is_causal)
     return out, None
 
 
+def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
+    """Sliding-window attention that computes only the band.
+
+    Cut the sequence into blocks of W queries. With a window of W, the keys a block can
+    see lie in its own block and the one before, so each block attends to 2·W keys
+    (plus the n_global first ones), never to all T: time and memory grow with T·W.
+    The mask inside the band is the same rule as everywhere else. Used for full
+    sequences; a chunk after a cache goes to sdpa, which costs O(W) per query there."""
+    W, G = mask.window, mask.n_global
+    if not W or mask.q_start != 0 or mask.q_len != mask.k_len:
+        return sdpa_attention(q, k, v, mask, dropout_p, need_weights)
+    B, H, T, D = q.shape
+    n_blocks = -(-T // W)
+    pad = n_blocks * W - T                    # < W: every padded query still sees a real key
+
+    def blocks(x):                                                    # (B, H, n, W, D)
+        return F.pad(x, (0, 0, 0, pad)).view(B, H, n_blocks, W, D)
+
+    qb, kb, vb = blocks(q), blocks(k), blocks(v)
+    previous = lambda x: F.pad(x, (0, 0, 0, 0, 1, 0))[:, :, :-1]      # block i-1 beside block i
+    keys = torch.cat([previous(kb), kb], dim=3)                       # (B, H, n, 2W, D)
+    values = torch.cat([previous(vb), vb], dim=3)
+    device = q.device
+    q_pos = torch.arange(n_blocks * W, device=device).view(n_blocks, W)
+    k_pos = torch.arange(-W, 2 * W * n_blocks, device=device).unfold(0, 2 * W, W)[:n_blocks]
+    ok = rule(q_pos[:, :, None], k_pos[:, None, :], W) & (k_pos >= G)[:, None, :] \
+        & (k_pos < T)[:, None, :]
+    if G:                            # the global keys, beside every block (band excludes them)
+        g = min(G, T)
+        keys = torch.cat([k[:, :, None, :g].expand(B, H, n_blocks, g, D), keys], dim=3)
+        values = torch.cat([v[:, :, None, :g].expand(B, H, n_blocks, g, D), values], dim=3)
+        g_pos = torch.arange(g, device=device).expand(n_blocks, g)
+        ok = torch.cat([rule(q_pos[:, :, None], g_pos[:, None, :]), ok], dim=2)
+        k_pos = torch.cat([g_pos, k_pos], dim=1)
+    scores = (qb @ keys.transpose(-2, -1)) / math.sqrt(D)             # (B, H, n, W, keys)
+    if mask.bias_fn is not None:
+        scores = scores + mask.bias_fn(q_pos[:, :, None], k_pos[:, None, :])
+    scores = scores.masked_fill(~ok, float("-inf"))
+    weights = torch.softmax(at_least_fp32(scores), dim=-1).to(q.dtype)
+    out = F.dropout(weights, dropout_p) @ values                      # (B, H, n, W, D)
+    return out.view(B, H, n_blocks * W, D)[:, :, :T], None
+
+
+def flex_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
+    from model.flex import flex_attention as run
+    return run(q, k, v, mask, dropout_p, need_weights)
+
+
 ATTENTION_BACKENDS = {
     "eager": eager_attention,
     "sdpa": sdpa_attention,
+    "banded": banded_attention,
+    "flex": flex_attention,
 }
 
 
@@ -133,7 +231,7 @@ class MultiHeadAttention(nn.Module):
         qk, v = qkv.split([H + H_kv, H_kv], dim=1)
         # Queries and keys get their positions in one call (RoPE turns both alike).
         q, k = positions.rotate(qk, mask.q_start).split([H, H_kv], dim=1)   # (B, H|H_kv, T, D)
-        if cache is not None:                # keys and values of every earlier token too
+        if cache is not None:                # keys and values of the earlier tokens too
             k, v = cache.update(self.layer_idx, k, v)
         if H_kv != H:                        # each key/value head serves H / H_kv query heads
             k = k.repeat_interleave(H // H_kv, dim=1)

@@ -24,6 +24,8 @@ class ModelConfig:
     n_embd: int = opt(384, "model width d_model")
     sliding_window: int = opt(0, "each query sees its W most recent tokens (itself "
                                  "included); 0 = every earlier token")
+    n_global: int = opt(0, "with a window: the first N tokens stay visible to every "
+                           "later token (global tokens / attention sinks)")
     attention: str = opt("sdpa", "attention backend", registry="attention")
     position: str = opt("rope", "position encoding", registry="position")
     norm: str = opt("layernorm", "normalisation layer", registry="norm")
@@ -32,6 +34,10 @@ class ModelConfig:
     bias: bool = opt(False, "bias in linear layers and LayerNorm")
     dropout: float = opt(0.0, "dropout probability (0 keeps SDPA on its fused path)")
     rope_theta: float = opt(10000.0, "RoPE base: pair i turns by position * theta^(-2i/d_k)")
+    rope_scaling: str = opt("none", "stretch RoPE to a longer context", registry="rope_scaling")
+    rope_factor: float = opt(1.0, "RoPE scaling factor s (new context / original context)")
+    rope_original_context: int = opt(0, "context the model was trained at (YaRN); "
+                                        "0 = block_size")
 
     def __post_init__(self):
         self.validate()
@@ -50,7 +56,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
-        for name in ("vocab_size", "n_kv_head", "sliding_window"):
+        for name in ("vocab_size", "n_kv_head", "sliding_window", "n_global",
+                     "rope_original_context"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.{name} must not be negative, got {getattr(self, name)}")
         if self.sliding_window > self.block_size:
@@ -68,6 +75,20 @@ class ModelConfig:
             raise ConfigError(f"model.n_kv_head={self.n_kv_head} must divide "
                               f"model.n_head={self.n_head}: each key/value head serves "
                               "a whole group of query heads")
+        if self.n_global and not self.sliding_window:
+            raise ConfigError("model.n_global keeps the first tokens visible past a sliding "
+                              "window; set model.sliding_window too (without a window every "
+                              "token is visible anyway)")
+        if self.attention == "banded" and not self.sliding_window:
+            raise ConfigError("model.attention=banded computes only a sliding window's band; "
+                              "set model.sliding_window (e.g. 256) or use sdpa")
+        if self.attention == "flex" and self.dropout:
+            raise ConfigError("model.attention=flex has no attention dropout; set "
+                              "model.dropout=0 or use eager, sdpa or banded")
+        if self.rope_scaling != "none" and self.position != "rope":
+            raise ConfigError(f"model.rope_scaling={self.rope_scaling} needs model.position=rope")
+        if not self.rope_factor >= 1.0:
+            raise ConfigError(f"model.rope_factor must be at least 1, got {self.rope_factor}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if not self.rope_theta > 0:

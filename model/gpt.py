@@ -24,29 +24,79 @@ class Output(NamedTuple):
 
 
 class KVCache:
-    """Keys and values of every token seen so far, per layer, so that decoding a new
-    token computes only its own query, key and value. Preallocated to `max_len`; the
-    model (not a layer) advances `length` after all layers have written."""
+    """Keys and values of the tokens seen so far, per layer, so that decoding a new
+    token computes only its own query, key and value.
 
-    def __init__(self, n_layer: int, max_len: int):
-        self.n_layer, self.max_len = n_layer, max_len
-        self.k: torch.Tensor | None = None   # (n_layer, B, H_kv, max_len, d_k)
+    The model, not a layer, does the bookkeeping: `begin(T)` before the layers says
+    which key positions the next T tokens will attend to, each layer's `update` writes
+    its keys and values, and `end(T)` advances. Without a window the buffer holds every
+    token up to `max_len`. With a sliding window W it is a rolling buffer: it keeps the
+    n_global first tokens and the newest W-1, which is all a future query can see, so
+    its memory stays bounded by n_global + 2·W however long generation runs."""
+
+    def __init__(self, n_layer: int, max_len: int, window: int = 0, n_global: int = 0):
+        self.n_layer, self.window, self.n_global = n_layer, window, n_global
+        self.capacity = n_global + 2 * window if window else max_len
+        self.k: torch.Tensor | None = None   # (n_layer, B, H_kv, capacity, d_k)
         self.v: torch.Tensor | None = None
-        self.length = 0
+        self.positions = torch.empty(0, dtype=torch.long)   # absolute position of each slot
+        self.stored = 0                      # filled slots
+        self.length = 0                      # tokens seen: the position of the next one
+        self.first = 0                       # the smallest position still stored
+
+    def begin(self, T: int, device) -> tuple[torch.Tensor, int]:
+        """Make room for T new tokens; return the key positions they will see and the
+        smallest of them."""
+        if self.positions.device != torch.device(device):
+            self.positions = self.positions.to(device)
+        if self.stored + T > self.capacity:
+            if not self.window:
+                raise ValueError(f"KV cache holds {self.capacity} tokens; "
+                                 f"{self.stored + T} requested")
+            self._compact()
+            if self.stored + T > self.capacity:          # a long chunk: grow to fit it
+                self._grow(self.stored + T)
+        new = torch.arange(self.length, self.length + T, device=device)
+        self.positions = torch.cat([self.positions[:self.stored], new])
+        return self.positions, (self.first if self.stored else self.length)
+
+    def _compact(self) -> None:
+        """Keep the global tokens and the newest window-1: the only ones still visible."""
+        g = min(self.n_global, self.stored)
+        recent = min(self.window - 1, self.stored - g)
+        keep = list(range(g)) + list(range(self.stored - recent, self.stored))
+        idx = torch.tensor(keep, dtype=torch.long, device=self.positions.device)
+        if self.k is not None:
+            n = len(keep)
+            self.k[:, :, :, :n] = self.k[:, :, :, idx].clone()
+            self.v[:, :, :, :n] = self.v[:, :, :, idx].clone()
+        self.positions = self.positions[idx]
+        self.stored = len(keep)
+        self.first = 0 if g else self.length - recent
+
+    def _grow(self, capacity: int) -> None:
+        if self.k is not None:
+            extra = list(self.k.shape)
+            extra[3] = capacity - self.capacity
+            self.k = torch.cat([self.k, self.k.new_zeros(extra)], dim=3)
+            self.v = torch.cat([self.v, self.v.new_zeros(extra)], dim=3)
+        self.capacity = capacity
 
     def update(self, layer: int, k_new, v_new):
-        """Store this chunk's keys/values; return all keys/values up to and including it."""
+        """Store this chunk's keys/values; return every key/value the chunk attends to."""
         if self.k is None:
             B, H_kv, _, D = k_new.shape
-            shape = (self.n_layer, B, H_kv, self.max_len, D)
+            shape = (self.n_layer, B, H_kv, self.capacity, D)
             self.k = torch.zeros(shape, dtype=k_new.dtype, device=k_new.device)
             self.v = torch.zeros(shape, dtype=v_new.dtype, device=v_new.device)
-        start, end = self.length, self.length + k_new.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} tokens; {end} requested")
+        start, end = self.stored, self.stored + k_new.shape[2]
         self.k[layer, :, :, start:end] = k_new
         self.v[layer, :, :, start:end] = v_new
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def end(self, T: int) -> None:
+        self.stored += T
+        self.length += T
 
     def nbytes(self) -> int:
         return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
@@ -107,9 +157,14 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, cache: KVCache | None = None,
                 return_attention: bool = False) -> Output:
         B, T = idx.shape
-        start = cache.length if cache is not None else 0
-        mask = Mask(q_start=start, q_len=T, k_len=start + T, window=self.config.sliding_window,
-                    device=idx.device)
+        c = self.config
+        if cache is None:
+            start, k_pos, k_first = 0, torch.arange(T, device=idx.device), 0
+        else:
+            start = cache.length
+            k_pos, k_first = cache.begin(T, idx.device)
+        mask = Mask(q_start=start, q_len=T, k_pos=k_pos, k_first=k_first, window=c.sliding_window,
+                    n_global=c.n_global, bias_fn=self.positions.score_bias())
         x = self.drop(self.positions.embed(self.wte(idx), start))   # (B, T, C)
         attentions = [] if return_attention else None
         for block in self.blocks:
@@ -117,7 +172,7 @@ class GPT(nn.Module):
             if return_attention:
                 attentions.append(weights)
         if cache is not None:
-            cache.length += T
+            cache.end(T)
         logits = self.lm_head(self.norm_f(x))                        # (B, T, vocab)
         loss = None
         if targets is not None:
@@ -126,7 +181,14 @@ class GPT(nn.Module):
         return Output(logits, loss, attentions)
 
     def new_cache(self, max_len: int) -> KVCache:
-        return KVCache(self.config.n_layer, max_len)
+        return KVCache(self.config.n_layer, max_len, self.config.sliding_window,
+                       self.config.n_global)
+
+    @property
+    def rolls(self) -> bool:
+        """A windowed model whose positions are relative (or absent) can decode for
+        ever from a rolling cache; learned and sinusoidal positions are absolute."""
+        return bool(self.config.sliding_window) and self.config.position in ("rope", "alibi", "none")
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
@@ -134,23 +196,26 @@ class GPT(nn.Module):
                  use_cache: bool = True) -> Iterator[torch.Tensor]:
         """Yield (B, 1) new tokens one at a time, so a caller can print them as they come.
 
-        The model sees at most block_size tokens. With the cache, when it fills up the
-        oldest half of the context is dropped and the rest is re-read in one pass
-        (its positions restart at 0), so every token is still predicted from between
-        block_size/2 and block_size tokens of context."""
+        A windowed model with relative positions decodes from a rolling cache with no
+        limit. Otherwise the model sees at most block_size tokens: with the cache, when
+        it fills up the oldest half of the context is dropped and the rest is re-read
+        in one pass (positions restart at 0), so every token is still predicted from
+        between block_size/2 and block_size tokens of context."""
         window = self.config.block_size
-        context = idx[:, -window:]
+        context = idx if self.rolls and use_cache else idx[:, -window:]
         cache = None
         for _ in range(max_new_tokens):
             if not use_cache:
                 logits = self(context[:, -window:]).logits
+            elif cache is None:
+                cache = self.new_cache(window)
+                logits = self(context, cache=cache).logits
+            elif cache.length >= window and not self.rolls:
+                context = context[:, -(window // 2 or 1):]
+                cache = self.new_cache(window)
+                logits = self(context, cache=cache).logits
             else:
-                if cache is None or cache.length >= window:
-                    context = context[:, -(window // 2 or 1):] if cache is not None else context
-                    cache = self.new_cache(window)
-                    logits = self(context, cache=cache).logits
-                else:
-                    logits = self(context[:, -1:], cache=cache).logits
+                logits = self(context[:, -1:], cache=cache).logits
             token = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
             context = torch.cat([context, token], dim=1)
             yield token

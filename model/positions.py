@@ -8,7 +8,9 @@ encoding here is one of two hooks, so the attention code has no branches:
   (sinusoidal, learned), as in "Attention Is All You Need" (arXiv:1706.03762);
 * `rotate(x, start)` turns query and key vectors (passed together, one call per
   layer) by an angle proportional to their position (RoPE, arXiv:2104.09864), so
-  q·k depends only on the offset between them.
+  q·k depends only on the offset between them;
+* `score_bias()` returns a function of (query, key) positions added to the scores
+  (ALiBi, arXiv:2108.12409: a penalty growing with distance, no embedding at all).
 
 `start` is the absolute position of the first token in the chunk, which is what lets
 cached decoding (one new token at position start) use the same code as training.
@@ -40,6 +42,9 @@ class PositionEncoding(nn.Module):
 
     def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
         return x
+
+    def score_bias(self):
+        return None
 
 
 class Sinusoidal(PositionEncoding):
@@ -90,19 +95,41 @@ class RoPE(PositionEncoding):
     Pair i of a head's dimensions is rotated by the angle pos * theta^(-2i/d_k). A
     rotation by a at the query and b at the key leaves q·k depending on a - b only:
     the score sees the offset between tokens, never their absolute positions. Pairs
-    are (x[i], x[i + d/2]), the "rotate half" layout used by GPT-NeoX and Llama."""
+    are (x[i], x[i + d/2]), the "rotate half" layout used by GPT-NeoX and Llama.
+
+    `rope_scaling` stretches a trained model to a longer context at evaluation time
+    (factor s = new context / rope_original_context):
+      linear  position interpolation, every frequency divided by s (arXiv:2306.15595);
+      ntk     NTK-aware: the base grows to theta·s^(d/(d-2)), so high frequencies (local
+              order) stay and only the slow ones are interpolated;
+      yarn    per-frequency blend: pairs that turn many times within the original
+              context keep their frequency, slow ones are interpolated, a ramp in
+              between, and scores are sharpened by (0.1·ln s + 1)² (arXiv:2309.00071)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         d = config.head_dim
         inv_freq = config.rope_theta ** (-torch.arange(0, d, 2).float() / d)
+        self.mscale = 1.0
+        s, kind = config.rope_factor, config.rope_scaling
+        if kind == "linear":
+            inv_freq = inv_freq / s
+        elif kind == "ntk":
+            inv_freq = (config.rope_theta * s ** (d / (d - 2))) ** (-torch.arange(0, d, 2).float() / d)
+        elif kind == "yarn":
+            original = config.rope_original_context or config.block_size
+            turns = original * inv_freq / (2 * math.pi)      # rotations within the original context
+            keep = ((turns - 1.0) / (32.0 - 1.0)).clamp(0.0, 1.0)   # 0 = interpolate, 1 = keep
+            inv_freq = (1 - keep) * inv_freq / s + keep * inv_freq
+            self.mscale = 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._build(config.block_size)
 
     def _build(self, length: int):
         angle = torch.arange(length, device=self.inv_freq.device).float()[:, None] * self.inv_freq
-        self.register_buffer("cos", angle.cos(), persistent=False)   # (length, d/2)
-        self.register_buffer("sin", angle.sin(), persistent=False)
+        # YaRN's temperature: q and k each scaled by mscale, scores by mscale².
+        self.register_buffer("cos", angle.cos() * self.mscale, persistent=False)  # (length, d/2)
+        self.register_buffer("sin", angle.sin() * self.mscale, persistent=False)
 
     def rotate(self, x, start):
         # x: (B, heads, T, D), queries and keys of the same T positions.
@@ -116,9 +143,44 @@ class RoPE(PositionEncoding):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class ALiBi(PositionEncoding):
+    """Attention with linear biases (Press et al., arXiv:2108.12409): no position
+    vectors at all; head h subtracts slope_h · (distance to the key) from each score.
+    Slopes form a geometric series 2^(-8/n), 2^(-16/n), ...: some heads look far, some
+    near. Distances, not positions, so it extrapolates to longer inputs."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)
+
+    def score_bias(self):
+        slopes = self.slopes
+
+        def bias(q_pos, k_pos, head=None):
+            """(H, *shape) penalties; for one head's score (flex), pass `head`."""
+            distance = (q_pos - k_pos).to(slopes.dtype)
+            if head is not None:
+                return -slopes[head] * distance
+            return -slopes.view(-1, *([1] * distance.dim())) * distance
+        return bias
+
+
+def alibi_slopes(n_head: int) -> torch.Tensor:
+    """The paper's slopes; for a head count that is not a power of two, those of the
+    next lower power of two, then every other slope of the next higher one."""
+    def power_of_two(n):
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+    low = 2 ** math.floor(math.log2(n_head))
+    slopes = power_of_two(low) + power_of_two(2 * low)[0::2][: n_head - low]
+    return torch.tensor(slopes)
+
+
 POSITION_ENCODINGS = {
     "none": PositionEncoding,
     "sinusoidal": Sinusoidal,
     "learned": Learned,
     "rope": RoPE,
+    "alibi": ALiBi,
 }
+
+ROPE_SCALINGS = ("none", "linear", "ntk", "yarn")

@@ -1,13 +1,15 @@
 """The article's claims about scaled dot-product attention, checked on the code that
-implements them (model/attention.py)."""
+implements them (model/attention.py), and every backend against a float64 reference."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from model.attention import ATTENTION_BACKENDS, Mask, MultiHeadAttention, eager_attention, visible
 from model.config import ModelConfig
-from model.positions import PositionEncoding
+from model.positions import POSITION_ENCODINGS, PositionEncoding
+from reference import attention as reference_attention, mask_rule
 
 
 def test_softmax_of_the_articles_scores():
@@ -26,14 +28,14 @@ def test_movie_night_blend_through_the_attention_function():
     q = torch.ones(1, 1, 1, 1)                               # d_k = 1, so no scaling
     k = weights.log().view(1, 1, 3, 1)                       # q·k = log w
     v = torch.tensor([9.0, 2.0, 5.0]).view(1, 1, 3, 1)
-    out, w = eager_attention(q, k, v, Mask(q_start=2, q_len=1, k_len=3), need_weights=True)
+    out, w = eager_attention(q, k, v, Mask.over(2, 1, 3), need_weights=True)
     assert torch.allclose(w.flatten(), weights, atol=1e-6)
     assert out.item() == pytest.approx(6.1, abs=1e-5)
 
 
 def test_attention_rows_sum_to_one():
     q, k, v = torch.randn(3, 2, 3, 10, 8).unbind(0)
-    _, w = eager_attention(q, k, v, Mask(0, 10, 10), need_weights=True)
+    _, w = eager_attention(q, k, v, Mask.over(0, 10, 10), need_weights=True)
     assert torch.allclose(w.sum(-1), torch.ones(2, 3, 10), atol=1e-6)
 
 
@@ -52,62 +54,98 @@ def test_mask_rule_from_absolute_positions():
     assert m.tolist() == [[True, False, False], [True, True, False], [True, True, True]]
     # A 2-token chunk at positions 3-4 after a 3-token cache: every cached key visible,
     # and the chunk causal within itself (is_causal's top-left triangle would hide keys).
-    chunk = Mask(q_start=3, q_len=2, k_len=5).dense
+    chunk = Mask.over(3, 2, 5).dense
     assert chunk.tolist() == [[True, True, True, True, False], [True] * 5]
 
 
-def _qkv(B=2, H=3, T=12, D=8, Tk=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    Tk = Tk or T
-    return (torch.randn(B, H, T, D, generator=g), torch.randn(B, H, Tk, D, generator=g),
-            torch.randn(B, H, Tk, D, generator=g))
-
-
-MASKS = {  # (q_start, q_len, k_len, window)
-    "square causal": (0, 12, 12, 0), "chunk after cache": (5, 7, 12, 0),
-    "one token decode": (11, 1, 12, 0), "window 4": (0, 12, 12, 4),
-    "window 4 chunk after cache": (5, 7, 12, 4), "window 4 decode": (11, 1, 12, 4),
-}
-
-
-def test_sliding_window_rule():
+def test_sliding_window_and_global_tokens():
     m = visible(torch.arange(5), torch.arange(5), window=2).int()
     assert m.tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0],
                           [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]
-    assert not Mask(q_start=11, q_len=1, k_len=12, window=4).sees_everything
-    assert Mask(q_start=3, q_len=1, k_len=4, window=4).sees_everything
+    g = visible(torch.arange(5), torch.arange(5), window=2, n_global=1).int()
+    assert g[:, 0].tolist() == [1, 1, 1, 1, 1] and g[4].tolist() == [1, 0, 0, 1, 1]
+    assert not Mask.over(11, 1, 12, window=4).sees_everything
+    assert Mask.over(3, 1, 4, window=4).sees_everything
 
 
-@pytest.mark.parametrize("backend", sorted(ATTENTION_BACKENDS))
+def test_the_rule_agrees_with_the_reference_rule():
+    for window, n_global in [(0, 0), (3, 0), (3, 2), (1, 0)]:
+        ours = visible(torch.arange(4, 10), torch.arange(10), window, n_global).numpy()
+        assert np.array_equal(ours, mask_rule(range(4, 10), range(10), window, n_global))
+
+
+# (q_start, q_len, k_len, window, n_global): full sequences, a chunk after a cache, and
+# decoding one token, with and without a window and global tokens.
+MASKS = {
+    "causal": (0, 20, 20, 0, 0), "causal chunk": (8, 12, 20, 0, 0), "causal decode": (19, 1, 20, 0, 0),
+    "window": (0, 20, 20, 4, 0), "window chunk": (8, 12, 20, 4, 0), "window decode": (19, 1, 20, 4, 0),
+    "window+global": (0, 20, 20, 4, 2), "window+global chunk": (8, 12, 20, 4, 2),
+    "window+global decode": (19, 1, 20, 4, 2), "window 7, ragged blocks": (0, 20, 20, 7, 3),
+}
+CPU_FORWARD_ONLY = {"flex"}          # torch has no flex backward on CPU
+
+
+def _inputs(mask_spec, position, seed=0):
+    q_start, q_len, k_len, window, n_global = mask_spec
+    g = torch.Generator().manual_seed(seed)
+    B, H, D = 2, 4, 16
+    cfg = ModelConfig(vocab_size=8, n_head=H, n_embd=H * D, block_size=32, position=position,
+                      sliding_window=window, n_global=n_global)
+    pos = POSITION_ENCODINGS[position](cfg).double()
+    q = torch.randn(B, H, q_len, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, H, k_len, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, k_len, D, generator=g, dtype=torch.float64)
+    q, k = pos.rotate(q, q_start), pos.rotate(k, 0)        # keys sit at positions 0..k_len-1
+    mask = Mask.over(q_start, q_len, k_len, window=window, n_global=n_global,
+                     bias_fn=pos.score_bias())
+    return q, k, v, mask, POSITION_ENCODINGS[position](cfg).score_bias()
+
+
+@pytest.mark.parametrize("position", sorted(POSITION_ENCODINGS))
 @pytest.mark.parametrize("mask_name", sorted(MASKS))
-def test_every_backend_equals_eager(backend, mask_name):
-    q_start, q_len, k_len, window = MASKS[mask_name]
-    q, k, v = _qkv(T=q_len, Tk=k_len)
-    mask = Mask(q_start, q_len, k_len, window)
-    if window:                           # check the eager path against the rule itself
-        _, w = eager_attention(q, k, v, mask, need_weights=True)
-        assert torch.equal(w[0, 0] > 0, mask.dense)
-    q.requires_grad_(True)
-    ref, _ = eager_attention(q, k, v, mask)
-    out, _ = ATTENTION_BACKENDS[backend](q, k, v, mask)
-    assert torch.allclose(out, ref, atol=1e-6)
-    g_ref, = torch.autograd.grad(ref.sum(), q)
-    g_out, = torch.autograd.grad(out.sum(), q)
-    assert torch.allclose(g_out, g_ref, atol=1e-5)
+@pytest.mark.parametrize("backend", sorted(ATTENTION_BACKENDS))
+def test_every_backend_matches_the_float64_reference(backend, mask_name, position):
+    q64, k64, v64, mask, bias_fn32 = _inputs(MASKS[mask_name], position)
+    q_start, q_len, k_len, window, n_global = MASKS[mask_name]
+    allowed = mask_rule(range(q_start, q_start + q_len), range(k_len), window, n_global)
+    bias = None if mask.bias is None else mask.bias.numpy()
+    ref, ref_p, backward = reference_attention(q64.numpy(), k64.numpy(), v64.numpy(), allowed, bias)
+    d_out = np.random.default_rng(1).standard_normal(ref.shape)
+    ref_grads = backward(d_out)
+
+    q, k, v = (t.float().requires_grad_(backend not in CPU_FORWARD_ONLY) for t in (q64, k64, v64))
+    mask32 = Mask.over(q_start, q_len, k_len, window=window, n_global=n_global, bias_fn=bias_fn32)
+    out, _ = ATTENTION_BACKENDS[backend](q, k, v, mask32)
+    np.testing.assert_allclose(out.detach().numpy(), ref, atol=2e-5, rtol=1e-5)
+    if backend in CPU_FORWARD_ONLY:
+        return
+    out.backward(torch.from_numpy(d_out).float())
+    for name, t, expected in zip("qkv", (q, k, v), ref_grads):
+        np.testing.assert_allclose(t.grad.numpy(), expected, atol=5e-5, rtol=1e-4, err_msg=name)
+
+
+def test_eager_weights_equal_the_reference_and_hide_exactly_the_masked_keys():
+    q, k, v, mask, _ = _inputs(MASKS["window+global chunk"], "alibi")
+    _, ref_p, _ = reference_attention(q.numpy(), k.numpy(), v.numpy(), mask.dense.numpy(),
+                                      mask.bias.numpy())
+    _, w = eager_attention(q, k, v, mask, need_weights=True)
+    np.testing.assert_allclose(w.numpy(), ref_p, atol=1e-12)
+    assert (w[..., ~mask.dense] == 0).all() and (w[..., mask.dense] > 0).all()
 
 
 def test_future_weights_are_exactly_zero():
-    q, k, v = _qkv(T=16)
-    _, w = eager_attention(q, k, v, Mask(0, 16, 16), need_weights=True)
+    q, k, v = torch.randn(3, 2, 3, 16, 8).unbind(0)
+    _, w = eager_attention(q, k, v, Mask.over(0, 16, 16), need_weights=True)
     above = torch.triu(torch.ones(16, 16, dtype=torch.bool), diagonal=1)
     assert (w[..., above] == 0).all()
     assert (w[..., ~above] > 0).all()
 
 
-def test_sdpa_refuses_to_return_weights():
-    q, k, v = _qkv()
+@pytest.mark.parametrize("backend", sorted(set(ATTENTION_BACKENDS) - {"eager"}))
+def test_fused_backends_refuse_to_return_weights(backend):
+    q, k, v = torch.randn(3, 1, 2, 12, 8).unbind(0)
     with pytest.raises(ValueError, match="eager"):
-        ATTENTION_BACKENDS["sdpa"](q, k, v, Mask(0, 12, 12), need_weights=True)
+        ATTENTION_BACKENDS[backend](q, k, v, Mask.over(0, 12, 12), need_weights=True)
 
 
 def test_without_positions_attention_is_permutation_equivariant():
@@ -115,7 +153,7 @@ def test_without_positions_attention_is_permutation_equivariant():
     attn = MultiHeadAttention(cfg, 0).eval()
     x = torch.randn(1, 9, 32)
     perm = torch.randperm(9)
-    everything = Mask(q_start=9, q_len=9, k_len=9)    # no mask: every token sees every token
+    everything = Mask(q_start=9, q_len=9, k_pos=torch.zeros(9, dtype=torch.long))  # no mask
     out, _ = attn(x, PositionEncoding(cfg), everything)
     out_perm, _ = attn(x[:, perm], PositionEncoding(cfg), everything)
     assert torch.allclose(out_perm, out[:, perm], atol=1e-6)
@@ -127,8 +165,13 @@ def test_grouped_query_attention_shapes_and_mha_identity(n_kv_head):
     cfg = ModelConfig(vocab_size=10, n_layer=1, n_head=4, n_kv_head=n_kv_head, n_embd=32)
     attn = MultiHeadAttention(cfg, 0)
     assert attn.w_qkv.out_features == (4 + 2 * n_kv_head) * 8
-    out, _ = attn(torch.randn(2, 5, 32), PositionEncoding(cfg), Mask(0, 5, 5))
+    out, _ = attn(torch.randn(2, 5, 32), PositionEncoding(cfg), Mask.over(0, 5, 5))
     assert out.shape == (2, 5, 32)
-    if n_kv_head == 4:           # n_kv_head == n_head is plain multi-head attention
-        plain = MultiHeadAttention(ModelConfig(vocab_size=10, n_layer=1, n_head=4, n_embd=32), 0)
-        assert plain.w_qkv.weight.shape == attn.w_qkv.weight.shape
+    # n_kv_head == n_head is plain multi-head attention: the same layer, the same output.
+    plain = MultiHeadAttention(ModelConfig(vocab_size=10, n_layer=1, n_head=4, n_embd=32), 0)
+    if n_kv_head == 4:
+        plain.load_state_dict(attn.state_dict())
+        x = torch.randn(2, 5, 32)
+        a, _ = attn(x, PositionEncoding(cfg), Mask.over(0, 5, 5))
+        b, _ = plain(x, PositionEncoding(cfg), Mask.over(0, 5, 5))
+        assert torch.equal(a, b)

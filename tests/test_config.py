@@ -26,8 +26,14 @@ def test_overrides_beat_presets_and_are_typed():
 @pytest.mark.parametrize("args,message", [
     (["--model.n_layr=4"], "did you mean 'n_layer'"),
     (["--modle.n_layer=4"], "did you mean 'model'"),
-    (["--model.attention=flash"], "valid choices: eager, sdpa"),
-    (["--model.position=alibi2"], "valid choices: learned, none, rope, sinusoidal"),
+    (["--model.attention=flash"], "valid choices: banded, eager, flex, sdpa"),
+    (["--model.position=alibi2"], "did you mean 'alibi'.*valid choices: alibi, learned, none"),
+    (["--model.attention=banded"], "set model.sliding_window"),
+    (["--model.n_global=4"], "set model.sliding_window too"),
+    (["--model.attention=flex", "--train.device=cpu"], "no backward on CPU.*banded"),
+    (["--model.position=learned", "--model.rope_scaling=yarn"], "needs model.position=rope"),
+    (["--model.rope_scaling=ntk", "--model.rope_factor=0.5"], "at least 1"),
+    (["--model.rope_scaling=longrope"], "valid choices: linear, none, ntk, yarn"),
     (["--data.tokenizer=word"], "valid choices: bpe, char"),
     (["--train.dtype=fp8"], "valid choices"),
     (["--train.lr=fast"], "train.lr must be a number"),
@@ -75,7 +81,7 @@ def test_saved_config_round_trips():
 
 def test_help_lists_every_field_with_its_choices():
     text = config.help_text()
-    assert "--model.position='rope'" in text and "{none, sinusoidal, learned, rope}" in text
+    assert "--model.position='rope'" in text and "{none, sinusoidal, learned, rope, alibi}" in text
     assert "--train.wandb='disabled'" in text
 
 

@@ -11,25 +11,44 @@ from model import GPT, REGISTRIES, ModelConfig
 
 def tiny(**kw) -> ModelConfig:
     base = dict(vocab_size=40, n_layer=2, n_head=4, n_embd=32, block_size=24)
+    if kw.get("attention") == "banded" and not kw.get("sliding_window"):
+        kw["sliding_window"] = 8                 # banded exists only for windows
     return ModelConfig(**{**base, **kw})
 
 
-BACKEND_X_POSITION = list(itertools.product(sorted(REGISTRIES["attention"]),
-                                            sorted(REGISTRIES["position"])))
+# flex compiles a kernel per shape (seconds each on a CPU): it is checked against the
+# reference in test_attention.py and once end to end below, not in every matrix here.
+BACKENDS = sorted(set(REGISTRIES["attention"]) - {"flex"})
+BACKEND_X_POSITION = list(itertools.product(BACKENDS, sorted(REGISTRIES["position"])))
 
 
-@pytest.mark.parametrize("position", sorted(REGISTRIES["position"]))
-def test_eager_equals_sdpa_in_the_full_model(position):
+@pytest.mark.parametrize("attention,position", BACKEND_X_POSITION)
+def test_every_backend_equals_eager_in_the_full_model(attention, position):
     torch.manual_seed(0)
-    eager = GPT(tiny(attention="eager", position=position))
-    sdpa = GPT(tiny(attention="sdpa", position=position))
-    sdpa.load_state_dict(eager.state_dict())
+    model = GPT(tiny(attention=attention, position=position))
+    eager = GPT(tiny(attention="eager", position=position,
+                     sliding_window=model.config.sliding_window))
+    eager.load_state_dict(model.state_dict())
     x = torch.randint(0, 40, (3, 24))
-    a, b = eager(x, x), sdpa(x, x)
+    a, b = eager(x, x), model(x, x)
     assert torch.allclose(a.logits, b.logits, atol=1e-5)
     ga = torch.autograd.grad(a.loss, eager.wte.weight)[0]
-    gb = torch.autograd.grad(b.loss, sdpa.wte.weight)[0]
+    gb = torch.autograd.grad(b.loss, model.wte.weight)[0]
     assert torch.allclose(ga, gb, atol=1e-6)
+
+
+def test_flex_model_matches_eager_and_decodes_with_a_cache():
+    torch.manual_seed(0)
+    kw = dict(position="alibi", sliding_window=6, n_global=2)
+    flex, eager = GPT(tiny(attention="flex", **kw)).eval(), GPT(tiny(attention="eager", **kw)).eval()
+    eager.load_state_dict(flex.state_dict())
+    x = torch.randint(0, 40, (2, 24))
+    with torch.no_grad():
+        assert torch.allclose(flex(x).logits, eager(x).logits, atol=1e-5)
+        cache = flex.new_cache(24)
+        steps = [flex(x[:, :16], cache=cache).logits]
+        steps += [flex(x[:, t:t + 1], cache=cache).logits for t in range(16, 24)]
+    assert torch.allclose(torch.cat(steps, 1), eager(x).logits, atol=1e-5)
 
 
 @pytest.mark.parametrize("attention,position", BACKEND_X_POSITION)
