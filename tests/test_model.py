@@ -174,3 +174,32 @@ def test_dropout_is_active_in_training_only():
     assert not torch.equal(model(x).logits, model(x).logits)
     model.eval()
     assert torch.equal(model(x).logits, model(x).logits)
+
+
+@pytest.mark.parametrize("position", ["rope", "alibi", "none"])
+def test_rolling_cache_stays_bounded_and_matches_the_full_pass_past_window_and_context(position):
+    torch.manual_seed(0)
+    model = GPT(tiny(position=position, sliding_window=6, n_global=2, block_size=16)).eval()
+    x = torch.randint(0, 40, (1, 60))                       # past the window and 3.75x the context
+    full = model(x).logits
+    cache = model.new_cache(16)
+    steps = [model(x[:, :5], cache=cache).logits]
+    sizes = set()
+    for t in range(5, 60):
+        steps.append(model(x[:, t:t + 1], cache=cache).logits)
+        sizes.add(cache.nbytes())
+    assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
+    assert len(sizes) == 1 and cache.capacity == 2 + 2 * 6       # n_global + 2W slots, always
+    assert model.rolls
+
+
+def test_rolling_generation_runs_far_past_the_context_with_bounded_memory():
+    model = GPT(tiny(position="rope", sliding_window=4, block_size=8)).eval()
+    tokens = list(model.generate(torch.zeros(1, 3, dtype=torch.long), 100, temperature=0))
+    assert len(tokens) == 100
+
+
+def test_learned_positions_generate_past_the_context_by_shifting():
+    model = GPT(tiny(position="learned", block_size=8)).eval()
+    assert not model.rolls
+    assert len(list(model.generate(torch.zeros(1, 3, dtype=torch.long), 50))) == 50

@@ -69,3 +69,54 @@ def test_encodings_distinguish_order_except_none(position):
         assert torch.allclose(a, b, atol=1e-6)
     else:
         assert not torch.allclose(a, b, atol=1e-6)
+
+
+def test_alibi_slopes_are_the_papers_geometric_series():
+    from model.positions import alibi_slopes
+    assert alibi_slopes(8).tolist() == [2.0 ** -i for i in range(1, 9)]
+    six = alibi_slopes(6).tolist()      # 4 from the power of two below, 2 interleaved from 8
+    assert six[:4] == [2.0 ** (-2 * i) for i in range(1, 5)] and six[4:] == [2.0 ** -1, 2.0 ** -3]
+
+
+def test_alibi_penalises_distance_linearly_and_never_the_token_itself():
+    model = GPT(ModelConfig(vocab_size=8, n_layer=1, n_head=4, n_embd=16, position="alibi"))
+    bias = model.positions.score_bias()(torch.arange(6)[:, None], torch.arange(6)[None, :])
+    assert bias.shape == (4, 6, 6) and (bias.diagonal(dim1=1, dim2=2) == 0).all()
+    slopes = model.positions.slopes
+    assert torch.allclose(bias[:, 5, 2], -3 * slopes)
+
+
+def _rope(**kw):
+    return RoPE(ModelConfig(vocab_size=8, n_head=1, n_embd=64, block_size=32, **kw))
+
+
+def test_linear_scaling_is_position_interpolation():
+    plain, linear = _rope(), _rope(rope_scaling="linear", rope_factor=4.0)
+    x = torch.randn(1, 1, 1, 64)
+    # Position 8 under 4x interpolation is turned exactly like position 2 unscaled.
+    assert torch.allclose(linear.rotate(x, 8), plain.rotate(x, 2), atol=1e-6)
+
+
+def test_ntk_scaling_raises_the_base_and_keeps_the_fastest_pair():
+    plain, ntk = _rope(), _rope(rope_scaling="ntk", rope_factor=4.0)
+    assert ntk.inv_freq[0] == plain.inv_freq[0] == 1.0       # local order untouched
+    assert (ntk.inv_freq[1:] < plain.inv_freq[1:]).all()
+    expected_last = (10000 * 4.0 ** (64 / 62)) ** (-62 / 64)
+    assert ntk.inv_freq[-1].item() == pytest.approx(expected_last, rel=1e-5)
+
+
+def test_yarn_keeps_fast_pairs_interpolates_slow_ones_and_sharpens():
+    plain, yarn = _rope(), _rope(rope_scaling="yarn", rope_factor=4.0, rope_original_context=256)
+    assert yarn.inv_freq[0] == plain.inv_freq[0]                         # many turns: kept
+    assert yarn.inv_freq[-1].item() == pytest.approx(plain.inv_freq[-1].item() / 4, rel=1e-6)
+    assert yarn.mscale == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1)
+    x = torch.randn(1, 1, 3, 64)
+    assert torch.allclose(yarn.rotate(x, 0).norm(dim=-1), x.norm(dim=-1) * yarn.mscale, atol=1e-5)
+
+
+@pytest.mark.parametrize("scaling", ["linear", "ntk", "yarn"])
+def test_scaled_rope_models_run_at_four_times_the_context(scaling):
+    model = GPT(ModelConfig(vocab_size=8, n_layer=1, n_head=2, n_embd=16, block_size=8,
+                            rope_scaling=scaling, rope_factor=4.0))
+    out = model(torch.zeros(1, 32, dtype=torch.long)).logits
+    assert torch.isfinite(out).all()

@@ -1,0 +1,158 @@
+"""The cost of attention against sequence length: full causal O(T²) against a
+sliding window O(T·W), for each backend, forward and forward+backward.
+
+    python bench/attention_cost.py                       # CPU (and CUDA when present)
+    python bench/attention_cost.py --lengths 256 1024 4096 --window 256 --plot cost.png
+
+Time is the best of a few repetitions. Memory is the extra peak over what was in use
+before the call: on CUDA torch's allocator statistics, on a CPU the process's peak
+resident memory (VmHWM, reset before each case through /proc/self/clear_refs).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from model.attention import ATTENTION_BACKENDS, Mask  # noqa: E402
+
+# (label, backend, uses the window); eager is only run while its T×T scores fit.
+CASES = [("sdpa causal", "sdpa", False), ("eager causal", "eager", False),
+         ("sdpa + window mask", "sdpa", True), ("eager + window mask", "eager", True),
+         ("banded window", "banded", True), ("flex window", "flex", True)]
+EAGER_MAX_T = 4096
+
+
+def _status(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def measure(backend, T, window, device, backward, B, H, D, repeats):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, D, generator=g).to(device).requires_grad_(backward)
+               for _ in range(3))
+    fn = ATTENTION_BACKENDS[backend]
+
+    def call():
+        mask = Mask.over(0, T, T, device=device, window=window)
+        out, _ = fn(q, k, v, mask)
+        if backward:
+            out.sum().backward()
+        return out
+
+    call()                                                    # warm-up (and flex compile)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        for t in (q, k, v):
+            t.grad = None
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = _status("VmRSS")
+    out = call()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+    else:
+        extra = _status("VmHWM") - base
+    del out
+    best = float("inf")
+    for _ in range(repeats):
+        for t in (q, k, v):
+            t.grad = None
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best, extra
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+",
+                        default=[256, 512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=6)
+    parser.add_argument("--head_dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--devices", nargs="+", default=None)
+    parser.add_argument("--plot", default="bench/out/attention_cost.png")
+    args = parser.parse_args()
+    devices = args.devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+    rows = []
+    for dev in devices:
+        device = torch.device(dev)
+        for label, backend, windowed in CASES:
+            for backward in (False, True):
+                if backend == "flex" and backward and device.type == "cpu":
+                    continue                                  # no flex backward on CPU
+                for T in args.lengths:
+                    if backend == "eager" and T > EAGER_MAX_T:
+                        continue
+                    W = args.window if windowed else 0
+                    if W and W > T:
+                        continue
+                    t, mem = measure(backend, T, W, device, backward, args.batch, args.heads,
+                                     args.head_dim, args.repeats)
+                    rows.append((dev, label, "fwd+bwd" if backward else "fwd", T, t, mem))
+                    print(f"{dev:>4} {label:<20} {rows[-1][2]:<7} T={T:>6}: {t * 1e3:9.2f} ms, "
+                          f"{mem / 2**20:9.1f} MiB extra", flush=True)
+    print(f"\nB={args.batch}, H={args.heads}, d_k={args.head_dim}, window {args.window}")
+    print("| device | backend | pass | T | time (ms) | extra memory (MiB) |")
+    print("|---|---|---|---|---|---|")
+    for dev, label, mode, T, t, mem in rows:
+        print(f"| {dev} | {label} | {mode} | {T} | {t * 1e3:.2f} | {mem / 2**20:.1f} |")
+    for dev in devices:
+        for mode in ("fwd", "fwd+bwd"):
+            ref = {T: (t, m) for d, l, md, T, t, m in rows if d == dev and md == mode
+                   and l == "sdpa causal"}
+            band = {T: (t, m) for d, l, md, T, t, m in rows if d == dev and md == mode
+                    and l == "banded window"}
+            for T in sorted(set(ref) & set(band)):
+                if T >= 4 * args.window:
+                    print(f"{dev} {mode} T={T}: banded window / sdpa causal = "
+                          f"{band[T][0] / ref[T][0]:.3f}x time, "
+                          f"{band[T][1] / max(ref[T][1], 1):.3f}x extra memory")
+    if args.plot:
+        plot(rows, args)
+
+
+def plot(rows, args):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, (index, what) in zip(axes, [(4, "time (s)"), (5, "extra memory (bytes)")]):
+        for key in sorted({(r[0], r[1], r[2]) for r in rows}):
+            pts = [(r[3], r[index]) for r in rows if (r[0], r[1], r[2]) == key]
+            ax.plot(*zip(*pts), marker="o", label=" ".join(key))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+    axes[0].set_title(f"O(T²) full causal against O(T·W) window (W={args.window})")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=110)
+    print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Generation speed at batch 1: this project with and without its KV cache, against
+Hugging Face transformers' GPT2LMHeadModel.generate (with its cache), same sizes, in
+the same process. Also the KV-cache memory for multi-head, GQA and MQA.
+
+    python bench/generate_speed.py                       # baby GPT: 6 layers, 6 heads, 384 wide
+    python bench/generate_speed.py --new 256 --rounds 1
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from model import GPT, ModelConfig  # noqa: E402
+
+VOCAB = 65
+
+
+def hf_model(L, H, C, ctx):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=ctx, n_embd=C, n_layer=L, n_head=H,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    return GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").eval()
+
+
+def time_ours(model, prompt, new, use_cache):
+    start = time.perf_counter()
+    n = sum(1 for _ in model.generate(prompt, new, temperature=0, use_cache=use_cache))
+    return n / (time.perf_counter() - start)
+
+
+@torch.no_grad()
+def time_hf(model, prompt, new):
+    start = time.perf_counter()
+    out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                         use_cache=True, pad_token_id=0)
+    return (out.shape[1] - prompt.shape[1]) / (time.perf_counter() - start)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new", type=int, nargs="+", default=[256, 1000])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-uncached", action="store_true", help="skip the slow no-cache runs")
+    args = parser.parse_args()
+    L, H, C = 6, 6, 384
+    ctx = 1024
+    torch.manual_seed(0)
+    ours = GPT(ModelConfig(vocab_size=VOCAB, n_layer=L, n_head=H, n_embd=C, block_size=ctx,
+                           position="learned", bias=True)).eval()
+    hf = hf_model(L, H, C, ctx)
+    prompt = torch.zeros(1, 1, dtype=torch.long)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {L} layers, {H} heads, "
+          f"{C} wide, context {ctx}, batch 1, greedy, fp32")
+    rows = []
+    for new in args.new:
+        time_ours(ours, prompt, 8, True), time_hf(hf, prompt, 8)          # warm-up
+        best = {"HF GPT2LMHeadModel.generate (cache)": 0.0, "attnlab, KV cache": 0.0}
+        if not args.no_uncached:
+            best["attnlab, no cache"] = 0.0
+        for _ in range(args.rounds):
+            best["HF GPT2LMHeadModel.generate (cache)"] = max(
+                best["HF GPT2LMHeadModel.generate (cache)"], time_hf(hf, prompt, new))
+            best["attnlab, KV cache"] = max(best["attnlab, KV cache"], time_ours(ours, prompt, new, True))
+            if not args.no_uncached:
+                best["attnlab, no cache"] = max(best["attnlab, no cache"],
+                                                time_ours(ours, prompt, new, False))
+        base = best["HF GPT2LMHeadModel.generate (cache)"]
+        for label, rate in best.items():
+            rows.append((new, label, rate, rate / base))
+    print("\n| new tokens | generator | tokens/s | vs HF |")
+    print("|---|---|---|---|")
+    for new, label, rate, ratio in rows:
+        print(f"| {new} | {label} | {rate:,.0f} | {ratio:.2f}x |")
+
+    print("\nKV-cache memory for 1,000 tokens at this size (fp32):")
+    print("| attention | n_kv_head | cache bytes | vs multi-head |")
+    print("|---|---|---|---|")
+    sizes = {}
+    for name, n_kv in [("multi-head", 6), ("GQA", 2), ("MQA", 1)]:
+        m = GPT(ModelConfig(vocab_size=VOCAB, n_layer=L, n_head=H, n_kv_head=n_kv, n_embd=C,
+                            block_size=ctx)).eval()
+        cache = m.new_cache(1000)
+        with torch.no_grad():
+            m(torch.zeros(1, 1000, dtype=torch.long), cache=cache)
+        sizes[name] = cache.nbytes()
+        print(f"| {name} | {n_kv} | {sizes[name]:,} | {sizes['multi-head'] / sizes[name]:.0f}x smaller |")
+
+
+if __name__ == "__main__":
+    main()

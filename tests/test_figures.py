@@ -1,0 +1,16 @@
+"""The mask-pattern figure (attnlab/figures.py)."""
+from attnlab.figures import mask_patterns, save_mask_patterns
+
+
+def test_mask_patterns_png_is_a_real_image(tmp_path):
+    path = save_mask_patterns(tmp_path / "masks.png", length=16, window=4, n_global=2)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_patterns_count_what_each_computes():
+    p = mask_patterns(16, 4, 2)
+    counts = [int(m.sum()) for m in p.values()]
+    assert counts[0] == 16 * 17 // 2                      # the causal triangle
+    assert counts[1] == 4 * 16 - (1 + 2 + 3)              # a band of width 4
+    assert counts[2] > counts[1]                           # plus the global columns
