@@ -56,7 +56,8 @@ def main(argv: list[str]) -> int:
 
     preset, resume, resuming, overrides = split_script_args(argv)
     if resuming:
-        cfg, run_dir = resolve_resume(overrides, resume, "runs")
+        out_dirs = [v for s, k, v in config.parse_overrides(overrides) if (s, k) == ("train", "out_dir")]
+        cfg, run_dir = resolve_resume(overrides, resume, out_dirs[-1] if out_dirs else "runs")
     else:
         if preset is None:
             asked = [v for s, k, v in config.parse_overrides(overrides) if (s, k) == ("train", "device")]

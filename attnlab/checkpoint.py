@@ -11,7 +11,6 @@ file against its recorded hash and refuses a corrupt folder, naming it.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -22,34 +21,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from attnlab.errors import CheckpointError
+from attnlab.files import file_sha256, fsync, write_json_atomic
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2))
-    _fsync(tmp)
-    os.replace(tmp, path)
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -105,14 +80,14 @@ def save(run_dir: Path, step: int, model, optimizer, tensors: dict, state: dict,
     names = ["model.safetensors", "train_state.safetensors", *files]
     manifest = {}
     for name in names:
-        _fsync(tmp / name)
-        manifest[name] = _sha256(tmp / name)
+        fsync(tmp / name)
+        manifest[name] = file_sha256(tmp / name)
     write_json_atomic(tmp / "state.json", {**state, "step": step, "optimizer": opt_info,
                                            "files": manifest})
     if final.exists():                      # the same step saved again (e.g. Ctrl-C right after)
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync(root)
+    fsync(root)
     prune(run_dir, keep_last)
     return final
 
@@ -176,7 +151,7 @@ def load(ckpt: Path) -> tuple[dict, dict, dict]:
                               "it is incomplete or corrupt: use an earlier checkpoint") from None
     for name, digest in manifest.items():
         file = ckpt / name
-        if not file.is_file() or _sha256(file) != digest:
+        if not file.is_file() or file_sha256(file) != digest:
             raise CheckpointError(f"checkpoint file {file} is missing or corrupt (its hash does "
                                   "not match state.json); use an earlier checkpoint")
     try:

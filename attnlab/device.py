@@ -36,9 +36,15 @@ def cpu_has_native_bf16() -> bool:
     return any(getattr(cpu, name, lambda: False)() for name in checks)
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The autocast precision. auto: bf16 on GPUs that have it (fp16 on older ones),
-    fp32 on MPS and CPU (presets switch bf16 on for CPUs where it pays)."""
+# Measured on a 2-core AVX-512-BF16 CPU: bf16 autocast ran a 384-wide model's training
+# step 1.87x faster, a 128-wide one's not at all (small matmuls are overhead-bound).
+CPU_BF16_MIN_WIDTH = 256
+
+
+def pick_dtype(name: str, device: torch.device, n_embd: int = 0) -> torch.dtype:
+    """The autocast precision. auto: bf16 on GPUs that have it (fp16 on older ones);
+    on a CPU, bf16 where the CPU has native bf16 and the model is wide enough for it to
+    pay (n_embd >= 256), else fp32; fp32 on MPS."""
     if name != "auto":
         dtype = DTYPES[name]
         if dtype == torch.float16 and device.type == "cpu":
@@ -48,6 +54,8 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
         return dtype
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cpu" and n_embd >= CPU_BF16_MIN_WIDTH and cpu_has_native_bf16():
+        return torch.bfloat16
     return torch.float32
 
 

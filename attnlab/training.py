@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import time
 from datetime import datetime
@@ -18,6 +17,7 @@ from attnlab import checkpoint
 from attnlab.config import RunConfig, from_dict
 from attnlab.device import autocast, pick_device, pick_dtype, setup_backends, synchronize
 from attnlab.errors import AttnlabError, CheckpointError
+from attnlab.files import write_json_atomic
 from attnlab.tracking import Metrics
 from data.tokens import Batches, TokenData, load_tokens
 from model import GPT
@@ -130,7 +130,7 @@ class Trainer:
         self.cfg, self.log = cfg, log
         t = cfg.train
         self.device = pick_device(t.device)
-        self.dtype = pick_dtype(t.dtype, self.device)
+        self.dtype = pick_dtype(t.dtype, self.device, cfg.model.n_embd)
         setup_backends(self.device)
         torch.manual_seed(t.seed)
         self.data: TokenData = load_tokens(cfg.data.path, cfg.data.tokenizer, cfg.data.vocab_size,
@@ -304,5 +304,5 @@ class Trainer:
                   + (" (best)" if best else ""))
         path = self.save()
         if best:
-            checkpoint.write_json_atomic(self.run_dir / "best.json",
+            write_json_atomic(self.run_dir / "best.json",
                                          {"step": self.step, "val_loss": val, "path": str(path.name)})

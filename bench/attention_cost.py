@@ -6,12 +6,15 @@ sliding window O(T·W), for each backend, forward and forward+backward.
 
 Time is the best of a few repetitions. Memory is the extra peak over what was in use
 before the call: on CUDA torch's allocator statistics, on a CPU the process's peak
-resident memory (VmHWM, reset before each case through /proc/self/clear_refs).
+resident memory (VmHWM, reset before each case through /proc/self/clear_refs), with
+glibc told to return every block over 64 KiB to the system when freed, so that
+memory a previous case freed cannot hide a new peak.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,7 +28,8 @@ from model.attention import ATTENTION_BACKENDS, Mask  # noqa: E402
 CASES = [("sdpa causal", "sdpa", False), ("eager causal", "eager", False),
          ("sdpa + window mask", "sdpa", True), ("eager + window mask", "eager", True),
          ("banded window", "banded", True), ("flex window", "flex", True)]
-EAGER_MAX_T = 4096
+EAGER_MAX_T = 4096           # eager keeps T×T scores and weights (and their gradients)
+DENSE_MASK_MAX_T = 8192      # sdpa with a T×T mask falls back to its math path
 
 
 def _status(field: str) -> int:
@@ -82,6 +86,9 @@ def measure(backend, T, window, device, backward, B, H, D, repeats):
 
 
 def main():
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:       # see the docstring
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+",
                         default=[256, 512, 1024, 2048, 4096, 8192, 16384])
@@ -103,6 +110,8 @@ def main():
                     continue                                  # no flex backward on CPU
                 for T in args.lengths:
                     if backend == "eager" and T > EAGER_MAX_T:
+                        continue
+                    if label == "sdpa + window mask" and T > DENSE_MASK_MAX_T:
                         continue
                     W = args.window if windowed else 0
                     if W and W > T:

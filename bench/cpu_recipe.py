@@ -60,7 +60,7 @@ def main():
             r = rows[-1]
             print(f"{name}: {r['wall']:.1f} s, val loss {r['val']:.4f}; curve "
                   + " ".join(f"{s}:{v:.3f}" for s, v in r["curve"]), flush=True)
-    print(f"\n| recipe | train.py arguments | steps | wall time | final val loss |")
+    print("\n| recipe | train.py arguments | steps | wall time | final val loss |")
     print("|---|---|---|---|---|")
     print("| nanoGPT CPU recipe (reference, measured separately) | 4/4/128, ctx 64, batch 12, "
           "lr 1e-3 | 2000 | 102 s | 1.886 |")

@@ -38,10 +38,9 @@ class Tokenizer:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     def save(self, directory: str | Path) -> Path:
+        from attnlab.files import write_text_atomic
         path = Path(directory) / FILENAME
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(self.to_json(), encoding="utf-8")
-        tmp.replace(path)
+        write_text_atomic(path, self.to_json())
         return path
 
     @staticmethod

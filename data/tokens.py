@@ -10,7 +10,6 @@ for a finished one.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import math
 import os
@@ -21,19 +20,12 @@ import numpy as np
 import torch
 
 from attnlab.errors import DataError
+from attnlab.files import file_sha256, write_json_atomic
 from data.tokenizer import BPETokenizer, Tokenizer, line_chunks, train_tokenizer
 
 DATA_DIR = Path(__file__).resolve().parent
 BUNDLED_CORPUS = DATA_DIR / "shakespeare" / "plays.txt.gz"
 FORMAT_VERSION = 1
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_text(path: Path) -> str:
@@ -148,9 +140,7 @@ def _build(source, folder, key, kind, vocab_size, val_fraction, log):
         meta[f"{split}_chars"] = len(part)
         meta[f"{split}_bytes"] = len(part.encode("utf-8"))
     tok.save(folder)
-    tmp = folder / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=2))
-    os.replace(tmp, folder / "meta.json")
+    write_json_atomic(folder / "meta.json", meta)
     log(f"  {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens, "
         f"vocabulary {tok.vocab_size}")
     return meta, tok

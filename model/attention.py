@@ -155,41 +155,50 @@ def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: 
     Cut the sequence into blocks of W queries. With a window of W, the keys a block can
     see lie in its own block and the one before, so each block attends to 2·W keys
     (plus the n_global first ones), never to all T: time and memory grow with T·W.
-    The mask inside the band is the same rule as everywhere else. Used for full
-    sequences; a chunk after a cache goes to sdpa, which costs O(W) per query there."""
+    The mask inside the band is the same rule as everywhere else, and the blocks run
+    as one batch through the fused SDPA kernel. Used for full sequences; a chunk after
+    a cache goes to sdpa, which costs O(W) per query there."""
     W, G = mask.window, mask.n_global
     if not W or mask.q_start != 0 or mask.q_len != mask.k_len:
         return sdpa_attention(q, k, v, mask, dropout_p, need_weights)
     B, H, T, D = q.shape
-    n_blocks = -(-T // W)
-    pad = n_blocks * W - T                    # < W: every padded query still sees a real key
+    n = -(-T // W)
+    pad = n * W - T                           # < W: every padded query still sees a real key
 
     def blocks(x):                                                    # (B, H, n, W, D)
-        return F.pad(x, (0, 0, 0, pad)).view(B, H, n_blocks, W, D)
+        return F.pad(x, (0, 0, 0, pad)).view(B, H, n, W, D)
 
-    qb, kb, vb = blocks(q), blocks(k), blocks(v)
-    previous = lambda x: F.pad(x, (0, 0, 0, 0, 1, 0))[:, :, :-1]      # block i-1 beside block i
-    keys = torch.cat([previous(kb), kb], dim=3)                       # (B, H, n, 2W, D)
-    values = torch.cat([previous(vb), vb], dim=3)
+    def beside_previous(x):                                           # (B, H, n, 2W, D)
+        return torch.cat([F.pad(x, (0, 0, 0, 0, 1, 0))[:, :, :-1], x], dim=3)
+
+    qb, keys, values = blocks(q), beside_previous(blocks(k)), beside_previous(blocks(v))
     device = q.device
-    q_pos = torch.arange(n_blocks * W, device=device).view(n_blocks, W)
-    k_pos = torch.arange(-W, 2 * W * n_blocks, device=device).unfold(0, 2 * W, W)[:n_blocks]
+    q_pos = torch.arange(n * W, device=device).view(n, W)
+    k_pos = torch.arange(-W, n * W, device=device).unfold(0, 2 * W, W)       # (n, 2W)
     ok = rule(q_pos[:, :, None], k_pos[:, None, :], W) & (k_pos >= G)[:, None, :] \
         & (k_pos < T)[:, None, :]
     if G:                            # the global keys, beside every block (band excludes them)
         g = min(G, T)
-        keys = torch.cat([k[:, :, None, :g].expand(B, H, n_blocks, g, D), keys], dim=3)
-        values = torch.cat([v[:, :, None, :g].expand(B, H, n_blocks, g, D), values], dim=3)
-        g_pos = torch.arange(g, device=device).expand(n_blocks, g)
+        keys = torch.cat([k[:, :, None, :g].expand(B, H, n, g, D), keys], dim=3)
+        values = torch.cat([v[:, :, None, :g].expand(B, H, n, g, D), values], dim=3)
+        g_pos = torch.arange(g, device=device).expand(n, g)
         ok = torch.cat([rule(q_pos[:, :, None], g_pos[:, None, :]), ok], dim=2)
         k_pos = torch.cat([g_pos, k_pos], dim=1)
-    scores = (qb @ keys.transpose(-2, -1)) / math.sqrt(D)             # (B, H, n, W, keys)
-    if mask.bias_fn is not None:
-        scores = scores + mask.bias_fn(q_pos[:, :, None], k_pos[:, None, :])
-    scores = scores.masked_fill(~ok, float("-inf"))
-    weights = torch.softmax(at_least_fp32(scores), dim=-1).to(q.dtype)
-    out = F.dropout(weights, dropout_p) @ values                      # (B, H, n, W, D)
-    return out.view(B, H, n_blocks * W, D)[:, :, :T], None
+    n_keys = keys.shape[3]
+
+    def batched(x):          # each block one item of a batch of B·n short attentions
+        return x.transpose(1, 2).reshape(B * n, H, x.shape[3], D)
+
+    if mask.bias_fn is not None:                                      # ALiBi inside the band
+        bias = mask.bias_fn(q_pos[:, :, None], k_pos[:, None, :])      # (H, n, W, keys)
+        attn_mask = bias.to(q.dtype).masked_fill(~ok, float("-inf")).transpose(0, 1)
+        attn_mask = attn_mask.expand(B, n, H, W, n_keys).reshape(B * n, H, W, n_keys)
+    else:
+        attn_mask = ok[:, None].expand(B, n, 1, W, n_keys).reshape(B * n, 1, W, n_keys)
+    out = F.scaled_dot_product_attention(batched(qb), batched(keys), batched(values),
+                                         attn_mask=attn_mask, dropout_p=dropout_p)
+    out = out.view(B, n, H, W, D).transpose(1, 2)                    # (B, H, n, W, D)
+    return out.reshape(B, H, n * W, D)[:, :, :T], None
 
 
 def flex_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):

@@ -47,11 +47,16 @@ def flex_attention(q, k, v, mask, dropout_p: float = 0.0, need_weights: bool = F
         raise ValueError("the flex backend never forms the attention weights; use eager")
     if dropout_p:
         raise ValueError("the flex backend has no attention dropout")
-    score_mod = None
-    if mask.bias_fn is not None:
-        bias_fn, q_start, k_pos = mask.bias_fn, mask.q_start, mask.k_pos
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return score + bias_fn(q_start + q_idx, k_pos[kv_idx], head=h).to(score.dtype)
-    out = _kernel()(q, k, v, score_mod=score_mod, block_mask=block_mask_for(mask, q.device))
+    out = _kernel()(q, k, v, score_mod=_score_mod(mask), block_mask=block_mask_for(mask, q.device))
     return out, None
+
+
+def _score_mod(mask):
+    """ALiBi's distance penalty, one score at a time; None when there is no bias."""
+    if mask.bias_fn is None:
+        return None
+    bias_fn, q_start, k_pos = mask.bias_fn, mask.q_start, mask.k_pos
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias_fn(q_start + q_idx, k_pos[kv_idx], head=h).to(score.dtype)
+    return score_mod

@@ -1,0 +1,38 @@
+"""File helpers shared by the token cache and checkpoints: hashing, and writes that
+are atomic (a temporary file, flushed to disk, then renamed over the target)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    fsync(tmp)
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, data) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2))
