@@ -3,6 +3,7 @@
     python sample.py                              # the latest run, its best checkpoint
     python sample.py --run runs/cpu-20261129-0900 --prompt "ROMEO:" --num_samples 3
     python sample.py --temperature 0 --max_new_tokens 200     # greedy
+    python sample.py --explain --max_new_tokens 20             # watch each step's choice
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ USAGE = """usage: python sample.py [--run DIR] [--checkpoint best|latest] [--dev
 Sampling options (also accepted as --sample.KEY=VALUE):"""
 
 
+FLAGS = {"explain", "use_cache", "sample.explain", "sample.use_cache"}
+
+
 def parse(argv: list[str]):
     from attnlab import config
     from attnlab.errors import ConfigError
@@ -31,9 +35,12 @@ def parse(argv: list[str]):
         if key is None:
             raise ConfigError(f"unexpected argument {argv[i]!r}; see python sample.py --help")
         if not eq:
-            if i + 1 >= len(argv):
+            if key in FLAGS and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
+                value = "true"                                  # a bare switch: --explain
+            elif i + 1 >= len(argv):
                 raise ConfigError(f"{name} needs a value: {name}=VALUE")
-            value, i = argv[i + 1], i + 1
+            else:
+                value, i = argv[i + 1], i + 1
         if key in opts:
             opts[key] = value
         else:
@@ -58,7 +65,7 @@ def main(argv: list[str]) -> int:
         return 0
     from attnlab.device import pick_device
     from attnlab.errors import CheckpointError
-    from attnlab.inference import encode_prompt, load_run, stream_text
+    from attnlab.inference import StepExplainer, encode_prompt, load_run, stream_text
 
     opts, s = parse(argv)
     run = opts["run"]
@@ -77,11 +84,19 @@ def main(argv: list[str]) -> int:
     for n in range(s.num_samples):
         if s.num_samples > 1:
             print(f"\n--- sample {n + 1} ---", flush=True)
-        sys.stdout.write(s.prompt)
+        explainer = StepExplainer(tokenizer, s.temperature, s.top_k, s.top_p, s.explain_top) \
+            if s.explain else None
+        text = s.prompt
+        sys.stdout.write("" if explainer else s.prompt)
         for piece in stream_text(model, tokenizer, prompt_ids, s.max_new_tokens, s.temperature,
-                                 s.top_k, s.top_p, s.seed + n, s.use_cache):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+                                 s.top_k, s.top_p, s.seed + n, s.use_cache, on_step=explainer):
+            text += piece
+            if explainer:                  # the step's candidates, then the text so far
+                print(explainer.render(explainer.steps[-1], len(explainer.steps)))
+                print(f"   text: {text[-60:]!r}\n", flush=True)
+            else:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
         sys.stdout.write("\n")
     return 0
 

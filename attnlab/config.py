@@ -67,6 +67,9 @@ class SampleConfig:
     seed: int = opt(1337, "random seed for sampling")
     num_samples: int = opt(1, "independent samples to draw")
     use_cache: bool = opt(True, "reuse keys/values of earlier tokens (KV cache)")
+    explain: bool = opt(False, "show each step's top candidates before and after "
+                               "temperature / top-k / top-p, and the token chosen")
+    explain_top: int = opt(5, "candidates shown per step with explain")
 
 
 @dataclass

@@ -12,6 +12,7 @@ from attnlab.config import RunConfig, from_dict
 from attnlab.errors import CheckpointError, TokenizerError
 from data.tokenizer import BPETokenizer, Tokenizer
 from model import GPT
+from model.sampling import next_token_distribution
 
 
 def load_run(path: str | Path, which: str = "best", device: str | torch.device = "cpu"):
@@ -44,7 +45,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
 
 def stream_text(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], max_new_tokens: int,
                 temperature: float, top_k: int, top_p: float, seed: int,
-                use_cache: bool = True) -> Iterator[str]:
+                use_cache: bool = True, on_step=None) -> Iterator[str]:
     """Yield the generated text piece by piece, as soon as each token is sampled.
 
     Byte-level BPE tokens can end inside a multi-byte character; a piece is released
@@ -55,7 +56,7 @@ def stream_text(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], max_new
     ids: list[int] = []
     shown = ""
     for token in model.generate(idx, max_new_tokens, temperature, top_k, top_p,
-                                generator=generator, use_cache=use_cache):
+                                generator=generator, use_cache=use_cache, on_step=on_step):
         ids.append(int(token[0, 0]))
         text = tokenizer.decode(ids)
         if text.endswith("\ufffd"):          # an incomplete UTF-8 sequence: wait for more bytes
@@ -65,3 +66,37 @@ def stream_text(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], max_new
     text = tokenizer.decode(ids)
     if len(text) > len(shown):
         yield text[len(shown):]
+
+
+class StepExplainer:
+    """Records, at each generation step, the model's distribution before and after
+    temperature / top-k / top-p and the token drawn: generation watched left to right."""
+
+    def __init__(self, tokenizer: Tokenizer, temperature: float, top_k: int, top_p: float,
+                 show: int = 5):
+        self.tokenizer, self.show = tokenizer, show
+        self.settings = (temperature, top_k, top_p)
+        self.steps: list[dict] = []
+
+    def __call__(self, logits: torch.Tensor, token: torch.Tensor) -> None:
+        before = torch.softmax(logits[0].float(), dim=-1)              # the model's own belief
+        after = next_token_distribution(logits[:1], *self.settings)[0]   # what is sampled from
+        top = torch.topk(before, min(self.show, before.numel()))
+        chosen = int(token[0, 0])
+        self.steps.append({
+            "candidates": [(int(i), before[i].item(), after[i].item()) for i in top.indices],
+            "chosen": chosen, "p_before": before[chosen].item(), "p_after": after[chosen].item(),
+            "after": after, "kept": int((after > 0).sum()),
+        })
+
+    def render(self, step: dict, index: int) -> str:
+        t, k, p = self.settings
+        label = lambda i: repr(self.tokenizer.decode([i]))
+        lines = [f"step {index}: {step['kept']} candidate(s) left after temperature {t}, "
+                 f"top-k {k or 'off'}, top-p {p}"]
+        lines += [f"   {label(i):<14} {b:7.1%} -> {a:7.1%}" + ("   <- chosen" if i == step["chosen"] else "")
+                  for i, b, a in step["candidates"]]
+        if step["chosen"] not in [i for i, _, _ in step["candidates"]]:
+            lines.append(f"   {label(step['chosen']):<14} {step['p_before']:7.1%} -> "
+                         f"{step['p_after']:7.1%}   <- chosen")
+        return "\n".join(lines)

@@ -193,14 +193,15 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, generator: torch.Generator | None = None,
-                 use_cache: bool = True) -> Iterator[torch.Tensor]:
+                 use_cache: bool = True, on_step=None) -> Iterator[torch.Tensor]:
         """Yield (B, 1) new tokens one at a time, so a caller can print them as they come.
 
         A windowed model with relative positions decodes from a rolling cache with no
         limit. Otherwise the model sees at most block_size tokens: with the cache, when
         it fills up the oldest half of the context is dropped and the rest is re-read
         in one pass (positions restart at 0), so every token is still predicted from
-        between block_size/2 and block_size tokens of context."""
+        between block_size/2 and block_size tokens of context. `on_step(logits, token)`,
+        if given, sees each step's last-position logits and the token drawn from them."""
         window = self.config.block_size
         context = idx if self.rolls and use_cache else idx[:, -window:]
         cache = None
@@ -217,5 +218,7 @@ class GPT(nn.Module):
             else:
                 logits = self(context[:, -1:], cache=cache).logits
             token = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
+            if on_step is not None:
+                on_step(logits[:, -1], token)
             context = torch.cat([context, token], dim=1)
             yield token

@@ -36,3 +36,28 @@ def test_greedy_and_seeded_sampling():
     assert sample_next(LOGITS, temperature=0).item() == 0
     a = [sample_next(LOGITS, generator=torch.Generator().manual_seed(3)).item() for _ in range(3)]
     assert len(set(a)) == 1
+
+
+def test_explainer_probabilities_sum_to_one_and_match_the_sampler():
+    from attnlab.inference import StepExplainer
+    from data.tokenizer import CharTokenizer
+    from model import GPT, ModelConfig
+    torch.manual_seed(0)
+    tok = CharTokenizer("abcdefgh ")
+    model = GPT(ModelConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=16,
+                            block_size=16)).eval()
+    settings = dict(temperature=0.7, top_k=4, top_p=0.8)
+    prompt = torch.tensor([[0, 1]])
+    plain = [t.item() for t in model.generate(prompt, 12, generator=torch.Generator().manual_seed(5),
+                                              **settings)]
+    explainer = StepExplainer(tok, settings["temperature"], settings["top_k"], settings["top_p"])
+    watched = [t.item() for t in model.generate(prompt, 12, generator=torch.Generator().manual_seed(5),
+                                                on_step=explainer, **settings)]
+    assert watched == plain                       # watching does not change what is drawn
+    assert len(explainer.steps) == 12
+    for step in explainer.steps:
+        assert step["after"].sum().item() == pytest.approx(1.0, abs=1e-6)
+        assert step["p_after"] > 0 and step["kept"] <= 4
+        befores = [b for _, b, _ in step["candidates"]]
+        assert befores == sorted(befores, reverse=True)
+        assert "chosen" in explainer.render(step, 1)

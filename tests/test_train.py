@@ -64,6 +64,8 @@ def test_sample_streams_text_from_the_run(trained):
     again = run_script("sample.py", "--run", run_dir, "--prompt", "KING", "--max_new_tokens", "40",
                        "--temperature", "0", "--use_cache", "false")
     assert again.stdout == proc.stdout                    # cache or not, greedy text is the same
+    explained = run_script("sample.py", "--run", run_dir, "--explain", "--max_new_tokens", "3")
+    assert explained.stdout.count("<- chosen") == 3 and "step 3:" in explained.stdout
     two = run_script("sample.py", "--run", run_dir, "--num_samples", "2", "--max_new_tokens", "20",
                      "--top_p", "0.9", "--top_k", "5")
     assert two.stdout.count("--- sample") == 2
