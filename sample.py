@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from attnlab.errors import friendly_errors
 
@@ -64,17 +63,10 @@ def main(argv: list[str]) -> int:
         print(USAGE + help_text().split("[sample]", 1)[1])
         return 0
     from attnlab.device import pick_device
-    from attnlab.errors import CheckpointError
-    from attnlab.inference import StepExplainer, encode_prompt, load_run, stream_text
+    from attnlab.inference import StepExplainer, encode_prompt, latest_run, load_run, stream_text
 
     opts, s = parse(argv)
-    run = opts["run"]
-    if not run:
-        marker = Path("runs") / "LATEST"
-        if not marker.is_file():
-            raise CheckpointError("no trained run found (runs/LATEST is missing); train one with "
-                                  "`python train.py`, or pass --run DIR")
-        run = Path("runs") / marker.read_text().strip()
+    run = opts["run"] or latest_run()
     device = pick_device(opts["device"])
     model, cfg, tokenizer, ckpt = load_run(run, opts["checkpoint"], device)
     prompt_ids = encode_prompt(tokenizer, s.prompt)

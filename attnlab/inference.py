@@ -30,6 +30,15 @@ def load_run(path: str | Path, which: str = "best", device: str | torch.device =
     return model.to(device).eval(), cfg, tokenizer, ckpt
 
 
+def latest_run(out_dir: str | Path = "runs") -> Path:
+    """The run train.py wrote last (named in runs/LATEST)."""
+    marker = Path(out_dir) / "LATEST"
+    if not marker.is_file():
+        raise CheckpointError(f"no trained run found ({marker} is missing); train one with "
+                              "`python train.py`, or pass --run DIR")
+    return Path(out_dir) / marker.read_text().strip()
+
+
 def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
     """Token ids for a prompt. An empty prompt starts a new line (character models)
     or a new document (BPE models, from the end-of-text token)."""

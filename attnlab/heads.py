@@ -1,0 +1,178 @@
+"""Look inside a trained model's attention: every layer × head as a heatmap, the
+head where one word looks most at another, and what each head tends to do.
+
+    python -m attnlab.heads grid   --run runs/NAME --text "The trophy did not fit"
+    python -m attnlab.heads head   --run runs/NAME --text "..." --layer 1 --head 2
+    python -m attnlab.heads search --run runs/NAME --text "..." --from "it" --to "trophy"
+    python -m attnlab.heads stats  --run runs/NAME --text "..."
+
+Rows of a heatmap are the tokens looking (queries), columns the tokens looked at
+(keys); each row sums to 1 and is zero right of the diagonal (the causal mask).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from attnlab.errors import AttnlabError, friendly_errors
+
+
+def token_spans(tokenizer, text: str) -> list[tuple[int, int]]:
+    """(start, end) character offsets of each token of `text`."""
+    if tokenizer.kind == "char":
+        return [(i, i + 1) for i in range(len(text))]
+    return list(tokenizer.hf.encode(text).offsets)
+
+
+@torch.no_grad()
+def attention_maps(model, tokenizer, text: str):
+    """(token strings, [layer] -> (heads, T, T) weights) for one text."""
+    if not text:
+        raise AttnlabError("give some text to look at with --text")
+    ids = tokenizer.encode(text)
+    if len(ids) > model.config.block_size and model.config.position == "learned":
+        raise AttnlabError(f"the text is {len(ids)} tokens; this model reads at most "
+                           f"{model.config.block_size}")
+    idx = torch.tensor([ids], device=next(model.parameters()).device)
+    out = model(idx, return_attention=True)
+    maps = [w[0].float().cpu() for w in out.attentions]
+    return [tokenizer.decode([i]) for i in ids], maps
+
+
+def find_span(text: str, needle: str, spans, after: int = 0) -> list[int]:
+    """Indices of the tokens covering the first occurrence of needle at or after
+    character `after`."""
+    start = text.find(needle, after)
+    if start < 0:
+        raise AttnlabError(f"{needle!r} does not occur in the text")
+    end = start + len(needle)
+    return [i for i, (a, b) in enumerate(spans) if a < end and b > start]
+
+
+def search(maps, text: str, spans, source: str, target: str):
+    """Rank every (layer, head) by how much the last token of `source` attends to the
+    tokens of `target` (the article's "it -> trophy"). `target` must come first."""
+    target_tokens = find_span(text, target, spans)
+    source_tokens = find_span(text, source, spans, after=text.find(target) + len(target))
+    query = source_tokens[-1]
+    ranking = []
+    for layer, weights in enumerate(maps):
+        for head in range(weights.shape[0]):
+            ranking.append((weights[head, query, target_tokens].sum().item(), layer, head))
+    return sorted(ranking, reverse=True), query, target_tokens
+
+
+def head_stats(weights: torch.Tensor) -> dict:
+    """Statistics of one head's (T, T) weights, averaged over the query rows."""
+    T = weights.shape[0]
+    rows = torch.arange(T)
+    entropy = -(weights * weights.clamp_min(1e-12).log()).sum(-1).mean().item()
+    distance = (weights * (rows[:, None] - rows[None, :]).clamp_min(0)).sum(-1)[1:].mean().item()
+    previous = weights[rows[1:], rows[1:] - 1].mean().item() if T > 1 else 0.0
+    first = weights[1:, 0].mean().item() if T > 1 else 1.0
+    if previous > 0.5:
+        label = "previous-token head"
+    elif first > 0.5:
+        label = "first-token (sink) head"
+    elif distance < 3.0:
+        label = "local head"
+    else:
+        label = "broad head"
+    return {"entropy": entropy, "mean_distance": distance, "previous": previous,
+            "first": first, "label": label}
+
+
+def _plot_one(ax, weights, tokens, title, labels=True):
+    ax.imshow(weights.numpy(), cmap="viridis", vmin=0, vmax=1)
+    ax.set_title(title, fontsize=8)
+    if labels and len(tokens) <= 40:
+        shown = [t.replace("\n", "\\n") for t in tokens]
+        ax.set_xticks(range(len(tokens)), shown, rotation=90, fontsize=6)
+        ax.set_yticks(range(len(tokens)), shown, fontsize=6)
+    else:
+        ax.set_xticks([])
+        ax.set_yticks([])
+
+
+def save_grid(path, tokens, maps) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    L, H = len(maps), maps[0].shape[0]
+    fig, axes = plt.subplots(L, H, figsize=(2.6 * H, 2.6 * L), squeeze=False)
+    for layer in range(L):
+        for head in range(H):
+            _plot_one(axes[layer][head], maps[layer][head], tokens, f"layer {layer}, head {head}",
+                      labels=len(tokens) <= 16)
+    fig.supxlabel("token looked at (key)")
+    fig.supylabel("token looking (query)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+def save_head(path, tokens, weights, layer, head) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 7))
+    _plot_one(ax, weights, tokens, f"layer {layer}, head {head}")
+    ax.set_xlabel("token looked at (key)")
+    ax.set_ylabel("token looking (query)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m attnlab.heads", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("what", choices=["grid", "head", "search", "stats"])
+    parser.add_argument("--run", default="", help="run directory or checkpoint (default: the latest run)")
+    parser.add_argument("--text", required=True, help="the sentence to look at")
+    parser.add_argument("--out", default="", help="PNG path (grid, head)")
+    parser.add_argument("--layer", type=int, default=0)
+    parser.add_argument("--head", type=int, default=0)
+    parser.add_argument("--from", dest="source", default="", help="search: the word looking")
+    parser.add_argument("--to", dest="target", default="", help="search: the word looked at")
+    parser.add_argument("--top", type=int, default=5)
+    args = parser.parse_args(argv)
+    from attnlab.inference import load_run, latest_run
+    model, _, tokenizer, ckpt = load_run(args.run or latest_run(), "best")
+    tokens, maps = attention_maps(model, tokenizer, args.text)
+    if args.what == "grid":
+        print(save_grid(args.out or "attention_grid.png", tokens, maps))
+    elif args.what == "head":
+        if not (0 <= args.layer < len(maps) and 0 <= args.head < maps[0].shape[0]):
+            raise AttnlabError(f"this model has layers 0-{len(maps) - 1} and heads "
+                               f"0-{maps[0].shape[0] - 1}")
+        print(save_head(args.out or f"attention_l{args.layer}_h{args.head}.png", tokens,
+                        maps[args.layer][args.head], args.layer, args.head))
+    elif args.what == "search":
+        if not (args.source and args.target):
+            raise AttnlabError("search needs --from WORD (looking) and --to WORD (looked at)")
+        ranking, query, targets = search(maps, args.text, token_spans(tokenizer, args.text),
+                                         args.source, args.target)
+        print(f"token {query} ({tokens[query]!r}) looking at tokens {targets} "
+              f"({''.join(tokens[t] for t in targets)!r}):")
+        for weight, layer, head in ranking[:args.top]:
+            print(f"  layer {layer}, head {head}: weight {weight:.3f}")
+    else:
+        print(f"{'layer':>5} {'head':>4} {'entropy':>8} {'distance':>8} {'prev':>6} {'first':>6}  pattern")
+        for layer, weights in enumerate(maps):
+            for head in range(weights.shape[0]):
+                s = head_stats(weights[head])
+                print(f"{layer:>5} {head:>4} {s['entropy']:8.3f} {s['mean_distance']:8.2f} "
+                      f"{s['previous']:6.2f} {s['first']:6.2f}  {s['label']}")
+    return 0
+
+
+if __name__ == "__main__":
+    with friendly_errors():
+        sys.exit(main())

@@ -1,0 +1,66 @@
+"""Looking inside attention (attnlab/heads.py): a planted pattern is found."""
+import torch
+
+from attnlab.heads import attention_maps, head_stats, save_grid, save_head, search, token_spans
+from data.tokenizer import CharTokenizer
+from model import GPT, ModelConfig
+
+
+def planted_model(tokenizer, source: str, target: str, layer: int = 1, head: int = 1):
+    """A 2-layer model whose attention is set by hand: in (layer, head) the query of
+    `source` matches only the key of `target`; every other head attends uniformly."""
+    V = tokenizer.vocab_size
+    model = GPT(ModelConfig(vocab_size=V, n_layer=2, n_head=2, n_embd=2 * V, block_size=64,
+                            position="none", norm="rmsnorm", mlp="gelu")).eval()
+    D = model.config.head_dim
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.wte.weight.copy_(torch.eye(V, 2 * V))            # token t -> unit vector e_t
+        for block in model.blocks:
+            block.norm_attn.weight.fill_(1.0)
+            block.norm_mlp.weight.fill_(1.0)
+        a, b = tokenizer.encode(source)[0], tokenizer.encode(target)[0]
+        w = model.blocks[layer].attn.w_qkv.weight              # rows: q heads, k heads, v heads
+        w[head * D, a] = 20.0                                  # query of `source` ...
+        w[(2 + head) * D, b] = 20.0                            # ... matches the key of `target`
+    return model
+
+
+def test_head_search_finds_the_planted_head():
+    text = "the trophy did not fit because it was big"
+    tok = CharTokenizer(set(text))
+    model = planted_model(tok, "t", "y", layer=1, head=1)     # the "t" of "it" -> the "y"
+    tokens, maps = attention_maps(model, tok, text)
+    assert len(maps) == 2 and maps[0].shape == (2, len(text), len(text))
+    ranking, query, targets = search(maps, text, token_spans(tok, text), "it", "trophy")
+    weight, layer, head = ranking[0]
+    assert (layer, head) == (1, 1) and weight > 0.99
+    assert tokens[query] == "t" and "".join(tokens[t] for t in targets) == "trophy"
+    assert ranking[1][0] < 0.5                 # the uniform heads give "trophy" its share only
+
+
+def test_head_statistics_label_recognisable_patterns():
+    T = 12
+    previous = torch.zeros(T, T)
+    previous[0, 0] = 1
+    previous[torch.arange(1, T), torch.arange(T - 1)] = 1
+    sink = torch.zeros(T, T)
+    sink[:, 0] = 1
+    uniform = torch.tril(torch.ones(T, T))
+    uniform = uniform / uniform.sum(-1, keepdim=True)
+    assert head_stats(previous)["label"] == "previous-token head"
+    assert head_stats(previous)["mean_distance"] == 1.0
+    assert head_stats(sink)["label"] == "first-token (sink) head"
+    assert head_stats(uniform)["entropy"] > head_stats(previous)["entropy"] == 0
+
+
+def test_heatmaps_are_written_as_png(tmp_path):
+    text = "to be or not"
+    tok = CharTokenizer(set(text))
+    model = planted_model(tok, "o", "t")
+    tokens, maps = attention_maps(model, tok, text)
+    for path in (save_grid(tmp_path / "grid.png", tokens, maps),
+                 save_head(tmp_path / "head.png", tokens, maps[1][1], 1, 1)):
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
