@@ -1,0 +1,146 @@
+"""Length extrapolation: evaluate trained models at 1x, 2x, 4x and 8x the context they
+were trained at, and plot validation loss against length, one line per position
+scheme; a RoPE model is also evaluated with position interpolation, NTK and YaRN.
+
+    python -m attnlab.extrapolate --from runs/compare-20261129-1000
+    python -m attnlab.extrapolate --runs runs/rope runs/alibi --factors 1 2 4 8 16
+
+Learned positions have no vectors past their table: they are reported as not
+applicable there, not run. Writes extrapolation.md, .csv and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from attnlab.errors import AttnlabError, friendly_errors
+
+EVAL_SEED = 2024
+
+
+def find_runs(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if (p / "config.json").is_file()
+                  and (p / "checkpoints").is_dir())
+
+
+@torch.no_grad()
+def val_loss(model, tokens, length: int, batches: int, batch_size: int) -> float:
+    from data.tokens import Batches
+    data = Batches(tokens, batch_size, length, seed=EVAL_SEED, split="val")
+    total = 0.0
+    for _ in range(batches):
+        x, y = data.next()
+        total += model(x, y).loss.item()
+    return total / batches
+
+
+def schemes(cfg, factor: int):
+    """(label, model config) pairs to evaluate a trained model with at this factor."""
+    yield cfg.position, cfg
+    if cfg.position == "rope":                    # at 1x each scaling is plain RoPE
+        for kind, label in [("linear", "rope + PI"), ("ntk", "rope + NTK"), ("yarn", "rope + YaRN")]:
+            yield label, replace(cfg, rope_scaling=kind, rope_factor=float(factor),
+                                 rope_original_context=cfg.block_size)
+
+
+def evaluate_run(run: Path, factors, batches: int, batch_size: int) -> list[dict]:
+    from attnlab import checkpoint
+    from attnlab.inference import load_run
+    from data.tokens import load_tokens
+    from model import GPT
+    model, cfg, _, ckpt = load_run(run, "best")
+    weights, _, _ = checkpoint.load(ckpt)
+    d = cfg.data
+    data = load_tokens(d.path, d.tokenizer, d.vocab_size, d.val_fraction, d.cache_dir, log=lambda *a: None)
+    T = cfg.model.block_size
+    rows = []
+    for f in factors:
+        for label, mcfg in schemes(cfg.model, f):
+            row = {"run": run.name, "scheme": label, "factor": f, "length": f * T}
+            if mcfg.position == "learned" and f * T > T:
+                row["val_loss"] = None                     # no position vectors that far
+            else:
+                m = GPT(mcfg)
+                checkpoint.load_weights(m, weights, ckpt)
+                row["val_loss"] = val_loss(m.eval(), data.val, f * T, batches, batch_size)
+            rows.append(row)
+            shown = "n/a (past its table)" if row["val_loss"] is None else f"{row['val_loss']:.4f}"
+            print(f"  {run.name:<16} {label:<14} {f}x ({f * T:>5} tokens): {shown}", flush=True)
+    return rows
+
+
+def write(rows: list[dict], out: Path, factors) -> None:
+    with open(out / "extrapolation.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["run", "scheme", "factor", "length", "val_loss"])
+        for r in rows:
+            w.writerow([r["run"], r["scheme"], r["factor"], r["length"], r["val_loss"]])
+    keys = list(dict.fromkeys((r["run"], r["scheme"]) for r in rows))
+    lines = ["| run | scheme | " + " | ".join(f"{f}x" for f in factors) + " |",
+             "|---|---|" + "---|" * len(factors)]
+    for run, scheme in keys:
+        cells = []
+        for f in factors:
+            hit = [r for r in rows if (r["run"], r["scheme"], r["factor"]) == (run, scheme, f)]
+            value = hit[0]["val_loss"] if hit else None
+            cells.append("n/a" if value is None else f"{value:.3f}")
+        lines.append(f"| {run} | {scheme} | " + " | ".join(cells) + " |")
+    (out / "extrapolation.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for run, scheme in keys:
+        pts = [(r["length"], r["val_loss"]) for r in rows
+               if (r["run"], r["scheme"]) == (run, scheme) and r["val_loss"] is not None]
+        label = scheme if scheme == run else f"{run}: {scheme}"
+        ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("evaluation context length (tokens)")
+    ax.set_ylabel("validation loss (nats per token)")
+    ax.set_title("Length extrapolation (trained at the leftmost length)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "extrapolation.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m attnlab.extrapolate",
+                                     description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--from", dest="folder", default="", help="a folder of runs (compare's output)")
+    parser.add_argument("--runs", nargs="*", default=[], help="run directories")
+    parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--batches", type=int, default=10, help="validation batches per point")
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--out", default="", help="output folder (default: --from, or .)")
+    args = parser.parse_args(argv)
+    runs = [Path(r) for r in args.runs] + (find_runs(Path(args.folder)) if args.folder else [])
+    if not runs:
+        raise AttnlabError("no runs to evaluate: give --from FOLDER (from attnlab.compare) "
+                           "or --runs DIR [DIR ...]")
+    if any(f < 1 for f in args.factors):
+        raise AttnlabError("--factors must be whole numbers of at least 1")
+    out = Path(args.out or args.folder or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for run in runs:
+        rows.extend(evaluate_run(run, args.factors, args.batches, args.batch_size))
+    write(rows, out, args.factors)
+    print(f"\nwrote {out}/extrapolation.md, .csv and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    with friendly_errors():
+        sys.exit(main())
