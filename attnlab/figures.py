@@ -1,15 +1,102 @@
-"""Pictures of the ideas: the mask patterns (causal, sliding window, local + global).
+"""The article's figures, regenerated from the code that implements each idea.
 
-    python -m attnlab.figures masks --out masks.png --length 24 --window 6 --n_global 2
+    python -m attnlab.figures all --out docs/figures     # every figure, numbers printed
+    python -m attnlab.figures masks --out masks.png      # one of: softmax, sqrt_dk,
+                                                         # blend, masks, cost
+
+softmax   softmax(1, 2, 3) and the same scores x8: why large scores saturate
+sqrt_dk   the spread of q·k for random unit-variance vectors grows like √d_k (measured)
+blend     the movie-night example: weights 0.5/0.3/0.2 over scores 9/2/5 give 6.1
+masks     causal, sliding-window and local + global masks
+cost      O(T²) against O(T·W): scores computed, and measured time when
+          bench/attention_cost.py has written bench/out/attention_cost.json
 """
 from __future__ import annotations
 
 import argparse
+import json
+import math
 from pathlib import Path
 
 import torch
 
-from model.attention import visible
+from model.attention import Mask, eager_attention, visible
+
+COST_JSON = Path(__file__).resolve().parent.parent / "bench" / "out" / "attention_cost.json"
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def softmax_saturation(out: Path) -> Path:
+    scores = torch.tensor([1.0, 2.0, 3.0])
+    rows = {"scores 1, 2, 3": torch.softmax(scores, 0), "same scores x8": torch.softmax(8 * scores, 0)}
+    for name, p in rows.items():
+        print(f"softmax({name}) = ({', '.join(f'{x:.2f}' for x in p.tolist())})")
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), sharey=True)
+    for ax, (name, p) in zip(axes, rows.items()):
+        ax.bar(["key 1", "key 2", "key 3"], p.numpy(), color="tab:blue")
+        ax.set_title(name)
+        for i, v in enumerate(p.tolist()):
+            ax.text(i, v + 0.02, f"{v:.2f}", ha="center")
+    axes[0].set_ylabel("attention weight")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def sqrt_dk_growth(out: Path) -> Path:
+    g = torch.Generator().manual_seed(0)
+    dims = [4, 16, 64, 256, 512, 1024]
+    raw, scaled = [], []
+    for d in dims:
+        q, k = torch.randn(20000, d, generator=g), torch.randn(20000, d, generator=g)
+        dots = (q * k).sum(-1)
+        raw.append(dots.std().item())
+        scaled.append((dots / math.sqrt(d)).std().item())
+        print(f"d_k = {d:>4}: spread of q·k {raw[-1]:6.2f} (√d_k = {math.sqrt(d):5.2f}); "
+              f"after dividing by √d_k {scaled[-1]:.2f}")
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(dims, raw, marker="o", label="spread of q·k (measured)")
+    ax.plot(dims, [math.sqrt(d) for d in dims], linestyle="--", label="√d_k")
+    ax.plot(dims, scaled, marker="o", label="spread of q·k / √d_k")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("d_k")
+    ax.set_ylabel("standard deviation")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def movie_night_blend(out: Path) -> Path:
+    weights = torch.tensor([0.5, 0.3, 0.2])
+    values = torch.tensor([9.0, 2.0, 5.0])
+    q = torch.ones(1, 1, 1, 1)                               # d_k = 1: q·k = log w
+    result, w = eager_attention(q, weights.log().view(1, 1, 3, 1), values.view(1, 1, 3, 1),
+                                Mask.over(2, 1, 3), need_weights=True)
+    print(f"movie night: 0.5·9 + 0.3·2 + 0.2·5 = {result.item():.1f} "
+          f"(weights from the softmax: {', '.join(f'{x:.2f}' for x in w.flatten().tolist())})")
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    names = ["friend A (9)", "friend B (2)", "friend C (5)"]
+    ax.bar(names, (weights * values).numpy(), color="tab:orange", label="weight x value")
+    ax.axhline(result.item(), color="black", linestyle="--", label=f"blend = {result.item():.1f}")
+    ax.legend()
+    ax.set_title("The output is a weighted average of the values")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def mask_patterns(length: int, window: int, n_global: int) -> dict[str, torch.Tensor]:
@@ -23,10 +110,7 @@ def mask_patterns(length: int, window: int, n_global: int) -> dict[str, torch.Te
 
 def save_mask_patterns(path: str | Path, length: int = 24, window: int = 6, n_global: int = 2):
     """One panel per pattern: rows are queries, columns keys, dark = may attend."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _plt()
     patterns = mask_patterns(length, window, n_global)
     fig, axes = plt.subplots(1, len(patterns), figsize=(4 * len(patterns), 4.2))
     for ax, (title, mask) in zip(axes, patterns.items()):
@@ -40,15 +124,58 @@ def save_mask_patterns(path: str | Path, length: int = 24, window: int = 6, n_gl
     return Path(path)
 
 
+def cost_curve(out: Path, window: int = 256) -> Path:
+    lengths = [2 ** i for i in range(8, 15)]
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].plot(lengths, [T * (T + 1) / 2 for T in lengths], marker="o", label="causal: T(T+1)/2")
+    axes[0].plot(lengths, [T * window for T in lengths], marker="o", label=f"window: about T·{window}")
+    axes[0].set_title("scores computed")
+    if COST_JSON.is_file():
+        rows = json.loads(COST_JSON.read_text())
+        for label in ("sdpa causal", "banded window", "sdpa + window mask"):
+            pts = [(r["T"], r["seconds"]) for r in rows
+                   if r["backend"] == label and r["pass"] == "fwd+bwd" and r["device"] == "cpu"]
+            if pts:
+                axes[1].plot(*zip(*pts), marker="o", label=label)
+        axes[1].set_title("measured forward + backward time (bench/attention_cost.py)")
+        axes[1].set_ylabel("seconds")
+    else:
+        axes[1].text(0.5, 0.5, "run bench/attention_cost.py\nfor measured times",
+                     ha="center", va="center", transform=axes[1].transAxes)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    print(f"at T = 8192: causal computes {8192 * 8193 // 2:,} scores, a window of {window} "
+          f"about {8192 * window:,} ({8192 * window / (8192 * 8193 / 2):.2f}x)")
+    return out
+
+
+FIGURES = {"softmax": softmax_saturation, "sqrt_dk": sqrt_dk_growth, "blend": movie_night_blend,
+           "masks": save_mask_patterns, "cost": cost_curve}
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Draw the attention mask patterns as a PNG.")
-    parser.add_argument("figure", choices=["masks"])
-    parser.add_argument("--out", default="masks.png")
-    parser.add_argument("--length", type=int, default=24)
-    parser.add_argument("--window", type=int, default=6)
-    parser.add_argument("--n_global", type=int, default=2)
+    parser = argparse.ArgumentParser(prog="python -m attnlab.figures", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("figure", choices=["all", *FIGURES])
+    parser.add_argument("--out", default="", help="a PNG path, or a folder for `all`")
     args = parser.parse_args(argv)
-    print(save_mask_patterns(args.out, args.length, args.window, args.n_global))
+    if args.figure == "all":
+        folder = Path(args.out or "figures")
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, make in FIGURES.items():
+            print(f"wrote {make(folder / f'{name}.png')}")
+    else:
+        print(f"wrote {FIGURES[args.figure](Path(args.out or f'{args.figure}.png'))}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import time
@@ -137,6 +138,11 @@ def main():
                     print(f"{dev} {mode} T={T}: banded window / sdpa causal = "
                           f"{band[T][0] / ref[T][0]:.3f}x time, "
                           f"{band[T][1] / max(ref[T][1], 1):.3f}x extra memory")
+    out = Path(__file__).resolve().parent / "out"
+    out.mkdir(exist_ok=True)
+    (out / "attention_cost.json").write_text(json.dumps(
+        [{"device": d, "backend": l, "pass": m, "T": T, "seconds": t, "extra_bytes": mem}
+         for d, l, m, T, t, mem in rows], indent=1))
     if args.plot:
         plot(rows, args)
 

@@ -14,3 +14,14 @@ def test_patterns_count_what_each_computes():
     assert counts[0] == 16 * 17 // 2                      # the causal triangle
     assert counts[1] == 4 * 16 - (1 + 2 + 3)              # a band of width 4
     assert counts[2] > counts[1]                           # plus the global columns
+
+
+def test_every_article_figure_is_written(tmp_path, capsys):
+    from attnlab.figures import main
+    main(["all", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert "softmax(scores 1, 2, 3) = (0.09, 0.24, 0.67)" in printed
+    assert "softmax(same scores x8) = (0.00, 0.00, 1.00)" in printed
+    assert "= 6.1" in printed and "d_k =  512" in printed
+    for name in ("softmax", "sqrt_dk", "blend", "masks", "cost"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
