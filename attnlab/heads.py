@@ -5,6 +5,7 @@ head where one word looks most at another, and what each head tends to do.
     python -m attnlab.heads head   --run runs/NAME --text "..." --layer 1 --head 2
     python -m attnlab.heads search --run runs/NAME --text "..." --from "it" --to "trophy"
     python -m attnlab.heads stats  --run runs/NAME --text "..."
+    python -m attnlab.heads html   --run runs/NAME --text "..." --out view.html
 
 Rows of a heatmap are the tokens looking (queries), columns the tokens looked at
 (keys); each row sums to 1 and is zero right of the diagonal (the causal mask).
@@ -129,24 +130,61 @@ def save_head(path, tokens, weights, layer, head) -> Path:
     return Path(path)
 
 
+CDN_REQUIRE = '<script src="https://cdnjs.cloudflare.com/ajax/libs/require.js/2.3.6/require.min.js"></script>'
+# bertviz loads d3 and jQuery through RequireJS; defining them as modules up front
+# lets a page carry its own copies and work with no network.
+DEFINE_INLINE = ("<script>define('d3', [], function () { return window.d3; });"
+                 "define('jquery', [], function () { return window.jQuery; });</script>")
+
+
+def export_head_view(path, tokens, maps, inline_js: str | Path | None = None) -> Path:
+    """bertviz's interactive head view as one HTML file. With inline_js (a folder
+    holding d3.min.js, jquery.min.js and require.js) the file carries those libraries
+    and opens offline; without, the browser fetches them from a CDN."""
+    try:
+        from bertviz import head_view
+    except ImportError:
+        raise AttnlabError("the HTML view needs bertviz: pip install bertviz") from None
+    shown = [t.replace("\n", "\\n") for t in tokens]
+    body = head_view([m[None] for m in maps], shown, html_action="return").data
+    if inline_js:
+        folder = Path(inline_js)
+        libs = []
+        for name in ("d3.min.js", "jquery.min.js", "require.js"):
+            file = folder / name
+            if not file.is_file():
+                raise AttnlabError(f"{file} is missing; --inline-js needs d3.min.js, "
+                                   "jquery.min.js and require.js")
+            libs.append(f"<script>{file.read_text(encoding='utf-8')}</script>")
+        body = "".join(libs) + DEFINE_INLINE + body.replace(CDN_REQUIRE, "")
+    html = ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>attention head view"
+            f"</title></head><body>\n{body}\n</body></html>\n")
+    Path(path).write_text(html, encoding="utf-8")
+    return Path(path)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m attnlab.heads", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("what", choices=["grid", "head", "search", "stats"])
+    parser.add_argument("what", choices=["grid", "head", "search", "stats", "html"])
     parser.add_argument("--run", default="", help="run directory or checkpoint (default: the latest run)")
     parser.add_argument("--text", required=True, help="the sentence to look at")
-    parser.add_argument("--out", default="", help="PNG path (grid, head)")
+    parser.add_argument("--out", default="", help="output path (PNG for grid and head, HTML for html)")
     parser.add_argument("--layer", type=int, default=0)
     parser.add_argument("--head", type=int, default=0)
     parser.add_argument("--from", dest="source", default="", help="search: the word looking")
     parser.add_argument("--to", dest="target", default="", help="search: the word looked at")
     parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--inline-js", default="", help="html: folder with d3.min.js, "
+                        "jquery.min.js and require.js to embed (opens offline)")
     args = parser.parse_args(argv)
     from attnlab.inference import load_run, latest_run
     model, _, tokenizer, ckpt = load_run(args.run or latest_run(), "best")
     tokens, maps = attention_maps(model, tokenizer, args.text)
-    if args.what == "grid":
+    if args.what == "html":
+        print(export_head_view(args.out or "head_view.html", tokens, maps, args.inline_js or None))
+    elif args.what == "grid":
         print(save_grid(args.out or "attention_grid.png", tokens, maps))
     elif args.what == "head":
         if not (0 <= args.layer < len(maps) and 0 <= args.head < maps[0].shape[0]):

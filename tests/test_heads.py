@@ -64,3 +64,18 @@ def test_heatmaps_are_written_as_png(tmp_path):
                  save_head(tmp_path / "head.png", tokens, maps[1][1], 1, 1)):
         data = path.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_bertviz_head_view_exports_a_complete_html_file(tmp_path):
+    import json
+    import re
+    text = "to be or not"
+    tok = CharTokenizer(set(text))
+    tokens, maps = attention_maps(planted_model(tok, "o", "t"), tok, text)
+    from attnlab.heads import export_head_view
+    html = export_head_view(tmp_path / "view.html", tokens, maps).read_text()
+    assert html.startswith("<!DOCTYPE html>") and html.rstrip().endswith("</html>")
+    params = json.loads(re.search(r"const params = (\{.*?\}); // HACK", html).group(1))
+    attn = params["attention"][0]["attn"]
+    assert len(attn) == 2 and len(attn[0]) == 2 and len(attn[0][0]) == len(text)   # L, H, T
+    assert params["attention"][0]["left_text"] == list(text)
