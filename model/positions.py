@@ -51,7 +51,10 @@ class Sinusoidal(PositionEncoding):
     """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(same angle).
 
     Computed from the positions themselves, so it has no table and works at any
-    length; each pair of dimensions is a clock turning at its own speed."""
+    length; each pair of dimensions is a clock turning at its own speed. The table's
+    values are of size 1 while token embeddings start near 0.02, so, as in the paper,
+    the token embeddings are multiplied by √d_model first; otherwise the positions
+    drown the tokens."""
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
@@ -66,7 +69,7 @@ class Sinusoidal(PositionEncoding):
         pe = torch.empty(T, d, device=x.device)
         pe[:, 0::2] = torch.sin(angle)
         pe[:, 1::2] = torch.cos(angle[:, : d // 2])
-        return x + pe.to(x.dtype)
+        return x * math.sqrt(d) + pe.to(x.dtype)
 
 
 class Learned(PositionEncoding):
