@@ -96,7 +96,7 @@ def write(rows: list[dict], out: Path, factors) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(11, 5.5))
     for run, scheme in keys:
         pts = [(r["length"], r["val_loss"]) for r in rows
                if (r["run"], r["scheme"]) == (run, scheme) and r["val_loss"] is not None]
@@ -107,7 +107,7 @@ def write(rows: list[dict], out: Path, factors) -> None:
     ax.set_ylabel("validation loss (nats per token)")
     ax.set_title("Length extrapolation (trained at the leftmost length)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(out / "extrapolation.png", dpi=110)
     plt.close(fig)
