@@ -11,7 +11,6 @@ directory, so `python -m attnlab.extrapolate --from <out>` can evaluate them fur
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -23,6 +22,7 @@ from datetime import datetime
 from pathlib import Path
 
 from attnlab.errors import AttnlabError, friendly_errors
+from attnlab.plotting import module_parser, pyplot, save_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,9 +94,7 @@ def write_results(rows: list[dict], out: Path) -> None:
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     print("\n".join(lines))
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in rows:
         axes[0].plot(*zip(*r["train_curve"]), label=r["variant"], alpha=0.8, linewidth=0.8)
@@ -109,16 +107,11 @@ def write_results(rows: list[dict], out: Path) -> None:
     axes[1].set_ylim(top=min(r["curve"][1][1] for r in rows if len(r["curve"]) > 1) + 0.2
                      if all(len(r["curve"]) > 1 for r in rows) else None)
     axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "loss_curves.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, out / "loss_curves.png", dpi=110)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m attnlab.compare",
-                                     description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser = module_parser("python -m attnlab.compare", __doc__)
     parser.add_argument("--base", default="compare-cpu", help="preset every variant starts from")
     parser.add_argument("--variants", default="cpu", choices=sorted(MATRICES),
                         help="a named list of variants")

@@ -10,7 +10,6 @@ applicable there, not run. Writes extrapolation.md, .csv and .png.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import sys
 from dataclasses import replace
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from attnlab.errors import AttnlabError, friendly_errors
+from attnlab.plotting import module_parser, pyplot, save_figure
 
 EVAL_SEED = 2024
 
@@ -93,9 +93,7 @@ def write(rows: list[dict], out: Path, factors) -> None:
     (out / "extrapolation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(11, 5.5))
     for run, scheme in keys:
         pts = [(r["length"], r["val_loss"]) for r in rows
@@ -108,16 +106,11 @@ def write(rows: list[dict], out: Path, factors) -> None:
     ax.set_title("Length extrapolation (trained at the leftmost length)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(out / "extrapolation.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, out / "extrapolation.png", dpi=110)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m attnlab.extrapolate",
-                                     description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser = module_parser("python -m attnlab.extrapolate", __doc__)
     parser.add_argument("--from", dest="folder", default="", help="a folder of runs (compare's output)")
     parser.add_argument("--runs", nargs="*", default=[], help="run directories")
     parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8])

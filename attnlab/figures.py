@@ -13,7 +13,6 @@ cost      O(T²) against O(T·W): scores computed, and measured time when
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -21,14 +20,13 @@ from pathlib import Path
 import torch
 
 from model.attention import Mask, eager_attention, visible
+from attnlab.plotting import module_parser, pyplot, save_figure
 
 COST_JSON = Path(__file__).resolve().parent.parent / "bench" / "out" / "attention_cost.json"
 
 
 def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     return plt
 
 
@@ -37,7 +35,7 @@ def softmax_saturation(out: Path) -> Path:
     rows = {"scores 1, 2, 3": torch.softmax(scores, 0), "same scores x8": torch.softmax(8 * scores, 0)}
     for name, p in rows.items():
         print(f"softmax({name}) = ({', '.join(f'{x:.2f}' for x in p.tolist())})")
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), sharey=True)
     for ax, (name, p) in zip(axes, rows.items()):
         ax.bar(["key 1", "key 2", "key 3"], p.numpy(), color="tab:blue")
@@ -45,9 +43,7 @@ def softmax_saturation(out: Path) -> Path:
         for i, v in enumerate(p.tolist()):
             ax.text(i, v + 0.02, f"{v:.2f}", ha="center")
     axes[0].set_ylabel("attention weight")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out, dpi=110)
     return out
 
 
@@ -62,7 +58,7 @@ def sqrt_dk_growth(out: Path) -> Path:
         scaled.append((dots / math.sqrt(d)).std().item())
         print(f"d_k = {d:>4}: spread of q·k {raw[-1]:6.2f} (√d_k = {math.sqrt(d):5.2f}); "
               f"after dividing by √d_k {scaled[-1]:.2f}")
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(dims, raw, marker="o", label="spread of q·k (measured)")
     ax.plot(dims, [math.sqrt(d) for d in dims], linestyle="--", label="√d_k")
@@ -72,9 +68,7 @@ def sqrt_dk_growth(out: Path) -> Path:
     ax.set_ylabel("standard deviation")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out, dpi=110)
     return out
 
 
@@ -86,16 +80,14 @@ def movie_night_blend(out: Path) -> Path:
                                 Mask.over(2, 1, 3), need_weights=True)
     print(f"movie night: 0.5·9 + 0.3·2 + 0.2·5 = {result.item():.1f} "
           f"(weights from the softmax: {', '.join(f'{x:.2f}' for x in w.flatten().tolist())})")
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.2))
     names = ["friend A (9)", "friend B (2)", "friend C (5)"]
     ax.bar(names, (weights * values).numpy(), color="tab:orange", label="weight x value")
     ax.axhline(result.item(), color="black", linestyle="--", label=f"blend = {result.item():.1f}")
     ax.legend()
     ax.set_title("The output is a weighted average of the values")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out, dpi=110)
     return out
 
 
@@ -110,7 +102,7 @@ def mask_patterns(length: int, window: int, n_global: int) -> dict[str, torch.Te
 
 def save_mask_patterns(path: str | Path, length: int = 24, window: int = 6, n_global: int = 2):
     """One panel per pattern: rows are queries, columns keys, dark = may attend."""
-    plt = _plt()
+    plt = pyplot()
     patterns = mask_patterns(length, window, n_global)
     fig, axes = plt.subplots(1, len(patterns), figsize=(4 * len(patterns), 4.2))
     for ax, (title, mask) in zip(axes, patterns.items()):
@@ -118,15 +110,13 @@ def save_mask_patterns(path: str | Path, length: int = 24, window: int = 6, n_gl
         ax.set_title(f"{title}\n{int(mask.sum())} of {length * length} scores computed", fontsize=9)
         ax.set_xlabel("key position (looked at)")
         ax.set_ylabel("query position (looking)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return Path(path)
 
 
 def cost_curve(out: Path, window: int = 256) -> Path:
     lengths = [2 ** i for i in range(8, 15)]
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     axes[0].plot(lengths, [T * (T + 1) / 2 for T in lengths], marker="o", label="causal: T(T+1)/2")
     axes[0].plot(lengths, [T * window for T in lengths], marker="o", label=f"window: about T·{window}")
@@ -150,9 +140,7 @@ def cost_curve(out: Path, window: int = 256) -> Path:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out, dpi=110)
     print(f"at T = 8192: causal computes {8192 * 8193 // 2:,} scores, a window of {window} "
           f"about {8192 * window:,} ({8192 * window / (8192 * 8193 / 2):.2f}x)")
     return out
@@ -163,9 +151,7 @@ FIGURES = {"softmax": softmax_saturation, "sqrt_dk": sqrt_dk_growth, "blend": mo
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m attnlab.figures", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser = module_parser("python -m attnlab.figures", __doc__)
     parser.add_argument("figure", choices=["all", *FIGURES])
     parser.add_argument("--out", default="", help="a PNG path, or a folder for `all`")
     args = parser.parse_args(argv)

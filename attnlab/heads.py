@@ -12,13 +12,13 @@ Rows of a heatmap are the tokens looking (queries), columns the tokens looked at
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 from attnlab.errors import AttnlabError, friendly_errors
+from attnlab.plotting import module_parser, pyplot, save_figure
 
 
 def token_spans(tokenizer, text: str) -> list[tuple[int, int]]:
@@ -99,9 +99,7 @@ def _plot_one(ax, weights, tokens, title, labels=True):
 
 
 def save_grid(path, tokens, maps) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     L, H = len(maps), maps[0].shape[0]
     fig, axes = plt.subplots(L, H, figsize=(2.6 * H, 2.6 * L), squeeze=False)
     for layer in range(L):
@@ -110,23 +108,17 @@ def save_grid(path, tokens, maps) -> Path:
                       labels=len(tokens) <= 16)
     fig.supxlabel("token looked at (key)")
     fig.supylabel("token looking (query)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
     return Path(path)
 
 
 def save_head(path, tokens, weights, layer, head) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 7))
     _plot_one(ax, weights, tokens, f"layer {layer}, head {head}")
     ax.set_xlabel("token looked at (key)")
     ax.set_ylabel("token looking (query)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return Path(path)
 
 
@@ -164,9 +156,7 @@ def export_head_view(path, tokens, maps, inline_js: str | Path | None = None) ->
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m attnlab.heads", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser = module_parser("python -m attnlab.heads", __doc__)
     parser.add_argument("what", choices=["grid", "head", "search", "stats", "html"])
     parser.add_argument("--run", default="", help="run directory or checkpoint (default: the latest run)")
     parser.add_argument("--text", required=True, help="the sentence to look at")

@@ -1,6 +1,5 @@
 """The variant matrix and the length-extrapolation study, end to end on a tiny setting."""
 import csv
-import json
 
 from conftest import run_script
 
