@@ -17,6 +17,7 @@ USAGE = """usage: python train.py [--config PRESET|FILE] [--resume [RUN_DIR]] [-
   --config NAME     a preset from configs/ (cpu, gpu, mps, ...) or a .toml file;
                     default: chosen from the device found (cuda -> gpu, mps -> mps, else cpu)
   --resume [DIR]    continue a run from its latest checkpoint (default: the latest run)
+Several processes or GPUs: torchrun --standalone --nproc_per_node=N train.py ...
 Overrides (checked against each field's type; unknown keys are refused):"""
 
 
@@ -50,7 +51,7 @@ def main(argv: list[str]) -> int:
         from attnlab.config import help_text
         print(USAGE + help_text())
         return 0
-    from attnlab import config
+    from attnlab import config, distributed
     from attnlab.device import pick_device
     from attnlab.training import Trainer, describe, resolve_resume
 
@@ -65,15 +66,23 @@ def main(argv: list[str]) -> int:
             preset = {"cuda": "gpu", "mps": "mps"}.get(device.type, "cpu")
             print(f"preset: {preset} (chosen for the {device.type} found; --config NAME for another)")
         cfg, run_dir = config.build(preset, overrides), None
-    trainer = Trainer(cfg, run_dir=run_dir, resume=resuming)
-    print(f"config:\n{describe(cfg)}")
-    print(f"device: {trainer.device}, autocast {str(trainer.dtype)[6:]}; data: "
-          f"{trainer.data.meta['source']} ({trainer.data.tokenizer.kind} tokenizer, vocabulary "
-          f"{trainer.data.tokenizer.vocab_size}, {len(trainer.data.train):,} train / "
-          f"{len(trainer.data.val):,} val tokens)")
-    print(trainer.summary())
-    print(f"run directory: {trainer.run_dir}")
-    result = trainer.run()
+    dist = distributed.setup()
+    try:
+        trainer = Trainer(cfg, run_dir=run_dir, resume=resuming, dist=dist)
+        say = trainer.log
+        say(f"config:\n{describe(cfg)}")
+        say(f"device: {trainer.device}, autocast {str(trainer.dtype)[6:]}"
+            + (f", {dist.world} processes" if dist.world > 1 else "") + "; data: "
+            f"{trainer.data.meta['source']} ({trainer.data.tokenizer.kind} tokenizer, vocabulary "
+            f"{trainer.data.tokenizer.vocab_size}, {len(trainer.data.train):,} train / "
+            f"{len(trainer.data.val):,} val tokens)")
+        say(trainer.summary())
+        say(f"run directory: {trainer.run_dir}")
+        result = trainer.run()
+    finally:
+        distributed.cleanup(dist)
+    if not dist.is_main:
+        return 0
     if not result.get("interrupted"):
         print(f"done at step {result['step']}: best val loss {result['best_val']:.4f} "
               f"({trainer.data.bits(result['best_val']):.3f} {trainer.data.bits_unit}); "

@@ -12,8 +12,9 @@ from pathlib import Path
 
 class Metrics:
     def __init__(self, run_dir: Path, wandb_mode: str, project: str, config: dict,
-                 run_name: str, resume_id: str | None = None, log=print):
+                 run_name: str, resume_id: str | None = None, log=print, write: bool = True):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.write = write                   # only one process of a torchrun job writes
         self.wandb_run = None
         if wandb_mode != "disabled":
             self.wandb_run = _start_wandb(wandb_mode, project, config, run_dir, run_name,
@@ -24,6 +25,8 @@ class Metrics:
         return getattr(self.wandb_run, "id", None)
 
     def log(self, record: dict) -> None:
+        if not self.write:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
@@ -32,7 +35,7 @@ class Metrics:
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop records the killed run wrote past its last checkpoint."""
-        if not self.path.exists():
+        if not self.write or not self.path.exists():
             return
         keep = [line for line in self.path.read_text().splitlines()
                 if line.strip() and json.loads(line).get("step", 0) < step]

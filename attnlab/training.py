@@ -3,6 +3,7 @@ accumulation and clipping, autocast, periodic evaluation, atomic checkpoints, ex
 resume, and a clean stop on Ctrl-C or a diverging loss."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -16,7 +17,8 @@ from tqdm import tqdm
 from attnlab import checkpoint
 from attnlab.config import RunConfig, from_dict
 from attnlab.device import autocast, pick_device, pick_dtype, setup_backends, synchronize
-from attnlab.errors import AttnlabError, CheckpointError
+from attnlab.distributed import Dist
+from attnlab.errors import AttnlabError, CheckpointError, ConfigError
 from attnlab.files import write_json_atomic
 from attnlab.tracking import Metrics
 from data.tokens import Batches, TokenData, load_tokens
@@ -126,15 +128,27 @@ def _latest_run(out_dir: Path) -> Path:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path | None = None, resume: bool = False,
-                 log=print):
-        self.cfg, self.log = cfg, log
+                 log=print, dist: Dist | None = None):
+        self.dist = dist = dist or Dist()
+        self.cfg, self.log = cfg, (log if dist.is_main else (lambda *a, **k: None))
+        log = self.log
         t = cfg.train
+        if t.grad_accum % dist.world:
+            raise ConfigError(f"train.grad_accum={t.grad_accum} must be a multiple of the "
+                              f"{dist.world} processes: each takes an equal share of the "
+                              "micro-batches of one step")
         self.device = pick_device(t.device)
+        if dist.world > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", dist.local_rank)
         self.dtype = pick_dtype(t.dtype, self.device, cfg.model.n_embd)
         setup_backends(self.device)
         torch.manual_seed(t.seed)
+        if not dist.is_main:
+            dist.barrier()                    # the main process builds the token cache first
         self.data: TokenData = load_tokens(cfg.data.path, cfg.data.tokenizer, cfg.data.vocab_size,
                                            cfg.data.val_fraction, cfg.data.cache_dir, log=log)
+        if dist.is_main:
+            dist.barrier()
         if cfg.model.vocab_size not in (0, self.data.tokenizer.vocab_size):
             log(f"model.vocab_size={cfg.model.vocab_size} replaced by the tokenizer's "
                 f"{self.data.tokenizer.vocab_size}")
@@ -156,11 +170,18 @@ class Trainer:
         elif checkpoint.list_checkpoints(self.run_dir):
             raise CheckpointError(f"{self.run_dir} already holds checkpoints; continue it with "
                                   f"--resume {self.run_dir}, or choose another train.run_name")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(cfg.to_json())
-        self.data.tokenizer.save(self.run_dir)
-        (Path(t.out_dir) / "LATEST").write_text(self.run_dir.name + "\n")
-        self.compiled = torch.compile(self.model) if t.compile else self.model
+        if dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(cfg.to_json())
+            self.data.tokenizer.save(self.run_dir)
+            (Path(t.out_dir) / "LATEST").write_text(self.run_dir.name + "\n")
+        self.trained = self.model
+        if dist.world > 1:                    # gradients averaged across processes
+            from torch.nn.parallel import DistributedDataParallel
+            self.trained = DistributedDataParallel(
+                self.model, device_ids=[dist.local_rank] if self.device.type == "cuda" else None)
+        self.compiled = torch.compile(self.trained) if t.compile else self.trained
+        self.evaluated = torch.compile(self.model) if t.compile else self.model
         self.stop_signal = None
 
     def _resume(self) -> None:
@@ -182,7 +203,16 @@ class Trainer:
         self.wandb_id = state.get("wandb_id")
         self.log(f"resuming {self.run_dir} from {ckpt.name} (step {self.step})")
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """Write a checkpoint (the main process only; the others wait for it)."""
+        if not self.dist.is_main:
+            self.dist.barrier()
+            return None
+        path = self._write_checkpoint()
+        self.dist.barrier()
+        return path
+
+    def _write_checkpoint(self) -> Path:
         tensors = {"data.generator": self.batches.generator.get_state(), **rng_tensors(self.device)}
         state = {"best_val": self.best_val, "elapsed_s": self.elapsed, "wandb_id": self.wandb_id,
                  "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
@@ -205,7 +235,7 @@ class Trainer:
 
     def evaluate(self) -> float:
         t = self.cfg.train
-        return evaluate(self.compiled, self.data.val, t.batch_size, self.cfg.model.block_size,
+        return evaluate(self.evaluated, self.data.val, t.batch_size, self.cfg.model.block_size,
                         t.eval_iters, self.device, self.ctx)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,12 +244,21 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = torch.zeros((), device=self.device)
-        for _ in range(t.grad_accum):
+        d = self.dist
+        mine = [m for m in range(t.grad_accum) if m % d.world == d.rank]
+        for m in range(t.grad_accum):
+            if m not in mine:                 # another process's micro-batch
+                self.batches.skip()
+                continue
             x, y = self.batches.next()
-            with self.ctx:
-                loss = self.compiled(x, y).loss / t.grad_accum
-            self.scaler.scale(loss).backward()
-            total += loss.detach()
+            # DDP averages over processes, so each scales by world / grad_accum; gradients
+            # are exchanged once, after this process's last micro-batch.
+            sync = m == mine[-1] or d.world == 1
+            with contextlib.nullcontext() if sync else self.trained.no_sync():
+                with self.ctx:
+                    loss = self.compiled(x, y).loss
+                self.scaler.scale(loss * d.world / t.grad_accum).backward()
+            total += loss.detach() / t.grad_accum
         self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                               t.grad_clip if t.grad_clip > 0 else math.inf)
@@ -239,15 +278,19 @@ class Trainer:
 
     def run(self) -> dict:
         t, log = self.cfg.train, self.log
-        metrics = Metrics(self.run_dir, t.wandb, t.wandb_project, self.cfg.to_dict(),
-                          self.run_dir.name, self.wandb_id, log)
+        main = self.dist.is_main
+        metrics = Metrics(self.run_dir, t.wandb if main else "disabled", t.wandb_project,
+                          self.cfg.to_dict(), self.run_dir.name, self.wandb_id, log, write=main)
         self.wandb_id = metrics.wandb_id
         metrics.truncate_after(self.step + (1 if self.step else 0))
-        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        # Under torchrun, Ctrl-C reaches every process at once and stops them all; the
+        # save-and-stop handshake is for a single process.
+        signals = (signal.SIGINT, signal.SIGTERM) if self.dist.world == 1 else ()
+        handlers = {s: signal.signal(s, self._on_signal) for s in signals}
         tokens_per_step = t.batch_size * t.grad_accum * self.cfg.model.block_size
         unit = self.data.bits_unit
         bar = tqdm(total=t.max_iters, initial=self.step, unit="step", dynamic_ncols=True,
-                   mininterval=0.5, desc="train")
+                   mininterval=0.5, desc="train", disable=not main)
         result = {"run_dir": str(self.run_dir)}
         try:
             last_eval = self.step if self.step else None   # a resumed step was evaluated
@@ -265,7 +308,7 @@ class Trainer:
                 window_steps += 1
                 bar.update(1)
                 if self.step % t.log_interval == 0 or self.step == t.max_iters:
-                    loss_value, norm_value = loss.item(), norm.item()
+                    loss_value, norm_value = self.dist.sum(loss).item(), norm.item()
                     if not math.isfinite(loss_value):
                         raise self._diverged("the training loss", loss_value)
                     synchronize(self.device)
@@ -303,6 +346,6 @@ class Trainer:
         bar.write(f"step {self.step:>6}: val loss {val:.4f}, {self.data.bits(val):.3f} {unit}"
                   + (" (best)" if best else ""))
         path = self.save()
-        if best:
+        if best and self.dist.is_main:
             write_json_atomic(self.run_dir / "best.json",
                                          {"step": self.step, "val_loss": val, "path": str(path.name)})

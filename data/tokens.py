@@ -175,6 +175,11 @@ class Batches:
             window = window.to(self.device)
         return window[:, :-1], window[:, 1:]
 
+    def skip(self) -> None:
+        """Draw a batch's starting points without reading it (another rank's share)."""
+        torch.randint(len(self.tokens) - self.block_size - 1, (self.batch_size,),
+                      generator=self.generator)
+
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
 
