@@ -39,28 +39,34 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def optimizer_split(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Optimizer state as (tensors, JSON-able rest)."""
-    sd = optimizer.state_dict()
-    tensors, plain = {}, {}
-    for idx, state in sd["state"].items():
-        for key, value in state.items():
-            if torch.is_tensor(value):
-                tensors[f"optim.{idx}.{key}"] = value.detach().cpu().contiguous()
-            else:
-                plain.setdefault(str(idx), {})[key] = value
-    return tensors, {"param_groups": sd["param_groups"], "plain_state": plain}
+def optimizer_split(optimizer) -> tuple[dict, dict]:
+    """The state of named optimizers ({name: state_dict}) as (tensors, JSON-able rest)."""
+    tensors, info = {}, {}
+    for name, sd in optimizer.state_dict().items():
+        plain = {}
+        for idx, state in sd["state"].items():
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    tensors[f"optim.{name}.{idx}.{key}"] = value.detach().cpu().contiguous()
+                else:
+                    plain.setdefault(str(idx), {})[key] = value
+        info[name] = {"param_groups": sd["param_groups"], "plain_state": plain}
+    return tensors, info
 
 
 def optimizer_join(tensors: dict, info: dict) -> dict:
-    state: dict[int, dict] = {}
-    for name, value in tensors.items():
-        if name.startswith("optim."):
-            _, idx, key = name.split(".", 2)
-            state.setdefault(int(idx), {})[key] = value
-    for idx, rest in info.get("plain_state", {}).items():
-        state.setdefault(int(idx), {}).update(rest)
-    return {"state": state, "param_groups": info["param_groups"]}
+    out = {}
+    for name, parts in info.items():
+        state: dict[int, dict] = {}
+        prefix = f"optim.{name}."
+        for key, value in tensors.items():
+            if key.startswith(prefix):
+                idx, field = key[len(prefix):].split(".", 1)
+                state.setdefault(int(idx), {})[field] = value
+        for idx, rest in parts.get("plain_state", {}).items():
+            state.setdefault(int(idx), {}).update(rest)
+        out[name] = {"state": state, "param_groups": parts["param_groups"]}
+    return out
 
 
 def save(run_dir: Path, step: int, model, optimizer, tensors: dict, state: dict,

@@ -39,12 +39,15 @@ class TrainConfig:
     batch_size: int = opt(64, "sequences per micro-batch")
     grad_accum: int = opt(1, "micro-batches whose gradients add up to one optimizer step")
     max_iters: int = opt(5000, "optimizer steps")
-    lr: float = opt(1e-3, "peak learning rate")
+    optimizer: str = opt("adamw", "adamw, or muon (Muon for hidden matrices, AdamW for the rest)")
+    lr: float = opt(1e-3, "peak learning rate (AdamW)")
     min_lr: float = opt(1e-4, "learning rate at the end of the cosine decay")
     warmup_iters: int = opt(100, "steps of linear warm-up from 0 to lr")
     weight_decay: float = opt(0.1, "AdamW decoupled weight decay (matrices only)")
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.99, "AdamW beta2")
+    muon_lr: float = opt(0.02, "peak learning rate of Muon's matrices (same schedule)")
+    muon_momentum: float = opt(0.95, "Muon momentum")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = off")
     eval_interval: int = opt(250, "evaluate and write a checkpoint every N steps")
     eval_iters: int = opt(100, "validation batches per evaluation")
@@ -96,8 +99,8 @@ class RunConfig:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(t, name)}")
         if t.warmup_iters < 0:
             raise ConfigError(f"train.warmup_iters must not be negative, got {t.warmup_iters}")
-        if not t.lr > 0:
-            raise ConfigError(f"train.lr must be positive, got {t.lr}")
+        if not (t.lr > 0 and t.muon_lr > 0):
+            raise ConfigError(f"train.lr and train.muon_lr must be positive, got {t.lr}, {t.muon_lr}")
         if not 0 <= t.min_lr <= t.lr:
             raise ConfigError(f"train.min_lr must be between 0 and train.lr={t.lr}, got {t.min_lr}")
         if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
@@ -127,6 +130,7 @@ _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "train": TrainConf
 _FIXED_CHOICES = {
     ("train", "dtype"): ("auto", "float32", "bfloat16", "float16"),
     ("train", "wandb"): ("disabled", "offline", "online"),
+    ("train", "optimizer"): ("adamw", "muon"),
 }
 
 

@@ -20,6 +20,7 @@ from attnlab.device import autocast, pick_device, pick_dtype, setup_backends, sy
 from attnlab.distributed import Dist
 from attnlab.errors import AttnlabError, CheckpointError, ConfigError
 from attnlab.files import write_json_atomic
+from attnlab.optim import configure_optimizer
 from attnlab.tracking import Metrics
 from data.tokens import Batches, TokenData, load_tokens
 from model import GPT
@@ -29,19 +30,6 @@ EVAL_SEED = 4242        # evaluation draws the same validation batches every tim
 
 class TrainingDiverged(AttnlabError):
     """The loss became NaN or infinite."""
-
-
-def configure_optimizer(model: GPT, t, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices and embeddings only, never on biases and norm
-    gains (decaying those towards 0 only fights the normalisation)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": t.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    # The fused kernel updates every tensor in one pass (CUDA, and CPU since torch 2.4).
-    fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused)
 
 
 def lr_at(step: int, t) -> float:
@@ -240,9 +228,7 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.cfg.train
-        lr = lr_at(self.step, t)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.optimizer.set_lr(lr_at(self.step, t) / t.lr)
         total = torch.zeros((), device=self.device)
         d = self.dist
         mine = [m for m in range(t.grad_accum) if m % d.world == d.rank]
@@ -259,12 +245,12 @@ class Trainer:
                     loss = self.compiled(x, y).loss
                 self.scaler.scale(loss * d.world / t.grad_accum).backward()
             total += loss.detach() / t.grad_accum
-        self.scaler.unscale_(self.optimizer)
+        self.optimizer.unscale_(self.scaler)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                               t.grad_clip if t.grad_clip > 0 else math.inf)
-        self.scaler.step(self.optimizer)
+        self.optimizer.step(self.scaler)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         return total, norm
 
     def _diverged(self, what: str, value: float) -> TrainingDiverged:

@@ -1,0 +1,53 @@
+"""Optimizers (attnlab/optim.py): AdamW alone or Muon beside it, saved and resumed."""
+import json
+
+import pytest
+import torch
+
+from attnlab import config
+from attnlab.optim import configure_optimizer
+from attnlab.training import Trainer
+from model import GPT, ModelConfig
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    model = GPT(ModelConfig(vocab_size=30, n_layer=2, n_head=2, n_embd=16, bias=True))
+    t = config.build(None, ["--train.optimizer=muon"]).train
+    opt = configure_optimizer(model, t, torch.device("cpu"))
+    muon = {id(p) for g in opt.named["muon"].param_groups for p in g["params"]}
+    adamw = {id(p) for g in opt.named["adamw"].param_groups for p in g["params"]}
+    assert not muon & adamw and muon | adamw == {id(p) for p in model.parameters()}
+    assert id(model.blocks[0].attn.w_qkv.weight) in muon and id(model.wte.weight) in adamw
+    assert all(p.dim() == 2 for g in opt.named["muon"].param_groups for p in g["params"])
+    opt.set_lr(0.5)
+    assert opt.named["muon"].param_groups[0]["lr"] == pytest.approx(t.muon_lr / 2)
+    assert opt.named["adamw"].param_groups[0]["lr"] == pytest.approx(t.lr / 2)
+
+
+def _losses(run_dir):
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_training_learns_and_resumes_exactly(optimizer, corpus, tmp_path):
+    def cfg(name, steps):
+        return config.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                                     f"--train.out_dir={tmp_path / 'r'}", f"--train.run_name={name}",
+                                     f"--train.optimizer={optimizer}", f"--train.max_iters={steps}"])
+    quiet = dict(log=lambda *a, **k: None)
+    Trainer(cfg("straight", 20), **quiet).run()
+    first = Trainer(cfg("split", 20), **quiet)
+    step = first.train_step
+
+    def stop_after_ten():                     # as Ctrl-C would: save at step 10 and stop
+        out = step()
+        if first.step == 9:
+            first.stop_signal = "test"
+        return out
+    first.train_step = stop_after_ten
+    assert first.run()["interrupted"]
+    Trainer(cfg("split", 20), run_dir=tmp_path / "r" / "split", resume=True, **quiet).run()
+    straight, split = _losses(tmp_path / "r" / "straight"), _losses(tmp_path / "r" / "split")
+    assert straight == split
+    assert straight[20] < straight[1] - 0.3
