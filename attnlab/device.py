@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import time
 
 import torch
 
@@ -78,3 +80,46 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+# Dense peak matmul throughput (FLOP/s) by GPU name and precision, from the vendors'
+# data sheets (no sparsity). fp32 entries are the TF32 tensor-core rates.
+GPU_PEAKS = {
+    "H200": {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
+    "H100": {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
+    "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
+    "A10G": {"bfloat16": 125e12, "float16": 125e12, "float32": 62.5e12},
+    "L4": {"bfloat16": 121e12, "float16": 121e12, "float32": 60e12},
+    "RTX 4090": {"bfloat16": 165e12, "float16": 165e12, "float32": 82.6e12},
+    "RTX 3090": {"bfloat16": 71e12, "float16": 71e12, "float32": 35.6e12},
+    "T4": {"float16": 65e12, "float32": 8.1e12},
+    "V100": {"float16": 125e12, "float32": 15.7e12},
+}
+
+
+@functools.lru_cache(maxsize=None)
+def peak_flops(device_type: str, dtype_name: str, device_name: str = "") -> float | None:
+    """The device's peak matmul FLOP/s in this precision: from the table for known
+    GPUs, measured once by a matmul probe on a CPU; None when unknown (no MFU shown)."""
+    if device_type == "cuda":
+        for name, peaks in GPU_PEAKS.items():
+            if name in device_name:
+                return peaks.get(dtype_name)
+        return None
+    if device_type != "cpu":
+        return None
+    dtype = DTYPES[dtype_name]
+    n = 1024
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b                                                  # warm-up
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 0.3:
+        a @ b
+        runs += 1
+    return 2 * n ** 3 * runs / (time.perf_counter() - start)
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: the share of the device's peak the model's own
+    arithmetic uses (PaLM, arXiv:2204.02311, appendix B)."""
+    return None if not peak else flops_per_token * tokens_per_s / peak

@@ -16,7 +16,8 @@ from tqdm import tqdm
 
 from attnlab import checkpoint
 from attnlab.config import RunConfig, from_dict
-from attnlab.device import autocast, pick_device, pick_dtype, setup_backends, synchronize
+from attnlab.device import (autocast, mfu, peak_flops, pick_device, pick_dtype, setup_backends,
+                            synchronize)
 from attnlab.distributed import Dist
 from attnlab.errors import AttnlabError, CheckpointError, ConfigError
 from attnlab.files import write_json_atomic
@@ -274,19 +275,28 @@ class Trainer:
         signals = (signal.SIGINT, signal.SIGTERM) if self.dist.world == 1 else ()
         handlers = {s: signal.signal(s, self._on_signal) for s in signals}
         tokens_per_step = t.batch_size * t.grad_accum * self.cfg.model.block_size
+        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+        peak = peak_flops(self.device.type, str(self.dtype)[6:], device_name)
+        flops_per_token = self.model.flops_per_token()
         unit = self.data.bits_unit
         bar = tqdm(total=t.max_iters, initial=self.step, unit="step", dynamic_ncols=True,
                    mininterval=0.5, desc="train", disable=not main)
         result = {"run_dir": str(self.run_dir)}
+        started = time.perf_counter()
         try:
             last_eval = self.step if self.step else None   # a resumed step was evaluated
             window_start, window_steps = time.perf_counter(), 0
             while True:
                 due = self.step % t.eval_interval == 0 or self.step >= t.max_iters
                 if due and self.step != last_eval:
-                    self._eval_and_save(metrics, bar, unit)
+                    val = self._eval_and_save(metrics, bar, unit)
                     last_eval = self.step
                     window_start, window_steps = time.perf_counter(), 0
+                    if t.target_val_loss and val <= t.target_val_loss:
+                        log(f"reached val loss {val:.4f} <= {t.target_val_loss} at step "
+                            f"{self.step}, {time.perf_counter() - started:.1f} s after the start")
+                        result["reached_target"] = {"step": self.step, "val_loss": val}
+                        break
                 if self.step >= t.max_iters:
                     break
                 loss, norm = self.train_step()
@@ -299,13 +309,19 @@ class Trainer:
                         raise self._diverged("the training loss", loss_value)
                     synchronize(self.device)
                     now = time.perf_counter()
+                    # Per process: each trains 1/world of the step's tokens.
                     tok_s = window_steps * tokens_per_step / max(now - window_start, 1e-9)
+                    utilisation = mfu(flops_per_token, tok_s / self.dist.world, peak)
                     self.elapsed += now - window_start
                     window_start, window_steps = now, 0
-                    metrics.log({"step": self.step, "loss": loss_value, "lr": lr_at(self.step - 1, t),
-                                 "grad_norm": norm_value, "tokens_per_s": tok_s,
-                                 "elapsed_s": self.elapsed})
-                    bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+                    record = {"step": self.step, "loss": loss_value, "lr": lr_at(self.step - 1, t),
+                              "grad_norm": norm_value, "tokens_per_s": tok_s, "elapsed_s": self.elapsed}
+                    shown = {"loss": f"{loss_value:.3f}", "tok_s": f"{tok_s:,.0f}"}
+                    if utilisation is not None:
+                        record["mfu"] = utilisation
+                        shown["mfu"] = f"{utilisation:.1%}"
+                    metrics.log(record)
+                    bar.set_postfix(shown, refresh=False)
                 if self.stop_signal is not None:
                     path = self.save()
                     bar.close()
@@ -321,7 +337,7 @@ class Trainer:
         result.update(step=self.step, best_val=self.best_val)
         return result
 
-    def _eval_and_save(self, metrics, bar, unit) -> None:
+    def _eval_and_save(self, metrics, bar, unit) -> float:
         val = self.evaluate()
         if not math.isfinite(val):
             raise self._diverged("the validation loss", val)
@@ -334,4 +350,5 @@ class Trainer:
         path = self.save()
         if best and self.dist.is_main:
             write_json_atomic(self.run_dir / "best.json",
-                                         {"step": self.step, "val_loss": val, "path": str(path.name)})
+                              {"step": self.step, "val_loss": val, "path": str(path.name)})
+        return val

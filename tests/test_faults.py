@@ -47,6 +47,17 @@ def test_gradient_norms_are_logged(corpus, tmp_path):
     records = [json.loads(l) for l in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     norms = [r["grad_norm"] for r in records if "grad_norm" in r]
     assert len(norms) == 5 and all(n > 0 and math.isfinite(n) for n in norms)
+    # Model FLOPs utilisation against this CPU's measured fp32 matmul peak.
+    assert all(0 < r["mfu"] < 1 for r in records if "loss" in r)
+
+
+def test_peak_flops_from_the_table_and_the_probe():
+    from attnlab.device import mfu, peak_flops
+    assert peak_flops("cuda", "bfloat16", "NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("cuda", "bfloat16", "Some Future GPU") is None
+    cpu = peak_flops("cpu", "float32")
+    assert 1e8 < cpu < 1e14
+    assert mfu(1e6, 1e4, 1e11) == pytest.approx(0.1) and mfu(1e6, 1e4, None) is None
 
 
 def test_wandb_offline_needs_no_network(corpus, tmp_path, monkeypatch):
@@ -79,3 +90,12 @@ def test_wandb_online_without_network_falls_back_to_offline(tmp_path, monkeypatc
     metrics = Metrics(tmp_path, "online", "p", {}, "r", log=lines.append)
     assert modes == ["online", "offline"] and metrics.wandb_id == "abc"
     assert len(lines) == 1 and "offline" in lines[0]
+
+
+def test_a_run_stops_when_it_reaches_the_target_val_loss(corpus, tmp_path):
+    trainer = make_trainer(corpus, tmp_path, "--train.max_iters=200", "--train.eval_interval=10",
+                           "--train.lr=3e-3", "--train.target_val_loss=3.3")
+    result = trainer.run()
+    reached = result["reached_target"]
+    assert reached["val_loss"] <= 3.3 and reached["step"] < 200 and result["step"] == reached["step"]
+    assert checkpoint.resolve(trainer.run_dir).name == f"step_{reached['step']:07d}"
