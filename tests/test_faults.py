@@ -99,3 +99,10 @@ def test_a_run_stops_when_it_reaches_the_target_val_loss(corpus, tmp_path):
     reached = result["reached_target"]
     assert reached["val_loss"] <= 3.3 and reached["step"] < 200 and result["step"] == reached["step"]
     assert checkpoint.resolve(trainer.run_dir).name == f"step_{reached['step']:07d}"
+
+
+def test_a_finished_run_is_not_overwritten_without_resume(corpus, tmp_path):
+    from attnlab.errors import CheckpointError
+    make_trainer(corpus, tmp_path, "--train.max_iters=2").run()
+    with pytest.raises(CheckpointError, match="already holds checkpoints.*--resume"):
+        make_trainer(corpus, tmp_path, "--train.max_iters=2")
