@@ -110,7 +110,10 @@ def peak_flops(device_type: str, dtype_name: str, device_name: str = "") -> floa
         return None
     dtype = DTYPES[dtype_name]
     n = 1024
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    # A private generator: drawing from the global one would shift a resumed run's
+    # dropout masks (tests/test_train.py::test_killed_run_resumes... catches that).
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
     a @ b                                                  # warm-up
     runs, start = 0, time.perf_counter()
     while time.perf_counter() - start < 0.3:

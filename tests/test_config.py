@@ -38,7 +38,7 @@ def test_overrides_beat_presets_and_are_typed():
     (["--train.dtype=fp8"], "valid choices"),
     (["--train.lr=fast"], "train.lr must be a number"),
     (["--train.lr=nan"], "finite"),
-    (["--train.lr=0"], "train.lr must be positive"),
+    (["--train.lr=0"], "train.lr and train.muon_lr must be positive"),
     (["--model.n_layer=2.5"], "must be an integer"),
     (["--model.n_layer=0"], "positive integer"),
     (["--model.n_head=-2"], "positive integer"),
