@@ -345,8 +345,9 @@ class Trainer:
         self.best_val = min(self.best_val, val)
         record = {"step": self.step, "val_loss": val, f"val_{unit}": self.data.bits(val)}
         metrics.log(record)
-        bar.write(f"step {self.step:>6}: val loss {val:.4f}, {self.data.bits(val):.3f} {unit}"
-                  + (" (best)" if best else ""))
+        if self.dist.is_main:                 # tqdm.write prints even for a disabled bar
+            bar.write(f"step {self.step:>6}: val loss {val:.4f}, {self.data.bits(val):.3f} {unit}"
+                      + (" (best)" if best else ""))
         path = self.save()
         if best and self.dist.is_main:
             write_json_atomic(self.run_dir / "best.json",

@@ -41,6 +41,7 @@ def test_two_processes_match_one_and_resume_on_one(corpus, tmp_path):
     run_script("train.py", *args(corpus, tmp_path, "single"))
     proc = run_script(*torchrun(2, *args(corpus, tmp_path, "double")), timeout=300)
     assert "2 processes" in proc.stdout
+    assert proc.stdout.count("step      5: val loss") == 1          # printed by one process
     single, double = losses(tmp_path / "runs" / "single"), losses(tmp_path / "runs" / "double")
     assert sorted(single) == sorted(double) == list(range(1, 11))
     for step in single:
