@@ -104,8 +104,8 @@ def write_results(rows: list[dict], out: Path) -> None:
         ax.set_ylabel("loss (nats per token)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    axes[1].set_ylim(top=min(r["curve"][1][1] for r in rows if len(r["curve"]) > 1) + 0.2
-                     if all(len(r["curve"]) > 1 for r in rows) else None)
+    if all(len(r["curve"]) > 1 for r in rows):      # hide the step-0 loss, ~ln(vocab)
+        axes[1].set_ylim(top=min(r["curve"][1][1] for r in rows) + 0.2)
     axes[1].legend(fontsize=8)
     save_figure(fig, out / "loss_curves.png", dpi=110)
 

@@ -220,5 +220,6 @@ class GPT(nn.Module):
             token = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
             if on_step is not None:
                 on_step(logits[:, -1], token)
-            context = torch.cat([context, token], dim=1)
+            # Keep only what a later step can read: the newest block_size tokens.
+            context = torch.cat([context, token], dim=1)[:, -window:]
             yield token

@@ -258,4 +258,4 @@ def test_help_lists_options():
     proc = run_script("train.py", "--help")
     assert "--model.position" in proc.stdout and "--resume" in proc.stdout
     proc = run_script("sample.py", "--help")
-    assert "--sample.temperature" in proc.stdout or "temperature" in proc.stdout
+    assert "--sample.temperature" in proc.stdout and "--sample.explain" in proc.stdout
