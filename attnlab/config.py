@@ -24,7 +24,8 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 @dataclass
 class DataConfig:
-    path: str = opt("", "UTF-8 text file to train on (.gz allowed); empty = bundled Shakespeare")
+    path: str = opt("", "corpus: a text file (.gz allowed), folder, glob, JSONL/CSV/Parquet, or a "
+                    "folder from python -m data.prepare; empty = bundled Shakespeare")
     tokenizer: str = opt("char", "tokenizer", registry="tokenizer")
     vocab_size: int = opt(2048, "BPE vocabulary size (ignored by the char tokenizer)")
     val_fraction: float = opt(0.1, "share of the text, from its end, held out for validation")

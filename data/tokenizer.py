@@ -8,9 +8,13 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import re
 from pathlib import Path
 from typing import Iterable
+
+import numpy as np
 
 from attnlab.errors import TokenizerError
 
@@ -33,6 +37,15 @@ class Tokenizer:
     def to_json(self) -> str:
         raise NotImplementedError
 
+    def encode_array(self, text: str) -> np.ndarray:
+        """encode() for bulk tokenization: the same ids, as an int64 array, faster."""
+        return np.asarray(self.encode(text), dtype=np.int64)
+
+    @property
+    def eot_id(self) -> int | None:
+        """The end-of-document token placed between documents (None: no such token)."""
+        return None
+
     def fingerprint(self) -> str:
         """A hash of the saved form: equal fingerprints encode identically."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
@@ -48,10 +61,18 @@ class Tokenizer:
         path = Path(directory) / FILENAME
         try:
             text = path.read_text(encoding="utf-8")
-            data = json.loads(text)
         except FileNotFoundError:
             raise TokenizerError(f"no tokenizer at {path}") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        except UnicodeDecodeError as err:
+            raise TokenizerError(f"tokenizer file {path} is not valid JSON ({err})") from None
+        return Tokenizer.parse(text, path)
+
+    @staticmethod
+    def parse(text: str, path: Path | str = "<string>") -> "Tokenizer":
+        """A tokenizer from its saved JSON form (either kind)."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
             raise TokenizerError(f"tokenizer file {path} is not valid JSON ({err})") from None
         if isinstance(data, dict) and data.get("type") == "char":
             return CharTokenizer(data["chars"])
@@ -89,6 +110,17 @@ class CharTokenizer(Tokenizer):
     def decode(self, ids):
         return "".join(self.chars[i] for i in ids)
 
+    def encode_array(self, text: str) -> np.ndarray:
+        # Vectorized: the code points of the text looked up in the sorted vocabulary
+        # (Python sorts strings by code point, so self.chars is sorted that way too).
+        points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        if not hasattr(self, "_points"):
+            self._points = np.array([ord(c) for c in self.chars], dtype=np.uint32)
+        ids = np.searchsorted(self._points, points)
+        if points.size and not np.array_equal(self._points[np.minimum(ids, len(self.chars) - 1)], points):
+            self.encode(text)                          # raises, naming the unknown characters
+        return ids.astype(np.int64)
+
     def to_json(self) -> str:
         return json.dumps({"type": "char", "chars": self.chars}, ensure_ascii=False)
 
@@ -97,8 +129,17 @@ class BPETokenizer(Tokenizer):
     kind = "bpe"
     END_OF_TEXT = "<|endoftext|>"
 
+    # Positions where GPT-2's pre-tokenizer pattern always starts a new pre-token: before
+    # a space that sits between two printable ASCII characters (" ?\p{L}+" and its kin
+    # start there) and after a newline followed by one. Pieces cut there encode exactly as
+    # the whole text does, so each distinct piece (mostly a word with its leading space)
+    # is encoded once and cached: a large speed-up on real text, where words repeat.
+    PIECE_BOUNDARY = re.compile(r"(?<=[!-~])(?= [!-~])|(?<=\n)(?=[!-~])")
+    CACHE_LIMIT = 1_000_000
+
     def __init__(self, hf_tokenizer):
         self.hf = hf_tokenizer
+        self._cache: dict[str, list[int]] = {}
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> "BPETokenizer":
@@ -133,6 +174,23 @@ class BPETokenizer(Tokenizer):
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.hf.encode_batch(texts)]
+
+    def encode_array(self, text: str) -> np.ndarray:
+        pieces = self.PIECE_BOUNDARY.split(text)
+        cache = self._cache
+        new = [p for p in set(pieces) if p not in cache]
+        if new:
+            if len(cache) + len(new) > self.CACHE_LIMIT:   # bounded memory on huge corpora
+                cache.clear()
+            encode = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)  # no offsets: faster
+            for piece, encoding in zip(new, encode(new)):
+                cache[piece] = encoding.ids
+        ids = itertools.chain.from_iterable(map(cache.__getitem__, pieces))
+        return np.fromiter(ids, dtype=np.int64)
+
+    @property
+    def eot_id(self) -> int | None:
+        return self.hf.token_to_id(self.END_OF_TEXT)
 
     def decode(self, ids):
         return self.hf.decode(list(ids))

@@ -1,18 +1,15 @@
-"""From a text file to cached token files, and from those to training batches.
+"""From a corpus to token shards, and from those to training batches.
 
-The first run on a corpus tokenizes it into `train.bin` / `val.bin` (flat uint16
-arrays, uint32 when the vocabulary passes 65,535) plus `tokenizer.json` and
-`meta.json` in a cache folder. Later runs memory-map those files. The cache is keyed
-by the hash of the source file and the tokenizer settings; when either changes it is
-rebuilt. meta.json is written last, so a build that dies half way is never mistaken
-for a finished one.
+`data.path` may name a folder written by `python -m data.prepare` (any corpus: Hub
+datasets, JSONL, Parquet, folders of text), which is read as it is. Anything else (a
+text file, a folder or glob of them, JSONL/CSV/Parquet files, or nothing: the bundled
+Shakespeare) goes through the same `data.prepare` on first use into a cache folder,
+keyed by the source's hash and the tokenizer settings and rebuilt when either changes.
+Either way, training memory-maps the shards and never holds the corpus in memory.
 """
 from __future__ import annotations
 
-import gzip
-import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,130 +17,103 @@ import numpy as np
 import torch
 
 from attnlab.errors import DataError
-from attnlab.files import file_sha256, write_json_atomic
-from data.tokenizer import BPETokenizer, Tokenizer, line_chunks, train_tokenizer
+from attnlab.files import file_sha256
+from data.prepare import prepare, read_meta
+from data.shards import Shards
+from data.sources import SourceSpec, local_files
+from data.tokenizer import Tokenizer
 
 DATA_DIR = Path(__file__).resolve().parent
 BUNDLED_CORPUS = DATA_DIR / "shakespeare" / "plays.txt.gz"
-FORMAT_VERSION = 1
-
-
-def read_text(path: Path) -> str:
-    """A UTF-8 text file (gzip-compressed when it ends in .gz), checked for use."""
-    if not path.is_file():
-        raise DataError(f"corpus file {path} not found; set data.path to a UTF-8 text "
-                        "file, or leave it empty to use the bundled Shakespeare corpus")
-    try:
-        raw = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
-        text = raw.decode("utf-8")
-    except (UnicodeDecodeError, OSError, EOFError) as err:
-        raise DataError(f"corpus file {path} is not readable UTF-8 text ({err})") from None
-    if not text.strip():
-        raise DataError(f"corpus file {path} is empty; give data.path a file with text in it")
-    return text
+CACHE_SHARD_TOKENS = 1 << 30           # one shard per split for a corpus train.py prepares
+PARALLEL_FROM_BYTES = 32 << 20         # below this, worker processes cost more than they save
 
 
 @dataclass
 class TokenData:
-    train: np.ndarray            # memory-mapped token ids
-    val: np.ndarray
+    train: Shards                 # memory-mapped token ids
+    val: Shards
     tokenizer: Tokenizer
     meta: dict
     directory: Path
 
-    @property
-    def bits_unit(self) -> str:
-        """Character models report bits per character, BPE models bits per byte."""
-        return "bpc" if self.tokenizer.kind == "char" else "bpb"
+    bits_unit = "bpb"
 
     def bits(self, loss: float) -> float:
-        """Convert a per-token loss in nats to bits per character (char) or byte (BPE)."""
-        per = self.meta["val_chars"] if self.tokenizer.kind == "char" else self.meta["val_bytes"]
-        return loss / math.log(2) * self.meta["val_tokens"] / per
+        """A per-token loss in nats as bits per byte of validation text: comparable
+        between a character model and a BPE model of the same corpus (a BPE token
+        covers several bytes, so its loss per token is larger)."""
+        val = self.meta["splits"]["val"]
+        return loss / math.log(2) * val["tokens"] / val["bytes"]
 
 
-def cache_key(source: Path, tokenizer: str, vocab_size: int, val_fraction: float) -> dict:
-    return {"format": FORMAT_VERSION, "source_sha256": file_sha256(source),
-            "tokenizer": tokenizer, "vocab_size": vocab_size if tokenizer == "bpe" else None,
-            "val_fraction": val_fraction}
+def open_prepared(folder: Path, meta: dict | None = None) -> TokenData:
+    """A folder written by data.prepare, checked: tokenizer hash and every shard's header."""
+    folder = Path(folder)
+    meta = meta or read_meta(folder)
+    if meta is None:
+        raise DataError(f"{folder} has no meta.json from python -m data.prepare")
+    tok = Tokenizer.load(folder)
+    if tok.fingerprint() != meta["tokenizer_fingerprint"]:
+        raise DataError(f"{folder / 'tokenizer.json'} is not the tokenizer its shards were made "
+                        "with (its hash differs from meta.json); prepare the data again")
+    splits = {s: Shards.open(folder, meta["splits"][s]["shards"]) for s in ("train", "val")}
+    for s, shards in splits.items():
+        if len(shards) != meta["splits"][s]["tokens"]:
+            raise DataError(f"the {s} shards in {folder} hold {len(shards):,} tokens but "
+                            f"meta.json says {meta['splits'][s]['tokens']:,}; prepare the data again")
+    return TokenData(splits["train"], splits["val"], tok, meta, folder)
 
 
 def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
                 val_fraction: float = 0.1, cache_dir: str = "", log=print) -> TokenData:
-    """Tokenized train/val splits of a corpus, built on first use and cached."""
-    source = Path(path).expanduser() if path else BUNDLED_CORPUS
-    if not source.is_file():
-        read_text(source)                                   # raises the clear message
-    key = cache_key(source, tokenizer, vocab_size, val_fraction)
-    name = source.name.split(".")[0] + f"-{tokenizer}" + (f"{vocab_size}" if tokenizer == "bpe" else "")
+    """Tokenized train/val splits of a corpus, prepared on first use and cached."""
+    if path and read_meta(Path(path).expanduser()) is not None:
+        folder = Path(path).expanduser()
+        data = open_prepared(folder)
+        if data.tokenizer.kind != tokenizer:
+            log(f"{folder} was prepared with the {data.tokenizer.kind} tokenizer "
+                f"(vocabulary {data.tokenizer.vocab_size:,}); using it")
+        return data
+    if path and (Path(path).expanduser() / "progress.json").is_file():
+        raise DataError(f"{path} is a data.prepare build that did not finish; run the same "
+                        "python -m data.prepare command again to complete it")
+    source = str(Path(path).expanduser()) if path else str(BUNDLED_CORPUS)
+    files = local_files(source)
+    if files is None:
+        raise DataError(f"corpus {path} not found; set data.path to a UTF-8 text file (.gz "
+                        "allowed), a folder or glob of them, JSONL/CSV/Parquet files, or a "
+                        "folder made by python -m data.prepare (which also takes Hugging Face "
+                        "dataset names); leave it empty to use the bundled Shakespeare")
+    spec = SourceSpec(source, val_fraction=val_fraction)
+    size = sum(f.stat().st_size for f in files)
+    # One file is hashed (a few ms per MB); a folder is keyed by names, sizes and times.
+    fingerprint = ([file_sha256(f) for f in files] if len(files) == 1 else
+                   [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files])
+    key_extra = {"files": fingerprint, "val_fraction": val_fraction}
+    first = Path(source.rstrip("/*")).name.split(".")[0] or "corpus"
+    name = first + f"-{tokenizer}" + (f"{vocab_size}" if tokenizer == "bpe" else "")
     folder = Path(cache_dir or DATA_DIR / "cache") / name
-    meta_path = folder / "meta.json"
-    meta = _read_meta(meta_path)
-    tok = None
-    if meta is not None and meta.get("key") == key:
+    meta = read_meta(folder)
+    if meta is not None and meta["key"]["source"] == key_extra and meta["key"]["tokenizer"] == tokenizer \
+            and meta["key"]["vocab_size"] == (vocab_size if tokenizer == "bpe" else None):
         try:
-            tok = Tokenizer.load(folder)
-        except Exception:
-            tok = None
-        if tok is None or tok.fingerprint() != meta.get("tokenizer_fingerprint"):
-            log(f"tokenizer in {folder} changed; rebuilding the token cache")
-            tok = None
-    if tok is None:
-        if meta is not None:
-            log(f"{source.name} or the tokenizer settings changed; rebuilding {folder}")
-        meta, tok = _build(source, folder, key, tokenizer, vocab_size, val_fraction, log)
-    dtype = np.dtype(meta["dtype"])
-    splits = {}
-    for split in ("train", "val"):
-        file = folder / f"{split}.bin"
-        if not file.is_file() or file.stat().st_size != meta[f"{split}_tokens"] * dtype.itemsize:
-            meta_path.unlink(missing_ok=True)
-            raise DataError(f"token file {file} is missing or truncated; run again to rebuild it")
-        splits[split] = np.memmap(file, dtype=dtype, mode="r")
-    return TokenData(splits["train"], splits["val"], tok, meta, folder)
-
-
-def _read_meta(meta_path: Path) -> dict | None:
-    try:
-        return json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _build(source, folder, key, kind, vocab_size, val_fraction, log):
-    log(f"tokenizing {source} with the {kind} tokenizer into {folder} (once; cached after)")
-    text = read_text(source)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "meta.json").unlink(missing_ok=True)          # invalid until rebuilt
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"data.val_fraction must be between 0 and 1, got {val_fraction}")
-    # Split the text, not the tokens, so every tokenizer sees the same validation text
-    # (as nanoGPT does for Shakespeare: first 90% train, last 10% val).
-    cut = int(len(text) * (1.0 - val_fraction))
-    texts = {"train": text[:cut], "val": text[cut:]}
-    # The character vocabulary comes from the whole text, so validation has no unknowns;
-    # BPE learns its merges from the training split only.
-    tok = train_tokenizer(kind, text if kind == "char" else texts["train"], vocab_size)
-    dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
-    meta = {"key": key, "source": str(source), "tokenizer": kind, "vocab_size": tok.vocab_size,
-            "dtype": np.dtype(dtype).name, "tokenizer_fingerprint": tok.fingerprint()}
-    for split, part in texts.items():
-        if isinstance(tok, BPETokenizer):
-            ids = [i for batch in line_chunks(part, 200) for i in tok.encode(batch)]
-        else:
-            ids = tok.encode(part)
-        arr = np.asarray(ids, dtype=dtype)
-        tmp = folder / f"{split}.bin.tmp"
-        arr.tofile(tmp)
-        os.replace(tmp, folder / f"{split}.bin")
-        meta[f"{split}_tokens"] = int(arr.size)
-        meta[f"{split}_chars"] = len(part)
-        meta[f"{split}_bytes"] = len(part.encode("utf-8"))
-    tok.save(folder)
-    write_json_atomic(folder / "meta.json", meta)
-    log(f"  {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens, "
-        f"vocabulary {tok.vocab_size}")
-    return meta, tok
+            return open_prepared(folder, meta)
+        except DataError as err:
+            log(f"{err}; rebuilding {folder}")
+    elif meta is not None:
+        log(f"{Path(source).name} or the tokenizer settings changed; rebuilding {folder}")
+    log(f"tokenizing {source} with the {tokenizer} tokenizer into {folder} (once; cached after)")
+    # The whole training split is the BPE sample here: corpora given to train.py directly
+    # are small enough (larger ones go through python -m data.prepare).
+    meta = prepare(spec, folder, tokenizer, vocab_size, tokenizer_sample=1 << 62,
+                   shard_tokens=CACHE_SHARD_TOKENS,
+                   num_proc=0 if size > PARALLEL_FROM_BYTES else 1, overwrite=True,
+                   key_extra=key_extra, log=lambda *a: None, progress=size > PARALLEL_FROM_BYTES)
+    s = meta["splits"]
+    log(f"  {s['train']['tokens']:,} train and {s['val']['tokens']:,} val tokens, "
+        f"vocabulary {meta['vocab_size']}")
+    return open_prepared(folder, meta)
 
 
 class Batches:
@@ -153,22 +123,23 @@ class Batches:
     The draw comes from its own generator, whose state is saved with a checkpoint;
     a resumed run therefore sees exactly the batches it would have seen."""
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int,
+    def __init__(self, tokens: Shards | np.ndarray, batch_size: int, block_size: int,
                  device: str | torch.device = "cpu", seed: int = 0, split: str = "train"):
-        if len(tokens) < block_size + 2:
+        self.tokens = tokens if isinstance(tokens, Shards) else Shards([np.asarray(tokens)])
+        self.window = block_size + 1
+        self.n_starts = int(self.tokens.starts(self.window).sum())
+        if self.n_starts < 1:
             raise DataError(
-                f"the {split} split has {len(tokens):,} tokens, too few for one window of "
+                f"the {split} split has {len(self.tokens):,} tokens, too few for one window of "
                 f"model.block_size + 1 = {block_size + 1}; use a longer corpus or a "
                 "smaller model.block_size")
-        self.tokens, self.batch_size, self.block_size = tokens, batch_size, block_size
+        self.batch_size, self.block_size = batch_size, block_size
         self.device = torch.device(device)
         self.generator = torch.Generator().manual_seed(seed)
-        self.offsets = np.arange(block_size + 1)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(len(self.tokens) - self.block_size - 1, (self.batch_size,),
-                               generator=self.generator).numpy()
-        window = torch.from_numpy(self.tokens[starts[:, None] + self.offsets].astype(np.int64))
+        starts = torch.randint(self.n_starts, (self.batch_size,), generator=self.generator).numpy()
+        window = torch.from_numpy(self.tokens.gather(starts, self.window))
         if self.device.type == "cuda":
             window = window.pin_memory().to(self.device, non_blocking=True)
         else:
@@ -177,8 +148,7 @@ class Batches:
 
     def skip(self) -> None:
         """Draw a batch's starting points without reading it (another rank's share)."""
-        torch.randint(len(self.tokens) - self.block_size - 1, (self.batch_size,),
-                      generator=self.generator)
+        torch.randint(self.n_starts, (self.batch_size,), generator=self.generator)
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}

@@ -16,7 +16,7 @@ def test_compare_then_extrapolate(corpus, tmp_path):
         assert float(r["val_loss"]) < 4.5 and float(r["tokens_per_s"]) > 0
         assert float(r["peak_memory_mb"]) > 50 and int(r["params"]) > 1000
     table = (out / "results.md").read_text()
-    assert table.count("\n") == 5 and "bpc" in table
+    assert table.count("\n") == 5 and "bpb" in table
     assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
 
     proc = run_script("-m", "attnlab.extrapolate", "--from", out, "--factors", "1", "2", "4",

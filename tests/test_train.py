@@ -51,7 +51,7 @@ def test_train_runs_end_to_end_and_writes_a_run_directory(trained):
     assert json.loads((run_dir / "config.json").read_text())["model"]["vocab_size"] > 10
     records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert {r["step"] for r in records if "val_loss" in r} == {0, 10, 20}
-    assert all("val_bpc" in r for r in records if "val_loss" in r)
+    assert all("val_bpb" in r for r in records if "val_loss" in r)
     assert len(losses(run_dir)) == 20
     assert (out / "runs" / "LATEST").read_text().strip() == "run"
 

@@ -1,0 +1,202 @@
+"""Token shard files: a 32-byte header, then the token ids as a flat array.
+
+Header (little-endian): magic b"ATTNTOKS", format version (uint32), bytes per token
+(uint32: 2 for uint16, 4 for uint32), token count (uint64), 8 reserved bytes. A reader
+checks all four against the file size, so a truncated or foreign file is refused with
+its path instead of training on garbage.
+
+`ShardWriter` fills fixed-size shards in order. The shard being filled is written as
+`<split>_NNNNNN.bin.partial`; when it is full its header gets the final count and it is
+renamed to `<split>_NNNNNN.bin`, so a finished shard never changes again. `Shards` is
+the reader: any number of memory-mapped shards of one split, sampled as one stream.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from attnlab.errors import DataError
+
+MAGIC = b"ATTNTOKS"
+VERSION = 1
+HEADER = struct.Struct("<8sIIQ8x")            # magic, version, itemsize, count, reserved
+HEADER_BYTES = HEADER.size                     # 32
+DTYPES = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits (the common case: half the disk and memory traffic)."""
+    return DTYPES[2] if vocab_size <= 65535 else DTYPES[4]
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}_{index:06d}.bin"
+
+
+def read_header(path: Path) -> tuple[np.dtype, int]:
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_BYTES)
+    if len(raw) < HEADER_BYTES:
+        raise DataError(f"token shard {path} is shorter than its header; prepare the data again")
+    magic, version, itemsize, count = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise DataError(f"{path} is not an attnlab token shard (bad magic {magic!r})")
+    if version != VERSION or itemsize not in DTYPES:
+        raise DataError(f"token shard {path} has format version {version}, token size "
+                        f"{itemsize}; this attnlab reads version {VERSION} with 2 or 4 bytes")
+    expected = HEADER_BYTES + count * itemsize
+    size = path.stat().st_size
+    if size != expected:
+        raise DataError(f"token shard {path} is {size:,} bytes but its header promises "
+                        f"{expected:,} ({count:,} tokens); it is truncated or corrupt, "
+                        "prepare the data again")
+    return DTYPES[itemsize], count
+
+
+def open_shard(path: Path) -> np.ndarray:
+    dtype, count = read_header(path)
+    if count == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+class ShardWriter:
+    """Appends token ids to `<split>_NNNNNN.bin` shards of `shard_tokens` tokens each.
+
+    `state()` is what a resumable build records after flushing; `ShardWriter(...,
+    state=...)` reopens the partial shard and cuts it back to that length, so tokens
+    written after the last record are dropped and written again."""
+
+    def __init__(self, folder: Path, split: str, dtype: np.dtype, shard_tokens: int,
+                 state: dict | None = None):
+        if shard_tokens < 1:
+            raise DataError(f"shard size must be at least one token, got {shard_tokens}")
+        self.folder, self.split, self.dtype = Path(folder), split, np.dtype(dtype)
+        self.shard_tokens = shard_tokens
+        self.done = 0                                  # finished shards
+        self.filled = 0                                # tokens in the partial shard
+        self.total = 0
+        if state:
+            self.done, self.filled = state["shards"], state["partial_tokens"]
+            self.total = self.done * shard_tokens + self.filled
+        self._clean_beyond_state()
+        self.file = self._open_partial(truncate_to=self.filled)
+
+    def _path(self, index: int, partial: bool) -> Path:
+        return self.folder / (shard_name(self.split, index) + (".partial" if partial else ""))
+
+    def _clean_beyond_state(self) -> None:
+        # A shard finished after the last recorded state goes back to being the partial
+        # one (it holds the recorded tokens plus some to redo); later ones are removed.
+        finished_late = self._path(self.done, partial=False)
+        if finished_late.exists():
+            os.replace(finished_late, self._path(self.done, partial=True))
+        for path in self.folder.glob(f"{self.split}_*.bin*"):
+            index = int(path.name[len(self.split) + 1:].split(".")[0])
+            if index > self.done or (index == self.done and not path.name.endswith(".partial")):
+                path.unlink()
+
+    def _open_partial(self, truncate_to: int = 0):
+        path = self._path(self.done, partial=True)
+        expected = HEADER_BYTES + truncate_to * self.dtype.itemsize
+        if truncate_to and (not path.exists() or path.stat().st_size < expected):
+            raise DataError(f"{path} is shorter than the recorded progress; it cannot resume")
+        f = open(path, "r+b" if truncate_to else "wb")
+        f.truncate(expected)
+        f.seek(0)
+        f.write(HEADER.pack(MAGIC, VERSION, self.dtype.itemsize, 0))
+        f.seek(0, os.SEEK_END)
+        return f
+
+    def append(self, ids: np.ndarray) -> int:
+        """Write ids; returns how many shards were finished by this call."""
+        ids = np.asarray(ids, dtype=self.dtype)
+        finished = 0
+        while ids.size:
+            take = min(ids.size, self.shard_tokens - self.filled)
+            self.file.write(ids[:take].tobytes())
+            self.filled += take
+            self.total += take
+            ids = ids[take:]
+            if self.filled == self.shard_tokens:
+                self._finish()
+                finished += 1
+                self.file = self._open_partial()
+        return finished
+
+    def _finish(self) -> None:
+        self.file.seek(0)
+        self.file.write(HEADER.pack(MAGIC, VERSION, self.dtype.itemsize, self.filled))
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self._path(self.done, partial=True), self._path(self.done, partial=False))
+        self.done += 1
+        self.filled = 0
+
+    def flush(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def state(self) -> dict:
+        return {"shards": self.done, "partial_tokens": self.filled}
+
+    def close(self) -> list[str]:
+        """Finish the last (shorter) shard and return the names of all shards."""
+        if self.filled or self.done == 0:
+            self._finish()
+        else:
+            self.file.close()
+            self._path(self.done, partial=True).unlink(missing_ok=True)
+        return [shard_name(self.split, i) for i in range(self.done)]
+
+
+class Shards:
+    """The shards of one split, memory-mapped, read as one stream of windows.
+
+    A window never crosses from one shard into the next: the shards are written in
+    document order, but keeping each window inside one file keeps reads to one slice."""
+
+    def __init__(self, arrays: list[np.ndarray], names: list[str] | None = None):
+        if not arrays:
+            raise DataError("a split needs at least one token shard")
+        self.arrays = arrays
+        self.names = names or [f"array {i}" for i in range(len(arrays))]
+        self.dtype = arrays[0].dtype
+
+    @classmethod
+    def open(cls, folder: Path, names: list[str]) -> "Shards":
+        return cls([open_shard(Path(folder) / n) for n in names], list(names))
+
+    def __len__(self) -> int:
+        return sum(len(a) for a in self.arrays)
+
+    def starts(self, window: int) -> np.ndarray:
+        """Windows of `window` tokens that start in each shard (0 when it is shorter)."""
+        return np.array([max(len(a) - window, 0) for a in self.arrays], dtype=np.int64)
+
+    def gather(self, index: np.ndarray, window: int) -> np.ndarray:
+        """Windows of `window` tokens at global start indices in [0, starts(window).sum()),
+        numbered shard after shard. Returns int64 (rows, window)."""
+        counts = self.starts(window)
+        offsets = np.arange(window)
+        if len(self.arrays) == 1:
+            return self.arrays[0][index[:, None] + offsets].astype(np.int64)
+        bounds = np.cumsum(counts)
+        which = np.searchsorted(bounds, index, side="right")
+        local = index - (bounds - counts)[which]
+        out = np.empty((len(index), window), dtype=np.int64)
+        for shard in np.unique(which):
+            rows = np.nonzero(which == shard)[0]
+            out[rows] = self.arrays[shard][local[rows, None] + offsets]
+        return out
+
+    def __array__(self, dtype=None, copy=None):
+        return self.to_numpy() if dtype is None else self.to_numpy().astype(dtype)
+
+    def to_numpy(self) -> np.ndarray:
+        """All tokens of the split in one array (copies unless there is one shard)."""
+        return self.arrays[0] if len(self.arrays) == 1 else np.concatenate(self.arrays)

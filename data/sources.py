@@ -1,0 +1,370 @@
+"""Where documents come from, as one stream of text pieces for data/prepare.py.
+
+Three kinds of source, told apart by what the argument names:
+* local text files (a file, a folder, or a glob of .txt/.md/.txt.gz): each file is one
+  document; the last `val_fraction` of the bytes is the validation split (for a single
+  file that is nanoGPT's Shakespeare split: first 90% train, last 10% validation);
+* local JSONL, JSON, CSV or Parquet files, read by the `datasets` builders in streaming
+  mode (no copy in the Arrow cache), one document per record's text column;
+* a Hugging Face Hub dataset name ("roneneldan/TinyStories"), loaded with
+  `datasets.load_dataset`, streamed with `streaming=True`.
+For records, every k-th document (k = round(1 / val_fraction)) is a validation document,
+a rule that needs no document count and so works on streams; or the dataset's own split
+(`val_split="validation"`).
+
+The stream is deterministic: the same source and settings give the same pieces in the
+same order, which is what lets a build resume by counting the pieces it has done.
+A piece is at most about a megabyte, cut where byte-level BPE would cut anyway, so a
+huge file never has to sit in memory whole.
+"""
+from __future__ import annotations
+
+import codecs
+import glob
+import gzip
+import os
+import socket
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+from urllib.parse import urlparse
+
+from attnlab.errors import DataError
+
+TEXT_SUFFIXES = (".txt", ".md", ".text", ".txt.gz", ".md.gz")
+RECORD_BUILDERS = {".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".json.gz": "json",
+                   ".csv": "csv", ".parquet": "parquet"}
+PIECE_CHARS = 1 << 20
+HUB_TIMEOUT_S = 3.0
+
+Piece = tuple[str, str, bool]            # (split, text, last piece of its document)
+
+
+@dataclass
+class SourceSpec:
+    source: str                          # path, folder, glob, or a Hub dataset name
+    config_name: str = ""                # Hub dataset configuration ("sample-10BT")
+    split: str = "train"                 # Hub split to read
+    val_split: str = ""                  # Hub split to use for validation (else every k-th doc)
+    text_column: str = "text"
+    streaming: bool = False              # Hub only; local record files always stream
+    max_docs: int = 0                    # 0 = all
+    max_bytes: int = 0                   # 0 = all
+    val_fraction: float = 0.1
+
+    def validate(self) -> None:
+        if not 0.0 < self.val_fraction < 1.0:
+            raise DataError(f"the validation fraction must be between 0 and 1, got {self.val_fraction}")
+        if self.max_docs < 0 or self.max_bytes < 0:
+            raise DataError("max_docs and max_bytes must be 0 (everything) or positive")
+
+
+def suffix_of(path: Path) -> str:
+    name = path.name.lower()
+    for suffix in sorted((*TEXT_SUFFIXES, *RECORD_BUILDERS), key=len, reverse=True):
+        if name.endswith(suffix):
+            return suffix
+    return path.suffix.lower()
+
+
+def local_files(source: str) -> list[Path] | None:
+    """The files a local source names, or None when it names nothing on disk."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and suffix_of(p) in
+                       (*TEXT_SUFFIXES, *RECORD_BUILDERS))
+        if not files:
+            raise DataError(f"folder {path} holds no text (.txt, .md) or record (.jsonl, .csv, "
+                            ".parquet) files")
+        return files
+    if glob.has_magic(source):
+        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True)
+                       if Path(p).is_file())
+        if not files:
+            raise DataError(f"no files match {source}")
+        return files
+    return None
+
+
+def open_source(spec: SourceSpec) -> "Source":
+    spec.validate()
+    files = local_files(spec.source)
+    if files is None:
+        if spec.source.startswith((".", "/", "~")) or Path(spec.source).suffix:
+            raise DataError(f"{spec.source} not found: give a text file, a folder, a glob, "
+                            "or a Hugging Face dataset name such as roneneldan/TinyStories")
+        return HubSource(spec)
+    kinds = {suffix_of(f) in TEXT_SUFFIXES for f in files}
+    if kinds == {True}:
+        return TextSource(spec, files)
+    builders = {RECORD_BUILDERS.get(suffix_of(f)) for f in files}
+    if len(builders) == 1 and None not in builders:
+        return RecordSource(spec, files, builders.pop())
+    raise DataError(f"{spec.source} mixes file types ({', '.join(sorted({suffix_of(f) for f in files}))}); "
+                    "give text files or one kind of record file (.jsonl, .csv or .parquet)")
+
+
+def cut_pieces(text: str, limit: int = PIECE_CHARS) -> Iterator[str]:
+    """Split text into pieces of at most about `limit` characters, preferably after a
+    newline that a printable character follows (where byte-level BPE's pre-tokenizer
+    starts a new word anyway), so the pieces tokenize as the whole text does."""
+    while len(text) > limit:
+        cut = _safe_cut(text, limit)
+        yield text[:cut]
+        text = text[cut:]
+    if text:
+        yield text
+
+
+def _safe_cut(text: str, limit: int) -> int:
+    at = limit
+    while True:
+        at = text.rfind("\n", limit // 2, at)
+        if at < 0:
+            break
+        if "!" <= text[at + 1] <= "~":
+            return at + 1
+    at = text.rfind(" ", limit // 2, limit)
+    while at > limit // 2:                         # " " between two printable characters
+        if "!" <= text[at - 1] <= "~" and "!" <= text[at + 1] <= "~":
+            return at
+        at = text.rfind(" ", limit // 2, at)
+    return limit
+
+
+class Source:
+    spec: SourceSpec
+    total_bytes: int | None = None               # for the progress bar, when known
+    val_rule: str = ""
+    newline_docs = False     # records: separate documents by a newline when there is no end-of-text token
+
+    def pieces(self) -> Iterator[Piece]:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        raise NotImplementedError
+
+
+class TextSource(Source):
+    def __init__(self, spec: SourceSpec, files: list[Path]):
+        self.spec, self.files = spec, files
+        if spec.max_docs:
+            self.files = files[:spec.max_docs]
+        sizes = [self._size(f) for f in self.files]
+        total = sum(sizes)
+        if spec.max_bytes:
+            total = min(total, spec.max_bytes)
+        if total == 0:
+            raise DataError(f"{spec.source} is empty; give data.path a file with text in it")
+        self.total_bytes = total
+        self.cut = int(total * (1.0 - spec.val_fraction))
+        self.val_rule = f"the last {spec.val_fraction:.0%} of the bytes (from byte {self.cut:,})"
+
+    @staticmethod
+    def _size(path: Path) -> int:
+        if not path.name.endswith(".gz"):
+            return path.stat().st_size
+        try:
+            with gzip.open(path) as f:
+                return sum(len(block) for block in iter(lambda: f.read(1 << 22), b""))
+        except (OSError, EOFError) as err:
+            raise DataError(f"corpus file {path} is not readable gzip ({err})") from None
+
+    def describe(self) -> dict:
+        return {"kind": "text files", "source": self.spec.source,
+                "files": [str(f) for f in self.files][:100], "n_files": len(self.files)}
+
+    def pieces(self) -> Iterator[Piece]:
+        offset = 0
+        for path in self.files:
+            if offset >= self.total_bytes:
+                return
+            opener = gzip.open if path.name.endswith(".gz") else open
+            split, decoder, carry = None, None, ""
+            with opener(path, "rb") as f:
+                while offset < self.total_bytes:
+                    block = f.read(1 << 20)[: self.total_bytes - offset]
+                    if not block:
+                        break
+                    parts = [(offset, block)]
+                    if offset < self.cut < offset + len(block):
+                        at = self.cut - offset
+                        while at < len(block) and 0x80 <= block[at] < 0xC0:
+                            at += 1                  # never cut inside a UTF-8 character
+                        parts = [(offset, block[:at]), (offset + at, block[at:])]
+                    offset += len(block)
+                    for start, data in parts:
+                        part_split = "train" if start < self.cut else "val"
+                        if part_split != split:
+                            if split is not None:
+                                yield from self._flush(path, decoder, carry, split, final=True)
+                            split, carry = part_split, ""
+                            decoder = codecs.getincrementaldecoder("utf-8")()
+                        carry += self._decode(path, decoder, data)
+                        if len(carry) > PIECE_CHARS:
+                            *done, carry = list(cut_pieces(carry))
+                            for piece in done:
+                                yield split, piece, False
+            if split is not None:
+                yield from self._flush(path, decoder, carry, split, final=True)
+
+    def _decode(self, path, decoder, data: bytes, final: bool = False) -> str:
+        try:
+            return decoder.decode(data, final)
+        except UnicodeDecodeError as err:
+            raise DataError(f"corpus file {path} is not readable UTF-8 text ({err})") from None
+
+    def _flush(self, path, decoder, carry, split, final):
+        # A --max-bytes slice may end inside a character: drop its first bytes then.
+        carry += self._decode(path, decoder, b"", final=not self.spec.max_bytes)
+        if carry:
+            yield split, carry, True
+
+
+class _DocumentSource(Source):
+    """Records: one document per row; the split comes from a rule or the dataset."""
+    newline_docs = True
+
+    def _dataset(self, split: str):
+        raise NotImplementedError
+
+    def pieces(self) -> Iterator[Piece]:
+        spec = self.spec
+        if spec.val_split:
+            yield from self._documents(self._dataset(spec.split), lambda i: "train")
+            yield from self._documents(self._dataset(spec.val_split), lambda i: "val")
+        else:
+            k = max(2, round(1.0 / spec.val_fraction))
+            yield from self._documents(self._dataset(spec.split),
+                                       lambda i: "val" if i % k == k - 1 else "train")
+
+    @property
+    def val_rule(self) -> str:
+        if self.spec.val_split:
+            return f"the dataset's {self.spec.val_split!r} split"
+        k = max(2, round(1.0 / self.spec.val_fraction))
+        return f"every {k}th document"
+
+    def _documents(self, dataset, split_of) -> Iterator[Piece]:
+        spec, column = self.spec, self.spec.text_column
+        n_docs = n_bytes = 0
+        for batch in _checked(dataset.iter(batch_size=256), spec.source):
+            if column not in batch:
+                raise DataError(f"{spec.source} has no column {column!r}; its columns are "
+                                f"{', '.join(batch)}; choose one with --text-column")
+            for text in batch[column]:
+                if not isinstance(text, str) or not text:
+                    continue                       # missing or empty cells carry no text
+                split = split_of(n_docs)
+                *head, last = cut_pieces(text)
+                for piece in head:
+                    yield split, piece, False
+                yield split, last, True
+                n_docs += 1
+                n_bytes += len(text.encode("utf-8"))
+                if (spec.max_docs and n_docs >= spec.max_docs) or \
+                        (spec.max_bytes and n_bytes >= spec.max_bytes):
+                    return
+
+
+def _checked(batches, source: str):
+    """The dataset's batches, with a failure while reading turned into one clear line."""
+    try:
+        yield from batches
+    except DataError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the builders raise many types for bad files
+        raise DataError(f"reading {source} failed ({type(err).__name__}: {err})") from None
+
+
+class RecordSource(_DocumentSource):
+    def __init__(self, spec: SourceSpec, files: list[Path], builder: str):
+        if spec.val_split:
+            raise DataError("--val-split names a split of a Hub dataset; local files are split "
+                            "by --val-fraction")
+        self.spec, self.files, self.builder = spec, files, builder
+        self.total_bytes = spec.max_bytes or sum(f.stat().st_size for f in files)
+
+    def describe(self) -> dict:
+        return {"kind": f"{self.builder} files", "source": self.spec.source,
+                "files": [str(f) for f in self.files][:100], "n_files": len(self.files),
+                "text_column": self.spec.text_column}
+
+    def _dataset(self, split: str):
+        import datasets
+        try:
+            return datasets.load_dataset(self.builder, data_files=[str(f) for f in self.files],
+                                         split="train", streaming=True)
+        except Exception as err:  # the builders raise many types for unreadable files
+            raise DataError(f"datasets could not read {self.spec.source} as {self.builder} "
+                            f"({type(err).__name__}: {err})") from None
+
+
+def hub_endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def hub_reachable(timeout: float = HUB_TIMEOUT_S) -> bool:
+    """Can this machine open a connection to the Hub? A few seconds at most, where
+    `datasets` itself would retry for half a minute before giving up."""
+    url = urlparse(hub_endpoint())
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def go_offline() -> None:
+    """Make datasets and huggingface_hub use their local cache only, even if imported."""
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    import sys
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].constants.HF_HUB_OFFLINE = True
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].config.HF_HUB_OFFLINE = True
+
+
+class HubSource(_DocumentSource):
+    def __init__(self, spec: SourceSpec):
+        self.spec = spec
+        self.total_bytes = spec.max_bytes or None
+        self.offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+        if not self.offline and not hub_reachable():
+            self.offline = True
+            go_offline()
+        self._dataset(spec.split)                  # fail now, not after training a tokenizer
+
+    def describe(self) -> dict:
+        s = self.spec
+        return {"kind": "Hugging Face dataset", "source": s.source, "config": s.config_name,
+                "split": s.split, "val_split": s.val_split, "text_column": s.text_column,
+                "streaming": s.streaming}
+
+    def _dataset(self, split: str):
+        import datasets
+        s = self.spec
+        try:
+            ds = datasets.load_dataset(s.source, s.config_name or None, split=split,
+                                       streaming=s.streaming)
+        except Exception as err:  # noqa: BLE001 - datasets raises many types here
+            if self.offline:
+                raise DataError(
+                    f"the Hugging Face Hub ({hub_endpoint()}) cannot be reached from this "
+                    f"machine and {s.source!r} is not in the local datasets cache. Prepare it "
+                    "where there is a network, or download its files and pass them instead: "
+                    f"python -m data.prepare path/to/files/*.jsonl --text-column {s.text_column} "
+                    "(text, JSONL, CSV and Parquet files work offline)") from None
+            raise DataError(f"datasets could not load {s.source!r} (config "
+                            f"{s.config_name or 'default'}, split {split!r}): "
+                            f"{type(err).__name__}: {err}") from None
+        if s.max_docs and not s.streaming:
+            ds = ds.select(range(min(s.max_docs, len(ds))))
+        return ds
+
+
+def spec_key(spec: SourceSpec) -> dict:
+    return asdict(spec)

@@ -1,0 +1,297 @@
+"""data.prepare: sources through `datasets`, tokenizers at scale, shards, resume, offline."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import data.prepare as prep
+from attnlab.errors import DataError
+from data.shards import HEADER_BYTES, Shards, open_shard
+from data.sources import SourceSpec, cut_pieces
+from data.tokenizer import BPETokenizer
+from conftest import run_script
+from data.tokens import Batches, load_tokens, open_prepared
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = ("the cat sat on a mat while it rained and the dog looked at it for a long time "
+         "because nothing else moved in the house that day").split()
+
+
+def documents(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    docs = []
+    for i in range(n):
+        words = rng.choice(WORDS, size=rng.integers(5, 40))
+        docs.append(f"Story {i}: " + " ".join(words) + ".\nThe end.")
+    return docs
+
+
+def quiet(*args, **kwargs):
+    return prep.prepare(*args, log=lambda *a: None, progress=False, **kwargs)
+
+
+def split_docs(data, split: str) -> list[str]:
+    """Decode a split's tokens and cut at the end-of-text token."""
+    ids = np.asarray(getattr(data, split)).tolist()
+    eot, docs, current = data.tokenizer.eot_id, [], []
+    for i in ids:
+        if i == eot:
+            docs.append(data.tokenizer.decode(current))
+            current = []
+        else:
+            current.append(i)
+    assert current == []                     # every document ends with the token
+    return docs
+
+
+@pytest.fixture
+def records(tmp_path):
+    docs = documents(60)
+    jsonl = tmp_path / "stories.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs)))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    parquet = tmp_path / "stories.parquet"
+    pq.write_table(pa.table({"text": docs, "n": list(range(len(docs)))}), parquet)
+    csv = tmp_path / "stories.csv"
+    import csv as csv_module
+    with open(csv, "w", newline="") as f:
+        writer = csv_module.writer(f)
+        writer.writerow(["body", "n"])
+        writer.writerows([d, i] for i, d in enumerate(docs))
+    return docs, {"jsonl": jsonl, "parquet": parquet, "csv": csv}
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "csv"])
+def test_record_files_go_through_datasets_and_split_by_document(records, kind, tmp_path):
+    docs, files = records
+    column = "body" if kind == "csv" else "text"
+    spec = SourceSpec(str(files[kind]), text_column=column, val_fraction=0.1)
+    meta = quiet(spec, tmp_path / "out", "bpe", 300, shard_tokens=500, num_proc=1)
+    data = open_prepared(tmp_path / "out")
+    # Every 10th document is validation, in order; the rest train, each ended by <|endoftext|>.
+    assert split_docs(data, "val") == docs[9::10]
+    assert split_docs(data, "train") == [d for i, d in enumerate(docs) if i % 10 != 9]
+    assert meta["splits"]["val"]["documents"] == 6 and meta["splits"]["train"]["documents"] == 54
+    assert meta["splits"]["train"]["bytes"] == sum(len(d) for i, d in enumerate(docs) if i % 10 != 9)
+    # Fixed-size shards: all full but the last.
+    names = meta["splits"]["train"]["shards"]
+    assert len(names) > 2
+    assert all(len(open_shard(tmp_path / "out" / n)) == 500 for n in names[:-1])
+
+
+def test_a_missing_text_column_lists_the_columns(records, tmp_path):
+    _, files = records
+    with pytest.raises(DataError, match="no column 'text'.*body, n.*--text-column"):
+        quiet(SourceSpec(str(files["csv"])), tmp_path / "out", "bpe", 300)
+
+
+def test_text_folders_and_globs_keep_every_byte_and_separate_files(tmp_path):
+    folder = tmp_path / "books"
+    folder.mkdir()
+    texts = [f"Book {i}.\n" + " ".join(documents(30, seed=i)) + "\n" for i in range(3)]
+    for i, text in enumerate(texts):
+        (folder / f"book{i}.txt").write_text(text)
+    for source in (str(folder), str(folder / "*.txt")):
+        out = tmp_path / ("glob" if "*" in source else "dir")
+        meta = quiet(SourceSpec(source), out, "bpe", 400, num_proc=1)
+        data = open_prepared(out)
+        train, val = split_docs(data, "train"), split_docs(data, "val")
+        # The last 10% of the bytes is validation; the file it falls in is cut there.
+        assert "".join(train + val) == "".join(texts)
+        assert len(train) == 3 and len(val) == 1
+        assert meta["splits"]["val"]["bytes"] == pytest.approx(0.1 * len("".join(texts)), abs=2)
+
+
+def test_char_tokenizer_keeps_records_apart_with_a_newline(records, tmp_path):
+    docs, files = records
+    quiet(SourceSpec(str(files["jsonl"]), val_fraction=0.5), tmp_path / "out", "char")
+    data = open_prepared(tmp_path / "out")
+    assert data.tokenizer.decode(np.asarray(data.val).tolist()) == "\n".join(docs[1::2]) + "\n"
+
+
+def test_slices_take_the_first_documents_or_bytes(records, tmp_path):
+    docs, files = records
+    meta = quiet(SourceSpec(str(files["jsonl"]), max_docs=20), tmp_path / "a", "char")
+    assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == 20
+    meta = quiet(SourceSpec(str(files["jsonl"]), max_bytes=3000), tmp_path / "b", "char")
+    taken = meta["splits"]["train"]["bytes"] + meta["splits"]["val"]["bytes"]
+    assert 3000 <= taken < 3000 + max(len(d) for d in docs)
+
+
+def test_parallel_encoding_writes_the_same_shards(records, tmp_path, monkeypatch):
+    _, files = records
+    monkeypatch.setattr(prep, "BATCH_CHARS", 2000)          # many tasks for two processes
+    spec = SourceSpec(str(files["jsonl"]))
+    quiet(spec, tmp_path / "one", "bpe", 300, shard_tokens=700, num_proc=1)
+    quiet(spec, tmp_path / "two", "bpe", 300, shard_tokens=700, num_proc=2)
+    names = sorted(p.name for p in (tmp_path / "one").glob("*.bin"))
+    assert names == sorted(p.name for p in (tmp_path / "two").glob("*.bin")) and len(names) > 3
+    for name in names:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+
+
+def test_an_interrupted_build_resumes_and_keeps_finished_shards(records, tmp_path, monkeypatch):
+    _, files = records
+    spec = SourceSpec(str(files["jsonl"]))
+    monkeypatch.setattr(prep, "BATCH_CHARS", 300)
+    monkeypatch.setattr(prep, "SAVE_EVERY_S", 0.0)
+    quiet(spec, tmp_path / "fresh", "bpe", 300, shard_tokens=400, num_proc=1)
+
+    calls = {"n": 0}
+    real = prep._encode_items
+
+    def dies_half_way(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 12:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(prep, "_encode_items", dies_half_way)
+    out = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        quiet(spec, out, "bpe", 300, shard_tokens=400, num_proc=1)
+    assert not (out / "meta.json").exists() and (out / "progress.json").exists()
+    finished = {p.name: p.stat().st_mtime_ns for p in out.glob("*.bin")}
+    assert finished                                        # some shards were done
+    with pytest.raises(DataError, match="did not finish.*again"):
+        load_tokens(str(out))
+    monkeypatch.setattr(prep, "_encode_items", real)
+    logs = []
+    prep.prepare(spec, out, "bpe", 300, shard_tokens=400, num_proc=1, log=logs.append, progress=False)
+    assert any("resuming" in line for line in logs)
+    for name, mtime in finished.items():                   # finished shards were not rewritten
+        assert (out / name).stat().st_mtime_ns == mtime
+    names = sorted(p.name for p in (tmp_path / "fresh").glob("*.bin"))
+    assert names == sorted(p.name for p in out.glob("*.bin"))
+    for name in names:
+        assert (out / name).read_bytes() == (tmp_path / "fresh" / name).read_bytes()
+    assert not list(out.glob("*.partial")) and not (out / "progress.json").exists()
+
+
+def test_other_settings_in_the_same_folder_need_overwrite(records, tmp_path):
+    _, files = records
+    spec = SourceSpec(str(files["jsonl"]))
+    quiet(spec, tmp_path / "out", "char")
+    assert quiet(spec, tmp_path / "out", "char")["tokenizer"] == "char"     # same: kept
+    with pytest.raises(DataError, match="other settings.*--overwrite"):
+        quiet(spec, tmp_path / "out", "bpe", 300)
+    assert quiet(spec, tmp_path / "out", "bpe", 300, overwrite=True)["tokenizer"] == "bpe"
+
+
+def test_corrupt_shards_are_refused_with_their_path(records, tmp_path):
+    _, files = records
+    quiet(SourceSpec(str(files["jsonl"])), tmp_path / "out", "char")
+    shard = tmp_path / "out" / "train_000000.bin"
+    raw = shard.read_bytes()
+    shard.write_bytes(raw[:-10])
+    with pytest.raises(DataError, match="train_000000.bin.*truncated"):
+        open_prepared(tmp_path / "out")
+    shard.write_bytes(b"NOTTOKEN" + raw[8:])
+    with pytest.raises(DataError, match="train_000000.bin is not an attnlab token shard"):
+        open_prepared(tmp_path / "out")
+
+
+def test_train_reads_a_prepared_folder_and_reports_bits_per_byte(records, tmp_path):
+    _, files = records
+    quiet(SourceSpec(str(files["jsonl"]), val_fraction=0.25), tmp_path / "stories", "bpe", 300,
+          shard_tokens=300)
+    result = run_script("train.py", "--config", "tiny", f"--data.path={tmp_path / 'stories'}",
+                        "--model.block_size=16", "--train.max_iters=4", "--train.eval_interval=4",
+                        "--train.eval_iters=2", f"--train.out_dir={tmp_path / 'runs'}",
+                        "--train.run_name=r")
+    assert result.returncode == 0, result.stderr
+    assert "prepared with the bpe tokenizer" in result.stdout + result.stderr
+    assert "bpb" in result.stdout + result.stderr
+    records_ = [json.loads(l) for l in (tmp_path / "runs" / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert any("val_bpb" in r for r in records_)
+
+
+def test_batches_span_every_shard_and_never_cross_one():
+    shards = Shards([np.arange(0, 50, dtype=np.uint16), np.arange(1000, 1003, dtype=np.uint16),
+                     np.arange(2000, 2040, dtype=np.uint16)])
+    batches = Batches(shards, 64, 7)
+    seen = set()
+    for _ in range(20):
+        x, y = batches.next()
+        window = np.concatenate([x.numpy(), y.numpy()[:, -1:]], axis=1)
+        assert (np.diff(window, axis=1) == 1).all()          # contiguous within one shard
+        seen.update(window[:, 0] // 1000)
+    assert seen == {0, 2}                                    # the 3-token shard is too short
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from(list("ab c\n\t'1.é€ ") + ["'s", "  ", "\n\n", "<|endoftext|>", "cat"]),
+                max_size=40).map("".join))
+def test_fast_bpe_encoding_equals_the_tokenizer(text):
+    tok = _bpe()
+    assert tok.encode_array(text).tolist() == tok.encode(text)
+    assert "".join(cut_pieces(text, 7)) == text
+
+
+_TOK = []
+
+
+def _bpe():
+    if not _TOK:
+        _TOK.append(BPETokenizer.train([" ".join(documents(50)) + " don't 12 €é\t\n"], 320))
+    return _TOK[0]
+
+
+def test_pieces_cut_at_newlines_encode_like_the_whole_text():
+    tok = _bpe()
+    text = "\n".join(documents(200))
+    pieces = list(cut_pieces(text, 500))
+    assert len(pieces) > 10 and all(len(p) <= 500 for p in pieces)
+    assert sum((tok.encode(p) for p in pieces), []) == tok.encode(text)
+
+
+def test_hub_datasets_load_with_a_val_split(monkeypatch, tmp_path):
+    import datasets
+    import data.sources as sources
+    docs = documents(40)
+    tables = {"train": datasets.Dataset.from_dict({"story": docs[:30]}),
+              "validation": datasets.Dataset.from_dict({"story": docs[30:]})}
+    asked = []
+
+    def fake_load(name, config=None, split=None, streaming=False):
+        asked.append((name, config, split, streaming))
+        table = tables[split]
+        return table.to_iterable_dataset() if streaming else table
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    monkeypatch.setattr(sources, "hub_reachable", lambda timeout=0: True)
+    spec = SourceSpec("someone/stories", config_name="small", val_split="validation",
+                      text_column="story", streaming=True, max_docs=25)
+    quiet(spec, tmp_path / "out", "bpe", 300)
+    data = open_prepared(tmp_path / "out")
+    assert split_docs(data, "train") == docs[:25] and split_docs(data, "val") == docs[30:]
+    assert ("someone/stories", "small", "train", True) in asked
+
+
+def test_an_unreachable_hub_says_so_within_seconds(tmp_path):
+    env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
+    env.pop("HF_HUB_OFFLINE", None)
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "data.prepare", "someone/not-cached",
+                             "--out", str(tmp_path / "out")], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    took = time.perf_counter() - started
+    assert result.returncode == 2
+    assert "cannot be reached" in result.stderr and "python -m data.prepare path/to" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert took < 20
+
+
+def test_prepare_help_and_sizes():
+    result = subprocess.run([sys.executable, "-m", "data.prepare", "--help"], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0
+    for flag in ("--streaming", "--max-docs", "--max-bytes", "--text-column", "--val-split",
+                 "--num-proc", "--tokenizer-sample", "--shard-tokens"):
+        assert flag in result.stdout
+    assert prep.parse_size("50MB") == 50_000_000 and prep.parse_size("2k") == 2000
+    assert HEADER_BYTES == 32
