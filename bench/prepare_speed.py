@@ -25,8 +25,27 @@ SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 BUNDLED = ROOT / "data" / "shakespeare" / "plays.txt.gz"
 
 CHILD = r"""
-import json, resource, sys, time
+import json, os, resource, sys, threading, time
 sys.path.insert(0, sys.argv[1])
+peak_workers = 0
+
+def watch_workers():
+    # Each worker's own high-water mark (VmHWM), read while it runs: getrusage's
+    # RUSAGE_CHILDREN would report the parent's size at fork, which exec keeps.
+    global peak_workers
+    me = str(os.getpid())
+    while True:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                status = open(f"/proc/{pid}/status").read()
+            except OSError:
+                continue
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            if fields.get("PPid", "").strip() == me and "VmHWM" in fields:
+                peak_workers = max(peak_workers, int(fields["VmHWM"].split()[0]) / 1024)
+        time.sleep(0.2)
+
+threading.Thread(target=watch_workers, daemon=True).start()
 from data.prepare import prepare
 from data.sources import SourceSpec
 source, out, kind, num_proc = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
@@ -38,7 +57,7 @@ mb = sum(meta["splits"][s]["bytes"] for s in ("train", "val")) / 1e6
 tokens = sum(meta["splits"][s]["tokens"] for s in ("train", "val"))
 print(json.dumps({"mb": mb, "n_tokens": tokens, "wall": wall, **meta["seconds"],
                   "rss_main": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "rss_workers": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
+                  "rss_workers": peak_workers}))
 """
 
 

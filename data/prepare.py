@@ -23,12 +23,16 @@ import collections
 import json
 import multiprocessing
 import os
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
+
+if __package__ in (None, ""):                 # run as a file: python data/prepare.py ...
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attnlab.errors import AttnlabError, DataError, friendly_errors
 from attnlab.files import write_json_atomic

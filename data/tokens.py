@@ -81,10 +81,11 @@ def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
     source = str(Path(path).expanduser()) if path else str(BUNDLED_CORPUS)
     files = local_files(source)
     if files is None:
-        raise DataError(f"corpus {path} not found; set data.path to a UTF-8 text file (.gz "
-                        "allowed), a folder or glob of them, JSONL/CSV/Parquet files, or a "
-                        "folder made by python -m data.prepare (which also takes Hugging Face "
-                        "dataset names); leave it empty to use the bundled Shakespeare")
+        raise DataError(f"corpus {path} not found. To prepare a dataset there (a Hugging Face "
+                        f"name or local files): python -m data.prepare SOURCE --out {path}. "
+                        "data.path takes a UTF-8 text file (.gz allowed), a folder or glob of "
+                        "them, JSONL/CSV/Parquet files, or a prepared folder; leave it empty "
+                        "for the bundled Shakespeare")
     spec = SourceSpec(source, val_fraction=val_fraction)
     size = sum(f.stat().st_size for f in files)
     # One file is hashed (a few ms per MB); a folder is keyed by names, sizes and times.
