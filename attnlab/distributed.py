@@ -39,9 +39,14 @@ class Dist:
         return tensor
 
 
+def world_size() -> int:
+    """Processes torchrun started (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def setup() -> Dist:
     """Join the process group when launched by torchrun; a single process otherwise."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     if world <= 1:
         return Dist()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))

@@ -287,7 +287,8 @@ class Trainer:
             last_eval = self.step if self.step else None   # a resumed step was evaluated
             window_start, window_steps = time.perf_counter(), 0
             while True:
-                due = self.step % t.eval_interval == 0 or self.step >= t.max_iters
+                out_of_time = bool(t.time_limit) and time.perf_counter() - started >= t.time_limit
+                due = self.step % t.eval_interval == 0 or self.step >= t.max_iters or out_of_time
                 if due and self.step != last_eval:
                     val = self._eval_and_save(metrics, bar, unit)
                     last_eval = self.step
@@ -298,6 +299,11 @@ class Trainer:
                         result["reached_target"] = {"step": self.step, "val_loss": val}
                         break
                 if self.step >= t.max_iters:
+                    break
+                if out_of_time:
+                    log(f"time limit of {t.time_limit:.0f} s reached at step {self.step} of "
+                        f"{t.max_iters}; stopped with a final evaluation and checkpoint")
+                    result["out_of_time"] = True
                     break
                 loss, norm = self.train_step()
                 self.step += 1

@@ -53,7 +53,16 @@ class SwiGLU(nn.Module):
         return self.dropout(self.proj(F.silu(gate) * up))
 
 
-MLPS = {"gelu": GeluMLP, "swiglu": SwiGLU}
+class ReluSquaredMLP(GeluMLP):
+    """The GELU MLP with relu(x)² in place of GELU (Primer, arXiv:2109.08668; the
+    activation of modded-nanogpt's speed records): as good or better per step, and two
+    cheap element-wise operations where the tanh GELU costs a tenth of a CPU step."""
+
+    def forward(self, x):
+        return self.dropout(self.proj(F.relu(self.fc(x)).square()))
+
+
+MLPS = {"gelu": GeluMLP, "swiglu": SwiGLU, "relu2": ReluSquaredMLP}
 
 
 class Block(nn.Module):

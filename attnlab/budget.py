@@ -1,0 +1,192 @@
+"""`python train.py --budget 5m`: the best model this machine can train in the time given.
+
+1. Measure: a few training steps of the preset's model on this device give the FLOP/s
+   it sustains (model FLOPs per token × tokens/s).
+2. Choose: from a ladder of sizes, the one whose tokens per parameter in the time left
+   comes closest to 20, the compute-optimal ratio of Chinchilla (Hoffmann et al.,
+   arXiv:2203.15556): a larger model would see too few tokens to learn what it can hold,
+   a smaller one would stop improving while time is left.
+3. Measure the chosen model itself, set the number of steps, the warm-up, evaluations
+   sized to a few percent of the budget, and a hard time limit; the run stops on time
+   with a final evaluation and checkpoint.
+Only the sizes and the schedule change: attention, positions, optimizer and data stay
+as the preset and the command line set them.
+"""
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from attnlab.errors import ConfigError
+
+TOKENS_PER_PARAM = 20.0
+LADDER = [  # (n_layer, n_embd): depth grows with width, as in GPT-2's and nanoGPT's sizes
+    (2, 64), (3, 96), (4, 128), (4, 160), (5, 192), (6, 256), (6, 320), (6, 384),
+    (8, 512), (10, 640), (12, 768), (16, 1024), (24, 1024), (24, 1536),
+]
+EVAL_SHARE = 0.06            # of the budget, for all evaluations together
+EVALS = 4                    # evaluations in a budget run (the last one at the end)
+MARGIN_S = 2.0               # the final checkpoint write and process exit
+MIN_STEPS = 300              # fewer, and the batch is halved (down to MIN_BATCH)
+MIN_BATCH = 8
+
+
+def parse_duration(text: str) -> float:
+    """'5m', '90s', '1h30m', '300' (seconds) -> seconds."""
+    t = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", t):
+        return float(t)
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*(h|m|s)", t)
+    if not parts or "".join(n + u for n, u in parts) != t.replace(" ", ""):
+        raise ConfigError(f"--budget {text!r} is not a duration; examples: 90s, 5m, 1h30m, 300")
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+
+
+def heads_for(n_embd: int) -> int:
+    """Heads of 32 dimensions up to 256 wide, of 64 beyond (GPT-2's head size)."""
+    return max(1, n_embd // (32 if n_embd <= 256 else 64))
+
+
+@dataclass
+class Candidate:
+    n_layer: int
+    n_embd: int
+    params: int                  # non-embedding parameters (the scaling-law count)
+    flops_per_token: int
+    tokens_per_s: float = 0.0    # estimated from the measured FLOP/s
+    tokens: float = 0.0          # in the training time
+    ratio: float = 0.0           # tokens per parameter
+
+
+def sized(model_cfg, n_layer: int, n_embd: int):
+    return replace(model_cfg, n_layer=n_layer, n_embd=n_embd, n_head=heads_for(n_embd),
+                   n_kv_head=0)
+
+
+def candidates(model_cfg) -> list[Candidate]:
+    from model import GPT
+    out = []
+    with torch.device("meta"):                      # sizes only: no memory, no init time
+        for n_layer, n_embd in LADDER:
+            m = GPT(sized(model_cfg, n_layer, n_embd))
+            out.append(Candidate(n_layer, n_embd, m.num_params(non_embedding=True),
+                                 m.flops_per_token()))
+    return out
+
+
+def choose(cands: list[Candidate], flops_per_s: float, train_s: float) -> Candidate:
+    """The candidate whose tokens per parameter is closest to TOKENS_PER_PARAM (in log
+    ratio), given the sustained FLOP/s and the seconds of training."""
+    for c in cands:
+        c.tokens_per_s = flops_per_s / c.flops_per_token
+        c.tokens = c.tokens_per_s * train_s
+        c.ratio = c.tokens / c.params
+    return min(cands, key=lambda c: abs(math.log(c.ratio / TOKENS_PER_PARAM)))
+
+
+def measure(cfg, device, dtype, seconds: float) -> float:
+    """Training steps per second of cfg.model at cfg.train's batch, for about `seconds`
+    after one warm-up step."""
+    from attnlab.device import autocast, synchronize
+    from attnlab.optim import configure_optimizer
+    from model import GPT
+    t = cfg.train
+    model = GPT(cfg.model).to(device)
+    opt = configure_optimizer(model, t, device)
+    ctx = autocast(device, dtype)
+    scaler = torch.amp.GradScaler(device.type, enabled=False)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.model.vocab_size, (t.batch_size, cfg.model.block_size), generator=g).to(device)
+
+    def step():
+        for _ in range(t.grad_accum):
+            with ctx:
+                loss = model(x, x).loss
+            loss.backward()
+        opt.step(scaler)
+        opt.zero_grad()
+
+    step()
+    synchronize(device)
+    steps, start = 0, time.perf_counter()
+    while steps < 2 or time.perf_counter() - start < seconds:
+        step()
+        synchronize(device)
+        steps += 1
+        if steps >= 50:
+            break
+    rate = steps / (time.perf_counter() - start)
+    return rate
+
+
+def plan(cfg, budget_s: float, started: float, log=print):
+    """Set cfg's model size and schedule for a run that ends `budget_s` seconds after
+    `started` (a time.perf_counter() value). Returns cfg."""
+    from attnlab.device import pick_device, pick_dtype
+    from data.tokens import load_tokens
+
+    d, t = cfg.data, cfg.train
+    data = load_tokens(d.path, d.tokenizer, d.vocab_size, d.val_fraction, d.cache_dir, log=log)
+    cfg.model.vocab_size = data.tokenizer.vocab_size
+    device = pick_device(t.device)
+    tokens_per_step = t.batch_size * t.grad_accum * cfg.model.block_size
+    probe_s = min(10.0, max(1.0, 0.03 * budget_s))
+
+    def step_rate(model_cfg) -> tuple[float, float]:
+        dtype = pick_dtype(t.dtype, device, model_cfg.n_embd)
+        rate = measure(replace(cfg, model=model_cfg), device, dtype, probe_s)
+        from model import GPT
+        with torch.device("meta"):
+            fpt = GPT(model_cfg).flops_per_token()
+        return rate, rate * tokens_per_step * fpt
+
+    _, flops_per_s = step_rate(cfg.model)
+    left = budget_s - (time.perf_counter() - started)
+    train_s = left * (1 - EVAL_SHARE) - MARGIN_S - probe_s * 1.5    # the second probe below
+    if train_s < 5:
+        raise ConfigError(f"a budget of {budget_s:.0f} s leaves {max(train_s, 0):.0f} s to train "
+                          "after measuring this machine; give at least a minute")
+    cands = candidates(cfg.model)
+    pick = choose(cands, flops_per_s, train_s)
+    log(f"budget {budget_s:.0f} s: this {device.type} sustains {flops_per_s / 1e12:.3f} TFLOP/s "
+        f"on the preset's model; {train_s:.0f} s left to train. Sizes (non-embedding "
+        f"parameters, tokens in that time, tokens per parameter; the target is "
+        f"{TOKENS_PER_PARAM:.0f}, Chinchilla's compute-optimal ratio):")
+    for c in cands:
+        mark = "  <- chosen" if c is pick else ""
+        log(f"  {c.n_layer:>2} layers x {c.n_embd:>4} wide: {c.params / 1e6:8.2f}M params, "
+            f"{c.tokens / 1e6:9.1f}M tokens, {c.ratio:8.1f} tokens/param{mark}")
+    cfg.model = sized(cfg.model, pick.n_layer, pick.n_embd)
+    cfg.model.validate()
+    # Small models run below the FLOP/s the probe found: time the chosen one itself.
+    steps_per_s, _ = step_rate(cfg.model)
+    left = budget_s - (time.perf_counter() - started)
+    eval_step_s = 1 / steps_per_s / t.grad_accum / 3               # forward only: ~1/3 of a step
+    t.eval_iters = int(max(2, min(t.eval_iters, EVAL_SHARE * budget_s / EVALS / eval_step_s)))
+    eval_s = EVALS * t.eval_iters * eval_step_s
+    train_s = left - eval_s - MARGIN_S
+    t.max_iters = max(1, int(train_s * steps_per_s * 0.97))         # a little slack for noise
+    # Too few optimizer steps leave no room for warm-up and decay: trade batch for steps
+    # (a step on half the batch takes about half the time).
+    batch_note = "the preset's batch"
+    while t.max_iters < MIN_STEPS and t.batch_size >= 2 * MIN_BATCH:
+        t.batch_size //= 2
+        t.max_iters *= 2
+        batch_note = f"batch halved to {t.batch_size} for at least {MIN_STEPS} steps"
+    tokens_per_step = t.batch_size * t.grad_accum * cfg.model.block_size
+    t.warmup_iters = min(t.warmup_iters, max(1, t.max_iters // 10))
+    t.eval_interval = max(1, math.ceil(t.max_iters / (EVALS - 1)))
+    t.log_interval = max(1, min(t.log_interval, t.max_iters // 20))
+    t.time_limit = max(1.0, left - t.eval_iters * eval_step_s - MARGIN_S)
+    epochs = t.max_iters * tokens_per_step / max(len(data.train), 1)
+    log(f"chosen: {pick.n_layer} layers, {cfg.model.n_head} heads, {pick.n_embd} wide "
+        f"({pick.params / 1e6:.2f}M non-embedding parameters); measured {steps_per_s:.2f} "
+        f"steps/s -> {t.max_iters} steps of {tokens_per_step:,} tokens ({batch_note}, "
+        f"{t.max_iters * tokens_per_step / pick.params:.1f} tokens/param, {epochs:.1f} epochs "
+        f"of the training split), {t.eval_iters} batches per evaluation, training stops by "
+        f"{t.time_limit:.0f} s from now")
+    return cfg

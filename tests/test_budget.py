@@ -1,0 +1,58 @@
+"""train.py --budget: measure, choose a size by tokens per parameter, stop on time."""
+import json
+import math
+import time
+
+import pytest
+
+from attnlab import config
+from attnlab.budget import TOKENS_PER_PARAM, candidates, choose, parse_duration
+from attnlab.errors import ConfigError
+from conftest import run_script
+from test_train import tiny_args
+
+
+def test_durations_parse_and_nonsense_is_refused():
+    assert parse_duration("5m") == 300 and parse_duration("90s") == 90
+    assert parse_duration("1h30m") == 5400 and parse_duration("300") == 300
+    for bad in ("5 minutes", "m5", "", "1x"):
+        with pytest.raises(ConfigError, match="not a duration"):
+            parse_duration(bad)
+
+
+def test_the_choice_is_the_size_nearest_the_compute_optimal_ratio():
+    cfg = config.build("cpu", [])
+    cfg.model.vocab_size = 65
+    cands = candidates(cfg.model)
+    assert [c.params for c in cands] == sorted(c.params for c in cands)
+    chosen = []
+    for seconds in (60, 600, 6000, 60000):
+        pick = choose(cands, 1e11, seconds)
+        distance = [abs(math.log(c.ratio / TOKENS_PER_PARAM)) for c in cands]
+        assert abs(math.log(pick.ratio / TOKENS_PER_PARAM)) == min(distance)
+        assert pick.tokens == pytest.approx(1e11 / pick.flops_per_token * seconds)
+        chosen.append(pick.params)
+    assert chosen == sorted(chosen) and chosen[0] < chosen[-1]   # more time, larger model
+
+
+def test_a_budget_run_plans_explains_and_stops_on_time(corpus, tmp_path):
+    budget = 25
+    started = time.perf_counter()
+    proc = run_script(*tiny_args(corpus, tmp_path, "budget", "--budget", f"{budget}s"))
+    wall = time.perf_counter() - started
+    out = proc.stdout + proc.stderr
+    assert "tokens/param" in out and "<- chosen" in out and "chosen:" in out
+    # The clock starts in train.py's main; the interpreter's own start-up comes on top.
+    assert wall < budget + 6, out[-2000:]
+    run_dir = tmp_path / "runs" / "budget"
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last_step = max(r["step"] for r in records)
+    evals = [r for r in records if "val_loss" in r]
+    assert evals[-1]["step"] == last_step and len(evals) >= 3
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["train"]["time_limit"] > 0 and saved["train"]["max_iters"] >= last_step
+
+
+def test_budget_cannot_resume():
+    proc = run_script("train.py", "--budget", "5m", "--resume", check=False)
+    assert proc.returncode == 2 and "--budget plans a new single-process run" in proc.stderr
