@@ -27,11 +27,18 @@ CKPT_DIR = "checkpoints"
 PREFIX = "step_"
 
 
+def storage_ptr(tensor: torch.Tensor) -> int:
+    """Where a tensor's memory starts (a sharded DTensor: its local shard's), to spot
+    tied weights, which share it."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.untyped_storage().data_ptr()
+
+
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The state dict with tied tensors stored once (safetensors refuses shared memory)."""
     seen, out = set(), {}
     for name, tensor in model.state_dict().items():
-        ptr = tensor.untyped_storage().data_ptr()
+        ptr = storage_ptr(tensor)
         if ptr in seen:
             continue
         seen.add(ptr)
@@ -172,8 +179,7 @@ def load_weights(model: torch.nn.Module, weights: dict, origin: Path) -> None:
     """Load weights, allowing only tied tensors to be absent; refuse shape mismatches."""
     own = model.state_dict()
     tied = {n for n in own if n not in weights and any(
-        own[n].untyped_storage().data_ptr() == own[m].untyped_storage().data_ptr()
-        for m in weights if m in own)}
+        storage_ptr(own[n]) == storage_ptr(own[m]) for m in weights if m in own)}
     missing = set(own) - set(weights) - tied
     unexpected = set(weights) - set(own)
     wrong = [n for n in weights if n in own and weights[n].shape != own[n].shape]

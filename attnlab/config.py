@@ -49,6 +49,8 @@ class TrainConfig:
     beta2: float = opt(0.99, "AdamW beta2")
     muon_lr: float = opt(0.02, "peak learning rate of Muon's matrices (same schedule)")
     muon_momentum: float = opt(0.95, "Muon momentum")
+    parallel: str = opt("ddp", "under torchrun: ddp (a whole model per process) or fsdp "
+                               "(FSDP2: weights, gradients and optimizer state split across them)")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = off")
     eval_interval: int = opt(250, "evaluate and write a checkpoint every N steps")
     eval_iters: int = opt(100, "validation batches per evaluation")
@@ -109,6 +111,12 @@ class RunConfig:
             raise ConfigError(f"train.min_lr must be between 0 and train.lr={t.lr}, got {t.min_lr}")
         if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
             raise ConfigError("train.beta1 and train.beta2 must be in [0, 1)")
+        if t.parallel == "fsdp" and t.optimizer == "muon":
+            raise ConfigError("train.parallel=fsdp splits each matrix across processes, and "
+                              "Muon orthogonalises whole matrices: use train.optimizer=adamw "
+                              "with fsdp, or train.parallel=ddp with muon")
+        if t.time_limit < 0:
+            raise ConfigError(f"train.time_limit must be 0 (off) or positive, got {t.time_limit}")
         if t.weight_decay < 0 or t.grad_clip < 0:
             raise ConfigError("train.weight_decay and train.grad_clip must not be negative")
         if self.model.attention == "flex" and t.device in ("cpu", "auto"):
@@ -135,6 +143,7 @@ _FIXED_CHOICES = {
     ("train", "dtype"): ("auto", "float32", "bfloat16", "float16"),
     ("train", "wandb"): ("disabled", "offline", "online"),
     ("train", "optimizer"): ("adamw", "muon"),
+    ("train", "parallel"): ("ddp", "fsdp"),
 }
 
 

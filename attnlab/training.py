@@ -146,6 +146,10 @@ class Trainer:
         self.batches = Batches(self.data.train, t.batch_size, T, self.device, seed=t.seed)
         Batches(self.data.val, 1, T, split="val")            # refuse a too-short val split now
         self.model = GPT(cfg.model).to(self.device)
+        self.sharded = dist.world > 1 and t.parallel == "fsdp"
+        if self.sharded:                      # before the optimizer sees the parameters
+            from attnlab.sharding import shard
+            shard(self.model)
         self.optimizer = configure_optimizer(self.model, t, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
         self.ctx = autocast(self.device, self.dtype)
@@ -165,7 +169,7 @@ class Trainer:
             self.data.tokenizer.save(self.run_dir)
             (Path(t.out_dir) / "LATEST").write_text(self.run_dir.name + "\n")
         self.trained = self.model
-        if dist.world > 1:                    # gradients averaged across processes
+        if dist.world > 1 and not self.sharded:   # gradients averaged across processes
             from torch.nn.parallel import DistributedDataParallel
             self.trained = DistributedDataParallel(
                 self.model, device_ids=[dist.local_rank] if self.device.type == "cuda" else None)
@@ -177,9 +181,14 @@ class Trainer:
         checkpoint.remove_partial(self.run_dir)
         ckpt = checkpoint.resolve(self.run_dir, "latest")
         weights, tensors, state = checkpoint.load(ckpt)
+        opt_state = checkpoint.optimizer_join(tensors, state["optimizer"])
+        if self.sharded:                      # each process keeps its own shard of each
+            from attnlab.sharding import shard_optimizer_state, shard_weights
+            weights = shard_weights(self.model, weights)
+            opt_state = shard_optimizer_state(self.optimizer, opt_state)
         checkpoint.load_weights(self.model, weights, ckpt)
         try:
-            self.optimizer.load_state_dict(checkpoint.optimizer_join(tensors, state["optimizer"]))
+            self.optimizer.load_state_dict(opt_state)
         except (ValueError, KeyError, RuntimeError) as err:
             raise CheckpointError(f"optimizer state in {ckpt} does not fit this model ({err})") from None
         self.batches.load_state_dict({"generator": tensors["data.generator"]})
@@ -193,21 +202,27 @@ class Trainer:
         self.log(f"resuming {self.run_dir} from {ckpt.name} (step {self.step})")
 
     def save(self) -> Path | None:
-        """Write a checkpoint (the main process only; the others wait for it)."""
+        """Write a checkpoint (the main process only; the others wait for it). Sharded
+        weights are gathered first, by every process, into the usual full format."""
+        model, optimizer = self.model, self.optimizer
+        if self.sharded:
+            from attnlab.sharding import Snapshot, full_model_state, full_optimizer_state
+            model = Snapshot(full_model_state(self.model))
+            optimizer = Snapshot(full_optimizer_state(self.optimizer))
         if not self.dist.is_main:
             self.dist.barrier()
             return None
-        path = self._write_checkpoint()
+        path = self._write_checkpoint(model, optimizer)
         self.dist.barrier()
         return path
 
-    def _write_checkpoint(self) -> Path:
+    def _write_checkpoint(self, model, optimizer) -> Path:
         tensors = {"data.generator": self.batches.generator.get_state(), **rng_tensors(self.device)}
         state = {"best_val": self.best_val, "elapsed_s": self.elapsed, "wandb_id": self.wandb_id,
                  "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
         state = {k: v for k, v in state.items() if v is not None}
         files = {"config.json": self.cfg.to_json(), "tokenizer.json": self.data.tokenizer.to_json()}
-        return checkpoint.save(self.run_dir, self.step, self.model, self.optimizer, tensors,
+        return checkpoint.save(self.run_dir, self.step, model, optimizer, tensors,
                                state, files, self.cfg.train.keep_last)
 
     def summary(self) -> str:
@@ -241,7 +256,9 @@ class Trainer:
             # DDP averages over processes, so each scales by world / grad_accum; gradients
             # are exchanged once, after this process's last micro-batch.
             sync = m == mine[-1] or d.world == 1
-            with contextlib.nullcontext() if sync else self.trained.no_sync():
+            if self.sharded:
+                self.model.set_requires_gradient_sync(sync)
+            with contextlib.nullcontext() if sync or self.sharded else self.trained.no_sync():
                 with self.ctx:
                     loss = self.compiled(x, y).loss
                 self.scaler.scale(loss * d.world / t.grad_accum).backward()
@@ -249,6 +266,9 @@ class Trainer:
         self.optimizer.unscale_(self.scaler)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                               t.grad_clip if t.grad_clip > 0 else math.inf)
+        if self.sharded:
+            from attnlab.sharding import full
+            norm = full(norm)
         self.optimizer.step(self.scaler)
         self.scaler.update()
         self.optimizer.zero_grad()

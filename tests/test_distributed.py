@@ -37,9 +37,11 @@ def torchrun(n, *train_args):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo over TCP on localhost")
-def test_two_processes_match_one_and_resume_on_one(corpus, tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_match_one_and_resume_on_one(corpus, tmp_path, parallel):
     run_script("train.py", *args(corpus, tmp_path, "single"))
-    proc = run_script(*torchrun(2, *args(corpus, tmp_path, "double")), timeout=300)
+    proc = run_script(*torchrun(2, *args(corpus, tmp_path, "double"), f"--train.parallel={parallel}"),
+                      timeout=300)
     assert "2 processes" in proc.stdout
     assert proc.stdout.count("step      5: val loss") == 1          # printed by one process
     single, double = losses(tmp_path / "runs" / "single"), losses(tmp_path / "runs" / "double")
@@ -55,6 +57,14 @@ def test_two_processes_match_one_and_resume_on_one(corpus, tmp_path):
     single, double = losses(tmp_path / "runs" / "single"), losses(tmp_path / "runs" / "double")
     for step in range(11, 15):
         assert double[step] == pytest.approx(single[step], rel=1e-4), step
+    # ... and a one-process checkpoint continues on two processes (each cuts its shard
+    # of the weights and optimizer state out of the full tensors under fsdp).
+    run_script(*torchrun(2, "--resume", tmp_path / "runs" / "single", "--train.max_iters=17",
+                         f"--train.parallel={parallel}"), timeout=300)
+    run_script("train.py", "--resume", tmp_path / "runs" / "double", "--train.max_iters=17")
+    single, double = losses(tmp_path / "runs" / "single"), losses(tmp_path / "runs" / "double")
+    for step in range(15, 18):
+        assert single[step] == pytest.approx(double[step], rel=1e-4), step
 
 
 def test_grad_accum_must_split_evenly(corpus, tmp_path):

@@ -157,6 +157,16 @@ def test_every_norm_and_mlp_variant_trains(registry):
         assert all(p.grad is not None for p in model.parameters())
 
 
+def test_mlp_activations_are_what_their_names_say():
+    from model.layers import MLPS
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 32)
+    for name, expected in [("gelu", lambda h: torch.nn.functional.gelu(h, approximate="tanh")),
+                           ("relu2", lambda h: torch.relu(h) ** 2)]:
+        mlp = MLPS[name](tiny())
+        assert torch.allclose(mlp(x), mlp.proj(expected(mlp.fc(x))), atol=1e-6), name
+
+
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
 def test_parameter_count_counts_tied_weights_once(tie, bias):
