@@ -8,7 +8,10 @@ Time is the best of a few repetitions. Memory is the extra peak over what was in
 before the call: on CUDA torch's allocator statistics, on a CPU the process's peak
 resident memory (VmHWM, reset before each case through /proc/self/clear_refs), with
 glibc told to return every block over 64 KiB to the system when freed, so that
-memory a previous case freed cannot hide a new peak.
+memory a previous case freed cannot hide a new peak. That setting makes every large
+allocation a fresh mapping and slows allocation-heavy code, so on a CPU the memory is
+measured in a second process of its own and the times in this one, with the usual
+allocator.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +44,7 @@ def _status(field: str) -> int:
     return 0
 
 
-def measure(backend, T, window, device, backward, B, H, D, repeats):
+def measure(backend, T, window, device, backward, B, H, D, repeats, timing=True, memory=True):
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(B, H, T, D, generator=g).to(device).requires_grad_(backward)
                for _ in range(3))
@@ -55,7 +59,9 @@ def measure(backend, T, window, device, backward, B, H, D, repeats):
 
     call()                                                    # warm-up (and flex compile)
     gc.collect()
-    if device.type == "cuda":
+    if not memory:
+        extra = 0
+    elif device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -65,15 +71,15 @@ def measure(backend, T, window, device, backward, B, H, D, repeats):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         base = _status("VmRSS")
-    out = call()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - base
-    else:
-        extra = _status("VmHWM") - base
-    del out
+    if memory:
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            extra = torch.cuda.max_memory_allocated() - base
+        else:
+            extra = _status("VmHWM") - base
     best = float("inf")
-    for _ in range(repeats):
+    for _ in range(repeats if timing else 0):
         for t in (q, k, v):
             t.grad = None
         if device.type == "cuda":
@@ -86,10 +92,17 @@ def measure(backend, T, window, device, backward, B, H, D, repeats):
     return best, extra
 
 
+def cpu_memory_pass(argv: list[str]) -> dict:
+    """Extra CPU memory of every case, measured in a child process whose glibc returns
+    freed blocks (see the docstring): {(label, pass, T): bytes}."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    proc = subprocess.run([sys.executable, __file__, *argv, "--devices", "cpu", "--memory-pass"],
+                          env=env, capture_output=True, text=True, check=True)
+    return {(r["backend"], r["pass"], r["T"]): r["extra_bytes"]
+            for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
 def main():
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:       # see the docstring
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+",
                         default=[256, 512, 1024, 2048, 4096, 8192, 16384])
@@ -100,7 +113,16 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--devices", nargs="+", default=None)
     parser.add_argument("--plot", default="bench/out/attention_cost.png")
+    parser.add_argument("--memory-pass", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    memory_pass = args.memory_pass
+    passed = [a for a in sys.argv[1:] if a != "--memory-pass"]
+    if "--devices" in passed:                    # the child gets --devices cpu of its own
+        i = passed.index("--devices")
+        j = i + 1
+        while j < len(passed) and not passed[j].startswith("--"):
+            j += 1
+        passed = passed[:i] + passed[j:]
     devices = args.devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
     rows = []
     for dev in devices:
@@ -117,11 +139,23 @@ def main():
                     W = args.window if windowed else 0
                     if W and W > T:
                         continue
+                    on_cpu = device.type == "cpu"
                     t, mem = measure(backend, T, W, device, backward, args.batch, args.heads,
-                                     args.head_dim, args.repeats)
+                                     args.head_dim, args.repeats, timing=not memory_pass,
+                                     memory=memory_pass or not on_cpu)
                     rows.append((dev, label, "fwd+bwd" if backward else "fwd", T, t, mem))
-                    print(f"{dev:>4} {label:<20} {rows[-1][2]:<7} T={T:>6}: {t * 1e3:9.2f} ms, "
-                          f"{mem / 2**20:9.1f} MiB extra", flush=True)
+                    if not memory_pass:
+                        print(f"{dev:>4} {label:<20} {rows[-1][2]:<7} T={T:>6}: "
+                              f"{t * 1e3:9.2f} ms", flush=True)
+    if memory_pass:
+        print(json.dumps([{"backend": l, "pass": m, "T": T, "extra_bytes": mem}
+                          for d, l, m, T, t, mem in rows]))
+        return
+    if "cpu" in devices:
+        print("measuring CPU memory in a separate process ...", flush=True)
+        cpu_memory = cpu_memory_pass(passed)
+        rows = [(d, l, m, T, t, cpu_memory[(l, m, T)] if d == "cpu" else mem)
+                for d, l, m, T, t, mem in rows]
     print(f"\nB={args.batch}, H={args.heads}, d_k={args.head_dim}, window {args.window}")
     print("| device | backend | pass | T | time (ms) | extra memory (MiB) |")
     print("|---|---|---|---|---|---|")

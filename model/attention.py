@@ -165,11 +165,14 @@ def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: 
     n = -(-T // W)
     pad = n * W - T                           # < W: every padded query still sees a real key
 
-    def blocks(x):                                                    # (B, H, n, W, D)
-        return F.pad(x, (0, 0, 0, pad)).view(B, H, n, W, D)
+    # Batch and heads merge into one dimension and the blocks take the place of heads:
+    # SDPA treats both leading dimensions as independent attentions, so no transposed
+    # copies are needed (they cost more time and memory than the band itself).
+    def blocks(x):                                                    # (B·H, n, W, D)
+        return (F.pad(x, (0, 0, 0, pad)) if pad else x).reshape(B * H, n, W, D)
 
-    def beside_previous(x):                                           # (B, H, n, 2W, D)
-        return torch.cat([F.pad(x, (0, 0, 0, 0, 1, 0))[:, :, :-1], x], dim=3)
+    def beside_previous(x):                                           # (B·H, n, 2W, D)
+        return torch.cat([F.pad(x, (0, 0, 0, 0, 1, 0))[:, :-1], x], dim=2)
 
     qb, keys, values = blocks(q), beside_previous(blocks(k)), beside_previous(blocks(v))
     device = q.device
@@ -179,25 +182,23 @@ def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: 
         & (k_pos < T)[:, None, :]
     if G:                            # the global keys, beside every block (band excludes them)
         g = min(G, T)
-        keys = torch.cat([k[:, :, None, :g].expand(B, H, n, g, D), keys], dim=3)
-        values = torch.cat([v[:, :, None, :g].expand(B, H, n, g, D), values], dim=3)
+
+        def first(x):                                                 # (B·H, n, g, D)
+            return x[:, :, :g].reshape(B * H, 1, g, D).expand(B * H, n, g, D)
+        keys = torch.cat([first(k), keys], dim=2)
+        values = torch.cat([first(v), values], dim=2)
         g_pos = torch.arange(g, device=device).expand(n, g)
         ok = torch.cat([rule(q_pos[:, :, None], g_pos[:, None, :]), ok], dim=2)
         k_pos = torch.cat([g_pos, k_pos], dim=1)
-    n_keys = keys.shape[3]
-
-    def batched(x):          # each block one item of a batch of B·n short attentions
-        return x.transpose(1, 2).reshape(B * n, H, x.shape[3], D)
-
+    n_keys = keys.shape[2]
     if mask.bias_fn is not None:                                      # ALiBi inside the band
         bias = mask.bias_fn(q_pos[:, :, None], k_pos[:, None, :])      # (H, n, W, keys)
-        attn_mask = bias.to(q.dtype).masked_fill(~ok, float("-inf")).transpose(0, 1)
-        attn_mask = attn_mask.expand(B, n, H, W, n_keys).reshape(B * n, H, W, n_keys)
+        attn_mask = bias.to(q.dtype).masked_fill(~ok, float("-inf"))
+        attn_mask = attn_mask.expand(B, H, n, W, n_keys).reshape(B * H, n, W, n_keys)
     else:
-        attn_mask = ok[:, None].expand(B, n, 1, W, n_keys).reshape(B * n, 1, W, n_keys)
-    out = F.scaled_dot_product_attention(batched(qb), batched(keys), batched(values),
-                                         attn_mask=attn_mask, dropout_p=dropout_p)
-    out = out.view(B, n, H, W, D).transpose(1, 2)                    # (B, H, n, W, D)
+        attn_mask = ok[None]                                          # (1, n, W, keys)
+    out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=attn_mask,
+                                         dropout_p=dropout_p)          # (B·H, n, W, D)
     return out.reshape(B, H, n * W, D)[:, :, :T], None
 
 
