@@ -62,15 +62,18 @@ def main(argv: list[str]) -> int:
         from attnlab.config import help_text
         print(USAGE + help_text().split("[sample]", 1)[1])
         return 0
-    from attnlab.device import pick_device
+    from attnlab.device import pick_device, pick_dtype
     from attnlab.inference import StepExplainer, encode_prompt, latest_run, load_run, stream_text
 
     opts, s = parse(argv)
     run = opts["run"] or latest_run()
     device = pick_device(opts["device"])
     model, cfg, tokenizer, ckpt = load_run(run, opts["checkpoint"], device)
+    dtype = pick_dtype(s.dtype, device, cfg.model.n_embd)
+    model = model.to(dtype)
     prompt_ids = encode_prompt(tokenizer, s.prompt)
-    print(f"[{ckpt}: {cfg.model.position} positions, {model.num_params() / 1e6:.2f}M parameters; "
+    print(f"[{ckpt}: {cfg.model.position} positions, {model.num_params() / 1e6:.2f}M parameters, "
+          f"{str(dtype)[6:]} weights; "
           f"temperature {s.temperature}, top-k {s.top_k}, top-p {s.top_p}, seed {s.seed}]",
           file=sys.stderr)
     for n in range(s.num_samples):

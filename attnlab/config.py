@@ -76,6 +76,9 @@ class SampleConfig:
     seed: int = opt(1337, "random seed for sampling")
     num_samples: int = opt(1, "independent samples to draw")
     use_cache: bool = opt(True, "reuse keys/values of earlier tokens (KV cache)")
+    dtype: str = opt("auto", "weights while sampling: auto (bfloat16 where train.dtype=auto would "
+                             "use it: at batch 1 the weights' bytes bound the speed), float32, "
+                             "bfloat16 or float16")
     explain: bool = opt(False, "show each step's top candidates before and after "
                                "temperature / top-k / top-p, and the token chosen")
     explain_top: int = opt(5, "candidates shown per step with explain")
@@ -144,6 +147,7 @@ _FIXED_CHOICES = {
     ("train", "wandb"): ("disabled", "offline", "online"),
     ("train", "optimizer"): ("adamw", "muon"),
     ("train", "parallel"): ("ddp", "fsdp"),
+    ("sample", "dtype"): ("auto", "float32", "bfloat16", "float16"),
 }
 
 

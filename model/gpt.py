@@ -217,9 +217,10 @@ class GPT(nn.Module):
                 logits = self(context, cache=cache).logits
             else:
                 logits = self(context[:, -1:], cache=cache).logits
-            token = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
+            logits = logits[:, -1].float()        # sampling maths in fp32 whatever the weights
+            token = sample_next(logits, temperature, top_k, top_p, generator)
             if on_step is not None:
-                on_step(logits[:, -1], token)
+                on_step(logits, token)
             # Keep only what a later step can read: the newest block_size tokens.
             context = torch.cat([context, token], dim=1)[:, -window:]
             yield token

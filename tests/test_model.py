@@ -213,3 +213,21 @@ def test_learned_positions_generate_past_the_context_by_shifting():
     model = GPT(tiny(position="learned", block_size=8)).eval()
     assert not model.rolls
     assert len(list(model.generate(torch.zeros(1, 3, dtype=torch.long), 50))) == 50
+
+
+@pytest.mark.parametrize("position", list(REGISTRIES["position"]))
+def test_bfloat16_weights_sample_like_float32(position):
+    """sample.py's bf16 weights: the same logits within bf16 rounding, cache included."""
+    torch.manual_seed(0)
+    model = GPT(tiny(position=position)).eval()
+    half = GPT(tiny(position=position)).eval()
+    half.load_state_dict(model.state_dict())
+    half = half.to(torch.bfloat16)
+    x = torch.randint(0, 40, (1, 12))
+    with torch.no_grad():
+        full_logits, half_logits = model(x).logits, half(x).logits
+    assert half_logits.dtype == torch.bfloat16
+    assert torch.allclose(half_logits.float(), full_logits, atol=0.05, rtol=0.05)
+    steps = []
+    tokens = list(half.generate(x, 6, temperature=0, on_step=lambda logits, t: steps.append(logits)))
+    assert len(tokens) == 6 and all(s.dtype == torch.float32 for s in steps)
