@@ -31,6 +31,7 @@ LADDER = [  # (n_layer, n_embd): depth grows with width, as in GPT-2's and nanoG
 EVAL_SHARE = 0.06            # of the budget, for all evaluations together
 EVALS = 4                    # evaluations in a budget run (the last one at the end)
 MARGIN_S = 2.0               # the final checkpoint write and process exit
+OVERPLAN = 1.2              # steps planned over what the probe measured
 MIN_STEPS = 300              # fewer, and the batch is halved (down to MIN_BATCH)
 MIN_BATCH = 8
 
@@ -169,7 +170,10 @@ def plan(cfg, budget_s: float, started: float, log=print):
     t.eval_iters = int(max(2, min(t.eval_iters, EVAL_SHARE * budget_s / EVALS / eval_step_s)))
     eval_s = EVALS * t.eval_iters * eval_step_s
     train_s = left - eval_s - MARGIN_S
-    t.max_iters = max(1, int(train_s * steps_per_s * 0.97))         # a little slack for noise
+    # The schedule also follows the clock under a time limit (Trainer.train_step), so
+    # planning more steps than the probe promises costs nothing if they do not come
+    # (the decay still ends on time), and leaves no time unused if they do.
+    t.max_iters = max(1, int(train_s * steps_per_s * OVERPLAN))
     # Too few optimizer steps leave no room for warm-up and decay: trade batch for steps
     # (a step on half the batch takes about half the time).
     batch_note = "the preset's batch"

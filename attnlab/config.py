@@ -56,7 +56,8 @@ class TrainConfig:
     eval_iters: int = opt(100, "validation batches per evaluation")
     target_val_loss: float = opt(0.0, "stop (with a checkpoint) once val loss reaches this; 0 = off")
     time_limit: float = opt(0.0, "stop with a final evaluation and checkpoint after this many "
-                                 "seconds of training; 0 = off (train.py --budget sets it)")
+                                 "seconds of training, the lr schedule following steps or time, "
+                                 "whichever is further along; 0 = off (train.py --budget sets it)")
     log_interval: int = opt(10, "write training metrics every N steps")
     seed: int = opt(1337, "random seed (weights, batches, dropout)")
     out_dir: str = opt("runs", "folder that holds run directories")

@@ -176,6 +176,7 @@ class Trainer:
         self.compiled = torch.compile(self.trained) if t.compile else self.trained
         self.evaluated = torch.compile(self.model) if t.compile else self.model
         self.stop_signal = None
+        self.time_used = 0.0                  # share of train.time_limit spent (run() updates it)
 
     def _resume(self) -> None:
         checkpoint.remove_partial(self.run_dir)
@@ -243,8 +244,14 @@ class Trainer:
                         t.eval_iters, self.device, self.ctx)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step. With a time limit, `self.time_used` (the share of it spent,
+        kept by run()) moves the schedule on as well: the learning rate follows steps or
+        time, whichever is further along, so the decay ends on time even if steps run
+        slower than planned."""
         t = self.cfg.train
-        self.optimizer.set_lr(lr_at(self.step, t) / t.lr)
+        schedule_step = max(self.step, int(self.time_used * t.max_iters)) if t.time_limit else self.step
+        self.current_lr = lr_at(schedule_step, t)
+        self.optimizer.set_lr(self.current_lr / t.lr)
         total = torch.zeros((), device=self.device)
         d = self.dist
         mine = [m for m in range(t.grad_accum) if m % d.world == d.rank]
@@ -325,6 +332,8 @@ class Trainer:
                         f"{t.max_iters}; stopped with a final evaluation and checkpoint")
                     result["out_of_time"] = True
                     break
+                if t.time_limit:
+                    self.time_used = (time.perf_counter() - started) / t.time_limit
                 loss, norm = self.train_step()
                 self.step += 1
                 window_steps += 1
@@ -340,7 +349,7 @@ class Trainer:
                     utilisation = mfu(flops_per_token, tok_s / self.dist.world, peak)
                     self.elapsed += now - window_start
                     window_start, window_steps = now, 0
-                    record = {"step": self.step, "loss": loss_value, "lr": lr_at(self.step - 1, t),
+                    record = {"step": self.step, "loss": loss_value, "lr": self.current_lr,
                               "grad_norm": norm_value, "tokens_per_s": tok_s, "elapsed_s": self.elapsed}
                     shown = {"loss": f"{loss_value:.3f}", "tok_s": f"{tok_s:,.0f}"}
                     if utilisation is not None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from attnlab.device import autocast, cpu_has_native_bf16  # noqa: E402
+from attnlab.device import autocast, cpu_has_native_bf16, peak_flops  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 
 SIZES = {  # name: (n_layer, n_head, n_embd, block_size, batch_size)
@@ -63,7 +63,7 @@ def measure(step, batches, steps):
     return time.perf_counter() - start
 
 
-def run_size(name, steps, rounds):
+def run_size(name, steps, rounds, compiled):
     L, H, C, T, B = SIZES[name]
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, VOCAB, (B, T), generator=g),) * 2 for _ in range(steps)]
@@ -74,7 +74,15 @@ def run_size(name, steps, rounds):
             ours(L, H, C, T, position="learned", bias=True), "ours", torch.float32),
         "attnlab, defaults (rope, fp32)": make_step(ours(L, H, C, T), "ours", torch.float32),
         f"attnlab, defaults ({str(bf16)[6:]} autocast)": make_step(ours(L, H, C, T), "ours", bf16),
+        f"attnlab, relu² MLP ({str(bf16)[6:]} autocast)": make_step(
+            ours(L, H, C, T, mlp="relu2"), "ours", bf16),
     }
+    if compiled:
+        contenders[f"attnlab, relu² MLP, compiled ({str(bf16)[6:]})"] = make_step(
+            torch.compile(ours(L, H, C, T, mlp="relu2")), "ours", bf16)
+    precision = {label: "bfloat16" if bf16 == torch.bfloat16 and "bfloat16" in label else "float32"
+                 for label in contenders}
+    flops = ours(L, H, C, T, position="learned", bias=True).flops_per_token()
     for step in contenders.values():                  # warm up: allocator, kernels
         measure(step, batches, 2)
     best = {k: float("inf") for k in contenders}
@@ -85,11 +93,13 @@ def run_size(name, steps, rounds):
     base = tokens / best["HF GPT2LMHeadModel (sdpa, fp32)"]
     print(f"\n{name}: {L} layers, {H} heads, {C} wide, context {T}, batch {B} "
           f"({steps} steps x {rounds} rounds, best round)")
-    print(f"| {'model':<38} | {'tokens/s':>9} | {'vs HF':>6} |")
-    print(f"|{'-' * 40}|{'-' * 11}|{'-' * 8}|")
+    print(f"| {'model':<42} | {'tokens/s':>9} | {'vs HF':>6} | MFU (peak of its precision) |")
+    print(f"|{'-' * 44}|{'-' * 11}|{'-' * 8}|---|")
     for label in contenders:
         rate = tokens / best[label]
-        print(f"| {label:<38} | {rate:>9,.0f} | {rate / base:>5.2f}x |")
+        peak = peak_flops("cpu", precision[label])
+        print(f"| {label:<42} | {rate:>9,.0f} | {rate / base:>5.2f}x | "
+              f"{rate * flops / peak:.0%} of {peak / 1e12:.2f} TFLOP/s {precision[label]} |")
 
 
 def main():
@@ -97,11 +107,14 @@ def main():
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--steps", type=int, default=0, help="steps per round (default per size)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-compile", action="store_true",
+                        help="skip the torch.compile row (compiling takes about half a minute)")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"native bf16: {cpu_has_native_bf16()}")
     for name in args.sizes:
-        run_size(name, args.steps or {"small": 30, "baby": 3}[name], args.rounds)
+        run_size(name, args.steps or {"small": 30, "baby": 3}[name], args.rounds,
+                 compiled=not args.no_compile)
 
 
 if __name__ == "__main__":

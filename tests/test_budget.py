@@ -56,3 +56,22 @@ def test_a_budget_run_plans_explains_and_stops_on_time(corpus, tmp_path):
 def test_budget_cannot_resume():
     proc = run_script("train.py", "--budget", "5m", "--resume", check=False)
     assert proc.returncode == 2 and "--budget plans a new single-process run" in proc.stderr
+
+
+def test_under_a_time_limit_the_schedule_follows_the_clock(corpus, tmp_path):
+    from attnlab.training import Trainer, lr_at
+    base = [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+            f"--train.out_dir={tmp_path / 'runs'}", "--train.max_iters=100",
+            "--train.warmup_iters=10"]
+    timed = Trainer(config.build("tiny", [*base, "--train.run_name=t", "--train.time_limit=60"]),
+                    log=lambda *a: None)
+    timed.time_used = 0.5                           # half the time gone at step 0
+    timed.train_step()
+    assert timed.current_lr == pytest.approx(lr_at(50, timed.cfg.train))
+    timed.step = 80
+    timed.train_step()                              # steps ahead of the clock: steps rule
+    assert timed.current_lr == pytest.approx(lr_at(80, timed.cfg.train))
+    plain = Trainer(config.build("tiny", [*base, "--train.run_name=p"]), log=lambda *a: None)
+    plain.time_used = 0.5                           # no limit: the clock is ignored
+    plain.train_step()
+    assert plain.current_lr == pytest.approx(lr_at(0, plain.cfg.train))
