@@ -34,15 +34,16 @@ def storage_ptr(tensor: torch.Tensor) -> int:
     return local.untyped_storage().data_ptr()
 
 
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict with tied tensors stored once (safetensors refuses shared memory)."""
+def model_tensors(model: torch.nn.Module, whole=lambda t: t) -> dict[str, torch.Tensor]:
+    """The state dict with tied tensors stored once (safetensors refuses shared memory),
+    on the CPU; `whole` turns a sharded tensor into the full one (attnlab/sharding.py)."""
     seen, out = set(), {}
     for name, tensor in model.state_dict().items():
         ptr = storage_ptr(tensor)
         if ptr in seen:
             continue
         seen.add(ptr)
-        out[name] = tensor.detach().cpu().contiguous()
+        out[name] = whole(tensor).detach().cpu().contiguous()
     return out
 
 

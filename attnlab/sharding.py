@@ -32,15 +32,8 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 def full_model_state(model) -> dict[str, torch.Tensor]:
     """Full weights, tied ones once, on the CPU."""
-    from attnlab.checkpoint import storage_ptr
-    seen, out = set(), {}
-    for name, tensor in model.state_dict().items():
-        ptr = storage_ptr(tensor)
-        if ptr in seen:
-            continue
-        seen.add(ptr)
-        out[name] = full(tensor).detach().cpu()
-    return out
+    from attnlab.checkpoint import model_tensors
+    return model_tensors(model, whole=full)
 
 
 def full_optimizer_state(optimizers) -> dict:
