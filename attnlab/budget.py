@@ -31,7 +31,7 @@ LADDER = [  # (n_layer, n_embd): depth grows with width, as in GPT-2's and nanoG
 EVAL_SHARE = 0.06            # of the budget, for all evaluations together
 EVALS = 4                    # evaluations in a budget run (the last one at the end)
 MARGIN_S = 2.0               # the final checkpoint write and process exit
-OVERPLAN = 1.2              # steps planned over what the probe measured
+OVERPLAN = 1.2               # steps planned over what the probe measured
 MIN_STEPS = 300              # fewer, and the batch is halved (down to MIN_BATCH)
 MIN_BATCH = 8
 
@@ -120,8 +120,7 @@ def measure(cfg, device, dtype, seconds: float) -> float:
         steps += 1
         if steps >= 50:
             break
-    rate = steps / (time.perf_counter() - start)
-    return rate
+    return steps / (time.perf_counter() - start)
 
 
 def plan(cfg, budget_s: float, started: float, log=print):

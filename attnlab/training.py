@@ -126,6 +126,10 @@ class Trainer:
             raise ConfigError(f"train.grad_accum={t.grad_accum} must be a multiple of the "
                               f"{dist.world} processes: each takes an equal share of the "
                               "micro-batches of one step")
+        if t.time_limit and dist.world > 1:
+            raise ConfigError("train.time_limit is for one process: under torchrun each "
+                              "process's clock would move its own learning rate and stop "
+                              "it at its own step; limit the run with train.max_iters")
         self.device = pick_device(t.device)
         if dist.world > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", dist.local_rank)
@@ -177,6 +181,7 @@ class Trainer:
         self.evaluated = torch.compile(self.model) if t.compile else self.model
         self.stop_signal = None
         self.time_used = 0.0                  # share of train.time_limit spent (run() updates it)
+        self.current_lr = 0.0                 # set by each train_step, logged with it
 
     def _resume(self) -> None:
         checkpoint.remove_partial(self.run_dir)

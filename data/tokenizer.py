@@ -172,9 +172,6 @@ class BPETokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text).ids
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.hf.encode_batch(texts)]
-
     def encode_array(self, text: str) -> np.ndarray:
         pieces = self.PIECE_BOUNDARY.split(text)
         cache = self._cache
@@ -197,19 +194,6 @@ class BPETokenizer(Tokenizer):
 
     def to_json(self) -> str:
         return self.hf.to_str()
-
-
-def train_tokenizer(kind: str, text: str, vocab_size: int) -> Tokenizer:
-    if kind == "char":
-        return CharTokenizer.train(text)
-    # BPE learns its merges from an iterator of chunks (whole lines, so no word is cut).
-    return BPETokenizer.train(line_chunks(text), vocab_size)
-
-
-def line_chunks(text: str, lines_per_chunk: int = 2000):
-    lines = text.splitlines(keepends=True)
-    for i in range(0, len(lines), lines_per_chunk):
-        yield "".join(lines[i:i + lines_per_chunk])
 
 
 TOKENIZERS = {"char": CharTokenizer, "bpe": BPETokenizer}

@@ -71,3 +71,9 @@ def test_grad_accum_must_split_evenly(corpus, tmp_path):
     proc = run_script(*torchrun(2, *args(corpus, tmp_path, "odd", "--train.grad_accum=3")),
                       check=False, timeout=300)
     assert proc.returncode != 0 and "multiple of the 2 processes" in proc.stderr
+
+
+def test_a_time_limit_is_refused_under_torchrun(corpus, tmp_path):
+    proc = run_script(*torchrun(2, *args(corpus, tmp_path, "timed"), "--train.time_limit=30"),
+                      check=False, timeout=300)
+    assert proc.returncode != 0 and "train.time_limit is for one process" in proc.stderr

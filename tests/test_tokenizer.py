@@ -2,7 +2,7 @@
 import pytest
 
 from attnlab.errors import TokenizerError
-from data.tokenizer import BPETokenizer, CharTokenizer, Tokenizer, train_tokenizer
+from data.tokenizer import BPETokenizer, CharTokenizer, Tokenizer
 
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
         * 20)
@@ -10,7 +10,7 @@ TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\n
 
 @pytest.mark.parametrize("kind", ["char", "bpe"])
 def test_round_trip_save_and_load(kind, tmp_path):
-    tok = train_tokenizer(kind, TEXT, vocab_size=300)
+    tok = CharTokenizer.train(TEXT) if kind == "char" else BPETokenizer.train([TEXT], 300)
     ids = tok.encode("Speak, speak.\n")
     assert tok.decode(ids) == "Speak, speak.\n"
     assert max(ids) < tok.vocab_size
