@@ -148,6 +148,8 @@ class Source:
 
 
 class TextSource(Source):
+    BLOCK = 1 << 20                      # bytes read at a time
+
     def __init__(self, spec: SourceSpec, files: list[Path]):
         self.spec, self.files = spec, files
         if spec.max_docs:
@@ -177,7 +179,7 @@ class TextSource(Source):
                 "files": [str(f) for f in self.files][:100], "n_files": len(self.files)}
 
     def pieces(self) -> Iterator[Piece]:
-        offset = 0
+        offset, cut = 0, self.cut
         for path in self.files:
             if offset >= self.total_bytes:
                 return
@@ -185,18 +187,20 @@ class TextSource(Source):
             split, decoder, carry = None, None, ""
             with opener(path, "rb") as f:
                 while offset < self.total_bytes:
-                    block = f.read(1 << 20)[: self.total_bytes - offset]
+                    block = f.read(self.BLOCK)[: self.total_bytes - offset]
                     if not block:
                         break
                     parts = [(offset, block)]
-                    if offset < self.cut < offset + len(block):
-                        at = self.cut - offset
+                    if offset <= cut < offset + len(block):
+                        at = cut - offset
                         while at < len(block) and 0x80 <= block[at] < 0xC0:
                             at += 1                  # never cut inside a UTF-8 character
-                        parts = [(offset, block[:at]), (offset + at, block[at:])]
+                        cut = offset + at            # (at the block's end: the next block)
+                        parts = [(start, data) for start, data in
+                                 [(offset, block[:at]), (offset + at, block[at:])] if data]
                     offset += len(block)
                     for start, data in parts:
-                        part_split = "train" if start < self.cut else "val"
+                        part_split = "train" if start < cut else "val"
                         if part_split != split:
                             if split is not None:
                                 yield from self._flush(path, decoder, carry, split, final=True)

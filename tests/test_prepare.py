@@ -295,3 +295,21 @@ def test_prepare_help_and_sizes():
         assert flag in result.stdout
     assert prep.parse_size("50MB") == 50_000_000 and prep.parse_size("2k") == 2000
     assert HEADER_BYTES == 32
+
+
+@pytest.mark.parametrize("block", [3, 7, 64, 1 << 20])
+def test_text_is_read_in_blocks_and_cut_between_characters(tmp_path, monkeypatch, block):
+    """However the reads fall, the pieces decode to the text, and the validation cut
+    never splits a multi-byte character (here every character is 2 to 4 bytes)."""
+    import data.sources as sources
+    monkeypatch.setattr(sources.TextSource, "BLOCK", block, raising=False)
+    monkeypatch.setattr(sources, "PIECE_CHARS", 16)
+    text = "".join("é€😀\n"[i % 4] for i in range(401))
+    path = tmp_path / "wide.txt"
+    path.write_text(text, encoding="utf-8")
+    src = sources.open_source(SourceSpec(str(path), val_fraction=0.3))
+    pieces = list(src.pieces())
+    assert "".join(p for _, p, _ in pieces) == text
+    train = "".join(p for s, p, _ in pieces if s == "train")
+    assert len(train.encode()) == pytest.approx(0.7 * len(text.encode()), abs=4)
+    assert [s for s, _, _ in pieces] == sorted(s for s, _, _ in pieces)    # train, then val
