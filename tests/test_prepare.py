@@ -313,3 +313,16 @@ def test_text_is_read_in_blocks_and_cut_between_characters(tmp_path, monkeypatch
     train = "".join(p for s, p, _ in pieces if s == "train")
     assert len(train.encode()) == pytest.approx(0.7 * len(text.encode()), abs=4)
     assert [s for s, _, _ in pieces] == sorted(s for s, _, _ in pieces)    # train, then val
+
+
+def test_train_data_path_prepares_record_files_on_first_use(records, tmp_path):
+    docs, files = records
+    logs = []
+    data = load_tokens(str(files["parquet"]), "bpe", vocab_size=300,
+                       cache_dir=str(tmp_path / "cache"), log=logs.append)
+    assert any("tokenizing" in line for line in logs)
+    assert split_docs(data, "val") == docs[9::10]
+    logs.clear()
+    again = load_tokens(str(files["parquet"]), "bpe", vocab_size=300,
+                        cache_dir=str(tmp_path / "cache"), log=logs.append)
+    assert logs == [] and np.array_equal(np.asarray(again.train), np.asarray(data.train))
