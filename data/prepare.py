@@ -36,7 +36,7 @@ if __package__ in (None, ""):                 # run as a file: python data/prepa
 
 from attnlab.errors import AttnlabError, DataError, friendly_errors
 from attnlab.files import write_json_atomic
-from data.shards import ShardWriter, token_dtype
+from data.shards import CannotResume, ShardWriter, token_dtype
 from data.sources import Source, SourceSpec, open_source
 from data.tokenizer import BPETokenizer, CharTokenizer, Tokenizer
 
@@ -47,12 +47,27 @@ SAVE_EVERY_S = 10.0                    # how often progress is recorded between 
 SPLITS = ("train", "val")
 
 
-def read_meta(folder: Path) -> dict | None:
+def _read_json(path: Path) -> dict | None:
     try:
-        meta = json.loads((Path(folder) / "meta.json").read_text())
+        data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
+    return data if isinstance(data, dict) else None
+
+
+def read_meta(folder: Path) -> dict | None:
+    """meta.json of a finished build, or None."""
+    meta = _read_json(Path(folder) / "meta.json")
+    return meta if meta is not None and meta.get("format") == FORMAT else None
+
+
+def prepare_key(source_key: dict, tokenizer: str, vocab_size: int, tokenizer_sample: int,
+                shard_tokens: int) -> dict:
+    """Everything a build's result depends on; a folder built with another key is stale."""
+    bpe = tokenizer == "bpe"
+    return {"format": VERSION, "source": source_key, "tokenizer": tokenizer,
+            "vocab_size": vocab_size if bpe else None,
+            "tokenizer_sample": tokenizer_sample if bpe else None, "shard_tokens": shard_tokens}
 
 
 def prepare(spec: SourceSpec, out: str | Path, tokenizer: str = "bpe", vocab_size: int = 4096,
@@ -64,15 +79,12 @@ def prepare(spec: SourceSpec, out: str | Path, tokenizer: str = "bpe", vocab_siz
     if tokenizer not in ("char", "bpe"):
         raise DataError(f"unknown tokenizer {tokenizer!r}; choose char or bpe")
     source = open_source(spec)
-    key = {"format": VERSION, "source": key_extra or vars(spec), "tokenizer": tokenizer,
-           "vocab_size": vocab_size if tokenizer == "bpe" else None,
-           "tokenizer_sample": tokenizer_sample if tokenizer == "bpe" else None,
-           "shard_tokens": shard_tokens}
+    key = prepare_key(key_extra or vars(spec), tokenizer, vocab_size, tokenizer_sample, shard_tokens)
     meta = read_meta(out)
     if meta is not None and meta.get("key") == key:
         log(f"{out} is already prepared ({meta['splits']['train']['tokens']:,} train tokens)")
         return meta
-    state = _read_progress(out)
+    state = _read_json(out / "progress.json")
     if (meta is not None or state is not None) and (state or {}).get("key") != key:
         if not overwrite:
             raise DataError(f"{out} holds tokens prepared with other settings; choose another "
@@ -97,18 +109,15 @@ def prepare(spec: SourceSpec, out: str | Path, tokenizer: str = "bpe", vocab_siz
     if tok is None:
         tok = _train_tokenizer(source, tokenizer, vocab_size, tokenizer_sample, progress)
         tok.save(out)
-        state = {"key": key, "tokenizer_fingerprint": tok.fingerprint(), "items": 0,
-                 "writers": {}, "counts": {s: _zero_counts() for s in SPLITS}}
+        state = _fresh_state(key, tok)
         write_json_atomic(out / "progress.json", state)
     tokenizer_s = time.perf_counter() - started
     try:
         meta = _encode(source, tok, out, state, shard_tokens, num_proc, log, progress)
-    except DataError as err:
-        if "cannot resume" not in str(err):
-            raise
+    except CannotResume as err:
         log(f"{err}; starting the token pass over")
-        state.update(items=0, writers={}, counts={s: _zero_counts() for s in SPLITS})
-        meta = _encode(source, tok, out, state, shard_tokens, num_proc, log, progress)
+        meta = _encode(source, tok, out, _fresh_state(key, tok), shard_tokens, num_proc, log,
+                       progress)
     meta.update(format=FORMAT, version=VERSION, key=key, source=source.describe(),
                 val_rule=source.val_rule, tokenizer=tok.kind, vocab_size=tok.vocab_size,
                 tokenizer_fingerprint=tok.fingerprint(), eot_id=tok.eot_id,
@@ -121,15 +130,10 @@ def prepare(spec: SourceSpec, out: str | Path, tokenizer: str = "bpe", vocab_siz
     return meta
 
 
-def _zero_counts() -> dict:
-    return {"documents": 0, "bytes": 0, "chars": 0, "tokens": 0}
-
-
-def _read_progress(out: Path) -> dict | None:
-    try:
-        return json.loads((out / "progress.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+def _fresh_state(key: dict, tok: Tokenizer) -> dict:
+    """progress.json of a token pass that has not started."""
+    return {"key": key, "tokenizer_fingerprint": tok.fingerprint(), "items": 0, "writers": {},
+            "counts": {s: {"documents": 0, "bytes": 0, "chars": 0, "tokens": 0} for s in SPLITS}}
 
 
 def _clear(out: Path) -> None:
@@ -200,14 +204,13 @@ def _encode_items(items: list[tuple[str, str, bool]], newline_docs: bool,
     no such token (characters), records are kept apart by a newline."""
     tok = tok or _worker_tok
     dtype = token_dtype(tok.vocab_size)
-    eot = tok.eot_id
-    if eot is None and newline_docs:
-        eot = tok.encode("\n")[0]
+    by_newline = tok.eot_id is None
+    separator = tok.eot_id if not by_newline else tok.encode("\n")[0] if newline_docs else None
     out = []
     for split, text, doc_end in items:
         ids = tok.encode_array(text)
-        if doc_end and eot is not None and not (tok.eot_id is None and text.endswith("\n")):
-            ids = np.append(ids, eot)
+        if doc_end and separator is not None and not (by_newline and text.endswith("\n")):
+            ids = np.append(ids, separator)
         out.append((split, ids.astype(dtype), len(text.encode("utf-8")), len(text), doc_end))
     return out
 

@@ -27,6 +27,10 @@ HEADER_BYTES = HEADER.size                     # 32
 DTYPES = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
 
 
+class CannotResume(DataError):
+    """The recorded progress of a build does not match its files: start it over."""
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 while every id fits (the common case: half the disk and memory traffic)."""
     return DTYPES[2] if vocab_size <= 65535 else DTYPES[4]
@@ -103,7 +107,7 @@ class ShardWriter:
         path = self._path(self.done, partial=True)
         expected = HEADER_BYTES + truncate_to * self.dtype.itemsize
         if truncate_to and (not path.exists() or path.stat().st_size < expected):
-            raise DataError(f"{path} is shorter than the recorded progress; it cannot resume")
+            raise CannotResume(f"{path} is shorter than the recorded progress")
         f = open(path, "r+b" if truncate_to else "wb")
         f.truncate(expected)
         f.seek(0)

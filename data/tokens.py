@@ -18,7 +18,7 @@ import torch
 
 from attnlab.errors import DataError
 from attnlab.files import file_sha256
-from data.prepare import prepare, read_meta
+from data.prepare import prepare, prepare_key, read_meta
 from data.shards import Shards
 from data.sources import SourceSpec, local_files
 from data.tokenizer import Tokenizer
@@ -26,6 +26,9 @@ from data.tokenizer import Tokenizer
 DATA_DIR = Path(__file__).resolve().parent
 BUNDLED_CORPUS = DATA_DIR / "shakespeare" / "plays.txt.gz"
 CACHE_SHARD_TOKENS = 1 << 30           # one shard per split for a corpus train.py prepares
+# The whole training split is the BPE sample: corpora given to train.py directly are
+# small enough (larger ones go through python -m data.prepare).
+CACHE_BPE_SAMPLE = 1 << 62
 PARALLEL_FROM_BYTES = 32 << 20         # below this, worker processes cost more than they save
 
 
@@ -92,12 +95,12 @@ def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
     fingerprint = ([file_sha256(f) for f in files] if len(files) == 1 else
                    [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files])
     key_extra = {"files": fingerprint, "val_fraction": val_fraction}
+    key = prepare_key(key_extra, tokenizer, vocab_size, CACHE_BPE_SAMPLE, CACHE_SHARD_TOKENS)
     first = Path(source.rstrip("/*")).name.split(".")[0] or "corpus"
     name = first + f"-{tokenizer}" + (f"{vocab_size}" if tokenizer == "bpe" else "")
     folder = Path(cache_dir or DATA_DIR / "cache") / name
     meta = read_meta(folder)
-    if meta is not None and meta["key"]["source"] == key_extra and meta["key"]["tokenizer"] == tokenizer \
-            and meta["key"]["vocab_size"] == (vocab_size if tokenizer == "bpe" else None):
+    if meta is not None and meta["key"] == key:
         try:
             return open_prepared(folder, meta)
         except DataError as err:
@@ -105,9 +108,7 @@ def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
     elif meta is not None:
         log(f"{Path(source).name} or the tokenizer settings changed; rebuilding {folder}")
     log(f"tokenizing {source} with the {tokenizer} tokenizer into {folder} (once; cached after)")
-    # The whole training split is the BPE sample here: corpora given to train.py directly
-    # are small enough (larger ones go through python -m data.prepare).
-    meta = prepare(spec, folder, tokenizer, vocab_size, tokenizer_sample=1 << 62,
+    meta = prepare(spec, folder, tokenizer, vocab_size, tokenizer_sample=CACHE_BPE_SAMPLE,
                    shard_tokens=CACHE_SHARD_TOKENS,
                    num_proc=0 if size > PARALLEL_FROM_BYTES else 1, overwrite=True,
                    key_extra=key_extra, log=lambda *a: None, progress=size > PARALLEL_FROM_BYTES)

@@ -326,3 +326,31 @@ def test_train_data_path_prepares_record_files_on_first_use(records, tmp_path):
     again = load_tokens(str(files["parquet"]), "bpe", vocab_size=300,
                         cache_dir=str(tmp_path / "cache"), log=logs.append)
     assert logs == [] and np.array_equal(np.asarray(again.train), np.asarray(data.train))
+
+
+def test_a_partial_shard_shorter_than_its_record_restarts_the_token_pass(records, tmp_path, monkeypatch):
+    _, files = records
+    spec = SourceSpec(str(files["jsonl"]))
+    monkeypatch.setattr(prep, "BATCH_CHARS", 300)
+    monkeypatch.setattr(prep, "SAVE_EVERY_S", 0.0)
+    quiet(spec, tmp_path / "fresh", "bpe", 300, shard_tokens=400, num_proc=1)
+    real, calls = prep._encode_items, {"n": 0}
+
+    def dies(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 12:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(prep, "_encode_items", dies)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        quiet(spec, out, "bpe", 300, shard_tokens=400, num_proc=1)
+    monkeypatch.setattr(prep, "_encode_items", real)
+    partial = next(out.glob("train_*.bin.partial"))
+    assert json.loads((out / "progress.json").read_text())["writers"]["train"]["partial_tokens"] > 0
+    partial.write_bytes(partial.read_bytes()[:HEADER_BYTES])     # lost what progress recorded
+    logs = []
+    prep.prepare(spec, out, "bpe", 300, shard_tokens=400, num_proc=1, log=logs.append, progress=False)
+    assert any("starting the token pass over" in line for line in logs)
+    for path in (tmp_path / "fresh").glob("*.bin"):
+        assert (out / path.name).read_bytes() == path.read_bytes()
