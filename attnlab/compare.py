@@ -21,8 +21,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from attnlab.errors import AttnlabError, friendly_errors
-from attnlab.plotting import module_parser, pyplot, save_figure
+from common.errors import AttnlabError
+from attnlab.plotting import pyplot, save_figure
+from engine.cli import Parser, errors_as_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,7 +112,7 @@ def write_results(rows: list[dict], out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = module_parser("python -m attnlab.compare", __doc__)
+    parser = Parser("python -m attnlab.compare", __doc__)
     parser.add_argument("--base", default="compare-cpu", help="preset every variant starts from")
     parser.add_argument("--variants", default="cpu", choices=sorted(MATRICES),
                         help="a named list of variants")
@@ -123,14 +124,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     variants = dict(v.split("=", 1) if "=" in v else (v, "") for v in args.variant) \
         or MATRICES[args.variants]
-    from attnlab import config
-    base = config.build(args.base, [])
+    from engine import cli
+    base = cli.build(args.base, [])
     steps = args.steps or base.train.max_iters
     out = Path(args.out or f"runs/compare-{datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
     common = [f"--data.path={args.data}"] if args.data else []
     for name, extra in variants.items():       # check every variant before training any
-        config.build(args.base, shlex.split(extra))
+        cli.build(args.base, shlex.split(extra))
     rows = []
     for i, (name, extra) in enumerate(variants.items(), 1):
         print(f"[{i}/{len(variants)}] {name}: {extra or '(base)'}", flush=True)
@@ -144,5 +145,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    with friendly_errors():
+    with errors_as_lines():
         sys.exit(main())

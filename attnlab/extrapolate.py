@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from attnlab.errors import AttnlabError, friendly_errors
-from attnlab.plotting import module_parser, pyplot, save_figure
+from common.errors import AttnlabError
+from attnlab.plotting import pyplot, save_figure
+from engine.cli import Parser, errors_as_lines
 
 EVAL_SEED = 2024
 
@@ -40,19 +41,23 @@ def val_loss(model, tokens, length: int, batches: int, batch_size: int) -> float
 
 
 def schemes(cfg, factor: int):
-    """(label, model config) pairs to evaluate a trained model with at this factor."""
+    """(label, model config) pairs to evaluate a trained model with at this factor:
+    as trained, and with each RoPE scaling when its positions rotate."""
+    from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
     yield cfg.position, cfg
-    if cfg.position == "rope":                    # at 1x each scaling is plain RoPE
-        for kind, label in [("linear", "rope + PI"), ("ntk", "rope + NTK"), ("yarn", "rope + YaRN")]:
-            yield label, replace(cfg, rope_scaling=kind, rope_factor=float(factor),
-                                 rope_original_context=cfg.block_size)
+    if POSITION_ENCODINGS[cfg.position].rotary:          # at 1x each scaling is plain RoPE
+        for kind, scaling in ROPE_SCALINGS.items():
+            if scaling.stretches:
+                yield scaling.label, replace(cfg, rope_scaling=kind, rope_factor=float(factor),
+                                             rope_original_context=cfg.block_size)
 
 
 def evaluate_run(run: Path, factors, batches: int, batch_size: int) -> list[dict]:
-    from attnlab import checkpoint
-    from attnlab.inference import load_run
+    from engine import checkpoint
+    from engine.inference import load_run
     from data.tokens import load_tokens
     from model import GPT
+    from model.positions import POSITION_ENCODINGS
     model, cfg, _, ckpt = load_run(run, "best")
     weights, _, _ = checkpoint.load(ckpt)
     d = cfg.data
@@ -62,7 +67,7 @@ def evaluate_run(run: Path, factors, batches: int, batch_size: int) -> list[dict
     for f in factors:
         for label, mcfg in schemes(cfg.model, f):
             row = {"run": run.name, "scheme": label, "factor": f, "length": f * T}
-            if mcfg.position == "learned" and f * T > T:
+            if POSITION_ENCODINGS[mcfg.position].has_length_limit and f * T > T:
                 row["val_loss"] = None                     # no position vectors that far
             else:
                 m = GPT(mcfg)
@@ -110,7 +115,7 @@ def write(rows: list[dict], out: Path, factors) -> None:
 
 
 def main(argv=None) -> int:
-    parser = module_parser("python -m attnlab.extrapolate", __doc__)
+    parser = Parser("python -m attnlab.extrapolate", __doc__)
     parser.add_argument("--from", dest="folder", default="", help="a folder of runs (compare's output)")
     parser.add_argument("--runs", nargs="*", default=[], help="run directories")
     parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -135,5 +140,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    with friendly_errors():
+    with errors_as_lines():
         sys.exit(main())

@@ -19,15 +19,12 @@ from pathlib import Path
 
 import torch
 
-from model.attention import Mask, eager_attention, visible
-from attnlab.plotting import module_parser, pyplot, save_figure
+from model.attention import eager_attention
+from model.mask import Mask, visible
+from attnlab.plotting import pyplot, save_figure
+from engine.cli import Parser, errors_as_lines
 
 COST_JSON = Path(__file__).resolve().parent.parent / "bench" / "out" / "attention_cost.json"
-
-
-def _plt():
-    plt = pyplot()
-    return plt
 
 
 def softmax_saturation(out: Path) -> Path:
@@ -151,7 +148,7 @@ FIGURES = {"softmax": softmax_saturation, "sqrt_dk": sqrt_dk_growth, "blend": mo
 
 
 def main(argv=None):
-    parser = module_parser("python -m attnlab.figures", __doc__)
+    parser = Parser("python -m attnlab.figures", __doc__)
     parser.add_argument("figure", choices=["all", *FIGURES])
     parser.add_argument("--out", default="", help="a PNG path, or a folder for `all`")
     args = parser.parse_args(argv)
@@ -165,4 +162,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with errors_as_lines():
+        main()

@@ -17,15 +17,14 @@ from pathlib import Path
 
 import torch
 
-from attnlab.errors import AttnlabError, friendly_errors
-from attnlab.plotting import module_parser, pyplot, save_figure
+from common.errors import AttnlabError
+from attnlab.plotting import pyplot, save_figure
+from engine.cli import Parser, errors_as_lines
 
 
 def token_spans(tokenizer, text: str) -> list[tuple[int, int]]:
     """(start, end) character offsets of each token of `text`."""
-    if tokenizer.kind == "char":
-        return [(i, i + 1) for i in range(len(text))]
-    return list(tokenizer.hf.encode(text).offsets)
+    return tokenizer.spans(text)
 
 
 @torch.no_grad()
@@ -34,7 +33,7 @@ def attention_maps(model, tokenizer, text: str):
     if not text:
         raise AttnlabError("give some text to look at with --text")
     ids = tokenizer.encode(text)
-    if len(ids) > model.config.block_size and model.config.position == "learned":
+    if len(ids) > model.config.block_size and model.positions.has_length_limit:
         raise AttnlabError(f"the text is {len(ids)} tokens; this model reads at most "
                            f"{model.config.block_size}")
     idx = torch.tensor([ids], device=next(model.parameters()).device)
@@ -156,7 +155,7 @@ def export_head_view(path, tokens, maps, inline_js: str | Path | None = None) ->
 
 
 def main(argv=None) -> int:
-    parser = module_parser("python -m attnlab.heads", __doc__)
+    parser = Parser("python -m attnlab.heads", __doc__)
     parser.add_argument("what", choices=["grid", "head", "search", "stats", "html"])
     parser.add_argument("--run", default="", help="run directory or checkpoint (default: the latest run)")
     parser.add_argument("--text", required=True, help="the sentence to look at")
@@ -169,7 +168,8 @@ def main(argv=None) -> int:
     parser.add_argument("--inline-js", default="", help="html: folder with d3.min.js, "
                         "jquery.min.js and require.js to embed (opens offline)")
     args = parser.parse_args(argv)
-    from attnlab.inference import load_run, latest_run
+    from engine.checkpoint import latest_run
+    from engine.inference import load_run
     model, _, tokenizer, ckpt = load_run(args.run or latest_run(), "best")
     tokens, maps = attention_maps(model, tokenizer, args.text)
     if args.what == "html":
@@ -202,5 +202,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    with friendly_errors():
+    with errors_as_lines():
         sys.exit(main())

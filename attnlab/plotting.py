@@ -1,8 +1,8 @@
 """Shared plumbing for the `python -m attnlab.*` tools: matplotlib without a screen,
-saving a figure, and an argument parser whose help is the module's docstring."""
+and saving a figure. (Their argument parser is engine.cli.Parser, the one every
+command line uses.)"""
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 
@@ -19,10 +19,3 @@ def save_figure(fig, path, dpi: int = 110) -> Path:
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
     return Path(path)
-
-
-def module_parser(prog: str, doc: str) -> argparse.ArgumentParser:
-    """The first paragraph of `doc` as the description, the rest as the epilogue."""
-    head, _, rest = doc.partition("\n\n")
-    return argparse.ArgumentParser(prog=prog, description=head, epilog=rest,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -47,7 +47,7 @@ def main():
     import torch
     from attnlab.heads import attention_maps, export_head_view
     if args.run:
-        from attnlab.inference import load_run
+        from engine.inference import load_run
         model, _, tokenizer, _ = load_run(args.run)
     else:
         from data.tokenizer import CharTokenizer

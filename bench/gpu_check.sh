@@ -51,7 +51,7 @@ python -c "print(f'wall time, start-up included: {float($end) - float($start):.1
 echo "== generation"
 python - "$OUT/to-1.47" <<'PY'
 import sys, time, torch
-from attnlab.inference import load_run
+from engine.inference import load_run
 model, cfg, tok, _ = load_run(sys.argv[1], "best", "cuda")
 model = model.to(torch.bfloat16)
 prompt = torch.tensor([tok.encode("\n")], device="cuda")

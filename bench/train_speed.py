@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from attnlab.device import autocast, cpu_has_native_bf16, peak_flops  # noqa: E402
+from engine.device import autocast, cpu_has_native_bf16, peak_flops  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 
 SIZES = {  # name: (n_layer, n_head, n_embd, block_size, batch_size)

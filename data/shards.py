@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attnlab.errors import DataError
+from common.errors import DataError
 
 MAGIC = b"ATTNTOKS"
 VERSION = 1

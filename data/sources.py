@@ -24,12 +24,12 @@ import glob
 import gzip
 import os
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 from urllib.parse import urlparse
 
-from attnlab.errors import DataError
+from common.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".txt.gz", ".md.gz")
 RECORD_BUILDERS = {".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".json.gz": "json",
@@ -134,6 +134,13 @@ def _safe_cut(text: str, limit: int) -> int:
     return limit
 
 
+def _char_start(block: bytes, at: int) -> int:
+    """The first index at or after `at` that does not continue a UTF-8 character."""
+    while at < len(block) and 0x80 <= block[at] < 0xC0:
+        at += 1
+    return at
+
+
 class Source:
     spec: SourceSpec
     total_bytes: int | None = None               # for the progress bar, when known
@@ -179,40 +186,45 @@ class TextSource(Source):
                 "files": [str(f) for f in self.files][:100], "n_files": len(self.files)}
 
     def pieces(self) -> Iterator[Piece]:
+        # Each file's run of one split is decoded on its own (a fresh UTF-8 decoder),
+        # and handed on in pieces of at most PIECE_CHARS characters.
+        current, decoder, carry = None, None, ""
+        for index, path, split, data in self._parts():
+            if (index, split) != current:
+                if current is not None:
+                    yield from self._flush(path_of, decoder, carry, current[1])
+                current, path_of, carry = (index, split), path, ""
+                decoder = codecs.getincrementaldecoder("utf-8")()
+            carry += self._decode(path, decoder, data)
+            if len(carry) > PIECE_CHARS:
+                *done, carry = list(cut_pieces(carry))
+                yield from ((split, piece, False) for piece in done)
+        if current is not None:
+            yield from self._flush(path_of, decoder, carry, current[1])
+
+    def _parts(self) -> Iterator[tuple[int, Path, str, bytes]]:
+        """(file index, file, split, bytes) in reading order, at most total_bytes in
+        all. The split point moves forward off UTF-8 continuation bytes, so validation
+        never starts inside a character (at a block's end: into the next block)."""
         offset, cut = 0, self.cut
-        for path in self.files:
-            if offset >= self.total_bytes:
-                return
-            opener = gzip.open if path.name.endswith(".gz") else open
-            split, decoder, carry = None, None, ""
-            with opener(path, "rb") as f:
-                while offset < self.total_bytes:
-                    block = f.read(self.BLOCK)[: self.total_bytes - offset]
-                    if not block:
-                        break
-                    parts = [(offset, block)]
-                    if offset <= cut < offset + len(block):
-                        at = cut - offset
-                        while at < len(block) and 0x80 <= block[at] < 0xC0:
-                            at += 1                  # never cut inside a UTF-8 character
-                        cut = offset + at            # (at the block's end: the next block)
-                        parts = [(start, data) for start, data in
-                                 [(offset, block[:at]), (offset + at, block[at:])] if data]
-                    offset += len(block)
-                    for start, data in parts:
-                        part_split = "train" if start < cut else "val"
-                        if part_split != split:
-                            if split is not None:
-                                yield from self._flush(path, decoder, carry, split, final=True)
-                            split, carry = part_split, ""
-                            decoder = codecs.getincrementaldecoder("utf-8")()
-                        carry += self._decode(path, decoder, data)
-                        if len(carry) > PIECE_CHARS:
-                            *done, carry = list(cut_pieces(carry))
-                            for piece in done:
-                                yield split, piece, False
-            if split is not None:
-                yield from self._flush(path, decoder, carry, split, final=True)
+        for index, path in enumerate(self.files):
+            for block in self._blocks(path, self.total_bytes - offset):
+                if offset <= cut < offset + len(block):
+                    cut = offset + _char_start(block, cut - offset)
+                at = min(max(cut - offset, 0), len(block))
+                parts = (("train", block[:at]), ("val", block[at:]))
+                yield from ((index, path, split, data) for split, data in parts if data)
+                offset += len(block)
+
+    def _blocks(self, path: Path, budget: int) -> Iterator[bytes]:
+        opener = gzip.open if path.name.endswith(".gz") else open
+        with opener(path, "rb") as f:
+            while budget > 0:
+                block = f.read(self.BLOCK)[:budget]
+                if not block:
+                    return
+                budget -= len(block)
+                yield block
 
     def _decode(self, path, decoder, data: bytes, final: bool = False) -> str:
         try:
@@ -220,7 +232,7 @@ class TextSource(Source):
         except UnicodeDecodeError as err:
             raise DataError(f"corpus file {path} is not readable UTF-8 text ({err})") from None
 
-    def _flush(self, path, decoder, carry, split, final):
+    def _flush(self, path, decoder, carry, split):
         # A --max-bytes slice may end inside a character: drop its first bytes then.
         carry += self._decode(path, decoder, b"", final=not self.spec.max_bytes)
         if carry:
@@ -368,7 +380,3 @@ class HubSource(_DocumentSource):
         if s.max_docs and not s.streaming:
             ds = ds.select(range(min(s.max_docs, len(ds))))
         return ds
-
-
-def spec_key(spec: SourceSpec) -> dict:
-    return asdict(spec)

@@ -16,13 +16,24 @@ from typing import Iterable
 
 import numpy as np
 
-from attnlab.errors import TokenizerError
+from common.errors import TokenizerError
+from common.files import write_text_atomic
 
 FILENAME = "tokenizer.json"
 
 
 class Tokenizer:
+    """The facts other code asks about a tokenizer are class attributes, so nothing
+    outside this registry compares a tokenizer's name with a string."""
     kind: str
+    needs_every_symbol: bool     # learns a fixed symbol set: must read every split
+    sized_by_setting: bool       # its vocabulary size is a setting (data.vocab_size)
+
+    @classmethod
+    def learn(cls, texts: Iterable[str], vocab_size: int, records: bool = False) -> "Tokenizer":
+        """A new tokenizer from an iterator of texts; `records`: documents will be
+        kept apart by a newline when there is no end-of-text token."""
+        raise NotImplementedError
 
     @property
     def vocab_size(self) -> int:
@@ -46,12 +57,22 @@ class Tokenizer:
         """The end-of-document token placed between documents (None: no such token)."""
         return None
 
+    def spans(self, text: str) -> list[tuple[int, int]]:
+        """(start, end) character offsets of each token of `text`."""
+        raise NotImplementedError
+
+    def can_encode(self, text: str) -> bool:
+        try:
+            self.encode(text)
+        except TokenizerError:
+            return False
+        return True
+
     def fingerprint(self) -> str:
         """A hash of the saved form: equal fingerprints encode identically."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     def save(self, directory: str | Path) -> Path:
-        from attnlab.files import write_text_atomic
         path = Path(directory) / FILENAME
         write_text_atomic(path, self.to_json())
         return path
@@ -81,6 +102,8 @@ class Tokenizer:
 
 class CharTokenizer(Tokenizer):
     kind = "char"
+    needs_every_symbol = True       # so validation text never has an unknown character
+    sized_by_setting = False
 
     def __init__(self, chars: Iterable[str]):
         self.chars = sorted(set(chars))
@@ -91,6 +114,13 @@ class CharTokenizer(Tokenizer):
         if not text:
             raise TokenizerError("cannot build a character vocabulary from empty text")
         return cls(set(text))
+
+    @classmethod
+    def learn(cls, texts, vocab_size=0, records=False) -> "CharTokenizer":
+        chars: set[str] = set()
+        for text in texts:
+            chars.update(text)
+        return cls(chars | {"\n"} if records else chars)    # the newline between records
 
     @property
     def vocab_size(self) -> int:
@@ -110,6 +140,9 @@ class CharTokenizer(Tokenizer):
     def decode(self, ids):
         return "".join(self.chars[i] for i in ids)
 
+    def spans(self, text):
+        return [(i, i + 1) for i in range(len(text))]
+
     def encode_array(self, text: str) -> np.ndarray:
         # Vectorized: the code points of the text looked up in the sorted vocabulary
         # (Python sorts strings by code point, so self.chars is sorted that way too).
@@ -127,6 +160,8 @@ class CharTokenizer(Tokenizer):
 
 class BPETokenizer(Tokenizer):
     kind = "bpe"
+    needs_every_symbol = False      # bytes: any text encodes, so a sample is enough
+    sized_by_setting = True
     END_OF_TEXT = "<|endoftext|>"
 
     # Positions where GPT-2's pre-tokenizer pattern always starts a new pre-token: before
@@ -156,6 +191,10 @@ class BPETokenizer(Tokenizer):
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         hf.train_from_iterator(texts, trainer=trainer)
         return cls(hf)
+
+    @classmethod
+    def learn(cls, texts, vocab_size=4096, records=False) -> "BPETokenizer":
+        return cls.train(texts, vocab_size)
 
     @classmethod
     def from_json(cls, text: str, path: Path | str = "<string>") -> "BPETokenizer":
@@ -191,6 +230,9 @@ class BPETokenizer(Tokenizer):
 
     def decode(self, ids):
         return self.hf.decode(list(ids))
+
+    def spans(self, text):
+        return list(self.hf.encode(text).offsets)
 
     def to_json(self) -> str:
         return self.hf.to_str()

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from attnlab.errors import DataError
-from attnlab.files import file_sha256
-from data.prepare import prepare, prepare_key, read_meta
+from common.errors import DataError
+from common.files import file_sha256
+from data.build import prepare, prepare_key, read_meta
 from data.shards import Shards
 from data.sources import SourceSpec, local_files
-from data.tokenizer import Tokenizer
+from data.tokenizer import TOKENIZERS, Tokenizer
 
 DATA_DIR = Path(__file__).resolve().parent
 BUNDLED_CORPUS = DATA_DIR / "shakespeare" / "plays.txt.gz"
@@ -97,7 +97,8 @@ def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
     key_extra = {"files": fingerprint, "val_fraction": val_fraction}
     key = prepare_key(key_extra, tokenizer, vocab_size, CACHE_BPE_SAMPLE, CACHE_SHARD_TOKENS)
     first = Path(source.rstrip("/*")).name.split(".")[0] or "corpus"
-    name = first + f"-{tokenizer}" + (f"{vocab_size}" if tokenizer == "bpe" else "")
+    sized = tokenizer in TOKENIZERS and TOKENIZERS[tokenizer].sized_by_setting
+    name = first + f"-{tokenizer}" + (f"{vocab_size}" if sized else "")
     folder = Path(cache_dir or DATA_DIR / "cache") / name
     meta = read_meta(folder)
     if meta is not None and meta["key"] == key:

@@ -1,10 +1,12 @@
 """A decoder-only Transformer built from the pieces of the attention article.
 
-Read in this order: attention.py (the formula, the mask, multi-head), positions.py
-(none, sinusoidal, learned, RoPE), layers.py (norms, MLP, the residual block), gpt.py
-(the whole model and its KV cache), sampling.py (logits to tokens)."""
-from model.config import ModelConfig
+Read in this order: mask.py (the one mask rule), attention.py (the formula and its
+backends, multi-head), positions.py (none, sinusoidal, learned, RoPE, ALiBi),
+layers.py (norms, MLP, the residual block), gpt.py (the whole model and its KV cache),
+sampling.py (logits to tokens); registry.py lists every variant and checks a config.
+The folder imports torch and itself only: copy it out and it runs."""
+from model.config import ModelConfig, ModelError
 from model.gpt import GPT, KVCache, Output
 from model.registry import REGISTRIES
 
-__all__ = ["GPT", "KVCache", "ModelConfig", "Output", "REGISTRIES"]
+__all__ = ["GPT", "KVCache", "ModelConfig", "ModelError", "Output", "REGISTRIES"]

@@ -13,98 +13,24 @@ Each backend computes exactly that and shares one signature,
 * `flex` hands the same rule to torch's FlexAttention, which compiles it into a
   kernel that skips fully masked blocks (model/flex.py).
 
+The mask rule they all follow is in model/mask.py. Each backend is registered with
+the facts other code asks about it (can it return weights, does it need a window).
+
 tests/test_attention.py proves every backend equal to a float64 NumPy reference.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model import flex
 from model.config import ModelConfig
-
-
-def rule(q, k, window: int = 0, n_global: int = 0):
-    """The one mask rule, on absolute positions (broadcastable tensors): a query at
-    position q may look at a key at position k when the key is not ahead of it and,
-    with a sliding window W, at most W-1 positions behind it, unless the key is one
-    of the first n_global positions, which every later query may see (global tokens /
-    attention sinks, arXiv:2004.05150, arXiv:2309.17453)."""
-    ok = k <= q
-    if window:
-        near = (q - k) < window
-        if n_global:
-            near = near | (k < n_global)
-        ok = ok & near
-    return ok
-
-
-def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0, n_global: int = 0):
-    """The rule as a bool (Tq, Tk) matrix, True where the key is visible."""
-    return rule(q_pos[:, None], k_pos[None, :], window, n_global)
-
-
-@dataclass
-class Mask:
-    """What each query may see: queries at positions [q_start, q_start + q_len),
-    keys at the absolute positions `k_pos` (in the order they are stored; a rolling
-    cache keeps only some). Built once per forward pass and shared by every layer.
-
-    Kept as positions rather than a tensor because the fast paths need none: training
-    (keys 0..T-1, no window) is plain causal, and one decoded token with no window sees
-    every cached key. Absolute positions keep the rule right when a short query meets a
-    long cache, where SDPA's `is_causal` (aligned to the top-left corner) would not be.
-    `bias_fn(q_pos, k_pos)` adds a score bias per head (ALiBi)."""
-    q_start: int
-    q_len: int
-    k_pos: torch.Tensor
-    k_first: int = 0                 # the smallest key position (known without a sync)
-    window: int = 0
-    n_global: int = 0
-    bias_fn: Callable | None = None
-
-    @classmethod
-    def over(cls, q_start: int, q_len: int, k_len: int, device=None, **kw) -> "Mask":
-        """Queries at [q_start, q_start + q_len) against keys at positions 0..k_len-1."""
-        return cls(q_start, q_len, torch.arange(k_len, device=device), **kw)
-
-    @property
-    def k_len(self) -> int:
-        return self.k_pos.shape[0]
-
-    @cached_property
-    def q_pos(self) -> torch.Tensor:
-        return torch.arange(self.q_start, self.q_start + self.q_len, device=self.k_pos.device)
-
-    @property
-    def is_square_causal(self) -> bool:
-        return (self.q_start == 0 and self.q_len == self.k_len and not self.window
-                and self.bias_fn is None)
-
-    @property
-    def sees_everything(self) -> bool:
-        # One query, every key at or before it and inside its window: nothing to hide.
-        return self.q_len == 1 and (not self.window or self.q_start - self.k_first < self.window)
-
-    @cached_property
-    def dense(self) -> torch.Tensor:
-        return visible(self.q_pos, self.k_pos, self.window, self.n_global)
-
-    @cached_property
-    def bias(self) -> torch.Tensor | None:
-        if self.bias_fn is None:
-            return None
-        return self.bias_fn(self.q_pos[:, None], self.k_pos[None, :])      # (H, Tq, Tk)
-
-    def additive(self, dtype) -> torch.Tensor:
-        """Bias and mask as one float matrix: bias where visible, -inf elsewhere."""
-        bias = self.bias if self.bias is not None else torch.zeros((), device=self.k_pos.device)
-        return bias.to(dtype).masked_fill(~self.dense, float("-inf"))
+from model.mask import Mask, rule
 
 
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +85,7 @@ def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: 
     as one batch through the fused SDPA kernel. Used for full sequences; a chunk after
     a cache goes to sdpa, which costs O(W) per query there."""
     W, G = mask.window, mask.n_global
-    if not W or mask.q_start != 0 or mask.q_len != mask.k_len:
+    if not W or not mask.is_whole_sequence:
         return sdpa_attention(q, k, v, mask, dropout_p, need_weights)
     B, H, T, D = q.shape
     n = -(-T // W)
@@ -203,15 +129,38 @@ def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: 
 
 
 def flex_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
-    from model.flex import flex_attention as run
-    return run(q, k, v, mask, dropout_p, need_weights)
+    """The rule compiled by FlexAttention (model/flex.py) for whole sequences (training,
+    evaluation, prefill). A chunk after a cache, whose key count changes every step and
+    would compile a new kernel each time, goes to sdpa with the same rule."""
+    if not mask.is_whole_sequence:
+        return sdpa_attention(q, k, v, mask, dropout_p, need_weights)
+    if need_weights:
+        raise ValueError("the flex backend never forms the attention weights; use eager")
+    if dropout_p:
+        raise ValueError("the flex backend has no attention dropout")
+    return flex.attend(q, k, v, mask), None
+
+
+@dataclass(frozen=True)
+class Backend:
+    """An attention backend and the facts the rest of the project asks about it, so
+    no code outside this registry compares a backend's name with a string."""
+    attend: Callable                 # (q, k, v, mask, dropout_p, need_weights) -> (out, weights)
+    returns_weights: bool = False    # can hand back the (B, H, Tq, Tk) weights
+    needs_window: bool = False       # computes only a sliding window's band
+    has_dropout: bool = True         # applies attention dropout while training
+    trains_on_cpu: bool = True       # has a backward pass on a CPU in this torch
+
+    def __call__(self, q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
+        return self.attend(q, k, v, mask, dropout_p, need_weights)
 
 
 ATTENTION_BACKENDS = {
-    "eager": eager_attention,
-    "sdpa": sdpa_attention,
-    "banded": banded_attention,
-    "flex": flex_attention,
+    "eager": Backend(eager_attention, returns_weights=True),
+    "sdpa": Backend(sdpa_attention),
+    "banded": Backend(banded_attention, needs_window=True),
+    # torch compiles FlexAttention's forward only on CPUs: it samples there, trains on GPUs.
+    "flex": Backend(flex_attention, has_dropout=False, trains_on_cpu=False),
 }
 
 

@@ -3,60 +3,49 @@
 FlexAttention compiles the rule (`mask_mod`) and any score bias (`score_mod`) into
 one fused kernel and, from a block mask, skips every tile of the T×T score matrix
 that the rule hides entirely: with a sliding window, most of them. It is the fast
-windowed path on GPUs. On CPUs torch 2.13 compiles its forward pass only, so
-training with it on a CPU is refused up front (attnlab/training.py)."""
+windowed path on GPUs. On CPUs torch 2.13 compiles its forward pass only, so its
+registry entry (model/attention.py) says it does not train there, and the run config
+refuses that before any work. Used for whole sequences only (queries and keys at
+positions 0..T-1); model/attention.py sends a chunk after a cache to sdpa."""
 from __future__ import annotations
+
+import functools
 
 import torch
 
-_compiled = None
+from model.mask import Mask, rule
 
 
+@functools.lru_cache(maxsize=1)
 def _kernel():
-    global _compiled
-    if _compiled is None:
-        from torch.nn.attention.flex_attention import flex_attention
-        _compiled = torch.compile(flex_attention, dynamic=False)
-    return _compiled
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
 
 
-def block_mask_for(mask, device):
-    """One block mask per forward pass, shared by every layer (kept on the Mask)."""
-    cached = mask.__dict__.get("_flex_block_mask")
-    if cached is None:
-        from model.attention import rule
-        from torch.nn.attention.flex_attention import create_block_mask
-        q_start, k_pos, window, n_global = mask.q_start, mask.k_pos, mask.window, mask.n_global
+@functools.lru_cache(maxsize=16)
+def block_mask(length: int, window: int, n_global: int, device: str):
+    """The block mask of a whole sequence of `length` tokens. It depends on nothing
+    else, so every layer and every step of the same length reuses one."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
-        def mask_mod(b, h, q_idx, kv_idx):
-            return rule(q_start + q_idx, k_pos[kv_idx], window, n_global)
+    def mask_mod(b, h, q_idx, kv_idx):
+        return rule(q_idx, kv_idx, window, n_global)
 
-        cached = create_block_mask(mask_mod, None, None, mask.q_len, mask.k_len, device=device)
-        mask.__dict__["_flex_block_mask"] = cached
-    return cached
+    return create_block_mask(mask_mod, None, None, length, length, device=device)
 
 
-def flex_attention(q, k, v, mask, dropout_p: float = 0.0, need_weights: bool = False):
-    """Full sequences (training, evaluation, prefill) go through FlexAttention. A
-    chunk after a cache, whose key count changes every step and would compile a new
-    kernel each time, goes to sdpa with the same rule."""
-    if mask.q_start != 0 or mask.q_len != mask.k_len:
-        from model.attention import sdpa_attention
-        return sdpa_attention(q, k, v, mask, dropout_p, need_weights)
-    if need_weights:
-        raise ValueError("the flex backend never forms the attention weights; use eager")
-    if dropout_p:
-        raise ValueError("the flex backend has no attention dropout")
-    out = _kernel()(q, k, v, score_mod=_score_mod(mask), block_mask=block_mask_for(mask, q.device))
-    return out, None
+def attend(q, k, v, mask: Mask) -> torch.Tensor:
+    """softmax(Q·Kᵀ/√d_k + bias, masked by the rule)·V for a whole sequence."""
+    blocks = block_mask(mask.q_len, mask.window, mask.n_global, str(q.device))
+    return _kernel()(q, k, v, score_mod=_score_mod(mask), block_mask=blocks)
 
 
-def _score_mod(mask):
+def _score_mod(mask: Mask):
     """ALiBi's distance penalty, one score at a time; None when there is no bias."""
     if mask.bias_fn is None:
         return None
-    bias_fn, q_start, k_pos = mask.bias_fn, mask.q_start, mask.k_pos
+    bias_fn = mask.bias_fn
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        return score + bias_fn(q_start + q_idx, k_pos[kv_idx], head=h).to(score.dtype)
+        return score + bias_fn(q_idx, kv_idx, head=h).to(score.dtype)
     return score_mod

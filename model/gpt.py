@@ -9,10 +9,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attnlab.errors import ConfigError
-from model.attention import Mask
-from model.config import ModelConfig
+from model import registry
+from model.config import ModelConfig, ModelError
 from model.layers import NORMS, Block
+from model.mask import Mask
 from model.positions import POSITION_ENCODINGS
 from model.sampling import sample_next
 
@@ -105,9 +105,9 @@ class KVCache:
 class GPT(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        config.validate()
+        registry.check(config)
         if config.vocab_size <= 0:
-            raise ConfigError("model.vocab_size must be set (it comes from the tokenizer)")
+            raise ModelError("model.vocab_size must be set (it comes from the tokenizer)")
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)    # token -> vector
         self.positions = POSITION_ENCODINGS[config.position](config)
@@ -188,7 +188,7 @@ class GPT(nn.Module):
     def rolls(self) -> bool:
         """A windowed model whose positions are relative (or absent) can decode for
         ever from a rolling cache; learned and sinusoidal positions are absolute."""
-        return bool(self.config.sliding_window) and self.config.position in ("rope", "alibi", "none")
+        return bool(self.config.sliding_window) and not self.positions.absolute
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,

@@ -18,20 +18,26 @@ cached decoding (one new token at position start) use the same code as training.
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 
-from attnlab.errors import AttnlabError
-from model.config import ModelConfig
+from model.config import ModelConfig, ModelError
 
 
-class PositionRangeError(AttnlabError, ValueError):
+class PositionRangeError(ModelError):
     """A sequence longer than a fixed-size position table."""
 
 
 class PositionEncoding(nn.Module):
-    """No positions at all: both hooks do nothing (the `none` encoding)."""
+    """No positions at all: both hooks do nothing (the `none` encoding).
+
+    The class attributes are the facts other code asks about an encoding, so nothing
+    outside this registry compares an encoding's name with a string."""
+    absolute = False        # adds a vector per absolute position to the input
+    has_length_limit = False   # a table of block_size rows: nothing past it
+    rotary = False          # turns q and k by pairs of dimensions (RoPE)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -55,6 +61,7 @@ class Sinusoidal(PositionEncoding):
     values are of size 1 while token embeddings start near 0.02, so, as in the paper,
     the token embeddings are multiplied by √d_model first; otherwise the positions
     drown the tokens."""
+    absolute = True
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
@@ -75,6 +82,8 @@ class Sinusoidal(PositionEncoding):
 class Learned(PositionEncoding):
     """One trained vector per position (GPT-2). The table has block_size rows, so it
     cannot say anything about a position it never saw: longer input is refused."""
+    absolute = True
+    has_length_limit = True
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
@@ -109,22 +118,13 @@ class RoPE(PositionEncoding):
               context keep their frequency, slow ones are interpolated, a ramp in
               between, and scores are sharpened by (0.1·ln s + 1)² (arXiv:2309.00071)."""
 
+    rotary = True
+
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         d = config.head_dim
         inv_freq = config.rope_theta ** (-torch.arange(0, d, 2).float() / d)
-        self.mscale = 1.0
-        s, kind = config.rope_factor, config.rope_scaling
-        if kind == "linear":
-            inv_freq = inv_freq / s
-        elif kind == "ntk":
-            inv_freq = (config.rope_theta * s ** (d / (d - 2))) ** (-torch.arange(0, d, 2).float() / d)
-        elif kind == "yarn":
-            original = config.rope_original_context or config.block_size
-            turns = original * inv_freq / (2 * math.pi)      # rotations within the original context
-            keep = ((turns - 1.0) / (32.0 - 1.0)).clamp(0.0, 1.0)   # 0 = interpolate, 1 = keep
-            inv_freq = (1 - keep) * inv_freq / s + keep * inv_freq
-            self.mscale = 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
+        inv_freq, self.mscale = ROPE_SCALINGS[config.rope_scaling].scale(inv_freq, config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._build(config.block_size)
 
@@ -186,4 +186,45 @@ POSITION_ENCODINGS = {
     "alibi": ALiBi,
 }
 
-ROPE_SCALINGS = ("none", "linear", "ntk", "yarn")
+class RopeScaling(NamedTuple):
+    """A way to stretch RoPE past its training context: `scale(inv_freq, config)`
+    returns the new frequencies and the factor q and k are multiplied by."""
+    scale: Callable
+    label: str                       # the name a plot or table shows
+    stretches: bool = True           # False for the identity
+
+
+def _no_scaling(inv_freq, config):
+    return inv_freq, 1.0
+
+
+def _linear(inv_freq, config):
+    # Position interpolation: every frequency divided by s (arXiv:2306.15595).
+    return inv_freq / config.rope_factor, 1.0
+
+
+def _ntk(inv_freq, config):
+    # NTK-aware: the base grows to theta·s^(d/(d-2)); the fastest pair keeps its speed.
+    d = 2 * inv_freq.numel()
+    base = config.rope_theta * config.rope_factor ** (d / (d - 2))
+    return base ** (-torch.arange(0, d, 2).float() / d), 1.0
+
+
+def _yarn(inv_freq, config):
+    # Pairs that turn more than 32 times within the original context keep their
+    # frequency, those turning less than once are interpolated, a ramp between;
+    # scores are sharpened by (0.1·ln s + 1)² (arXiv:2309.00071).
+    s = config.rope_factor
+    original = config.rope_original_context or config.block_size
+    turns = original * inv_freq / (2 * math.pi)        # rotations within the original context
+    keep = ((turns - 1.0) / (32.0 - 1.0)).clamp(0.0, 1.0)   # 0 = interpolate, 1 = keep
+    mscale = 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
+    return (1 - keep) * inv_freq / s + keep * inv_freq, mscale
+
+
+ROPE_SCALINGS = {
+    "none": RopeScaling(_no_scaling, "rope", stretches=False),
+    "linear": RopeScaling(_linear, "rope + PI"),
+    "ntk": RopeScaling(_ntk, "rope + NTK"),
+    "yarn": RopeScaling(_yarn, "rope + YaRN"),
+}

@@ -1,6 +1,14 @@
-"""Every variant the config can name, by registry. Adding a variant is one entry in
-its module's dict; tests parametrize over these, so it is tested the day it lands."""
+"""Every variant the config can name, by registry, and the one place that checks a
+config's variant names and what each chosen variant needs. Adding a variant is one
+entry in its module's dict, with its facts; tests parametrize over these, so it is
+tested the day it lands."""
+from __future__ import annotations
+
+import difflib
+from dataclasses import fields
+
 from model.attention import ATTENTION_BACKENDS
+from model.config import ModelConfig, ModelError
 from model.layers import MLPS, NORMS
 from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
 
@@ -9,5 +17,36 @@ REGISTRIES = {
     "position": POSITION_ENCODINGS,
     "norm": NORMS,
     "mlp": MLPS,
-    "rope_scaling": {name: name for name in ROPE_SCALINGS},
+    "rope_scaling": ROPE_SCALINGS,
 }
+
+
+def unknown_name(key: str, name, valid) -> ModelError:
+    close = difflib.get_close_matches(str(name), list(valid), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ModelError(f"unknown {key} {name!r}{hint}; valid choices: {', '.join(sorted(valid))}")
+
+
+def check(config: ModelConfig) -> None:
+    """Sizes first, then every variant name, then what the chosen variants need."""
+    config.validate()
+    for f in fields(config):
+        registry = f.metadata.get("registry")
+        if registry and getattr(config, f.name) not in REGISTRIES[registry]:
+            raise unknown_name(f"model.{f.name}", getattr(config, f.name), REGISTRIES[registry])
+    backend = ATTENTION_BACKENDS[config.attention]
+    position = POSITION_ENCODINGS[config.position]
+    if backend.needs_window and not config.sliding_window:
+        raise ModelError(f"model.attention={config.attention} computes only a sliding window's "
+                         "band; set model.sliding_window (e.g. 256) or use sdpa")
+    if config.dropout and not backend.has_dropout:
+        choices = ", ".join(n for n, b in ATTENTION_BACKENDS.items() if b.has_dropout)
+        raise ModelError(f"model.attention={config.attention} has no attention dropout; set "
+                         f"model.dropout=0 or use one of {choices}")
+    if position.rotary and config.head_dim % 2:
+        raise ModelError(f"RoPE rotates pairs of dimensions, so the head size "
+                         f"(n_embd/n_head = {config.head_dim}) must be even")
+    if ROPE_SCALINGS[config.rope_scaling].stretches and not position.rotary:
+        rotary = " or ".join(n for n, p in POSITION_ENCODINGS.items() if p.rotary)
+        raise ModelError(f"model.rope_scaling={config.rope_scaling} needs model.position="
+                         f"{rotary} (it stretches rotary positions)")

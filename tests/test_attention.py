@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from model.attention import ATTENTION_BACKENDS, Mask, MultiHeadAttention, eager_attention, visible
+from model.attention import ATTENTION_BACKENDS, MultiHeadAttention, eager_attention
+from model.mask import Mask, visible
 from model.config import ModelConfig
 from model.positions import POSITION_ENCODINGS, PositionEncoding
 from reference import attention as reference_attention, mask_rule

@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from attnlab import config
-from attnlab.budget import TOKENS_PER_PARAM, candidates, choose, parse_duration
-from attnlab.errors import ConfigError
+from engine import cli, config
+from engine.budget import TOKENS_PER_PARAM, candidates, choose, parse_duration
+from common.errors import ConfigError
 from conftest import run_script
 from test_train import tiny_args
 
@@ -21,7 +21,7 @@ def test_durations_parse_and_nonsense_is_refused():
 
 
 def test_the_choice_is_the_size_nearest_the_compute_optimal_ratio():
-    cfg = config.build("cpu", [])
+    cfg = cli.build("cpu", [])
     cfg.model.vocab_size = 65
     cands = candidates(cfg.model)
     assert [c.params for c in cands] == sorted(c.params for c in cands)
@@ -58,20 +58,25 @@ def test_budget_cannot_resume():
     assert proc.returncode == 2 and "--budget plans a new single-process run" in proc.stderr
 
 
-def test_under_a_time_limit_the_schedule_follows_the_clock(corpus, tmp_path):
-    from attnlab.training import Trainer, lr_at
-    base = [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
-            f"--train.out_dir={tmp_path / 'runs'}", "--train.max_iters=100",
-            "--train.warmup_iters=10"]
-    timed = Trainer(config.build("tiny", [*base, "--train.run_name=t", "--train.time_limit=60"]),
-                    log=lambda *a: None)
-    timed.time_used = 0.5                           # half the time gone at step 0
-    timed.train_step()
-    assert timed.current_lr == pytest.approx(lr_at(50, timed.cfg.train))
-    timed.step = 80
-    timed.train_step()                              # steps ahead of the clock: steps rule
-    assert timed.current_lr == pytest.approx(lr_at(80, timed.cfg.train))
-    plain = Trainer(config.build("tiny", [*base, "--train.run_name=p"]), log=lambda *a: None)
-    plain.time_used = 0.5                           # no limit: the clock is ignored
-    plain.train_step()
-    assert plain.current_lr == pytest.approx(lr_at(0, plain.cfg.train))
+def test_under_a_time_limit_the_schedule_follows_the_clock():
+    from engine.loop import lr_at, scheduled_lr
+    t = cli.build("tiny", ["--train.max_iters=100", "--train.warmup_iters=10",
+                           "--train.time_limit=60"]).train
+    assert scheduled_lr(0, 0.5, t) == pytest.approx(lr_at(50, t))     # half the time gone
+    assert scheduled_lr(80, 0.5, t) == pytest.approx(lr_at(80, t))    # steps ahead: steps rule
+    t.time_limit = 0
+    assert scheduled_lr(0, 0.5, t) == pytest.approx(lr_at(0, t))      # no limit: clock ignored
+    assert lr_at(50, t) < lr_at(10, t)
+
+
+def test_a_run_under_a_time_limit_passes_the_share_of_time_used(corpus, tmp_path, monkeypatch):
+    """The loop hands train_step the share of train.time_limit spent so far."""
+    import engine.loop as loop
+    from engine.run import setup_run
+    cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                             f"--train.out_dir={tmp_path / 'runs'}", "--train.max_iters=3",
+                             "--train.time_limit=600", "--train.run_name=t"])
+    seen, real = [], loop.train_step
+    monkeypatch.setattr(loop, "train_step", lambda run, used: seen.append(used) or real(run, used))
+    loop.train(setup_run(cfg, log=lambda *a: None))
+    assert len(seen) == 3 and 0 < seen[0] <= seen[1] <= seen[2] < 0.5

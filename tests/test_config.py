@@ -1,22 +1,24 @@
 """The configuration (attnlab/config.py, model/config.py): presets, overrides, and
 refusing mistakes before any work with the valid choices listed."""
+from dataclasses import fields
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from attnlab import config
-from attnlab.errors import ConfigError
+from engine import cli, config
+from common.errors import ConfigError
 
 PRESETS = sorted(p.stem for p in config.CONFIG_DIR.glob("*.toml"))
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_loads_and_validates(preset):
-    cfg = config.build(preset, [])
+    cfg = cli.build(preset, [])
     assert cfg.preset == preset
 
 
 def test_overrides_beat_presets_and_are_typed():
-    cfg = config.build("cpu", ["--model.n_layer=3", "--train.lr", "3e-4", "--model.bias=true",
+    cfg = cli.build("cpu", ["--model.n_layer=3", "--train.lr", "3e-4", "--model.bias=true",
                                "--data.tokenizer=bpe"])
     assert cfg.model.n_layer == 3 and cfg.train.lr == 3e-4 and cfg.model.bias is True
     assert cfg.data.tokenizer == "bpe"
@@ -55,34 +57,38 @@ def test_overrides_beat_presets_and_are_typed():
 ])
 def test_bad_configuration_is_refused_with_a_reason(args, message):
     with pytest.raises(ConfigError, match=message):
-        config.build(None, args)
+        cli.build(None, args)
 
 
 def test_unknown_preset_lists_the_available_ones():
     with pytest.raises(ConfigError, match="cpu"):
-        config.build("cpuu", [])
+        cli.build("cpuu", [])
 
 
 def test_preset_files_are_checked_like_the_command_line(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[model]\nn_layers = 3\n")
     with pytest.raises(ConfigError, match=r"unknown key model.n_layers in .*bad.toml"):
-        config.build(str(bad), [])
+        cli.build(str(bad), [])
     bad.write_text("[model\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
-        config.build(str(bad), [])
+        cli.build(str(bad), [])
 
 
 def test_saved_config_round_trips():
-    cfg = config.build("tiny", ["--model.position=learned"])
+    cfg = cli.build("tiny", ["--model.position=learned"])
     again = config.from_dict(cfg.to_dict(), "test")
     assert again == cfg
 
 
-def test_help_lists_every_field_with_its_choices():
-    text = config.help_text()
-    assert "--model.position='rope'" in text and "{none, sinusoidal, learned, rope, alibi}" in text
-    assert "--train.wandb='disabled'" in text
+def test_help_lists_every_field_with_its_choices_and_default():
+    from train import parser
+    text = " ".join(parser().format_help().split())          # argparse wraps lines
+    for section, cls in config.SECTIONS.items():
+        for f in fields(cls):
+            assert f"--{section}.{f.name} VALUE" in text or f"--{section}.{f.name} [VALUE]" in text
+    assert "position encoding {none, sinusoidal, learned, rope, alibi} (default: 'rope')" in text
+    assert "{disabled, offline, online} (default: 'disabled')" in text
 
 
 KEYS = st.sampled_from(["model.n_layer", "model.position", "train.lr", "train.dtype",
@@ -97,7 +103,7 @@ VALUES = st.one_of(st.text(max_size=12), st.integers(-5, 10**6).map(str),
                           st.text(max_size=15)), max_size=4))
 def test_random_overrides_are_accepted_or_refused_with_our_error(args):
     try:
-        cfg = config.build(None, args)
+        cfg = cli.build(None, args)
     except ConfigError:
         return
     cfg.validate()

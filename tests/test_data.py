@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnlab.errors import DataError
+from common.errors import DataError
 from data.tokens import BUNDLED_CORPUS, Batches, load_tokens
 
 

@@ -4,15 +4,16 @@ import math
 import pytest
 import torch
 
-from attnlab import checkpoint, config
-from attnlab.tracking import Metrics
-from attnlab.training import Trainer, TrainingDiverged
+from engine import checkpoint, cli, config
+from engine.tracking import Metrics
+from engine.loop import TrainingDiverged, train
+from engine.run import setup_run
 
 
 def make_trainer(corpus, tmp_path, *extra):
-    cfg = config.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+    cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
                                 f"--train.out_dir={tmp_path / 'runs'}", "--train.run_name=r", *extra])
-    return Trainer(cfg, log=lambda *a: None)
+    return setup_run(cfg, log=lambda *a: None)
 
 
 def test_a_nan_loss_stops_the_run_naming_the_step_and_keeping_the_last_checkpoint(corpus, tmp_path):
@@ -29,9 +30,9 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeping_the_last_checkpoin
             self.calls += self.training
             return out._replace(loss=out.loss * math.nan) if self.calls > 15 else out
 
-    trainer.compiled = Poisoned(trainer.model)
+    trainer.train_forward = Poisoned(trainer.model)
     with pytest.raises(TrainingDiverged) as err:
-        trainer.run()
+        train(trainer)
     message = str(err.value)
     assert "nan at step 16" in message and "train.lr" in message and "float32" in message
     assert "step_0000010" in message
@@ -43,7 +44,7 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeping_the_last_checkpoin
 def test_gradient_norms_are_logged(corpus, tmp_path):
     import json
     trainer = make_trainer(corpus, tmp_path, "--train.max_iters=5")
-    trainer.run()
+    train(trainer)
     records = [json.loads(l) for l in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     norms = [r["grad_norm"] for r in records if "grad_norm" in r]
     assert len(norms) == 5 and all(n > 0 and math.isfinite(n) for n in norms)
@@ -52,7 +53,7 @@ def test_gradient_norms_are_logged(corpus, tmp_path):
 
 
 def test_peak_flops_from_the_table_and_the_probe():
-    from attnlab.device import mfu, peak_flops
+    from engine.device import mfu, peak_flops
     assert peak_flops("cuda", "bfloat16", "NVIDIA H100 80GB HBM3") == 989e12
     assert peak_flops("cuda", "bfloat16", "Some Future GPU") is None
     cpu = peak_flops("cpu", "float32")
@@ -63,7 +64,7 @@ def test_peak_flops_from_the_table_and_the_probe():
 def test_wandb_offline_needs_no_network(corpus, tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     trainer = make_trainer(corpus, tmp_path, "--train.max_iters=3", "--train.wandb=offline")
-    trainer.run()
+    train(trainer)
     assert list((trainer.run_dir / "wandb").glob("offline-run-*"))
 
 
@@ -95,14 +96,14 @@ def test_wandb_online_without_network_falls_back_to_offline(tmp_path, monkeypatc
 def test_a_run_stops_when_it_reaches_the_target_val_loss(corpus, tmp_path):
     trainer = make_trainer(corpus, tmp_path, "--train.max_iters=200", "--train.eval_interval=10",
                            "--train.lr=3e-3", "--train.target_val_loss=3.3")
-    result = trainer.run()
+    result = train(trainer)
     reached = result["reached_target"]
     assert reached["val_loss"] <= 3.3 and reached["step"] < 200 and result["step"] == reached["step"]
     assert checkpoint.resolve(trainer.run_dir).name == f"step_{reached['step']:07d}"
 
 
 def test_a_finished_run_is_not_overwritten_without_resume(corpus, tmp_path):
-    from attnlab.errors import CheckpointError
-    make_trainer(corpus, tmp_path, "--train.max_iters=2").run()
+    from common.errors import CheckpointError
+    train(make_trainer(corpus, tmp_path, "--train.max_iters=2"))
     with pytest.raises(CheckpointError, match="already holds checkpoints.*--resume"):
         make_trainer(corpus, tmp_path, "--train.max_iters=2")

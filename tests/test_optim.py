@@ -4,15 +4,16 @@ import json
 import pytest
 import torch
 
-from attnlab import config
-from attnlab.optim import configure_optimizer
-from attnlab.training import Trainer
+from engine import cli, config
+from engine.optim import configure_optimizer
+from engine.loop import train
+from engine.run import setup_run
 from model import GPT, ModelConfig
 
 
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     model = GPT(ModelConfig(vocab_size=30, n_layer=2, n_head=2, n_embd=16, bias=True))
-    t = config.build(None, ["--train.optimizer=muon"]).train
+    t = cli.build(None, ["--train.optimizer=muon"]).train
     opt = configure_optimizer(model, t, torch.device("cpu"))
     muon = {id(p) for g in opt.named["muon"].param_groups for p in g["params"]}
     adamw = {id(p) for g in opt.named["adamw"].param_groups for p in g["params"]}
@@ -32,22 +33,21 @@ def _losses(run_dir):
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_training_learns_and_resumes_exactly(optimizer, corpus, tmp_path):
     def cfg(name, steps):
-        return config.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+        return cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
                                      f"--train.out_dir={tmp_path / 'r'}", f"--train.run_name={name}",
                                      f"--train.optimizer={optimizer}", f"--train.max_iters={steps}"])
     quiet = dict(log=lambda *a, **k: None)
-    Trainer(cfg("straight", 20), **quiet).run()
-    first = Trainer(cfg("split", 20), **quiet)
-    step = first.train_step
+    train(setup_run(cfg("straight", 20), **quiet))
+    first = setup_run(cfg("split", 20), **quiet)
+    forward = first.train_forward
 
-    def stop_after_ten():                     # as Ctrl-C would: save at step 10 and stop
-        out = step()
-        if first.step == 9:
+    def stop_after_ten(x, y):                 # as Ctrl-C would: save at step 10 and stop
+        if first.progress.step == 9:
             first.stop_signal = "test"
-        return out
-    first.train_step = stop_after_ten
-    assert first.run()["interrupted"]
-    Trainer(cfg("split", 20), run_dir=tmp_path / "r" / "split", resume=True, **quiet).run()
+        return forward(x, y)
+    first.train_forward = stop_after_ten
+    assert train(first)["interrupted"]
+    train(setup_run(cfg("split", 20), run_dir=tmp_path / "r" / "split", resume=True, **quiet))
     straight, split = _losses(tmp_path / "r" / "straight"), _losses(tmp_path / "r" / "split")
     assert straight == split
     assert straight[20] < straight[1] - 0.3

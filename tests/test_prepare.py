@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import data.prepare as prep
-from attnlab.errors import DataError
+import data.build as prep
+import data.prepare as prepare_cli
+from common.errors import DataError
 from data.shards import HEADER_BYTES, Shards, open_shard
 from data.sources import SourceSpec, cut_pieces
 from data.tokenizer import BPETokenizer
@@ -293,7 +294,7 @@ def test_prepare_help_and_sizes():
     for flag in ("--streaming", "--max-docs", "--max-bytes", "--text-column", "--val-split",
                  "--num-proc", "--tokenizer-sample", "--shard-tokens"):
         assert flag in result.stdout
-    assert prep.parse_size("50MB") == 50_000_000 and prep.parse_size("2k") == 2000
+    assert prepare_cli.parse_size("50MB") == 50_000_000 and prepare_cli.parse_size("2k") == 2000
     assert HEADER_BYTES == 32
 
 

@@ -39,7 +39,7 @@ def test_greedy_and_seeded_sampling():
 
 
 def test_explainer_probabilities_sum_to_one_and_match_the_sampler():
-    from attnlab.inference import StepExplainer
+    from engine.inference import StepExplainer
     from data.tokenizer import CharTokenizer
     from model import GPT, ModelConfig
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """Both tokenizers behind one interface (data/tokenizer.py)."""
 import pytest
 
-from attnlab.errors import TokenizerError
+from common.errors import TokenizerError
 from data.tokenizer import BPETokenizer, CharTokenizer, Tokenizer
 
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"

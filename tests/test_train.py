@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from attnlab import checkpoint
-from attnlab.errors import CheckpointError
+from engine import checkpoint
+from common.errors import CheckpointError
 from conftest import ROOT, run_script
 
 
@@ -155,7 +155,7 @@ def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(corpus, tmp_pat
     # Kill the process (SIGKILL, no clean-up) half way through writing its second checkpoint.
     script = (
         "import os, signal, sys\n"
-        "import attnlab.checkpoint as c\n"
+        "import engine.checkpoint as c\n"
         "real, calls = c.save_file, []\n"
         "def dying(tensors, path, *a, **k):\n"
         "    calls.append(path)\n"

@@ -3,9 +3,9 @@
     python train.py --config cpu --model.n_layer=6 --train.lr 3e-4
 
 A preset (configs/NAME.toml) overrides some defaults; `--section.key=value` overrides
-anything after that. Every value is checked against its field's type, every variant
-name against its registry, and an unknown key is refused with the valid ones listed,
-all before any work starts.
+anything after that (engine/cli.py turns these fields into the command line). Every
+value is checked against its field's type, every variant name against its registry,
+and an unknown key is refused with the valid ones listed, all before any work starts.
 """
 from __future__ import annotations
 
@@ -16,8 +16,11 @@ import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from attnlab.errors import ConfigError, choices_hint
-from model.config import ModelConfig, opt
+from common.errors import ConfigError, choices_hint
+from common.fields import opt
+from data.tokenizer import TOKENIZERS
+from model import REGISTRIES, ModelConfig, ModelError
+from model import registry as model_registry
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -35,12 +38,13 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     device: str = opt("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
-    dtype: str = opt("auto", "autocast precision: auto, float32, bfloat16 or float16")
+    dtype: str = opt("auto", "autocast precision", choices=("auto", "float32", "bfloat16", "float16"))
     compile: bool = opt(False, "torch.compile the model (pays off on GPUs for long runs)")
     batch_size: int = opt(64, "sequences per micro-batch")
     grad_accum: int = opt(1, "micro-batches whose gradients add up to one optimizer step")
     max_iters: int = opt(5000, "optimizer steps")
-    optimizer: str = opt("adamw", "adamw, or muon (Muon for hidden matrices, AdamW for the rest)")
+    optimizer: str = opt("adamw", "adamw, or muon (Muon for hidden matrices, AdamW for the rest)",
+                         choices=("adamw", "muon"))
     lr: float = opt(1e-3, "peak learning rate (AdamW)")
     min_lr: float = opt(1e-4, "learning rate at the end of the cosine decay")
     warmup_iters: int = opt(100, "steps of linear warm-up from 0 to lr")
@@ -50,7 +54,8 @@ class TrainConfig:
     muon_lr: float = opt(0.02, "peak learning rate of Muon's matrices (same schedule)")
     muon_momentum: float = opt(0.95, "Muon momentum")
     parallel: str = opt("ddp", "under torchrun: ddp (a whole model per process) or fsdp "
-                               "(FSDP2: weights, gradients and optimizer state split across them)")
+                               "(FSDP2: weights, gradients and optimizer state split across them)",
+                        choices=("ddp", "fsdp"))
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = off")
     eval_interval: int = opt(250, "evaluate and write a checkpoint every N steps")
     eval_iters: int = opt(100, "validation batches per evaluation")
@@ -63,7 +68,7 @@ class TrainConfig:
     out_dir: str = opt("runs", "folder that holds run directories")
     run_name: str = opt("", "run directory name; empty = <preset>-<date>-<time>")
     keep_last: int = opt(3, "checkpoints to keep (the best by val loss is always kept)")
-    wandb: str = opt("disabled", "Weights & Biases logging: disabled, offline or online")
+    wandb: str = opt("disabled", "Weights & Biases logging", choices=("disabled", "offline", "online"))
     wandb_project: str = opt("attnlab", "wandb project name")
 
 
@@ -79,7 +84,7 @@ class SampleConfig:
     use_cache: bool = opt(True, "reuse keys/values of earlier tokens (KV cache)")
     dtype: str = opt("auto", "weights while sampling: auto (bfloat16 where train.dtype=auto would "
                              "use it: at batch 1 the weights' bytes bound the speed), float32, "
-                             "bfloat16 or float16")
+                             "bfloat16 or float16", choices=("auto", "float32", "bfloat16", "float16"))
     explain: bool = opt(False, "show each step's top candidates before and after "
                                "temperature / top-k / top-p, and the token chosen")
     explain_top: int = opt(5, "candidates shown per step with explain")
@@ -100,7 +105,10 @@ class RunConfig:
         return json.dumps(self.to_dict(), indent=2)
 
     def validate(self) -> None:
-        self.model.validate()
+        try:
+            model_registry.check(self.model)      # sizes, variant names, what variants need
+        except ModelError as err:
+            raise ConfigError(str(err)) from None
         _check_choices(self)
         t, s = self.train, self.sample
         for name in ("batch_size", "grad_accum", "max_iters", "eval_interval",
@@ -124,7 +132,7 @@ class RunConfig:
         if t.weight_decay < 0 or t.grad_clip < 0:
             raise ConfigError("train.weight_decay and train.grad_clip must not be negative")
         if self.model.attention == "flex" and t.device in ("cpu", "auto"):
-            from attnlab.device import pick_device
+            from engine.device import pick_device
             if pick_device(t.device).type == "cpu":
                 raise ConfigError("model.attention=flex has no backward on CPU in torch (its "
                                   "forward works, for sampling); to train on a CPU use banded "
@@ -140,39 +148,34 @@ class RunConfig:
                               "and sample.num_samples must be positive")
 
 
-SECTIONS = {f.name: f.type for f in fields(RunConfig) if f.name != "preset"}
-_SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
-                    "sample": SampleConfig}
-_FIXED_CHOICES = {
-    ("train", "dtype"): ("auto", "float32", "bfloat16", "float16"),
-    ("train", "wandb"): ("disabled", "offline", "online"),
-    ("train", "optimizer"): ("adamw", "muon"),
-    ("train", "parallel"): ("ddp", "fsdp"),
-    ("sample", "dtype"): ("auto", "float32", "bfloat16", "float16"),
-}
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
+            "sample": SampleConfig}
 
 
-def _registry(name: str):
-    if name == "tokenizer":
-        from data.tokenizer import TOKENIZERS
-        return TOKENIZERS
-    from model.registry import REGISTRIES
-    return REGISTRIES[name]
+def choices_of(f) -> tuple | None:
+    """The valid values of a config field: its registry's names, its fixed choices, or
+    None for a free value."""
+    registry = f.metadata.get("registry")
+    if registry == "tokenizer":
+        return tuple(TOKENIZERS)
+    if registry:
+        return tuple(REGISTRIES[registry])
+    return f.metadata.get("choices")
 
 
 def _check_choices(cfg: RunConfig) -> None:
-    for section, cls in _SECTION_CLASSES.items():
+    """Choices of every section but the model's (model.registry.check has those)."""
+    for section, cls in SECTIONS.items():
+        if cls is ModelConfig:
+            continue
         obj = getattr(cfg, section)
         for f in fields(cls):
-            value = getattr(obj, f.name)
-            choices = _FIXED_CHOICES.get((section, f.name))
-            if f.metadata.get("registry"):
-                choices = _registry(f.metadata["registry"])
+            value, choices = getattr(obj, f.name), choices_of(f)
             if choices is not None and value not in choices:
                 raise ConfigError(f"unknown {section}.{f.name} {value!r}" + choices_hint(value, choices))
 
 
-def _field_types(cls) -> dict[str, type]:
+def field_types(cls) -> dict[str, type]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in fields(cls)}
 
@@ -213,16 +216,16 @@ def convert(key: str, raw, typ: type):
 
 def apply(cfg: RunConfig, section: str, values: dict, origin: str) -> None:
     """Set section.key = value for each entry, checking keys and types."""
-    if section not in _SECTION_CLASSES:
+    if section not in SECTIONS:
         raise ConfigError(f"unknown config section {section!r} in {origin}"
-                          + choices_hint(section, _SECTION_CLASSES))
+                          + choices_hint(section, SECTIONS))
     if not isinstance(values, dict):
         raise ConfigError(f"[{section}] in {origin} must be a table of key = value")
     apply_to(getattr(cfg, section), section, values, origin)
 
 
 def apply_to(obj, section: str, values: dict, origin: str) -> None:
-    types = _field_types(_SECTION_CLASSES[section])
+    types = field_types(SECTIONS[section])
     for key, raw in values.items():
         if key not in types:
             raise ConfigError(f"unknown key {section}.{key} in {origin}" + choices_hint(key, types))
@@ -264,46 +267,10 @@ def from_dict(data: dict, origin: str) -> RunConfig:
     return cfg
 
 
-def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
-    """['--model.n_layer=4', '--train.lr', '3e-4'] -> [('model', 'n_layer', '4'), ...]."""
-    out, i = [], 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ConfigError(f"unexpected argument {arg!r}; overrides look like "
-                              "--section.key=value (sections: " + ", ".join(_SECTION_CLASSES) + ")")
-        name, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(args):
-                raise ConfigError(f"{arg} needs a value: {arg}=VALUE")
-            value, i = args[i + 1], i + 1
-        section, _, key = name.partition(".")
-        out.append((section, key, value))
-        i += 1
-    return out
-
-
-def build(preset: str | None, overrides: list[str]) -> RunConfig:
-    """Defaults, then the preset, then command-line overrides; validated."""
-    cfg = RunConfig()
-    if preset:
-        load_preset(cfg, preset)
-    for section, key, value in parse_overrides(overrides):
-        apply(cfg, section, {key: value}, "the command line")
-    cfg.validate()
-    return cfg
-
-
-def help_text() -> str:
+def describe(cfg: RunConfig) -> str:
+    """The resolved config, one line per section."""
     lines = []
-    for section, cls in _SECTION_CLASSES.items():
-        lines.append(f"\n[{section}]")
-        defaults = cls()
-        for f in fields(cls):
-            choices = _FIXED_CHOICES.get((section, f.name))
-            if f.metadata.get("registry"):
-                choices = list(_registry(f.metadata["registry"]))
-            extra = f" {{{', '.join(choices)}}}" if choices else ""
-            flag = f"--{section}.{f.name}={getattr(defaults, f.name)!r}"
-            lines.append(f"  {flag:<34} {f.metadata.get('help', '')}{extra}")
+    for section, values in cfg.to_dict().items():
+        if isinstance(values, dict):
+            lines.append(f"  {section}: " + " ".join(f"{k}={v!r}" for k, v in values.items()))
     return "\n".join(lines)

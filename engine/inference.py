@@ -7,10 +7,10 @@ from typing import Iterator
 
 import torch
 
-from attnlab import checkpoint
-from attnlab.config import RunConfig, from_dict
-from attnlab.errors import CheckpointError, TokenizerError
-from data.tokenizer import BPETokenizer, Tokenizer
+from engine import checkpoint
+from engine.config import RunConfig, from_dict
+from common.errors import CheckpointError, TokenizerError
+from data.tokenizer import Tokenizer
 from model import GPT
 from model.sampling import next_token_distribution
 
@@ -30,23 +30,14 @@ def load_run(path: str | Path, which: str = "best", device: str | torch.device =
     return model.to(device).eval(), cfg, tokenizer, ckpt
 
 
-def latest_run(out_dir: str | Path = "runs") -> Path:
-    """The run train.py wrote last (named in runs/LATEST)."""
-    marker = Path(out_dir) / "LATEST"
-    if not marker.is_file():
-        raise CheckpointError(f"no trained run found ({marker} is missing); train one with "
-                              "`python train.py`, or pass --run DIR")
-    return Path(out_dir) / marker.read_text().strip()
-
-
 def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
     """Token ids for a prompt. An empty prompt starts a new line (character models)
     or a new document (BPE models, from the end-of-text token)."""
     if prompt:
         return tokenizer.encode(prompt)
-    if isinstance(tokenizer, BPETokenizer):
-        return [tokenizer.hf.token_to_id(BPETokenizer.END_OF_TEXT)]
-    if "\n" in getattr(tokenizer, "stoi", {}):
+    if tokenizer.eot_id is not None:
+        return [tokenizer.eot_id]
+    if tokenizer.can_encode("\n"):
         return tokenizer.encode("\n")
     raise TokenizerError("the prompt is empty and this vocabulary has no newline to start "
                          "from; give a prompt with --prompt")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.errors import ConfigError
+from common.errors import ConfigError
 
 
 class Optimizers:

@@ -20,8 +20,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from attnlab.errors import CheckpointError
-from attnlab.files import file_sha256, fsync, write_json_atomic
+from common.errors import CheckpointError
+from common.files import file_sha256, fsync, write_json_atomic
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
@@ -192,3 +192,12 @@ def load_weights(model: torch.nn.Module, weights: dict, origin: Path) -> None:
                                              for n in wrong[:3]) if wrong else ""]))
         raise CheckpointError(f"checkpoint {origin} does not fit this model config: {detail}")
     model.load_state_dict(weights, strict=False)
+
+
+def latest_run(out_dir: str | Path = "runs") -> Path:
+    """The run train.py wrote last (named in OUT_DIR/LATEST)."""
+    marker = Path(out_dir) / "LATEST"
+    if not marker.is_file():
+        raise CheckpointError(f"no trained run found ({marker} is missing); train one with "
+                              "`python train.py`, or pass a run directory")
+    return Path(out_dir) / marker.read_text().strip()

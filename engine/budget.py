@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from attnlab.errors import ConfigError
+from common.errors import ConfigError
 
 TOKENS_PER_PARAM = 20.0
 LADDER = [  # (n_layer, n_embd): depth grows with width, as in GPT-2's and nanoGPT's sizes
@@ -92,8 +92,8 @@ def choose(cands: list[Candidate], flops_per_s: float, train_s: float) -> Candid
 def measure(cfg, device, dtype, seconds: float) -> float:
     """Training steps per second of cfg.model at cfg.train's batch, for about `seconds`
     after one warm-up step."""
-    from attnlab.device import autocast, synchronize
-    from attnlab.optim import configure_optimizer
+    from engine.device import autocast, synchronize
+    from engine.optim import configure_optimizer
     from model import GPT
     t = cfg.train
     model = GPT(cfg.model).to(device)
@@ -126,7 +126,7 @@ def measure(cfg, device, dtype, seconds: float) -> float:
 def plan(cfg, budget_s: float, started: float, log=print):
     """Set cfg's model size and schedule for a run that ends `budget_s` seconds after
     `started` (a time.perf_counter() value). Returns cfg."""
-    from attnlab.device import pick_device, pick_dtype
+    from engine.device import pick_device, pick_dtype
     from data.tokens import load_tokens
 
     d, t = cfg.data, cfg.train

@@ -32,7 +32,7 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 def full_model_state(model) -> dict[str, torch.Tensor]:
     """Full weights, tied ones once, on the CPU."""
-    from attnlab.checkpoint import model_tensors
+    from engine.checkpoint import model_tensors
     return model_tensors(model, whole=full)
 
 

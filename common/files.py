@@ -26,6 +26,16 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
+def read_json(path: Path) -> dict | None:
+    """A JSON object from a file, or None when the file is missing, unreadable, not
+    UTF-8, not JSON, or holds something other than an object."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

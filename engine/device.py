@@ -7,9 +7,14 @@ import time
 
 import torch
 
-from attnlab.errors import ConfigError
+from common.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16' (the name the config uses)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def pick_device(name: str = "auto") -> torch.device:

@@ -41,11 +41,13 @@ def choices_hint(name: str, valid) -> str:
 
 
 @contextmanager
-def friendly_errors():
-    """Turn AttnlabError into one clear line on stderr and exit status 2."""
+def friendly_errors(*also: type[Exception]):
+    """Turn AttnlabError (and the exception types in `also`, such as the model's own
+    ModelError, which cannot derive from this floor's type) into one clear line on
+    stderr and exit status 2."""
     try:
         yield
-    except AttnlabError as err:
+    except (AttnlabError, *also) as err:
         if os.environ.get("ATTNLAB_DEBUG"):
             raise
         print(f"error: {err}", file=sys.stderr)

@@ -1,0 +1,279 @@
+"""Build a token folder from any corpus: read it, train a tokenizer, write token
+shards. The library behind `python -m data.prepare` (data/prepare.py, the command
+line) and behind train.py's `data.path`, which prepares plain files on first use
+(data/tokens.py).
+
+Steps, each with a progress bar:
+1. the tokenizer: byte-level BPE trained with HF `tokenizers` from an iterator over the
+   first `tokenizer_sample` bytes of the training documents (never the whole corpus in
+   memory), with an end-of-text token between documents; or the character vocabulary
+   (one pass over everything, so validation has no unknown characters);
+2. the tokens: pieces of text encoded by `num_proc` processes, appended in document
+   order to fixed-size shards (data/shards.py) of each split;
+3. meta.json, written last: source, tokenizer hash, document, byte and token counts.
+A build that is stopped resumes where it left off when it is asked for again:
+finished shards are kept, the rest is redone from the last recorded point.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import multiprocessing
+import os
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from common.errors import AttnlabError, DataError
+from common.files import read_json, write_json_atomic
+from data.shards import CannotResume, ShardWriter, token_dtype
+from data.sources import Source, SourceSpec, open_source
+from data.tokenizer import TOKENIZERS, Tokenizer
+
+FORMAT = "attnlab-tokens"
+VERSION = 1
+BATCH_CHARS = 1 << 20                  # text per encoding task
+SAVE_EVERY_S = 10.0                    # how often progress is recorded between shards
+SPLITS = ("train", "val")
+
+
+def read_meta(folder: Path) -> dict | None:
+    """meta.json of a finished build, or None."""
+    meta = read_json(Path(folder) / "meta.json")
+    return meta if meta is not None and meta.get("format") == FORMAT else None
+
+
+def prepare_key(source_key: dict, tokenizer: str, vocab_size: int, tokenizer_sample: int,
+                shard_tokens: int) -> dict:
+    """Everything a build's result depends on; a folder built with another key is stale."""
+    cls = TOKENIZERS[tokenizer]
+    sized, sampled = cls.sized_by_setting, not cls.needs_every_symbol
+    return {"format": VERSION, "source": source_key, "tokenizer": tokenizer,
+            "vocab_size": vocab_size if sized else None,
+            "tokenizer_sample": tokenizer_sample if sampled else None, "shard_tokens": shard_tokens}
+
+
+def prepare(spec: SourceSpec, out: str | Path, tokenizer: str = "bpe", vocab_size: int = 4096,
+            tokenizer_sample: int = 100_000_000, shard_tokens: int = 100_000_000,
+            num_proc: int = 0, overwrite: bool = False, key_extra: dict | None = None,
+            log=print, progress: bool = True) -> dict:
+    """Tokenize `spec`'s documents into `out`; returns the meta.json contents."""
+    out = Path(out)
+    if tokenizer not in TOKENIZERS:
+        raise DataError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+    source = open_source(spec)
+    key = prepare_key(key_extra or vars(spec), tokenizer, vocab_size, tokenizer_sample, shard_tokens)
+    meta = read_meta(out)
+    if meta is not None and meta.get("key") == key:
+        log(f"{out} is already prepared ({meta['splits']['train']['tokens']:,} train tokens)")
+        return meta
+    state = read_json(out / "progress.json")
+    if (meta is not None or state is not None) and (state or {}).get("key") != key:
+        if not overwrite:
+            raise DataError(f"{out} holds tokens prepared with other settings; choose another "
+                            "folder, or replace them (data.prepare's --overwrite)")
+        _clear(out)
+        state = None
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").unlink(missing_ok=True)
+    tok = None
+    if state is not None:
+        try:
+            tok = Tokenizer.load(out)
+            if tok.fingerprint() != state["tokenizer_fingerprint"]:
+                tok = None
+        except AttnlabError:
+            tok = None
+        if tok is None:
+            state = None
+        else:
+            log(f"resuming {out}: {state['items']:,} pieces of text already encoded")
+    started = time.perf_counter()
+    if tok is None:
+        tok = _train_tokenizer(source, tokenizer, vocab_size, tokenizer_sample, progress)
+        tok.save(out)
+        state = _fresh_state(key, tok)
+        write_json_atomic(out / "progress.json", state)
+    tokenizer_s = time.perf_counter() - started
+    try:
+        meta = _encode(source, tok, out, state, shard_tokens, num_proc, log, progress)
+    except CannotResume as err:
+        log(f"{err}; starting the token pass over")
+        meta = _encode(source, tok, out, _fresh_state(key, tok), shard_tokens, num_proc, log,
+                       progress)
+    meta.update(format=FORMAT, version=VERSION, key=key, source=source.describe(),
+                val_rule=source.val_rule, tokenizer=tok.kind, vocab_size=tok.vocab_size,
+                tokenizer_fingerprint=tok.fingerprint(), eot_id=tok.eot_id,
+                dtype=token_dtype(tok.vocab_size).name, shard_tokens=shard_tokens,
+                created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                seconds={"tokenizer": round(tokenizer_s, 3),
+                         "tokens": round(time.perf_counter() - started - tokenizer_s, 3)})
+    write_json_atomic(out / "meta.json", meta)          # last: the folder is now complete
+    (out / "progress.json").unlink(missing_ok=True)
+    return meta
+
+
+def _fresh_state(key: dict, tok: Tokenizer) -> dict:
+    """progress.json of a token pass that has not started."""
+    return {"key": key, "tokenizer_fingerprint": tok.fingerprint(), "items": 0, "writers": {},
+            "counts": {s: {"documents": 0, "bytes": 0, "chars": 0, "tokens": 0} for s in SPLITS}}
+
+
+def _clear(out: Path) -> None:
+    for pattern in ("train_*.bin*", "val_*.bin*", "meta.json", "progress.json", "tokenizer.json"):
+        for path in out.glob(pattern):
+            path.unlink()
+
+
+def _train_tokenizer(source: Source, kind: str, vocab_size: int, sample_bytes: int,
+                     progress: bool) -> Tokenizer:
+    """Learn the tokenizer `kind` from the source. One that must know every symbol
+    (characters) reads every split; one that encodes any text (BPE) reads a sample of
+    the training split only."""
+    cls = TOKENIZERS[kind]
+    every_split = cls.needs_every_symbol
+    limit = source.total_bytes if every_split else sample_bytes
+    bar = tqdm(total=limit, unit="B", unit_scale=True, disable=not progress,
+               desc=f"{kind} tokenizer")
+    seen, blank = 0, True
+
+    def texts():
+        nonlocal seen, blank
+        for split, text, _ in source.pieces():
+            if split != "train" and not every_split:
+                continue
+            yield text
+            bar.update(len(text))
+            seen += len(text)
+            blank = blank and not text.strip()
+            if not every_split and seen >= sample_bytes:
+                return
+    try:
+        tok = cls.learn(texts(), vocab_size, records=source.newline_docs)
+    finally:
+        bar.close()
+    if blank:
+        raise _empty(source)
+    return tok
+
+
+def _empty(source: Source) -> DataError:
+    return DataError(f"{source.spec.source} is empty (no text but white space); give "
+                     "a file with text in it")
+
+
+# -- the token pass -------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _parsed(tokenizer_json: str) -> Tokenizer:
+    """The tokenizer of a worker process, parsed once per process and reused, so its
+    cache of encoded pieces carries from one task to the next."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # processes, not threads
+    return Tokenizer.parse(tokenizer_json)
+
+
+def _encode_items(items: list[tuple[str, str, bool]], newline_docs: bool,
+                  tok: Tokenizer | str) -> list:
+    """Encode pieces with `tok` (or, in a worker, its JSON). A document's last piece
+    gets the end-of-text token after it; with no such token (characters), records are
+    kept apart by a newline."""
+    tok = _parsed(tok) if isinstance(tok, str) else tok
+    dtype = token_dtype(tok.vocab_size)
+    by_newline = tok.eot_id is None
+    separator = tok.eot_id if not by_newline else tok.encode("\n")[0] if newline_docs else None
+    out = []
+    for split, text, doc_end in items:
+        ids = tok.encode_array(text)
+        if doc_end and separator is not None and not (by_newline and text.endswith("\n")):
+            ids = np.append(ids, separator)
+        out.append((split, ids.astype(dtype), len(text.encode("utf-8")), len(text), doc_end))
+    return out
+
+
+def _batches(source: Source, skip: int):
+    """Groups of about BATCH_CHARS of text, after skipping the pieces already done."""
+    batch, size = [], 0
+    for index, item in enumerate(source.pieces()):
+        if index < skip:
+            continue
+        batch.append(item)
+        size += len(item[1])
+        if size >= BATCH_CHARS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _encode(source, tok, out, state, shard_tokens, num_proc, log, progress) -> dict:
+    dtype = token_dtype(tok.vocab_size)
+    writers = {s: ShardWriter(out, s, dtype, shard_tokens, state["writers"].get(s)) for s in SPLITS}
+    counts = state["counts"]
+    num_proc = num_proc or os.cpu_count() or 1
+    pool = None
+    if num_proc > 1:
+        pool = multiprocessing.get_context("spawn").Pool(num_proc)
+    tok_json = tok.to_json()
+    done_bytes = counts["train"]["bytes"] + counts["val"]["bytes"]
+    bar = tqdm(total=source.total_bytes, initial=done_bytes, unit="B", unit_scale=True,
+               disable=not progress, desc="tokenizing")
+    last_save = time.monotonic()
+
+    def consume(results, n_items):
+        nonlocal last_save
+        finished = 0
+        for split, ids, n_bytes, n_chars, doc_end in results:
+            finished += writers[split].append(ids)
+            c = counts[split]
+            c["bytes"] += n_bytes
+            c["chars"] += n_chars
+            c["tokens"] += len(ids)
+            c["documents"] += doc_end
+            bar.update(n_bytes)
+        state["items"] += n_items
+        if finished or time.monotonic() - last_save > SAVE_EVERY_S:
+            for w in writers.values():
+                w.flush()
+            state["writers"] = {s: w.state() for s, w in writers.items()}
+            write_json_atomic(out / "progress.json", state)
+            last_save = time.monotonic()
+
+    try:
+        batches = _batches(source, state["items"])
+        if pool is None:
+            for batch in batches:
+                consume(_encode_items(batch, source.newline_docs, tok), len(batch))
+        else:
+            # At most two tasks per process in flight: memory stays flat however fast
+            # the source reads, and results come back in document order.
+            pending = collections.deque()
+            for batch in batches:
+                pending.append((pool.apply_async(_encode_items, (batch, source.newline_docs, tok_json)),
+                                len(batch)))
+                if len(pending) >= 2 * num_proc:
+                    result, n = pending.popleft()
+                    consume(result.get(), n)
+            while pending:
+                result, n = pending.popleft()
+                consume(result.get(), n)
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+    splits = {}
+    for s in SPLITS:
+        names = writers[s].close()
+        splits[s] = dict(counts[s], shards=names)
+    for s in SPLITS:
+        if splits[s]["tokens"] == 0:
+            raise DataError(f"{source.spec.source} gave no {s} text "
+                            f"({counts['train']['documents']:,} training documents; the "
+                            f"validation split is {source.val_rule}); use more documents or "
+                            "another validation fraction")
+    log(f"wrote {splits['train']['tokens']:,} train tokens in {len(splits['train']['shards'])} "
+        f"shard(s) and {splits['val']['tokens']:,} val tokens to {out} (vocabulary "
+        f"{tok.vocab_size:,}, validation: {source.val_rule})")
+    return {"splits": splits}

@@ -1,0 +1,125 @@
+"""The one command-line layer: argparse options generated from the config dataclasses,
+used by train.py, sample.py and every `python -m attnlab.<tool>`.
+
+Each config field becomes `--section.key VALUE` (bool fields also work as a bare
+switch), with the field's help text, its choices and its default in `--help`. Values
+arrive as strings and go through engine.config.apply, the same conversion and checks
+a preset file gets, so the command line, presets and saved configs cannot disagree.
+Every mistake is a ConfigError, printed as one `error:` line with a did-you-mean.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from contextlib import contextmanager
+from dataclasses import MISSING, fields
+
+from common.errors import ConfigError, choices_hint, friendly_errors
+from engine import config
+from engine.config import RunConfig
+from model import ModelError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the module docstring as help, no abbreviated options, and
+    mistakes raised as ConfigError (one `error:` line) instead of a usage dump."""
+
+    def __init__(self, prog: str, doc: str = "", **kw):
+        head, _, rest = (doc or "").strip().partition("\n\n")
+        super().__init__(prog=prog, description=head, epilog=rest or None, allow_abbrev=False,
+                         formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(
+                             prog, max_help_position=32, width=100), **kw)
+
+    def error(self, message):
+        needs = re.match(r"argument (\S+?)(?:/\S+)?: expected one argument", message)
+        if needs:
+            raise ConfigError(f"{needs.group(1)} needs a value: {needs.group(1)}=VALUE")
+        raise ConfigError(f"{message} (see {self.prog} --help)")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            raise ConfigError(self._explain_unknown(unknown[0]))
+        return parsed
+
+    def _explain_unknown(self, arg: str) -> str:
+        name = arg.split("=", 1)[0]
+        if not name.startswith("--"):
+            return f"unexpected argument {arg!r} (see {self.prog} --help)"
+        section, dot, key = name[2:].partition(".")
+        if dot and section in config.SECTIONS and self._takes(section):
+            valid = config.field_types(config.SECTIONS[section])
+            return f"unknown key {section}.{key} on the command line" + choices_hint(key, valid)
+        if dot:
+            sections = [s for s in config.SECTIONS if self._takes(s)]
+            return f"unknown config section {section!r}" + choices_hint(section, sections)
+        options = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        return f"unknown option {name}" + choices_hint(name, options)
+
+    def _takes(self, section: str) -> bool:
+        return any(a.dest.startswith(section + ".") for a in self._actions)
+
+
+def add_config_options(parser: Parser, sections=tuple(config.SECTIONS), short: tuple = ()):
+    """--section.key for every field of each section; fields of the sections in
+    `short` may also be given without their prefix (sample.py's --temperature)."""
+    for section in sections:
+        cls = config.SECTIONS[section]
+        group = parser.add_argument_group(f"[{section}]")
+        types = config.field_types(cls)
+        for f in fields(cls):
+            default = f.default if f.default is not MISSING else f.default_factory()
+            choices = config.choices_of(f)
+            text = f.metadata.get("help", "")
+            if choices:
+                text += " {" + ", ".join(choices) + "}"
+            names = [f"--{section}.{f.name}"] + ([f"--{f.name}"] if section in short else [])
+            extra = {"nargs": "?", "const": "true"} if types[f.name] is bool else {}
+            group.add_argument(*names, dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
+                               metavar="VALUE", help=f"{text} (default: {default!r})".replace("%", "%%"),
+                               **extra)
+
+
+def overrides_of(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """The config options given on the command line, as {section: {key: raw value}}."""
+    out: dict[str, dict[str, str]] = {}
+    for dest, value in vars(args).items():
+        section, dot, key = dest.partition(".")
+        if dot and section in config.SECTIONS:
+            out.setdefault(section, {})[key] = value
+    return out
+
+
+def apply_overrides(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
+    for section, values in overrides_of(args).items():
+        config.apply(cfg, section, values, "the command line")
+    cfg.validate()
+    return cfg
+
+
+def build(preset: str | None, argv: list[str]) -> RunConfig:
+    """Defaults, then the preset, then `--section.key=value` options; validated."""
+    parser = Parser("python train.py", add_help=False)
+    add_config_options(parser)
+    args = parser.parse_args(argv)
+    cfg = RunConfig()
+    if preset is not None:
+        config.load_preset(cfg, preset)
+    return apply_overrides(cfg, args)
+
+
+def add_run_options(parser: Parser, what: str = "run directory or checkpoint folder") -> None:
+    """--run, --checkpoint and --device: how every tool names the model it reads."""
+    parser.add_argument("--run", default="", help=f"{what} (default: the latest run)")
+    parser.add_argument("--checkpoint", default="best", choices=("best", "latest"),
+                        help="which checkpoint of a run: best (lowest val loss) or latest")
+    parser.add_argument("--device", default="cpu",
+                        help="auto, cpu, cuda, cuda:N or mps (default: cpu)")
+
+
+@contextmanager
+def errors_as_lines():
+    """Every error a user can cause (the project's and the model's own) as one
+    `error:` line and exit status 2; ATTNLAB_DEBUG=1 shows the traceback."""
+    with friendly_errors(ModelError):
+        yield

@@ -1,0 +1,251 @@
+"""The training loop behind train.py: warm-up and cosine decay, gradient accumulation
+and clipping, autocast, periodic evaluation, atomic checkpoints, and a clean stop on
+Ctrl-C, a diverging loss, a target val loss or a time limit. The run it trains is
+built by engine/run.py."""
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+
+import torch
+from tqdm import tqdm
+
+from common.errors import AttnlabError
+from common.files import write_json_atomic
+from engine import checkpoint
+from engine.device import dtype_name, mfu, peak_flops, synchronize
+from engine.run import Run, save
+from engine.tracking import Metrics
+from data.tokens import Batches
+
+EVAL_SEED = 4242        # evaluation draws the same validation batches every time
+
+
+class TrainingDiverged(AttnlabError):
+    """The loss became NaN or infinite."""
+
+
+def lr_at(step: int, t) -> float:
+    """Linear warm-up to lr, then cosine decay to min_lr at max_iters."""
+    if step < t.warmup_iters:
+        return t.lr * (step + 1) / t.warmup_iters
+    progress = min(1.0, (step - t.warmup_iters) / max(1, t.max_iters - t.warmup_iters))
+    return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
+
+
+def scheduled_lr(step: int, time_used: float, t) -> float:
+    """With a time limit the schedule follows steps or time (the share of the limit
+    spent), whichever is further along, so the decay ends on time even if steps run
+    slower than planned; without one, steps alone."""
+    return lr_at(max(step, int(time_used * t.max_iters)) if t.time_limit else step, t)
+
+
+def train(run: Run) -> dict:
+    """Train until max_iters, a target, the time limit or a signal; return what ended it."""
+    t, p = run.cfg.train, run.progress
+    metrics = Metrics(run.run_dir, t.wandb if run.dist.is_main else "disabled", t.wandb_project,
+                      run.cfg.to_dict(), run.run_dir.name, p.wandb_id, run.log, write=run.dist.is_main)
+    p.wandb_id = metrics.wandb_id
+    metrics.truncate_after(p.step + (1 if p.step else 0))
+    speed = Speedometer(run)
+    bar = tqdm(total=t.max_iters, initial=p.step, unit="step", dynamic_ncols=True,
+               mininterval=0.5, desc="train", disable=not run.dist.is_main)
+    started, result = time.perf_counter(), {"run_dir": str(run.run_dir)}
+    last_eval = p.step if p.step else None            # a resumed step was evaluated
+    with stop_signals(run):
+        try:
+            while True:
+                elapsed = time.perf_counter() - started
+                out_of_time = bool(t.time_limit) and elapsed >= t.time_limit
+                if evaluation_due(run, out_of_time) and p.step != last_eval:
+                    val = evaluate_and_save(run, metrics, bar)
+                    last_eval = p.step
+                    speed.restart()
+                    if t.target_val_loss and val <= t.target_val_loss:
+                        run.log(f"reached val loss {val:.4f} <= {t.target_val_loss} at step "
+                                f"{p.step}, {time.perf_counter() - started:.1f} s after the start")
+                        result["reached_target"] = {"step": p.step, "val_loss": val}
+                        break
+                if p.step >= t.max_iters:
+                    break
+                if out_of_time:
+                    run.log(f"time limit of {t.time_limit:.0f} s reached at step {p.step} of "
+                            f"{t.max_iters}; stopped with a final evaluation and checkpoint")
+                    result["out_of_time"] = True
+                    break
+                loss, norm = train_step(run, elapsed / t.time_limit if t.time_limit else 0.0)
+                p.step += 1
+                bar.update(1)
+                speed.count_step()
+                if p.step % t.log_interval == 0 or p.step == t.max_iters:
+                    log_step(run, metrics, bar, speed, loss, norm)
+                if run.stop_signal is not None:
+                    stop_on_signal(run, bar)
+                    result["interrupted"] = True
+                    break
+        finally:
+            bar.close()
+            metrics.close()
+    result.update(step=p.step, best_val=p.best_val)
+    return result
+
+
+def evaluation_due(run: Run, out_of_time: bool) -> bool:
+    t = run.cfg.train
+    return run.progress.step % t.eval_interval == 0 or run.progress.step >= t.max_iters or out_of_time
+
+
+def train_step(run: Run, time_used: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over grad_accum micro-batches; this process trains its share
+    (rank r: micro-batches r, r + N, ...). Returns the mean loss and the gradient norm."""
+    t, d = run.cfg.train, run.dist
+    lr = scheduled_lr(run.progress.step, time_used, t)
+    run.optimizer.set_lr(lr / t.lr)
+    run.progress.last_lr = lr
+    total = torch.zeros((), device=run.device)
+    mine = [m for m in range(t.grad_accum) if m % d.world == d.rank]
+    for m in range(t.grad_accum):
+        if m not in mine:                     # another process's micro-batch
+            run.batches.skip()
+            continue
+        x, y = run.batches.next()
+        # DDP averages over processes, so each scales by world / grad_accum; gradients
+        # are exchanged once, after this process's last micro-batch.
+        sync = m == mine[-1] or d.world == 1
+        if run.sharded:
+            run.model.set_requires_gradient_sync(sync)
+        no_sync = contextlib.nullcontext() if sync or run.sharded else run.distributed_model.no_sync()
+        with no_sync:
+            with run.autocast():
+                loss = run.train_forward(x, y).loss
+            run.scaler.scale(loss * d.world / t.grad_accum).backward()
+        total += loss.detach() / t.grad_accum
+    run.optimizer.unscale_(run.scaler)
+    norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(),
+                                          t.grad_clip if t.grad_clip > 0 else math.inf)
+    if run.sharded:
+        from engine.sharding import full
+        norm = full(norm)
+    run.optimizer.step(run.scaler)
+    run.scaler.update()
+    run.optimizer.zero_grad()
+    return total, norm
+
+
+@torch.no_grad()
+def evaluate(model, tokens, batch_size: int, block_size: int, iters: int, device, ctx) -> float:
+    """Mean loss over the same `iters` validation batches every time."""
+    was_training = model.training
+    model.eval()
+    batches = Batches(tokens, batch_size, block_size, device, seed=EVAL_SEED, split="val")
+    total = torch.zeros((), device=device)
+    for _ in range(iters):
+        x, y = batches.next()
+        with ctx:
+            total += model(x, y).loss.float()
+    model.train(was_training)
+    return (total / iters).item()
+
+
+def evaluate_and_save(run: Run, metrics: Metrics, bar) -> float:
+    """Val loss, a checkpoint, and best.json when it is the best so far."""
+    t, p = run.cfg.train, run.progress
+    val = evaluate(run.eval_forward, run.data.val, t.batch_size, run.cfg.model.block_size,
+                   t.eval_iters, run.device, run.autocast())
+    if not math.isfinite(val):
+        raise diverged(run, "the validation loss", val)
+    best = val < p.best_val
+    p.best_val = min(p.best_val, val)
+    unit = run.data.bits_unit
+    metrics.log({"step": p.step, "val_loss": val, f"val_{unit}": run.data.bits(val)})
+    if run.dist.is_main:                      # tqdm.write prints even for a disabled bar
+        bar.write(f"step {p.step:>6}: val loss {val:.4f}, {run.data.bits(val):.3f} {unit}"
+                  + (" (best)" if best else ""))
+    path = save(run)
+    if best and run.dist.is_main:
+        write_json_atomic(run.run_dir / "best.json",
+                          {"step": p.step, "val_loss": val, "path": str(path.name)})
+    return val
+
+
+class Speedometer:
+    """Tokens per second and MFU over the steps since the last log line."""
+
+    def __init__(self, run: Run):
+        t = run.cfg.train
+        self.run = run
+        self.tokens_per_step = t.batch_size * t.grad_accum * run.cfg.model.block_size
+        name = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else ""
+        self.peak = peak_flops(run.device.type, dtype_name(run.dtype), name)
+        self.flops_per_token = run.model.flops_per_token()
+        self.restart()
+
+    def restart(self) -> None:
+        self.since, self.steps = time.perf_counter(), 0
+
+    def count_step(self) -> None:
+        self.steps += 1
+
+    def read(self) -> tuple[float, float | None, float]:
+        """(tokens/s of the whole run, MFU of one process, seconds measured); restarts."""
+        synchronize(self.run.device)
+        now = time.perf_counter()
+        seconds = now - self.since
+        tok_s = self.steps * self.tokens_per_step / max(seconds, 1e-9)
+        utilisation = mfu(self.flops_per_token, tok_s / self.run.dist.world, self.peak)
+        self.since, self.steps = now, 0
+        return tok_s, utilisation, seconds
+
+
+def log_step(run: Run, metrics: Metrics, bar, speed: Speedometer, loss, norm) -> None:
+    loss_value, norm_value = run.dist.sum(loss).item(), norm.item()
+    if not math.isfinite(loss_value):
+        raise diverged(run, "the training loss", loss_value)
+    tok_s, utilisation, seconds = speed.read()
+    p = run.progress
+    p.elapsed_s += seconds
+    record = {"step": p.step, "loss": loss_value, "lr": p.last_lr, "grad_norm": norm_value,
+              "tokens_per_s": tok_s, "elapsed_s": p.elapsed_s}
+    shown = {"loss": f"{loss_value:.3f}", "tok_s": f"{tok_s:,.0f}"}
+    if utilisation is not None:
+        record["mfu"] = utilisation
+        shown["mfu"] = f"{utilisation:.1%}"
+    metrics.log(record)
+    bar.set_postfix(shown, refresh=False)
+
+
+def diverged(run: Run, what: str, value: float) -> TrainingDiverged:
+    last = checkpoint.list_checkpoints(run.run_dir)
+    kept = f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written yet"
+    t = run.cfg.train
+    return TrainingDiverged(
+        f"{what} became {value} at step {run.progress.step}; stopped ({kept}). Try a lower "
+        f"train.lr (now {t.lr:g}), train.dtype=float32 (now {dtype_name(run.dtype)}), or "
+        f"a tighter train.grad_clip (now {t.grad_clip:g}), then resume or start again")
+
+
+@contextlib.contextmanager
+def stop_signals(run: Run):
+    """Ctrl-C or SIGTERM asks the loop to save and stop after the current step; a
+    second one stops at once. Under torchrun, Ctrl-C reaches every process at once and
+    stops them all, so the handshake is for a single process."""
+    def on_signal(signum, frame):
+        if run.stop_signal is not None:
+            raise KeyboardInterrupt
+        run.stop_signal = signum
+    signals = (signal.SIGINT, signal.SIGTERM) if run.dist.world == 1 else ()
+    handlers = {s: signal.signal(s, on_signal) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+def stop_on_signal(run: Run, bar) -> None:
+    path = save(run)
+    bar.close()
+    run.log(f"stopped by signal {run.stop_signal} at step {run.progress.step}; saved {path}; "
+            f"continue with: python train.py --resume {run.run_dir}")

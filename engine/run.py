@@ -1,0 +1,245 @@
+"""A training run: what it holds (`Run`), how it is built (`setup_run`), and how its
+state goes to a checkpoint and comes back (`save`, `restore`). The loop that trains
+it is engine/loop.py."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from common.errors import CheckpointError, ConfigError
+from common.files import read_json, write_json_atomic
+from engine import checkpoint
+from engine.config import RunConfig, apply, from_dict
+from engine.device import autocast, dtype_name, pick_device, pick_dtype, setup_backends
+from engine.distributed import Dist
+from engine.optim import Optimizers, configure_optimizer
+from data.tokens import Batches, TokenData, load_tokens
+from model import GPT
+
+
+@dataclass
+class Progress:
+    """What changes as the run trains, and is saved with every checkpoint."""
+    step: int = 0
+    best_val: float = math.inf
+    elapsed_s: float = 0.0              # training time, summed over resumes
+    wandb_id: str | None = None
+    last_lr: float = 0.0                # of the last step (logged; not saved)
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    dist: Dist
+    device: torch.device
+    dtype: torch.dtype                  # the autocast precision
+    data: TokenData
+    batches: Batches                    # training batches, resumable
+    model: GPT                          # the plain model: evaluation and checkpoints
+    distributed_model: torch.nn.Module  # what backward runs through: DDP-wrapped, or the model
+    train_forward: Callable             # distributed_model, compiled when train.compile
+    eval_forward: Callable              # model, compiled when train.compile
+    optimizer: Optimizers
+    scaler: torch.amp.GradScaler        # loss scaling for float16; off otherwise
+    run_dir: Path
+    sharded: bool                       # FSDP: each process holds a shard of each weight
+    log: Callable
+    progress: Progress = field(default_factory=Progress)
+    stop_signal: int | str | None = None
+
+    def autocast(self):
+        return autocast(self.device, self.dtype)
+
+    def summary(self) -> str:
+        c, m = self.cfg.model, self.model
+        return (f"model: {c.n_layer} layers x {c.n_head} heads, {c.n_embd} wide, context "
+                f"{c.block_size}, {c.position} positions, {c.attention} attention: "
+                f"{m.num_params() / 1e6:.2f}M parameters ({m.num_params(True) / 1e6:.2f}M "
+                f"non-embedding), {m.flops_per_token() / 1e6:.1f} MFLOPs per token (train)")
+
+    def describe_setup(self) -> str:
+        tok = self.data.tokenizer
+        world = f", {self.dist.world} processes" if self.dist.world > 1 else ""
+        return (f"device: {self.device}, autocast {dtype_name(self.dtype)}{world}; data: "
+                f"{self.cfg.data.path or 'the bundled Shakespeare'} ({tok.kind} tokenizer, "
+                f"vocabulary {tok.vocab_size}, {len(self.data.train):,} train / "
+                f"{len(self.data.val):,} val tokens)")
+
+
+def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False,
+              log=print, dist: Dist | None = None) -> Run:
+    """Device, data, model, its wrappers, optimizer and run directory, in that order;
+    with `resume`, the state of the run's latest checkpoint."""
+    dist = dist or Dist()
+    log = log if dist.is_main else (lambda *a, **k: None)
+    t = cfg.train
+    _check_parallel(cfg, dist)
+    device = pick_device(t.device)
+    if dist.world > 1 and device.type == "cuda":
+        device = torch.device("cuda", dist.local_rank)
+    setup_backends(device)
+    torch.manual_seed(t.seed)
+    data = _load_data(cfg, dist, log)
+    model = GPT(cfg.model).to(device)
+    sharded = dist.world > 1 and t.parallel == "fsdp"
+    if sharded:                               # before the optimizer sees the parameters
+        from engine.sharding import shard
+        shard(model)
+    distributed_model = model
+    if dist.world > 1 and not sharded:        # gradients averaged across processes
+        from torch.nn.parallel import DistributedDataParallel
+        distributed_model = DistributedDataParallel(
+            model, device_ids=[dist.local_rank] if device.type == "cuda" else None)
+    dtype = pick_dtype(t.dtype, device, cfg.model.n_embd)
+    run = Run(cfg, dist, device, dtype, data,
+              batches=Batches(data.train, t.batch_size, cfg.model.block_size, device, seed=t.seed),
+              model=model, distributed_model=distributed_model,
+              train_forward=torch.compile(distributed_model) if t.compile else distributed_model,
+              eval_forward=torch.compile(model) if t.compile else model,
+              optimizer=configure_optimizer(model, t, device),
+              scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
+              run_dir=Path(run_dir or Path(t.out_dir) / (t.run_name or _fresh_name(cfg))),
+              sharded=sharded, log=log)
+    if resume:
+        restore(run)
+    elif checkpoint.list_checkpoints(run.run_dir):
+        raise CheckpointError(f"{run.run_dir} already holds checkpoints; continue it with "
+                              f"--resume {run.run_dir}, or choose another train.run_name")
+    if dist.is_main:
+        _write_run_files(run)
+    return run
+
+
+def _check_parallel(cfg: RunConfig, dist: Dist) -> None:
+    t = cfg.train
+    if t.grad_accum % dist.world:
+        raise ConfigError(f"train.grad_accum={t.grad_accum} must be a multiple of the "
+                          f"{dist.world} processes: each takes an equal share of the "
+                          "micro-batches of one step")
+    if t.time_limit and dist.world > 1:
+        raise ConfigError("train.time_limit is for one process: under torchrun each "
+                          "process's clock would move its own learning rate and stop "
+                          "it at its own step; limit the run with train.max_iters")
+
+
+def _load_data(cfg: RunConfig, dist: Dist, log) -> TokenData:
+    """Tokens (the main process builds the cache, the others wait), the model's
+    vocabulary taken from the tokenizer, and a validation split long enough."""
+    d = cfg.data
+    if not dist.is_main:
+        dist.barrier()
+    data = load_tokens(d.path, d.tokenizer, d.vocab_size, d.val_fraction, d.cache_dir, log=log)
+    if dist.is_main:
+        dist.barrier()
+    if cfg.model.vocab_size not in (0, data.tokenizer.vocab_size):
+        log(f"model.vocab_size={cfg.model.vocab_size} replaced by the tokenizer's "
+            f"{data.tokenizer.vocab_size}")
+    cfg.model.vocab_size = data.tokenizer.vocab_size
+    Batches(data.val, 1, cfg.model.block_size, split="val")     # refuse a too-short split now
+    return data
+
+
+def _fresh_name(cfg: RunConfig) -> str:
+    return f"{cfg.preset or 'run'}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def _write_run_files(run: Run) -> None:
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    (run.run_dir / "config.json").write_text(run.cfg.to_json())
+    run.data.tokenizer.save(run.run_dir)
+    (Path(run.cfg.train.out_dir) / "LATEST").write_text(run.run_dir.name + "\n")
+
+
+# -- checkpoints of a run --------------------------------------------------------------
+
+def rng_tensors(device: torch.device) -> dict:
+    out = {"rng.cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"rng.cuda.{i}"] = state
+    return out
+
+
+def restore_rng(tensors: dict, device: torch.device) -> None:
+    torch.set_rng_state(tensors["rng.cpu"])
+    if device.type == "cuda":
+        states = [tensors[k] for k in sorted(tensors) if k.startswith("rng.cuda.")]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+
+
+def save(run: Run) -> Path | None:
+    """Write a checkpoint (the main process only; the others wait for it). Sharded
+    weights are gathered first, by every process, into the usual full format."""
+    model, optimizer = run.model, run.optimizer
+    if run.sharded:
+        from engine.sharding import Snapshot, full_model_state, full_optimizer_state
+        model = Snapshot(full_model_state(run.model))
+        optimizer = Snapshot(full_optimizer_state(run.optimizer))
+    if not run.dist.is_main:
+        run.dist.barrier()
+        return None
+    p = run.progress
+    tensors = {"data.generator": run.batches.generator.get_state(), **rng_tensors(run.device)}
+    state = {"best_val": p.best_val, "elapsed_s": p.elapsed_s, "wandb_id": p.wandb_id,
+             "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None}
+    state = {k: v for k, v in state.items() if v is not None}
+    files = {"config.json": run.cfg.to_json(), "tokenizer.json": run.data.tokenizer.to_json()}
+    path = checkpoint.save(run.run_dir, p.step, model, optimizer, tensors, state, files,
+                           run.cfg.train.keep_last)
+    run.dist.barrier()
+    return path
+
+
+def restore(run: Run) -> None:
+    """Weights, optimizer, batches, random states and progress from the latest checkpoint."""
+    checkpoint.remove_partial(run.run_dir)
+    ckpt = checkpoint.resolve(run.run_dir, "latest")
+    weights, tensors, state = checkpoint.load(ckpt)
+    opt_state = checkpoint.optimizer_join(tensors, state["optimizer"])
+    if run.sharded:                           # each process keeps its own shard of each
+        from engine.sharding import shard_optimizer_state, shard_weights
+        weights = shard_weights(run.model, weights)
+        opt_state = shard_optimizer_state(run.optimizer, opt_state)
+    checkpoint.load_weights(run.model, weights, ckpt)
+    try:
+        run.optimizer.load_state_dict(opt_state)
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise CheckpointError(f"optimizer state in {ckpt} does not fit this model ({err})") from None
+    run.batches.load_state_dict({"generator": tensors["data.generator"]})
+    restore_rng(tensors, run.device)
+    if "scaler" in state:
+        run.scaler.load_state_dict(state["scaler"])
+    run.progress = Progress(state["step"], state.get("best_val", math.inf),
+                            state.get("elapsed_s", 0.0), state.get("wandb_id"))
+    run.log(f"resuming {run.run_dir} from {ckpt.name} (step {run.progress.step})")
+
+
+def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]]) -> tuple[RunConfig, Path]:
+    """The run to resume (a folder, or the latest run) and its saved config with the
+    command line's training options applied; model and data must stay as they were."""
+    run_dir = Path(resume) if resume else checkpoint.latest_run(out_dir)
+    config_path = run_dir / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"cannot resume: {run_dir} is not a run directory (no config.json)")
+    saved = read_json(config_path)
+    if saved is None:
+        raise CheckpointError(f"cannot resume: {config_path} is not valid JSON")
+    cfg = from_dict(saved, str(config_path))
+    for section, values in overrides.items():
+        apply(cfg, section, values, "the command line")
+    cfg.validate()
+    changed = [f"{s}.{k}: {saved[s].get(k)!r} -> {v!r}"
+               for s in ("model", "data") for k, v in cfg.to_dict()[s].items()
+               if saved.get(s, {}).get(k, v) != v]
+    if changed:
+        raise CheckpointError(f"the checkpoint in {run_dir} was trained with a different "
+                              f"model or data config ({'; '.join(changed)}); resume without "
+                              "those overrides, or start a new run")
+    return cfg, run_dir

@@ -1,0 +1,96 @@
+"""The one mask rule and the Mask every attention backend reads it from.
+
+A query may look at a key when the key is not ahead of it (the causal mask) and, with
+a sliding window, not too far behind it. The rule is written once, here, on absolute
+positions; the eager mask, SDPA's mask, the banded path and FlexAttention's `mask_mod`
+all call it, so they cannot disagree."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable
+
+import torch
+
+
+def rule(q, k, window: int = 0, n_global: int = 0):
+    """The one mask rule, on absolute positions (broadcastable tensors): a query at
+    position q may look at a key at position k when the key is not ahead of it and,
+    with a sliding window W, at most W-1 positions behind it, unless the key is one
+    of the first n_global positions, which every later query may see (global tokens /
+    attention sinks, arXiv:2004.05150, arXiv:2309.17453)."""
+    ok = k <= q
+    if window:
+        near = (q - k) < window
+        if n_global:
+            near = near | (k < n_global)
+        ok = ok & near
+    return ok
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0, n_global: int = 0):
+    """The rule as a bool (Tq, Tk) matrix, True where the key is visible."""
+    return rule(q_pos[:, None], k_pos[None, :], window, n_global)
+
+
+@dataclass
+class Mask:
+    """What each query may see: queries at positions [q_start, q_start + q_len),
+    keys at the absolute positions `k_pos` (in the order they are stored; a rolling
+    cache keeps only some). Built once per forward pass and shared by every layer.
+
+    Kept as positions rather than a tensor because the fast paths need none: training
+    (keys 0..T-1, no window) is plain causal, and one decoded token with no window sees
+    every cached key. Absolute positions keep the rule right when a short query meets a
+    long cache, where SDPA's `is_causal` (aligned to the top-left corner) would not be.
+    `bias_fn(q_pos, k_pos)` adds a score bias per head (ALiBi)."""
+    q_start: int
+    q_len: int
+    k_pos: torch.Tensor
+    k_first: int = 0                 # the smallest key position (known without a sync)
+    window: int = 0
+    n_global: int = 0
+    bias_fn: Callable | None = None
+
+    @classmethod
+    def over(cls, q_start: int, q_len: int, k_len: int, device=None, **kw) -> "Mask":
+        """Queries at [q_start, q_start + q_len) against keys at positions 0..k_len-1."""
+        return cls(q_start, q_len, torch.arange(k_len, device=device), **kw)
+
+    @property
+    def k_len(self) -> int:
+        return self.k_pos.shape[0]
+
+    @cached_property
+    def q_pos(self) -> torch.Tensor:
+        return torch.arange(self.q_start, self.q_start + self.q_len, device=self.k_pos.device)
+
+    @property
+    def is_whole_sequence(self) -> bool:
+        """Queries and keys are the same positions 0..T-1 (training, evaluation, a
+        prefill with no cache before it): the case the block-wise paths handle."""
+        return self.q_start == 0 and self.q_len == self.k_len
+
+    @property
+    def is_square_causal(self) -> bool:
+        return self.is_whole_sequence and not self.window and self.bias_fn is None
+
+    @property
+    def sees_everything(self) -> bool:
+        # One query, every key at or before it and inside its window: nothing to hide.
+        return self.q_len == 1 and (not self.window or self.q_start - self.k_first < self.window)
+
+    @cached_property
+    def dense(self) -> torch.Tensor:
+        return visible(self.q_pos, self.k_pos, self.window, self.n_global)
+
+    @cached_property
+    def bias(self) -> torch.Tensor | None:
+        if self.bias_fn is None:
+            return None
+        return self.bias_fn(self.q_pos[:, None], self.k_pos[None, :])      # (H, Tq, Tk)
+
+    def additive(self, dtype) -> torch.Tensor:
+        """Bias and mask as one float matrix: bias where visible, -inf elsewhere."""
+        bias = self.bias if self.bias is not None else torch.zeros((), device=self.k_pos.device)
+        return bias.to(dtype).masked_fill(~self.dense, float("-inf"))
