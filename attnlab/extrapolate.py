@@ -60,8 +60,8 @@ def evaluate_run(run: Path, factors, batches: int, batch_size: int) -> list[dict
     from model.positions import POSITION_ENCODINGS
     model, cfg, _, ckpt = load_run(run, "best")
     weights, _, _ = checkpoint.load(ckpt)
-    d = cfg.data
-    data = load_tokens(d.path, d.tokenizer, d.vocab_size, d.val_fraction, d.cache_dir, log=lambda *a: None)
+    data_cfg = cfg.data
+    data = load_tokens(data_cfg.path, data_cfg.tokenizer, data_cfg.vocab_size, data_cfg.val_fraction, data_cfg.cache_dir, log=lambda *a: None)
     T = cfg.model.block_size
     rows = []
     for f in factors:

@@ -46,6 +46,9 @@ def find_span(text: str, needle: str, spans, after: int = 0) -> list[int]:
     """Indices of the tokens covering the first occurrence of needle at or after
     character `after`."""
     start = text.find(needle, after)
+    if start < 0 and after and needle in text:
+        raise AttnlabError(f"{needle!r} occurs only before the word it should look at; the "
+                           "causal mask lets a token look back only, so put --from after --to")
     if start < 0:
         raise AttnlabError(f"{needle!r} does not occur in the text")
     end = start + len(needle)

@@ -129,10 +129,11 @@ def main():
         device = torch.device(dev)
         for label, backend, windowed in CASES:
             for backward in (False, True):
-                if backend == "flex" and backward and device.type == "cpu":
-                    continue                                  # no flex backward on CPU
+                if backward and device.type == "cpu" and not ATTENTION_BACKENDS[backend].trains_on_cpu:
+                    continue                                  # no backward on CPU (flex)
                 for T in args.lengths:
-                    if backend == "eager" and T > EAGER_MAX_T:
+                    # the backend that forms the T×T weights, limited to where they fit
+                    if ATTENTION_BACKENDS[backend].returns_weights and T > EAGER_MAX_T:
                         continue
                     if label == "sdpa + window mask" and T > DENSE_MASK_MAX_T:
                         continue

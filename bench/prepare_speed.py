@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from data.tokenizer import TOKENIZERS  # noqa: E402
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 BUNDLED = ROOT / "data" / "shakespeare" / "plays.txt.gz"
 
@@ -46,7 +48,7 @@ def watch_workers():
         time.sleep(0.2)
 
 threading.Thread(target=watch_workers, daemon=True).start()
-from data.prepare import prepare
+from data.build import prepare
 from data.sources import SourceSpec
 source, out, kind, num_proc = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 started = time.perf_counter()
@@ -98,7 +100,7 @@ def main() -> None:
         cases = [(f"repeated {mb} MB", make_corpus(tmp, mb)) for mb in args.sizes]
         cases.append(("bundled plays (5 MB, once)", BUNDLED))
         for label, source in cases:
-            for kind in ("char", "bpe"):
+            for kind in TOKENIZERS:           # every tokenizer the project has
                 r = run(source, tmp / f"out-{source.stem}-{kind}", kind, args.num_proc)
                 print(f"| {label} | {kind} | {r['mb']:,.1f} | {r['n_tokens']:,} | "
                       f"{r['tokens']:.1f} s | {r['mb'] / r['tokens']:,.1f} | "

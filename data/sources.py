@@ -188,7 +188,7 @@ class TextSource(Source):
     def pieces(self) -> Iterator[Piece]:
         # Each file's run of one split is decoded on its own (a fresh UTF-8 decoder),
         # and handed on in pieces of at most PIECE_CHARS characters.
-        current, decoder, carry = None, None, ""
+        current, path_of, decoder, carry = None, None, None, ""
         for index, path, split, data in self._parts():
             if (index, split) != current:
                 if current is not None:

@@ -95,16 +95,16 @@ def measure(cfg, device, dtype, seconds: float) -> float:
     from engine.device import autocast, synchronize
     from engine.optim import configure_optimizer
     from model import GPT
-    t = cfg.train
+    train_cfg = cfg.train
     model = GPT(cfg.model).to(device)
-    opt = configure_optimizer(model, t, device)
+    opt = configure_optimizer(model, train_cfg, device)
     ctx = autocast(device, dtype)
     scaler = torch.amp.GradScaler(device.type, enabled=False)
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, cfg.model.vocab_size, (t.batch_size, cfg.model.block_size), generator=g).to(device)
+    x = torch.randint(0, cfg.model.vocab_size, (train_cfg.batch_size, cfg.model.block_size), generator=g).to(device)
 
     def step():
-        for _ in range(t.grad_accum):
+        for _ in range(train_cfg.grad_accum):
             with ctx:
                 loss = model(x, x).loss
             loss.backward()
@@ -129,15 +129,15 @@ def plan(cfg, budget_s: float, started: float, log=print):
     from engine.device import pick_device, pick_dtype
     from data.tokens import load_tokens
 
-    d, t = cfg.data, cfg.train
-    data = load_tokens(d.path, d.tokenizer, d.vocab_size, d.val_fraction, d.cache_dir, log=log)
+    data_cfg, train_cfg = cfg.data, cfg.train
+    data = load_tokens(data_cfg.path, data_cfg.tokenizer, data_cfg.vocab_size, data_cfg.val_fraction, data_cfg.cache_dir, log=log)
     cfg.model.vocab_size = data.tokenizer.vocab_size
-    device = pick_device(t.device)
-    tokens_per_step = t.batch_size * t.grad_accum * cfg.model.block_size
+    device = pick_device(train_cfg.device)
+    tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * cfg.model.block_size
     probe_s = min(10.0, max(1.0, 0.03 * budget_s))
 
     def step_rate(model_cfg) -> tuple[float, float]:
-        dtype = pick_dtype(t.dtype, device, model_cfg.n_embd)
+        dtype = pick_dtype(train_cfg.dtype, device, model_cfg.n_embd)
         rate = measure(replace(cfg, model=model_cfg), device, dtype, probe_s)
         from model import GPT
         with torch.device("meta"):
@@ -165,31 +165,31 @@ def plan(cfg, budget_s: float, started: float, log=print):
     # Small models run below the FLOP/s the probe found: time the chosen one itself.
     steps_per_s, _ = step_rate(cfg.model)
     left = budget_s - (time.perf_counter() - started)
-    eval_step_s = 1 / steps_per_s / t.grad_accum / 3               # forward only: ~1/3 of a step
-    t.eval_iters = int(max(2, min(t.eval_iters, EVAL_SHARE * budget_s / EVALS / eval_step_s)))
-    eval_s = EVALS * t.eval_iters * eval_step_s
+    eval_step_s = 1 / steps_per_s / train_cfg.grad_accum / 3               # forward only: ~1/3 of a step
+    train_cfg.eval_iters = int(max(2, min(train_cfg.eval_iters, EVAL_SHARE * budget_s / EVALS / eval_step_s)))
+    eval_s = EVALS * train_cfg.eval_iters * eval_step_s
     train_s = left - eval_s - MARGIN_S
     # The schedule also follows the clock under a time limit (Trainer.train_step), so
     # planning more steps than the probe promises costs nothing if they do not come
     # (the decay still ends on time), and leaves no time unused if they do.
-    t.max_iters = max(1, int(train_s * steps_per_s * OVERPLAN))
+    train_cfg.max_iters = max(1, int(train_s * steps_per_s * OVERPLAN))
     # Too few optimizer steps leave no room for warm-up and decay: trade batch for steps
     # (a step on half the batch takes about half the time).
     batch_note = "the preset's batch"
-    while t.max_iters < MIN_STEPS and t.batch_size >= 2 * MIN_BATCH:
-        t.batch_size //= 2
-        t.max_iters *= 2
-        batch_note = f"batch halved to {t.batch_size} for at least {MIN_STEPS} steps"
-    tokens_per_step = t.batch_size * t.grad_accum * cfg.model.block_size
-    t.warmup_iters = min(t.warmup_iters, max(1, t.max_iters // 10))
-    t.eval_interval = max(1, math.ceil(t.max_iters / (EVALS - 1)))
-    t.log_interval = max(1, min(t.log_interval, t.max_iters // 20))
-    t.time_limit = max(1.0, left - t.eval_iters * eval_step_s - MARGIN_S)
-    epochs = t.max_iters * tokens_per_step / max(len(data.train), 1)
+    while train_cfg.max_iters < MIN_STEPS and train_cfg.batch_size >= 2 * MIN_BATCH:
+        train_cfg.batch_size //= 2
+        train_cfg.max_iters *= 2
+        batch_note = f"batch halved to {train_cfg.batch_size} for at least {MIN_STEPS} steps"
+    tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * cfg.model.block_size
+    train_cfg.warmup_iters = min(train_cfg.warmup_iters, max(1, train_cfg.max_iters // 10))
+    train_cfg.eval_interval = max(1, math.ceil(train_cfg.max_iters / (EVALS - 1)))
+    train_cfg.log_interval = max(1, min(train_cfg.log_interval, train_cfg.max_iters // 20))
+    train_cfg.time_limit = max(1.0, left - train_cfg.eval_iters * eval_step_s - MARGIN_S)
+    epochs = train_cfg.max_iters * tokens_per_step / max(len(data.train), 1)
     log(f"chosen: {pick.n_layer} layers, {cfg.model.n_head} heads, {pick.n_embd} wide "
         f"({pick.params / 1e6:.2f}M non-embedding parameters); measured {steps_per_s:.2f} "
-        f"steps/s -> {t.max_iters} steps of {tokens_per_step:,} tokens ({batch_note}, "
-        f"{t.max_iters * tokens_per_step / pick.params:.1f} tokens/param, {epochs:.1f} epochs "
-        f"of the training split), {t.eval_iters} batches per evaluation, training stops by "
-        f"{t.time_limit:.0f} s from now")
+        f"steps/s -> {train_cfg.max_iters} steps of {tokens_per_step:,} tokens ({batch_note}, "
+        f"{train_cfg.max_iters * tokens_per_step / pick.params:.1f} tokens/param, {epochs:.1f} epochs "
+        f"of the training split), {train_cfg.eval_iters} batches per evaluation, training stops by "
+        f"{train_cfg.time_limit:.0f} s from now")
     return cfg

@@ -110,40 +110,42 @@ class RunConfig:
         except ModelError as err:
             raise ConfigError(str(err)) from None
         _check_choices(self)
-        t, s = self.train, self.sample
+        train, sample = self.train, self.sample
         for name in ("batch_size", "grad_accum", "max_iters", "eval_interval",
                      "eval_iters", "log_interval", "keep_last"):
-            if getattr(t, name) <= 0:
-                raise ConfigError(f"train.{name} must be positive, got {getattr(t, name)}")
-        if t.warmup_iters < 0:
-            raise ConfigError(f"train.warmup_iters must not be negative, got {t.warmup_iters}")
-        if not (t.lr > 0 and t.muon_lr > 0):
-            raise ConfigError(f"train.lr and train.muon_lr must be positive, got {t.lr}, {t.muon_lr}")
-        if not 0 <= t.min_lr <= t.lr:
-            raise ConfigError(f"train.min_lr must be between 0 and train.lr={t.lr}, got {t.min_lr}")
-        if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
+            if getattr(train, name) <= 0:
+                raise ConfigError(f"train.{name} must be positive, got {getattr(train, name)}")
+        if train.warmup_iters < 0:
+            raise ConfigError(f"train.warmup_iters must not be negative, got {train.warmup_iters}")
+        if not (train.lr > 0 and train.muon_lr > 0):
+            raise ConfigError(f"train.lr and train.muon_lr must be positive, got {train.lr}, {train.muon_lr}")
+        if not 0 <= train.min_lr <= train.lr:
+            raise ConfigError(f"train.min_lr must be between 0 and train.lr={train.lr}, got {train.min_lr}")
+        if not (0 <= train.beta1 < 1 and 0 <= train.beta2 < 1):
             raise ConfigError("train.beta1 and train.beta2 must be in [0, 1)")
-        if t.parallel == "fsdp" and t.optimizer == "muon":
+        if train.parallel == "fsdp" and train.optimizer == "muon":
             raise ConfigError("train.parallel=fsdp splits each matrix across processes, and "
                               "Muon orthogonalises whole matrices: use train.optimizer=adamw "
                               "with fsdp, or train.parallel=ddp with muon")
-        if t.time_limit < 0:
-            raise ConfigError(f"train.time_limit must be 0 (off) or positive, got {t.time_limit}")
-        if t.weight_decay < 0 or t.grad_clip < 0:
+        if train.time_limit < 0:
+            raise ConfigError(f"train.time_limit must be 0 (off) or positive, got {train.time_limit}")
+        if train.weight_decay < 0 or train.grad_clip < 0:
             raise ConfigError("train.weight_decay and train.grad_clip must not be negative")
-        if self.model.attention == "flex" and t.device in ("cpu", "auto"):
+        backend = REGISTRIES["attention"][self.model.attention]
+        if not backend.trains_on_cpu and train.device in ("cpu", "auto"):
             from engine.device import pick_device
-            if pick_device(t.device).type == "cpu":
-                raise ConfigError("model.attention=flex has no backward on CPU in torch (its "
-                                  "forward works, for sampling); to train on a CPU use banded "
-                                  "(sliding windows), sdpa or eager")
+            if pick_device(train.device).type == "cpu":
+                trainable = ", ".join(n for n, b in REGISTRIES["attention"].items() if b.trains_on_cpu)
+                raise ConfigError(f"model.attention={self.model.attention} has no backward on "
+                                  "CPU in torch (its forward works, for sampling); to train on "
+                                  f"a CPU use one of {trainable} (banded for sliding windows)")
         if not 0.0 < self.data.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction must be between 0 and 1, got {self.data.val_fraction}")
-        if s.temperature < 0:
-            raise ConfigError(f"sample.temperature must be 0 (greedy) or positive, got {s.temperature}")
-        if not 0.0 < s.top_p <= 1.0:
-            raise ConfigError(f"sample.top_p must be in (0, 1], got {s.top_p}")
-        if s.top_k < 0 or s.max_new_tokens < 0 or s.num_samples <= 0:
+        if sample.temperature < 0:
+            raise ConfigError(f"sample.temperature must be 0 (greedy) or positive, got {sample.temperature}")
+        if not 0.0 < sample.top_p <= 1.0:
+            raise ConfigError(f"sample.top_p must be in (0, 1], got {sample.top_p}")
+        if sample.top_k < 0 or sample.max_new_tokens < 0 or sample.num_samples <= 0:
             raise ConfigError("sample.top_k and sample.max_new_tokens must not be negative, "
                               "and sample.num_samples must be positive")
 

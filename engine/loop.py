@@ -27,30 +27,30 @@ class TrainingDiverged(AttnlabError):
     """The loss became NaN or infinite."""
 
 
-def lr_at(step: int, t) -> float:
+def lr_at(step: int, train_cfg) -> float:
     """Linear warm-up to lr, then cosine decay to min_lr at max_iters."""
-    if step < t.warmup_iters:
-        return t.lr * (step + 1) / t.warmup_iters
-    progress = min(1.0, (step - t.warmup_iters) / max(1, t.max_iters - t.warmup_iters))
-    return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
+    if step < train_cfg.warmup_iters:
+        return train_cfg.lr * (step + 1) / train_cfg.warmup_iters
+    progress = min(1.0, (step - train_cfg.warmup_iters) / max(1, train_cfg.max_iters - train_cfg.warmup_iters))
+    return train_cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (train_cfg.lr - train_cfg.min_lr)
 
 
-def scheduled_lr(step: int, time_used: float, t) -> float:
+def scheduled_lr(step: int, time_used: float, train_cfg) -> float:
     """With a time limit the schedule follows steps or time (the share of the limit
     spent), whichever is further along, so the decay ends on time even if steps run
     slower than planned; without one, steps alone."""
-    return lr_at(max(step, int(time_used * t.max_iters)) if t.time_limit else step, t)
+    return lr_at(max(step, int(time_used * train_cfg.max_iters)) if train_cfg.time_limit else step, train_cfg)
 
 
 def train(run: Run) -> dict:
     """Train until max_iters, a target, the time limit or a signal; return what ended it."""
-    t, p = run.cfg.train, run.progress
-    metrics = Metrics(run.run_dir, t.wandb if run.dist.is_main else "disabled", t.wandb_project,
+    train_cfg, p = run.cfg.train, run.progress
+    metrics = Metrics(run.run_dir, train_cfg.wandb if run.dist.is_main else "disabled", train_cfg.wandb_project,
                       run.cfg.to_dict(), run.run_dir.name, p.wandb_id, run.log, write=run.dist.is_main)
     p.wandb_id = metrics.wandb_id
     metrics.truncate_after(p.step + (1 if p.step else 0))
     speed = Speedometer(run)
-    bar = tqdm(total=t.max_iters, initial=p.step, unit="step", dynamic_ncols=True,
+    bar = tqdm(total=train_cfg.max_iters, initial=p.step, unit="step", dynamic_ncols=True,
                mininterval=0.5, desc="train", disable=not run.dist.is_main)
     started, result = time.perf_counter(), {"run_dir": str(run.run_dir)}
     last_eval = p.step if p.step else None            # a resumed step was evaluated
@@ -58,28 +58,28 @@ def train(run: Run) -> dict:
         try:
             while True:
                 elapsed = time.perf_counter() - started
-                out_of_time = bool(t.time_limit) and elapsed >= t.time_limit
+                out_of_time = bool(train_cfg.time_limit) and elapsed >= train_cfg.time_limit
                 if evaluation_due(run, out_of_time) and p.step != last_eval:
                     val = evaluate_and_save(run, metrics, bar)
                     last_eval = p.step
                     speed.restart()
-                    if t.target_val_loss and val <= t.target_val_loss:
-                        run.log(f"reached val loss {val:.4f} <= {t.target_val_loss} at step "
+                    if train_cfg.target_val_loss and val <= train_cfg.target_val_loss:
+                        run.log(f"reached val loss {val:.4f} <= {train_cfg.target_val_loss} at step "
                                 f"{p.step}, {time.perf_counter() - started:.1f} s after the start")
                         result["reached_target"] = {"step": p.step, "val_loss": val}
                         break
-                if p.step >= t.max_iters:
+                if p.step >= train_cfg.max_iters:
                     break
                 if out_of_time:
-                    run.log(f"time limit of {t.time_limit:.0f} s reached at step {p.step} of "
-                            f"{t.max_iters}; stopped with a final evaluation and checkpoint")
+                    run.log(f"time limit of {train_cfg.time_limit:.0f} s reached at step {p.step} of "
+                            f"{train_cfg.max_iters}; stopped with a final evaluation and checkpoint")
                     result["out_of_time"] = True
                     break
-                loss, norm = train_step(run, elapsed / t.time_limit if t.time_limit else 0.0)
+                loss, norm = train_step(run, elapsed / train_cfg.time_limit if train_cfg.time_limit else 0.0)
                 p.step += 1
                 bar.update(1)
                 speed.count_step()
-                if p.step % t.log_interval == 0 or p.step == t.max_iters:
+                if p.step % train_cfg.log_interval == 0 or p.step == train_cfg.max_iters:
                     log_step(run, metrics, bar, speed, loss, norm)
                 if run.stop_signal is not None:
                     stop_on_signal(run, bar)
@@ -93,38 +93,38 @@ def train(run: Run) -> dict:
 
 
 def evaluation_due(run: Run, out_of_time: bool) -> bool:
-    t = run.cfg.train
-    return run.progress.step % t.eval_interval == 0 or run.progress.step >= t.max_iters or out_of_time
+    train_cfg = run.cfg.train
+    return run.progress.step % train_cfg.eval_interval == 0 or run.progress.step >= train_cfg.max_iters or out_of_time
 
 
 def train_step(run: Run, time_used: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over grad_accum micro-batches; this process trains its share
     (rank r: micro-batches r, r + N, ...). Returns the mean loss and the gradient norm."""
-    t, d = run.cfg.train, run.dist
-    lr = scheduled_lr(run.progress.step, time_used, t)
-    run.optimizer.set_lr(lr / t.lr)
+    train_cfg, dist = run.cfg.train, run.dist
+    lr = scheduled_lr(run.progress.step, time_used, train_cfg)
+    run.optimizer.set_lr(lr / train_cfg.lr)
     run.progress.last_lr = lr
     total = torch.zeros((), device=run.device)
-    mine = [m for m in range(t.grad_accum) if m % d.world == d.rank]
-    for m in range(t.grad_accum):
+    mine = [m for m in range(train_cfg.grad_accum) if m % dist.world == dist.rank]
+    for m in range(train_cfg.grad_accum):
         if m not in mine:                     # another process's micro-batch
             run.batches.skip()
             continue
         x, y = run.batches.next()
         # DDP averages over processes, so each scales by world / grad_accum; gradients
         # are exchanged once, after this process's last micro-batch.
-        sync = m == mine[-1] or d.world == 1
+        sync = m == mine[-1] or dist.world == 1
         if run.sharded:
             run.model.set_requires_gradient_sync(sync)
         no_sync = contextlib.nullcontext() if sync or run.sharded else run.distributed_model.no_sync()
         with no_sync:
             with run.autocast():
                 loss = run.train_forward(x, y).loss
-            run.scaler.scale(loss * d.world / t.grad_accum).backward()
-        total += loss.detach() / t.grad_accum
+            run.scaler.scale(loss * dist.world / train_cfg.grad_accum).backward()
+        total += loss.detach() / train_cfg.grad_accum
     run.optimizer.unscale_(run.scaler)
     norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(),
-                                          t.grad_clip if t.grad_clip > 0 else math.inf)
+                                          train_cfg.grad_clip if train_cfg.grad_clip > 0 else math.inf)
     if run.sharded:
         from engine.sharding import full
         norm = full(norm)
@@ -151,9 +151,9 @@ def evaluate(model, tokens, batch_size: int, block_size: int, iters: int, device
 
 def evaluate_and_save(run: Run, metrics: Metrics, bar) -> float:
     """Val loss, a checkpoint, and best.json when it is the best so far."""
-    t, p = run.cfg.train, run.progress
-    val = evaluate(run.eval_forward, run.data.val, t.batch_size, run.cfg.model.block_size,
-                   t.eval_iters, run.device, run.autocast())
+    train_cfg, p = run.cfg.train, run.progress
+    val = evaluate(run.eval_forward, run.data.val, train_cfg.batch_size, run.cfg.model.block_size,
+                   train_cfg.eval_iters, run.device, run.autocast())
     if not math.isfinite(val):
         raise diverged(run, "the validation loss", val)
     best = val < p.best_val
@@ -174,9 +174,9 @@ class Speedometer:
     """Tokens per second and MFU over the steps since the last log line."""
 
     def __init__(self, run: Run):
-        t = run.cfg.train
+        train_cfg = run.cfg.train
         self.run = run
-        self.tokens_per_step = t.batch_size * t.grad_accum * run.cfg.model.block_size
+        self.tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * run.cfg.model.block_size
         name = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else ""
         self.peak = peak_flops(run.device.type, dtype_name(run.dtype), name)
         self.flops_per_token = run.model.flops_per_token()
@@ -219,11 +219,11 @@ def log_step(run: Run, metrics: Metrics, bar, speed: Speedometer, loss, norm) ->
 def diverged(run: Run, what: str, value: float) -> TrainingDiverged:
     last = checkpoint.list_checkpoints(run.run_dir)
     kept = f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written yet"
-    t = run.cfg.train
+    train_cfg = run.cfg.train
     return TrainingDiverged(
         f"{what} became {value} at step {run.progress.step}; stopped ({kept}). Try a lower "
-        f"train.lr (now {t.lr:g}), train.dtype=float32 (now {dtype_name(run.dtype)}), or "
-        f"a tighter train.grad_clip (now {t.grad_clip:g}), then resume or start again")
+        f"train.lr (now {train_cfg.lr:g}), train.dtype=float32 (now {dtype_name(run.dtype)}), or "
+        f"a tighter train.grad_clip (now {train_cfg.grad_clip:g}), then resume or start again")
 
 
 @contextlib.contextmanager

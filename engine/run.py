@@ -3,7 +3,6 @@ state goes to a checkpoint and comes back (`save`, `restore`). The loop that tra
 it is engine/loop.py."""
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -13,7 +12,7 @@ from typing import Callable
 import torch
 
 from common.errors import CheckpointError, ConfigError
-from common.files import read_json, write_json_atomic
+from common.files import read_json
 from engine import checkpoint
 from engine.config import RunConfig, apply, from_dict
 from engine.device import autocast, dtype_name, pick_device, pick_dtype, setup_backends
@@ -78,16 +77,16 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False,
     with `resume`, the state of the run's latest checkpoint."""
     dist = dist or Dist()
     log = log if dist.is_main else (lambda *a, **k: None)
-    t = cfg.train
+    train_cfg = cfg.train
     _check_parallel(cfg, dist)
-    device = pick_device(t.device)
+    device = pick_device(train_cfg.device)
     if dist.world > 1 and device.type == "cuda":
         device = torch.device("cuda", dist.local_rank)
     setup_backends(device)
-    torch.manual_seed(t.seed)
+    torch.manual_seed(train_cfg.seed)
     data = _load_data(cfg, dist, log)
     model = GPT(cfg.model).to(device)
-    sharded = dist.world > 1 and t.parallel == "fsdp"
+    sharded = dist.world > 1 and train_cfg.parallel == "fsdp"
     if sharded:                               # before the optimizer sees the parameters
         from engine.sharding import shard
         shard(model)
@@ -96,15 +95,15 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False,
         from torch.nn.parallel import DistributedDataParallel
         distributed_model = DistributedDataParallel(
             model, device_ids=[dist.local_rank] if device.type == "cuda" else None)
-    dtype = pick_dtype(t.dtype, device, cfg.model.n_embd)
+    dtype = pick_dtype(train_cfg.dtype, device, cfg.model.n_embd)
     run = Run(cfg, dist, device, dtype, data,
-              batches=Batches(data.train, t.batch_size, cfg.model.block_size, device, seed=t.seed),
+              batches=Batches(data.train, train_cfg.batch_size, cfg.model.block_size, device, seed=train_cfg.seed),
               model=model, distributed_model=distributed_model,
-              train_forward=torch.compile(distributed_model) if t.compile else distributed_model,
-              eval_forward=torch.compile(model) if t.compile else model,
-              optimizer=configure_optimizer(model, t, device),
+              train_forward=torch.compile(distributed_model) if train_cfg.compile else distributed_model,
+              eval_forward=torch.compile(model) if train_cfg.compile else model,
+              optimizer=configure_optimizer(model, train_cfg, device),
               scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
-              run_dir=Path(run_dir or Path(t.out_dir) / (t.run_name or _fresh_name(cfg))),
+              run_dir=Path(run_dir or Path(train_cfg.out_dir) / (train_cfg.run_name or _fresh_name(cfg))),
               sharded=sharded, log=log)
     if resume:
         restore(run)
@@ -117,12 +116,12 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False,
 
 
 def _check_parallel(cfg: RunConfig, dist: Dist) -> None:
-    t = cfg.train
-    if t.grad_accum % dist.world:
-        raise ConfigError(f"train.grad_accum={t.grad_accum} must be a multiple of the "
+    train_cfg = cfg.train
+    if train_cfg.grad_accum % dist.world:
+        raise ConfigError(f"train.grad_accum={train_cfg.grad_accum} must be a multiple of the "
                           f"{dist.world} processes: each takes an equal share of the "
                           "micro-batches of one step")
-    if t.time_limit and dist.world > 1:
+    if train_cfg.time_limit and dist.world > 1:
         raise ConfigError("train.time_limit is for one process: under torchrun each "
                           "process's clock would move its own learning rate and stop "
                           "it at its own step; limit the run with train.max_iters")
@@ -131,10 +130,10 @@ def _check_parallel(cfg: RunConfig, dist: Dist) -> None:
 def _load_data(cfg: RunConfig, dist: Dist, log) -> TokenData:
     """Tokens (the main process builds the cache, the others wait), the model's
     vocabulary taken from the tokenizer, and a validation split long enough."""
-    d = cfg.data
+    data_cfg = cfg.data
     if not dist.is_main:
         dist.barrier()
-    data = load_tokens(d.path, d.tokenizer, d.vocab_size, d.val_fraction, d.cache_dir, log=log)
+    data = load_tokens(data_cfg.path, data_cfg.tokenizer, data_cfg.vocab_size, data_cfg.val_fraction, data_cfg.cache_dir, log=log)
     if dist.is_main:
         dist.barrier()
     if cfg.model.vocab_size not in (0, data.tokenizer.vocab_size):

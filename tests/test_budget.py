@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from engine import cli, config
+from engine import cli
 from engine.budget import TOKENS_PER_PARAM, candidates, choose, parse_duration
 from common.errors import ConfigError
 from conftest import run_script

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from engine import checkpoint, cli, config
+from engine import checkpoint, cli
 from engine.tracking import Metrics
 from engine.loop import TrainingDiverged, train
 from engine.run import setup_run

@@ -1,4 +1,5 @@
 """Looking inside attention (attnlab/heads.py): a planted pattern is found."""
+import pytest
 import torch
 
 from attnlab.heads import attention_maps, head_stats, save_grid, save_head, search, token_spans
@@ -79,3 +80,13 @@ def test_bertviz_head_view_exports_a_complete_html_file(tmp_path):
     attn = params["attention"][0]["attn"]
     assert len(attn) == 2 and len(attn[0]) == 2 and len(attn[0][0]) == len(text)   # L, H, T
     assert params["attention"][0]["left_text"] == list(text)
+
+
+def test_search_names_the_word_that_comes_in_the_wrong_order():
+    from common.errors import AttnlabError
+    text = "it did not fit the trophy"
+    spans = [(i, i + 1) for i in range(len(text))]
+    with pytest.raises(AttnlabError, match="'it' occurs only before.*--from after --to"):
+        search([torch.zeros(1, len(text), len(text))], text, spans, "it", "trophy")
+    with pytest.raises(AttnlabError, match="'zebra' does not occur"):
+        search([torch.zeros(1, len(text), len(text))], text, spans, "it", "zebra")

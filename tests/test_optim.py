@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from engine import cli, config
+from engine import cli
 from engine.optim import configure_optimizer
 from engine.loop import train
 from engine.run import setup_run
