@@ -40,9 +40,9 @@ def main(argv: list[str]) -> int:
     from engine.cli import apply_overrides, overrides_of
     from engine.config import describe
     from engine.loop import train
-    from engine.run import resume_config, setup_run
+    from engine.run import adopt_source, resume_config, setup_run
 
-    resuming = args.resume is not None
+    resuming, source = args.resume is not None, None
     if args.preset == "":
         raise ConfigError("--config needs a preset name or a .toml path (see configs/)")
     if args.budget is not None and (resuming or distributed.world_size() > 1):
@@ -55,12 +55,18 @@ def main(argv: list[str]) -> int:
         cfg, run_dir = config.RunConfig(), None
         config.load_preset(cfg, args.preset or default_preset(args))
         apply_overrides(cfg, args)
+        if cfg.train.init_from:
+            if args.budget is not None:
+                raise ConfigError("--budget picks a model size, and --train.init_from brings "
+                                  "its own model; use one or the other")
+            source = adopt_source(cfg, overrides_of(args).get("model", {}))
         if args.budget is not None:
             from engine.budget import parse_duration, plan
             cfg = plan(cfg, parse_duration(args.budget), started)
     dist = distributed.setup()
     try:
-        run = setup_run(cfg, run_dir=run_dir, resume=resuming, dist=dist)
+        run = setup_run(cfg, run_dir=run_dir, resume=resuming, dist=dist,
+                        source=source)
         run.log(f"config:\n{describe(cfg)}")
         run.log(run.describe_setup())
         run.log(run.summary())

@@ -59,8 +59,10 @@ def prepare_key(source_key: dict, tokenizer: str, vocab_size: int, tokenizer_sam
 def prepare(spec: SourceSpec, out: str | Path, tokenizer: str = "bpe", vocab_size: int = 4096,
             tokenizer_sample: int = 100_000_000, shard_tokens: int = 100_000_000,
             num_proc: int = 0, overwrite: bool = False, key_extra: dict | None = None,
-            log=print, progress: bool = True) -> dict:
-    """Tokenize `spec`'s documents into `out`; returns the meta.json contents."""
+            log=print, progress: bool = True, given: Tokenizer | None = None) -> dict:
+    """Tokenize `spec`'s documents into `out`; returns the meta.json contents. With
+    `given`, encode with that tokenizer (a fine-tuning run keeps its parent's) instead
+    of learning one."""
     out = Path(out)
     if tokenizer not in TOKENIZERS:
         raise DataError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
@@ -93,7 +95,7 @@ def prepare(spec: SourceSpec, out: str | Path, tokenizer: str = "bpe", vocab_siz
             log(f"resuming {out}: {state['items']:,} pieces of text already encoded")
     started = time.perf_counter()
     if tok is None:
-        tok = _train_tokenizer(source, tokenizer, vocab_size, tokenizer_sample, progress)
+        tok = given or _train_tokenizer(source, tokenizer, vocab_size, tokenizer_sample, progress)
         tok.save(out)
         state = _fresh_state(key, tok)
         write_json_atomic(out / "progress.json", state)

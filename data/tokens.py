@@ -69,11 +69,17 @@ def open_prepared(folder: Path, meta: dict | None = None) -> TokenData:
 
 
 def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
-                val_fraction: float = 0.1, cache_dir: str = "", log=print) -> TokenData:
-    """Tokenized train/val splits of a corpus, prepared on first use and cached."""
+                val_fraction: float = 0.1, cache_dir: str = "", log=print,
+                given: Tokenizer | None = None) -> TokenData:
+    """Tokenized train/val splits of a corpus, prepared on first use and cached. With
+    `given`, the corpus is encoded with that tokenizer instead of one learned from it."""
     if path and read_meta(Path(path).expanduser()) is not None:
         folder = Path(path).expanduser()
         data = open_prepared(folder)
+        if given is not None and data.tokenizer.fingerprint() != given.fingerprint():
+            raise DataError(f"{folder} was prepared with another tokenizer than the model "
+                            "starts from; give the corpus's text files instead, so they are "
+                            "encoded with the model's own tokenizer")
         if data.tokenizer.kind != tokenizer:
             log(f"{folder} was prepared with the {data.tokenizer.kind} tokenizer "
                 f"(vocabulary {data.tokenizer.vocab_size:,}); using it")
@@ -95,10 +101,15 @@ def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
     fingerprint = ([file_sha256(f) for f in files] if len(files) == 1 else
                    [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files])
     key_extra = {"files": fingerprint, "val_fraction": val_fraction}
-    key = prepare_key(key_extra, tokenizer, vocab_size, CACHE_BPE_SAMPLE, CACHE_SHARD_TOKENS)
     first = Path(source.rstrip("/*")).name.split(".")[0] or "corpus"
-    sized = tokenizer in TOKENIZERS and TOKENIZERS[tokenizer].sized_by_setting
-    name = first + f"-{tokenizer}" + (f"{vocab_size}" if sized else "")
+    if given is not None:
+        tokenizer = given.kind
+        key_extra["tokenizer"] = given.fingerprint()
+        name = f"{first}-{given.kind}-{given.fingerprint()[:10]}"
+    else:
+        sized = TOKENIZERS[tokenizer].sized_by_setting
+        name = first + f"-{tokenizer}" + (f"{vocab_size}" if sized else "")
+    key = prepare_key(key_extra, tokenizer, vocab_size, CACHE_BPE_SAMPLE, CACHE_SHARD_TOKENS)
     folder = Path(cache_dir or DATA_DIR / "cache") / name
     meta = read_meta(folder)
     if meta is not None and meta["key"] == key:
@@ -112,7 +123,8 @@ def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
     meta = prepare(spec, folder, tokenizer, vocab_size, tokenizer_sample=CACHE_BPE_SAMPLE,
                    shard_tokens=CACHE_SHARD_TOKENS,
                    num_proc=0 if size > PARALLEL_FROM_BYTES else 1, overwrite=True,
-                   key_extra=key_extra, log=lambda *a: None, progress=size > PARALLEL_FROM_BYTES)
+                   key_extra=key_extra, log=lambda *a: None, progress=size > PARALLEL_FROM_BYTES,
+                   given=given)
     s = meta["splits"]
     log(f"  {s['train']['tokens']:,} train and {s['val']['tokens']:,} val tokens, "
         f"vocabulary {meta['vocab_size']}")

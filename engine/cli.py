@@ -85,7 +85,7 @@ def overrides_of(args: argparse.Namespace) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
     for dest, value in vars(args).items():
         section, dot, key = dest.partition(".")
-        if dot and section in config.SECTIONS:
+        if dot and section in config.SECTIONS and value is not None:
             out.setdefault(section, {})[key] = value
     return out
 

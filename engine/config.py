@@ -65,6 +65,9 @@ class TrainConfig:
                                  "whichever is further along; 0 = off (train.py --budget sets it)")
     log_interval: int = opt(10, "write training metrics every N steps")
     seed: int = opt(1337, "random seed (weights, batches, dropout)")
+    init_from: str = opt("", "start from these weights (a run directory, checkpoint folder or "
+                             "transformers folder) with a fresh optimizer and schedule; the "
+                             "model config and tokenizer come from it")
     out_dir: str = opt("runs", "folder that holds run directories")
     run_name: str = opt("", "run directory name; empty = <preset>-<date>-<time>")
     keep_last: int = opt(3, "checkpoints to keep (the best by val loss is always kept)")
@@ -97,6 +100,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     preset: str = ""
+    parent: dict = field(default_factory=dict)    # the weights a fine-tuning run started from
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -263,6 +267,8 @@ def from_dict(data: dict, origin: str) -> RunConfig:
     for section, values in data.items():
         if section == "preset":
             cfg.preset = str(values)
+        elif section == "parent":
+            cfg.parent = dict(values) if isinstance(values, dict) else {}
         else:
             apply(cfg, section, values, origin)
     cfg.validate()

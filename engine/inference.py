@@ -1,4 +1,5 @@
-"""Loading a trained run for sampling, and streaming its text as it is generated."""
+"""Loading a model (a run of this project, or a folder in transformers' format) for
+sampling and the tools, and streaming its text as it is generated."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,18 @@ from model.sampling import next_token_distribution
 
 
 def load_run(path: str | Path, which: str = "best", device: str | torch.device = "cpu"):
-    """(model in eval mode, its RunConfig, its tokenizer, the checkpoint folder)."""
+    """(model in eval mode, its RunConfig, its tokenizer, the checkpoint folder) from a
+    run directory, a checkpoint folder, or a transformers folder (GPT-2, Llama,
+    Mistral, GPT-NeoX: engine/interop.py)."""
+    from engine.interop import is_hf_folder, load_hf_folder
+    if Path(path).is_file():
+        raise CheckpointError(f"{path} is a file; give a run directory, a checkpoint folder "
+                              "or a transformers folder")
+    if is_hf_folder(path):
+        model, model_cfg, tokenizer = load_hf_folder(path, device)
+        cfg = RunConfig(model=model_cfg)
+        cfg.data.tokenizer = tokenizer.kind
+        return model, cfg, tokenizer, Path(path)
     ckpt = checkpoint.resolve(path, which)
     weights, _, state = checkpoint.load(ckpt)
     try:

@@ -4,7 +4,7 @@ it is engine/loop.py."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Callable
@@ -14,12 +14,16 @@ import torch
 from common.errors import CheckpointError, ConfigError
 from common.files import read_json
 from engine import checkpoint
-from engine.config import RunConfig, apply, from_dict
+from engine.config import RunConfig, apply, apply_to, from_dict
 from engine.device import autocast, dtype_name, pick_device, pick_dtype, setup_backends
 from engine.distributed import Dist
 from engine.optim import Optimizers, configure_optimizer
+from data.tokenizer import Tokenizer
 from data.tokens import Batches, TokenData, load_tokens
 from model import GPT
+
+# Model fields a fine-tuning run may change: the same weights compute the same function.
+SWAPPABLE_MODEL_FIELDS = ("attention", "dropout")
 
 
 @dataclass
@@ -71,10 +75,41 @@ class Run:
                 f"{len(self.data.val):,} val tokens)")
 
 
+@dataclass
+class Source:
+    """The weights and tokenizer a run starts from (train.init_from)."""
+    model: GPT
+    tokenizer: Tokenizer
+
+
+def adopt_source(cfg: RunConfig, model_overrides: dict[str, str]) -> Source:
+    """Load train.init_from and make cfg's model its model: the architecture comes from
+    the source, and a command-line override that would change it is refused. The run
+    records its parent (path and a hash of its weights)."""
+    from engine.inference import load_run
+    from engine.interop import describe_parent
+    model, source_cfg, tokenizer, _ = load_run(cfg.train.init_from, "best")
+    wanted = replace(source_cfg.model)                 # a copy the overrides go into
+    apply_to(wanted, "model", model_overrides, "the command line")
+    conflicts = [f"model.{k}={getattr(wanted, k)!r} (the source has {getattr(source_cfg.model, k)!r})"
+                 for k in model_overrides
+                 if k not in SWAPPABLE_MODEL_FIELDS and getattr(wanted, k) != getattr(source_cfg.model, k)]
+    if conflicts:
+        raise ConfigError("with train.init_from the model comes from its source, and these "
+                          f"overrides would change it: {'; '.join(conflicts)}; drop them (only "
+                          f"{', '.join(SWAPPABLE_MODEL_FIELDS)} may change), or train a new model")
+    cfg.model = wanted
+    cfg.data.tokenizer = tokenizer.kind
+    cfg.parent = describe_parent(cfg.train.init_from, model)
+    cfg.validate()
+    return Source(model, tokenizer)
+
+
 def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False,
-              log=print, dist: Dist | None = None) -> Run:
+              log=print, dist: Dist | None = None, source: Source | None = None) -> Run:
     """Device, data, model, its wrappers, optimizer and run directory, in that order;
-    with `resume`, the state of the run's latest checkpoint."""
+    with `source`, the model starts from its weights and the data is encoded with its
+    tokenizer; with `resume`, the state of the run's latest checkpoint."""
     dist = dist or Dist()
     log = log if dist.is_main else (lambda *a, **k: None)
     train_cfg = cfg.train
@@ -84,8 +119,14 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False,
         device = torch.device("cuda", dist.local_rank)
     setup_backends(device)
     torch.manual_seed(train_cfg.seed)
-    data = _load_data(cfg, dist, log)
-    model = GPT(cfg.model).to(device)
+    given = source.tokenizer if source else None
+    if resume and cfg.train.init_from:        # a fine-tuning run keeps its parent's tokenizer
+        given = Tokenizer.load(run_dir or Path(train_cfg.out_dir) / train_cfg.run_name)
+    data = _load_data(cfg, dist, log, given)
+    model = GPT(cfg.model)
+    if source is not None:
+        model.load_state_dict(source.model.state_dict())
+    model = model.to(device)
     sharded = dist.world > 1 and train_cfg.parallel == "fsdp"
     if sharded:                               # before the optimizer sees the parameters
         from engine.sharding import shard
@@ -127,20 +168,23 @@ def _check_parallel(cfg: RunConfig, dist: Dist) -> None:
                           "it at its own step; limit the run with train.max_iters")
 
 
-def _load_data(cfg: RunConfig, dist: Dist, log) -> TokenData:
+def _load_data(cfg: RunConfig, dist: Dist, log, given: Tokenizer | None = None) -> TokenData:
     """Tokens (the main process builds the cache, the others wait), the model's
     vocabulary taken from the tokenizer, and a validation split long enough."""
     data_cfg = cfg.data
     if not dist.is_main:
         dist.barrier()
-    data = load_tokens(data_cfg.path, data_cfg.tokenizer, data_cfg.vocab_size, data_cfg.val_fraction, data_cfg.cache_dir, log=log)
+    data = load_tokens(data_cfg.path, data_cfg.tokenizer, data_cfg.vocab_size,
+                       data_cfg.val_fraction, data_cfg.cache_dir, log=log, given=given)
     if dist.is_main:
         dist.barrier()
+    Batches(data.val, 1, cfg.model.block_size, split="val")     # refuse a too-short split now
+    if given is not None:                     # the model's vocabulary may be padded past it
+        return data
     if cfg.model.vocab_size not in (0, data.tokenizer.vocab_size):
         log(f"model.vocab_size={cfg.model.vocab_size} replaced by the tokenizer's "
             f"{data.tokenizer.vocab_size}")
     cfg.model.vocab_size = data.tokenizer.vocab_size
-    Batches(data.val, 1, cfg.model.block_size, split="val")     # refuse a too-short split now
     return data
 
 

@@ -38,6 +38,8 @@ class ModelConfig:
     mlp: str = _opt("gelu", "feed-forward block", registry="mlp")
     tie_embeddings: bool = _opt(True, "share the token embedding with the output layer")
     bias: bool = _opt(False, "bias in linear layers and LayerNorm")
+    norm_eps: float = _opt(1e-5, "epsilon inside LayerNorm / RMSNorm (1e-5 as in GPT-2; "
+                                 "imported models bring their own)")
     dropout: float = _opt(0.0, "dropout probability (0 keeps SDPA on its fused path)")
     rope_theta: float = _opt(10000.0, "RoPE base: pair i turns by position * theta^(-2i/d_k)")
     rope_scaling: str = _opt("none", "stretch RoPE to a longer context", registry="rope_scaling")
@@ -84,5 +86,7 @@ class ModelConfig:
             raise ModelError(f"model.rope_factor must be at least 1, got {self.rope_factor}")
         if not 0.0 <= self.dropout < 1.0:
             raise ModelError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if not 0 < self.norm_eps < 1:
+            raise ModelError(f"model.norm_eps must be in (0, 1), got {self.norm_eps}")
         if not self.rope_theta > 0:
             raise ModelError(f"model.rope_theta must be positive, got {self.rope_theta}")

@@ -10,12 +10,12 @@ from model.config import ModelConfig
 
 
 def layer_norm(config: ModelConfig) -> nn.Module:
-    return nn.LayerNorm(config.n_embd, bias=config.bias)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
 
 
 def rms_norm(config: ModelConfig) -> nn.Module:
     # RMSNorm (arXiv:1910.07467) drops LayerNorm's mean subtraction and bias.
-    return nn.RMSNorm(config.n_embd, eps=1e-5)
+    return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
 
 
 NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm}

@@ -1,0 +1,44 @@
+"""Export a run to a folder that plain `transformers` loads.
+
+    python -m attnlab.export --run runs/NAME --out exported/NAME
+    python -c "from transformers import AutoModelForCausalLM, AutoTokenizer;
+               m = AutoModelForCausalLM.from_pretrained('exported/NAME')"
+
+The architecture is the one that computes exactly what the run's model does
+(engine/interop.py): learned positions + LayerNorm + GELU -> GPT-2; RoPE + RMSNorm +
+SwiGLU -> Llama (Mistral with a sliding window); RoPE + LayerNorm + GELU (the
+default) -> GPT-NeoX with a sequential residual. A model none of them expresses (ALiBi,
+global tokens, ...) is refused before any file is written, naming the fields that
+stop it. The folder holds config.json, model.safetensors, the tokenizer (character
+tokenizers too) and generation_config.json with the run's sampling settings.
+"""
+from __future__ import annotations
+
+import sys
+
+from engine.cli import Parser, add_run_options, errors_as_lines
+
+
+def main(argv=None) -> int:
+    parser = Parser("python -m attnlab.export", __doc__)
+    add_run_options(parser)
+    parser.add_argument("--out", required=True, help="the folder to write (new or empty)")
+    args = parser.parse_args(argv)
+    from engine.checkpoint import latest_run
+    from engine.inference import load_run
+    from engine.interop import export
+    model, cfg, tokenizer, ckpt = load_run(args.run or latest_run(), args.checkpoint)
+    s = cfg.sample
+    generation = {"do_sample": s.temperature > 0, "max_new_tokens": s.max_new_tokens}
+    if s.temperature > 0:
+        generation.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    arch = export(model, cfg.model, tokenizer, args.out, generation)
+    print(f"wrote {args.out}: {arch.hf_class} ({arch.model_type}) from {ckpt}, "
+          f"{model.num_params() / 1e6:.2f}M parameters")
+    print(f"load it with: AutoModelForCausalLM.from_pretrained({args.out!r})")
+    return 0
+
+
+if __name__ == "__main__":
+    with errors_as_lines():
+        sys.exit(main())

@@ -1,0 +1,518 @@
+"""Models to and from the Hugging Face `transformers` format.
+
+A folder in that format holds config.json (with a `model_type`), the weights in
+safetensors (one file, or shards named by model.safetensors.index.json) and
+tokenizer.json. Each architecture below that says exactly what one of ours computes
+is an entry of ARCHITECTURES: which of our variants it needs, how its config maps to
+ours, and how each weight matrix maps (transposed, split or fused). Reading a folder
+needs neither transformers nor pickle; writing one uses transformers' own config and
+tokenizer classes, so the folder is what `from_pretrained` expects.
+
+    gpt2      learned positions, LayerNorm, GELU (tanh), biases        GPT2LMHeadModel
+    llama     RoPE, RMSNorm, SwiGLU, GQA/MQA, no window                LlamaForCausalLM
+    mistral   the same with a sliding window, no biases                MistralForCausalLM
+    gpt_neox  RoPE, LayerNorm, GELU (tanh), sequential residual         GPTNeoXForCausalLM
+              (this project's default, biases zero where it has none)
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from common.errors import AttnlabError, CheckpointError
+from common.files import read_json
+from data.tokenizer import Tokenizer
+from model import GPT, ModelConfig
+from model.layers import MLPS, NORMS
+from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
+
+INDEX = "model.safetensors.index.json"
+
+
+class ExportError(AttnlabError):
+    """A model no architecture of transformers computes exactly."""
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    """A folder in transformers' format (config.json naming a model_type)."""
+    config = read_json(Path(path) / "config.json")
+    return config is not None and "model_type" in config
+
+
+# -- the parts each architecture is made of ------------------------------------------
+
+def _parts(cfg: ModelConfig) -> dict[str, object]:
+    """Our variants as registry entries, to compare with what an architecture needs."""
+    return {"position": POSITION_ENCODINGS[cfg.position], "norm": NORMS[cfg.norm],
+            "mlp": MLPS[cfg.mlp]}
+
+
+def _needs(cfg: ModelConfig, **wanted) -> list[str]:
+    """The fields of cfg whose variant is not the one wanted, as 'field=now (needs X)'."""
+    registries = {"position": POSITION_ENCODINGS, "norm": NORMS, "mlp": MLPS}
+    have = _parts(cfg)
+    out = []
+    for field, name in wanted.items():
+        if have[field] is not registries[field][name]:
+            out.append(f"model.{field}={getattr(cfg, field)} (needs {name})")
+    return out
+
+
+def _common_refusals(cfg: ModelConfig) -> list[str]:
+    out = []
+    if cfg.n_global:
+        out.append(f"model.n_global={cfg.n_global} (global tokens: no architecture has them)")
+    if ROPE_SCALINGS[cfg.rope_scaling].stretches:
+        out.append(f"model.rope_scaling={cfg.rope_scaling} (export the model unstretched: "
+                   "rope_scaling=none)")
+    return out
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model_type: str
+    hf_class: str                                    # the transformers class that loads it
+    blockers: Callable[[ModelConfig], list[str]]     # why cfg cannot be this architecture
+    to_hf_config: Callable[[ModelConfig], dict]
+    from_hf_config: Callable[[dict], ModelConfig]
+    to_hf_weights: Callable[[dict, ModelConfig], dict]
+    from_hf_weights: Callable[[Callable, ModelConfig], dict]
+
+
+def _split_qkv(w, cfg):
+    H, Hkv, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
+    return w.split([H * D, Hkv * D, Hkv * D], dim=0)
+
+
+def _neox_qkv(w, cfg):
+    """Ours stacks all queries, then keys, then values; NeoX interleaves them per head."""
+    H, D = cfg.n_head, cfg.head_dim
+    return w.reshape(3, H, D, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+def _from_neox_qkv(w, cfg):
+    H, D = cfg.n_head, cfg.head_dim
+    return w.reshape(H, 3, D, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+def _zeros_if_absent(sd, name, size):
+    return sd[name] if name in sd else torch.zeros(size)
+
+
+# -- GPT-2 -----------------------------------------------------------------------------
+
+def _gpt2_blockers(cfg):
+    return _common_refusals(cfg) + _needs(cfg, position="learned", norm="layernorm", mlp="gelu") + (
+        [f"model.n_kv_head={cfg.n_kv_head} (GPT-2 has one key/value head per query head)"]
+        if cfg.kv_heads != cfg.n_head else []) + (
+        [f"model.sliding_window={cfg.sliding_window} (GPT-2 has no window)"] if cfg.sliding_window else [])
+
+
+def _gpt2_config(cfg):
+    return {"vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_embd": cfg.n_embd,
+            "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": 4 * cfg.n_embd,
+            "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "tie_word_embeddings": cfg.tie_embeddings}
+
+
+def _gpt2_from_config(c):
+    _refuse_unless(c, {"activation_function": ("gelu_new", "gelu_pytorch_tanh"),
+                       "scale_attn_by_inverse_layer_idx": (False,),
+                       "reorder_and_upcast_attn": (False,), "scale_attn_weights": (True,)})
+    if c.get("n_inner") not in (None, 4 * c["n_embd"]):
+        raise CheckpointError(f"n_inner={c['n_inner']}: attnlab's GELU MLP is 4 x n_embd wide")
+    return ModelConfig(vocab_size=c["vocab_size"], block_size=c["n_positions"], n_layer=c["n_layer"],
+                       n_head=c["n_head"], n_embd=c["n_embd"], position="learned", norm="layernorm",
+                       mlp="gelu", bias=True, norm_eps=c.get("layer_norm_epsilon", 1e-5),
+                       tie_embeddings=c.get("tie_word_embeddings", True))
+
+
+def _gpt2_to_hf(sd, cfg):
+    C = cfg.n_embd
+    out = {"transformer.wte.weight": sd["wte.weight"],
+           "transformer.wpe.weight": sd["positions.table.weight"],
+           "transformer.ln_f.weight": sd["norm_f.weight"],
+           "transformer.ln_f.bias": _zeros_if_absent(sd, "norm_f.bias", C)}
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
+        pairs = {"ln_1": ("norm_attn", None), "attn.c_attn": ("attn.w_qkv", 3 * C),
+                 "attn.c_proj": ("attn.w_o", C), "ln_2": ("norm_mlp", None),
+                 "mlp.c_fc": ("mlp.fc", 4 * C), "mlp.c_proj": ("mlp.proj", C)}
+        for hf, (name, width) in pairs.items():
+            w = sd[ours + name + ".weight"]
+            out[theirs + hf + ".weight"] = w if width is None else w.t()   # Conv1D: (in, out)
+            out[theirs + hf + ".bias"] = _zeros_if_absent(sd, ours + name + ".bias", width or C)
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    return out
+
+
+def _gpt2_from_hf(get, cfg):
+    out = {"wte.weight": get("transformer.wte.weight"),
+           "positions.table.weight": get("transformer.wpe.weight"),
+           "norm_f.weight": get("transformer.ln_f.weight"), "norm_f.bias": get("transformer.ln_f.bias")}
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
+        for hf, name, conv in [("ln_1", "norm_attn", False), ("attn.c_attn", "attn.w_qkv", True),
+                               ("attn.c_proj", "attn.w_o", True), ("ln_2", "norm_mlp", False),
+                               ("mlp.c_fc", "mlp.fc", True), ("mlp.c_proj", "mlp.proj", True)]:
+            w = get(theirs + hf + ".weight")
+            out[ours + name + ".weight"] = w.t().contiguous() if conv else w
+            out[ours + name + ".bias"] = get(theirs + hf + ".bias")
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = get("lm_head.weight")
+    return out
+
+
+# -- Llama and Mistral ---------------------------------------------------------------
+
+def _llama_blockers(cfg, windowed: bool):
+    out = _common_refusals(cfg) + _needs(cfg, position="rope", norm="rmsnorm", mlp="swiglu")
+    if windowed and cfg.bias:
+        out.append("model.bias=true (Mistral's layers have no biases)")
+    if not windowed and cfg.sliding_window:
+        out.append(f"model.sliding_window={cfg.sliding_window} (Llama has no window; "
+                   "Mistral has one)")
+    return out
+
+
+def _llama_config(cfg, windowed: bool):
+    c = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "num_hidden_layers": cfg.n_layer,
+         "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads,
+         "head_dim": cfg.head_dim, "intermediate_size": MLPS[cfg.mlp](cfg).hidden,
+         "hidden_act": "silu", "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
+         "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+         "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0}
+    if windowed:
+        c["sliding_window"] = cfg.sliding_window
+    else:
+        c.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
+    return c
+
+
+def _rope_theta(c: dict) -> float:
+    params = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or {}
+    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if kind != "default":
+        raise CheckpointError(f"rope scaling {kind!r} in config.json: attnlab imports unscaled "
+                              "RoPE only (set a scaling afterwards with model.rope_scaling)")
+    if params.get("partial_rotary_factor", c.get("rotary_pct", 1.0)) != 1.0:
+        raise CheckpointError("partial rotary embeddings: attnlab rotates every dimension")
+    return float(params.get("rope_theta", c.get("rope_theta", c.get("rotary_emb_base", 10000.0))))
+
+
+def _llama_from_config(c):
+    _refuse_unless(c, {"hidden_act": ("silu",)})
+    H = c["num_attention_heads"]
+    if c.get("head_dim") not in (None, c["hidden_size"] // H):
+        raise CheckpointError(f"head_dim={c['head_dim']} is not hidden_size / heads: attnlab "
+                              "splits the width equally between heads")
+    bias = bool(c.get("attention_bias", False))
+    if bias != bool(c.get("mlp_bias", False)):
+        raise CheckpointError("attention_bias and mlp_bias differ: attnlab has one bias switch")
+    cfg = ModelConfig(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"],
+                      n_layer=c["num_hidden_layers"], n_head=H,
+                      n_kv_head=c.get("num_key_value_heads") or H, n_embd=c["hidden_size"],
+                      sliding_window=c.get("sliding_window") or 0, position="rope", norm="rmsnorm",
+                      mlp="swiglu", bias=bias, norm_eps=c.get("rms_norm_eps", 1e-6),
+                      rope_theta=_rope_theta(c), tie_embeddings=c.get("tie_word_embeddings", False))
+    if MLPS["swiglu"](cfg).hidden != c["intermediate_size"]:
+        raise CheckpointError(f"intermediate_size={c['intermediate_size']}: attnlab's SwiGLU is "
+                              f"{MLPS['swiglu'](cfg).hidden} wide at this width (8/3 x n_embd, "
+                              "rounded up to 32)")
+    return cfg
+
+
+_LLAMA_LINEARS = [("self_attn.o_proj", "attn.w_o"), ("mlp.down_proj", "mlp.proj")]
+
+
+def _llama_to_hf(sd, cfg):
+    out = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["norm_f.weight"]}
+    hidden = MLPS[cfg.mlp](cfg).hidden
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        out[theirs + "input_layernorm.weight"] = sd[ours + "norm_attn.weight"]
+        out[theirs + "post_attention_layernorm.weight"] = sd[ours + "norm_mlp.weight"]
+        for kind in ("weight", "bias") if cfg.bias else ("weight",):
+            q, k, v = _split_qkv(sd[f"{ours}attn.w_qkv.{kind}"], cfg)
+            gate, up = sd[f"{ours}mlp.fc.{kind}"].split(hidden, dim=0)
+            named = {"self_attn.q_proj": q, "self_attn.k_proj": k, "self_attn.v_proj": v,
+                     "mlp.gate_proj": gate, "mlp.up_proj": up}
+            named.update({hf: sd[f"{ours}{name}.{kind}"] for hf, name in _LLAMA_LINEARS})
+            out.update({f"{theirs}{hf}.{kind}": t for hf, t in named.items()})
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    return out
+
+
+def _llama_from_hf(get, cfg):
+    out = {"wte.weight": get("model.embed_tokens.weight"), "norm_f.weight": get("model.norm.weight")}
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        out[ours + "norm_attn.weight"] = get(theirs + "input_layernorm.weight")
+        out[ours + "norm_mlp.weight"] = get(theirs + "post_attention_layernorm.weight")
+        for kind in ("weight", "bias") if cfg.bias else ("weight",):
+            out[f"{ours}attn.w_qkv.{kind}"] = torch.cat(
+                [get(f"{theirs}self_attn.{p}_proj.{kind}") for p in "qkv"])
+            out[f"{ours}mlp.fc.{kind}"] = torch.cat(
+                [get(f"{theirs}mlp.{p}_proj.{kind}") for p in ("gate", "up")])
+            out.update({f"{ours}{name}.{kind}": get(f"{theirs}{hf}.{kind}") for hf, name in _LLAMA_LINEARS})
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = get("lm_head.weight")
+    return out
+
+
+# -- GPT-NeoX (sequential residual) ----------------------------------------------------
+
+def _neox_blockers(cfg):
+    return _common_refusals(cfg) + _needs(cfg, position="rope", norm="layernorm", mlp="gelu") + (
+        [f"model.n_kv_head={cfg.n_kv_head} (GPT-NeoX has one key/value head per query head)"]
+        if cfg.kv_heads != cfg.n_head else []) + (
+        [f"model.sliding_window={cfg.sliding_window} (GPT-NeoX has no window)"] if cfg.sliding_window else [])
+
+
+def _neox_config(cfg):
+    return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "num_hidden_layers": cfg.n_layer,
+            "num_attention_heads": cfg.n_head, "intermediate_size": 4 * cfg.n_embd,
+            "hidden_act": "gelu_pytorch_tanh", "max_position_embeddings": cfg.block_size,
+            "layer_norm_eps": cfg.norm_eps, "use_parallel_residual": False,
+            "attention_bias": cfg.bias, "tie_word_embeddings": cfg.tie_embeddings,
+            "rope_parameters": {"rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0,
+                                "rope_type": "default"},
+            "attention_dropout": 0.0, "hidden_dropout": 0.0}
+
+
+def _neox_from_config(c):
+    _refuse_unless(c, {"hidden_act": ("gelu_new", "gelu_pytorch_tanh"),
+                       "use_parallel_residual": (False,)})
+    if c.get("intermediate_size") not in (None, 4 * c["hidden_size"]):
+        raise CheckpointError(f"intermediate_size={c['intermediate_size']}: attnlab's GELU MLP "
+                              "is 4 x hidden_size wide")
+    return ModelConfig(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"],
+                       n_layer=c["num_hidden_layers"], n_head=c["num_attention_heads"],
+                       n_embd=c["hidden_size"], position="rope", norm="layernorm", mlp="gelu",
+                       bias=bool(c.get("attention_bias", True)), norm_eps=c.get("layer_norm_eps", 1e-5),
+                       rope_theta=_rope_theta(c), tie_embeddings=c.get("tie_word_embeddings", False))
+
+
+# (NeoX name, ours, output width in n_embd, whether NeoX always has a bias there: its
+# norms and MLP do; its attention only with attention_bias)
+_NEOX = [("input_layernorm", "norm_attn", 1, True), ("attention.query_key_value", "attn.w_qkv", 3, False),
+         ("attention.dense", "attn.w_o", 1, False), ("post_attention_layernorm", "norm_mlp", 1, True),
+         ("mlp.dense_h_to_4h", "mlp.fc", 4, True), ("mlp.dense_4h_to_h", "mlp.proj", 1, True)]
+
+
+def _neox_to_hf(sd, cfg):
+    C = cfg.n_embd
+    out = {"gpt_neox.embed_in.weight": sd["wte.weight"],
+           "gpt_neox.final_layer_norm.weight": sd["norm_f.weight"],
+           "gpt_neox.final_layer_norm.bias": _zeros_if_absent(sd, "norm_f.bias", C)}
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"gpt_neox.layers.{i}."
+        for hf, name, width, always in _NEOX:
+            w = sd[ours + name + ".weight"]
+            out[theirs + hf + ".weight"] = _neox_qkv(w, cfg) if width == 3 else w
+            if always or cfg.bias:
+                b = _zeros_if_absent(sd, ours + name + ".bias", width * C)
+                out[theirs + hf + ".bias"] = _neox_qkv(b, cfg) if width == 3 else b
+    if not cfg.tie_embeddings:
+        out["embed_out.weight"] = sd["lm_head.weight"]      # NeoX's name for its output layer
+    return out
+
+
+def _neox_from_hf(get, cfg):
+    out = {"wte.weight": get("gpt_neox.embed_in.weight"),
+           "norm_f.weight": get("gpt_neox.final_layer_norm.weight")}
+    extra_biases = {"norm_f.bias": get("gpt_neox.final_layer_norm.bias")}
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"gpt_neox.layers.{i}."
+        for hf, name, width, always in _NEOX:
+            w = get(theirs + hf + ".weight")
+            out[ours + name + ".weight"] = _from_neox_qkv(w, cfg) if width == 3 else w
+            if always or cfg.bias:
+                b = get(theirs + hf + ".bias")
+                target = out if cfg.bias else extra_biases
+                target[ours + name + ".bias"] = _from_neox_qkv(b, cfg) if width == 3 else b
+    if cfg.bias:
+        out.update(extra_biases)
+    elif any(b.any() for b in extra_biases.values()):
+        raise CheckpointError("this GPT-NeoX has biases in its norms or MLP but none in its "
+                              "attention; attnlab has one bias switch for all of them")
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = get("embed_out.weight", "lm_head.weight")
+    return out
+
+
+def _refuse_unless(c: dict, allowed: dict) -> None:
+    for key, values in allowed.items():
+        if key in c and c[key] not in values:
+            raise CheckpointError(f"config.json has {key}={c[key]!r}; attnlab computes "
+                                  f"{' or '.join(map(repr, values))} only")
+
+
+ARCHITECTURES = {
+    "gpt2": Architecture("gpt2", "GPT2LMHeadModel", _gpt2_blockers, _gpt2_config,
+                         _gpt2_from_config, _gpt2_to_hf, _gpt2_from_hf),
+    "llama": Architecture("llama", "LlamaForCausalLM", lambda c: _llama_blockers(c, False),
+                          lambda c: _llama_config(c, False), _llama_from_config, _llama_to_hf,
+                          _llama_from_hf),
+    "mistral": Architecture("mistral", "MistralForCausalLM", lambda c: _llama_blockers(c, True),
+                            lambda c: _llama_config(c, True), _llama_from_config, _llama_to_hf,
+                            _llama_from_hf),
+    "gpt_neox": Architecture("gpt_neox", "GPTNeoXForCausalLM", _neox_blockers, _neox_config,
+                             _neox_from_config, _neox_to_hf, _neox_from_hf),
+}
+
+
+def architecture_for(cfg: ModelConfig) -> Architecture:
+    """The architecture that computes exactly what cfg does, or ExportError naming, for
+    the nearest one, the fields that stop it."""
+    reasons = {name: arch.blockers(cfg) for name, arch in ARCHITECTURES.items()}
+    fits = [name for name, why in reasons.items() if not why]
+    if fits:
+        return ARCHITECTURES[fits[0]]
+    fewest = min(len(why) for why in reasons.values())
+    nearest = [f"{name} ({ARCHITECTURES[name].hf_class}), stopped by: " + "; ".join(why)
+               for name, why in reasons.items() if len(why) == fewest]
+    raise ExportError("no transformers architecture computes this model exactly; nearest is "
+                      + ", or ".join(nearest))
+
+
+# -- reading a folder ------------------------------------------------------------------
+
+class WeightFiles:
+    """The safetensors of a folder, one file or shards named by the index, read one
+    tensor at a time (memory stays near the model's own size)."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+        index = read_json(folder / INDEX)
+        if index is not None:
+            names = index.get("weight_map", {})
+            files = sorted(set(names.values()))
+        elif (folder / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+            names = None
+        else:
+            pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+            hint = (f" ({', '.join(pickled)} are pickles, which attnlab never loads: save the model "
+                    "again with save_pretrained(folder, safe_serialization=True))") if pickled else ""
+            raise CheckpointError(f"{folder} has no model.safetensors or {INDEX}{hint}")
+        self.handles = {}
+        for name in files:
+            try:
+                self.handles[name] = safe_open(str(folder / name), framework="pt")
+            except Exception as err:        # safetensors raises its own error types
+                raise CheckpointError(f"{folder / name} cannot be read as safetensors ({err})") from None
+        self.where = names or {k: files[0] for k in self.handles[files[0]].keys()}
+
+    def get(self, *names: str) -> torch.Tensor:
+        """The first of `names` the files hold (also without its first component: a
+        folder saved from the base model has no head prefix)."""
+        for name in names:
+            for candidate in (name, name.split(".", 1)[-1]):
+                if candidate in self.where:
+                    return self.handles[self.where[candidate]].get_tensor(candidate)
+        raise CheckpointError(f"weight {names[0]} is missing from the safetensors files")
+
+
+def load_hf_folder(folder: str | Path, device="cpu", dtype=torch.float32):
+    """(model in eval mode, its ModelConfig, its tokenizer) from a transformers folder."""
+    folder = Path(folder)
+    config = read_json(folder / "config.json") or {}
+    arch = ARCHITECTURES.get(config.get("model_type"))
+    if arch is None:
+        raise CheckpointError(f"{folder}/config.json is a {config.get('model_type')!r} model; "
+                              f"attnlab reads {', '.join(ARCHITECTURES)}")
+    try:
+        cfg = arch.from_hf_config(config)
+    except KeyError as err:
+        raise CheckpointError(f"{folder}/config.json lacks {err}") from None
+    files = WeightFiles(folder)
+    weights = arch.from_hf_weights(files.get, cfg)
+    model = GPT(cfg)
+    from engine.checkpoint import load_weights
+    load_weights(model, weights, folder)
+    tokenizer_path = folder / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        raise CheckpointError(f"{folder} has no tokenizer.json (save the tokenizer with "
+                              "save_pretrained into the same folder)")
+    tokenizer = Tokenizer.parse(tokenizer_path.read_text(encoding="utf-8"), tokenizer_path)
+    return model.to(device=device, dtype=dtype).eval(), cfg, tokenizer
+
+
+def weights_sha256(model: torch.nn.Module) -> str:
+    """A hash of the weights' values (names and bytes in order): a run records its
+    parent's, so a fine-tuned model says which weights it started from."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# -- writing a folder ------------------------------------------------------------------
+
+def export(model: GPT, cfg: ModelConfig, tokenizer: Tokenizer, out: str | Path,
+           generation: dict | None = None) -> Architecture:
+    """Write `out` as a transformers folder. Everything is checked before a file is
+    written, and the folder appears whole (written beside it, then renamed)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    arch = architecture_for(cfg)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out} exists and is not an empty folder; choose a new --out")
+    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    weights = {k: v.contiguous().clone() for k, v in arch.to_hf_weights(state, cfg).items()}
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        eot = tokenizer.eot_id
+        hf_config = transformers.AutoConfig.for_model(
+            arch.model_type, **arch.to_hf_config(cfg), bos_token_id=eot, eos_token_id=eot,
+            architectures=[arch.hf_class], torch_dtype="float32")
+        hf_config.save_pretrained(tmp)
+        save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+        hf_tokenizer(tokenizer).save_pretrained(tmp)
+        transformers.GenerationConfig(bos_token_id=eot, eos_token_id=eot,
+                                      **(generation or {})).save_pretrained(tmp)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return arch
+
+
+def hf_tokenizer(tokenizer: Tokenizer):
+    """A transformers fast tokenizer that encodes and decodes exactly as ours does."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from transformers import PreTrainedTokenizerFast
+    if tokenizer.needs_every_symbol:             # characters: one token per character
+        backend = Backend(models.WordLevel({c: i for i, c in enumerate(tokenizer.chars)}, unk_token=None))
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        backend.decoder = decoders.Fuse()
+    else:
+        backend = Backend.from_str(tokenizer.to_json())
+    special = {}
+    if tokenizer.eot_id is not None:
+        eot = backend.id_to_token(tokenizer.eot_id)
+        special = {"bos_token": eot, "eos_token": eot}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **special)
+
+
+def describe_parent(source: str | Path, model: torch.nn.Module) -> dict:
+    return {"path": str(source), "weights_sha256": weights_sha256(model)}
+

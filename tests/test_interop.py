@@ -1,0 +1,236 @@
+"""Models to and from transformers (engine/interop.py, attnlab/export.py,
+attnlab/evaluate.py, train.py --train.init_from), each checked against transformers'
+own implementation of the architecture: tiny models built here, nothing downloaded."""
+import json
+import warnings
+
+import pytest
+import torch
+
+from conftest import run_script
+from data.tokenizer import BPETokenizer, CharTokenizer
+from engine.interop import ExportError, export, load_hf_folder
+from model import GPT, ModelConfig
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+warnings.filterwarnings("ignore", module="transformers")
+
+CHARS = CharTokenizer("abcdefghijklmnopqrstuvwxyz .,\n")
+
+# Every configuration an architecture expresses, and the one it maps to.
+MAPPED = {
+    "gpt2": (dict(position="learned", norm="layernorm", mlp="gelu", norm_eps=1e-2), "GPT2LMHeadModel"),
+    "gpt2-bias-untied": (dict(position="learned", bias=True, tie_embeddings=False), "GPT2LMHeadModel"),
+    "default (neox)": (dict(), "GPTNeoXForCausalLM"),
+    "neox-theta-eps": (dict(rope_theta=500.0, norm_eps=1e-2), "GPTNeoXForCausalLM"),
+    "neox-bias": (dict(bias=True, tie_embeddings=False), "GPTNeoXForCausalLM"),
+    "llama-gqa": (dict(norm="rmsnorm", mlp="swiglu", n_kv_head=2, rope_theta=500.0, norm_eps=1e-2),
+                  "LlamaForCausalLM"),
+    "llama-mqa-bias-untied": (dict(norm="rmsnorm", mlp="swiglu", n_kv_head=1, bias=True,
+                                   tie_embeddings=False), "LlamaForCausalLM"),
+    "mistral-window": (dict(norm="rmsnorm", mlp="swiglu", n_kv_head=2, sliding_window=8),
+                       "MistralForCausalLM"),
+}
+
+
+def scrambled(cfg: ModelConfig) -> GPT:
+    """A model whose norms and biases are away from 1 and 0, so a mapping that dropped
+    or swapped one of them shows in the logits."""
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("name", MAPPED)
+def test_export_loads_in_transformers_with_equal_logits_and_greedy_text(name, tmp_path):
+    overrides, hf_class = MAPPED[name]
+    cfg = ModelConfig(vocab_size=CHARS.vocab_size, block_size=64, n_layer=2, n_head=4, n_embd=64,
+                      **overrides)
+    ours = scrambled(cfg)
+    export(ours, cfg, CHARS, tmp_path / "out")
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                                 output_loading_info=True)
+    hf.eval()
+    assert type(hf).__name__ == hf_class
+    assert not info["missing_keys"] and not info["unexpected_keys"]    # nothing left to chance
+    x = torch.randint(0, CHARS.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, ours(x).logits, atol=1e-5, rtol=0)
+    prompt = x[:1, :6]
+    mine = torch.cat(list(ours.generate(prompt, 50, temperature=0)), dim=1)
+    theirs = hf.generate(prompt, max_new_tokens=50, do_sample=False, min_new_tokens=50,
+                         pad_token_id=0)[:, prompt.shape[1]:]
+    assert torch.equal(mine, theirs)                  # 50 tokens, past an 8-token window too
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    text = "hello, world.\nfine"
+    assert tok(text)["input_ids"] == CHARS.encode(text) and tok.decode(CHARS.encode(text)) == text
+    assert (tmp_path / "out" / "generation_config.json").is_file()
+
+
+@pytest.mark.parametrize("fields,blocking", [
+    (dict(position="alibi"), "model.position=alibi"),
+    (dict(position="sinusoidal"), "model.position=sinusoidal"),
+    (dict(sliding_window=8, n_global=2), "model.n_global=2"),
+    (dict(rope_scaling="yarn", rope_factor=2.0), "model.rope_scaling=yarn"),
+    (dict(mlp="relu2"), "model.mlp=relu2"),
+    (dict(norm="rmsnorm", mlp="swiglu", bias=True, sliding_window=8), "model.bias=true"),
+])
+def test_a_model_nothing_expresses_is_refused_before_any_file_is_written(fields, blocking, tmp_path):
+    cfg = ModelConfig(vocab_size=CHARS.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=32,
+                      **fields)
+    with pytest.raises(ExportError, match=f"nearest is .*{blocking}"):
+        export(GPT(cfg), cfg, CHARS, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def gpt2_style_tokenizer(folder):
+    """A byte-level BPE in GPT-2's format, saved the way save_pretrained saves one."""
+    bpe = BPETokenizer.train(["The trophy did not fit in the suitcase because it was too big. "] * 50, 300)
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe.hf, eos_token="<|endoftext|>",
+                                                  bos_token="<|endoftext|>")
+    hf_tok.save_pretrained(folder)
+    return bpe
+
+
+HF_MODELS = {
+    "gpt2": lambda v: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=v, n_positions=64, n_embd=64, n_layer=2, n_head=4)),
+    "llama-gqa": lambda v: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=v, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    "neox-sequential": lambda v: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=v, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, use_parallel_residual=False,
+        hidden_act="gelu_new", rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+                                                "rope_type": "default"})),
+}
+
+
+@pytest.mark.parametrize("name", HF_MODELS)
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_transformers_folder_imports_with_equal_logits_and_round_trips(name, shard, tmp_path):
+    folder = tmp_path / "hf"
+    tok = gpt2_style_tokenizer(folder)
+    torch.manual_seed(0)
+    hf = HF_MODELS[name](tok.vocab_size).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf.save_pretrained(folder, max_shard_size="40KB" if shard else "1GB")
+    assert (folder / "model.safetensors.index.json").is_file() == shard
+    ours, cfg, tokenizer = load_hf_folder(folder)
+    x = torch.randint(0, tok.vocab_size, (2, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, hf(x).logits, atol=1e-5, rtol=0)
+    assert tokenizer.encode("The trophy") == tok.encode("The trophy")
+    export(ours, cfg, tokenizer, tmp_path / "again")
+    again, cfg_again, _ = load_hf_folder(tmp_path / "again")
+    assert cfg_again == cfg
+    for key, value in ours.state_dict().items():
+        assert torch.equal(value, again.state_dict()[key]), key
+
+
+def test_pickled_weights_are_refused_with_the_way_out(tmp_path):
+    from common.errors import CheckpointError
+    folder = tmp_path / "hf"
+    gpt2_style_tokenizer(folder)
+    hf = HF_MODELS["gpt2"](300)
+    hf.config.save_pretrained(folder)
+    torch.save(hf.state_dict(), folder / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="pytorch_model.bin are pickles.*safe_serialization"):
+        load_hf_folder(folder)
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gpt2")
+    tok = gpt2_style_tokenizer(folder)
+    torch.manual_seed(0)
+    HF_MODELS["gpt2"](tok.vocab_size).save_pretrained(folder)
+    return folder
+
+
+def test_sample_and_head_search_read_a_gpt2_folder(gpt2_folder):
+    proc = run_script("sample.py", "--run", gpt2_folder, "--prompt",
+                      "The trophy did not fit in the suitcase because it", "--max_new_tokens", "5")
+    assert proc.stdout.startswith("The trophy did not fit in the suitcase because it")
+    proc = run_script("-m", "attnlab.heads", "search", "--run", gpt2_folder, "--text",
+                      "The trophy did not fit in the suitcase because it was too big",
+                      "--from", "it", "--to", "trophy")
+    assert proc.stdout.count("layer ") >= 5 and "looking at tokens" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def parent_run(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("parent")
+    run_script("train.py", "--config", "tiny", f"--data.path={corpus}", "--train.max_iters=40",
+               f"--data.cache_dir={out / 'cache'}", f"--train.out_dir={out / 'runs'}",
+               "--train.run_name=parent", "--train.lr=3e-3")
+    return out, out / "runs" / "parent"
+
+
+def evaluate_loss(run, data, *extra):
+    proc = run_script("-m", "attnlab.evaluate", "--run", run, "--data", data, *extra)
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()
+            if line.startswith(("attnlab ", "transformers "))}
+    return {name: float(values[0]) for name, values in rows.items()}
+
+
+def test_fine_tuning_starts_at_the_parent_and_improves_on_the_new_text(parent_run, corpus, tmp_path):
+    out, parent = parent_run
+    new = tmp_path / "new.txt"
+    new.write_text(corpus.read_text()[::-1][:30_000])       # the same characters, reversed text
+    run = tmp_path / "runs" / "ft"
+    run_script("train.py", "--config", "finetune", f"--train.init_from={parent}",
+               f"--data.path={new}", f"--data.cache_dir={out / 'cache'}", "--train.device=cpu",
+               f"--train.out_dir={tmp_path / 'runs'}", "--train.run_name=ft", "--train.max_iters=60",
+               "--train.eval_interval=30", "--train.lr=2e-3", "--train.batch_size=8")
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["parent"]["path"] == str(parent) and len(saved["parent"]["weights_sha256"]) == 64
+    before = evaluate_loss(parent, new)["attnlab"]
+    at_start = evaluate_loss(run / "checkpoints" / "step_0000000", new)["attnlab"]
+    after = evaluate_loss(run / "checkpoints" / "step_0000060", new)["attnlab"]
+    assert at_start == before and after < before - 0.05
+    refused = run_script("train.py", "--config", "finetune", f"--train.init_from={parent}",
+                         f"--data.path={new}", "--model.n_layer=3", check=False)
+    assert refused.returncode == 2 and "model.n_layer=3 (the source has 2)" in refused.stderr
+    resumed = run_script("train.py", "--resume", run, "--train.max_iters=70",
+                         f"--train.out_dir={tmp_path / 'runs'}")
+    assert "done at step 70" in resumed.stdout
+
+
+def test_evaluate_of_an_export_equals_transformers_own_loss(parent_run, corpus, tmp_path):
+    _, parent = parent_run
+    run_script("-m", "attnlab.export", "--run", parent, "--out", tmp_path / "exported")
+    text = tmp_path / "text.txt"
+    text.write_text(corpus.read_text()[-3000:])
+    losses = evaluate_loss(parent, text, "--compare", tmp_path / "exported", "--stride", "8")
+    assert abs(losses["attnlab"] - losses["transformers"]) < 1e-4
+    refused = run_script("-m", "attnlab.export", "--run", parent, "--out", tmp_path / "exported",
+                         check=False)
+    assert refused.returncode == 2 and "not an empty folder" in refused.stderr
+
+
+def test_evaluate_scores_every_token_once_from_its_window():
+    """Against a brute-force reference: each token's log-probability from a full pass
+    over the window that first contains it as a new target."""
+    from attnlab.evaluate import sliding_loss, windows
+    for n, context, stride in [(50, 16, 8), (50, 16, 16), (10, 32, 16), (33, 8, 3)]:
+        covered = [p for _, end, first in windows(n, context, stride) for p in range(first, end)]
+        assert covered == list(range(1, n))
+    cfg = ModelConfig(vocab_size=CHARS.vocab_size, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    model = scrambled(cfg)
+    ids = torch.randint(0, CHARS.vocab_size, (50,), generator=torch.Generator().manual_seed(3)).tolist()
+    nats, count = sliding_loss(lambda x: model(x).logits, ids, 16, 8, progress=False)
+    expected = 0.0
+    for t in range(1, 50):
+        start = 0 if t <= 16 else ((t - 17) // 8 + 1) * 8       # the window where t is first new
+        with torch.no_grad():
+            logits = model(torch.tensor([ids[start:t]])).logits[0, -1].double()
+        expected -= torch.log_softmax(logits, -1)[ids[t]].item()
+    assert count == 49 and nats == pytest.approx(expected, rel=1e-6)
