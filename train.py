@@ -11,6 +11,7 @@ Several processes or GPUs: torchrun --standalone --nproc_per_node=N train.py ...
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -29,6 +30,9 @@ def parser() -> Parser:
                    "size and steps that fit TIME (90s, 5m, 1h) and stop on time with a final "
                    "evaluation")
     add_config_options(p)
+    p.add_argument("--init_from", dest="train.init_from", metavar="SRC", help="the same as "
+                   "--train.init_from: start from a run, checkpoint or transformers folder",
+                   default=argparse.SUPPRESS)
     return p
 
 
@@ -50,7 +54,7 @@ def main(argv: list[str]) -> int:
                           "with --resume or torchrun")
     if resuming:
         out_dir = overrides_of(args).get("train", {}).get("out_dir", "runs")
-        cfg, run_dir = resume_config(args.resume, out_dir, overrides_of(args))
+        cfg, run_dir, resuming = resume_config(args.resume, out_dir, overrides_of(args))
     else:
         cfg, run_dir = config.RunConfig(), None
         config.load_preset(cfg, args.preset or default_preset(args))

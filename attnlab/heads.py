@@ -110,8 +110,7 @@ def save_grid(path, tokens, maps) -> Path:
                       labels=len(tokens) <= 16)
     fig.supxlabel("token looked at (key)")
     fig.supylabel("token looking (query)")
-    save_figure(fig, path, dpi=100)
-    return Path(path)
+    return save_figure(fig, path, dpi=100)
 
 
 def save_head(path, tokens, weights, layer, head) -> Path:
@@ -120,8 +119,7 @@ def save_head(path, tokens, weights, layer, head) -> Path:
     _plot_one(ax, weights, tokens, f"layer {layer}, head {head}")
     ax.set_xlabel("token looked at (key)")
     ax.set_ylabel("token looking (query)")
-    save_figure(fig, path, dpi=110)
-    return Path(path)
+    return save_figure(fig, path, dpi=110)
 
 
 CDN_REQUIRE = '<script src="https://cdnjs.cloudflare.com/ajax/libs/require.js/2.3.6/require.min.js"></script>'
@@ -157,6 +155,13 @@ def export_head_view(path, tokens, maps, inline_js: str | Path | None = None) ->
     return Path(path)
 
 
+def out_path(given: str, default: str) -> Path:
+    """--out as given; inside it when it is a folder; the default name when empty."""
+    if not given:
+        return Path(default)
+    return Path(given) / default if Path(given).is_dir() else Path(given)
+
+
 def main(argv=None) -> int:
     parser = Parser("python -m attnlab.heads", __doc__)
     parser.add_argument("what", choices=["grid", "head", "search", "stats", "html"])
@@ -176,14 +181,14 @@ def main(argv=None) -> int:
     model, _, tokenizer, ckpt = load_run(args.run or latest_run(), "best")
     tokens, maps = attention_maps(model, tokenizer, args.text)
     if args.what == "html":
-        print(export_head_view(args.out or "head_view.html", tokens, maps, args.inline_js or None))
+        print(export_head_view(out_path(args.out, "head_view.html"), tokens, maps, args.inline_js or None))
     elif args.what == "grid":
-        print(save_grid(args.out or "attention_grid.png", tokens, maps))
+        print(save_grid(out_path(args.out, "attention_grid.png"), tokens, maps))
     elif args.what == "head":
         if not (0 <= args.layer < len(maps) and 0 <= args.head < maps[0].shape[0]):
             raise AttnlabError(f"this model has layers 0-{len(maps) - 1} and heads "
                                f"0-{maps[0].shape[0] - 1}")
-        print(save_head(args.out or f"attention_l{args.layer}_h{args.head}.png", tokens,
+        print(save_head(out_path(args.out, f"attention_l{args.layer}_h{args.head}.png"), tokens,
                         maps[args.layer][args.head], args.layer, args.head))
     elif args.what == "search":
         if not (args.source and args.target):

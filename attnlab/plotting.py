@@ -15,7 +15,11 @@ def pyplot():
 
 
 def save_figure(fig, path, dpi: int = 110) -> Path:
+    """Save as PNG (a path without a suffix gets .png) and return the path written."""
+    path = Path(path)
+    if not path.suffix:
+        path = path.with_suffix(".png")
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
-    return Path(path)
+    return path

@@ -2,6 +2,7 @@
 are atomic (a temporary file, flushed to disk, then renamed over the target)."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -46,3 +47,27 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def write_json_atomic(path: Path, data) -> None:
     write_text_atomic(path, json.dumps(data, indent=2))
+
+
+def lock_file(path: Path, wait: bool):
+    """An exclusive lock on `path` (created if missing), held until the returned file
+    is closed or the process ends, however it ends. Returns None when another process
+    holds it and `wait` is False."""
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        f.close()
+        return None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def lock_holder(path: Path) -> str:
+    try:
+        return Path(path).read_text().strip() or "?"
+    except OSError:
+        return "?"

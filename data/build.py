@@ -77,7 +77,7 @@ def prepare(spec: SourceSpec, out: str | Path, tokenizer: str = "bpe", vocab_siz
         if not overwrite:
             raise DataError(f"{out} holds tokens prepared with other settings; choose another "
                             "folder, or replace them (data.prepare's --overwrite)")
-        _clear(out)
+        clear_build(out)
         state = None
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)
@@ -106,7 +106,12 @@ def prepare(spec: SourceSpec, out: str | Path, tokenizer: str = "bpe", vocab_siz
         log(f"{err}; starting the token pass over")
         meta = _encode(source, tok, out, _fresh_state(key, tok), shard_tokens, num_proc, log,
                        progress)
+    skipped = getattr(source, "skipped", {})
+    if skipped:
+        log(f"skipped records without text: "
+            + ", ".join(f"{n:,} {kind}" for kind, n in sorted(skipped.items())))
     meta.update(format=FORMAT, version=VERSION, key=key, source=source.describe(),
+                skipped_records=skipped,
                 val_rule=source.val_rule, tokenizer=tok.kind, vocab_size=tok.vocab_size,
                 tokenizer_fingerprint=tok.fingerprint(), eot_id=tok.eot_id,
                 dtype=token_dtype(tok.vocab_size).name, shard_tokens=shard_tokens,
@@ -124,7 +129,8 @@ def _fresh_state(key: dict, tok: Tokenizer) -> dict:
             "counts": {s: {"documents": 0, "bytes": 0, "chars": 0, "tokens": 0} for s in SPLITS}}
 
 
-def _clear(out: Path) -> None:
+def clear_build(out: Path) -> None:
+    """Remove a build's files (and nothing else) from `out`."""
     for pattern in ("train_*.bin*", "val_*.bin*", "meta.json", "progress.json", "tokenizer.json"):
         for path in out.glob(pattern):
             path.unlink()

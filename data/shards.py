@@ -178,6 +178,10 @@ class Shards:
     def __len__(self) -> int:
         return sum(len(a) for a in self.arrays)
 
+    def max(self) -> int:
+        """The largest token id (one pass over the shards)."""
+        return max(int(a.max()) for a in self.arrays if len(a))
+
     def starts(self, window: int) -> np.ndarray:
         """Windows of `window` tokens that start in each shard (0 when it is shorter)."""
         return np.array([max(len(a) - window, 0) for a in self.arrays], dtype=np.int64)

@@ -248,6 +248,7 @@ class _DocumentSource(Source):
 
     def pieces(self) -> Iterator[Piece]:
         spec = self.spec
+        self.skipped: dict[str, int] = {}             # records without text, by what they held
         if spec.val_split:
             yield from self._documents(self._dataset(spec.split), lambda i: "train")
             yield from self._documents(self._dataset(spec.val_split), lambda i: "val")
@@ -271,8 +272,10 @@ class _DocumentSource(Source):
                 raise DataError(f"{spec.source} has no column {column!r}; its columns are "
                                 f"{', '.join(batch)}; choose one with --text-column")
             for text in batch[column]:
-                if not isinstance(text, str) or not text:
-                    continue                       # missing or empty cells carry no text
+                if not isinstance(text, str) or not text:   # missing, empty or not text
+                    kind = "empty" if text == "" else "null" if text is None else type(text).__name__
+                    self.skipped[kind] = self.skipped.get(kind, 0) + 1
+                    continue
                 split = split_of(n_docs)
                 *head, last = cut_pieces(text)
                 for piece in head:
@@ -283,6 +286,11 @@ class _DocumentSource(Source):
                 if (spec.max_docs and n_docs >= spec.max_docs) or \
                         (spec.max_bytes and n_bytes >= spec.max_bytes):
                     return
+        not_text = {k: n for k, n in self.skipped.items() if k not in ("empty", "null")}
+        if not n_docs and not_text:
+            raise DataError(f"column {column!r} of {spec.source} holds "
+                            f"{', '.join(f'{n:,} {k}' for k, n in not_text.items())} values, "
+                            "not text; choose the column with the text (--text-column)")
 
 
 def _checked(batches, source: str):

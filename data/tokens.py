@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from common.errors import DataError
-from common.files import file_sha256
-from data.build import prepare, prepare_key, read_meta
+from common.files import file_sha256, lock_file, lock_holder
+from data.build import clear_build, prepare, prepare_key, read_meta
 from data.shards import Shards
 from data.sources import SourceSpec, local_files
 from data.tokenizer import TOKENIZERS, Tokenizer
@@ -65,6 +65,10 @@ def open_prepared(folder: Path, meta: dict | None = None) -> TokenData:
         if len(shards) != meta["splits"][s]["tokens"]:
             raise DataError(f"the {s} shards in {folder} hold {len(shards):,} tokens but "
                             f"meta.json says {meta['splits'][s]['tokens']:,}; prepare the data again")
+        if len(shards) and shards.max() >= tok.vocab_size:
+            raise DataError(f"the {s} shards in {folder} hold token id {shards.max()}, outside "
+                            f"the tokenizer's vocabulary of {tok.vocab_size}; they were not made "
+                            "with this tokenizer: prepare the data again")
     return TokenData(splits["train"], splits["val"], tok, meta, folder)
 
 
@@ -111,24 +115,34 @@ def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
         name = first + f"-{tokenizer}" + (f"{vocab_size}" if sized else "")
     key = prepare_key(key_extra, tokenizer, vocab_size, CACHE_BPE_SAMPLE, CACHE_SHARD_TOKENS)
     folder = Path(cache_dir or DATA_DIR / "cache") / name
-    meta = read_meta(folder)
-    if meta is not None and meta["key"] == key:
-        try:
-            return open_prepared(folder, meta)
-        except DataError as err:
-            log(f"{err}; rebuilding {folder}")
-    elif meta is not None:
-        log(f"{Path(source).name} or the tokenizer settings changed; rebuilding {folder}")
-    log(f"tokenizing {source} with the {tokenizer} tokenizer into {folder} (once; cached after)")
-    meta = prepare(spec, folder, tokenizer, vocab_size, tokenizer_sample=CACHE_BPE_SAMPLE,
-                   shard_tokens=CACHE_SHARD_TOKENS,
-                   num_proc=0 if size > PARALLEL_FROM_BYTES else 1, overwrite=True,
-                   key_extra=key_extra, log=lambda *a: None, progress=size > PARALLEL_FROM_BYTES,
-                   given=given)
-    s = meta["splits"]
-    log(f"  {s['train']['tokens']:,} train and {s['val']['tokens']:,} val tokens, "
-        f"vocabulary {meta['vocab_size']}")
-    return open_prepared(folder, meta)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # One build per cache folder at a time: a second training started meanwhile waits,
+    # then finds the folder built.
+    lock_path = folder.parent / f".{folder.name}.lock"
+    lock = lock_file(lock_path, wait=False)
+    if lock is None:
+        log(f"another process (pid {lock_holder(lock_path)}) is building {folder}; waiting for it")
+        lock = lock_file(lock_path, wait=True)
+    with lock:
+        meta = read_meta(folder)
+        if meta is not None and meta["key"] == key:
+            try:
+                return open_prepared(folder, meta)
+            except DataError as err:
+                log(f"{err}; rebuilding {folder}")
+                clear_build(folder)                  # start over rather than trust its record
+        elif meta is not None:
+            log(f"{Path(source).name} or the tokenizer settings changed; rebuilding {folder}")
+        log(f"tokenizing {source} with the {tokenizer} tokenizer into {folder} (once; cached after)")
+        meta = prepare(spec, folder, tokenizer, vocab_size, tokenizer_sample=CACHE_BPE_SAMPLE,
+                       shard_tokens=CACHE_SHARD_TOKENS,
+                       num_proc=0 if size > PARALLEL_FROM_BYTES else 1, overwrite=True,
+                       key_extra=key_extra, log=lambda *a: None,
+                       progress=size > PARALLEL_FROM_BYTES, given=given)
+        s = meta["splits"]
+        log(f"  {s['train']['tokens']:,} train and {s['val']['tokens']:,} val tokens, "
+            f"vocabulary {meta['vocab_size']}")
+        return open_prepared(folder, meta)
 
 
 class Batches:

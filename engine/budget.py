@@ -47,6 +47,47 @@ def parse_duration(text: str) -> float:
     return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
 
 
+def training_bytes(cfg) -> tuple[int, int]:
+    """(parameters, bytes) that training cfg needs at least, computed without building
+    anything: 12 bytes a parameter (fp32 weights, gradients and one optimizer moment;
+    AdamW keeps two) plus the activations backward keeps, 34·T·d + 5·H·T² bytes a layer
+    and sequence at 16 bits (Korthikanti et al., arXiv:2205.05198, section 4). Both are
+    lower bounds, so a model refused for them could not have fitted."""
+    m, t = cfg.model, cfg.train
+    vocab = max(m.vocab_size, 1)
+    params = m.n_layer * 12 * m.n_embd ** 2 + vocab * m.n_embd * (1 if m.tie_embeddings else 2)
+    per_layer = 34 * m.block_size * m.n_embd + 5 * m.n_head * m.block_size ** 2
+    activations = m.n_layer * t.batch_size * per_layer
+    return params, 12 * params + activations
+
+
+def available_bytes(device) -> int | None:
+    """Memory free for this run on the device: the GPU's free memory, or the host's
+    available memory for a CPU; None when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def refuse_what_cannot_fit(cfg, device) -> None:
+    params, need = training_bytes(cfg)
+    have = available_bytes(device)
+    if have is not None and need > have:
+        raise ConfigError(
+            f"this model has about {params:,.3g} parameters and training it takes at least "
+            f"{need / 2**30:,.3g} GiB (weights, gradients, optimizer state and activations at "
+            f"batch {cfg.train.batch_size}), but this {device.type} has {have / 2**30:,.1f} GiB "
+            "free; make model.n_layer, model.n_embd, model.block_size or train.batch_size "
+            "smaller (python train.py --budget TIME picks a size that fits)")
+
+
 def heads_for(n_embd: int) -> int:
     """Heads of 32 dimensions up to 256 wide, of 64 beyond (GPT-2's head size)."""
     return max(1, n_embd // (32 if n_embd <= 256 else 64))

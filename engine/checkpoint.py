@@ -11,7 +11,6 @@ file against its recorded hash and refuses a corrupt folder, naming it.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -21,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from common.errors import CheckpointError
-from common.files import file_sha256, fsync, write_json_atomic
+from common.files import file_sha256, fsync, read_json, write_json_atomic
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
@@ -85,8 +84,28 @@ def save(run_dir: Path, step: int, model, optimizer, tensors: dict, state: dict,
     final = root / f"{PREFIX}{step:07d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    weights = model_tensors(model)
+    bad = [name for name, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise CheckpointError(f"the weights hold NaN or infinite values ({', '.join(bad[:3])}); "
+                              "no checkpoint was written, so the last one stays the last good one")
     tmp.mkdir()
-    save_file(model_tensors(model), tmp / "model.safetensors")
+    try:
+        _write(tmp, weights, optimizer, tensors, state, files, step)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)      # a full disk leaves no half checkpoint behind
+        raise
+    if final.exists():                      # the same step saved again (e.g. Ctrl-C right after)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fsync(root)
+    prune(run_dir, keep_last)
+    return final
+
+
+def _write(tmp: Path, weights: dict, optimizer, tensors: dict, state: dict,
+           files: dict[str, str], step: int) -> None:
+    save_file(weights, tmp / "model.safetensors")
     opt_tensors, opt_info = optimizer_split(optimizer)
     save_file({**opt_tensors, **tensors}, tmp / "train_state.safetensors")
     for name, text in files.items():
@@ -98,12 +117,6 @@ def save(run_dir: Path, step: int, model, optimizer, tensors: dict, state: dict,
         manifest[name] = file_sha256(tmp / name)
     write_json_atomic(tmp / "state.json", {**state, "step": step, "optimizer": opt_info,
                                            "files": manifest})
-    if final.exists():                      # the same step saved again (e.g. Ctrl-C right after)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    fsync(root)
-    prune(run_dir, keep_last)
-    return final
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -114,10 +127,8 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def best_step(run_dir: Path) -> int | None:
-    try:
-        return json.loads((Path(run_dir) / "best.json").read_text())["step"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    step = (read_json(Path(run_dir) / "best.json") or {}).get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
 def prune(run_dir: Path, keep_last: int) -> None:
@@ -155,14 +166,29 @@ def resolve(path: str | Path, which: str = "latest") -> Path:
     return ckpts[-1]
 
 
+def verified_json(ckpt: Path, name: str) -> dict:
+    """One JSON file of a checkpoint, checked against the hash its state.json records."""
+    state = read_json(ckpt / "state.json")
+    digest = (state or {}).get("files", {}).get(name) if isinstance(state, dict) else None
+    path = ckpt / name
+    if not isinstance(digest, str) or not path.is_file() or file_sha256(path) != digest:
+        raise CheckpointError(f"checkpoint file {path} is missing or corrupt (its hash does not "
+                              "match state.json); use an earlier checkpoint")
+    data = read_json(path)
+    if data is None:
+        raise CheckpointError(f"checkpoint file {path} is not a JSON object")
+    return data
+
+
 def load(ckpt: Path) -> tuple[dict, dict, dict]:
     """(model tensors, train-state tensors, state.json), every file checked first."""
-    try:
-        state = json.loads((ckpt / "state.json").read_text())
-        manifest = state["files"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"checkpoint {ckpt} has no readable state.json ({err}); "
-                              "it is incomplete or corrupt: use an earlier checkpoint") from None
+    state = read_json(ckpt / "state.json")
+    manifest = (state or {}).get("files")
+    if (not isinstance(manifest, dict) or not all(isinstance(v, str) for v in manifest.values())
+            or not isinstance(state.get("step"), int)):
+        raise CheckpointError(f"checkpoint {ckpt} has no readable state.json (missing, not "
+                              "JSON, or without its step and file hashes); it is incomplete "
+                              "or corrupt: use an earlier checkpoint")
     for name, digest in manifest.items():
         file = ckpt / name
         if not file.is_file() or file_sha256(file) != digest:
@@ -184,6 +210,10 @@ def load_weights(model: torch.nn.Module, weights: dict, origin: Path) -> None:
     missing = set(own) - set(weights) - tied
     unexpected = set(weights) - set(own)
     wrong = [n for n in weights if n in own and weights[n].shape != own[n].shape]
+    bad = [n for n, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise CheckpointError(f"checkpoint {origin} holds NaN or infinite weights ({', '.join(bad[:3])}); "
+                              "use an earlier checkpoint")
     if missing or unexpected or wrong:
         detail = "; ".join(filter(None, [
             f"missing {sorted(missing)[:4]}" if missing else "",
@@ -200,4 +230,12 @@ def latest_run(out_dir: str | Path = "runs") -> Path:
     if not marker.is_file():
         raise CheckpointError(f"no trained run found ({marker} is missing); train one with "
                               "`python train.py`, or pass a run directory")
-    return Path(out_dir) / marker.read_text().strip()
+    try:
+        name = marker.read_text(encoding="utf-8").strip()
+    except (OSError, ValueError):
+        name = ""
+    run = Path(out_dir) / name
+    if not name or "/" in name or not run.is_dir():
+        raise CheckpointError(f"{marker} does not name a run directory in {out_dir}/; pass the "
+                              "run with --run DIR (or --resume DIR), and the next run rewrites it")
+    return run

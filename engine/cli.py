@@ -10,7 +10,9 @@ Every mistake is a ConfigError, printed as one `error:` line with a did-you-mean
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import sys
 from contextlib import contextmanager
 from dataclasses import MISSING, fields
 
@@ -119,7 +121,25 @@ def add_run_options(parser: Parser, what: str = "run directory or checkpoint fol
 
 @contextmanager
 def errors_as_lines():
-    """Every error a user can cause (the project's and the model's own) as one
-    `error:` line and exit status 2; ATTNLAB_DEBUG=1 shows the traceback."""
-    with friendly_errors(ModelError):
-        yield
+    """Every error a user can cause (the project's and the model's own, and what the
+    system refuses: a full disk, a read-only folder, a path that is not there) as one
+    `error:` line and exit status 2; a second Ctrl-C as one line and status 130.
+    ATTNLAB_DEBUG=1 shows the traceback instead."""
+    debug = bool(os.environ.get("ATTNLAB_DEBUG"))
+    try:
+        with friendly_errors(ModelError):
+            yield
+    except OSError as err:
+        if debug:
+            raise
+        where = f" ({err.filename})" if err.filename else ""
+        print(f"error: {err.strerror or err}{where}; nothing half-written was kept (files are "
+              "written whole or not at all): fix that and run the same command again",
+              file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("error: interrupted; a run continues from its last checkpoint with "
+              "python train.py --resume", file=sys.stderr)
+        sys.exit(130)

@@ -23,6 +23,7 @@ from model import REGISTRIES, ModelConfig, ModelError
 from model import registry as model_registry
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+MAX_NEW_TOKENS = 1_000_000          # one sample.py call: hours of text on a CPU already
 
 
 @dataclass
@@ -131,6 +132,13 @@ class RunConfig:
             raise ConfigError("train.parallel=fsdp splits each matrix across processes, and "
                               "Muon orthogonalises whole matrices: use train.optimizer=adamw "
                               "with fsdp, or train.parallel=ddp with muon")
+        name = train.run_name
+        if name and (name in (".", "..") or "/" in name or "\\" in name or name.startswith("~")):
+            raise ConfigError(f"train.run_name={name!r} must be a plain folder name inside "
+                              "train.out_dir (no '/', '..' or '~'); set train.out_dir for "
+                              "another place")
+        if not 0 <= train.seed < 2 ** 63:
+            raise ConfigError(f"train.seed must be between 0 and 2**63 - 1, got {train.seed}")
         if train.time_limit < 0:
             raise ConfigError(f"train.time_limit must be 0 (off) or positive, got {train.time_limit}")
         if train.weight_decay < 0 or train.grad_clip < 0:
@@ -152,6 +160,14 @@ class RunConfig:
         if sample.top_k < 0 or sample.max_new_tokens < 0 or sample.num_samples <= 0:
             raise ConfigError("sample.top_k and sample.max_new_tokens must not be negative, "
                               "and sample.num_samples must be positive")
+        if sample.max_new_tokens > MAX_NEW_TOKENS:
+            raise ConfigError(f"sample.max_new_tokens={sample.max_new_tokens:,} is more than "
+                              f"{MAX_NEW_TOKENS:,} tokens in one go; sample in several runs "
+                              "(sample.seed differs each time) or ask for fewer")
+        if not 0 <= sample.seed < 2 ** 63:
+            raise ConfigError(f"sample.seed must be between 0 and 2**63 - 1, got {sample.seed}")
+        if sample.explain_top < 1:
+            raise ConfigError(f"sample.explain_top must be at least 1, got {sample.explain_top}")
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,

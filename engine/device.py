@@ -30,9 +30,9 @@ def pick_device(name: str = "auto") -> torch.device:
     except RuntimeError:
         raise ConfigError(f"unknown device {name!r}; valid: auto, cpu, cuda, cuda:N, mps") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but torch sees no CUDA GPU; use train.device=auto or cpu")
+        raise ConfigError(f"device {name} asked for, but torch sees no CUDA GPU; use auto or cpu")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError("train.device=mps but this torch has no MPS support; use auto or cpu")
+        raise ConfigError("device mps asked for, but this torch has no MPS support; use auto or cpu")
     return device
 
 

@@ -65,19 +65,43 @@ def stream_text(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], max_new
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    ids: list[int] = []
-    shown = ""
+    decoder = IncrementalDecoder(tokenizer)
     for token in model.generate(idx, max_new_tokens, temperature, top_k, top_p,
                                 generator=generator, use_cache=use_cache, on_step=on_step):
-        ids.append(int(token[0, 0]))
-        text = tokenizer.decode(ids)
-        if text.endswith("\ufffd"):          # an incomplete UTF-8 sequence: wait for more bytes
-            continue
-        yield text[len(shown):]
-        shown = text
-    text = tokenizer.decode(ids)
-    if len(text) > len(shown):
-        yield text[len(shown):]
+        piece = decoder.add(int(token[0, 0]))
+        if piece:
+            yield piece
+    rest = decoder.flush()
+    if rest:
+        yield rest
+
+
+class IncrementalDecoder:
+    """Text of a growing token sequence, piece by piece, at a cost that does not grow
+    with its length: each step decodes the tokens not yet shown together with a few
+    shown ones before them (so a tokenizer that spaces words by context decodes them as
+    it would in the whole text) and keeps what is new. Byte-level BPE tokens can end
+    inside a multi-byte character; those wait until the character is whole."""
+    CONTEXT = 4
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], 0
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        return self._new(final=False)
+
+    def flush(self) -> str:
+        return self._new(final=True)
+
+    def _new(self, final: bool) -> str:
+        before = self.ids[max(0, self.shown - self.CONTEXT):self.shown]
+        text = self.tokenizer.decode(before + self.ids[self.shown:])
+        if text.endswith("\ufffd") and not final:    # an incomplete UTF-8 sequence
+            return ""
+        piece = text[len(self.tokenizer.decode(before)):]
+        self.shown = len(self.ids)
+        return piece
 
 
 class StepExplainer:

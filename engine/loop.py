@@ -49,7 +49,7 @@ def train(run: Run) -> dict:
                       run.cfg.to_dict(), run.run_dir.name, p.wandb_id, run.log, write=run.dist.is_main)
     p.wandb_id = metrics.wandb_id
     metrics.truncate_after(p.step + (1 if p.step else 0))
-    speed = Speedometer(run)
+    speed, watch = Speedometer(run), DivergenceWatch(run.device)
     bar = tqdm(total=train_cfg.max_iters, initial=p.step, unit="step", dynamic_ncols=True,
                mininterval=0.5, desc="train", disable=not run.dist.is_main)
     started, result = time.perf_counter(), {"run_dir": str(run.run_dir)}
@@ -60,6 +60,7 @@ def train(run: Run) -> dict:
                 elapsed = time.perf_counter() - started
                 out_of_time = bool(train_cfg.time_limit) and elapsed >= train_cfg.time_limit
                 if evaluation_due(run, out_of_time) and p.step != last_eval:
+                    watch.check(run)                  # a diverged step, before it is evaluated
                     val = evaluate_and_save(run, metrics, bar)
                     last_eval = p.step
                     speed.restart()
@@ -77,9 +78,11 @@ def train(run: Run) -> dict:
                     break
                 loss, norm = train_step(run, elapsed / train_cfg.time_limit if train_cfg.time_limit else 0.0)
                 p.step += 1
+                watch.see(loss, p.step)
                 bar.update(1)
                 speed.count_step()
                 if p.step % train_cfg.log_interval == 0 or p.step == train_cfg.max_iters:
+                    watch.check(run)
                     log_step(run, metrics, bar, speed, loss, norm)
                 if run.stop_signal is not None:
                     stop_on_signal(run, bar)
@@ -88,6 +91,7 @@ def train(run: Run) -> dict:
         finally:
             bar.close()
             metrics.close()
+            run.release()
     result.update(step=p.step, best_val=p.best_val)
     return result
 
@@ -214,6 +218,27 @@ def log_step(run: Run, metrics: Metrics, bar, speed: Speedometer, loss, norm) ->
         shown["mfu"] = f"{utilisation:.1%}"
     metrics.log(record)
     bar.set_postfix(shown, refresh=False)
+
+
+class DivergenceWatch:
+    """The first step whose training loss was NaN or infinite, kept on the device so
+    no step waits for the GPU; read at log steps, it names the step that diverged
+    even when that step was not logged."""
+
+    def __init__(self, device):
+        self.first = torch.full((), -1, dtype=torch.long, device=device)
+        self.value = torch.zeros((), device=device)
+
+    def see(self, loss: torch.Tensor, step: int) -> None:
+        bad = ~torch.isfinite(loss.detach()) & (self.first < 0)
+        self.first = torch.where(bad, torch.full_like(self.first, step), self.first)
+        self.value = torch.where(bad, loss.detach().float(), self.value)
+
+    def check(self, run: Run) -> None:
+        first = int(self.first.item())
+        if first >= 0:
+            run.progress.step = first
+            raise diverged(run, "the training loss", self.value.item())
 
 
 def diverged(run: Run, what: str, value: float) -> TrainingDiverged:

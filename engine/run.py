@@ -12,8 +12,9 @@ from typing import Callable
 import torch
 
 from common.errors import CheckpointError, ConfigError
-from common.files import read_json
+from common.files import lock_file, lock_holder, read_json
 from engine import checkpoint
+from engine.budget import refuse_what_cannot_fit
 from engine.config import RunConfig, apply, apply_to, from_dict
 from engine.device import autocast, dtype_name, pick_device, pick_dtype, setup_backends
 from engine.distributed import Dist
@@ -55,9 +56,17 @@ class Run:
     log: Callable
     progress: Progress = field(default_factory=Progress)
     stop_signal: int | str | None = None
+    lock: object = None                 # held while this process writes to run_dir
 
     def autocast(self):
         return autocast(self.device, self.dtype)
+
+    def release(self) -> None:
+        """Let another process write to run_dir (engine.loop.train does this when it
+        returns; a process that ends releases it anyway)."""
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
 
     def summary(self) -> str:
         c, m = self.cfg.model, self.model
@@ -105,11 +114,12 @@ def adopt_source(cfg: RunConfig, model_overrides: dict[str, str]) -> Source:
     return Source(model, tokenizer)
 
 
-def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False,
+def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path = False,
               log=print, dist: Dist | None = None, source: Source | None = None) -> Run:
     """Device, data, model, its wrappers, optimizer and run directory, in that order;
     with `source`, the model starts from its weights and the data is encoded with its
-    tokenizer; with `resume`, the state of the run's latest checkpoint."""
+    tokenizer; with `resume`, the state of a checkpoint (a path: that one; True: the
+    run's latest)."""
     dist = dist or Dist()
     log = log if dist.is_main else (lambda *a, **k: None)
     train_cfg = cfg.train
@@ -118,6 +128,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False,
     if dist.world > 1 and device.type == "cuda":
         device = torch.device("cuda", dist.local_rank)
     setup_backends(device)
+    refuse_what_cannot_fit(cfg, device)       # before the data or the model costs anything
     torch.manual_seed(train_cfg.seed)
     given = source.tokenizer if source else None
     if resume and cfg.train.init_from:        # a fine-tuning run keeps its parent's tokenizer
@@ -146,14 +157,28 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False,
               scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
               run_dir=Path(run_dir or Path(train_cfg.out_dir) / (train_cfg.run_name or _fresh_name(cfg))),
               sharded=sharded, log=log)
+    if dist.is_main:
+        run.lock = _lock_run_dir(run.run_dir)
     if resume:
-        restore(run)
+        restore(run, resume if isinstance(resume, Path) else None)
     elif checkpoint.list_checkpoints(run.run_dir):
         raise CheckpointError(f"{run.run_dir} already holds checkpoints; continue it with "
                               f"--resume {run.run_dir}, or choose another train.run_name")
     if dist.is_main:
         _write_run_files(run)
     return run
+
+
+def _lock_run_dir(run_dir: Path):
+    """One training process per run directory: a second one writing into the same run
+    would interleave its metrics and checkpoints with the first's."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = lock_file(run_dir / ".lock", wait=False)
+    if lock is None:
+        raise CheckpointError(f"{run_dir} is being written by another training process (pid "
+                              f"{lock_holder(run_dir / '.lock')}); wait for it to finish, or "
+                              "choose another train.run_name")
+    return lock
 
 
 def _check_parallel(cfg: RunConfig, dist: Dist) -> None:
@@ -240,10 +265,11 @@ def save(run: Run) -> Path | None:
     return path
 
 
-def restore(run: Run) -> None:
-    """Weights, optimizer, batches, random states and progress from the latest checkpoint."""
+def restore(run: Run, ckpt: Path | None = None) -> None:
+    """Weights, optimizer, batches, random states and progress from a checkpoint of the
+    run (default: its latest)."""
     checkpoint.remove_partial(run.run_dir)
-    ckpt = checkpoint.resolve(run.run_dir, "latest")
+    ckpt = ckpt or checkpoint.resolve(run.run_dir, "latest")
     weights, tensors, state = checkpoint.load(ckpt)
     opt_state = checkpoint.optimizer_join(tensors, state["optimizer"])
     if run.sharded:                           # each process keeps its own shard of each
@@ -264,25 +290,45 @@ def restore(run: Run) -> None:
     run.log(f"resuming {run.run_dir} from {ckpt.name} (step {run.progress.step})")
 
 
-def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]]) -> tuple[RunConfig, Path]:
-    """The run to resume (a folder, or the latest run) and its saved config with the
-    command line's training options applied; model and data must stay as they were."""
-    run_dir = Path(resume) if resume else checkpoint.latest_run(out_dir)
-    config_path = run_dir / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"cannot resume: {run_dir} is not a run directory (no config.json)")
-    saved = read_json(config_path)
-    if saved is None:
-        raise CheckpointError(f"cannot resume: {config_path} is not valid JSON")
-    cfg = from_dict(saved, str(config_path))
+def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]]
+                  ) -> tuple[RunConfig, Path, Path]:
+    """(config, run directory, checkpoint) to resume: RESUME is a run directory (its
+    latest checkpoint), one of its checkpoint folders, or empty (the latest run). The
+    config is the checkpoint's own, hash-checked copy, with the command line's training
+    options applied; a run-level config.json that disagrees about the model or data is
+    refused, and so is a change to either on the command line. New checkpoints always go
+    to the run directory, never inside a checkpoint."""
+    path = Path(resume) if resume else checkpoint.latest_run(out_dir)
+    if (path / "state.json").is_file():                   # a checkpoint folder
+        run_dir = path.parent.parent
+        if path.parent.name != checkpoint.CKPT_DIR or not (run_dir / "config.json").is_file():
+            raise CheckpointError(f"cannot resume: {path} is a checkpoint outside a run "
+                                  "directory; start a new run from it with "
+                                  f"--train.init_from={path}")
+        ckpt = path
+    elif (path / "config.json").is_file():
+        run_dir = path
+        checkpoint.remove_partial(run_dir)
+        ckpt = checkpoint.resolve(run_dir, "latest")
+    else:
+        raise CheckpointError(f"cannot resume: {path} is not a run directory (no config.json)")
+    saved = checkpoint.verified_json(ckpt, "config.json")
+    cfg = from_dict(saved, str(ckpt / "config.json"))
+    run_level = read_json(run_dir / "config.json") or {}
+    _refuse_changes(saved, run_level, f"{run_dir / 'config.json'} disagrees with the config "
+                    f"{ckpt.name} was trained with", "put config.json back as it was")
     for section, values in overrides.items():
         apply(cfg, section, values, "the command line")
     cfg.validate()
-    changed = [f"{s}.{k}: {saved[s].get(k)!r} -> {v!r}"
-               for s in ("model", "data") for k, v in cfg.to_dict()[s].items()
-               if saved.get(s, {}).get(k, v) != v]
+    _refuse_changes(saved, cfg.to_dict(), f"the checkpoint {ckpt} was trained with a "
+                    "different model or data config", "resume without those overrides, or "
+                    "start a new run")
+    return cfg, run_dir, ckpt
+
+
+def _refuse_changes(trained: dict, other: dict, what: str, fix: str) -> None:
+    changed = [f"{s}.{k}: {v!r} -> {other.get(s, {}).get(k)!r}"
+               for s in ("model", "data") for k, v in trained.get(s, {}).items()
+               if k in other.get(s, {}) and other[s][k] != v]
     if changed:
-        raise CheckpointError(f"the checkpoint in {run_dir} was trained with a different "
-                              f"model or data config ({'; '.join(changed)}); resume without "
-                              "those overrides, or start a new run")
-    return cfg, run_dir
+        raise CheckpointError(f"{what} ({'; '.join(changed)}); {fix}")

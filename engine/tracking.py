@@ -37,8 +37,8 @@ class Metrics:
         """On resume: drop records the killed run wrote past its last checkpoint."""
         if not self.write or not self.path.exists():
             return
-        keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) < step]
+        keep = [line for line in self.path.read_text(errors="replace").splitlines()
+                if _step_of(line) is not None and _step_of(line) < step]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         os.replace(tmp, self.path)
@@ -46,6 +46,16 @@ class Metrics:
     def close(self) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def _step_of(line: str) -> int | None:
+    """The step of one metrics line; None for a line a killed write left torn."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step", 0) if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None
 
 
 def _start_wandb(mode, project, config, run_dir, run_name, resume_id, log):

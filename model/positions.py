@@ -137,10 +137,15 @@ class RoPE(PositionEncoding):
     def rotate(self, x, start):
         # x: (B, heads, T, D), queries and keys of the same T positions.
         T = x.shape[-2]
-        if start + T > self.cos.shape[0]:     # past the table: extend it (works at any length)
-            self._build(max(start + T, 2 * self.cos.shape[0]))
-        cos = self.cos[start:start + T].to(x.dtype)
-        sin = self.sin[start:start + T].to(x.dtype)
+        if start + T <= self.cos.shape[0]:
+            cos, sin = self.cos[start:start + T], self.sin[start:start + T]
+        else:
+            # Past the table (longer evaluation, endless decoding from a rolling cache):
+            # the angles of these positions alone, so memory does not grow with position.
+            pos = torch.arange(start, start + T, device=x.device, dtype=torch.float32)
+            angle = pos[:, None] * self.inv_freq
+            cos, sin = angle.cos() * self.mscale, angle.sin() * self.mscale
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         # Each pair (x1[i], x2[i]) turns by its angle: a 2-D rotation matrix, written out.
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -176,3 +176,63 @@ def test_grouped_query_attention_shapes_and_mha_identity(n_kv_head):
         a, _ = attn(x, PositionEncoding(cfg), Mask.over(0, 5, 5))
         b, _ = plain(x, PositionEncoding(cfg), Mask.over(0, 5, 5))
         assert torch.equal(a, b)
+
+
+def _rope_reference(x, theta):
+    """RoPE from the paper in float64: pair (x[i], x[i + d/2]) of the vector at position
+    p turns by the angle p * theta^(-2i/d)."""
+    T, d = x.shape[-2], x.shape[-1]
+    angle = np.arange(T)[:, None] * theta ** (-np.arange(0, d, 2) / d)[None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle),
+                           x2 * np.cos(angle) + x1 * np.sin(angle)], axis=-1)
+
+
+@pytest.mark.parametrize("n_kv_head", [1, 2, 4])
+@pytest.mark.parametrize("position", ["none", "rope", "alibi"])
+@pytest.mark.parametrize("backend", sorted(ATTENTION_BACKENDS))
+def test_the_multi_head_layer_equals_an_independent_float64_reference(n_kv_head, position, backend):
+    """The whole layer against NumPy: projections, positions applied by the reference's
+    own code, each key/value head repeated for its group of query heads (GQA,
+    arXiv:2305.13245), the article's attention, heads side by side, W_O."""
+    import numpy as np
+    from tests.reference import attention as ref_attention, mask_rule
+    from model.positions import POSITION_ENCODINGS
+    window = 6 if ATTENTION_BACKENDS[backend].needs_window else 0
+    if not ATTENTION_BACKENDS[backend].trains_on_cpu and position == "alibi":
+        pytest.skip("flex's score_mod path is compiled: checked on a GPU")
+    H, C, T, theta = 4, 32, 12, 500.0
+    cfg = ModelConfig(n_embd=C, n_head=H, n_kv_head=n_kv_head, block_size=T, position=position,
+                      attention=backend, sliding_window=window, rope_theta=theta)
+    # float64 except flex, which compiles float32 kernels only on a CPU; RoPE's angle
+    # table is float32 by design (its rounding, ~1e-8, is far below a dropped rotation).
+    dtype = torch.float64 if ATTENTION_BACKENDS[backend].trains_on_cpu else torch.float32
+    atol = 2e-5 if dtype == torch.float32 else 1e-6 if position == "rope" else 1e-10
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(cfg, 0).to(dtype)
+    positions = POSITION_ENCODINGS[position](cfg)
+    x = torch.randn(2, T, C, dtype=dtype)
+    mask = Mask(q_start=0, q_len=T, k_pos=torch.arange(T), window=window,
+                bias_fn=positions.score_bias())
+    with torch.no_grad():
+        out, _ = layer(x, positions, mask)
+
+    D = C // H
+    w_qkv, w_o = (w.detach().double().numpy() for w in (layer.w_qkv.weight, layer.w_o.weight))
+    qkv = x.double().numpy() @ w_qkv.T                                    # (B, T, (H + 2·H_kv)·D)
+    q = qkv[..., : H * D].reshape(2, T, H, D).transpose(0, 2, 1, 3)
+    k = qkv[..., H * D:(H + n_kv_head) * D].reshape(2, T, n_kv_head, D).transpose(0, 2, 1, 3)
+    v = qkv[..., (H + n_kv_head) * D:].reshape(2, T, n_kv_head, D).transpose(0, 2, 1, 3)
+    if position == "rope":
+        q, k = _rope_reference(q, theta), _rope_reference(k, theta)
+    group = H // n_kv_head                                      # query heads per key/value head
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    bias = None
+    if position == "alibi":                                     # slopes 2^(-8h/H), h = 1..H
+        slopes = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)
+        distance = np.arange(T)[:, None] - np.arange(T)[None, :]
+        bias = -slopes[:, None, None] * distance
+    visible = mask_rule(np.arange(T), np.arange(T), window)
+    heads, _, _ = ref_attention(q, k, v, visible, bias)
+    expected = heads.transpose(0, 2, 1, 3).reshape(2, T, C) @ w_o.T
+    np.testing.assert_allclose(out.double().numpy(), expected, atol=atol, rtol=0)

@@ -16,8 +16,12 @@ def make_trainer(corpus, tmp_path, *extra):
     return setup_run(cfg, log=lambda *a: None)
 
 
-def test_a_nan_loss_stops_the_run_naming_the_step_and_keeping_the_last_checkpoint(corpus, tmp_path):
-    trainer = make_trainer(corpus, tmp_path, "--train.max_iters=40")
+@pytest.mark.parametrize("log_interval", [1, 10, 7])
+def test_a_nan_loss_stops_the_run_naming_the_step_and_keeping_the_last_checkpoint(
+        corpus, tmp_path, log_interval):
+    """The step named is the one that diverged, whichever step logs next."""
+    trainer = make_trainer(corpus, tmp_path, "--train.max_iters=40",
+                           f"--train.log_interval={log_interval}")
     class Poisoned(torch.nn.Module):
         """The real model, whose training loss turns to NaN from the 16th step on."""
 

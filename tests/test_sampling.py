@@ -61,3 +61,81 @@ def test_explainer_probabilities_sum_to_one_and_match_the_sampler():
         befores = [b for _, b, _ in step["candidates"]]
         assert befores == sorted(befores, reverse=True)
         assert "chosen" in explainer.render(step, 1)
+
+
+# -- statistics: the sampler draws from the distribution it claims ---------------------
+import numpy as np  # noqa: E402
+
+WIDE = torch.tensor([3.0, 2.5, 1.0, 0.9, 0.2, -0.5, -1.0, -3.0])     # no ties
+CHI2_DF7 = 29.9            # the 0.9999 quantile of chi-square with 7 degrees of freedom
+
+
+def reference(logits, temperature=1.0, top_k=0, top_p=1.0) -> np.ndarray:
+    """softmax(logits / T), the k best kept, then the smallest set whose mass reaches
+    p kept, renormalised: written from the papers in float64 (arXiv:1904.09751)."""
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_k:
+        p[np.argsort(-p, kind="stable")[top_k:]] = 0
+        p /= p.sum()
+    if top_p < 1:
+        order = np.argsort(-p, kind="stable")
+        cum = np.cumsum(p[order])
+        keep = order[: int(np.searchsorted(cum, top_p - 1e-12)) + 1]
+        q = np.zeros_like(p)
+        q[keep] = p[keep]
+        p = q / q.sum()
+    return p
+
+
+def draws(logits, n=20_000, **kw):
+    g = torch.Generator().manual_seed(1234)
+    return sample_next(logits.expand(n, -1), generator=g, **kw)[:, 0].numpy()
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7),
+                                dict(temperature=1.5, top_k=3), dict(temperature=0.8, top_p=0.6),
+                                dict(temperature=1.3, top_k=5, top_p=0.8)])
+def test_draws_match_the_reference_distribution_by_chi_square(kw):
+    expected = reference(WIDE, **kw)
+    counts = np.bincount(draws(WIDE, **kw), minlength=len(WIDE))
+    assert counts[expected == 0].sum() == 0                     # never outside the kept set
+    kept = expected > 0
+    e = expected[kept] * counts.sum()
+    chi2 = ((counts[kept] - e) ** 2 / e).sum()
+    assert chi2 < CHI2_DF7, (counts, e)
+    torch.testing.assert_close(next_token_distribution(WIDE[None], **kw)[0].double(),
+                               torch.from_numpy(expected), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.62, 0.9, 0.999, 1.0])
+def test_top_p_keeps_the_smallest_set_reaching_p(top_p):
+    p = next_token_distribution(WIDE[None], 1.0, top_p=top_p)[0]
+    base = torch.softmax(WIDE, -1)
+    kept = p > 0
+    assert base[kept].sum() >= top_p - 1e-6                     # reaches p
+    assert base[kept].sum() - base[kept].min() < top_p           # and is the smallest that does
+    if top_p == 1.0:
+        assert kept.all()
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    """As transformers' TopKLogitsWarper does: a tie at the k-th value is not broken
+    by position."""
+    tied = torch.tensor([[3.0, 1.0, 1.0, 0.0]])
+    assert (next_token_distribution(tied, 1.0, top_k=2) > 0).tolist() == [[True, True, True, False]]
+
+
+def test_top_p_with_tied_probabilities_keeps_a_set_that_reaches_p():
+    tied = torch.tensor([[1.0, 1.0, 1.0, 1.0]])                  # 0.25 each
+    for top_p, n in [(0.25, 1), (0.3, 2), (0.5, 2), (0.75, 3), (1.0, 4)]:
+        assert (next_token_distribution(tied, 1.0, top_p=top_p) > 0).sum().item() == n
+
+
+def test_rows_of_a_batch_are_sampled_each_from_its_own_logits():
+    batch = torch.stack([WIDE, WIDE.flip(0)])
+    g = torch.Generator().manual_seed(7)
+    rows = torch.cat([sample_next(batch, temperature=0.5, top_k=2, generator=g) for _ in range(2000)], 1)
+    assert set(rows[0].tolist()) == {0, 1} and set(rows[1].tolist()) == {6, 7}
+    assert 0.5 < (rows[0] == 0).float().mean() < 0.85             # ~0.73 under T = 0.5
