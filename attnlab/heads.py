@@ -12,6 +12,7 @@ Rows of a heatmap are the tokens looking (queries), columns the tokens looked at
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -139,6 +140,10 @@ def export_head_view(path, tokens, maps, inline_js: str | Path | None = None) ->
         raise AttnlabError("the HTML view needs bertviz: pip install bertviz") from None
     shown = [t.replace("\n", "\\n") for t in tokens]
     body = head_view([m[None] for m in maps], shown, html_action="return").data
+    # bertviz writes the tokens as JSON inside a <script>: a token holding "</" could end
+    # that script early. "<\/" is the same string to JSON and JavaScript, and cannot.
+    listed = json.dumps(shown)
+    body = body.replace(listed, listed.replace("</", "<\\/"))
     if inline_js:
         folder = Path(inline_js)
         libs = []

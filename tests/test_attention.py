@@ -83,7 +83,9 @@ MASKS = {
     "window+global": (0, 20, 20, 4, 2), "window+global chunk": (8, 12, 20, 4, 2),
     "window+global decode": (19, 1, 20, 4, 2), "window 7, ragged blocks": (0, 20, 20, 7, 3),
 }
-CPU_FORWARD_ONLY = {"flex"}          # torch has no flex backward on CPU
+# Backends with no backward on a CPU in torch (flex): their gradients are checked on a
+# GPU by test_flex_gradients_match_the_reference_on_a_gpu.
+CPU_FORWARD_ONLY = {n for n, b in ATTENTION_BACKENDS.items() if not b.trains_on_cpu}
 
 
 def _inputs(mask_spec, position, seed=0):
@@ -123,6 +125,26 @@ def test_every_backend_matches_the_float64_reference(backend, mask_name, positio
     out.backward(torch.from_numpy(d_out).float())
     for name, t, expected in zip("qkv", (q, k, v), ref_grads):
         np.testing.assert_allclose(t.grad.numpy(), expected, atol=5e-5, rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex has a backward on GPUs only")
+@pytest.mark.parametrize("position", sorted(POSITION_ENCODINGS))
+@pytest.mark.parametrize("mask_name", ["causal", "window", "window+global", "window 7, ragged blocks"])
+def test_flex_gradients_match_the_reference_on_a_gpu(mask_name, position):
+    q64, k64, v64, mask, bias_fn32 = _inputs(MASKS[mask_name], position)
+    q_start, q_len, k_len, window, n_global = MASKS[mask_name]
+    allowed = mask_rule(range(q_start, q_start + q_len), range(k_len), window, n_global)
+    bias = None if mask.bias is None else mask.bias.numpy()
+    ref, _, backward = reference_attention(q64.numpy(), k64.numpy(), v64.numpy(), allowed, bias)
+    d_out = np.random.default_rng(1).standard_normal(ref.shape)
+    q, k, v = (t.float().cuda().requires_grad_() for t in (q64, k64, v64))
+    mask32 = Mask(q_start, q_len, torch.arange(k_len, device="cuda"), window=window,
+                  n_global=n_global, bias_fn=bias_fn32)
+    out, _ = ATTENTION_BACKENDS["flex"](q, k, v, mask32)
+    np.testing.assert_allclose(out.detach().cpu().numpy(), ref, atol=2e-4, rtol=1e-3)
+    out.backward(torch.from_numpy(d_out).float().cuda())
+    for name, t, expected in zip("qkv", (q, k, v), backward(d_out)):
+        np.testing.assert_allclose(t.grad.cpu().numpy(), expected, atol=5e-4, rtol=1e-3, err_msg=name)
 
 
 def test_eager_weights_equal_the_reference_and_hide_exactly_the_masked_keys():

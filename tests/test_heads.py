@@ -90,3 +90,11 @@ def test_search_names_the_word_that_comes_in_the_wrong_order():
         search([torch.zeros(1, len(text), len(text))], text, spans, "it", "trophy")
     with pytest.raises(AttnlabError, match="'zebra' does not occur"):
         search([torch.zeros(1, len(text), len(text))], text, spans, "it", "zebra")
+
+
+def test_the_html_view_cannot_be_closed_early_by_a_token(tmp_path):
+    pytest.importorskip("bertviz")
+    from attnlab.heads import export_head_view
+    tokens = ["a", "</script><script>alert(1)</script>", "c"]
+    html = export_head_view(tmp_path / "v.html", tokens, [torch.rand(2, 3, 3)]).read_text()
+    assert "alert(1)" in html and "</script><script>alert(1)" not in html

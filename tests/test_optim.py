@@ -51,3 +51,17 @@ def test_training_learns_and_resumes_exactly(optimizer, corpus, tmp_path):
     straight, split = _losses(tmp_path / "r" / "straight"), _losses(tmp_path / "r" / "split")
     assert straight == split
     assert straight[20] < straight[1] - 0.3
+
+
+def test_the_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr():
+    """The first step already learns (lr/W, not 0), step W-1 reaches the peak, the
+    cosine is half-way at the middle of the decay and ends at min_lr."""
+    import math
+    from engine.loop import lr_at
+    t = cli.build("tiny", ["--train.lr=1e-3", "--train.min_lr=1e-4", "--train.warmup_iters=10",
+                           "--train.max_iters=110"]).train
+    assert lr_at(0, t) == pytest.approx(1e-4) and lr_at(4, t) == pytest.approx(5e-4)
+    assert lr_at(9, t) == pytest.approx(1e-3) and lr_at(10, t) == pytest.approx(1e-3)
+    assert lr_at(60, t) == pytest.approx((1e-3 + 1e-4) / 2)
+    assert lr_at(35, t) == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi / 4)) * 9e-4)
+    assert lr_at(110, t) == pytest.approx(1e-4) and lr_at(500, t) == pytest.approx(1e-4)

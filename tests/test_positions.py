@@ -56,6 +56,20 @@ def test_sinusoidal_values_match_the_formula():
     assert pe[pos, 3].item() == pytest.approx(torch.tensor(angle).cos().item(), abs=1e-6)
 
 
+def test_sinusoidal_scales_the_token_embeddings_by_sqrt_d_model_first():
+    """x·√d + PE (section 3.4 of arXiv:1706.03762), written out in float64."""
+    import numpy as np
+    d, T, start = 16, 6, 3
+    cfg = ModelConfig(vocab_size=8, n_head=2, n_embd=d, position="sinusoidal")
+    x = torch.randn(2, T, d, generator=torch.Generator().manual_seed(0))
+    out = POSITION_ENCODINGS["sinusoidal"](cfg).embed(x, start).double().numpy()
+    pos = np.arange(start, start + T)[:, None]
+    angle = pos / 10000 ** (np.arange(0, d, 2)[None, :] / d)
+    pe = np.empty((T, d))
+    pe[:, 0::2], pe[:, 1::2] = np.sin(angle), np.cos(angle)
+    np.testing.assert_allclose(out, x.double().numpy() * np.sqrt(d) + pe, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("position", sorted(POSITION_ENCODINGS))
 def test_encodings_distinguish_order_except_none(position):
     torch.manual_seed(0)

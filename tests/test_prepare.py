@@ -1,4 +1,5 @@
 """data.prepare: sources through `datasets`, tokenizers at scale, shards, resume, offline."""
+import gzip
 import json
 import os
 import subprocess
@@ -15,10 +16,9 @@ from common.errors import DataError
 from data.shards import HEADER_BYTES, Shards, open_shard
 from data.sources import SourceSpec, cut_pieces
 from data.tokenizer import BPETokenizer
-from conftest import run_script
+from conftest import ROOT, run_script  # noqa: E402
 from data.tokens import Batches, load_tokens, open_prepared
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("the cat sat on a mat while it rained and the dog looked at it for a long time "
          "because nothing else moved in the house that day").split()
 
@@ -355,3 +355,57 @@ def test_a_partial_shard_shorter_than_its_record_restarts_the_token_pass(records
     assert any("starting the token pass over" in line for line in logs)
     for path in (tmp_path / "fresh").glob("*.bin"):
         assert (out / path.name).read_bytes() == path.read_bytes()
+
+
+KILL_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import data.build as build
+from data.sources import SourceSpec
+build.BATCH_CHARS, build.SAVE_EVERY_S = 4000, 0.0        # small tasks, progress after each
+build.prepare(SourceSpec(sys.argv[2]), sys.argv[3], "bpe", 400, tokenizer_sample=200_000,
+              shard_tokens=20_000, num_proc=int(sys.argv[4]), log=lambda *a: None, progress=False)
+"""
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_a_build_killed_at_random_moments_resumes_to_identical_shards(num_proc, tmp_path):
+    """SIGKILL (no chance to clean up) at random points, several times over, then the
+    same command again: the shards equal an uninterrupted build's, byte for byte.
+    ATTNLAB_KILLS sets how many kills (bench runs more than CI's three)."""
+    import random
+    import signal
+    import time
+    text = gzip.open(ROOT / "data" / "shakespeare" / "plays.txt.gz", "rt").read()[:600_000]
+    source = tmp_path / "plays.txt"
+    source.write_text(text)
+
+    def start(out):
+        return subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(ROOT), str(source), str(out),
+                                 str(num_proc)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    reference = tmp_path / "reference"
+    began = time.perf_counter()
+    assert start(reference).wait(timeout=300) == 0
+    took = time.perf_counter() - began
+    rng = random.Random(num_proc)
+    out = tmp_path / "killed"
+    wanted, kills = int(os.environ.get("ATTNLAB_KILLS", "3")), 0
+    for _ in range(3 * wanted):                     # each resumed run has less left to do
+        proc = start(out)
+        time.sleep(rng.uniform(0.1, 0.4) * took)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait()
+        if kills == wanted or proc.returncode == 0:
+            break
+    assert kills >= 2                                        # it was really interrupted
+    assert start(out).wait(timeout=300) == 0
+    names = sorted(p.name for p in reference.iterdir() if p.suffix in (".bin", ".json")
+                   and p.name != "meta.json")
+    assert names == sorted(p.name for p in out.iterdir() if p.suffix in (".bin", ".json")
+                           and p.name != "meta.json")
+    for name in names:
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+    assert not list(out.glob("*.partial")) and not (out / "progress.json").exists()
