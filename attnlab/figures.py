@@ -2,7 +2,7 @@
 
     python -m attnlab.figures all --out docs/figures     # every figure, numbers printed
     python -m attnlab.figures masks --out masks.png      # one of: softmax, sqrt_dk,
-                                                         # blend, masks, cost
+                                                         # blend, masks, cost, induction
 
 softmax   softmax(1, 2, 3) and the same scores x8: why large scores saturate
 sqrt_dk   the spread of q·k for random unit-variance vectors grows like √d_k (measured)
@@ -10,6 +10,7 @@ blend     the movie-night example: weights 0.5/0.3/0.2 over scores 9/2/5 give 6.
 masks     causal, sliding-window and local + global masks
 cost      O(T²) against O(T·W): scores computed, and measured time when
           bench/attention_cost.py has written bench/out/attention_cost.json
+induction the previous-token and induction heads a 2-layer model grows (attnlab.induction)
 """
 from __future__ import annotations
 
@@ -143,8 +144,17 @@ def cost_curve(out: Path, window: int = 256) -> Path:
     return out
 
 
+def induction_heads(out: Path) -> Path:
+    """attnlab.induction's experiment (about 15 s): the previous-token head and the
+    induction head of a 2-layer attention-only model trained on repeated spans."""
+    from attnlab.induction import plot_heads, report, train_attention_only
+    model = train_attention_only(log=lambda *a: None)
+    _, _, prev, induct = report(model, 12, log=lambda *a: None)
+    return plot_heads(model, 12, {"previous-token head": prev, "induction head": induct}, out)
+
+
 FIGURES = {"softmax": softmax_saturation, "sqrt_dk": sqrt_dk_growth, "blend": movie_night_blend,
-           "masks": save_mask_patterns, "cost": cost_curve}
+           "masks": save_mask_patterns, "cost": cost_curve, "induction": induction_heads}
 
 
 def main(argv=None):

@@ -129,6 +129,9 @@ def errors_as_lines():
     try:
         with friendly_errors(ModelError):
             yield
+    except BrokenPipeError:                   # the reader left (| head): nothing to report
+        sys.stdout = open(os.devnull, "w")
+        sys.exit(0)
     except OSError as err:
         if debug:
             raise

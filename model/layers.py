@@ -2,6 +2,7 @@
 pre-norm residual block that wraps attention and MLP."""
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -62,7 +63,19 @@ class ReluSquaredMLP(GeluMLP):
         return self.dropout(self.proj(F.relu(self.fc(x)).square()))
 
 
-MLPS = {"gelu": GeluMLP, "swiglu": SwiGLU, "relu2": ReluSquaredMLP}
+class NoMLP(nn.Module):
+    """No feed-forward at all: an attention-only Transformer, the setting in which
+    Olsson et al. (2022, "In-context Learning and Induction Heads") found induction
+    heads: every computation is attention, so each can be read off the patterns."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+
+    def forward(self, x):
+        return torch.zeros_like(x)
+
+
+MLPS = {"gelu": GeluMLP, "swiglu": SwiGLU, "relu2": ReluSquaredMLP, "none": NoMLP}
 
 
 class Block(nn.Module):

@@ -1,0 +1,162 @@
+"""Induction heads, found and shown: the two-head circuit that copies what followed the
+last occurrence of the current token (Olsson et al., "In-context Learning and
+Induction Heads", 2022).
+
+    python -m attnlab.induction --out figures/induction        # train, detect, ablate
+    python -m attnlab.heads induction --run runs/NAME          # detect in any model
+
+The experiment trains a 2-layer attention-only model (no MLPs) on sequences made of a
+random span of tokens followed by the same span again; the span's length changes from
+batch to batch, so no fixed positional offset can stand in for finding the token. The first half cannot be
+predicted; the second half can, by looking back. Two heads learn to do it together:
+  a previous-token head in layer 0 writes "the token before me was X" into each
+  position;
+  an induction head in layer 1 looks for the position whose previous token is the
+  current token (via the layer-0 head's writing in its key) and copies what sits there.
+Scores, as in the paper, on fresh repeated random sequences:
+  previous-token score  mean weight a position puts on the position just before it;
+  induction score       mean weight a second-half position t puts on t - span + 1, the
+                        token after the current token's earlier occurrence.
+Zero-ablating the induction head makes the second half as hard as the first again.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from attnlab.lens import ablate, run_with_cache
+from attnlab.plotting import pyplot, save_figure
+from engine.cli import Parser, add_run_options, errors_as_lines
+
+
+INDUCTION_THRESHOLD = 0.5          # a head scoring this on random repeats copies by content
+
+
+def repeated_sequences(n: int, span: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """(n, 2·span) token ids: a random span, then the same span again."""
+    first = torch.randint(0, vocab, (n, span), generator=generator)
+    return torch.cat([first, first], dim=1)
+
+
+@torch.no_grad()
+def head_scores(model, span: int = 20, n: int = 16, vocab: int | None = None, seed: int = 0):
+    """(previous-token scores, induction scores), each (layers, heads), on repeated
+    random sequences drawn from the model's vocabulary (or the first `vocab` ids)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = vocab or model.config.vocab_size
+    span = min(span, model.config.block_size // 2)
+    x = repeated_sequences(n, span, vocab, g).to(next(model.parameters()).device)
+    _, cache = run_with_cache(model, x, only=[f"blocks.{l}.pattern" for l in range(model.config.n_layer)])
+    T = 2 * span
+    prev, induct = [], []
+    t = torch.arange(span, T)                                # second-half positions
+    for layer in range(model.config.n_layer):
+        p = cache[f"blocks.{layer}.pattern"].float()        # (n, H, T, T)
+        prev.append(p[:, :, torch.arange(1, T), torch.arange(0, T - 1)].mean(dim=(0, 2)))
+        induct.append(p[:, :, t, t - span + 1].mean(dim=(0, 2)))
+    return torch.stack(prev).cpu(), torch.stack(induct).cpu()
+
+
+@torch.no_grad()
+def half_losses(model, x: torch.Tensor, span: int, **ablation) -> tuple[float, float]:
+    """Mean next-token loss on the first half and on the repeated half of x."""
+    with ablate(model, **ablation):
+        logits = model(x[:, :-1]).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
+    return loss[:, :span - 1].mean().item(), loss[:, span:].mean().item()
+
+
+def train_attention_only(vocab: int = 64, span: int = 16, steps: int = 3000, seed: int = 0,
+                         seconds: float = 120.0, log=print):
+    """A 2-layer, attention-only model trained on repeated random spans."""
+    from model import GPT, ModelConfig
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=vocab, block_size=2 * span, n_layer=2, n_head=4, n_embd=64,
+                      mlp="none", position="learned")
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed + 1)
+    started = time.perf_counter()
+    for step in range(steps):
+        # A span of a different length each batch: a head that attended to a fixed
+        # offset would be right for one length only, so copying has to go by content.
+        x = repeated_sequences(32, int(torch.randint(span // 2, span + 1, (), generator=g)), vocab, g)
+        loss = model(x[:, :-1], x[:, 1:]).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 500 == 0 or step == steps - 1:
+            log(f"step {step:>4}: loss {loss.item():.3f} (about half of ln {vocab} = "
+                f"{math.log(vocab):.2f} once the repeated half is learned)")
+        if time.perf_counter() - started > seconds:
+            break
+    return model.eval()
+
+
+def report(model, span: int, vocab: int | None = None, log=print):
+    """The score table, and the best previous-token and induction heads."""
+    prev, induct = head_scores(model, span=span, vocab=vocab)
+    log(f"{'layer':>5} {'head':>4} {'previous-token':>15} {'induction':>10}")
+    for layer in range(prev.shape[0]):
+        for head in range(prev.shape[1]):
+            log(f"{layer:>5} {head:>4} {prev[layer, head]:15.3f} {induct[layer, head]:10.3f}")
+    best_prev = divmod(int(prev.argmax()), prev.shape[1])
+    best_induct = divmod(int(induct.argmax()), induct.shape[1])
+    log(f"previous-token head: layer {best_prev[0]}, head {best_prev[1]} "
+        f"(score {prev.max():.3f}); induction head: layer {best_induct[0]}, head "
+        f"{best_induct[1]} (score {induct.max():.3f})")
+    return prev, induct, best_prev, best_induct
+
+
+def plot_heads(model, span: int, heads: dict[str, tuple[int, int]], path: Path,
+               vocab: int | None = None) -> Path:
+    g = torch.Generator().manual_seed(7)
+    x = repeated_sequences(1, min(span, 12, model.config.block_size // 2),
+                           vocab or model.config.vocab_size, g)
+    x = x.to(next(model.parameters()).device)
+    _, cache = run_with_cache(model, x)
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(heads), figsize=(4.2 * len(heads), 4))
+    for ax, (title, (layer, head)) in zip(list(axes) if len(heads) > 1 else [axes], heads.items()):
+        ax.imshow(cache[f"blocks.{layer}.pattern"][0, head].cpu(), cmap="viridis", vmin=0, vmax=1)
+        ax.set_title(f"{title}\nlayer {layer}, head {head}", fontsize=10)
+        ax.set_xlabel("key position (looked at)")
+        ax.set_ylabel("query position (looking)")
+    return save_figure(fig, path)
+
+
+def main(argv=None) -> int:
+    parser = Parser("python -m attnlab.induction", __doc__)
+    parser.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
+    parser.add_argument("--span", type=int, default=16, help="length of the repeated span")
+    parser.add_argument("--out", default="induction", help="folder for the figures")
+    args = parser.parse_args(argv)
+    vocab = 64
+    model = train_attention_only(vocab, args.span, args.steps)
+    test_span = args.span * 3 // 4                  # a length it was trained on, not the longest
+    _, induct, best_prev, best_induct = report(model, test_span)
+    # Heads often share the work: switch off every head that scores as an induction head.
+    inductions = [divmod(i, induct.shape[1]) for i in (induct >= INDUCTION_THRESHOLD).flatten().nonzero()[:, 0].tolist()]
+    x = repeated_sequences(64, test_span, vocab, torch.Generator().manual_seed(99))
+    first, second = half_losses(model, x, test_span)
+    _, one_off = half_losses(model, x, test_span, heads=[best_induct])
+    _, all_off = half_losses(model, x, test_span, heads=inductions)
+    _, prev_off = half_losses(model, x, test_span, heads=[best_prev])
+    print(f"loss per token: first half {first:.3f}; repeated half {second:.3f}; repeated half "
+          f"with the best induction head off {one_off:.3f}, with all {len(inductions)} induction "
+          f"heads (score >= {INDUCTION_THRESHOLD}) off {all_off:.3f}, with the previous-token "
+          f"head off {prev_off:.3f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(plot_heads(model, test_span, {"previous-token head": best_prev,
+                                        "induction head": best_induct}, out / "induction_heads.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    with errors_as_lines():
+        sys.exit(main())

@@ -1,0 +1,158 @@
+"""The activation API (attnlab/lens.py): every cached activation checked against the
+model's own computation done by hand, ablation against editing the weights, patching
+against its identity case."""
+import math
+
+import pytest
+import torch
+
+from attnlab.lens import ablate, names, patch, run_with_cache
+from model import GPT, REGISTRIES, ModelConfig
+
+
+def model_for(**kw):
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=30, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    cfg.update(kw)
+    if REGISTRIES["attention"][cfg.get("attention", "sdpa")].needs_window:
+        cfg.setdefault("sliding_window", 6)
+    model = GPT(ModelConfig(**cfg)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+TOKENS = torch.randint(0, 30, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("attention", sorted(REGISTRIES["attention"]))
+@pytest.mark.parametrize("position", ["rope", "alibi", "learned"])
+def test_the_last_residual_through_the_final_norm_and_head_is_the_logits(attention, position):
+    model = model_for(attention=attention, position=position, n_kv_head=2)
+    logits, cache = run_with_cache(model, TOKENS)
+    assert set(cache) == set(names(model))
+    with torch.no_grad():
+        by_hand = model.lm_head(model.norm_f(cache["blocks.1.resid_post"]))
+        torch.testing.assert_close(by_hand, logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(model(TOKENS).logits, logits, atol=1e-5, rtol=0)
+    for layer in range(2):                       # the residual stream adds up, sublayer by sublayer
+        p = f"blocks.{layer}."
+        torch.testing.assert_close(cache[p + "resid_pre"] + cache[p + "attn_out"] + cache[p + "mlp_out"],
+                                   cache[p + "resid_post"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(cache["blocks.0.resid_post"], cache["blocks.1.resid_pre"])
+
+
+@pytest.mark.parametrize("position", ["rope", "none"])
+def test_patterns_queries_keys_and_head_outputs_fit_together(position):
+    """pattern = softmax(q·kᵀ/√d_k, future hidden), z = pattern·v per head, and the
+    heads' outputs through W_O are the attention output: the article's formula, from
+    the cached pieces."""
+    model = model_for(position=position, n_kv_head=2)
+    _, cache = run_with_cache(model, TOKENS)
+    q, k, v = cache["blocks.1.q"], cache["blocks.1.k"], cache["blocks.1.v"]
+    k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    future = torch.triu(torch.ones(12, 12, dtype=torch.bool), 1)
+    pattern = torch.softmax(scores.masked_fill(future, float("-inf")), -1)
+    torch.testing.assert_close(cache["blocks.1.pattern"], pattern, atol=1e-5, rtol=0)
+    assert (cache["blocks.1.pattern"][..., future] == 0).all()
+    torch.testing.assert_close(cache["blocks.1.pattern"].sum(-1), torch.ones(2, 4, 12), atol=1e-5, rtol=0)
+    torch.testing.assert_close(cache["blocks.1.z"], (pattern @ v).transpose(1, 2), atol=1e-5, rtol=0)
+    w_o = model.blocks[1].attn.w_o
+    with torch.no_grad():
+        torch.testing.assert_close(w_o(cache["blocks.1.z"].flatten(2)), cache["blocks.1.attn_out"])
+
+
+def test_zero_ablating_a_head_equals_zeroing_its_columns_of_w_o():
+    model = model_for()
+    D = model.config.head_dim
+    with ablate(model, heads=[(1, 2)]), torch.no_grad():
+        ablated = model(TOKENS).logits
+    edited = model_for()
+    with torch.no_grad():
+        edited.blocks[1].attn.w_o.weight[:, 2 * D:3 * D] = 0
+        torch.testing.assert_close(ablated, edited(TOKENS).logits, atol=1e-6, rtol=0)
+        assert (ablated - model(TOKENS).logits).abs().max() > 1e-3    # it did something
+        assert torch.equal(model(TOKENS).logits, edited(TOKENS).logits) is False
+
+
+def test_ablating_nothing_is_bit_identical_and_hooks_leave_no_trace():
+    model = model_for()
+    with torch.no_grad():
+        before = model(TOKENS, TOKENS).loss
+        with ablate(model):
+            same = model(TOKENS, TOKENS).loss
+        run_with_cache(model, TOKENS)
+        after = model(TOKENS, TOKENS).loss
+    assert torch.equal(before, same) and torch.equal(before, after)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_mean_ablation_and_mlp_ablation():
+    model = model_for()
+    _, reference = run_with_cache(model, TOKENS)
+    with ablate(model, mlps=[0]), torch.no_grad():
+        _, cache = run_with_cache(model, TOKENS, only=["blocks.0.mlp_out"])
+    assert (cache["blocks.0.mlp_out"] == 0).all()
+    with ablate(model, heads=[(0, 1)], mode="mean", means=reference), torch.no_grad():
+        _, cache = run_with_cache(model, TOKENS, only=["blocks.0.z"])
+    mean = reference["blocks.0.z"][..., 1, :].mean(dim=(0, 1))
+    torch.testing.assert_close(cache["blocks.0.z"][..., 1, :], mean.expand(2, 12, -1))
+
+
+def test_patching_a_prompt_into_itself_changes_nothing_and_into_another_moves_it():
+    model = model_for()
+    clean_logits, clean = run_with_cache(model, TOKENS)
+    corrupt = TOKENS.clone()
+    corrupt[:, 3] = (corrupt[:, 3] + 1) % 30
+    patched = ["blocks.0.resid_pre", "blocks.1.attn_out", "blocks.0.mlp_out", "blocks.1.z"]
+    corrupt_logits, own = run_with_cache(model, corrupt, only=patched)   # the model's own backend
+    for name in patched:
+        with patch(model, own, [name]), torch.no_grad():
+            assert torch.equal(model(corrupt).logits, corrupt_logits)
+    with patch(model, clean, ["blocks.1.resid_pre"]), torch.no_grad():   # everything after it
+        torch.testing.assert_close(model(corrupt).logits, clean_logits, atol=1e-5, rtol=0)
+    with patch(model, clean, ["blocks.0.resid_pre"], positions=[3]), torch.no_grad():
+        torch.testing.assert_close(model(corrupt).logits, clean_logits, atol=1e-5, rtol=0)
+    with patch(model, clean, ["blocks.0.resid_pre"], positions=[2]), torch.no_grad():
+        assert (model(corrupt).logits - clean_logits)[:, 3:].abs().max() > 1e-3
+
+
+def test_the_induction_detector_finds_the_circuit_a_short_training_grows():
+    """A seeded 2-layer attention-only model, trained here (about 15 s), copies the
+    repeated half; the detector names a previous-token head in layer 0 and an
+    induction head in layer 1, and switching the induction heads off undoes the copying."""
+    from attnlab.induction import (INDUCTION_THRESHOLD, half_losses, head_scores,
+                                   repeated_sequences, train_attention_only)
+    model = train_attention_only(steps=3000, log=lambda *a: None)
+    prev, induct = head_scores(model, span=12)
+    assert induct[1].max() >= 0.5 and induct[0].max() < 0.2          # induction lives in layer 1
+    assert prev[0].max() >= 0.4                                       # fed by a previous-token head
+    x = repeated_sequences(64, 12, 64, torch.Generator().manual_seed(99))
+    first, second = half_losses(model, x, 12)
+    heads = [(1, h) for h in range(4) if induct[1, h] >= INDUCTION_THRESHOLD]
+    _, without = half_losses(model, x, 12, heads=heads)
+    assert second < 0.5 < first - 2 and without > first - 1
+
+
+def test_lens_ablate_patch_and_induction_commands(tmp_path):
+    from conftest import run_script
+    from engine.interop import export
+    from data.tokenizer import CharTokenizer
+    tok = CharTokenizer("abcdefgh ")
+    model = model_for(vocab_size=tok.vocab_size, position="learned")
+    export(model, model.config, tok, tmp_path / "m")          # any loadable model will do
+    run = ["--run", str(tmp_path / "m"), "--out", str(tmp_path)]
+    lens = run_script("-m", "attnlab.heads", "lens", "--text", "abc defg", *run)
+    assert lens.stdout.count("\n") >= 3 and (tmp_path / "logit_lens.png").is_file()
+    ablation = run_script("-m", "attnlab.heads", "ablate", "--text", "abc defg", *run)
+    assert "layer 1, head" in ablation.stdout and (tmp_path / "head_ablation.png").is_file()
+    patched = run_script("-m", "attnlab.heads", "patch", "--clean", "abc defg", "--corrupt",
+                         "abd defg", *run)
+    assert "recovered" in patched.stdout and (tmp_path / "patching.png").is_file()
+    unequal = run_script("-m", "attnlab.heads", "patch", "--clean", "abc", "--corrupt", "ab",
+                         *run, check=False)
+    assert unequal.returncode == 2 and "equal length" in unequal.stderr
+    found = run_script("-m", "attnlab.heads", "induction", *run)
+    assert "induction head: layer" in found.stdout and (tmp_path / "induction_heads.png").is_file()
