@@ -2,7 +2,8 @@
 
     python -m attnlab.figures all --out docs/figures     # every figure, numbers printed
     python -m attnlab.figures masks --out masks.png      # one of: softmax, sqrt_dk,
-                                                         # blend, masks, cost, induction
+                                                         # blend, masks, cost, induction,
+                                                         # cross_attention
 
 softmax   softmax(1, 2, 3) and the same scores x8: why large scores saturate
 sqrt_dk   the spread of q·k for random unit-variance vectors grows like √d_k (measured)
@@ -11,6 +12,7 @@ masks     causal, sliding-window and local + global masks
 cost      O(T²) against O(T·W): scores computed, and measured time when
           bench/attention_cost.py has written bench/out/attention_cost.json
 induction the previous-token and induction heads a 2-layer model grows (attnlab.induction)
+cross_attention  an encoder-decoder's cross-attention while reversing a word (attnlab.seq2seq)
 """
 from __future__ import annotations
 
@@ -153,8 +155,16 @@ def induction_heads(out: Path) -> Path:
     return plot_heads(model, 12, {"previous-token head": prev, "induction head": induct}, out)
 
 
+def cross_attention(out: Path) -> Path:
+    """attnlab.seq2seq's demo, shorter (about 20 s): the decoder's cross-attention
+    while it reverses "attention", an anti-diagonal."""
+    from attnlab.seq2seq import plot_cross_attention, train
+    return plot_cross_attention(train(steps=1000, log=lambda *a: None), "attention", out)
+
+
 FIGURES = {"softmax": softmax_saturation, "sqrt_dk": sqrt_dk_growth, "blend": movie_night_blend,
-           "masks": save_mask_patterns, "cost": cost_curve, "induction": induction_heads}
+           "masks": save_mask_patterns, "cost": cost_curve, "induction": induction_heads,
+           "cross_attention": cross_attention}
 
 
 def main(argv=None):

@@ -201,3 +201,31 @@ class MultiHeadAttention(nn.Module):
         y, weights = backend(q, k, v, mask, dropout_p, need_weights)
         y = y.transpose(1, 2).reshape(B, T, C)                       # heads side by side
         return self.resid_dropout(self.w_o(y)), weights
+
+
+class CrossAttention(nn.Module):
+    """Cross-attention, the article's third kind: the decoder's queries look at the
+    encoder's keys and values, so each output token can draw on any input token. The
+    same backends and mask rule as self-attention, without the causal part (the whole
+    input is known before decoding starts), and padded input positions hidden."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.w_q = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.w_kv = nn.Linear(config.n_embd, 2 * config.n_embd, bias=config.bias)   # W_K, W_V
+        self.w_o = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.backend = ATTENTION_BACKENDS[config.attention]
+
+    def forward(self, x, memory, key_padding=None, need_weights: bool = False):
+        """x: (B, T, C) decoder states; memory: (B, S, C) encoder output; key_padding:
+        (B, S), True at padded input positions."""
+        B, T, C = x.shape
+        S, H, D = memory.shape[1], self.n_head, self.head_dim
+        q = self.w_q(x).view(B, T, H, D).transpose(1, 2)                      # (B, H, T, D)
+        k, v = self.w_kv(memory).view(B, S, 2 * H, D).transpose(1, 2).split([H, H], dim=1)
+        mask = Mask(q_start=0, q_len=T, k_pos=torch.arange(S, device=x.device), causal=False,
+                    key_padding=key_padding)
+        backend = eager_attention if need_weights else self.backend
+        y, weights = backend(q, k, v, mask, 0.0, need_weights)
+        return self.w_o(y.transpose(1, 2).reshape(B, T, C)), weights

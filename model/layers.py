@@ -25,6 +25,7 @@ NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm}
 class GeluMLP(nn.Module):
     """Position-wise feed-forward: widen 4×, GELU, project back (GPT-2). GELU in its
     tanh form, as GPT-2 used it; about 20% cheaper than the erf form on a CPU."""
+    has_weights = True
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -40,6 +41,7 @@ class SwiGLU(nn.Module):
     """Gated feed-forward silu(x·W_gate) ⊙ (x·W_up) (arXiv:2002.05202). The hidden
     width is 8/3 of n_embd (rounded up to a multiple of 32) so the three matrices
     hold about as many weights as the GELU MLP's two."""
+    has_weights = True
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -67,6 +69,7 @@ class NoMLP(nn.Module):
     """No feed-forward at all: an attention-only Transformer, the setting in which
     Olsson et al. (2022, "In-context Learning and Induction Heads") found induction
     heads: every computation is attention, so each can be read off the patterns."""
+    has_weights = False
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -86,8 +89,10 @@ class Block(nn.Module):
         super().__init__()
         self.norm_attn = NORMS[config.norm](config)
         self.attn = MultiHeadAttention(config, layer_idx)
-        self.norm_mlp = NORMS[config.norm](config)
-        self.mlp = MLPS[config.mlp](config)
+        mlp = MLPS[config.mlp]
+        # An MLP that is not there (attention-only models) needs no norm in front of it.
+        self.norm_mlp = NORMS[config.norm](config) if mlp.has_weights else nn.Identity()
+        self.mlp = mlp(config)
 
     def forward(self, x, positions, mask, cache=None, need_weights=False):
         a, weights = self.attn(self.norm_attn(x), positions, mask, cache, need_weights)

@@ -43,7 +43,11 @@ class Mask:
     (keys 0..T-1, no window) is plain causal, and one decoded token with no window sees
     every cached key. Absolute positions keep the rule right when a short query meets a
     long cache, where SDPA's `is_causal` (aligned to the top-left corner) would not be.
-    `bias_fn(q_pos, k_pos)` adds a score bias per head (ALiBi)."""
+    `bias_fn(q_pos, k_pos)` adds a score bias per head (ALiBi).
+
+    Cross-attention (decoder queries over encoder keys, the article's third kind) and an
+    encoder's self-attention are not causal: every key is visible except padding,
+    given as `key_padding`, (B, Tk) and True where a key is only filler."""
     q_start: int
     q_len: int
     k_pos: torch.Tensor
@@ -51,6 +55,8 @@ class Mask:
     window: int = 0
     n_global: int = 0
     bias_fn: Callable | None = None
+    causal: bool = True
+    key_padding: torch.Tensor | None = None
 
     @classmethod
     def over(cls, q_start: int, q_len: int, k_len: int, device=None, **kw) -> "Mask":
@@ -67,9 +73,11 @@ class Mask:
 
     @property
     def is_whole_sequence(self) -> bool:
-        """Queries and keys are the same positions 0..T-1 (training, evaluation, a
-        prefill with no cache before it): the case the block-wise paths handle."""
-        return self.q_start == 0 and self.q_len == self.k_len
+        """Causal attention whose queries and keys are the same positions 0..T-1
+        (training, evaluation, a prefill with no cache before it): the case the
+        block-wise paths (banded, flex) handle."""
+        return (self.causal and self.key_padding is None and self.q_start == 0
+                and self.q_len == self.k_len)
 
     @property
     def is_square_causal(self) -> bool:
@@ -77,12 +85,23 @@ class Mask:
 
     @property
     def sees_everything(self) -> bool:
+        if self.key_padding is not None:
+            return False
+        if not self.causal:                        # no padding, no order: every key counts
+            return True
         # One query, every key at or before it and inside its window: nothing to hide.
         return self.q_len == 1 and (not self.window or self.q_start - self.k_first < self.window)
 
     @cached_property
     def dense(self) -> torch.Tensor:
-        return visible(self.q_pos, self.k_pos, self.window, self.n_global)
+        """True where a key is visible: (Tq, Tk), or (B, 1, Tq, Tk) with padding."""
+        if self.causal:
+            ok = visible(self.q_pos, self.k_pos, self.window, self.n_global)
+        else:
+            ok = torch.ones(self.q_len, self.k_len, dtype=torch.bool, device=self.k_pos.device)
+        if self.key_padding is not None:
+            ok = ok & ~self.key_padding[:, None, None, :]
+        return ok
 
     @cached_property
     def bias(self) -> torch.Tensor | None:

@@ -38,6 +38,7 @@ class PositionEncoding(nn.Module):
     absolute = False        # adds a vector per absolute position to the input
     has_length_limit = False   # a table of block_size rows: nothing past it
     rotary = False          # turns q and k by pairs of dimensions (RoPE)
+    biases_scores = False   # adds a bias to the attention scores, by causal distance (ALiBi)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -156,6 +157,7 @@ class ALiBi(PositionEncoding):
     vectors at all; head h subtracts slope_h · (distance to the key) from each score.
     Slopes form a geometric series 2^(-8/n), 2^(-16/n), ...: some heads look far, some
     near. Distances, not positions, so it extrapolates to longer inputs."""
+    biases_scores = True
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
