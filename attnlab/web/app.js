@@ -1,0 +1,223 @@
+// The page of python -m attnlab.serve: plain JavaScript, no libraries, no network but
+// this server. Tokens arrive as server-sent events; a click asks for their attention.
+"use strict";
+const $ = (id) => document.getElementById(id);
+let info = null;        // /api/info
+let source = null;      // the EventSource of the generation in progress
+let ids = [];           // every token id so far: prompt, then generated
+let steps = {};         // index -> the generated token's event
+let settings = {};      // the sampling settings of the generation shown
+let promptTokens = [];  // the prompt's tokens, as text
+
+function show(text) {                    // newlines as \n, a lone space as ␣
+  return text === " " ? "␣" : JSON.stringify(text).slice(1, -1);
+}
+
+function setStatus(text, isError) {
+  $("status").textContent = text;
+  $("status").className = isError ? "error" : "";
+}
+
+async function errorText(response) {
+  try { return (await response.json()).error; } catch (e) { return response.statusText; }
+}
+
+async function loadInfo() {
+  info = await (await fetch("/api/info")).json();
+  $("config").textContent = info.config;
+  for (const [key, value] of Object.entries(info.defaults)) {
+    if ($(key)) $(key).value = value;
+  }
+  document.querySelectorAll(".controls input[type=range]").forEach((input) => {
+    const out = input.nextElementSibling;
+    const update = () => { out.textContent = input.value; };
+    input.addEventListener("input", update);
+    update();
+  });
+  drawMask();
+}
+
+function stop(message) {
+  if (source) { source.close(); source = null; }
+  $("generate").disabled = false;
+  $("stop").disabled = true;
+  if (message !== undefined) setStatus(message);
+}
+
+async function generate() {
+  stop();
+  const params = new URLSearchParams();
+  for (const key of ["prompt", "temperature", "top_k", "top_p", "max_new_tokens", "seed"]) {
+    params.set(key, $(key).value);
+  }
+  const url = "/api/generate?" + params.toString();
+  settings = { temperature: $("temperature").value, top_k: $("top_k").value, top_p: $("top_p").value };
+  $("output").textContent = "";
+  $("details").hidden = true;
+  ids = []; steps = {};
+  setStatus("generating…");
+  source = new EventSource(url);
+  $("generate").disabled = true;
+  $("stop").disabled = false;
+  let count = 0;
+  source.onmessage = (event) => {
+    const item = JSON.parse(event.data);
+    if (item.prompt_ids) {
+      ids = item.prompt_ids.slice();
+      promptTokens = item.prompt_tokens;
+      const span = document.createElement("span");
+      span.className = "prompt";
+      span.textContent = item.prompt_tokens.join("");
+      $("output").appendChild(span);
+    } else if (item.token !== undefined) {
+      ids.push(item.id);
+      steps[item.index] = item;
+      const span = document.createElement("span");
+      span.className = "tok";
+      span.dataset.index = item.index;
+      span.textContent = item.token;
+      span.title = `token ${item.index}`;
+      span.addEventListener("click", () => select(span));
+      $("output").appendChild(span);
+      count += 1;
+      setStatus(`${count} tokens`);
+    }
+  };
+  source.addEventListener("done", () => stop(`${count} tokens, done`));
+  source.onerror = async () => {
+    if (!source) return;
+    stop();
+    const response = await fetch(url);                 // the server says why, as JSON
+    setStatus(response.ok ? "the stream ended" : await errorText(response), !response.ok);
+  };
+}
+
+async function select(span) {
+  document.querySelectorAll(".tok.selected").forEach((s) => s.classList.remove("selected"));
+  span.classList.add("selected");
+  const index = Number(span.dataset.index);
+  const response = await fetch("/api/step", {
+    method: "POST", headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ ids: ids.slice(0, index + 1), index, settings }),
+  });
+  if (!response.ok) { setStatus(await errorText(response), true); return; }
+  const att = await response.json();
+  $("details").hidden = false;
+  $("details-title").textContent = `token ${index}: "${show(steps[index].token)}"`;
+  drawGrid(att);
+  drawCandidates(att);
+}
+
+function heat(value) {                                   // 0 -> pale, 1 -> dark blue
+  const v = Math.max(0, Math.min(1, value));
+  return `rgb(${Math.round(247 - 200 * v)}, ${Math.round(251 - 170 * v)}, ${Math.round(255 - 90 * v)})`;
+}
+
+function drawGrid(att) {
+  const grid = $("grid");
+  grid.innerHTML = "";
+  const layers = att.weights.length, heads = att.weights[0].length;
+  grid.style.gridTemplateColumns = `auto repeat(${heads}, auto)`;
+  grid.appendChild(document.createElement("span"));
+  for (let h = 0; h < heads; h++) {
+    const label = document.createElement("span");
+    label.className = "label";
+    label.textContent = `head ${h}`;
+    grid.appendChild(label);
+  }
+  for (let l = 0; l < layers; l++) {
+    const label = document.createElement("span");
+    label.className = "label";
+    label.textContent = `layer ${l}`;
+    grid.appendChild(label);
+    for (let h = 0; h < heads; h++) {
+      const row = att.weights[l][h];
+      const canvas = document.createElement("canvas");
+      canvas.className = "head";
+      canvas.width = row.length;
+      canvas.height = 1;
+      canvas.style.width = "120px";
+      canvas.style.height = "16px";
+      const ctx = canvas.getContext("2d");
+      const top = Math.max(...row) || 1;                // shaded relative to the head's maximum
+      row.forEach((w, k) => { ctx.fillStyle = heat(w / top); ctx.fillRect(k, 0, 1, 1); });
+      canvas.title = `layer ${l}, head ${h}`;
+      canvas.addEventListener("click", () => enlarge(att, l, h));
+      grid.appendChild(canvas);
+    }
+  }
+  enlarge(att, layers - 1, 0);
+}
+
+function enlarge(att, layer, head) {
+  const box = $("enlarged");
+  box.innerHTML = `<div>layer ${layer}, head ${head}: weight on each earlier token (darkest = its largest; hover for the value)</div>`;
+  const top = Math.max(...att.weights[layer][head]) || 1;
+  att.weights[layer][head].forEach((w, k) => {
+    const span = document.createElement("span");
+    span.textContent = show(tokenAt(att.keys[k]));
+    span.style.background = heat(w / top);
+    span.title = `${(w * 100).toFixed(1)}%`;
+    box.appendChild(span);
+  });
+}
+
+function tokenAt(index) {
+  return index < promptTokens.length ? promptTokens[index] : steps[index].token;
+}
+
+function drawCandidates(step) {
+  const body = $("candidates").querySelector("tbody");
+  body.innerHTML = "";
+  step.candidates.forEach(([token, before, after, id]) => {
+    const tr = document.createElement("tr");
+    if (id === step.chosen) tr.className = "chosen";
+    tr.innerHTML = `<td>${escapeHtml(show(token))}</td><td>${(before * 100).toFixed(1)}%</td><td>${(after * 100).toFixed(1)}%</td>`;
+    tr.dataset.after = after;
+    body.appendChild(tr);
+  });
+}
+
+function escapeHtml(text) {
+  return text.replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]));
+}
+
+function drawMask() {
+  const canvas = $("mask"), m = info.mask, n = m.length;
+  const ctx = canvas.getContext("2d"), cell = canvas.width / n;
+  m.forEach((row, q) => row.forEach((ok, k) => {
+    ctx.fillStyle = ok ? "#93c5fd" : "#1e293b";
+    ctx.fillRect(k * cell, q * cell, cell, cell);
+  }));
+}
+
+async function search() {
+  const response = await fetch("/api/search", {
+    method: "POST", headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ text: $("search-text").value, from: $("search-from").value, to: $("search-to").value }),
+  });
+  const body = $("search-results").querySelector("tbody");
+  body.innerHTML = "";
+  if (!response.ok) { $("search-status").textContent = await errorText(response); return; }
+  const result = await response.json();
+  $("search-status").textContent = `"${show(result.query)}" looking at "${show(result.targets)}"`;
+  result.ranking.forEach((r) => {
+    const tr = document.createElement("tr");
+    tr.innerHTML = `<td>${r.layer}</td><td>${r.head}</td><td>${r.weight.toFixed(3)}</td>`;
+    body.appendChild(tr);
+  });
+}
+
+function tab(name) {
+  for (const other of ["generate", "mask"]) {
+    $(`panel-${other}`).hidden = other !== name;
+    $(`tab-${other}`).classList.toggle("active", other === name);
+  }
+}
+
+$("generate").addEventListener("click", generate);
+$("stop").addEventListener("click", () => stop("stopped"));
+$("search").addEventListener("click", search);
+$("tab-generate").addEventListener("click", () => tab("generate"));
+$("tab-mask").addEventListener("click", () => tab("mask"));
+loadInfo();
