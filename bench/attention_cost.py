@@ -44,9 +44,10 @@ def _status(field: str) -> int:
     return 0
 
 
-def measure(backend, T, window, device, backward, B, H, D, repeats, timing=True, memory=True):
+def measure(backend, T, window, device, backward, B, H, D, repeats, timing=True, memory=True,
+            dtype=torch.float32):
     g = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v = (torch.randn(B, H, T, D, generator=g).to(device).requires_grad_(backward)
+    q, k, v = (torch.randn(B, H, T, D, generator=g).to(device, dtype).requires_grad_(backward)
                for _ in range(3))
     fn = ATTENTION_BACKENDS[backend]
 
@@ -113,6 +114,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--devices", nargs="+", default=None)
     parser.add_argument("--plot", default="bench/out/attention_cost.png")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="auto: bfloat16 on CUDA (what training uses there), float32 on CPU")
     parser.add_argument("--memory-pass", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     memory_pass = args.memory_pass
@@ -141,9 +144,11 @@ def main():
                     if W and W > T:
                         continue
                     on_cpu = device.type == "cpu"
+                    dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) \
+                        if args.dtype == "auto" else getattr(torch, args.dtype)
                     t, mem = measure(backend, T, W, device, backward, args.batch, args.heads,
                                      args.head_dim, args.repeats, timing=not memory_pass,
-                                     memory=memory_pass or not on_cpu)
+                                     memory=memory_pass or not on_cpu, dtype=dtype)
                     rows.append((dev, label, "fwd+bwd" if backward else "fwd", T, t, mem))
                     if not memory_pass:
                         print(f"{dev:>4} {label:<20} {rows[-1][2]:<7} T={T:>6}: "
@@ -157,7 +162,8 @@ def main():
         cpu_memory = cpu_memory_pass(passed)
         rows = [(d, l, m, T, t, cpu_memory[(l, m, T)] if d == "cpu" else mem)
                 for d, l, m, T, t, mem in rows]
-    print(f"\nB={args.batch}, H={args.heads}, d_k={args.head_dim}, window {args.window}")
+    print(f"\nB={args.batch}, H={args.heads}, d_k={args.head_dim}, window {args.window}, "
+          f"dtype {args.dtype} (auto: bfloat16 on CUDA, float32 on CPU)")
     print("| device | backend | pass | T | time (ms) | extra memory (MiB) |")
     print("|---|---|---|---|---|---|")
     for dev, label, mode, T, t, mem in rows:
@@ -168,6 +174,11 @@ def main():
                    and l == "sdpa causal"}
             band = {T: (t, m) for d, l, md, T, t, m in rows if d == dev and md == mode
                     and l == "banded window"}
+            for label in ("banded window", "flex window"):
+                window = {T: t for d, l, md, T, t, m in rows if d == dev and md == mode and l == label}
+                wins = [T for T in sorted(set(ref) & set(window)) if window[T] < ref[T][0]]
+                print(f"{dev} {mode}: {label} beats sdpa causal from T={wins[0]}" if wins else
+                      f"{dev} {mode}: {label} never beats sdpa causal at these lengths")
             for T in sorted(set(ref) & set(band)):
                 if T >= 4 * args.window:
                     print(f"{dev} {mode} T={T}: banded window / sdpa causal = "
