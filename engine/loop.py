@@ -53,16 +53,14 @@ def train(run: Run) -> dict:
     bar = tqdm(total=train_cfg.max_iters, initial=p.step, unit="step", dynamic_ncols=True,
                mininterval=0.5, desc="train", disable=not run.dist.is_main)
     started, result = time.perf_counter(), {"run_dir": str(run.run_dir)}
-    last_eval = p.step if p.step else None            # a resumed step was evaluated
     with stop_signals(run):
         try:
             while True:
                 elapsed = time.perf_counter() - started
                 out_of_time = bool(train_cfg.time_limit) and elapsed >= train_cfg.time_limit
-                if evaluation_due(run, out_of_time) and p.step != last_eval:
+                if evaluation_due(run, out_of_time) and p.step != p.last_eval:
                     watch.check(run)                  # a diverged step, before it is evaluated
                     val = evaluate_and_save(run, metrics, bar)
-                    last_eval = p.step
                     speed.restart()
                     if train_cfg.target_val_loss and val <= train_cfg.target_val_loss:
                         run.log(f"reached val loss {val:.4f} <= {train_cfg.target_val_loss} at step "
@@ -162,6 +160,7 @@ def evaluate_and_save(run: Run, metrics: Metrics, bar) -> float:
         raise diverged(run, "the validation loss", val)
     best = val < p.best_val
     p.best_val = min(p.best_val, val)
+    p.last_eval = p.step                      # recorded in the checkpoint written below
     unit = run.data.bits_unit
     metrics.log({"step": p.step, "val_loss": val, f"val_{unit}": run.data.bits(val)})
     if run.dist.is_main:                      # tqdm.write prints even for a disabled bar

@@ -34,6 +34,7 @@ class Progress:
     best_val: float = math.inf
     elapsed_s: float = 0.0              # training time, summed over resumes
     wandb_id: str | None = None
+    last_eval: int | None = None        # the last step evaluated (a stop can save between)
     last_lr: float = 0.0                # of the last step (logged; not saved)
 
 
@@ -256,6 +257,7 @@ def save(run: Run) -> Path | None:
     p = run.progress
     tensors = {"data.generator": run.batches.generator.get_state(), **rng_tensors(run.device)}
     state = {"best_val": p.best_val, "elapsed_s": p.elapsed_s, "wandb_id": p.wandb_id,
+             "last_eval": p.last_eval,
              "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None}
     state = {k: v for k, v in state.items() if v is not None}
     files = {"config.json": run.cfg.to_json(), "tokenizer.json": run.data.tokenizer.to_json()}
@@ -285,8 +287,11 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
     restore_rng(tensors, run.device)
     if "scaler" in state:
         run.scaler.load_state_dict(state["scaler"])
+    # A checkpoint from before last_eval was recorded was always written right after
+    # an evaluation of its own step.
     run.progress = Progress(state["step"], state.get("best_val", math.inf),
-                            state.get("elapsed_s", 0.0), state.get("wandb_id"))
+                            state.get("elapsed_s", 0.0), state.get("wandb_id"),
+                            state.get("last_eval", state["step"]))
     run.log(f"resuming {run.run_dir} from {ckpt.name} (step {run.progress.step})")
 
 

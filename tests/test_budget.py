@@ -80,3 +80,19 @@ def test_a_run_under_a_time_limit_passes_the_share_of_time_used(corpus, tmp_path
     monkeypatch.setattr(loop, "train_step", lambda run, used: seen.append(used) or real(run, used))
     loop.train(setup_run(cfg, log=lambda *a: None))
     assert len(seen) == 3 and 0 < seen[0] <= seen[1] <= seen[2] < 0.5
+
+
+def test_a_slow_machine_halves_the_batch_and_evaluation_keeps_to_its_share(corpus, tmp_path, monkeypatch):
+    """With the machine measured at 1 step/s, a 2-minute budget fits too few steps for
+    warm-up and decay: the batch halves until at least MIN_STEPS fit, and all the
+    evaluations together stay within EVAL_SHARE of the budget."""
+    import time
+    import engine.budget as budget
+    monkeypatch.setattr(budget, "measure", lambda cfg, device, dtype, seconds: 1.0)
+    cfg = cli.build("cpu", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}"])
+    planned = budget.plan(cfg, 120.0, time.perf_counter(), log=lambda *a: None).train
+    assert planned.batch_size < 64 and planned.max_iters >= budget.MIN_STEPS
+    assert planned.batch_size >= budget.MIN_BATCH
+    eval_step_s = 1.0 / planned.grad_accum / 3
+    assert budget.EVALS * planned.eval_iters * eval_step_s <= budget.EVAL_SHARE * 120.0
+    assert planned.eval_interval * (budget.EVALS - 1) >= planned.max_iters

@@ -111,3 +111,18 @@ def test_a_finished_run_is_not_overwritten_without_resume(corpus, tmp_path):
     train(make_trainer(corpus, tmp_path, "--train.max_iters=2"))
     with pytest.raises(CheckpointError, match="already holds checkpoints.*--resume"):
         make_trainer(corpus, tmp_path, "--train.max_iters=2")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="float16 autocast is for GPUs")
+def test_float16_training_scales_its_loss_and_resumes_the_scaler(corpus, tmp_path):
+    from engine.run import setup_run
+    extra = ["--train.device=cuda", "--train.dtype=float16", "--train.max_iters=6",
+             "--train.eval_interval=3"]
+    run = make_trainer(corpus, tmp_path, *extra)
+    assert run.scaler.is_enabled()
+    train(run)
+    scale = run.scaler.get_scale()
+    cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                             f"--train.out_dir={tmp_path / 'runs'}", "--train.run_name=r", *extra])
+    resumed = setup_run(cfg, resume=True, log=lambda *a: None)
+    assert resumed.scaler.get_scale() == scale and resumed.progress.step == 6

@@ -65,3 +65,26 @@ def test_the_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr():
     assert lr_at(60, t) == pytest.approx((1e-3 + 1e-4) / 2)
     assert lr_at(35, t) == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi / 4)) * 9e-4)
     assert lr_at(110, t) == pytest.approx(1e-4) and lr_at(500, t) == pytest.approx(1e-4)
+
+
+def test_a_stop_at_an_evaluation_step_is_evaluated_on_resume(corpus, tmp_path):
+    """Ctrl-C during the step that makes an evaluation due: the run saves and stops
+    before evaluating, and the resumed run evaluates that step first."""
+    def cfg():
+        return cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                                  f"--train.out_dir={tmp_path / 'r'}", "--train.run_name=s",
+                                  "--train.max_iters=20", "--train.eval_interval=10"])
+    first = setup_run(cfg(), log=lambda *a, **k: None)
+    forward = first.train_forward
+
+    def stop_in_step_ten(x, y):
+        if first.progress.step == 9:
+            first.stop_signal = "test"
+        return forward(x, y)
+    first.train_forward = stop_in_step_ten
+    assert train(first)["interrupted"]
+    evaluated = lambda: [json.loads(l)["step"] for l in (tmp_path / "r" / "s" / "metrics.jsonl")
+                         .read_text().splitlines() if "val_loss" in l]
+    assert evaluated() == [0]                              # stopped before evaluating step 10
+    train(setup_run(cfg(), run_dir=tmp_path / "r" / "s", resume=True, log=lambda *a, **k: None))
+    assert evaluated() == [0, 10, 20]

@@ -216,3 +216,44 @@ def test_hand_edited_run_files_get_one_error_line(run20, tmp_path):
     state.write_text(json.dumps({"files": ["not", "a", "dict"], "step": "x"}))
     proc = run_script("sample.py", "--run", state.parent, check=False)
     assert proc.returncode == 2 and "no readable state.json" in proc.stderr
+
+
+def test_a_full_disk_mid_checkpoint_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    import errno
+    from engine.optim import Optimizers
+    from model import GPT, ModelConfig
+    model = GPT(ModelConfig(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    opt = Optimizers(adamw=torch.optim.AdamW(model.parameters()))
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(checkpoint, "save_file", full_disk)
+    with pytest.raises(OSError):
+        checkpoint.save(tmp_path, 3, model, opt, {}, {}, {}, 2)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_muon_with_fsdp_is_refused_and_an_empty_bpe_prompt_starts_a_document():
+    from common.errors import ConfigError
+    from data.tokenizer import BPETokenizer
+    from engine.inference import encode_prompt
+    with pytest.raises(ConfigError, match="Muon orthogonalises whole matrices"):
+        cli.build("tiny", ["--train.optimizer=muon", "--train.parallel=fsdp"])
+    bpe = BPETokenizer.train(["some text to learn from, twice. " * 20], 280)
+    assert encode_prompt(bpe, "") == [bpe.eot_id] and bpe.eot_id is not None
+
+
+def test_evaluate_scores_the_validation_windows_as_training_does(run20):
+    """With the stride equal to the context, the evaluate command's windows are the
+    training-time evaluation's windows laid end to end: the same loss."""
+    from attnlab.evaluate import sliding_loss
+    from engine.inference import load_run
+    _, run = run20
+    model, cfg, tok, _ = load_run(run)
+    T = cfg.model.block_size
+    ids = torch.randint(0, tok.vocab_size, (4 * T + 1,), generator=torch.Generator().manual_seed(0))
+    nats, count = sliding_loss(lambda x: model(x).logits, ids.tolist(), T, T, progress=False)
+    windows = ids[: 4 * T + 1].unfold(0, T + 1, T)               # (4, T + 1), as Batches cuts them
+    with torch.no_grad():
+        training = model(windows[:, :-1], windows[:, 1:]).loss.item()
+    assert count == 4 * T and nats / count == pytest.approx(training, rel=1e-5)
