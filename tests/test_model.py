@@ -249,3 +249,24 @@ def test_bfloat16_weights_sample_like_float32(position):
     steps = []
     tokens = list(half.generate(x[:1], 6, temperature=0, on_step=lambda logits, t: steps.append(logits)))
     assert len(tokens) == 6 and all(s.dtype == torch.float32 for s in steps)
+
+
+@pytest.mark.parametrize("position", ["learned", "sinusoidal"])
+def test_windowed_absolute_positions_generate_past_the_context_by_the_documented_rule(position):
+    """Absolute positions cannot roll: when the cache is full the newest half of the
+    context is re-read from position 0. At every step the cached path's logits must be
+    those of a full, uncached forward pass over exactly that context."""
+    torch.manual_seed(0)
+    model = GPT(tiny(position=position, block_size=8, sliding_window=4)).eval()
+    W, prompt, seen = 8, [1, 2, 3], []
+    g = torch.Generator().manual_seed(0)
+    out = [int(t) for t in model.generate(torch.tensor([prompt]), 30, temperature=1.0, generator=g,
+                                          on_step=lambda logits, t: seen.append(logits[0]))]
+    kept = prompt[-W:]
+    with torch.no_grad():
+        for step in range(30):
+            expected = model(torch.tensor([kept])).logits[0, -1]
+            torch.testing.assert_close(seen[step], expected, atol=1e-5, rtol=0)
+            history = prompt + out[:step + 1]
+            kept = history[-(W // 2):] if len(kept) >= W else kept + [out[step]]
+    assert len(set(out)) > 5                              # sampled: the contexts differ

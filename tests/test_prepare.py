@@ -273,6 +273,30 @@ def test_hub_datasets_load_with_a_val_split(monkeypatch, tmp_path):
     assert ("someone/stories", "small", "train", True) in asked
 
 
+def test_an_unreachable_hub_falls_back_to_the_local_cache(monkeypatch, tmp_path):
+    """No connection: data.prepare switches datasets to offline mode, and a dataset
+    already in the local cache (here: the fake loader answers only when offline) is
+    prepared as usual."""
+    import datasets
+    import huggingface_hub
+    import data.sources as sources
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(var, "0")                       # restored after the test
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    docs = documents(30)
+
+    def cached_only(name, config=None, split=None, streaming=False):
+        if not datasets.config.HF_HUB_OFFLINE or os.environ["HF_HUB_OFFLINE"] != "1":
+            raise ConnectionError("would have tried the network")
+        return datasets.Dataset.from_dict({"text": docs})
+    monkeypatch.setattr(datasets, "load_dataset", cached_only)
+    monkeypatch.setattr(sources, "hub_reachable", lambda timeout=0: False)
+    quiet(SourceSpec("someone/cached-stories"), tmp_path / "out", "bpe", 300)
+    data = open_prepared(tmp_path / "out")
+    assert split_docs(data, "train") + split_docs(data, "val") != [] and len(split_docs(data, "val")) == 3
+
+
 def test_an_unreachable_hub_says_so_within_seconds(tmp_path):
     env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
     env.pop("HF_HUB_OFFLINE", None)
