@@ -16,12 +16,19 @@ def test_patterns_count_what_each_computes():
     assert counts[2] > counts[1]                           # plus the global columns
 
 
-def test_every_article_figure_is_written(tmp_path, capsys):
-    from attnlab.figures import main
+def test_every_article_figure_is_written(tmp_path, capsys, monkeypatch):
+    """Every figure, the two trained ones with a few steps only (the trainings
+    themselves are tested in test_lens.py and test_seq2seq.py)."""
+    import attnlab.induction as induction
+    import attnlab.seq2seq as seq2seq
+    from attnlab.figures import FIGURES, main
+    short = lambda train: (lambda *a, steps=0, **k: train(*a, steps=5, **k))
+    monkeypatch.setattr(induction, "train_attention_only", short(induction.train_attention_only))
+    monkeypatch.setattr(seq2seq, "train", short(seq2seq.train))
     main(["all", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert "softmax(scores 1, 2, 3) = (0.09, 0.24, 0.67)" in printed
     assert "softmax(same scores x8) = (0.00, 0.00, 1.00)" in printed
     assert "= 6.1" in printed and "d_k =  512" in printed
-    for name in ("softmax", "sqrt_dk", "blend", "masks", "cost"):
+    for name in FIGURES:
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -201,8 +201,12 @@ def test_every_command_answers_bad_input_with_one_error_line(args, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+
+
+@pytest.mark.parametrize("args", [BAD[0], BAD[4], BAD[9]], ids=["config", "run", "prepare"])
+def test_the_traceback_is_there_when_asked_for(args):
     debug = run_script(*args, check=False, timeout=60, env={"ATTNLAB_DEBUG": "1"})
-    assert "Traceback" in debug.stderr                    # the traceback is there when asked for
+    assert "Traceback" in debug.stderr
 
 
 def test_hand_edited_run_files_get_one_error_line(run20, tmp_path):
