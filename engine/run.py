@@ -312,8 +312,7 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
                                   f"--train.init_from={path}")
         ckpt = path
     elif (path / "config.json").is_file():
-        run_dir = path
-        checkpoint.remove_partial(run_dir)
+        run_dir = path                   # partial writes are cleared by restore(), under the lock
         ckpt = checkpoint.resolve(run_dir, "latest")
     else:
         raise CheckpointError(f"cannot resume: {path} is not a run directory (no config.json)")
