@@ -258,3 +258,36 @@ def test_the_multi_head_layer_equals_an_independent_float64_reference(n_kv_head,
     heads, _, _ = ref_attention(q, k, v, visible, bias)
     expected = heads.transpose(0, 2, 1, 3).reshape(2, T, C) @ w_o.T
     np.testing.assert_allclose(out.double().numpy(), expected, atol=atol, rtol=0)
+
+
+def test_flex_compiles_for_new_lengths_without_one_graph_per_length():
+    """Prompts of six lengths: the flex kernel is not compiled six times (each ~3 s on
+    a CPU, and past torch's recompile limit the slow unfused path)."""
+    from torch._dynamo.utils import counters
+    from model import flex
+    flex._kernel.cache_clear()
+    torch._dynamo.reset()
+    counters.clear()
+    for T in (64, 96, 128, 160, 200, 256):
+        q = torch.randn(1, 2, T, 16)
+        mask = Mask.over(0, T, T, window=32)
+        out = flex.attend(q, q, q, mask)
+        ref, _ = eager_attention(q, q, q, mask)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] <= 3
+
+
+def test_a_long_flex_block_mask_is_built_without_the_t_by_t_mask():
+    """At T = 16,384 the whole boolean mask alone would be 256 MiB; building the block
+    mask must stay far below that (measured in a process of its own)."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    code = ("import resource, sys; sys.path.insert(0, sys.argv[1]); from model import flex; "
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+            "flex.block_mask(16384, 256, 0, 'cpu'); "
+            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)")
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True,
+                          timeout=300)
+    grown_mib = float(proc.stdout.strip().splitlines()[-1])
+    assert grown_mib < 128, proc.stderr[-500:]
