@@ -30,7 +30,7 @@ import torch
 
 from attnlab.lens import ablate, run_with_cache
 from attnlab.plotting import pyplot, save_figure
-from engine.cli import Parser, add_run_options, errors_as_lines
+from engine.cli import Parser, errors_as_lines
 
 
 INDUCTION_THRESHOLD = 0.5          # a head scoring this on random repeats copies by content

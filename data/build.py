@@ -108,7 +108,7 @@ def prepare(spec: SourceSpec, out: str | Path, tokenizer: str = "bpe", vocab_siz
                        progress)
     skipped = getattr(source, "skipped", {})
     if skipped:
-        log(f"skipped records without text: "
+        log("skipped records without text: "
             + ", ".join(f"{n:,} {kind}" for kind, n in sorted(skipped.items())))
     meta.update(format=FORMAT, version=VERSION, key=key, source=source.describe(),
                 skipped_records=skipped,

@@ -210,7 +210,7 @@ def plan(cfg, budget_s: float, started: float, log=print):
     train_cfg.eval_iters = int(max(2, min(train_cfg.eval_iters, EVAL_SHARE * budget_s / EVALS / eval_step_s)))
     eval_s = EVALS * train_cfg.eval_iters * eval_step_s
     train_s = left - eval_s - MARGIN_S
-    # The schedule also follows the clock under a time limit (Trainer.train_step), so
+    # The schedule also follows the clock under a time limit (engine.loop.scheduled_lr), so
     # planning more steps than the probe promises costs nothing if they do not come
     # (the decay still ends on time), and leaves no time unused if they do.
     train_cfg.max_iters = max(1, int(train_s * steps_per_s * OVERPLAN))

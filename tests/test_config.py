@@ -1,4 +1,4 @@
-"""The configuration (attnlab/config.py, model/config.py): presets, overrides, and
+"""The configuration (engine/config.py, engine/cli.py, model/config.py): presets, overrides, and
 refusing mistakes before any work with the valid choices listed."""
 from dataclasses import fields
 

@@ -110,7 +110,7 @@ def test_draws_match_the_reference_distribution_by_chi_square(kw):
 
 
 @pytest.mark.parametrize("top_p", [0.1, 0.5, 0.62, 0.9, 0.999, 1.0])
-def test_top_p_keeps_the_smallest_set_reaching_p(top_p):
+def test_top_p_keeps_the_smallest_set_reaching_p_at_every_p(top_p):
     p = next_token_distribution(WIDE[None], 1.0, top_p=top_p)[0]
     base = torch.softmax(WIDE, -1)
     kept = p > 0
