@@ -7,12 +7,22 @@ how fast to val loss 1.886 (nanoGPT's CPU recipe: 102 s), and how low in 100 s.
 Each recipe runs `python train.py` in a subprocess; wall time includes start-up,
 tokenization and evaluations. The target run stops at its first evaluation at or
 below the target (train.target_val_loss). Writes bench/out/cpu_speedrun.png.
+
+nanoGPT's own validation curve goes beside ours when given: `--nanogpt DIR` (a nanoGPT
+checkout) runs its README's CPU recipe there, in this sitting, and stamps each line of
+its output with the seconds since start (saved as bench/out/nanogpt_cpu.log);
+`--nanogpt-log FILE` reads such a log again, or a plain nanoGPT log, whose times then
+come from its per-iteration timings (evaluations not counted).
 """
 from __future__ import annotations
 
 import argparse
+import re
+import shutil
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,13 +38,61 @@ BUDGET_RECIPE = ("--config cpu-quick --model.block_size=128 --train.batch_size=1
 PLANNED_RECIPE = "--budget 100s --config cpu-quick"
 
 
+NANOGPT_CPU = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False",
+               "--eval_iters=20", "--log_interval=1", "--block_size=64", "--batch_size=12",
+               "--n_layer=4", "--n_head=4", "--n_embd=128", "--max_iters=2000",
+               "--lr_decay_iters=2000", "--dropout=0.0"]          # nanoGPT README's CPU recipe
+
+
+def run_nanogpt(checkout: Path, corpus: Path, log: Path) -> None:
+    """nanoGPT's CPU recipe in its own checkout, every output line time-stamped."""
+    data = checkout / "data" / "shakespeare_char"
+    shutil.copy(corpus, data / "input.txt")                      # its prepare.py would download it
+    subprocess.run([sys.executable, "prepare.py"], cwd=data, check=True, capture_output=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with subprocess.Popen([sys.executable, "train.py", *NANOGPT_CPU], cwd=checkout, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc, \
+            open(log, "w") as out:
+        for line in proc.stdout:
+            out.write(f"{time.perf_counter() - start:.2f}\t{line}")
+    if proc.returncode:
+        raise SystemExit(f"nanoGPT failed; see {log}")
+
+
+def nanogpt_curve(log: Path) -> list[tuple[float, int, float]]:
+    """(seconds, step, val loss) of each evaluation in a nanoGPT log."""
+    curve, clock = [], 0.0
+    for raw in log.read_text().splitlines():
+        stamp, tab, line = raw.partition("\t")
+        stamped = bool(tab) and re.fullmatch(r"[0-9.]+", stamp)
+        line = line if stamped else raw
+        step = re.match(r"step (\d+): train loss [0-9.]+, val loss ([0-9.]+)", line)
+        it = re.match(r"iter \d+: loss [0-9.]+, time ([0-9.]+)ms", line)
+        if it and not stamped:
+            clock += float(it.group(1)) / 1000
+        if step:
+            curve.append((float(stamp) if stamped else clock, int(step.group(1)), float(step.group(2))))
+    return curve
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=TARGET_RECIPE, help="train.py arguments for the 1.886 run")
     parser.add_argument("--budget", default=BUDGET_RECIPE, help="train.py arguments for the 100 s run")
     parser.add_argument("--planned", default=PLANNED_RECIPE, help="train.py arguments for the --budget run")
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    parser.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout: run its CPU recipe beside ours")
+    parser.add_argument("--nanogpt-log", type=Path, help="a nanoGPT log to draw instead of running it")
     args = parser.parse_args()
+    nano = None
+    if args.nanogpt:
+        args.nanogpt_log = Path("bench/out/nanogpt_cpu.log")
+        run_nanogpt(args.nanogpt, args.corpus, args.nanogpt_log)
+    if args.nanogpt_log:
+        nano = nanogpt_curve(args.nanogpt_log)
+        print(f"nanoGPT: val {nano[-1][2]:.4f} at step {nano[-1][1]}, {nano[-1][0]:.1f} s; curve "
+              + " ".join(f"{s}:{v:.3f}@{t:.0f}s" for t, s, v in nano))
     with tempfile.TemporaryDirectory() as tmp:
         fast = run("to-1.886", args.target, args.corpus, Path(tmp))
         budget = run("100-s", args.budget, args.corpus, Path(tmp))
@@ -55,7 +113,10 @@ def main():
     for r, label in ((fast, "to 1.886"), (budget, "100 s budget"), (planned, "--budget 100s")):
         steps, vals = zip(*r["curve"])
         ax.plot([s * r["wall"] / max(r["steps"], 1) for s in steps], vals, marker="o", label=label)
-    ax.axhline(1.886, color="grey", linestyle="--", label="nanoGPT CPU recipe at 102 s")
+    if nano:
+        ax.plot([t for t, _, _ in nano], [v for _, _, v in nano], marker="s", color="black",
+                label="nanoGPT's CPU recipe (its own run)")
+    ax.axhline(1.886, color="grey", linestyle="--", label="nanoGPT's final val loss (1.886)")
     ax.set_xlabel("seconds (steps scaled by the run's wall time)")
     ax.set_ylabel("val loss")
     ax.set_ylim(1.4, 2.6)
