@@ -31,3 +31,11 @@ def run_script(*args, cwd=None, timeout=240, check=True, env=None):
     if check and proc.returncode != 0:
         raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def train_tiny(corpus, out, name, *extra) -> Path:
+    """A run of the tiny preset on the test corpus, in `out`; its run directory."""
+    run_script("train.py", "--config", "tiny", f"--data.path={corpus}",
+               f"--data.cache_dir={out / 'cache'}", f"--train.out_dir={out / 'runs'}",
+               f"--train.run_name={name}", *extra)
+    return out / "runs" / name

@@ -104,17 +104,23 @@ def _inputs(mask_spec, position, seed=0):
     return q, k, v, mask, POSITION_ENCODINGS[position](cfg).score_bias()
 
 
-@pytest.mark.parametrize("position", sorted(POSITION_ENCODINGS))
-@pytest.mark.parametrize("mask_name", sorted(MASKS))
-@pytest.mark.parametrize("backend", sorted(ATTENTION_BACKENDS))
-def test_every_backend_matches_the_float64_reference(backend, mask_name, position):
+def _reference_case(mask_name, position):
+    """Inputs for one cell, and the float64 reference's output and gradients for them."""
     q64, k64, v64, mask, bias_fn32 = _inputs(MASKS[mask_name], position)
     q_start, q_len, k_len, window, n_global = MASKS[mask_name]
     allowed = mask_rule(range(q_start, q_start + q_len), range(k_len), window, n_global)
     bias = None if mask.bias is None else mask.bias.numpy()
-    ref, ref_p, backward = reference_attention(q64.numpy(), k64.numpy(), v64.numpy(), allowed, bias)
+    ref, _, backward = reference_attention(q64.numpy(), k64.numpy(), v64.numpy(), allowed, bias)
     d_out = np.random.default_rng(1).standard_normal(ref.shape)
-    ref_grads = backward(d_out)
+    return (q64, k64, v64), bias_fn32, ref, d_out, backward(d_out)
+
+
+@pytest.mark.parametrize("position", sorted(POSITION_ENCODINGS))
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+@pytest.mark.parametrize("backend", sorted(ATTENTION_BACKENDS))
+def test_every_backend_matches_the_float64_reference(backend, mask_name, position):
+    (q64, k64, v64), bias_fn32, ref, d_out, ref_grads = _reference_case(mask_name, position)
+    q_start, q_len, k_len, window, n_global = MASKS[mask_name]
 
     q, k, v = (t.float().requires_grad_(backend not in CPU_FORWARD_ONLY) for t in (q64, k64, v64))
     mask32 = Mask.over(q_start, q_len, k_len, window=window, n_global=n_global, bias_fn=bias_fn32)
@@ -131,19 +137,15 @@ def test_every_backend_matches_the_float64_reference(backend, mask_name, positio
 @pytest.mark.parametrize("position", sorted(POSITION_ENCODINGS))
 @pytest.mark.parametrize("mask_name", ["causal", "window", "window+global", "window 7, ragged blocks"])
 def test_flex_gradients_match_the_reference_on_a_gpu(mask_name, position):
-    q64, k64, v64, mask, bias_fn32 = _inputs(MASKS[mask_name], position)
+    (q64, k64, v64), bias_fn32, ref, d_out, ref_grads = _reference_case(mask_name, position)
     q_start, q_len, k_len, window, n_global = MASKS[mask_name]
-    allowed = mask_rule(range(q_start, q_start + q_len), range(k_len), window, n_global)
-    bias = None if mask.bias is None else mask.bias.numpy()
-    ref, _, backward = reference_attention(q64.numpy(), k64.numpy(), v64.numpy(), allowed, bias)
-    d_out = np.random.default_rng(1).standard_normal(ref.shape)
     q, k, v = (t.float().cuda().requires_grad_() for t in (q64, k64, v64))
     mask32 = Mask(q_start, q_len, torch.arange(k_len, device="cuda"), window=window,
                   n_global=n_global, bias_fn=bias_fn32)
     out, _ = ATTENTION_BACKENDS["flex"](q, k, v, mask32)
     np.testing.assert_allclose(out.detach().cpu().numpy(), ref, atol=2e-4, rtol=1e-3)
     out.backward(torch.from_numpy(d_out).float().cuda())
-    for name, t, expected in zip("qkv", (q, k, v), backward(d_out)):
+    for name, t, expected in zip("qkv", (q, k, v), ref_grads):
         np.testing.assert_allclose(t.grad.cpu().numpy(), expected, atol=5e-4, rtol=1e-3, err_msg=name)
 
 

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import run_script
+from conftest import run_script, train_tiny
 from data.tokenizer import BPETokenizer, CharTokenizer
 from engine.interop import ExportError, export, load_hf_folder
 from model import GPT, ModelConfig
@@ -168,10 +168,7 @@ def test_sample_and_head_search_read_a_gpt2_folder(gpt2_folder):
 @pytest.fixture(scope="module")
 def parent_run(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("parent")
-    run_script("train.py", "--config", "tiny", f"--data.path={corpus}", "--train.max_iters=40",
-               f"--data.cache_dir={out / 'cache'}", f"--train.out_dir={out / 'runs'}",
-               "--train.run_name=parent", "--train.lr=3e-3")
-    return out, out / "runs" / "parent"
+    return out, train_tiny(corpus, out, "parent", "--train.max_iters=40", "--train.lr=3e-3")
 
 
 def evaluate_loss(run, data, *extra):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, run_script
+from conftest import ROOT, run_script, train_tiny
 
 pytest.importorskip("starlette")
 from starlette.testclient import TestClient  # noqa: E402
@@ -22,11 +22,8 @@ from engine.inference import load_run  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tiny_run(corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp("serve")
-    run_script("train.py", "--config", "tiny", f"--data.path={corpus}", "--train.max_iters=30",
-               f"--data.cache_dir={out / 'cache'}", f"--train.out_dir={out / 'runs'}",
-               "--train.run_name=s", "--train.lr=3e-3")
-    return out / "runs" / "s"
+    return train_tiny(corpus, tmp_path_factory.mktemp("serve"), "s", "--train.max_iters=30",
+                      "--train.lr=3e-3")
 
 
 @pytest.fixture(scope="module")
