@@ -202,7 +202,10 @@ def create_app(service: Service):
     async def step(request):
         try:
             data = await body_of(request)
-            sample = service.settings({"prompt": "-", **data.get("settings", {})})
+            settings = data.get("settings", {})
+            if not isinstance(settings, dict):
+                raise BadRequest("settings must be an object: {temperature, top_k, top_p}")
+            sample = service.settings({**settings, "prompt": "-"})
             return JSONResponse(await service.run(service.step, data.get("ids"), data.get("index"), sample))
         except (AttnlabError, ValueError) as err:
             return error(err)

@@ -100,7 +100,9 @@ def test_bad_input_gets_a_4xx_json_error_and_the_server_goes_on(client, params, 
 
 @pytest.mark.parametrize("body", [b"not json", b"[1, 2]", json.dumps({"ids": [1, 2], "index": 5}),
                                   json.dumps({"ids": [10 ** 9], "index": 0}), json.dumps({"ids": "x"}),
-                                  json.dumps({"ids": [1, 2], "index": 1, "settings": {"top_p": "9"}})])
+                                  json.dumps({"ids": [1, 2], "index": 1, "settings": {"top_p": "9"}}),
+                                  json.dumps({"ids": [1, 2], "index": 1, "settings": [1]}),
+                                  json.dumps({"ids": [1, 2], "index": 1, "settings": {"x": 1}})])
 def test_bad_step_requests_are_refused(client, body):
     response = client.post("/api/step", content=body)
     assert response.status_code == 400 and response.json()["error"]
