@@ -37,7 +37,7 @@ from common.errors import AttnlabError
 def _hooks_for(model, cache: dict, only: set[str] | None):
     """(module, kind, hook) triples that fill `cache` with the activations named."""
     want = (lambda n: True) if only is None else only.__contains__
-    B_H = model.config.n_head, model.config.kv_heads, model.config.head_dim
+    c = model.config
     out = []
     for layer, block in enumerate(model.blocks):
         p = f"blocks.{layer}."
@@ -56,7 +56,7 @@ def _hooks_for(model, cache: dict, only: set[str] | None):
             if want(p + "attn_out"):
                 cache[p + "attn_out"] = output[0].detach()
 
-        def qkv_post(module, args, output, p=p, H=B_H[0], H_kv=B_H[1], D=B_H[2]):
+        def qkv_post(module, args, output, p=p, H=c.n_head, H_kv=c.kv_heads, D=c.head_dim):
             B, T, _ = output.shape
             qkv = output.detach().view(B, T, H + 2 * H_kv, D).transpose(1, 2)
             qk, v = qkv[:, :H + H_kv], qkv[:, H + H_kv:]
@@ -65,7 +65,7 @@ def _hooks_for(model, cache: dict, only: set[str] | None):
                 if want(p + name):
                     cache[p + name] = value
 
-        def w_o_pre(module, args, p=p, H=B_H[0], D=B_H[2]):
+        def w_o_pre(module, args, p=p, H=c.n_head, D=c.head_dim):
             if want(p + "z"):
                 B, T, _ = args[0].shape
                 cache[p + "z"] = args[0].detach().view(B, T, H, D)

@@ -247,13 +247,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def parser() -> Parser:
+    p = Parser("python -m attnlab.serve", __doc__)
+    add_run_options(p, "run directory, checkpoint or transformers folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
+                   "this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    return p
+
+
 def main(argv=None) -> int:
-    parser = Parser("python -m attnlab.serve", __doc__)
-    add_run_options(parser, "run directory, checkpoint or transformers folder")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
-                        "this machine only)")
-    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     from engine.checkpoint import latest_run
     from engine.device import pick_device, pick_dtype
     from engine.inference import load_run

@@ -47,21 +47,15 @@ def is_hf_folder(path: str | Path) -> bool:
 
 # -- the parts each architecture is made of ------------------------------------------
 
-def _parts(cfg: ModelConfig) -> dict[str, object]:
-    """Our variants as registry entries, to compare with what an architecture needs."""
-    return {"position": POSITION_ENCODINGS[cfg.position], "norm": NORMS[cfg.norm],
-            "mlp": MLPS[cfg.mlp]}
+_PART_REGISTRIES = {"position": POSITION_ENCODINGS, "norm": NORMS, "mlp": MLPS}
 
 
 def _needs(cfg: ModelConfig, **wanted) -> list[str]:
-    """The fields of cfg whose variant is not the one wanted, as 'field=now (needs X)'."""
-    registries = {"position": POSITION_ENCODINGS, "norm": NORMS, "mlp": MLPS}
-    have = _parts(cfg)
-    out = []
-    for field, name in wanted.items():
-        if have[field] is not registries[field][name]:
-            out.append(f"model.{field}={getattr(cfg, field)} (needs {name})")
-    return out
+    """The fields of cfg whose variant (registry entry) is not the one an architecture
+    computes, as 'model.field=now (needs X)'."""
+    return [f"model.{field}={getattr(cfg, field)} (needs {name})"
+            for field, name in wanted.items()
+            if _PART_REGISTRIES[field][getattr(cfg, field)] is not _PART_REGISTRIES[field][name]]
 
 
 def _common_refusals(cfg: ModelConfig) -> list[str]:

@@ -49,7 +49,7 @@ def train(run: Run) -> dict:
                       run.cfg.to_dict(), run.run_dir.name, p.wandb_id, run.log, write=run.dist.is_main)
     p.wandb_id = metrics.wandb_id
     metrics.truncate_after(p.step + (1 if p.step else 0))
-    speed, watch = Speedometer(run), DivergenceWatch(run.device)
+    speed, watch = Speedometer(run), DivergenceWatch()
     bar = tqdm(total=train_cfg.max_iters, initial=p.step, unit="step", dynamic_ncols=True,
                mininterval=0.5, desc="train", disable=not run.dist.is_main)
     started, result = time.perf_counter(), {"run_dir": str(run.run_dir)}
@@ -220,24 +220,26 @@ def log_step(run: Run, metrics: Metrics, bar, speed: Speedometer, loss, norm) ->
 
 
 class DivergenceWatch:
-    """The first step whose training loss was NaN or infinite, kept on the device so
-    no step waits for the GPU; read at log steps, it names the step that diverged
-    even when that step was not logged."""
+    """Names the first step whose training loss was NaN or infinite, even when that
+    step was not logged. It keeps the losses the steps computed anyway (no work and no
+    wait for the GPU per step) and checks them at log and evaluation steps."""
 
-    def __init__(self, device):
-        self.first = torch.full((), -1, dtype=torch.long, device=device)
-        self.value = torch.zeros((), device=device)
+    def __init__(self):
+        self.pending: list[tuple[int, torch.Tensor]] = []
 
     def see(self, loss: torch.Tensor, step: int) -> None:
-        bad = ~torch.isfinite(loss.detach()) & (self.first < 0)
-        self.first = torch.where(bad, torch.full_like(self.first, step), self.first)
-        self.value = torch.where(bad, loss.detach().float(), self.value)
+        self.pending.append((step, loss.detach()))
 
     def check(self, run: Run) -> None:
-        first = int(self.first.item())
-        if first >= 0:
-            run.progress.step = first
-            raise diverged(run, "the training loss", self.value.item())
+        if not self.pending:
+            return
+        losses = torch.stack([loss for _, loss in self.pending])
+        bad = (~torch.isfinite(losses)).nonzero()
+        if len(bad):
+            step, loss = self.pending[int(bad[0, 0])]
+            run.progress.step = step
+            raise diverged(run, "the training loss", loss.item())
+        self.pending.clear()
 
 
 def diverged(run: Run, what: str, value: float) -> TrainingDiverged:

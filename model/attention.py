@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import flex
+from model.flex import attend as flex_attend
 from model.config import ModelConfig
 from model.mask import Mask, rule
 
@@ -138,7 +138,7 @@ def flex_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bo
         raise ValueError("the flex backend never forms the attention weights; use eager")
     if dropout_p:
         raise ValueError("the flex backend has no attention dropout")
-    return flex.attend(q, k, v, mask), None
+    return flex_attend(q, k, v, mask), None
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import registry
+from model.registry import check as check_config
 from model.config import ModelConfig, ModelError
 from model.layers import NORMS, Block
 from model.mask import Mask
@@ -105,7 +105,7 @@ class KVCache:
 class GPT(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        registry.check(config)
+        check_config(config)
         if config.vocab_size <= 0:
             raise ModelError("model.vocab_size must be set (it comes from the tokenizer)")
         self.config = config

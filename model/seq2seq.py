@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import registry
+from model.registry import check as check_config
 from model.attention import CrossAttention, MultiHeadAttention
 from model.config import ModelConfig, ModelError
 from model.layers import MLPS, NORMS
@@ -63,7 +63,7 @@ class EncoderDecoder(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        registry.check(config)
+        check_config(config)
         if config.vocab_size <= 0:
             raise ModelError("model.vocab_size must be set")
         if POSITION_ENCODINGS[config.position].biases_scores:

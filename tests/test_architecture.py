@@ -39,10 +39,10 @@ def project_imports(path: Path, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            # `from model import flex` imports the module model.flex; `from model
-            # import GPT` imports the package model (its __init__)
-            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known
-                     else node.module for a in node.names]
+            # `from model import flex` runs the package model's __init__ and then
+            # model.flex: both are imports (a submodule that imports its own package
+            # that way closes a circle through the __init__)
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         else:
             continue
         for name in names:
