@@ -30,6 +30,7 @@ POS = "tests/test_positions.py"
 SAMP = "tests/test_sampling.py"
 PREP = "tests/test_prepare.py"
 INTEROP = "tests/test_interop.py -k 'export_loads or imports_with'"
+DECODE = "tests/test_decode.py"
 
 # (name, file, exact fragment, replacement, tests)
 MUTATIONS = [
@@ -42,6 +43,20 @@ MUTATIONS = [
      "q, k = torch.cat([positions.rotate(qk[:, :H], mask.q_start), qk[:, H:]], 1).split([H, H_kv], dim=1)", ATTN),
     ("KV-cache position offset + 1", "model/gpt.py",
      "start = cache.length", "start = cache.length + 1", MODEL),
+    ("static cache ring ignores the global slots", "model/cache.py",
+     "return torch.where(pos < G, pos, G + (pos - G) % self.window)",
+     "return torch.where(pos < G, pos, G + pos % self.window)", DECODE),
+    ("static step does not hide empty slots", "model/mask.py",
+     "        if self.on_device:                         # empty slots and the window: mask always\n            return False\n",
+     "", DECODE),
+    ("static step leaves its slot's position stale", "model/cache.py",
+     "        self.slot_pos.index_copy_(0, self._slot, self.length)\n", "", DECODE),
+    ("static load keeps a key one past the window", "model/cache.py",
+     "keep = (pos > cache.length - self.window) | (pos < self.n_global)",
+     "keep = (pos > cache.length - self.window - 2) | (pos < self.n_global)", DECODE),
+    ("RoPE at a device position off by one", "model/positions.py",
+     "pos = (start + torch.arange(T, device=x.device)).float()\n            angle",
+     "pos = (start + 1 + torch.arange(T, device=x.device)).float()\n            angle", DECODE),
     ("window rule < becomes <=", "model/mask.py",
      "near = (q - k) < window", "near = (q - k) <= window", ATTN),
     ("no 1/sqrt(d_k) in eager", "model/attention.py",

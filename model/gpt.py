@@ -1,6 +1,6 @@
 """The decoder-only Transformer: embeddings, a stack of blocks, and the output layer
-that scores every vocabulary entry as the next token. Also the KV cache that makes
-generation cost one token's work per step."""
+that scores every vocabulary entry as the next token, and generation from it (the KV
+caches it decodes with are in model/cache.py)."""
 from __future__ import annotations
 
 from typing import Iterator, NamedTuple
@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.cache import CapturedStep, KVCache, StaticKVCache
 from model.registry import check as check_config
 from model.config import ModelConfig, ModelError
 from model.layers import NORMS, Block
@@ -21,85 +22,6 @@ class Output(NamedTuple):
     logits: torch.Tensor                     # (B, T, vocab_size)
     loss: torch.Tensor | None                # mean cross-entropy when targets are given
     attentions: list | None                  # per layer (B, H, T, T_keys) when asked for
-
-
-class KVCache:
-    """Keys and values of the tokens seen so far, per layer, so that decoding a new
-    token computes only its own query, key and value.
-
-    The model, not a layer, does the bookkeeping: `begin(T)` before the layers says
-    which key positions the next T tokens will attend to, each layer's `update` writes
-    its keys and values, and `end(T)` advances. Without a window the buffer holds every
-    token up to `max_len`. With a sliding window W it is a rolling buffer: it keeps the
-    n_global first tokens and the newest W-1, which is all a future query can see, so
-    its memory stays bounded by n_global + 2·W however long generation runs."""
-
-    def __init__(self, n_layer: int, max_len: int, window: int = 0, n_global: int = 0):
-        self.n_layer, self.window, self.n_global = n_layer, window, n_global
-        self.capacity = n_global + 2 * window if window else max_len
-        self.k: torch.Tensor | None = None   # (n_layer, B, H_kv, capacity, d_k)
-        self.v: torch.Tensor | None = None
-        self.positions = torch.empty(0, dtype=torch.long)   # absolute position of each slot
-        self.stored = 0                      # filled slots
-        self.length = 0                      # tokens seen: the position of the next one
-        self.first = 0                       # the smallest position still stored
-
-    def begin(self, T: int, device) -> tuple[torch.Tensor, int]:
-        """Make room for T new tokens; return the key positions they will see and the
-        smallest of them."""
-        if self.positions.device != torch.device(device):
-            self.positions = self.positions.to(device)
-        if self.stored + T > self.capacity:
-            if not self.window:
-                raise ValueError(f"KV cache holds {self.capacity} tokens; "
-                                 f"{self.stored + T} requested")
-            self._compact()
-            if self.stored + T > self.capacity:          # a long chunk: grow to fit it
-                self._grow(self.stored + T)
-        new = torch.arange(self.length, self.length + T, device=device)
-        self.positions = torch.cat([self.positions[:self.stored], new])
-        return self.positions, (self.first if self.stored else self.length)
-
-    def _compact(self) -> None:
-        """Keep the global tokens and the newest window-1: the only ones still visible."""
-        g = min(self.n_global, self.stored)
-        recent = min(self.window - 1, self.stored - g)
-        keep = list(range(g)) + list(range(self.stored - recent, self.stored))
-        idx = torch.tensor(keep, dtype=torch.long, device=self.positions.device)
-        if self.k is not None:
-            n = len(keep)
-            self.k[:, :, :, :n] = self.k[:, :, :, idx].clone()
-            self.v[:, :, :, :n] = self.v[:, :, :, idx].clone()
-        self.positions = self.positions[idx]
-        self.stored = len(keep)
-        self.first = 0 if g else self.length - recent
-
-    def _grow(self, capacity: int) -> None:
-        if self.k is not None:
-            extra = list(self.k.shape)
-            extra[3] = capacity - self.capacity
-            self.k = torch.cat([self.k, self.k.new_zeros(extra)], dim=3)
-            self.v = torch.cat([self.v, self.v.new_zeros(extra)], dim=3)
-        self.capacity = capacity
-
-    def update(self, layer: int, k_new, v_new):
-        """Store this chunk's keys/values; return every key/value the chunk attends to."""
-        if self.k is None:
-            B, H_kv, _, D = k_new.shape
-            shape = (self.n_layer, B, H_kv, self.capacity, D)
-            self.k = torch.zeros(shape, dtype=k_new.dtype, device=k_new.device)
-            self.v = torch.zeros(shape, dtype=v_new.dtype, device=v_new.device)
-        start, end = self.stored, self.stored + k_new.shape[2]
-        self.k[layer, :, :, start:end] = k_new
-        self.v[layer, :, :, start:end] = v_new
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-
-    def end(self, T: int) -> None:
-        self.stored += T
-        self.length += T
-
-    def nbytes(self) -> int:
-        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
 
 
 class GPT(nn.Module):
@@ -190,33 +112,59 @@ class GPT(nn.Module):
         ever from a rolling cache; learned and sinusoidal positions are absolute."""
         return bool(self.config.sliding_window) and not self.positions.absolute
 
+    def new_static_cache(self, max_len: int) -> StaticKVCache:
+        return StaticKVCache(self.config.n_layer, max_len, self.config.sliding_window,
+                             self.config.n_global)
+
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, generator: torch.Generator | None = None,
-                 use_cache: bool = True, on_step=None) -> Iterator[torch.Tensor]:
+                 use_cache: bool = True, on_step=None, decode: str = "cache") -> Iterator[torch.Tensor]:
         """Yield (B, 1) new tokens one at a time, so a caller can print them as they come.
 
+        `decode` says how earlier tokens are kept (DECODERS): re-read in `full` every
+        step (also `use_cache=False`), in a growing `cache`, in a preallocated `static`
+        cache stepped by tensors alone, or that step replayed as a CUDA `graph`. All four
+        give the same logits up to rounding, so the same tokens for the same seed.
+
         A windowed model with relative positions decodes from a rolling cache with no
-        limit. Otherwise the model sees at most block_size tokens: with the cache, when
+        limit. Otherwise the model sees at most block_size tokens: with a cache, when
         it fills up the oldest half of the context is dropped and the rest is re-read
         in one pass (positions restart at 0), so every token is still predicted from
         between block_size/2 and block_size tokens of context. `on_step(logits, token)`,
         if given, sees each step's last-position logits and the token drawn from them."""
+        if decode not in DECODERS:
+            raise ValueError(f"decode must be one of {', '.join(DECODERS)}, not {decode!r}")
+        if not use_cache:
+            decode = "full"
+        if decode == "graph" and idx.device.type != "cuda":
+            raise ValueError("decode='graph' records a CUDA graph: it needs a CUDA device; "
+                             "use 'static' or 'cache' elsewhere")
         window = self.config.block_size
-        context = idx if self.rolls and use_cache else idx[:, -window:]
-        cache = None
+        rolls = self.rolls and decode != "full"
+        context = idx if rolls else idx[:, -window:]
+        cache = static = step = None
+        length = 0                               # tokens the cache holds, kept in Python
         for _ in range(max_new_tokens):
-            if not use_cache:
+            if decode == "full":
                 logits = self(context[:, -window:]).logits
-            elif cache is None:
+            elif cache is None or (length >= window and not rolls):
+                if cache is not None:            # full: keep the newest half, re-read it
+                    context = context[:, -(window // 2 or 1):]
                 cache = self.new_cache(window)
                 logits = self(context, cache=cache).logits
-            elif cache.length >= window and not self.rolls:
-                context = context[:, -(window // 2 or 1):]
-                cache = self.new_cache(window)
-                logits = self(context, cache=cache).logits
+                length = context.shape[1]
+                if decode != "cache":
+                    static = static or self.new_static_cache(window)
+                    static.load(cache)
+                    if decode == "graph" and step is None:
+                        step = CapturedStep(self, static, idx.shape[0])
+            elif step is not None:
+                logits = step(token).clone()     # the graph's output is overwritten next step
+                length += 1
             else:
-                logits = self(context[:, -1:], cache=cache).logits
+                logits = self(token, cache=static if static is not None else cache).logits
+                length += 1
             logits = logits[:, -1].float()        # sampling maths in fp32 whatever the weights
             token = sample_next(logits, temperature, top_k, top_p, generator)
             if on_step is not None:
@@ -224,3 +172,7 @@ class GPT(nn.Module):
             # Keep only what a later step can read: the newest block_size tokens.
             context = torch.cat([context, token], dim=1)[:, -window:]
             yield token
+
+
+# How generate keeps earlier tokens: none, a growing cache, a static one, a CUDA graph.
+DECODERS = ("full", "cache", "static", "graph")

@@ -47,8 +47,12 @@ class Mask:
 
     Cross-attention (decoder queries over encoder keys, the article's third kind) and an
     encoder's self-attention are not causal: every key is visible except padding,
-    given as `key_padding`, (B, Tk) and True where a key is only filler."""
-    q_start: int
+    given as `key_padding`, (B, Tk) and True where a key is only filler.
+
+    A step over a StaticKVCache passes `q_start` as a (1,) device tensor: its position
+    changes from one replay of a recorded CUDA graph to the next, so no decision may
+    depend on its value; such a mask always applies `dense` (it also hides empty slots)."""
+    q_start: int | torch.Tensor
     q_len: int
     k_pos: torch.Tensor
     k_first: int = 0                 # the smallest key position (known without a sync)
@@ -67,17 +71,22 @@ class Mask:
     def k_len(self) -> int:
         return self.k_pos.shape[0]
 
+    @property
+    def on_device(self) -> bool:
+        """The query position is a device tensor (a static-cache step)."""
+        return isinstance(self.q_start, torch.Tensor)
+
     @cached_property
     def q_pos(self) -> torch.Tensor:
-        return torch.arange(self.q_start, self.q_start + self.q_len, device=self.k_pos.device)
+        return self.q_start + torch.arange(self.q_len, device=self.k_pos.device)
 
     @property
     def is_whole_sequence(self) -> bool:
         """Causal attention whose queries and keys are the same positions 0..T-1
         (training, evaluation, a prefill with no cache before it): the case the
         block-wise paths (banded, flex) handle."""
-        return (self.causal and self.key_padding is None and self.q_start == 0
-                and self.q_len == self.k_len)
+        return (self.causal and self.key_padding is None and not self.on_device
+                and self.q_start == 0 and self.q_len == self.k_len)
 
     @property
     def is_square_causal(self) -> bool:
@@ -89,6 +98,8 @@ class Mask:
             return False
         if not self.causal:                        # no padding, no order: every key counts
             return True
+        if self.on_device:                         # empty slots and the window: mask always
+            return False
         # One query, every key at or before it and inside its window: nothing to hide.
         return self.q_len == 1 and (not self.window or self.q_start - self.k_first < self.window)
 

@@ -13,7 +13,9 @@ encoding here is one of two hooks, so the attention code has no branches:
   (ALiBi, arXiv:2108.12409: a penalty growing with distance, no embedding at all).
 
 `start` is the absolute position of the first token in the chunk, which is what lets
-cached decoding (one new token at position start) use the same code as training.
+cached decoding (one new token at position start) use the same code as training. It
+is an int, or a (1,) device tensor in a static-cache step (model/cache.py), whose
+position must not be read back to Python: every hook computes from it with tensors.
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ class Sinusoidal(PositionEncoding):
 
     def embed(self, x, start):
         T, d = x.shape[1], x.shape[2]
-        pos = torch.arange(start, start + T, device=x.device, dtype=torch.float32)
+        pos = (start + torch.arange(T, device=x.device)).float()
         angle = pos[:, None] * self.inv_freq[None, :]            # (T, d/2)
         pe = torch.empty(T, d, device=x.device)
         pe[:, 0::2] = torch.sin(angle)
@@ -92,14 +94,14 @@ class Learned(PositionEncoding):
 
     def embed(self, x, start):
         T = x.shape[1]
-        if start + T > self.table.num_embeddings:
+        # (A static cache's step has at most block_size slots, so it cannot get here.)
+        if isinstance(start, int) and start + T > self.table.num_embeddings:
             raise PositionRangeError(
                 f"learned positions have a table of {self.table.num_embeddings} positions "
                 f"(model.block_size) but this sequence reaches position {start + T - 1}; "
                 "use a context of at most block_size tokens, or an encoding that works "
                 "at any length (rope, sinusoidal, none)")
-        pos = torch.arange(start, start + T, device=x.device)
-        return x + self.table(pos)
+        return x + self.table(start + torch.arange(T, device=x.device))
 
 
 class RoPE(PositionEncoding):
@@ -138,12 +140,13 @@ class RoPE(PositionEncoding):
     def rotate(self, x, start):
         # x: (B, heads, T, D), queries and keys of the same T positions.
         T = x.shape[-2]
-        if start + T <= self.cos.shape[0]:
+        if isinstance(start, int) and start + T <= self.cos.shape[0]:
             cos, sin = self.cos[start:start + T], self.sin[start:start + T]
         else:
-            # Past the table (longer evaluation, endless decoding from a rolling cache):
-            # the angles of these positions alone, so memory does not grow with position.
-            pos = torch.arange(start, start + T, device=x.device, dtype=torch.float32)
+            # Past the table (longer evaluation, endless decoding from a rolling cache)
+            # or at a position held on the device: the angles of these positions alone,
+            # so memory does not grow with position.
+            pos = (start + torch.arange(T, device=x.device)).float()
             angle = pos[:, None] * self.inv_freq
             cos, sin = angle.cos() * self.mscale, angle.sin() * self.mscale
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)

@@ -1,0 +1,222 @@
+"""KV caches: the keys and values of earlier tokens, kept so that decoding a new token
+computes only that token's query, key and value (the article's cost of attention at
+generation time: one row of Q·Kᵀ per step instead of the whole triangle).
+
+* `KVCache` grows as tokens come and hands each layer exactly the keys it has, so
+  no step looks at an empty slot. It suits CPUs and any chunk length.
+* `StaticKVCache` preallocates every buffer once and decodes one token per step with
+  tensors only: the position of the step lives on the device, empty slots are hidden
+  by the same mask rule as everything else. Nothing in a step depends on a Python
+  value that changes between steps, so the step can be recorded once as a CUDA graph
+  (`CapturedStep`) and replayed: one launch instead of ~100 small kernels per token,
+  which is what bounds batch-1 decoding of a small model on a GPU.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, per layer, so that decoding a new
+    token computes only its own query, key and value.
+
+    The model, not a layer, does the bookkeeping: `begin(T)` before the layers says
+    which key positions the next T tokens will attend to, each layer's `update` writes
+    its keys and values, and `end(T)` advances. Without a window the buffer holds every
+    token up to `max_len`. With a sliding window W it is a rolling buffer: it keeps the
+    n_global first tokens and the newest W-1, which is all a future query can see, so
+    its memory stays bounded by n_global + 2·W however long generation runs."""
+
+    def __init__(self, n_layer: int, max_len: int, window: int = 0, n_global: int = 0):
+        self.n_layer, self.window, self.n_global = n_layer, window, n_global
+        self.capacity = n_global + 2 * window if window else max_len
+        self.k: torch.Tensor | None = None   # (n_layer, B, H_kv, capacity, d_k)
+        self.v: torch.Tensor | None = None
+        self.positions = torch.empty(0, dtype=torch.long)   # absolute position of each slot
+        self.stored = 0                      # filled slots
+        self.length = 0                      # tokens seen: the position of the next one
+        self.first = 0                       # the smallest position still stored
+
+    def begin(self, T: int, device) -> tuple[torch.Tensor, int]:
+        """Make room for T new tokens; return the key positions they will see and the
+        smallest of them."""
+        if self.positions.device != torch.device(device):
+            self.positions = self.positions.to(device)
+        if self.stored + T > self.capacity:
+            if not self.window:
+                raise ValueError(f"KV cache holds {self.capacity} tokens; "
+                                 f"{self.stored + T} requested")
+            self._compact()
+            if self.stored + T > self.capacity:          # a long chunk: grow to fit it
+                self._grow(self.stored + T)
+        new = torch.arange(self.length, self.length + T, device=device)
+        self.positions = torch.cat([self.positions[:self.stored], new])
+        return self.positions, (self.first if self.stored else self.length)
+
+    def _compact(self) -> None:
+        """Keep the global tokens and the newest window-1: the only ones still visible."""
+        g = min(self.n_global, self.stored)
+        recent = min(self.window - 1, self.stored - g)
+        keep = list(range(g)) + list(range(self.stored - recent, self.stored))
+        idx = torch.tensor(keep, dtype=torch.long, device=self.positions.device)
+        if self.k is not None:
+            n = len(keep)
+            self.k[:, :, :, :n] = self.k[:, :, :, idx].clone()
+            self.v[:, :, :, :n] = self.v[:, :, :, idx].clone()
+        self.positions = self.positions[idx]
+        self.stored = len(keep)
+        self.first = 0 if g else self.length - recent
+
+    def _grow(self, capacity: int) -> None:
+        if self.k is not None:
+            extra = list(self.k.shape)
+            extra[3] = capacity - self.capacity
+            self.k = torch.cat([self.k, self.k.new_zeros(extra)], dim=3)
+            self.v = torch.cat([self.v, self.v.new_zeros(extra)], dim=3)
+        self.capacity = capacity
+
+    def update(self, layer: int, k_new, v_new):
+        """Store this chunk's keys/values; return every key/value the chunk attends to."""
+        if self.k is None:
+            B, H_kv, _, D = k_new.shape
+            shape = (self.n_layer, B, H_kv, self.capacity, D)
+            self.k = torch.zeros(shape, dtype=k_new.dtype, device=k_new.device)
+            self.v = torch.zeros(shape, dtype=v_new.dtype, device=v_new.device)
+        start, end = self.stored, self.stored + k_new.shape[2]
+        self.k[layer, :, :, start:end] = k_new
+        self.v[layer, :, :, start:end] = v_new
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def end(self, T: int) -> None:
+        self.stored += T
+        self.length += T
+
+    def nbytes(self) -> int:
+        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+
+
+
+# The position stored in an empty slot: ahead of every query, so the causal rule
+# (a key may not be ahead of its query) hides it without a separate "filled" mask.
+EMPTY = 2 ** 40
+
+
+class StaticKVCache:
+    """Fixed buffers of `capacity` slots per layer, one token written per step.
+
+    Slot of position p: p itself without a window (capacity max_len); with a window W
+    the first n_global positions keep their own slots and the rest share a ring of W
+    slots, p -> n_global + (p - n_global) mod W. A query at q sees keys q-W+1..q, W
+    consecutive positions and so W different slots; the slot it writes held q-W, the
+    one key that just left its window. `slot_pos` holds each slot's position (EMPTY if
+    none) and the mask is the rule applied to it, so order in memory never matters.
+
+    Filled from a prefill by `load(cache)` (a KVCache after a whole-prompt forward
+    pass), then advanced by the model one token at a time: `begin(1)` writes this
+    step's position into its slot, each layer's `update` writes its key and value
+    there, `end(1)` moves `length`, a device tensor, on by one. Every write is in place,
+    so a recorded CUDA graph keeps pointing at the right memory after a new `load`."""
+
+    def __init__(self, n_layer: int, max_len: int, window: int = 0, n_global: int = 0):
+        self.n_layer, self.window, self.n_global = n_layer, window, n_global
+        self.capacity = n_global + window if window else max_len
+        self.k: torch.Tensor | None = None   # (n_layer, B, H_kv, capacity, d_k)
+        self.v: torch.Tensor | None = None
+        self.slot_pos: torch.Tensor | None = None   # (capacity,) position held by each slot
+        self.length: torch.Tensor | None = None     # (1,) the position of the next token
+        self._slot: torch.Tensor | None = None
+
+    def slot_of(self, pos: torch.Tensor) -> torch.Tensor:
+        if not self.window:
+            return pos
+        G = self.n_global
+        return torch.where(pos < G, pos, G + (pos - G) % self.window)
+
+    def load(self, cache: KVCache) -> None:
+        """Take over a prefilled KVCache's keys and values: those a later query can
+        still see, each in its slot."""
+        n = cache.stored
+        pos = cache.positions[:n]
+        if self.window:      # the newest W-1 and the global ones; older keys are out of reach
+            keep = (pos > cache.length - self.window) | (pos < self.n_global)
+        else:
+            if cache.length >= self.capacity:
+                raise ValueError(f"static KV cache holds {self.capacity} tokens; "
+                                 f"{cache.length} given")
+            keep = torch.ones_like(pos, dtype=torch.bool)
+        pos = pos[keep]
+        k, v = cache.k[:, :, :, :n][:, :, :, keep], cache.v[:, :, :, :n][:, :, :, keep]
+        if self.k is None:
+            L, B, H_kv, _, D = k.shape
+            shape = (L, B, H_kv, self.capacity, D)
+            self.k = torch.zeros(shape, dtype=k.dtype, device=k.device)
+            self.v = torch.zeros(shape, dtype=v.dtype, device=v.device)
+            self.slot_pos = torch.full((self.capacity,), EMPTY, dtype=torch.long, device=k.device)
+            self.length = torch.zeros(1, dtype=torch.long, device=k.device)
+        elif k.shape[1] != self.k.shape[1]:
+            raise ValueError(f"static KV cache was built for batch {self.k.shape[1]}, "
+                             f"not {k.shape[1]}")
+        slots = self.slot_of(pos)
+        self.slot_pos.fill_(EMPTY)
+        self.slot_pos[slots] = pos
+        self.k[:, :, :, slots] = k
+        self.v[:, :, :, slots] = v
+        self.length.fill_(cache.length)
+
+    def begin(self, T: int, device) -> tuple[torch.Tensor, int]:
+        if T != 1:
+            raise ValueError("a static KV cache takes one token per step; prefill a KVCache "
+                             "and load() it")
+        self._slot = self.slot_of(self.length)
+        self.slot_pos.index_copy_(0, self._slot, self.length)
+        return self.slot_pos, 0
+
+    def update(self, layer: int, k_new, v_new):
+        self.k[layer].index_copy_(2, self._slot, k_new)
+        self.v[layer].index_copy_(2, self._slot, v_new)
+        return self.k[layer], self.v[layer]
+
+    def end(self, T: int) -> None:
+        self.length.add_(T)
+
+    def nbytes(self) -> int:
+        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+
+    def state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.slot_pos.clone(), self.length.clone()
+
+    def restore(self, state) -> None:
+        self.slot_pos.copy_(state[0])
+        self.length.copy_(state[1])
+
+
+class CapturedStep:
+    """One decode step of `model` over a loaded StaticKVCache, recorded as a CUDA graph.
+
+    Calling it copies the new tokens into the graph's input, replays every kernel of
+    the step in one launch and returns the graph's logits tensor (overwritten by the
+    next call). Recording follows torch's recipe: a few warm-up runs on a side stream
+    (their writes to the cache are undone; the slot they wrote is the one the next
+    real step overwrites before anything reads it), then one run under capture."""
+
+    def __init__(self, model, cache: StaticKVCache, batch: int, warmup: int = 2):
+        device = cache.k.device
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        saved = cache.state()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                model(self.token, cache=cache)
+                cache.restore(saved)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = model(self.token, cache=cache).logits
+        # Recording runs nothing, but keep the cache exactly as it was loaded.
+        cache.restore(saved)
+
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        self.token.copy_(token)
+        self.graph.replay()
+        return self.logits

@@ -1,0 +1,119 @@
+"""Decoding with a preallocated (static) KV cache, the step a CUDA graph records
+(model/cache.py): each step's logits against an uncached full forward pass over the
+same tokens, for every backend, position encoding, grouped key/value heads and sliding
+windows run well past their length; the tokens generate() draws with it against the
+growing cache's for the same seed."""
+import itertools
+
+import pytest
+import torch
+
+from model import GPT, REGISTRIES, ModelConfig
+from model.cache import EMPTY
+
+BACKENDS = sorted(set(REGISTRIES["attention"]) - {"flex"})   # flex: in test_model, once
+CASES = [(0, 0, 0), (2, 0, 0), (0, 5, 0), (2, 5, 2)]         # (n_kv_head, window, n_global)
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(vocab_size=40, n_layer=2, n_head=4, n_embd=32, block_size=16)
+    if kw.get("attention") == "banded" and not kw.get("sliding_window"):
+        kw["sliding_window"] = 6
+    return ModelConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("attention,position",
+                         list(itertools.product(BACKENDS, sorted(REGISTRIES["position"]))))
+@pytest.mark.parametrize("n_kv_head,window,n_global", CASES)
+def test_static_cache_steps_equal_the_full_forward_pass(attention, position, n_kv_head,
+                                                        window, n_global):
+    torch.manual_seed(0)
+    model = GPT(tiny(attention=attention, position=position, n_kv_head=n_kv_head,
+                     sliding_window=window, n_global=n_global)).eval()
+    # A rolling cache runs 2.5x past the context (and 8x past a window of 5); the
+    # others fill the context, which is also past any window.
+    T = 40 if model.rolls else 16
+    x = torch.randint(0, 40, (2, T))
+    with torch.no_grad():
+        full = model(x).logits
+        cache = model.new_cache(16)
+        model(x[:, :4], cache=cache)
+        static = model.new_static_cache(16)
+        static.load(cache)
+        buffers = (static.k.data_ptr(), static.nbytes())
+        steps = [model(x[:, t:t + 1], cache=static).logits for t in range(4, T)]
+    torch.testing.assert_close(torch.cat(steps, 1), full[:, 4:], atol=2e-5, rtol=0)
+    assert int(static.length) == T
+    # Nothing was reallocated: a recorded graph would still point at the right memory.
+    assert (static.k.data_ptr(), static.nbytes()) == buffers
+    W = model.config.sliding_window
+    assert static.capacity == (n_global + W if W else 16)
+
+
+def test_a_windowed_static_cache_holds_exactly_the_keys_the_next_query_can_see():
+    """Rolling buffer bookkeeping: after each step the slots hold the n_global first
+    positions and the newest W, each once; the rest are empty."""
+    model = GPT(tiny(position="rope", sliding_window=5, n_global=2)).eval()
+    cache = model.new_cache(16)
+    x = torch.randint(0, 40, (1, 30))
+    with torch.no_grad():
+        model(x[:, :3], cache=cache)
+        static = model.new_static_cache(16)
+        static.load(cache)
+        for t in range(3, 30):
+            model(x[:, t:t + 1], cache=static)
+            held = sorted(p for p in static.slot_pos.tolist() if p != EMPTY)
+            expected = sorted(set(range(min(2, t + 1))) | set(range(max(0, t - 4), t + 1)))
+            assert held == expected, t
+
+
+@pytest.mark.parametrize("position,window", [("rope", 0), ("learned", 0), ("alibi", 5),
+                                             ("sinusoidal", 5), ("rope", 5)])
+def test_static_decoding_draws_the_same_tokens_as_the_growing_cache(position, window):
+    """Through generate(), sampled (not greedy), past block_size: through the context
+    shift of absolute positions and the rolling buffer of relative ones."""
+    torch.manual_seed(0)
+    model = GPT(tiny(position=position, sliding_window=window)).eval()
+    prompt = torch.randint(0, 40, (2, 5))
+    runs = {}
+    for decode in ("cache", "static"):
+        g = torch.Generator().manual_seed(3)
+        seen = []
+        tokens = model.generate(prompt, 45, temperature=1.0, generator=g, decode=decode,
+                                on_step=lambda logits, t: seen.append(logits))
+        runs[decode] = (torch.cat(list(tokens), 1), torch.stack(seen))
+    assert torch.equal(runs["cache"][0], runs["static"][0])
+    torch.testing.assert_close(runs["cache"][1], runs["static"][1], atol=2e-5, rtol=0)
+    assert len(set(runs["cache"][0].flatten().tolist())) > 10          # really sampled
+
+
+def test_static_cache_refuses_chunks_and_a_graph_off_cuda():
+    model = GPT(tiny()).eval()
+    cache = model.new_cache(16)
+    model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
+    static = model.new_static_cache(16)
+    static.load(cache)
+    with pytest.raises(ValueError, match="one token per step"):
+        model(torch.zeros(1, 2, dtype=torch.long), cache=static)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            next(model.generate(torch.zeros(1, 3, dtype=torch.long), 2, decode="graph"))
+    with pytest.raises(ValueError, match="decode must be one of"):
+        next(model.generate(torch.zeros(1, 3, dtype=torch.long), 2, decode="fast"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("position,window", [("rope", 0), ("learned", 0), ("alibi", 5)])
+def test_cuda_graph_decoding_draws_the_same_tokens_as_the_growing_cache(position, window):
+    torch.manual_seed(0)
+    model = GPT(tiny(position=position, sliding_window=window)).cuda().eval()
+    prompt = torch.randint(0, 40, (1, 5), device="cuda")
+    runs = {}
+    for decode in ("cache", "graph"):
+        g = torch.Generator(device="cuda").manual_seed(3)
+        seen = []
+        tokens = model.generate(prompt, 45, temperature=1.0, generator=g, decode=decode,
+                                on_step=lambda logits, t: seen.append(logits))
+        runs[decode] = (torch.cat(list(tokens), 1), torch.stack(seen))
+    assert torch.equal(runs["cache"][0], runs["graph"][0])
+    torch.testing.assert_close(runs["cache"][1], runs["graph"][1], atol=1e-4, rtol=0)
