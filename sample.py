@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     from engine.checkpoint import latest_run
     from engine.config import RunConfig
     from engine.device import dtype_name, pick_device, pick_dtype
-    from engine.inference import StepExplainer, encode_prompt, load_run, stream_text
+    from engine.inference import StepExplainer, encode_prompt, load_run, pick_decode, stream_text
 
     s = apply_overrides(RunConfig(), args).sample
     device = pick_device(args.device)
@@ -37,8 +37,9 @@ def main(argv: list[str]) -> int:
     dtype = pick_dtype(s.dtype, device, cfg.model.n_embd)
     model = model.to(dtype)
     prompt_ids = encode_prompt(tokenizer, s.prompt)
+    decode = pick_decode(s.decode, device) if s.use_cache else "full"
     print(f"[{ckpt}: {cfg.model.position} positions, {model.num_params() / 1e6:.2f}M parameters, "
-          f"{dtype_name(dtype)} weights; "
+          f"{dtype_name(dtype)} weights, decode {decode}; "
           f"temperature {s.temperature}, top-k {s.top_k}, top-p {s.top_p}, seed {s.seed}]",
           file=sys.stderr)
     for n in range(s.num_samples):
@@ -49,7 +50,8 @@ def main(argv: list[str]) -> int:
         text = s.prompt
         sys.stdout.write("" if explainer else s.prompt)
         for piece in stream_text(model, tokenizer, prompt_ids, s.max_new_tokens, s.temperature,
-                                 s.top_k, s.top_p, s.seed + n, s.use_cache, on_step=explainer):
+                                 s.top_k, s.top_p, s.seed + n, on_step=explainer,
+                                 decode=decode):
             text += piece
             if explainer:                  # the step's candidates, then the text so far
                 print(explainer.render(explainer.steps[-1], len(explainer.steps)))

@@ -1,9 +1,11 @@
-"""Generation speed at batch 1: this project with and without its KV cache, against
-Hugging Face transformers' GPT2LMHeadModel.generate (with its cache), same sizes, in
-the same process. Also the KV-cache memory for multi-head, GQA and MQA.
+"""Generation speed at batch 1: this project's decoders (growing KV cache, static
+cache, the static step as a CUDA graph on a GPU, no cache) against Hugging Face
+transformers' GPT2LMHeadModel.generate (with its cache), same sizes, in the same
+process. Also the KV-cache memory for multi-head, GQA and MQA.
 
     python bench/generate_speed.py                       # baby GPT: 6 layers, 6 heads, 384 wide
     python bench/generate_speed.py --new 256 --rounds 1
+    python bench/generate_speed.py --device cuda --no-uncached
 """
 from __future__ import annotations
 
@@ -28,17 +30,26 @@ def hf_model(L, H, C, ctx):
     return GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").eval()
 
 
-def time_ours(model, prompt, new, use_cache):
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ours(model, prompt, new, decode):
+    sync(prompt.device)
     start = time.perf_counter()
-    n = sum(1 for _ in model.generate(prompt, new, temperature=0, use_cache=use_cache))
+    n = sum(1 for _ in model.generate(prompt, new, temperature=0, decode=decode))
+    sync(prompt.device)
     return n / (time.perf_counter() - start)
 
 
 @torch.no_grad()
 def time_hf(model, prompt, new):
+    sync(prompt.device)
     start = time.perf_counter()
     out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                          use_cache=True, pad_token_id=0)
+    sync(prompt.device)
     return (out.shape[1] - prompt.shape[1]) / (time.perf_counter() - start)
 
 
@@ -47,39 +58,40 @@ def main():
     parser.add_argument("--new", type=int, nargs="+", default=[256, 1000])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-uncached", action="store_true", help="skip the slow no-cache runs")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     L, H, C = 6, 6, 384
     ctx = 1024
+    device = args.device
     torch.manual_seed(0)
     ours = GPT(ModelConfig(vocab_size=VOCAB, n_layer=L, n_head=H, n_embd=C, block_size=ctx,
                            position="learned", bias=True)).eval()
-    # sample.py's default on a CPU with native bf16: the weights in bf16 (half the bytes
-    # to stream per token, and they fit in this CPU's 32 MB L3 cache).
+    # sample.py's default where bf16 is native: the weights in bf16 (half the bytes to
+    # stream per token; on this CPU they then fit in its 32 MB L3 cache).
     ours_bf16 = GPT(ours.config).eval()
     ours_bf16.load_state_dict(ours.state_dict())
-    ours_bf16 = ours_bf16.to(torch.bfloat16)
-    hf = hf_model(L, H, C, ctx)
-    prompt = torch.zeros(1, 1, dtype=torch.long)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {L} layers, {H} heads, "
-          f"{C} wide, context {ctx}, batch 1, greedy, fp32 unless marked")
+    ours, ours_bf16 = ours.to(device), ours_bf16.to(device, torch.bfloat16)
+    hf = hf_model(L, H, C, ctx).to(device)
+    prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
+    decoders = ["cache", "static"] + (["graph"] if prompt.device.type == "cuda" else [])
+    runs = [(f"attnlab, decode={d}", ours, d) for d in decoders]
+    runs += [(f"attnlab, decode={d}, bf16 weights", ours_bf16, d) for d in decoders]
+    if not args.no_uncached:
+        runs.append(("attnlab, no cache", ours, "full"))
+    print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads; {L} layers, "
+          f"{H} heads, {C} wide, context {ctx}, batch 1, greedy, fp32 unless marked")
     rows = []
+    hf_label = "HF GPT2LMHeadModel.generate (cache)"
     for new in args.new:
-        time_ours(ours, prompt, 8, True), time_hf(hf, prompt, 8)          # warm-up
-        time_ours(ours_bf16, prompt, 8, True)
-        best = {"HF GPT2LMHeadModel.generate (cache)": 0.0, "attnlab, KV cache": 0.0,
-                "attnlab, KV cache, bf16 weights": 0.0}
-        if not args.no_uncached:
-            best["attnlab, no cache"] = 0.0
-        for _ in range(args.rounds):
-            best["HF GPT2LMHeadModel.generate (cache)"] = max(
-                best["HF GPT2LMHeadModel.generate (cache)"], time_hf(hf, prompt, new))
-            best["attnlab, KV cache"] = max(best["attnlab, KV cache"], time_ours(ours, prompt, new, True))
-            best["attnlab, KV cache, bf16 weights"] = max(best["attnlab, KV cache, bf16 weights"],
-                                                          time_ours(ours_bf16, prompt, new, True))
-            if not args.no_uncached:
-                best["attnlab, no cache"] = max(best["attnlab, no cache"],
-                                                time_ours(ours, prompt, new, False))
-        base = best["HF GPT2LMHeadModel.generate (cache)"]
+        time_hf(hf, prompt, 8)                                          # warm-up
+        for _, model, decode in runs:
+            time_ours(model, prompt, 8, decode)
+        best = {hf_label: 0.0, **{label: 0.0 for label, _, _ in runs}}
+        for _ in range(args.rounds):                    # interleaved, so drift hits all alike
+            best[hf_label] = max(best[hf_label], time_hf(hf, prompt, new))
+            for label, model, decode in runs:
+                best[label] = max(best[label], time_ours(model, prompt, new, decode))
+        base = best[hf_label]
         for label, rate in best.items():
             rows.append((new, label, rate, rate / base))
     print("\n| new tokens | generator | tokens/s | vs HF |")

@@ -7,7 +7,8 @@
 #      best, and its time to 1.45; nanoGPT's recipe (the baby preset) beside it;
 #   3. training tokens/s and MFU of the baby GPT, eager and compiled;
 #   4. --budget 30s on the GPU;
-#   5. generation tokens/s at batch 1 (KV cache, no cache) against transformers' generate;
+#   5. generation tokens/s at batch 1 (growing KV cache, static cache, the static step as a
+#      CUDA graph, no cache) against transformers' generate, and whether their tokens agree;
 #   6. attention cost in bf16 (where the window starts to beat flash causal);
 #   7. the tests that need a GPU (flex gradients against the float64 reference).
 # Usage: bash bench/gpu_check.sh [path/to/tinyshakespeare.txt]
@@ -22,10 +23,10 @@ if [[ "${DRY:-}" == 1 ]]; then
     GPU=(--config tiny --train.max_iters=40 --train.eval_interval=20)
     BABY=(--config tiny --train.max_iters=40 --train.eval_interval=20)
     SIZE=(--config tiny --train.max_iters=30)
-    BUDGET=20s; LENGTHS="256 512"; DEVICE=cpu; TESTS=(-k "flex_gradients or bfloat16")
+    BUDGET=20s; LENGTHS="256 512"; DEVICE=cpu; TESTS=(-k "flex_gradients or bfloat16 or draws_the_same")
 else
     GPU=(--config gpu); BABY=(--config baby); SIZE=(--config gpu --train.max_iters=300)
-    BUDGET=30s; LENGTHS="1024 4096 8192 16384 32768"; DEVICE=cuda; TESTS=(-k "flex_gradients")
+    BUDGET=30s; LENGTHS="1024 4096 8192 16384 32768"; DEVICE=cuda; TESTS=(-k "flex_gradients or cuda_graph")
 fi
 
 python - "$DEVICE" <<'PY'
@@ -103,23 +104,29 @@ c = cfg.model
 hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
     vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
     n_head=c.n_head)).to(device).eval()
-N = min(200, c.block_size - 2)                # transformers' GPT-2 stops at its context
-rows = []
+N = c.block_size - 2                          # transformers' GPT-2 stops at its context
+modes = ["cache", "static", "graph", "full"] if device == "cuda" else ["cache", "static", "full"]
+rows, tokens = [], {}
 for dtype in (torch.float32, torch.bfloat16):
     m = model.to(dtype)
-    for use_cache in (True, False):
-        list(m.generate(prompt, 8, temperature=0, use_cache=use_cache))
+    for decode in modes:
+        list(m.generate(prompt, 8, temperature=0, decode=decode))
         sync(); start = time.perf_counter()
-        n = sum(1 for _ in m.generate(prompt, N, temperature=0, use_cache=use_cache))
-        sync(); rows.append((f"attnlab, {'KV cache' if use_cache else 'no cache'}, {str(dtype)[6:]}",
-                             n / (time.perf_counter() - start)))
+        out = torch.cat(list(m.generate(prompt, N, temperature=0, decode=decode)), 1)
+        sync(); rows.append((f"attnlab, decode={decode}, {str(dtype)[6:]}",
+                             N / (time.perf_counter() - start)))
+        tokens[(dtype, decode)] = out
 hf.generate(prompt, max_new_tokens=8, do_sample=False)
 sync(); start = time.perf_counter()
 out = hf.generate(prompt, max_new_tokens=N, min_new_tokens=N, do_sample=False)
 sync(); hf_rate = (out.shape[1] - 1) / (time.perf_counter() - start)
+print(f"  {N} new tokens, greedy, batch 1")
 print(f"  transformers GPT2LMHeadModel.generate (fp32, cache): {hf_rate:,.0f} tokens/s")
 for name, rate in rows:
     print(f"  {name}: {rate:,.0f} tokens/s ({rate / hf_rate:.2f}x)")
+for dtype in (torch.float32, torch.bfloat16):
+    same = [d for d in modes if torch.equal(tokens[(dtype, d)], tokens[(dtype, "cache")])]
+    print(f"  {str(dtype)[6:]}: the same tokens as decode=cache: {', '.join(same)}")
 PY
 
 echo "== attention cost in bf16 (B=1, H=6, d_k=64, window 256)"
@@ -127,4 +134,4 @@ python bench/attention_cost.py --devices "$DEVICE" --lengths $LENGTHS --repeats 
     --plot "$OUT/attention_cost.png" 2>&1 | grep -E "^\||beats|never" | sed 's/^/  /'
 
 echo "== tests that need a GPU"
-python -m pytest -q -p no:cacheprovider tests/test_attention.py "${TESTS[@]}" 2>&1 | tail -2 | sed 's/^/  /'
+python -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_decode.py "${TESTS[@]}" 2>&1 | tail -2 | sed 's/^/  /'

@@ -86,6 +86,10 @@ class SampleConfig:
     seed: int = opt(1337, "random seed for sampling")
     num_samples: int = opt(1, "independent samples to draw")
     use_cache: bool = opt(True, "reuse keys/values of earlier tokens (KV cache)")
+    decode: str = opt("auto", "how the KV cache is kept: auto (graph on CUDA, cache elsewhere), "
+                              "cache (grows with the text), static (preallocated, one token per "
+                              "step), graph (the static step replayed as a CUDA graph; CUDA only)",
+                      choices=("auto", "cache", "static", "graph"))
     dtype: str = opt("auto", "weights while sampling: auto (bfloat16 where train.dtype=auto would "
                              "use it: at batch 1 the weights' bytes bound the speed), float32, "
                              "bfloat16 or float16", choices=("auto", "float32", "bfloat16", "float16"))

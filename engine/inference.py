@@ -10,7 +10,7 @@ import torch
 
 from engine import checkpoint
 from engine.config import RunConfig, from_dict
-from common.errors import CheckpointError, TokenizerError
+from common.errors import CheckpointError, ConfigError, TokenizerError
 from data.tokenizer import Tokenizer
 from model import GPT
 from model.sampling import next_token_distribution
@@ -55,9 +55,22 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
                          "from; give a prompt with --prompt")
 
 
+def pick_decode(decode: str, device) -> str:
+    """`auto`: on CUDA the static cache's step recorded as a CUDA graph (one launch per
+    token instead of ~100 kernels, which bound batch-1 decoding of a small model
+    there); elsewhere the growing cache, which reads only the keys it has."""
+    on_cuda = torch.device(device).type == "cuda"
+    if decode == "graph" and not on_cuda:
+        raise ConfigError("sample.decode=graph records a CUDA graph and needs a CUDA device; "
+                          "use --decode static or --decode cache here")
+    if decode != "auto":
+        return decode
+    return "graph" if on_cuda else "cache"
+
+
 def stream_text(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], max_new_tokens: int,
                 temperature: float, top_k: int, top_p: float, seed: int,
-                use_cache: bool = True, on_step=None) -> Iterator[str]:
+                use_cache: bool = True, on_step=None, decode: str = "auto") -> Iterator[str]:
     """Yield the generated text piece by piece, as soon as each token is sampled.
 
     Byte-level BPE tokens can end inside a multi-byte character; a piece is released
@@ -67,7 +80,8 @@ def stream_text(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], max_new
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     decoder = IncrementalDecoder(tokenizer)
     for token in model.generate(idx, max_new_tokens, temperature, top_k, top_p,
-                                generator=generator, use_cache=use_cache, on_step=on_step):
+                                generator=generator, use_cache=use_cache, on_step=on_step,
+                                decode=pick_decode(decode, device)):
         piece = decoder.add(int(token[0, 0]))
         if piece:
             yield piece

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import checkpoint
 from common.errors import CheckpointError
@@ -72,6 +73,10 @@ def test_sample_streams_text_from_the_run(trained):
     two = run_script("sample.py", "--run", run_dir, "--num_samples", "2", "--max_new_tokens", "20",
                      "--top_p", "0.9", "--top_k", "5")
     assert two.stdout.count("--- sample") == 2
+    # The preallocated cache (the step CUDA graphs replay) samples the same text.
+    static = run_script("sample.py", "--run", run_dir, "--num_samples", "2", "--max_new_tokens",
+                        "20", "--top_p", "0.9", "--top_k", "5", "--decode", "static")
+    assert static.stdout == two.stdout and "decode static" in static.stderr
 
 
 def test_sample_explains_bad_prompts_and_options(trained):
@@ -79,7 +84,8 @@ def test_sample_explains_bad_prompts_and_options(trained):
     bad = run_script("sample.py", "--run", run_dir, "--prompt", "€uro", check=False)
     assert bad.returncode == 2 and "'€'" in bad.stderr and "Traceback" not in bad.stderr
     for args, text in [(["--top_p", "0"], "top_p"), (["--temperature", "-1"], "temperature"),
-                       (["--run", run_dir / "nope"], "does not exist")]:
+                       (["--run", run_dir / "nope"], "does not exist")] + \
+            ([] if torch.cuda.is_available() else [(["--decode", "graph"], "CUDA device")]):
         proc = run_script("sample.py", "--run", run_dir, *map(str, args), check=False)
         assert proc.returncode == 2 and text in proc.stderr and "Traceback" not in proc.stderr
 
