@@ -32,7 +32,8 @@ class ModelConfig:
                                   "included); 0 = every earlier token")
     n_global: int = _opt(0, "with a window: the first N tokens stay visible to every "
                             "later token (global tokens / attention sinks)")
-    attention: str = _opt("sdpa", "attention backend", registry="attention")
+    attention: str = _opt("auto", "attention backend; auto = sdpa, with a window flex on CUDA "
+                                   "and banded elsewhere", registry="attention")
     position: str = _opt("rope", "position encoding", registry="position")
     norm: str = _opt("layernorm", "normalisation layer", registry="norm")
     mlp: str = _opt("gelu", "feed-forward block", registry="mlp")

@@ -293,3 +293,19 @@ def test_a_long_flex_block_mask_is_built_without_the_t_by_t_mask():
                           timeout=300)
     grown_mib = float(proc.stdout.strip().splitlines()[-1])
     assert grown_mib < 128, proc.stderr[-500:]
+
+
+def test_auto_computes_only_the_band_once_it_is_cheaper(monkeypatch):
+    """auto's choice on a CPU: banded for a whole windowed sequence of at least 4·W
+    tokens (where the band is at most half the keys), sdpa otherwise."""
+    import model.attention as attention
+    calls = []
+    for name in ("banded_attention", "sdpa_attention", "flex_attention"):
+        monkeypatch.setattr(attention, name, lambda *a, _n=name, **kw: calls.append(_n))
+    x = torch.zeros(1, 1, 16, 4)
+    for spec, expected in [((0, 16, 16, 4, 0), "banded"), ((0, 16, 16, 5, 0), "sdpa"),
+                           ((0, 16, 16, 0, 0), "sdpa"), ((15, 1, 16, 4, 0), "sdpa")]:
+        q_start, q_len, k_len, window, n_global = spec
+        calls.clear()
+        attention.auto_attention(x[:, :, :q_len], x, x, Mask.over(q_start, q_len, k_len, window=window))
+        assert calls == [f"{expected}_attention"], spec
