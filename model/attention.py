@@ -22,6 +22,7 @@ tests/test_attention.py proves every backend equal to a float64 NumPy reference.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -77,6 +78,26 @@ def sdpa_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bo
     return out, None
 
 
+@functools.lru_cache(maxsize=16)
+def band(T: int, W: int, G: int, device: str):
+    """Positions and visibility inside banded attention's blocks for a sequence of T
+    tokens: queries (n, W), keys (n, keys) and the rule on them (n, W, keys), with the
+    G global keys first in each block. They depend on nothing else, so every layer and
+    step of the same length reuses them instead of launching a dozen small kernels to
+    rebuild them (on a GPU those launches, not the band's arithmetic, set the time)."""
+    n = -(-T // W)
+    q_pos = torch.arange(n * W, device=device).view(n, W)
+    k_pos = torch.arange(-W, n * W, device=device).unfold(0, 2 * W, W)       # (n, 2W)
+    ok = rule(q_pos[:, :, None], k_pos[:, None, :], W) & (k_pos >= G)[:, None, :] \
+        & (k_pos < T)[:, None, :]
+    if G:
+        g = min(G, T)
+        g_pos = torch.arange(g, device=device).expand(n, g)
+        ok = torch.cat([rule(q_pos[:, :, None], g_pos[:, None, :]), ok], dim=2)
+        k_pos = torch.cat([g_pos, k_pos], dim=1)
+    return q_pos, k_pos, ok
+
+
 def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
     """Sliding-window attention that computes only the band.
 
@@ -103,11 +124,7 @@ def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: 
         return torch.cat([F.pad(x, (0, 0, 0, 0, 1, 0))[:, :-1], x], dim=2)
 
     qb, keys, values = blocks(q), beside_previous(blocks(k)), beside_previous(blocks(v))
-    device = q.device
-    q_pos = torch.arange(n * W, device=device).view(n, W)
-    k_pos = torch.arange(-W, n * W, device=device).unfold(0, 2 * W, W)       # (n, 2W)
-    ok = rule(q_pos[:, :, None], k_pos[:, None, :], W) & (k_pos >= G)[:, None, :] \
-        & (k_pos < T)[:, None, :]
+    q_pos, k_pos, ok = band(T, W, G, str(q.device))
     if G:                            # the global keys, beside every block (band excludes them)
         g = min(G, T)
 
@@ -115,9 +132,6 @@ def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: 
             return x[:, :, :g].reshape(B * H, 1, g, D).expand(B * H, n, g, D)
         keys = torch.cat([first(k), keys], dim=2)
         values = torch.cat([first(v), values], dim=2)
-        g_pos = torch.arange(g, device=device).expand(n, g)
-        ok = torch.cat([rule(q_pos[:, :, None], g_pos[:, None, :]), ok], dim=2)
-        k_pos = torch.cat([g_pos, k_pos], dim=1)
     n_keys = keys.shape[2]
     if mask.bias_fn is not None:                                      # ALiBi inside the band
         bias = mask.bias_fn(q_pos[:, :, None], k_pos[:, None, :])      # (H, n, W, keys)
