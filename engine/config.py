@@ -19,6 +19,7 @@ from pathlib import Path
 from common.errors import ConfigError, choices_hint
 from common.fields import opt
 from data.tokenizer import TOKENIZERS
+from engine.optim import LR_SCHEDULES
 from model import REGISTRIES, ModelConfig, ModelError
 from model import registry as model_registry
 
@@ -47,7 +48,11 @@ class TrainConfig:
     optimizer: str = opt("adamw", "adamw, or muon (Muon for hidden matrices, AdamW for the rest)",
                          choices=("adamw", "muon"))
     lr: float = opt(1e-3, "peak learning rate (AdamW)")
-    min_lr: float = opt(1e-4, "learning rate at the end of the cosine decay")
+    min_lr: float = opt(1e-4, "learning rate at the end of the decay")
+    schedule: str = opt("cosine", "decay after the warm-up: cosine, or wsd (warmup-stable-decay: "
+                                  "the peak rate, then a linear decay over the last decay_frac)",
+                        choices=tuple(LR_SCHEDULES))
+    decay_frac: float = opt(0.3, "wsd: the share of the steps after warm-up spent decaying")
     warmup_iters: int = opt(100, "steps of linear warm-up from 0 to lr")
     weight_decay: float = opt(0.1, "AdamW decoupled weight decay (matrices only)")
     beta1: float = opt(0.9, "AdamW beta1")
@@ -128,6 +133,8 @@ class RunConfig:
             raise ConfigError(f"train.warmup_iters must not be negative, got {train.warmup_iters}")
         if not (train.lr > 0 and train.muon_lr > 0):
             raise ConfigError(f"train.lr and train.muon_lr must be positive, got {train.lr}, {train.muon_lr}")
+        if not 0 < train.decay_frac <= 1:
+            raise ConfigError(f"train.decay_frac must be in (0, 1], got {train.decay_frac}")
         if not 0 <= train.min_lr <= train.lr:
             raise ConfigError(f"train.min_lr must be between 0 and train.lr={train.lr}, got {train.min_lr}")
         if not (0 <= train.beta1 < 1 and 0 <= train.beta2 < 1):

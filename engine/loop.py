@@ -16,6 +16,7 @@ from common.errors import AttnlabError
 from common.files import write_json_atomic
 from engine import checkpoint
 from engine.device import dtype_name, mfu, peak_flops, synchronize
+from engine.optim import LR_SCHEDULES
 from engine.run import Run, save
 from engine.tracking import Metrics
 from data.tokens import Batches
@@ -28,11 +29,12 @@ class TrainingDiverged(AttnlabError):
 
 
 def lr_at(step: int, train_cfg) -> float:
-    """Linear warm-up to lr, then cosine decay to min_lr at max_iters."""
+    """Linear warm-up to lr, then the schedule's decay to min_lr at max_iters."""
     if step < train_cfg.warmup_iters:
         return train_cfg.lr * (step + 1) / train_cfg.warmup_iters
     progress = min(1.0, (step - train_cfg.warmup_iters) / max(1, train_cfg.max_iters - train_cfg.warmup_iters))
-    return train_cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (train_cfg.lr - train_cfg.min_lr)
+    factor = LR_SCHEDULES[train_cfg.schedule](progress, train_cfg)
+    return train_cfg.min_lr + factor * (train_cfg.lr - train_cfg.min_lr)
 
 
 def scheduled_lr(step: int, time_used: float, train_cfg) -> float:

@@ -2,6 +2,8 @@
 for the rest, held together so the training loop steps them as one."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from common.errors import ConfigError
@@ -77,3 +79,21 @@ def configure_optimizer(model, t, device: torch.device) -> Optimizers:
         return Optimizers(adamw=adamw([{"params": embeddings, "weight_decay": t.weight_decay},
                                        {"params": vectors, "weight_decay": 0.0}]), muon=muon)
     raise ConfigError(f"unknown train.optimizer {t.optimizer!r}; valid choices: adamw, muon")
+
+
+def _cosine(progress: float, t) -> float:
+    """Cosine from 1 to 0 over everything after the warm-up (nanoGPT, GPT-3)."""
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _wsd(progress: float, t) -> float:
+    """Warmup-stable-decay: the peak rate until the last `decay_frac` of the steps,
+    then a straight line down (MiniCPM, arXiv:2404.06395; the modded-nanogpt
+    speedruns). Most steps learn at the full rate; the short decay at the end cashes
+    in what the high rate left in the noise."""
+    held = 1.0 - t.decay_frac
+    return 1.0 if progress <= held else max(0.0, (1.0 - progress) / t.decay_frac)
+
+
+# How the rate falls from lr to min_lr after the warm-up: progress 0..1 -> factor 1..0.
+LR_SCHEDULES = {"cosine": _cosine, "wsd": _wsd}

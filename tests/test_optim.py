@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+from common.errors import ConfigError
 from engine import cli
 from engine.optim import configure_optimizer
 from engine.loop import train
@@ -65,6 +66,22 @@ def test_the_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr():
     assert lr_at(60, t) == pytest.approx((1e-3 + 1e-4) / 2)
     assert lr_at(35, t) == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi / 4)) * 9e-4)
     assert lr_at(110, t) == pytest.approx(1e-4) and lr_at(500, t) == pytest.approx(1e-4)
+
+
+def test_warmup_stable_decay_holds_the_peak_then_falls_in_a_straight_line():
+    """wsd with decay_frac 0.2 over 100 steps after a warm-up of 10: the peak until
+    step 90, then linear to min_lr at 110 (half-way at 100), min_lr after."""
+    from engine.loop import lr_at
+    t = cli.build("tiny", ["--train.lr=1e-3", "--train.min_lr=1e-4", "--train.warmup_iters=10",
+                           "--train.max_iters=110", "--train.schedule=wsd",
+                           "--train.decay_frac=0.2"]).train
+    assert lr_at(9, t) == pytest.approx(1e-3) and lr_at(10, t) == pytest.approx(1e-3)
+    assert lr_at(89, t) == pytest.approx(1e-3) and lr_at(90, t) == pytest.approx(1e-3)
+    assert lr_at(95, t) == pytest.approx(1e-4 + 0.75 * 9e-4)
+    assert lr_at(100, t) == pytest.approx((1e-3 + 1e-4) / 2)
+    assert lr_at(110, t) == pytest.approx(1e-4) and lr_at(500, t) == pytest.approx(1e-4)
+    with pytest.raises(ConfigError, match="decay_frac"):
+        cli.build("tiny", ["--train.decay_frac=0"])
 
 
 def test_a_stop_at_an_evaluation_step_is_evaluated_on_resume(corpus, tmp_path):
