@@ -12,6 +12,7 @@ Several processes or GPUs: torchrun --standalone --nproc_per_node=N train.py ...
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -99,4 +100,10 @@ def default_preset(args) -> str:
 
 if __name__ == "__main__":
     with errors_as_lines():
-        sys.exit(main(sys.argv[1:]))
+        code = main(sys.argv[1:])
+    # Checkpoints and metrics are written, fsynced and closed (wandb finished) by now:
+    # skip the interpreter's teardown of torch's modules, 0.8 s on a 2-core CPU, which
+    # is 4% of a 20-second speedrun and buys nothing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import platform
 import time
+from pathlib import Path
 
 import torch
 
 from common.errors import ConfigError
+from common.files import read_json, write_json_atomic
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,9 +47,10 @@ def cpu_has_native_bf16() -> bool:
     return any(getattr(cpu, name, lambda: False)() for name in checks)
 
 
-# Measured on a 2-core AVX-512-BF16 CPU: bf16 autocast ran a 384-wide model's training
-# step 1.87x faster, a 128-wide one's not at all (small matmuls are overhead-bound).
-CPU_BF16_MIN_WIDTH = 256
+# Measured on a 2-core AVX-512-BF16 CPU, a training step with Muon, batch 32 x 64:
+# bf16 autocast ran 4 x 384 1.87x faster, 4 x 192 1.33x (129 vs 172 ms), 4 x 128
+# 1.21x (78 vs 95 ms), and 4 x 64 slower (41 vs 35 ms: small matmuls are overhead-bound).
+CPU_BF16_MIN_WIDTH = 128
 
 
 def pick_dtype(name: str, device: torch.device, n_embd: int = 0) -> torch.dtype:
@@ -105,7 +110,9 @@ GPU_PEAKS = {
 @functools.lru_cache(maxsize=None)
 def peak_flops(device_type: str, dtype_name: str, device_name: str = "") -> float | None:
     """The device's peak matmul FLOP/s in this precision: from the table for known
-    GPUs, measured once by a matmul probe on a CPU; None when unknown (no MFU shown)."""
+    GPUs, measured by a matmul probe on a CPU (once per machine, thread count and torch
+    version: the probe takes 0.3 s, a noticeable share of a 20-second run, so its result
+    is kept in the user's cache folder); None when unknown (no MFU shown)."""
     if device_type == "cuda":
         for name, peaks in GPU_PEAKS.items():
             if name in device_name:
@@ -113,6 +120,39 @@ def peak_flops(device_type: str, dtype_name: str, device_name: str = "") -> floa
         return None
     if device_type != "cpu":
         return None
+    path = cache_dir() / "cpu_peak_flops.json"
+    key = f"{cpu_name()} | {torch.get_num_threads()} threads | {dtype_name} | torch {torch.__version__}"
+    known = read_json(path) or {}
+    if isinstance(known.get(key), (int, float)) and known[key] > 0:
+        return float(known[key])
+    peak = probe_cpu_flops(dtype_name)
+    try:
+        write_json_atomic(path, {**known, key: peak})
+    except OSError:                   # a read-only home: measure again next time
+        pass
+    return peak
+
+
+def cache_dir() -> Path:
+    """Where measurements about this machine are kept: $ATTNLAB_CACHE, or
+    $XDG_CACHE_HOME/attnlab, or ~/.cache/attnlab."""
+    if os.environ.get("ATTNLAB_CACHE"):
+        return Path(os.environ["ATTNLAB_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attnlab"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def probe_cpu_flops(dtype_name: str) -> float:
+    """FLOP/s of a 1024 x 1024 matmul in this precision, over 0.3 s."""
     dtype = DTYPES[dtype_name]
     n = 1024
     # A private generator: drawing from the global one would shift a resumed run's

@@ -1,5 +1,6 @@
 import os
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -11,6 +12,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # Tests that compare numbers do so in fp32 on the CPU, single-threaded where it matters
 # for speed on a 2-core machine.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# Measurements about the machine (the CPU's matmul peak) go to a folder of this session,
+# shared with the scripts the tests run, not to the user's cache.
+os.environ.setdefault("ATTNLAB_CACHE", tempfile.mkdtemp(prefix="attnlab-cache-"))
 
 
 @pytest.fixture(scope="session")

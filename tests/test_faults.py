@@ -65,6 +65,21 @@ def test_peak_flops_from_the_table_and_the_probe():
     assert mfu(1e6, 1e4, 1e11) == pytest.approx(0.1) and mfu(1e6, 1e4, None) is None
 
 
+def test_the_cpu_probe_runs_once_per_machine_and_a_bad_cache_is_measured_again(tmp_path, monkeypatch):
+    from engine import device
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path))
+    probes = []
+    monkeypatch.setattr(device, "probe_cpu_flops", lambda name: probes.append(name) or 2.5e11)
+    device.peak_flops.cache_clear()
+    assert device.peak_flops("cpu", "bfloat16") == 2.5e11 and probes == ["bfloat16"]
+    device.peak_flops.cache_clear()                    # a new process: read from the file
+    assert device.peak_flops("cpu", "bfloat16") == 2.5e11 and probes == ["bfloat16"]
+    (tmp_path / "cpu_peak_flops.json").write_text("{not json")
+    device.peak_flops.cache_clear()
+    assert device.peak_flops("cpu", "bfloat16") == 2.5e11 and probes == ["bfloat16"] * 2
+    device.peak_flops.cache_clear()
+
+
 def test_wandb_offline_needs_no_network(corpus, tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     trainer = make_trainer(corpus, tmp_path, "--train.max_iters=3", "--train.wandb=offline")
