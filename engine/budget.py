@@ -30,7 +30,7 @@ LADDER = [  # (n_layer, n_embd): depth grows with width, as in GPT-2's and nanoG
 ]
 EVAL_SHARE = 0.06            # of the budget, for all evaluations together
 EVALS = 4                    # evaluations in a budget run (the last one at the end)
-MARGIN_S = 2.0               # the final checkpoint write and process exit
+MARGIN_S = 1.0               # the final checkpoint write and process exit (train.py skips teardown)
 OVERPLAN = 1.2               # steps planned over what the probe measured
 MIN_STEPS = 300              # fewer, and the batch is halved (down to MIN_BATCH)
 MIN_BATCH = 8
@@ -175,7 +175,7 @@ def plan(cfg, budget_s: float, started: float, log=print):
     cfg.model.vocab_size = data.tokenizer.vocab_size
     device = pick_device(train_cfg.device)
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * cfg.model.block_size
-    probe_s = min(10.0, max(1.0, 0.03 * budget_s))
+    probe_s = min(10.0, max(1.0, 0.015 * budget_s))   # two probes: ~3% of the budget
 
     def step_rate(model_cfg) -> tuple[float, float]:
         dtype = pick_dtype(train_cfg.dtype, device, model_cfg.n_embd)

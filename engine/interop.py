@@ -62,6 +62,10 @@ def _common_refusals(cfg: ModelConfig) -> list[str]:
     out = []
     if cfg.n_global:
         out.append(f"model.n_global={cfg.n_global} (global tokens: no architecture has them)")
+    if cfg.qk_norm:
+        out.append("model.qk_norm=true (QK-norm: none of these architectures normalises q and k)")
+    if cfg.logit_softcap:
+        out.append(f"model.logit_softcap={cfg.logit_softcap} (no soft-capped logits there)")
     if ROPE_SCALINGS[cfg.rope_scaling].stretches:
         out.append(f"model.rope_scaling={cfg.rope_scaling} (export the model unstretched: "
                    "rope_scaling=none)")

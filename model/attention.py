@@ -214,6 +214,7 @@ class MultiHeadAttention(nn.Module):
         self.w_qkv = nn.Linear(config.n_embd, qkv_out, bias=config.bias)
         self.w_o = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.backend = ATTENTION_BACKENDS[config.attention]
+        self.qk_norm = config.qk_norm
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -222,6 +223,11 @@ class MultiHeadAttention(nn.Module):
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.w_qkv(x).view(B, T, H + 2 * H_kv, D).transpose(1, 2)   # (B, heads, T, D)
         qk, v = qkv.split([H + H_kv, H_kv], dim=1)
+        if self.qk_norm:
+            # QK-norm (arXiv:2302.05442; the modded-nanogpt speedruns): every query and key
+            # scaled to unit RMS, so |q·k|/√d_k <= √d_k whatever the weights grow to, and
+            # the softmax cannot saturate into the one-hot corner at a high learning rate.
+            qk = F.rms_norm(qk, (D,))
         # Queries and keys get their positions in one call (RoPE turns both alike).
         q, k = positions.rotate(qk, mask.q_start).split([H, H_kv], dim=1)   # (B, H|H_kv, T, D)
         if cache is not None:                # keys and values of the earlier tokens too

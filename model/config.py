@@ -42,6 +42,9 @@ class ModelConfig:
     norm_eps: float = _opt(1e-5, "epsilon inside LayerNorm / RMSNorm (1e-5 as in GPT-2; "
                                  "imported models bring their own)")
     dropout: float = _opt(0.0, "dropout probability (0 keeps SDPA on its fused path)")
+    qk_norm: bool = _opt(False, "normalise each head's queries and keys to unit RMS before "
+                                "Q·Kᵀ (QK-norm): the scores stay bounded at any rate")
+    logit_softcap: float = _opt(0.0, "squash output logits into (-c, c) by c·tanh(z/c); 0 = off")
     rope_theta: float = _opt(10000.0, "RoPE base: pair i turns by position * theta^(-2i/d_k)")
     rope_scaling: str = _opt("none", "stretch RoPE to a longer context", registry="rope_scaling")
     rope_factor: float = _opt(1.0, "RoPE scaling factor s (new context / original context)")
@@ -85,6 +88,8 @@ class ModelConfig:
                              "token is visible anyway)")
         if not self.rope_factor >= 1.0:
             raise ModelError(f"model.rope_factor must be at least 1, got {self.rope_factor}")
+        if self.logit_softcap < 0:
+            raise ModelError(f"model.logit_softcap must not be negative, got {self.logit_softcap}")
         if not 0.0 <= self.dropout < 1.0:
             raise ModelError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if not 0 < self.norm_eps < 1:

@@ -96,6 +96,10 @@ class GPT(nn.Module):
         if cache is not None:
             cache.end(T)
         logits = self.lm_head(self.norm_f(x))                        # (B, T, vocab)
+        if c.logit_softcap:
+            # Soft-capping (Gemma 2, modded-nanogpt): c·tanh(z/c) is z for small logits and
+            # never beyond ±c, so no token's score can run away early in training.
+            logits = c.logit_softcap * torch.tanh(logits / c.logit_softcap)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)),

@@ -89,7 +89,8 @@ def test_a_slow_machine_halves_the_batch_and_evaluation_keeps_to_its_share(corpu
     import time
     import engine.budget as budget
     monkeypatch.setattr(budget, "measure", lambda cfg, device, dtype, seconds: 1.0)
-    cfg = cli.build("cpu", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}"])
+    cfg = cli.build("cpu", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                            "--train.batch_size=64"])
     planned = budget.plan(cfg, 120.0, time.perf_counter(), log=lambda *a: None).train
     assert planned.batch_size < 64 and planned.max_iters >= budget.MIN_STEPS
     assert planned.batch_size >= budget.MIN_BATCH

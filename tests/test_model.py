@@ -270,3 +270,49 @@ def test_windowed_absolute_positions_generate_past_the_context_by_the_documented
             history = prompt + out[:step + 1]
             kept = history[-(W // 2):] if len(kept) >= W else kept + [out[step]]
     assert len(set(out)) > 5                              # sampled: the contexts differ
+
+
+def test_qk_norm_is_rms_normalised_queries_and_keys_in_the_articles_formula():
+    """One attention layer with qk_norm against NumPy float64: each head's q and k
+    divided by their root mean square (over that head's d_k), then the formula."""
+    import numpy as np
+    from model.attention import MultiHeadAttention
+    from model.mask import Mask
+    from model.positions import POSITION_ENCODINGS
+    from reference import attention as reference, mask_rule
+    cfg = tiny(position="none", qk_norm=True)
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(cfg, 0).eval()
+    with torch.no_grad():
+        layer.w_qkv.weight.mul_(5)                    # large q and k: the norm must matter
+    x = torch.randn(2, 10, 32)
+    out, _ = layer(x, POSITION_ENCODINGS["none"](cfg), Mask.over(0, 10, 10))
+    W = layer.w_qkv.weight.detach().double().numpy()
+    H, D = 4, 8
+    qkv = (x.double().numpy() @ W.T).reshape(2, 10, 3 * H, D).transpose(0, 2, 1, 3)
+    q, k, v = qkv[:, :H], qkv[:, H:2 * H], qkv[:, 2 * H:]
+    rms = lambda a: a / np.sqrt((a ** 2).mean(-1, keepdims=True) + torch.finfo(torch.float32).eps)
+    y, _, _ = reference(rms(q), rms(k), v, mask_rule(range(10), range(10)))
+    y = y.transpose(0, 2, 1, 3).reshape(2, 10, 32) @ layer.w_o.weight.detach().double().numpy().T
+    np.testing.assert_allclose(out.detach().numpy(), y, atol=1e-5)
+    plain = MultiHeadAttention(tiny(position="none"), 0).eval()
+    plain.load_state_dict(layer.state_dict())
+    without, _ = plain(x, POSITION_ENCODINGS["none"](cfg), Mask.over(0, 10, 10))
+    assert (without - out).abs().max() > 1e-2             # the norm changed something
+
+
+def test_logit_softcap_is_c_tanh_of_the_plain_logits():
+    import numpy as np
+    torch.manual_seed(0)
+    capped = GPT(tiny(logit_softcap=3.0)).eval()
+    plain = GPT(tiny()).eval()
+    plain.load_state_dict(capped.state_dict())
+    with torch.no_grad():
+        for p in capped.parameters():
+            p.mul_(4)                                 # logits well past the cap
+        plain.load_state_dict(capped.state_dict())
+        x = torch.randint(0, 40, (2, 24))
+        z, out = plain(x).logits.double().numpy(), capped(x).logits
+    assert np.abs(z).max() > 6                        # the cap has work to do
+    np.testing.assert_allclose(out.numpy(), 3.0 * np.tanh(z / 3.0), atol=1e-5)
+    assert out.abs().max() < 3.0

@@ -1,0 +1,68 @@
+"""One lever at a time, at equal wall time: which of the speedrun tricks pay on a CPU.
+
+    python bench/cpu_levers.py                    # every lever, 45 s of training each
+    python bench/cpu_levers.py --seconds 20 --only qk_norm relu2
+
+The base is what `--budget 100s` plans on tiny Shakespeare from the cpu preset (3 x 96,
+context 128, batch 16, Muon at 0.013, AdamW at 3e-3, warmup-stable-decay), trained
+for a fixed number of seconds with the schedule following the clock; each row changes
+one thing. Equal time, not equal steps: a lever that makes steps slower has to earn
+that back in loss. Rows land in the README's speedrun section; a lever that pays is a
+config field the presets use.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_recipe import DEFAULT_CORPUS, run  # noqa: E402
+
+BASE = ("--config cpu --model.n_layer=3 --model.n_embd=96 --model.n_head=3 "
+        "--train.max_iters=100000 --train.eval_interval=100000 --train.eval_iters=20")
+
+# (name, what it changes, train.py arguments added to the base)
+LEVERS = [
+    ("base", "3 x 96, ctx 128, batch 16, Muon 0.013, wsd", ""),
+    ("cosine", "cosine decay to 0 instead of wsd", "--train.schedule=cosine"),
+    ("wsd_0.3", "decay over the last 30% instead of 60%", "--train.decay_frac=0.3"),
+    ("muon_0.02", "Muon's rate 0.02 instead of 0.013", "--train.muon_lr=0.02"),
+    ("adamw", "AdamW for every weight", "--train.optimizer=adamw"),
+    ("qk_norm", "QK-norm", "--model.qk_norm=true"),
+    ("softcap", "logits soft-capped at 15", "--model.logit_softcap=15"),
+    ("untied", "untied output layer", "--model.tie_embeddings=false"),
+    ("relu2", "ReLU² MLP instead of GELU", "--model.mlp=relu2"),
+    ("ctx_64", "context 64, batch 32 (same tokens per step)",
+     "--model.block_size=64 --train.batch_size=32"),
+    ("bf16", "bf16 autocast at 96 wide", "--train.dtype=bfloat16"),
+    ("compile", "torch.compile", "--train.compile=true"),
+    ("4x128", "4 x 128 (the preset's own size)", "--model.n_layer=4 --model.n_embd=128 --model.n_head=4"),
+]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=45.0, help="training time per lever")
+    parser.add_argument("--only", nargs="+", help="lever names (the base always runs)")
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    args = parser.parse_args()
+    levers = [lv for lv in LEVERS if lv[0] == "base" or not args.only or lv[0] in args.only]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, what, extra in levers:
+            r = run(name, f"{BASE} --train.time_limit={args.seconds} {extra}", args.corpus, Path(tmp))
+            rows.append((name, what, extra, r))
+            print(f"{name}: {r['steps']} steps, val {r['val']:.4f}, {r['wall']:.1f} s", flush=True)
+    base = rows[0][3]["val"]
+    print(f"\nEach row: {args.seconds:.0f} s of training on tiny Shakespeare, one change to the base.")
+    print("| lever | change | steps | val loss | vs base |")
+    print("|---|---|---|---|---|")
+    for name, what, extra, r in rows:
+        print(f"| {name} | {what} (`{extra or '-'}`) | {r['steps']} | {r['val']:.4f} | "
+              f"{r['val'] - base:+.4f} |")
+
+
+if __name__ == "__main__":
+    main()
