@@ -67,6 +67,15 @@ def test_a_windowed_static_cache_holds_exactly_the_keys_the_next_query_can_see()
             assert held == expected, t
 
 
+def _draw(model, prompt, decode):
+    """45 sampled tokens (seed 3) and each step's logits."""
+    g = torch.Generator(device=prompt.device).manual_seed(3)
+    seen = []
+    tokens = model.generate(prompt, 45, temperature=1.0, generator=g, decode=decode,
+                            on_step=lambda logits, t: seen.append(logits))
+    return torch.cat(list(tokens), 1), torch.stack(seen)
+
+
 @pytest.mark.parametrize("position,window", [("rope", 0), ("learned", 0), ("alibi", 5),
                                              ("sinusoidal", 5), ("rope", 5)])
 def test_static_decoding_draws_the_same_tokens_as_the_growing_cache(position, window):
@@ -75,13 +84,7 @@ def test_static_decoding_draws_the_same_tokens_as_the_growing_cache(position, wi
     torch.manual_seed(0)
     model = GPT(tiny(position=position, sliding_window=window)).eval()
     prompt = torch.randint(0, 40, (2, 5))
-    runs = {}
-    for decode in ("cache", "static"):
-        g = torch.Generator().manual_seed(3)
-        seen = []
-        tokens = model.generate(prompt, 45, temperature=1.0, generator=g, decode=decode,
-                                on_step=lambda logits, t: seen.append(logits))
-        runs[decode] = (torch.cat(list(tokens), 1), torch.stack(seen))
+    runs = {decode: _draw(model, prompt, decode) for decode in ("cache", "static")}
     assert torch.equal(runs["cache"][0], runs["static"][0])
     torch.testing.assert_close(runs["cache"][1], runs["static"][1], atol=2e-5, rtol=0)
     assert len(set(runs["cache"][0].flatten().tolist())) > 10          # really sampled
@@ -108,12 +111,6 @@ def test_cuda_graph_decoding_draws_the_same_tokens_as_the_growing_cache(position
     torch.manual_seed(0)
     model = GPT(tiny(position=position, sliding_window=window)).cuda().eval()
     prompt = torch.randint(0, 40, (1, 5), device="cuda")
-    runs = {}
-    for decode in ("cache", "graph"):
-        g = torch.Generator(device="cuda").manual_seed(3)
-        seen = []
-        tokens = model.generate(prompt, 45, temperature=1.0, generator=g, decode=decode,
-                                on_step=lambda logits, t: seen.append(logits))
-        runs[decode] = (torch.cat(list(tokens), 1), torch.stack(seen))
+    runs = {decode: _draw(model, prompt, decode) for decode in ("cache", "graph")}
     assert torch.equal(runs["cache"][0], runs["graph"][0])
     torch.testing.assert_close(runs["cache"][1], runs["graph"][1], atol=1e-4, rtol=0)
