@@ -18,6 +18,10 @@ from model.positions import POSITION_ENCODINGS
 from model.sampling import sample_next
 
 
+# How generate keeps earlier tokens: none, a growing cache, a static one, a CUDA graph.
+DECODERS = ("full", "cache", "static", "graph")
+
+
 class Output(NamedTuple):
     logits: torch.Tensor                     # (B, T, vocab_size)
     loss: torch.Tensor | None                # mean cross-entropy when targets are given
@@ -128,8 +132,10 @@ class GPT(nn.Module):
 
         `decode` says how earlier tokens are kept (DECODERS): re-read in `full` every
         step (also `use_cache=False`), in a growing `cache`, in a preallocated `static`
-        cache stepped by tensors alone, or that step replayed as a CUDA `graph`. All four
-        give the same logits up to rounding, so the same tokens for the same seed.
+        cache stepped by tensors alone, or that step replayed as a CUDA `graph`. The three
+        caches give the same logits up to rounding, so the same tokens for the same seed;
+        `full` agrees with them within the context (past it, it slides the context one
+        token at a time where a cache re-reads the newest half).
 
         A windowed model with relative positions decodes from a rolling cache with no
         limit. Otherwise the model sees at most block_size tokens: with a cache, when
@@ -176,7 +182,3 @@ class GPT(nn.Module):
             # Keep only what a later step can read: the newest block_size tokens.
             context = torch.cat([context, token], dim=1)[:, -window:]
             yield token
-
-
-# How generate keeps earlier tokens: none, a growing cache, a static one, a CUDA graph.
-DECODERS = ("full", "cache", "static", "graph")
