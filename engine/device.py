@@ -120,8 +120,11 @@ def peak_flops(device_type: str, dtype_name: str, device_name: str = "") -> floa
         return None
     if device_type != "cpu":
         return None
-    path = cache_dir() / "cpu_peak_flops.json"
     key = f"{cpu_name()} | {torch.get_num_threads()} threads | {dtype_name} | torch {torch.__version__}"
+    try:
+        path = cache_dir() / "cpu_peak_flops.json"
+    except RuntimeError:              # no home folder to keep it in: measure every time
+        return probe_cpu_flops(dtype_name)
     known = read_json(path) or {}
     if isinstance(known.get(key), (int, float)) and known[key] > 0:
         return float(known[key])
