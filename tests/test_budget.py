@@ -97,3 +97,20 @@ def test_a_slow_machine_halves_the_batch_and_evaluation_keeps_to_its_share(corpu
     eval_step_s = 1.0 / planned.grad_accum / 3
     assert budget.EVALS * planned.eval_iters * eval_step_s <= budget.EVAL_SHARE * 120.0
     assert planned.eval_interval * (budget.EVALS - 1) >= planned.max_iters
+
+
+@pytest.mark.parametrize("faster", ["float32", "bfloat16"])
+def test_on_a_cpu_with_bf16_the_plan_keeps_the_precision_that_measured_faster(faster, corpus, tmp_path,
+                                                                              monkeypatch):
+    import time
+    import engine.budget as budget
+    import engine.device as device
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(budget, "measure", lambda cfg, dev, dtype, seconds:
+                        30.0 if dtype == device.DTYPES[faster] else 20.0)
+    cfg = cli.build("cpu", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                            "--train.device=cpu"])
+    lines = []
+    planned = budget.plan(cfg, 120.0, time.perf_counter(), log=lines.append).train
+    assert planned.dtype == faster
+    assert any(line.startswith(f"precision: {faster}") for line in lines)
