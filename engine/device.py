@@ -47,16 +47,31 @@ def cpu_has_native_bf16() -> bool:
     return any(getattr(cpu, name, lambda: False)() for name in checks)
 
 
-# Measured on a 2-core AVX-512-BF16 CPU, a training step with Muon, batch 32 x 64:
-# bf16 autocast ran 4 x 384 1.87x faster, 4 x 192 1.33x (129 vs 172 ms), 4 x 128
-# 1.21x (78 vs 95 ms), and 4 x 64 slower (41 vs 35 ms: small matmuls are overhead-bound).
-CPU_BF16_MIN_WIDTH = 128
+# Whether bf16 autocast pays on a CPU depends on the width and on how fast its bf16
+# matmuls are against fp32 ones, which differs between CPUs that both have AVX-512 BF16.
+# Measured on two 2-core "AMD EPYC" machines, a training step with Muon:
+# - one whose bf16 matmul peak is 2.2x its fp32 one (0.43 vs 0.20 TFLOP/s): bf16 ran
+#   4 x 384 1.87x faster, 4 x 128 not at all (small matmuls are overhead-bound);
+# - one at 4.1x (0.82 vs 0.20): 4 x 192 1.33x (129 vs 172 ms), 4 x 128 1.21x (78 vs
+#   95 ms), 4 x 64 slower (41 vs 35 ms).
+CPU_BF16_MIN_WIDTH = 256        # bf16 from here on any CPU with native bf16
+CPU_FAST_BF16_MIN_WIDTH = 128   # and from here where bf16 matmuls run at least ...
+CPU_FAST_BF16 = 3.0             # ... this many times as fast as fp32 (cached probes)
+
+
+def cpu_bf16_pays(n_embd: int) -> bool:
+    if not cpu_has_native_bf16() or n_embd < CPU_FAST_BF16_MIN_WIDTH:
+        return False
+    if n_embd >= CPU_BF16_MIN_WIDTH:
+        return True
+    fp32, bf16 = peak_flops("cpu", "float32"), peak_flops("cpu", "bfloat16")
+    return bool(fp32 and bf16 and bf16 >= CPU_FAST_BF16 * fp32)
 
 
 def pick_dtype(name: str, device: torch.device, n_embd: int = 0) -> torch.dtype:
     """The autocast precision. auto: bf16 on GPUs that have it (fp16 on older ones);
     on a CPU, bf16 where the CPU has native bf16 and the model is wide enough for it to
-    pay (n_embd >= 256), else fp32; fp32 on MPS."""
+    pay (cpu_bf16_pays), else fp32; fp32 on MPS."""
     if name != "auto":
         dtype = DTYPES[name]
         if dtype == torch.float16 and device.type == "cpu":
@@ -66,7 +81,7 @@ def pick_dtype(name: str, device: torch.device, n_embd: int = 0) -> torch.dtype:
         return dtype
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu" and n_embd >= CPU_BF16_MIN_WIDTH and cpu_has_native_bf16():
+    if device.type == "cpu" and cpu_bf16_pays(n_embd):
         return torch.bfloat16
     return torch.float32
 

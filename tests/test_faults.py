@@ -141,3 +141,18 @@ def test_float16_training_scales_its_loss_and_resumes_the_scaler(corpus, tmp_pat
                              f"--train.out_dir={tmp_path / 'runs'}", "--train.run_name=r", *extra])
     resumed = setup_run(cfg, resume=True, log=lambda *a: None)
     assert resumed.scaler.get_scale() == scale and resumed.progress.step == 6
+
+
+@pytest.mark.parametrize("width,bf16_speed,expected", [
+    (384, 2.2, "bfloat16"), (128, 2.2, "float32"), (128, 4.1, "bfloat16"), (64, 4.1, "float32")])
+def test_cpu_autocast_is_bf16_where_the_cpus_bf16_matmuls_make_it_pay(width, bf16_speed, expected,
+                                                                     monkeypatch):
+    """The measured rule: wide models take bf16 on any CPU with native bf16; from 128
+    wide only where bf16 matmuls ran at least 3x fp32 ones; never below."""
+    from engine import device
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(device, "peak_flops",
+                        lambda kind, name, *a: 2e11 * (bf16_speed if name == "bfloat16" else 1.0))
+    assert device.pick_dtype("auto", torch.device("cpu"), width) == device.DTYPES[expected]
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
+    assert device.pick_dtype("auto", torch.device("cpu"), width) == torch.float32
