@@ -185,9 +185,13 @@ def plan(cfg, budget_s: float, started: float, log=print):
             fpt = GPT(model_cfg).flops_per_token()
         return rate, rate * tokens_per_step * fpt
 
+    # On a CPU with native bf16 the chosen model is timed in both precisions (below).
+    precisions = [train_cfg.dtype]
+    if train_cfg.dtype == "auto" and device.type == "cpu" and cpu_has_native_bf16():
+        precisions = ["float32", "bfloat16"]
     _, flops_per_s = step_rate(cfg.model)
     left = budget_s - (time.perf_counter() - started)
-    train_s = left * (1 - EVAL_SHARE) - MARGIN_S - probe_s * 1.5    # the second probe below
+    train_s = left * (1 - EVAL_SHARE) - MARGIN_S - probe_s * 1.5 * len(precisions)   # the probes below
     if train_s < 5:
         raise ConfigError(f"a budget of {budget_s:.0f} s leaves {max(train_s, 0):.0f} s to train "
                           "after measuring this machine; give at least a minute")
@@ -207,9 +211,6 @@ def plan(cfg, budget_s: float, started: float, log=print):
     # a CPU with native bf16, in both precisions: whether bf16 autocast pays depends on
     # width, context and batch together (3 x 96 at context 128, batch 16: 13% faster;
     # 4 x 64 at context 64, batch 32: 15% slower), so measure instead of guessing.
-    precisions = [train_cfg.dtype]
-    if train_cfg.dtype == "auto" and device.type == "cpu" and cpu_has_native_bf16():
-        precisions = ["float32", "bfloat16"]
     rates = {p: step_rate(cfg.model, p)[0] for p in precisions}
     if len(rates) > 1:
         train_cfg.dtype = max(rates, key=rates.get)
