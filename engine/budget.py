@@ -175,7 +175,7 @@ def plan(cfg, budget_s: float, started: float, log=print):
     cfg.model.vocab_size = data.tokenizer.vocab_size
     device = pick_device(train_cfg.device)
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * cfg.model.block_size
-    probe_s = min(10.0, max(1.0, 0.015 * budget_s))   # two probes: ~3% of the budget
+    probe_s = min(10.0, max(1.0, 0.015 * budget_s))   # each probe: 1.5% of the budget
 
     def step_rate(model_cfg, precision: str = train_cfg.dtype) -> tuple[float, float]:
         dtype = pick_dtype(precision, device, model_cfg.n_embd)

@@ -95,7 +95,6 @@ class KVCache:
         return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
 
 
-
 # The position stored in an empty slot: ahead of every query, so the causal rule
 # (a key may not be ahead of its query) hides it without a separate "filled" mask.
 EMPTY = 2 ** 40
@@ -140,7 +139,8 @@ class StaticKVCache:
         if self.window:      # the newest W-1 and the global ones; older keys are out of reach
             keep = (pos > cache.length - self.window) | (pos < self.n_global)
         else:
-            if cache.length >= self.capacity:
+            # A full context is fine: the next step re-reads half of it before writing.
+            if cache.length > self.capacity:
                 raise ValueError(f"static KV cache holds {self.capacity} tokens; "
                                  f"{cache.length} given")
             keep = torch.ones_like(pos, dtype=torch.bool)

@@ -76,14 +76,15 @@ def _draw(model, prompt, decode):
     return torch.cat(list(tokens), 1), torch.stack(seen)
 
 
+@pytest.mark.parametrize("prompt_len", [5, 16, 20])         # short, the whole context, longer
 @pytest.mark.parametrize("position,window", [("rope", 0), ("learned", 0), ("alibi", 5),
                                              ("sinusoidal", 5), ("rope", 5)])
-def test_static_decoding_draws_the_same_tokens_as_the_growing_cache(position, window):
+def test_static_decoding_draws_the_same_tokens_as_the_growing_cache(position, window, prompt_len):
     """Through generate(), sampled (not greedy), past block_size: through the context
     shift of absolute positions and the rolling buffer of relative ones."""
     torch.manual_seed(0)
     model = GPT(tiny(position=position, sliding_window=window)).eval()
-    prompt = torch.randint(0, 40, (2, 5))
+    prompt = torch.randint(0, 40, (2, prompt_len))
     runs = {decode: _draw(model, prompt, decode) for decode in ("cache", "static")}
     assert torch.equal(runs["cache"][0], runs["static"][0])
     torch.testing.assert_close(runs["cache"][1], runs["static"][1], atol=2e-5, rtol=0)
