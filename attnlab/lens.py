@@ -18,7 +18,9 @@ Names, for each layer l (B batch, T tokens, H heads, D = d_k, C = n_embd):
   blocks.l.mlp_out     (B, T, C)     the MLP sublayer's output
   blocks.l.resid_post  (B, T, C)     the residual stream leaving the block
 and final_norm (B, T, C), the last residual stream after the final norm, whose product
-with the output layer is the logits.
+with the output layer is the logits. In a model with model.value_embeds, `v` is x·W_V
+before the token's value embedding is added; with model.skip_connections, a late block's
+resid_pre includes the skip from its mirror block (so it is not the previous resid_post).
 
 Everything is read with forward hooks on the model's own modules and removed
 afterwards: the model's code has no hook points, and a model with no hook set runs

@@ -66,6 +66,10 @@ def _common_refusals(cfg: ModelConfig) -> list[str]:
         out.append("model.qk_norm=true (QK-norm: none of these architectures normalises q and k)")
     if cfg.logit_softcap:
         out.append(f"model.logit_softcap={cfg.logit_softcap} (no soft-capped logits there)")
+    if cfg.value_embeds:
+        out.append("model.value_embeds=true (no value embeddings there)")
+    if cfg.skip_connections:
+        out.append("model.skip_connections=true (no skips across blocks there)")
     if ROPE_SCALINGS[cfg.rope_scaling].stretches:
         out.append(f"model.rope_scaling={cfg.rope_scaling} (export the model unstretched: "
                    "rope_scaling=none)")

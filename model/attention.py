@@ -218,11 +218,17 @@ class MultiHeadAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, positions, mask: Mask, cache=None, need_weights: bool = False):
+    def forward(self, x, positions, mask: Mask, cache=None, need_weights: bool = False,
+                value_embed=None):
         B, T, C = x.shape
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.w_qkv(x).view(B, T, H + 2 * H_kv, D).transpose(1, 2)   # (B, heads, T, D)
         qk, v = qkv.split([H + H_kv, H_kv], dim=1)
+        if value_embed is not None:
+            # Value embeddings: what a token hands on when attended to is no longer only a
+            # function of the residual stream; a per-token vector is added to it, so the
+            # token's identity reaches every layer's weighted sum directly.
+            v = v + value_embed.view(B, T, H_kv, D).transpose(1, 2)
         if self.qk_norm:
             # QK-norm (arXiv:2302.05442; the modded-nanogpt speedruns): every query and key
             # scaled to unit RMS, so |q·k|/√d_k <= √d_k whatever the weights grow to, and

@@ -44,6 +44,11 @@ class ModelConfig:
     dropout: float = _opt(0.0, "dropout probability (0 keeps SDPA on its fused path)")
     qk_norm: bool = _opt(False, "normalise each head's queries and keys to unit RMS before "
                                 "Q·Kᵀ (QK-norm): the scores stay bounded at any rate")
+    value_embeds: bool = _opt(False, "value embeddings (modded-nanogpt): each layer adds a learned "
+                                     "vector per token to that token's value, V = x·W_V + E_V[token]")
+    skip_connections: bool = _opt(False, "U-net skips: the output of block i, for i in the first "
+                                         "half, is added with a learned weight to the input of "
+                                         "block n_layer-1-i")
     logit_softcap: float = _opt(0.0, "squash output logits into (-c, c) by c·tanh(z/c); 0 = off")
     rope_theta: float = _opt(10000.0, "RoPE base: pair i turns by position * theta^(-2i/d_k)")
     rope_scaling: str = _opt("none", "stretch RoPE to a longer context", registry="rope_scaling")

@@ -39,6 +39,15 @@ class GPT(nn.Module):
         self.positions = POSITION_ENCODINGS[config.position](config)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        if config.value_embeds:
+            # Lookups like wte (not hidden matrices): kept outside the blocks, so the
+            # optimizer treats them as embeddings.
+            kv_width = config.kv_heads * config.head_dim
+            self.value_embeds = nn.ModuleList(nn.Embedding(config.vocab_size, kv_width)
+                                              for _ in range(config.n_layer))
+        if config.skip_connections:
+            # One weight per skip, from 1: at the start each skip is a plain sum.
+            self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2))
         self.norm_f = NORMS[config.norm](config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -65,6 +74,8 @@ class GPT(nn.Module):
         if non_embedding:
             n -= self.wte.weight.numel()
             n -= sum(p.numel() for p in self.positions.parameters())
+            if self.config.value_embeds:
+                n -= sum(p.numel() for p in self.value_embeds.parameters())
             if not self.config.tie_embeddings:
                 n += self.lm_head.weight.numel()     # the output matmul still does work
         return n
@@ -93,8 +104,16 @@ class GPT(nn.Module):
                     n_global=c.n_global, bias_fn=self.positions.score_bias())
         x = self.drop(self.positions.embed(self.wte(idx), start))   # (B, T, C)
         attentions = [] if return_attention else None
-        for block in self.blocks:
-            x, weights = block(x, self.positions, mask, cache, return_attention)
+        L, skips = c.n_layer, []
+        for i, block in enumerate(self.blocks):
+            if c.skip_connections and L - 1 - i < len(skips):
+                # U-net (modded-nanogpt): the mirror block of the first half feeds in, so a
+                # late layer reads early features without the middle layers carrying them.
+                x = x + self.skip_weights[L - 1 - i] * skips[L - 1 - i]
+            ve = self.value_embeds[i](idx) if c.value_embeds else None
+            x, weights = block(x, self.positions, mask, cache, return_attention, ve)
+            if c.skip_connections and i < L // 2:
+                skips.append(x)
             if return_attention:
                 attentions.append(weights)
         if cache is not None:

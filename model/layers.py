@@ -94,8 +94,8 @@ class Block(nn.Module):
         self.norm_mlp = NORMS[config.norm](config) if mlp.has_weights else nn.Identity()
         self.mlp = mlp(config)
 
-    def forward(self, x, positions, mask, cache=None, need_weights=False):
-        a, weights = self.attn(self.norm_attn(x), positions, mask, cache, need_weights)
+    def forward(self, x, positions, mask, cache=None, need_weights=False, value_embed=None):
+        a, weights = self.attn(self.norm_attn(x), positions, mask, cache, need_weights, value_embed)
         x = x + a
         x = x + self.mlp(self.norm_mlp(x))
         return x, weights

@@ -77,6 +77,10 @@ def test_export_loads_in_transformers_with_equal_logits_and_greedy_text(name, tm
     (dict(sliding_window=8, n_global=2), "model.n_global=2"),
     (dict(rope_scaling="yarn", rope_factor=2.0), "model.rope_scaling=yarn"),
     (dict(mlp="relu2"), "model.mlp=relu2"),
+    (dict(qk_norm=True), "model.qk_norm=true"),
+    (dict(logit_softcap=15.0), "model.logit_softcap=15.0"),
+    (dict(value_embeds=True), "model.value_embeds=true"),
+    (dict(skip_connections=True), "model.skip_connections=true"),
     (dict(norm="rmsnorm", mlp="swiglu", bias=True, sliding_window=8), "model.bias=true"),
 ])
 def test_a_model_nothing_expresses_is_refused_before_any_file_is_written(fields, blocking, tmp_path):

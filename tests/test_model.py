@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from model import GPT, REGISTRIES, ModelConfig
+from model.mask import Mask
 
 
 def tiny(**kw) -> ModelConfig:
@@ -316,3 +317,97 @@ def test_logit_softcap_is_c_tanh_of_the_plain_logits():
     assert np.abs(z).max() > 6                        # the cap has work to do
     np.testing.assert_allclose(out.numpy(), 3.0 * np.tanh(z / 3.0), atol=1e-5)
     assert out.abs().max() < 3.0
+
+
+def test_value_embeddings_add_each_tokens_vector_to_its_value_in_the_articles_formula():
+    """One attention layer with a value embedding against NumPy float64: V = x·W_V + E
+    (E the rows of the tokens), then softmax(Q·Kᵀ/√d_k)·V and W_O."""
+    import numpy as np
+    from model.attention import MultiHeadAttention
+    from model.mask import Mask
+    from model.positions import POSITION_ENCODINGS
+    from reference import attention as reference, mask_rule
+    cfg = tiny(position="none", n_kv_head=2)
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(cfg, 0).eval()
+    x, ve = torch.randn(2, 10, 32), torch.randn(2, 10, 16)     # 2 kv heads x d_k 8
+    out, _ = layer(x, POSITION_ENCODINGS["none"](cfg), Mask.over(0, 10, 10), value_embed=ve)
+    W = layer.w_qkv.weight.detach().double().numpy()
+    H, H_kv, D = 4, 2, 8
+    qkv = (x.double().numpy() @ W.T).reshape(2, 10, H + 2 * H_kv, D).transpose(0, 2, 1, 3)
+    q, k, v = qkv[:, :H], qkv[:, H:H + H_kv], qkv[:, H + H_kv:]
+    v = v + ve.double().numpy().reshape(2, 10, H_kv, D).transpose(0, 2, 1, 3)
+    k, v = k.repeat(2, axis=1), v.repeat(2, axis=1)            # each kv head serves 2 queries
+    y, _, _ = reference(q, k, v, mask_rule(range(10), range(10)))
+    y = y.transpose(0, 2, 1, 3).reshape(2, 10, 32) @ layer.w_o.weight.detach().double().numpy().T
+    np.testing.assert_allclose(out.detach().numpy(), y, atol=1e-5)
+
+
+def unet_forward(model, idx):
+    """The model's logits written out from the definitions, in float64: block i reads
+    value-embedding table i at the tokens; block L-1-i gets the output of block i (i in
+    the first half, L//2 of them) times skip weight i added to its input."""
+    model = model.double()
+    c, L = model.config, model.config.n_layer
+    x = model.wte(idx)
+    outputs = []
+    mask = Mask.over(0, idx.shape[1], idx.shape[1])
+    for i, block in enumerate(model.blocks):
+        mirror = L - 1 - i
+        if c.skip_connections and mirror < L // 2:
+            x = x + model.skip_weights[mirror] * outputs[mirror]
+        ve = model.value_embeds[i].weight[idx] if c.value_embeds else None
+        x, _ = block(x, model.positions, mask, None, False, ve)
+        outputs.append(x)
+    return model.lm_head(model.norm_f(x))
+
+
+@pytest.mark.parametrize("n_layer", [3, 4, 5])
+@pytest.mark.parametrize("fields", [dict(value_embeds=True), dict(skip_connections=True),
+                                    dict(value_embeds=True, skip_connections=True)])
+def test_value_embeddings_and_unet_skips_are_wired_as_defined(n_layer, fields):
+    torch.manual_seed(0)
+    model = GPT(tiny(position="none", n_layer=n_layer, **fields)).eval()
+    with torch.no_grad():
+        if "skip_connections" in fields:
+            model.skip_weights.copy_(torch.tensor([0.7, -1.3])[:n_layer // 2])   # each its own
+        if "value_embeds" in fields:
+            for table in model.value_embeds:
+                table.weight.mul_(20)                       # large enough to matter
+    x = torch.randint(0, 40, (2, 24))
+    got = model(x).logits.double()
+    with torch.no_grad():
+        expected = unet_forward(model, x)
+        plain = GPT(tiny(position="none", n_layer=n_layer)).double().eval()
+        plain.load_state_dict(model.state_dict(), strict=False)
+        assert (plain(x).logits - expected).abs().max() > 1e-2     # the extras matter
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_value_embeddings_and_skips_decode_like_the_full_pass():
+    """Cached and static decoding read the value embeddings of the tokens they step."""
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=3, value_embeds=True, skip_connections=True, n_kv_head=2)).eval()
+    with torch.no_grad():
+        for table in model.value_embeds:
+            table.weight.mul_(20)
+    prompt = torch.randint(0, 40, (2, 5))
+    runs = {}
+    for decode in ("full", "cache", "static"):
+        g = torch.Generator().manual_seed(1)
+        runs[decode] = torch.cat(list(model.generate(prompt, 15, generator=g, decode=decode)), 1)
+    assert torch.equal(runs["cache"], runs["full"]) and torch.equal(runs["static"], runs["full"])
+
+
+def test_value_embeddings_and_skip_weights_go_to_adamw_not_muon():
+    from engine.optim import configure_optimizer
+    from engine.config import TrainConfig
+    model = GPT(tiny(value_embeds=True, skip_connections=True, n_layer=4))
+    opt = configure_optimizer(model, TrainConfig(optimizer="muon"), torch.device("cpu"))
+    muon = {id(p) for g in opt.named["muon"].param_groups for p in g["params"]}
+    extras = [*model.value_embeds.parameters(), model.skip_weights]
+    assert not muon & {id(p) for p in extras}
+    no_decay = {id(p) for g in opt.named["adamw"].param_groups if g["weight_decay"] == 0
+                for p in g["params"]}
+    assert id(model.skip_weights) in no_decay
+    assert model.num_params(non_embedding=True) == GPT(tiny(n_layer=4)).num_params(True) + 2
