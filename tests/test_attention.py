@@ -309,3 +309,30 @@ def test_auto_computes_only_the_band_once_it_is_cheaper(monkeypatch):
         calls.clear()
         attention.auto_attention(x[:, :, :q_len], x, x, Mask.over(q_start, q_len, k_len, window=window))
         assert calls == [f"{expected}_attention"], spec
+
+
+@pytest.mark.parametrize("q_len,k_len,fp32", [(64, 64, True), (1, 300, True), (256, 256, True),
+                                              (300, 300, False)])
+def test_cpu_autocast_attends_short_sequences_in_fp32(q_len, k_len, fp32):
+    """Under CPU bf16 autocast, sdpa attends in fp32 up to 256 queries (torch's bf16 CPU
+    kernel is slower there; bench numbers in model/attention.py): the output is then the
+    fp32 kernel's rounded to bf16, which is closer to the float64 formula than the bf16
+    kernel's; beyond 256 queries the bf16 kernel runs as before."""
+    from model.attention import sdpa_attention
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 16) * 3 for n in (q_len, k_len, k_len))
+    mask = Mask.over(k_len - q_len, q_len, k_len)
+    half = [t.bfloat16() for t in (q, k, v)]
+    with torch.autocast("cpu", torch.bfloat16):
+        out, _ = sdpa_attention(*half, mask)
+        pure_bf16 = torch.nn.functional.scaled_dot_product_attention(
+            *half, attn_mask=None if q_len == k_len else mask.dense, is_causal=q_len == k_len)
+    as_fp32 = sdpa_attention(*(t.float() for t in half), mask)[0].bfloat16()
+    assert out.dtype == torch.bfloat16
+    assert not torch.equal(as_fp32, pure_bf16)            # the two kernels are told apart
+    assert torch.equal(out, as_fp32 if fp32 else pure_bf16)
+    ref, _, _ = reference_attention(*(t.double().numpy() for t in half),
+                                    mask_rule(range(k_len - q_len, k_len), range(k_len)))
+    err = lambda x: np.abs(x.double().numpy() - ref).max()
+    if fp32:
+        assert err(out) <= err(pure_bf16)
