@@ -52,10 +52,12 @@ def cpu_has_native_bf16() -> bool:
 # Measured on two 2-core "AMD EPYC" machines, a training step with Muon:
 # - one whose bf16 matmul peak is 2.2x its fp32 one (0.43 vs 0.20 TFLOP/s): bf16 ran
 #   4 x 384 1.87x faster, 4 x 128 not at all (small matmuls are overhead-bound);
-# - one at 4.1x (0.82 vs 0.20): 4 x 192 1.33x (129 vs 172 ms), 4 x 128 1.21x (78 vs
-#   95 ms), 4 x 64 slower (41 vs 35 ms).
+# - one at 4.1x (0.82 vs 0.20), since short sequences attend in fp32 under autocast
+#   (model/attention.py: torch's bf16 CPU attention was the slow part): 3 x 64 at
+#   context 64 1.48x (20.7 vs 30.6 ms), 3 x 96 at 128 1.66x, 4 x 128 1.91x, 6 x 256
+#   2.14x. The slower kind was measured before that change: it keeps the 256 floor.
 CPU_BF16_MIN_WIDTH = 256        # bf16 from here on any CPU with native bf16
-CPU_FAST_BF16_MIN_WIDTH = 128   # and from here where bf16 matmuls run at least ...
+CPU_FAST_BF16_MIN_WIDTH = 64    # and from here where bf16 matmuls run at least ...
 CPU_FAST_BF16 = 3.0             # ... this many times as fast as fp32 (cached probes)
 
 
@@ -145,6 +147,7 @@ def peak_flops(device_type: str, dtype_name: str, device_name: str = "") -> floa
         return float(known[key])
     peak = probe_cpu_flops(dtype_name)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, {**known, key: peak})
     except OSError:                   # a read-only home: measure again next time
         pass
