@@ -4,7 +4,8 @@
     python bench/cpu_levers.py --seconds 20 --only qk_norm relu2
 
 The base is what `--budget 100s` plans on tiny Shakespeare from the cpu preset (3 x 96,
-context 128, batch 16, Muon at 0.013, AdamW at 3e-3, warmup-stable-decay), trained
+context 128, batch 16, Muon at 0.013, AdamW at 3e-3, warmup-stable-decay, bf16 autocast
+where the CPU has native bf16), trained
 for a fixed number of seconds with the schedule following the clock; each row changes
 one thing. Equal time, not equal steps: a lever that makes steps slower has to earn
 that back in loss. Rows land in the README's speedrun section; a lever that pays is a
@@ -35,11 +36,12 @@ LEVERS = [
     ("value_embeds", "value embeddings in every layer", "--model.value_embeds=true"),
     ("skips", "U-net skip connections", "--model.skip_connections=true"),
     ("ve_skips", "value embeddings and U-net skips", "--model.value_embeds=true --model.skip_connections=true"),
+    ("batch_ramp", "batch grows from 4 to 16 over the first 30%", "--train.batch_ramp=0.3"),
     ("untied", "untied output layer", "--model.tie_embeddings=false"),
     ("relu2", "ReLU² MLP instead of GELU", "--model.mlp=relu2"),
     ("ctx_64", "context 64, batch 32 (same tokens per step)",
      "--model.block_size=64 --train.batch_size=32"),
-    ("bf16", "bf16 autocast at 96 wide", "--train.dtype=bfloat16"),
+    ("fp32", "fp32 instead of bf16 autocast (attention stays fp32 in both)", "--train.dtype=float32"),
     ("compile", "torch.compile", "--train.compile=true"),
     ("4x128", "4 x 128 (the preset's own size)", "--model.n_layer=4 --model.n_embd=128 --model.n_head=4"),
 ]

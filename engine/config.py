@@ -44,6 +44,9 @@ class TrainConfig:
     compile: bool = opt(False, "torch.compile the model (pays off on GPUs for long runs)")
     batch_size: int = opt(64, "sequences per micro-batch")
     grad_accum: int = opt(1, "micro-batches whose gradients add up to one optimizer step")
+    batch_ramp: float = opt(0.0, "batch-size schedule: over this first share of the steps the "
+                                 "batch grows linearly from a quarter of batch_size to all of "
+                                 "it (more, cheaper steps early); 0 = off")
     max_iters: int = opt(5000, "optimizer steps")
     optimizer: str = opt("adamw", "adamw, or muon (Muon for hidden matrices, AdamW for the rest)",
                          choices=("adamw", "muon"))
@@ -133,6 +136,8 @@ class RunConfig:
             raise ConfigError(f"train.warmup_iters must not be negative, got {train.warmup_iters}")
         if not (train.lr > 0 and train.muon_lr > 0):
             raise ConfigError(f"train.lr and train.muon_lr must be positive, got {train.lr}, {train.muon_lr}")
+        if not 0 <= train.batch_ramp < 1:
+            raise ConfigError(f"train.batch_ramp must be in [0, 1), got {train.batch_ramp}")
         if not 0 < train.decay_frac <= 1:
             raise ConfigError(f"train.decay_frac must be in (0, 1], got {train.decay_frac}")
         if not 0 <= train.min_lr <= train.lr:

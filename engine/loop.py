@@ -37,11 +37,27 @@ def lr_at(step: int, train_cfg) -> float:
     return train_cfg.min_lr + factor * (train_cfg.lr - train_cfg.min_lr)
 
 
+def schedule_step(step: int, time_used: float, train_cfg) -> int:
+    """Where the schedules stand. With a time limit they follow steps or time (the share
+    of the limit spent), whichever is further along, so the decay ends on time even if
+    steps run slower than planned; without one, steps alone."""
+    return max(step, int(time_used * train_cfg.max_iters)) if train_cfg.time_limit else step
+
+
 def scheduled_lr(step: int, time_used: float, train_cfg) -> float:
-    """With a time limit the schedule follows steps or time (the share of the limit
-    spent), whichever is further along, so the decay ends on time even if steps run
-    slower than planned; without one, steps alone."""
-    return lr_at(max(step, int(time_used * train_cfg.max_iters)) if train_cfg.time_limit else step, train_cfg)
+    return lr_at(schedule_step(step, time_used, train_cfg), train_cfg)
+
+
+def batch_at(step: int, train_cfg) -> int:
+    """Sequences per micro-batch at this step: with train.batch_ramp, from a quarter of
+    batch_size growing linearly to all of it over that share of the steps (a batch-size
+    schedule: early on the gradient is large next to its noise, so small batches buy
+    more updates for the same tokens; later, larger ones average the noise away)."""
+    full = train_cfg.batch_size
+    ramp = train_cfg.batch_ramp * train_cfg.max_iters
+    if not train_cfg.batch_ramp or step >= ramp:
+        return full
+    return max(1, min(full, round(full * (0.25 + 0.75 * step / ramp))))
 
 
 def train(run: Run) -> dict:
@@ -76,11 +92,11 @@ def train(run: Run) -> dict:
                             f"{train_cfg.max_iters}; stopped with a final evaluation and checkpoint")
                     result["out_of_time"] = True
                     break
-                loss, norm = train_step(run, elapsed / train_cfg.time_limit if train_cfg.time_limit else 0.0)
+                loss, norm, batch = train_step(run, elapsed / train_cfg.time_limit if train_cfg.time_limit else 0.0)
                 p.step += 1
                 watch.see(loss, p.step)
                 bar.update(1)
-                speed.count_step()
+                speed.count_step(batch)
                 if p.step % train_cfg.log_interval == 0 or p.step == train_cfg.max_iters:
                     watch.check(run)
                     log_step(run, metrics, bar, speed, loss, norm)
@@ -101,11 +117,13 @@ def evaluation_due(run: Run, out_of_time: bool) -> bool:
     return run.progress.step % train_cfg.eval_interval == 0 or run.progress.step >= train_cfg.max_iters or out_of_time
 
 
-def train_step(run: Run, time_used: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(run: Run, time_used: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, int]:
     """One optimizer step over grad_accum micro-batches; this process trains its share
-    (rank r: micro-batches r, r + N, ...). Returns the mean loss and the gradient norm."""
+    (rank r: micro-batches r, r + N, ...). Returns the mean loss, the gradient norm and
+    the sequences per micro-batch."""
     train_cfg, dist = run.cfg.train, run.dist
-    lr = scheduled_lr(run.progress.step, time_used, train_cfg)
+    at = schedule_step(run.progress.step, time_used, train_cfg)
+    lr, batch = lr_at(at, train_cfg), batch_at(at, train_cfg)
     run.optimizer.set_lr(lr / train_cfg.lr)
     run.progress.last_lr = lr
     total = torch.zeros((), device=run.device)
@@ -115,6 +133,8 @@ def train_step(run: Run, time_used: float = 0.0) -> tuple[torch.Tensor, torch.Te
             run.batches.skip()
             continue
         x, y = run.batches.next()
+        if batch < x.shape[0]:                # the batch-size schedule: the first sequences
+            x, y = x[:batch], y[:batch]
         # DDP averages over processes, so each scales by world / grad_accum; gradients
         # are exchanged once, after this process's last micro-batch.
         sync = m == mine[-1] or dist.world == 1
@@ -135,7 +155,7 @@ def train_step(run: Run, time_used: float = 0.0) -> tuple[torch.Tensor, torch.Te
     run.optimizer.step(run.scaler)
     run.scaler.update()
     run.optimizer.zero_grad()
-    return total, norm
+    return total, norm, batch
 
 
 @torch.no_grad()
@@ -181,26 +201,26 @@ class Speedometer:
     def __init__(self, run: Run):
         train_cfg = run.cfg.train
         self.run = run
-        self.tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * run.cfg.model.block_size
+        self.tokens_per_sequence = train_cfg.grad_accum * run.cfg.model.block_size
         name = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else ""
         self.peak = peak_flops(run.device.type, dtype_name(run.dtype), name)
         self.flops_per_token = run.model.flops_per_token()
         self.restart()
 
     def restart(self) -> None:
-        self.since, self.steps = time.perf_counter(), 0
+        self.since, self.tokens = time.perf_counter(), 0
 
-    def count_step(self) -> None:
-        self.steps += 1
+    def count_step(self, batch: int) -> None:
+        self.tokens += batch * self.tokens_per_sequence
 
     def read(self) -> tuple[float, float | None, float]:
         """(tokens/s of the whole run, MFU of one process, seconds measured); restarts."""
         synchronize(self.run.device)
         now = time.perf_counter()
         seconds = now - self.since
-        tok_s = self.steps * self.tokens_per_step / max(seconds, 1e-9)
+        tok_s = self.tokens / max(seconds, 1e-9)
         utilisation = mfu(self.flops_per_token, tok_s / self.run.dist.world, self.peak)
-        self.since, self.steps = now, 0
+        self.since, self.tokens = now, 0
         return tok_s, utilisation, seconds
 
 

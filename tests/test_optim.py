@@ -105,3 +105,37 @@ def test_a_stop_at_an_evaluation_step_is_evaluated_on_resume(corpus, tmp_path):
     assert evaluated() == [0]                              # stopped before evaluating step 10
     train(setup_run(cfg(), run_dir=tmp_path / "r" / "s", resume=True, log=lambda *a, **k: None))
     assert evaluated() == [0, 10, 20]
+
+
+def test_the_batch_ramp_grows_the_batch_from_a_quarter_to_all_of_it(corpus, tmp_path):
+    """batch_ramp 0.5 over 20 steps at batch 8: round(8 * (1/4 + 3/4 * s/10)) sequences
+    at step s < 10 (worked out by hand below), then 8; the model sees exactly those, the
+    first of each drawn batch."""
+    cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                             f"--train.out_dir={tmp_path / 'r'}", "--train.run_name=ramp",
+                             "--train.batch_size=8", "--train.max_iters=20",
+                             "--train.batch_ramp=0.5", "--train.log_interval=1"])
+    run = setup_run(cfg, log=lambda *a, **k: None)
+    seen, forward = [], run.train_forward
+    run.train_forward = lambda x, y: seen.append(x.shape[0]) or forward(x, y)
+    train(run)
+    assert seen == [2, 3, 3, 4, 4, 5, 6, 6, 7, 7] + [8] * 10
+    with pytest.raises(ConfigError, match="batch_ramp"):
+        cli.build("tiny", ["--train.batch_ramp=1"])
+
+
+def test_the_ramped_batch_is_the_head_of_the_batch_the_run_would_draw(corpus, tmp_path):
+    """Slicing, not a new draw: step s trains on the first sequences of the batch a run
+    without the ramp trains on at step s, so resuming and the data order stay as before."""
+    def batches(*extra):
+        cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                                 f"--train.out_dir={tmp_path / 'r'}", "--train.batch_size=8",
+                                 "--train.max_iters=6", *extra])
+        run = setup_run(cfg, log=lambda *a, **k: None)
+        seen, forward = [], run.train_forward
+        run.train_forward = lambda x, y: seen.append(x.clone()) or forward(x, y)
+        train(run)
+        return seen
+    plain, ramped = batches("--train.run_name=a"), batches("--train.run_name=b", "--train.batch_ramp=0.5")
+    assert [len(x) for x in ramped] == [2, 4, 6, 8, 8, 8]
+    assert all(torch.equal(r, p[:len(r)]) for r, p in zip(ramped, plain))
