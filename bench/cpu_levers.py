@@ -2,6 +2,7 @@
 
     python bench/cpu_levers.py                    # every lever, 45 s of training each
     python bench/cpu_levers.py --seconds 20 --only qk_norm relu2
+    python bench/cpu_levers.py --steps 700 --seed 1      # equal steps: quality per step
 
 The base is what `--budget 100s` plans on tiny Shakespeare from the cpu preset (3 x 96,
 context 128, batch 16, Muon at 0.013, AdamW at 3e-3, warmup-stable-decay, bf16 autocast
@@ -50,6 +51,10 @@ LEVERS = [
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=45.0, help="training time per lever")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="equal steps instead of equal time: quality per step alone, with "
+                             "no say for speed (for a machine whose speed drifts between runs)")
+    parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--only", nargs="+", help="lever names (the base always runs)")
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     args = parser.parse_args()
@@ -57,16 +62,20 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, what, extra in levers:
-            r = run(name, f"{BASE} --train.time_limit={args.seconds} {extra}", args.corpus, Path(tmp))
+            length = (f"--train.max_iters={args.steps} --train.eval_interval={args.steps}" if args.steps
+                      else f"--train.time_limit={args.seconds}")
+            r = run(name, f"{BASE} {length} --train.seed={args.seed} {extra}", args.corpus, Path(tmp))
             rows.append((name, what, extra, r))
             print(f"{name}: {r['steps']} steps, val {r['val']:.4f}, {r['wall']:.1f} s", flush=True)
     base = rows[0][3]["val"]
-    print(f"\nEach row: {args.seconds:.0f} s of training on tiny Shakespeare, one change to the base.")
-    print("| lever | change | steps | val loss | vs base |")
-    print("|---|---|---|---|---|")
+    length = f"{args.steps} steps" if args.steps else f"{args.seconds:.0f} s"
+    print(f"\nEach row: {length} of training on tiny Shakespeare (seed {args.seed}), one change "
+          "to the base.")
+    print("| lever | change | steps | wall time | val loss | vs base |")
+    print("|---|---|---|---|---|---|")
     for name, what, extra, r in rows:
-        print(f"| {name} | {what} (`{extra or '-'}`) | {r['steps']} | {r['val']:.4f} | "
-              f"{r['val'] - base:+.4f} |")
+        print(f"| {name} | {what} (`{extra or '-'}`) | {r['steps']} | {r['wall']:.1f} s | "
+              f"{r['val']:.4f} | {r['val'] - base:+.4f} |")
 
 
 if __name__ == "__main__":
