@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
     s = apply_overrides(RunConfig(), args).sample
     device = pick_device(args.device)
     model, cfg, tokenizer, ckpt = load_run(args.run or latest_run(), args.checkpoint, device)
-    dtype = pick_dtype(s.dtype, device, cfg.model.n_embd)
+    dtype = pick_dtype(s.dtype, device, cfg.model.n_embd, decoding=True)
     model = model.to(dtype)
     prompt_ids = encode_prompt(tokenizer, s.prompt)
     decode = pick_decode(s.decode, device) if s.use_cache else "full"

@@ -263,7 +263,7 @@ def main(argv=None) -> int:
     from engine.inference import load_run
     device = pick_device(args.device)
     model, cfg, tokenizer, ckpt = load_run(args.run or latest_run(), args.checkpoint, device)
-    model = model.to(pick_dtype(cfg.sample.dtype, device, cfg.model.n_embd))
+    model = model.to(pick_dtype(cfg.sample.dtype, device, cfg.model.n_embd, decoding=True))
     # Decoding one token reads every weight once and does little arithmetic: one torch
     # thread decodes as fast as two here (255 and 257 tokens/s at 6 x 384, 45 and 45 at
     # 12 x 768, batch 1 on 2 cores), and leaves a core to the server.

@@ -52,7 +52,7 @@ def sample_rate(run: str, n: int) -> float:
     torch.set_num_threads(os.cpu_count() or 1)
     device = pick_device("auto")
     model, cfg, tok, _ = load_run(run, "best", device)
-    model = model.to(pick_dtype(cfg.sample.dtype, device, cfg.model.n_embd))
+    model = model.to(pick_dtype(cfg.sample.dtype, device, cfg.model.n_embd, decoding=True))
     ids = encode_prompt(tok, SETTINGS["prompt"])
     start = time.perf_counter()
     list(stream_text(model, tok, ids, n, 0.8, 200, 1.0, 1337))
