@@ -69,8 +69,8 @@ def fp32_pays_on_cpu(q: torch.Tensor) -> bool:
     until a few hundred queries (a 2-core AVX-512 BF16 CPU, forward + backward: B=16,
     H=3, T=128, d_k=32: bf16 8.4 ms, fp32 4.1 ms; B=64, H=6, T=256, d_k=64: 162 vs 159
     ms; T=512: 66 vs 75 ms; a decoding step over 1,024 keys, batch 8: 2.2 vs 0.7 ms).
-    So under CPU autocast short sequences and decoding steps attend in fp32, with more
-    precision, not less."""
+    So on a CPU, short sequences and decoding steps in bf16 (under autocast, or with bf16
+    weights) attend in fp32: faster, and with more precision, not less."""
     return (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
             and q.shape[-2] <= CPU_FP32_MAX_QUERIES)
 
