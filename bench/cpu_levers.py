@@ -39,6 +39,8 @@ LEVERS = [
     ("ve_skips", "value embeddings and U-net skips", "--model.value_embeds=true --model.skip_connections=true"),
     ("batch_ramp", "batch grows from 4 to 16 over the first 30%", "--train.batch_ramp=0.3"),
     ("untied", "untied output layer", "--model.tie_embeddings=false"),
+    ("zero_head", "untied output layer starting at zero",
+     "--model.tie_embeddings=false --model.zero_head=true"),
     ("relu2", "ReLU² MLP instead of GELU", "--model.mlp=relu2"),
     ("ctx_64", "context 64, batch 32 (same tokens per step)",
      "--model.block_size=64 --train.batch_size=32"),

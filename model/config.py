@@ -38,6 +38,8 @@ class ModelConfig:
     norm: str = _opt("layernorm", "normalisation layer", registry="norm")
     mlp: str = _opt("gelu", "feed-forward block", registry="mlp")
     tie_embeddings: bool = _opt(True, "share the token embedding with the output layer")
+    zero_head: bool = _opt(False, "start an untied output layer at zero (modded-nanogpt): every "
+                                  "logit 0, the loss exactly ln(vocab_size) at step 0")
     bias: bool = _opt(False, "bias in linear layers and LayerNorm")
     norm_eps: float = _opt(1e-5, "epsilon inside LayerNorm / RMSNorm (1e-5 as in GPT-2; "
                                  "imported models bring their own)")
@@ -93,6 +95,10 @@ class ModelConfig:
                              "token is visible anyway)")
         if not self.rope_factor >= 1.0:
             raise ModelError(f"model.rope_factor must be at least 1, got {self.rope_factor}")
+        if self.zero_head and self.tie_embeddings:
+            raise ModelError("model.zero_head starts the output layer at zero, but it is tied to "
+                             "the token embedding (which must not start at zero); set "
+                             "model.tie_embeddings=false with it")
         if self.logit_softcap < 0:
             raise ModelError(f"model.logit_softcap must not be negative, got {self.logit_softcap}")
         if not 0.0 <= self.dropout < 1.0:

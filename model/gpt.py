@@ -59,6 +59,10 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("w_o.weight", "mlp.proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
+        if config.zero_head:
+            # Every logit 0 at the start: the first steps move the readout towards the
+            # tokens' frequencies before any gradient reaches the blocks through it.
+            nn.init.zeros_(self.lm_head.weight)
 
     @staticmethod
     def _init_weights(module):

@@ -411,3 +411,20 @@ def test_value_embeddings_and_skip_weights_go_to_adamw_not_muon():
                 for p in g["params"]}
     assert id(model.skip_weights) in no_decay
     assert model.num_params(non_embedding=True) == GPT(tiny(n_layer=4)).num_params(True) + 2
+
+
+def test_a_zero_head_starts_every_logit_at_zero_and_learns_from_there():
+    """model.zero_head: the untied output layer starts at 0, so the loss at step 0 is
+    exactly ln(vocab) and the blocks get no gradient through the head until it moves."""
+    from model.config import ModelError
+    torch.manual_seed(0)
+    model = GPT(tiny(tie_embeddings=False, zero_head=True))
+    x = torch.randint(0, 40, (2, 24))
+    out = model(x, x)
+    assert torch.count_nonzero(model.lm_head.weight) == 0 and torch.count_nonzero(model.wte.weight) > 0
+    assert out.loss.item() == pytest.approx(math.log(40), abs=1e-6)
+    out.loss.backward()
+    assert model.lm_head.weight.grad.abs().max() > 0
+    assert model.blocks[0].attn.w_qkv.weight.grad.abs().max() == 0
+    with pytest.raises(ModelError, match="tie_embeddings=false"):
+        GPT(tiny(zero_head=True))
