@@ -210,7 +210,7 @@ def plan(cfg, budget_s: float, started: float, log=print):
     # Small models run below the FLOP/s the probe found: time the chosen one itself. On
     # a CPU with native bf16, in both precisions: whether bf16 autocast pays depends on
     # width, context and batch together and on the CPU (3 x 96 at context 128, batch 16:
-    # 1.13x on one machine, 1.5-1.66x on another with attention kept in fp32; 4 x 64 at
+    # 1.13x on one machine, 1.48-1.66x on another with attention kept in fp32; 4 x 64 at
     # context 64 once 15% slower), so measure instead of guessing.
     rates = {p: step_rate(cfg.model, p)[0] for p in precisions}
     if len(rates) > 1:

@@ -75,24 +75,35 @@ def fp32_pays_on_cpu(q: torch.Tensor) -> bool:
             and q.shape[-2] <= CPU_FP32_MAX_QUERIES)
 
 
+def kernel_dtype(q: torch.Tensor) -> torch.dtype:
+    """The precision fused_sdpa computes q's attention in (an additive mask is built in it)."""
+    return torch.float32 if fp32_pays_on_cpu(q) else q.dtype
+
+
+def fused_sdpa(q, k, v, attn_mask=None, **kw):
+    """torch's fused kernel, in fp32 where fp32_pays_on_cpu (every backend that calls the
+    kernel comes through here)."""
+    if not fp32_pays_on_cpu(q):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kw)
+    with torch.autocast("cpu", enabled=False):
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                             attn_mask=attn_mask, **kw)
+    return out.to(q.dtype)
+
+
 def sdpa_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
     """The same function through torch.nn.functional.scaled_dot_product_attention,
     which picks FlashAttention or memory-efficient kernels where it can."""
     if need_weights:
         raise ValueError("the sdpa backend never forms the attention weights; use eager")
-    if fp32_pays_on_cpu(q):
-        with torch.autocast("cpu", enabled=False):
-            out, _ = sdpa_attention(q.float(), k.float(), v.float(), mask, dropout_p)
-        return out.to(q.dtype), None
     attn_mask, is_causal = None, False
     if mask.is_square_causal:                              # training: the built-in triangle
         is_causal = True
     elif mask.bias is not None:                            # ALiBi: bias and mask in one
-        attn_mask = mask.additive(q.dtype)
+        attn_mask = mask.additive(kernel_dtype(q))
     elif not mask.sees_everything:                         # window, or a chunk after a cache
         attn_mask = mask.dense
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                         dropout_p=dropout_p, is_causal=is_causal)
+    out = fused_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
     return out, None
 
 
@@ -153,12 +164,11 @@ def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: 
     n_keys = keys.shape[2]
     if mask.bias_fn is not None:                                      # ALiBi inside the band
         bias = mask.bias_fn(q_pos[:, :, None], k_pos[:, None, :])      # (H, n, W, keys)
-        attn_mask = bias.to(q.dtype).masked_fill(~ok, float("-inf"))
+        attn_mask = bias.to(kernel_dtype(qb)).masked_fill(~ok, float("-inf"))
         attn_mask = attn_mask.expand(B, H, n, W, n_keys).reshape(B * H, n, W, n_keys)
     else:
         attn_mask = ok[None]                                          # (1, n, W, keys)
-    out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=attn_mask,
-                                         dropout_p=dropout_p)          # (B·H, n, W, D)
+    out = fused_sdpa(qb, keys, values, attn_mask=attn_mask, dropout_p=dropout_p)   # (B·H, n, W, D)
     return out.reshape(B, H, n * W, D)[:, :, :T], None
 
 
