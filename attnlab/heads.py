@@ -180,7 +180,7 @@ def logit_lens(model, ids: torch.Tensor):
     from attnlab.lens import run_with_cache
     L = model.config.n_layer
     logits, cache = run_with_cache(model, ids, only=[f"blocks.{l}.resid_post" for l in range(L)])
-    per_layer = torch.stack([model.lm_head(model.norm_f(cache[f"blocks.{l}.resid_post"]))[0]
+    per_layer = torch.stack([model.readout(model.norm_f(cache[f"blocks.{l}.resid_post"]))[0]
                              for l in range(L)]).float()               # (L, T, V)
     probs = torch.softmax(per_layer, -1)
     nxt = ids[0, 1:]

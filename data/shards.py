@@ -182,6 +182,13 @@ class Shards:
         """The largest token id (one pass over the shards)."""
         return max(int(a.max()) for a in self.arrays if len(a))
 
+    def counts(self, vocab_size: int) -> np.ndarray:
+        """How often each token id occurs (one pass over the shards), int64 (vocab_size,)."""
+        out = np.zeros(vocab_size, dtype=np.int64)
+        for a in self.arrays:
+            out += np.bincount(a, minlength=vocab_size)[:vocab_size]
+        return out
+
     def starts(self, window: int) -> np.ndarray:
         """Windows of `window` tokens that start in each shard (0 when it is shorter)."""
         return np.array([max(len(a) - window, 0) for a in self.arrays], dtype=np.int64)

@@ -70,6 +70,9 @@ def _common_refusals(cfg: ModelConfig) -> list[str]:
         out.append("model.value_embeds=true (no value embeddings there)")
     if cfg.skip_connections:
         out.append("model.skip_connections=true (no skips across blocks there)")
+    if cfg.readout != "full":
+        out.append(f"model.readout={cfg.readout} (every architecture there scores the whole "
+                   "vocabulary with one linear layer: train with model.readout=full)")
     if ROPE_SCALINGS[cfg.rope_scaling].stretches:
         out.append(f"model.rope_scaling={cfg.rope_scaling} (export the model unstretched: "
                    "rope_scaling=none)")

@@ -22,6 +22,9 @@ from engine.optim import Optimizers, configure_optimizer
 from data.tokenizer import Tokenizer
 from data.tokens import Batches, TokenData, load_tokens
 from model import GPT
+from model.config import ModelError
+from model.readout import SHORTLIST_COVERAGE, shortlist_for
+from model.registry import check as registry_check
 
 # Model fields a fine-tuning run may change: the same weights compute the same function.
 SWAPPABLE_MODEL_FIELDS = ("attention", "dropout")
@@ -71,8 +74,10 @@ class Run:
 
     def summary(self) -> str:
         c, m = self.cfg.model, self.model
+        readout = (f", adaptive readout (shortlist of {c.readout_shortlist:,})"
+                   if c.readout == "adaptive" else "")
         return (f"model: {c.n_layer} layers x {c.n_head} heads, {c.n_embd} wide, context "
-                f"{c.block_size}, {c.position} positions, {c.attention} attention: "
+                f"{c.block_size}, {c.position} positions, {c.attention} attention{readout}: "
                 f"{m.num_params() / 1e6:.2f}M parameters ({m.num_params(True) / 1e6:.2f}M "
                 f"non-embedding), {m.flops_per_token() / 1e6:.1f} MFLOPs per token (train)")
 
@@ -135,7 +140,13 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
     if resume and cfg.train.init_from:        # a fine-tuning run keeps its parent's tokenizer
         given = Tokenizer.load(run_dir or Path(train_cfg.out_dir) / train_cfg.run_name)
     data = _load_data(cfg, dist, log, given)
+    counts = None
+    if cfg.model.readout == "adaptive" and not resume and source is None:
+        counts = torch.from_numpy(data.train.counts(cfg.model.vocab_size))
+        fit_readout(cfg.model, counts, log)
     model = GPT(cfg.model)
+    if counts is not None:
+        model.adaptive.set_frequencies(counts)
     if source is not None:
         model.load_state_dict(source.model.state_dict())
     model = model.to(device)
@@ -168,6 +179,20 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
     if dist.is_main:
         _write_run_files(run)
     return run
+
+
+def fit_readout(model_cfg, counts: torch.Tensor, log) -> None:
+    """An adaptive readout's shortlist from the training tokens' counts, where the
+    config leaves it to the data (0)."""
+    if not model_cfg.readout_shortlist:
+        model_cfg.readout_shortlist = min(shortlist_for(counts), model_cfg.vocab_size - 1)
+        log(f"adaptive readout: the {model_cfg.readout_shortlist:,} most frequent of "
+            f"{model_cfg.vocab_size:,} tokens make up {SHORTLIST_COVERAGE:.0%} of the training "
+            "tokens and get the full softmax; the rest go through its tail")
+    try:
+        registry_check(model_cfg)
+    except ModelError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _lock_run_dir(run_dir: Path):

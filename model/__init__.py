@@ -2,7 +2,8 @@
 
 Read in this order: mask.py (the one mask rule), attention.py (the formula and its
 backends, multi-head), positions.py (none, sinusoidal, learned, RoPE, ALiBi),
-layers.py (norms, MLP, the residual block), gpt.py (the whole model and its KV cache),
+layers.py (norms, MLP, the residual block), readout.py (the output layer, and the
+adaptive softmax for large vocabularies), gpt.py (the whole model and its KV cache),
 sampling.py (logits to tokens); registry.py lists every variant and checks a config.
 The folder imports torch and itself only: copy it out and it runs."""
 from model.config import ModelConfig, ModelError

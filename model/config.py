@@ -38,6 +38,11 @@ class ModelConfig:
     norm: str = _opt("layernorm", "normalisation layer", registry="norm")
     mlp: str = _opt("gelu", "feed-forward block", registry="mlp")
     tie_embeddings: bool = _opt(True, "share the token embedding with the output layer")
+    readout: str = _opt("full", "output layer: a softmax over the whole vocabulary, or the "
+                                "adaptive softmax for large vocabularies", registry="readout")
+    readout_shortlist: int = _opt(0, "adaptive readout: how many of the most frequent tokens get "
+                                     "the full-width softmax; 0 = as many as make up 95% of the "
+                                     "training tokens (counted when a run starts)")
     zero_head: bool = _opt(False, "start an untied output layer at zero (modded-nanogpt): every "
                                   "logit 0, the loss exactly ln(vocab_size) at step 0")
     bias: bool = _opt(False, "bias in linear layers and LayerNorm")
@@ -74,7 +79,7 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelError(f"model.{name} must be a positive integer, got {value!r}")
         for name in ("vocab_size", "n_kv_head", "sliding_window", "n_global",
-                     "rope_original_context"):
+                     "rope_original_context", "readout_shortlist"):
             if getattr(self, name) < 0:
                 raise ModelError(f"model.{name} must not be negative, got {getattr(self, name)}")
         if self.sliding_window > self.block_size:

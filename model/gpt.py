@@ -15,6 +15,7 @@ from model.config import ModelConfig, ModelError
 from model.layers import NORMS, Block
 from model.mask import Mask
 from model.positions import POSITION_ENCODINGS
+from model.readout import AdaptiveReadout, head_macs
 from model.sampling import sample_next
 
 
@@ -49,10 +50,13 @@ class GPT(nn.Module):
             # One weight per skip, from 1: at the start each skip is a plain sum.
             self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2))
         self.norm_f = NORMS[config.norm](config)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            # The same matrix reads tokens in and scores them out (arXiv:1608.05859).
-            self.lm_head.weight = self.wte.weight
+        if config.readout == "adaptive":
+            self.adaptive = AdaptiveReadout(config)
+        else:
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+            if config.tie_embeddings:
+                # The same matrix reads tokens in and scores them out (arXiv:1608.05859).
+                self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
         # GPT-2: scale the layers that write into the residual stream by 1/√(2·n_layer),
         # so the stream's variance does not grow with depth.
@@ -73,15 +77,20 @@ class GPT(nn.Module):
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters, counting a tied matrix once; non_embedding leaves out the
-        token and position tables (the usual count for scaling laws)."""
+        token and position tables (the usual count for scaling laws) and an adaptive
+        readout."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n -= self.wte.weight.numel()
             n -= sum(p.numel() for p in self.positions.parameters())
             if self.config.value_embeds:
                 n -= sum(p.numel() for p in self.value_embeds.parameters())
-            if not self.config.tie_embeddings:
-                n += self.lm_head.weight.numel()     # the output matmul still does work
+            if self.config.readout == "adaptive":
+                # Left out like the tied readout it replaces: the adaptive softmax exists to
+                # make a large vocabulary cheap, not to add capacity to the model.
+                n -= sum(p.numel() for p in self.adaptive.parameters())
+            # An untied output layer stays in the count (its matmul does work), once: it is
+            # already among the parameters.
         return n
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
@@ -91,9 +100,11 @@ class GPT(nn.Module):
         c = self.config
         T = seq_len or c.block_size
         matmul_weights = self.num_params(non_embedding=True)
-        if c.tie_embeddings:
+        if c.readout == "adaptive":
+            matmul_weights += head_macs(c.n_embd, c.vocab_size, c.readout_shortlist)
+        elif c.tie_embeddings:
             matmul_weights += self.lm_head.weight.numel()
-        return 6 * matmul_weights + 12 * c.n_layer * c.n_embd * T
+        return int(6 * matmul_weights + 12 * c.n_layer * c.n_embd * T)
 
     def forward(self, idx, targets=None, cache: KVCache | None = None,
                 return_attention: bool = False) -> Output:
@@ -122,7 +133,14 @@ class GPT(nn.Module):
                 attentions.append(weights)
         if cache is not None:
             cache.end(T)
-        logits = self.lm_head(self.norm_f(x))                        # (B, T, vocab)
+        h = self.norm_f(x)
+        if c.readout == "adaptive":
+            # Training needs only the targets' probabilities, which is what makes the
+            # adaptive softmax cheap; the whole distribution only when no target is given.
+            if targets is not None:
+                return Output(None, self.adaptive.loss(h, targets), attentions)
+            return Output(self.adaptive(h), None, attentions)
+        logits = self.lm_head(h)                                     # (B, T, vocab)
         if c.logit_softcap:
             # Soft-capping (Gemma 2, modded-nanogpt): c·tanh(z/c) is z for small logits and
             # never beyond ±c, so no token's score can run away early in training.
@@ -132,6 +150,11 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)),
                                    targets.reshape(-1), ignore_index=-1)
         return Output(logits, loss, attentions)
+
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        """Scores for every vocabulary entry from final-norm hidden states (B, T, C):
+        the output layer alone, for tools that read the residual stream through it."""
+        return self.adaptive(h) if self.config.readout == "adaptive" else self.lm_head(h)
 
     def new_cache(self, max_len: int) -> KVCache:
         return KVCache(self.config.n_layer, max_len, self.config.sliding_window,

@@ -11,6 +11,7 @@ from model.attention import ATTENTION_BACKENDS
 from model.config import ModelConfig, ModelError
 from model.layers import MLPS, NORMS
 from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
+from model.readout import READOUTS
 
 REGISTRIES = {
     "attention": ATTENTION_BACKENDS,
@@ -18,6 +19,7 @@ REGISTRIES = {
     "norm": NORMS,
     "mlp": MLPS,
     "rope_scaling": ROPE_SCALINGS,
+    "readout": READOUTS,
 }
 
 
@@ -50,3 +52,15 @@ def check(config: ModelConfig) -> None:
         rotary = " or ".join(n for n, p in POSITION_ENCODINGS.items() if p.rotary)
         raise ModelError(f"model.rope_scaling={config.rope_scaling} needs model.position="
                          f"{rotary} (it stretches rotary positions)")
+    if config.readout != "full":
+        if config.tie_embeddings and not READOUTS[config.readout].shares_embedding:
+            raise ModelError(f"model.readout={config.readout} has matrices of its own, so it cannot "
+                             "be tied to the token embedding; set model.tie_embeddings=false with it")
+        if config.zero_head or config.logit_softcap:
+            raise ModelError("model.zero_head and model.logit_softcap shape a full output "
+                             f"layer's logits; model.readout={config.readout} scores tokens its "
+                             "own way: leave them at their defaults with it")
+        if config.vocab_size and not 0 < config.readout_shortlist < config.vocab_size:
+            raise ModelError(f"model.readout_shortlist={config.readout_shortlist} must be between 1 "
+                             f"and the vocabulary size less one ({config.vocab_size - 1}); a run "
+                             "sets it from the training data when it is 0")

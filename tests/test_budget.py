@@ -4,6 +4,7 @@ import math
 import time
 
 import pytest
+import torch
 
 from engine import cli
 from engine.budget import TOKENS_PER_PARAM, candidates, choose, parse_duration
@@ -88,7 +89,7 @@ def test_a_slow_machine_halves_the_batch_and_evaluation_keeps_to_its_share(corpu
     evaluations together stay within EVAL_SHARE of the budget."""
     import time
     import engine.budget as budget
-    monkeypatch.setattr(budget, "measure", lambda cfg, device, dtype, seconds: 1.0)
+    monkeypatch.setattr(budget, "measure", lambda cfg, device, dtype, seconds, *data: 1.0)
     cfg = cli.build("cpu", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
                             "--train.batch_size=64"])
     planned = budget.plan(cfg, 120.0, time.perf_counter(), log=lambda *a: None).train
@@ -106,7 +107,7 @@ def test_on_a_cpu_with_bf16_the_plan_keeps_the_precision_that_measured_faster(fa
     import engine.budget as budget
     import engine.device as device
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
-    monkeypatch.setattr(budget, "measure", lambda cfg, dev, dtype, seconds:
+    monkeypatch.setattr(budget, "measure", lambda cfg, dev, dtype, seconds, *data:
                         30.0 if dtype == device.DTYPES[faster] else 20.0)
     cfg = cli.build("cpu", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
                             "--train.device=cpu"])
@@ -114,3 +115,28 @@ def test_on_a_cpu_with_bf16_the_plan_keeps_the_precision_that_measured_faster(fa
     planned = budget.plan(cfg, 120.0, time.perf_counter(), log=lines.append).train
     assert planned.dtype == faster
     assert any(line.startswith(f"precision: {faster}") for line in lines)
+
+
+def test_the_probe_times_real_text_with_the_vocabulary_ranked(corpus, tmp_path, monkeypatch):
+    """An adaptive readout's tail works for rare tokens only, so uniformly random tokens
+    (mostly rare in a large vocabulary) would time it far too slow: the probe gets a batch
+    of the training text and the training split's token counts."""
+    import time
+    from collections import Counter
+    import engine.budget as budget
+    seen = []
+    monkeypatch.setattr(budget, "measure", lambda cfg, dev, dtype, seconds, batch=None, counts=None:
+                        seen.append((batch, counts)) or 20.0)
+    cfg = cli.build("cpu", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}"])
+    budget.plan(cfg, 120.0, time.perf_counter(), log=lambda *a: None)
+    from data.tokenizer import Tokenizer
+    text = corpus.read_text()
+    train_text = text[:int(len(text) * (1 - cfg.data.val_fraction))]
+    tok = Tokenizer.load(next((tmp_path / "c").rglob("tokenizer.json")).parent)
+    for batch, counts in seen:
+        x, y = batch
+        assert x.shape == (cfg.train.batch_size, cfg.model.block_size)
+        assert torch.equal(x[:, 1:], y[:, :-1])                  # text, next token as target
+        assert tok.decode(x[0].tolist()) in train_text
+        expected = Counter(train_text)
+        assert {tok.decode([i]): int(n) for i, n in enumerate(counts) if n} == dict(expected)

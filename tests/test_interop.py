@@ -81,6 +81,7 @@ def test_export_loads_in_transformers_with_equal_logits_and_greedy_text(name, tm
     (dict(logit_softcap=15.0), "model.logit_softcap=15.0"),
     (dict(value_embeds=True), "model.value_embeds=true"),
     (dict(skip_connections=True), "model.skip_connections=true"),
+    (dict(readout="adaptive", readout_shortlist=20, tie_embeddings=False), "model.readout=adaptive"),
     (dict(norm="rmsnorm", mlp="swiglu", bias=True, sliding_window=8), "model.bias=true"),
 ])
 def test_a_model_nothing_expresses_is_refused_before_any_file_is_written(fields, blocking, tmp_path):

@@ -176,6 +176,15 @@ def test_parameter_count_counts_tied_weights_once(tie, bias):
     assert model.num_params() == sum(unique.values())
     assert (model.lm_head.weight is model.wte.weight) == tie
     assert model.flops_per_token() > 6 * model.num_params(non_embedding=True)
+    # By hand: per block 4·C² attention + 8·C² MLP weights (+ 4 norm/bias vectors of C
+    # with bias, 2 gains without), the final norm, and the output layer only if untied.
+    c = model.config
+    C, L, V, T = c.n_embd, c.n_layer, c.vocab_size, c.block_size
+    vectors = (4 * C + 3 * C + C + 4 * C + C) if bias else 2 * C   # norms, then qkv, w_o, fc, proj biases
+    blocks = L * (12 * C * C + vectors) + (2 * C if bias else C)
+    assert model.num_params(non_embedding=True) == blocks + (0 if tie else V * C)
+    # tied or not, the output layer's V·C multiply-adds are done for every token
+    assert model.flops_per_token() == 6 * (blocks + V * C) + 12 * L * C * T
 
 
 def test_dropout_is_active_in_training_only():

@@ -1,0 +1,107 @@
+"""The output layer: from the last hidden state to a probability for every vocabulary
+entry, P(next token | context) = softmax(h·W_outᵀ).
+
+With a large vocabulary that layer can cost more than the whole Transformer: a
+character-level model of Chinese text has about 3,700 entries, so at 96 wide the output
+matrix holds 354k weights against 332k in three blocks, and the softmax over every entry
+for every position is as much work again. Most of those entries are rare. The adaptive
+softmax (Grave et al. 2017, "Efficient softmax approximation for GPUs",
+arXiv:1609.04309) gives the frequent tokens (a shortlist) a full-width softmax with one
+extra entry standing for "some rarer token", and scores the rare ones only when they
+are the target, through a narrower projection:
+
+    P(w) = softmax(h·W_headᵀ)[w]                            w in the shortlist
+    P(w) = softmax(h·W_headᵀ)[tail] · softmax((h·P)·W_tailᵀ)[w]   otherwise
+
+Still one normalised distribution over the whole vocabulary, so its loss is an honest
+cross-entropy, comparable with the full layer's. The module itself is torch's
+nn.AdaptiveLogSoftmaxWithLoss; this file adds what it needs around it: the vocabulary
+ranked by frequency (it assumes frequent tokens come first), the shortlist chosen from
+the training data, and the scores put back in token order for sampling and inspection.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from model.config import ModelConfig
+
+# The shortlist holds the most frequent tokens that together make up this share of the
+# training tokens, so 19 targets in 20 are scored by the head alone.
+SHORTLIST_COVERAGE = 0.95
+TAIL_DIVISOR = 4          # the tail's projection is n_embd / 4 wide (torch's default, Grave et al.'s)
+
+
+@dataclass(frozen=True)
+class Readout:
+    summary: str
+    shares_embedding: bool       # can be the token embedding's own matrix (tie_embeddings)
+
+
+READOUTS = {
+    "full": Readout("a linear layer scoring every vocabulary entry, softmax over all of them", True),
+    "adaptive": Readout("adaptive softmax (Grave et al. 2017): a full-width shortlist of the "
+                        "frequent tokens, the rest through a narrow tail", False),
+}
+
+
+def shortlist_for(counts: torch.Tensor, coverage: float = SHORTLIST_COVERAGE) -> int:
+    """The fewest most-frequent tokens whose counts reach `coverage` of all counts."""
+    total = counts.sum()
+    if total <= 0:
+        raise ValueError("no tokens to count")
+    covered = counts.sort(descending=True).values.cumsum(0)
+    return int((covered < coverage * total).sum()) + 1
+
+
+def frequency_rank(counts: torch.Tensor) -> torch.Tensor:
+    """rank[token]: 0 for the most frequent token, ties in token order."""
+    order = torch.sort(counts, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order), device=order.device)
+    return rank
+
+
+def head_macs(n_embd: int, vocab_size: int, shortlist: int = 0,
+              tail_share: float = 1 - SHORTLIST_COVERAGE) -> float:
+    """Multiply-adds per token of the output layer: the full one (shortlist 0), or the
+    adaptive one, whose tail works only for the `tail_share` of tokens it holds."""
+    if not shortlist:
+        return n_embd * vocab_size
+    narrow = n_embd // TAIL_DIVISOR
+    return n_embd * (shortlist + 1) + tail_share * (n_embd * narrow + narrow * (vocab_size - shortlist))
+
+
+class AdaptiveReadout(nn.Module):
+    """The adaptive softmax over a vocabulary ranked by frequency. `rank` is saved with
+    the weights; a new model ranks tokens by id until set_frequencies is called."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.softmax = nn.AdaptiveLogSoftmaxWithLoss(
+            config.n_embd, config.vocab_size, cutoffs=[config.readout_shortlist],
+            div_value=float(TAIL_DIVISOR))
+        self.register_buffer("rank", torch.arange(config.vocab_size))
+
+    def set_frequencies(self, counts: torch.Tensor) -> None:
+        self.rank.copy_(frequency_rank(counts.to(self.rank.device)))
+
+    # torch's module mixes dtypes under autocast (its index_copy_ refuses a bf16 source
+    # into fp32), and its matrices are small: it runs in fp32.
+    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean -log P(target) over the positions whose target is not -1."""
+        h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
+        keep = targets != -1
+        if not keep.all():
+            h, targets = h[keep], targets[keep]
+        with torch.autocast(h.device.type, enabled=False):
+            return self.softmax(h.float(), self.rank[targets]).loss
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """log P(token) for every vocabulary entry, in token order: (..., vocab_size).
+        Normalised log-probabilities are logits (softmax gives them back unchanged)."""
+        with torch.autocast(h.device.type, enabled=False):
+            logp = self.softmax.log_prob(h.reshape(-1, h.size(-1)).float())
+        return logp[:, self.rank].reshape(*h.shape[:-1], -1)
