@@ -26,6 +26,44 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     assert opt.named["adamw"].param_groups[0]["lr"] == pytest.approx(t.lr / 2)
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
+def test_grouped_muon_steps_as_torchs_muon_does_and_shares_its_checkpoints(nesterov, adjust):
+    """GroupedMuon batches the Newton-Schulz iterations of same-shape matrices; torch's
+    own Muon, one matrix at a time, is the reference: the same parameters after every
+    step (tall, wide and square matrices, two of a shape), and a state saved by one
+    continues in the other."""
+    from engine.optim import GroupedMuon
+    shapes = [(12, 8), (8, 12), (8, 8), (12, 8), (8, 12), (16, 8)]
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(6)]
+
+    def run(cls, steps, params=None, state=None):
+        params = params or [torch.nn.Parameter(p.clone()) for p in start]
+        opt = cls(params, lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov,
+                  adjust_lr_fn=adjust)
+        if state is not None:
+            opt.load_state_dict(state)
+        for step_grads in steps:
+            for p, grad in zip(params, step_grads):
+                p.grad = grad.clone()
+            opt.step()
+        return params, opt.state_dict()
+
+    theirs, _ = run(torch.optim.Muon, grads)
+    ours, _ = run(GroupedMuon, grads)
+    for p, q, p0 in zip(ours, theirs, start):
+        moved = (q - p0).abs().max()
+        assert moved > 1e-3
+        assert (p - q).abs().max() <= 1e-2 * moved          # bf16 rounding at most
+    half, state = run(torch.optim.Muon, grads[:3])
+    resumed, _ = run(GroupedMuon, grads[3:], [torch.nn.Parameter(p.detach().clone()) for p in half], state)
+    for p, q, h in zip(resumed, theirs, half):
+        moved = (q - h).abs().max()
+        assert moved > 1e-3 and (p - q).abs().max() <= 1e-2 * moved
+
+
 def _losses(run_dir):
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
             if "loss" in r}
