@@ -101,6 +101,7 @@ class GPT(nn.Module):
         T = seq_len or c.block_size
         matmul_weights = self.num_params(non_embedding=True)
         if c.readout == "adaptive":
+            # the tail counted for the 5% of tokens a 95% shortlist leaves it (the default rule)
             matmul_weights += head_macs(c.n_embd, c.vocab_size, c.readout_shortlist)
         elif c.tie_embeddings:
             matmul_weights += self.lm_head.weight.numel()
