@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from model.config import ModelConfig
 
@@ -88,20 +89,31 @@ class AdaptiveReadout(nn.Module):
     def set_frequencies(self, counts: torch.Tensor) -> None:
         self.rank.copy_(frequency_rank(counts.to(self.rank.device)))
 
-    # torch's module mixes dtypes under autocast (its index_copy_ refuses a bf16 source
-    # into fp32), and its matrices are small: it runs in fp32.
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean -log P(target) over the positions whose target is not -1."""
+        """Mean -log P(target) over the positions whose target is not -1: the formula
+        above, read through the module's own matrices (one tail cluster). Written out
+        rather than calling the module, whose forward refuses bf16 autocast (it copies
+        bf16 tail scores into an fp32 buffer): so the shortlist's matmul, most of the
+        work, runs in bf16 under autocast (2.6 instead of 8.8 ms forward and backward for
+        2,048 tokens x 981 scores on a 2-core CPU), and the log-softmaxes in fp32."""
         h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
         keep = targets != -1
         if not keep.all():
             h, targets = h[keep], targets[keep]
-        with torch.autocast(h.device.type, enabled=False):
-            return self.softmax(h.float(), self.rank[targets]).loss
+        sm, k = self.softmax, self.softmax.shortlist_size
+        r = self.rank[targets]
+        in_tail = r >= k
+        head = F.log_softmax(sm.head(h).float(), dim=-1)           # shortlist, then "the tail"
+        logp = head.gather(1, torch.where(in_tail, k, r)[:, None])[:, 0]
+        rows = in_tail.nonzero()[:, 0]
+        tail = F.log_softmax(sm.tail[0](h[rows]).float(), dim=-1)
+        logp = logp.index_add(0, rows, tail.gather(1, (r[rows] - k)[:, None])[:, 0])
+        return -logp.mean()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """log P(token) for every vocabulary entry, in token order: (..., vocab_size).
-        Normalised log-probabilities are logits (softmax gives them back unchanged)."""
+        Normalised log-probabilities are logits (softmax gives them back unchanged).
+        Through torch's log_prob, in fp32 (its mixed dtypes under autocast, above)."""
         with torch.autocast(h.device.type, enabled=False):
             logp = self.softmax.log_prob(h.reshape(-1, h.size(-1)).float())
         return logp[:, self.rank].reshape(*h.shape[:-1], -1)
