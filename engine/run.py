@@ -22,9 +22,7 @@ from engine.optim import Optimizers, configure_optimizer
 from data.tokenizer import Tokenizer
 from data.tokens import Batches, TokenData, load_tokens
 from model import GPT
-from model.config import ModelError
 from model.readout import SHORTLIST_COVERAGE, shortlist_for
-from model.registry import check as registry_check
 
 # Model fields a fine-tuning run may change: the same weights compute the same function.
 SWAPPABLE_MODEL_FIELDS = ("attention", "dropout")
@@ -144,6 +142,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
     if cfg.model.readout == "adaptive" and not resume and source is None:
         counts = torch.from_numpy(data.train.counts(cfg.model.vocab_size))
         fit_readout(cfg.model, counts, log)
+        cfg.validate()                        # the shortlist against the vocabulary
     model = GPT(cfg.model)
     if counts is not None:
         model.adaptive.set_frequencies(counts)
@@ -189,10 +188,6 @@ def fit_readout(model_cfg, counts: torch.Tensor, log) -> None:
         log(f"adaptive readout: the {model_cfg.readout_shortlist:,} most frequent of "
             f"{model_cfg.vocab_size:,} tokens make up {SHORTLIST_COVERAGE:.0%} of the training "
             "tokens and get the full softmax; the rest go through its tail")
-    try:
-        registry_check(model_cfg)
-    except ModelError as err:
-        raise ConfigError(str(err)) from None
 
 
 def _lock_run_dir(run_dir: Path):

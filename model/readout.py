@@ -37,14 +37,12 @@ TAIL_DIVISOR = 4          # the tail's projection is n_embd / 4 wide (torch's de
 
 @dataclass(frozen=True)
 class Readout:
-    summary: str
     shares_embedding: bool       # can be the token embedding's own matrix (tie_embeddings)
 
 
 READOUTS = {
-    "full": Readout("a linear layer scoring every vocabulary entry, softmax over all of them", True),
-    "adaptive": Readout("adaptive softmax (Grave et al. 2017): a full-width shortlist of the "
-                        "frequent tokens, the rest through a narrow tail", False),
+    "full": Readout(shares_embedding=True),       # a linear layer, softmax over every entry
+    "adaptive": Readout(shares_embedding=False),  # a shortlist softmax and a narrow tail
 }
 
 

@@ -133,10 +133,11 @@ def test_the_probe_times_real_text_with_the_vocabulary_ranked(corpus, tmp_path, 
     text = corpus.read_text()
     train_text = text[:int(len(text) * (1 - cfg.data.val_fraction))]
     tok = Tokenizer.load(next((tmp_path / "c").rglob("tokenizer.json")).parent)
+    expected = dict(Counter(train_text))
+    assert len(seen) >= 2
     for batch, counts in seen:
         x, y = batch
         assert x.shape == (cfg.train.batch_size, cfg.model.block_size)
         assert torch.equal(x[:, 1:], y[:, :-1])                  # text, next token as target
         assert tok.decode(x[0].tolist()) in train_text
-        expected = Counter(train_text)
-        assert {tok.decode([i]): int(n) for i, n in enumerate(counts) if n} == dict(expected)
+        assert {tok.decode([i]): int(n) for i, n in enumerate(counts) if n} == expected
