@@ -43,14 +43,15 @@ NANOGPT_CPU = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=Fa
                "--lr_decay_iters=2000", "--dropout=0.0"]          # nanoGPT README's CPU recipe
 
 
-def run_nanogpt(checkout: Path, corpus: Path, log: Path) -> None:
-    """nanoGPT's CPU recipe in its own checkout, every output line time-stamped."""
+def run_nanogpt(checkout: Path, corpus: Path, log: Path, extra: tuple[str, ...] = ()) -> None:
+    """nanoGPT's CPU recipe in its own checkout, every output line time-stamped;
+    `extra` adds its own command-line settings."""
     data = checkout / "data" / "shakespeare_char"
     shutil.copy(corpus, data / "input.txt")                      # its prepare.py would download it
     subprocess.run([sys.executable, "prepare.py"], cwd=data, check=True, capture_output=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with subprocess.Popen([sys.executable, "train.py", *NANOGPT_CPU], cwd=checkout, text=True,
+    with subprocess.Popen([sys.executable, "train.py", *NANOGPT_CPU, *extra], cwd=checkout, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc, \
             open(log, "w") as out:
         for line in proc.stdout:
