@@ -21,8 +21,6 @@ from common.errors import AttnlabError
 from attnlab.plotting import pyplot, save_figure
 from engine.cli import Parser, errors_as_lines
 
-EVAL_SEED = 2024
-
 
 def find_runs(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if (p / "config.json").is_file()
@@ -32,10 +30,8 @@ def find_runs(folder: Path) -> list[Path]:
 @torch.no_grad()
 def val_loss(model, tokens, length: int, batches: int, batch_size: int) -> float:
     from data.tokens import Batches
-    data = Batches(tokens, batch_size, length, seed=EVAL_SEED, split="val")
     total = 0.0
-    for _ in range(batches):
-        x, y = data.next()
+    for x, y in Batches(tokens, batch_size, length, split="val").spaced(batches):
         total += model(x, y).loss.item()
     return total / batches
 

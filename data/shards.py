@@ -190,8 +190,9 @@ class Shards:
         return out
 
     def starts(self, window: int) -> np.ndarray:
-        """Windows of `window` tokens that start in each shard (0 when it is shorter)."""
-        return np.array([max(len(a) - window, 0) for a in self.arrays], dtype=np.int64)
+        """Windows of `window` tokens that start in each shard: a shard of n tokens has
+        n - window + 1 (its last window ends on its last token), 0 when it is shorter."""
+        return np.array([max(len(a) - window + 1, 0) for a in self.arrays], dtype=np.int64)
 
     def gather(self, index: np.ndarray, window: int) -> np.ndarray:
         """Windows of `window` tokens at global start indices in [0, starts(window).sum()),

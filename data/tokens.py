@@ -167,7 +167,23 @@ class Batches:
         self.generator = torch.Generator().manual_seed(seed)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(self.n_starts, (self.batch_size,), generator=self.generator).numpy()
+        return self.load(torch.randint(self.n_starts, (self.batch_size,), generator=self.generator).numpy())
+
+    def spaced(self, n_batches: int):
+        """`n_batches` batches whose windows start at evenly spaced points from the
+        split's first window to its last: a systematic sample of the whole split, the
+        same every time. Text changes along a corpus (the acts of a play, the modules of
+        a library), and windows drawn at random can land on an easier or a harder stretch
+        by chance: 20 random batches of tiny Shakespeare's validation text scored a
+        trained model 0.03 below its loss on the whole text, every time, since the draw
+        is fixed. Spaced windows put each stretch in the sample in proportion."""
+        count = n_batches * self.batch_size
+        starts = np.linspace(0, self.n_starts - 1, count).round().astype(np.int64)
+        for i in range(n_batches):
+            yield self.load(starts[i * self.batch_size:(i + 1) * self.batch_size])
+
+    def load(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch of windows at these start indices (Shards.gather's numbering)."""
         window = torch.from_numpy(self.tokens.gather(starts, self.window))
         if self.device.type == "cuda":
             window = window.pin_memory().to(self.device, non_blocking=True)

@@ -21,8 +21,6 @@ from engine.run import Run, save
 from engine.tracking import Metrics
 from data.tokens import Batches
 
-EVAL_SEED = 4242        # evaluation draws the same validation batches every time
-
 
 class TrainingDiverged(AttnlabError):
     """The loss became NaN or infinite."""
@@ -160,13 +158,12 @@ def train_step(run: Run, time_used: float = 0.0) -> tuple[torch.Tensor, torch.Te
 
 @torch.no_grad()
 def evaluate(model, tokens, batch_size: int, block_size: int, iters: int, device, ctx) -> float:
-    """Mean loss over the same `iters` validation batches every time."""
+    """Mean loss over `iters` validation batches spread evenly over the whole split,
+    the same ones every time (Batches.spaced)."""
     was_training = model.training
     model.eval()
-    batches = Batches(tokens, batch_size, block_size, device, seed=EVAL_SEED, split="val")
     total = torch.zeros((), device=device)
-    for _ in range(iters):
-        x, y = batches.next()
+    for x, y in Batches(tokens, batch_size, block_size, device, split="val").spaced(iters):
         with ctx:
             total += model(x, y).loss.float()
     model.train(was_training)

@@ -79,6 +79,51 @@ def test_too_short_for_one_window():
         Batches(np.zeros(50, dtype=np.uint16), 4, 64, split="val")
 
 
+def test_spaced_batches_run_evenly_from_the_first_window_to_the_last_across_shards():
+    from data.shards import Shards
+    # Two shards whose token values are their positions (the second offset by 1,000),
+    # so each window's start, shard and contiguity can be read off its tokens.
+    shards = Shards([np.arange(300, dtype=np.uint16), np.arange(1000, 1201, dtype=np.uint16)])
+    b = Batches(shards, 5, 16, split="val")
+    batches = list(b.spaced(4))
+    assert len(batches) == 4 and all(x.shape == (5, 16) for x, _ in batches)
+    x = torch.cat([x for x, _ in batches])
+    y = torch.cat([y for _, y in batches])
+    assert torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(y[:, -1], x[:, -1] + 1)
+    assert torch.equal(x[:, 1:] - x[:, :-1], torch.ones(20, 15, dtype=x.dtype))  # none spans two shards
+    # Starts in Shards.gather's numbering: 284 in the first shard, 185 in the second.
+    starts = [int(v) if v < 1000 else 284 + int(v) - 1000 for v in x[:, 0]]
+    assert starts[0] == 0 and int(y[-1, -1]) == 1200              # the first window, the last
+    gaps = np.diff(starts)
+    assert gaps.min() >= 24 and gaps.max() <= 25                  # 468 / 19 = 24.6 apart
+    # A shard exactly one window long holds one window.
+    assert Batches(np.arange(17, dtype=np.uint16), 1, 16).n_starts == 1
+    assert all(torch.equal(p[0], q[0]) for p, q in zip(batches, b.spaced(4)))   # the same every time
+
+
+def test_evaluation_is_the_whole_split_when_its_windows_tile_it():
+    """engine.loop.evaluate against the mean over every target of the split, computed
+    directly. The split changes halfway (an easy stretch, then a hard one), as real
+    text does, and 16 windows of 16 tokens tile its 257 tokens exactly when spaced from
+    the first window to the last; random windows would weight the halves unequally."""
+    from contextlib import nullcontext
+    from engine.loop import evaluate
+
+    p_zero = 0.9                               # the stub's P(token 0) at every position
+
+    class Stub(torch.nn.Module):
+        def forward(self, x, y):
+            logits = torch.log(torch.tensor([p_zero, 1 - p_zero])).expand(*x.shape, 2)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 2), y.reshape(-1))
+            return type("Out", (), {"loss": loss})()
+
+    tokens = np.array([0] * 100 + [1] * 157, dtype=np.uint16)
+    targets = tokens[1:].astype(np.float64)
+    expected = np.mean(-(targets * np.log(1 - p_zero) + (1 - targets) * np.log(p_zero)))
+    got = evaluate(Stub(), tokens, 4, 16, 4, torch.device("cpu"), nullcontext())
+    assert got == pytest.approx(expected, abs=1e-6)
+
+
 def test_batches_are_shifted_by_one_and_resumable():
     tokens = np.arange(1000, dtype=np.uint16)
     b = Batches(tokens, 4, 16, seed=0)
