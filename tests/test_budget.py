@@ -95,9 +95,31 @@ def test_a_slow_machine_halves_the_batch_and_evaluation_keeps_to_its_share(corpu
     planned = budget.plan(cfg, 120.0, time.perf_counter(), log=lambda *a: None).train
     assert planned.batch_size < 64 and planned.max_iters >= budget.MIN_STEPS
     assert planned.batch_size >= budget.MIN_BATCH
-    eval_step_s = 1.0 / planned.grad_accum / 3
+    eval_step_s = 1.0 / planned.grad_accum / 3 * planned.batch_size / 64   # a smaller batch, a cheaper one
     assert budget.EVALS * planned.eval_iters * eval_step_s <= budget.EVAL_SHARE * 120.0
     assert planned.eval_interval * (budget.EVALS - 1) >= planned.max_iters
+    # Halving the batch keeps the sequences each evaluation reads: the whole split, or
+    # what the share afforded at the batch of 64.
+    from data.tokens import load_tokens
+    n_val = len(load_tokens(str(corpus), "char", cache_dir=str(tmp_path / "c"), log=lambda *a: None).val)
+    at_64 = min(math.ceil(n_val / (64 * cfg.model.block_size)),
+                int(budget.EVAL_SHARE * 120.0 / budget.EVALS * 3))
+    assert planned.eval_iters * planned.batch_size == max(2, at_64) * 64
+
+
+def test_where_it_is_affordable_each_evaluation_reads_the_whole_validation_split(corpus, tmp_path,
+                                                                                   monkeypatch):
+    import time
+    import engine.budget as budget
+    from data.tokens import load_tokens
+    monkeypatch.setattr(budget, "measure", lambda cfg, device, dtype, seconds, *data: 50.0)
+    cfg = cli.build("cpu", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                            "--train.eval_iters=2"])
+    planned = budget.plan(cfg, 120.0, time.perf_counter(), log=lambda *a: None)
+    n_val = len(load_tokens(str(corpus), "char", cache_dir=str(tmp_path / "c"), log=lambda *a: None).val)
+    per_batch = planned.train.batch_size * planned.model.block_size
+    assert n_val > 2 * per_batch                       # more than the preset's 2 batches read
+    assert n_val <= planned.train.eval_iters * per_batch < n_val + per_batch
 
 
 @pytest.mark.parametrize("faster", ["float32", "bfloat16"])
