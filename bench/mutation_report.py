@@ -166,6 +166,17 @@ MUTATIONS = [
      "            # An untied output layer stays in the count",
      "            n += 0 if self.config.tie_embeddings else self.lm_head.weight.numel()\n"
      "            # An untied output layer stays in the count", MODEL),
+    ("spaced evaluation windows run one start past the split", "data/tokens.py",
+     "np.linspace(0, self.n_starts - 1, count)", "np.linspace(0, self.n_starts, count)",
+     "tests/test_data.py"),
+    ("evaluation back on a fixed random draw", "engine/loop.py",
+     'for x, y in Batches(tokens, batch_size, block_size, device, split="val").spaced(iters):',
+     'b = Batches(tokens, batch_size, block_size, device, seed=4242, split="val")\n'
+     '    for x, y in (b.next() for _ in range(iters)):', "tests/test_data.py"),
+    ("each shard's last window left out", "data/shards.py",
+     "len(a) - window + 1, 0", "len(a) - window, 0", "tests/test_data.py"),
+    ("--budget evaluations capped at the preset's batches", "engine/budget.py",
+     "min(whole, EVAL_SHARE", "min(train_cfg.eval_iters, EVAL_SHARE", "tests/test_budget.py"),
     ("lr warm-up off by one", "engine/loop.py",
      "return train_cfg.lr * (step + 1) / train_cfg.warmup_iters",
      "return train_cfg.lr * step / train_cfg.warmup_iters", "tests/test_optim.py tests/test_budget.py"),
