@@ -92,29 +92,25 @@ print(json.dumps({'loss': total / count, 'tokens': count, 'step': ck['iter_num']
 """
 
 
-def scored_chars(text: str, run_dir: Path) -> int:
-    """Characters at the end of the corpus in both validation splits: nanoGPT's (from
-    90% of the characters on) and our run's."""
+def score_ours(run_dir: Path, text: str) -> dict:
+    """Our run's final model on the corpus's last characters that are in both validation
+    splits: nanoGPT's (from 90% of the characters on) and the run's own."""
     from data.tokens import load_tokens
-    _, cfg, _, _ = load_run(run_dir, "latest")
-    d = cfg.data
-    ours = load_tokens(d.path, d.tokenizer, d.vocab_size, d.val_fraction, d.cache_dir,
-                       log=lambda *a: None).meta["splits"]["val"]["chars"]
-    return min(len(text) - int(len(text) * 0.9), ours)
+    model, cfg, tokenizer, ckpt = load_run(run_dir, "latest")
+    d, T = cfg.data, cfg.model.block_size
+    own = load_tokens(d.path, d.tokenizer, d.vocab_size, d.val_fraction, d.cache_dir,
+                      log=lambda *a: None).meta["splits"]["val"]["chars"]
+    chars = min(len(text) - int(len(text) * 0.9), own)
+    nats, count = sliding_loss(lambda x: model(x).logits, tokenizer.encode(text[-chars:]), T, T,
+                               progress=False)
+    return {"loss": nats / count, "tokens": count, "chars": chars,
+            "step": int(ckpt.name.split("_")[-1])}
 
 
 def score_nanogpt(checkout: Path, chars: int) -> dict:
     out = subprocess.run([sys.executable, "-c", NANOGPT_SCORE, str(chars)], cwd=checkout,
                          check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def score_ours(run_dir: Path, text: str) -> dict:
-    model, cfg, tokenizer, ckpt = load_run(run_dir, "latest")
-    T = cfg.model.block_size
-    nats, count = sliding_loss(lambda x: model(x).logits, tokenizer.encode(text), T, T,
-                               progress=False)
-    return {"loss": nats / count, "tokens": count, "step": int(ckpt.name.split("_")[-1])}
 
 
 def shakespeare(path: Path) -> Path:
@@ -191,9 +187,8 @@ def main():
         nano = nanogpt_curve(log)[-1]                       # (seconds, step, val loss)
         with tempfile.TemporaryDirectory() as tmp:
             ours = run(name, args.ours, corpus, Path(tmp))
-            chars = scored_chars(text, Path(tmp) / name)
-            ours_full = score_ours(Path(tmp) / name, text[-chars:])
-        nano_full = score_nanogpt(args.nanogpt, chars)
+            ours_full = score_ours(Path(tmp) / name, text)
+        nano_full = score_nanogpt(args.nanogpt, ours_full["chars"])
         if nano_full["tokens"] != ours_full["tokens"]:
             raise SystemExit(f"{name}: nanoGPT scored {nano_full['tokens']:,} validation "
                              f"characters and ours {ours_full['tokens']:,}; the splits differ")
