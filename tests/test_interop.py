@@ -24,6 +24,7 @@ MAPPED = {
     "gpt2-bias-untied": (dict(position="learned", bias=True, tie_embeddings=False), "GPT2LMHeadModel"),
     "default (neox)": (dict(), "GPTNeoXForCausalLM"),
     "neox-theta-eps": (dict(rope_theta=500.0, norm_eps=1e-2), "GPTNeoXForCausalLM"),
+    "neox-gelu-tanh": (dict(mlp="gelu"), "GPTNeoXForCausalLM"),
     "neox-bias": (dict(bias=True, tie_embeddings=False), "GPTNeoXForCausalLM"),
     "llama-gqa": (dict(norm="rmsnorm", mlp="swiglu", n_kv_head=2, rope_theta=500.0, norm_eps=1e-2),
                   "LlamaForCausalLM"),
@@ -104,6 +105,8 @@ def gpt2_style_tokenizer(folder):
 HF_MODELS = {
     "gpt2": lambda v: transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=v, n_positions=64, n_embd=64, n_layer=2, n_head=4)),
+    "gpt2-gelu-exact": lambda v: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=v, n_positions=64, n_embd=64, n_layer=2, n_head=4, activation_function="gelu")),
     "llama-gqa": lambda v: transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=v, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -113,6 +116,11 @@ HF_MODELS = {
         num_attention_heads=4, max_position_embeddings=64, use_parallel_residual=False,
         hidden_act="gelu_new", rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 1.0,
                                                 "rope_type": "default"})),
+    "neox-gelu-exact": lambda v: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=v, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, use_parallel_residual=False,
+        hidden_act="gelu", rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+                                            "rope_type": "default"})),
 }
 
 
