@@ -57,6 +57,10 @@ class GPT(nn.Module):
             if config.tie_embeddings:
                 # The same matrix reads tokens in and scores them out (arXiv:1608.05859).
                 self.lm_head.weight = self.wte.weight
+        if not self.wte.weight.is_meta:      # on the meta device (sizes only) no values exist
+            self._init_all(config)
+
+    def _init_all(self, config: ModelConfig):
         self.apply(self._init_weights)
         # GPT-2: scale the layers that write into the residual stream by 1/√(2·n_layer),
         # so the stream's variance does not grow with depth.
