@@ -165,20 +165,20 @@ def chinese_fortunes(path: Path, deb: Path | None) -> Path:
 
 
 def german_fortunes(path: Path, deb: Path | None) -> Path:
-    texts = fortune_texts(deb, "fortunes-de", "usr/share/games/fortunes/de")
-    text = "\n%\n".join(t.rstrip("\n%") for t in texts)
+    sep = "\n%\n"                                # between fortunes, and after the last
+    records = [r for t in fortune_texts(deb, "fortunes-de", "usr/share/games/fortunes/de")
+               for r in t.rstrip("\n%").split(sep) if r.strip()]
     # The same treatment as the Chinese file: records in a fixed random order, so the
     # validation split is drawn like the training one; then cut, at a record's end, to
     # about tiny Shakespeare's length (the package holds 2.6 million characters).
-    records = [r for r in text.split("\n%\n") if r.strip()]
     random.Random(0).shuffle(records)
     kept, size = [], 0
     for r in records:
-        if size + len(r) + 3 > SHAKESPEARE_CHARS:
+        if size + len(r) + len(sep) > SHAKESPEARE_CHARS:
             break
         kept.append(r)
-        size += len(r) + 3
-    path.write_text("\n%\n".join(kept) + "\n%\n", encoding="utf-8")
+        size += len(r) + len(sep)
+    path.write_text(sep.join(kept) + sep, encoding="utf-8")
     return path
 
 

@@ -175,8 +175,9 @@ class Batches:
         same every time. Text changes along a corpus (the acts of a play, the modules of
         a library), and windows drawn at random can land on an easier or a harder stretch
         by chance: a fixed draw of 20 random batches of tiny Shakespeare's validation text
-        scored two trained models 0.029 and 0.035 below their loss on the whole text. Spaced windows put each stretch in the sample in proportion; a sample
-        still errs either way (20 spaced batches said 1.517 of a model whose whole-split
+        scored two trained models 0.029 and 0.035 below their loss on the whole text.
+        Spaced windows put each stretch in the sample in proportion; a sample still errs
+        either way (20 spaced batches said 1.517 of a model whose whole-split
         loss is 1.497), so --budget reads the whole split where its time allows."""
         count = n_batches * self.batch_size
         starts = np.linspace(0, self.n_starts - 1, count).round().astype(np.int64)

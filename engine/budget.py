@@ -209,9 +209,11 @@ def plan(cfg, budget_s: float, started: float, log=print):
     choose_readout(cfg.model, counts, log)
     device = pick_device(train_cfg.device)
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * cfg.model.block_size
-    # Each probe: 0.5% of the budget. Half a second already times a step to within 5%
-    # (3 x 96 and 4 x 128, fp32 and bf16, on a 2-core CPU: 0.5 s and 1.5 s probes agree
-    # that closely), and the schedule follows the clock anyway (OVERPLAN below).
+    # Each probe: 0.5% of the budget. Half a second times a step to within about 10% of
+    # a 1.5 s probe (2-core CPU, three probes each, steps/s: 3 x 96 bf16 38.4-41.3
+    # against 40.6-41.3, 4 x 128 fp32 10.1-10.9 against 11.3-11.5): too little to move
+    # the size chosen (the ladder's rungs are 2-10x apart in tokens per parameter) or
+    # the precision (bf16 and fp32 differ by half), and the schedule follows the clock.
     probe_s = min(10.0, max(0.5, 0.005 * budget_s))
 
     batch = Batches(data.train, train_cfg.batch_size, cfg.model.block_size, seed=0).next()

@@ -64,8 +64,8 @@ def _needs(cfg: ModelConfig, **wanted) -> list[str]:
 
 # GELU's two forms under transformers' names for them (ACT2FN): the exact one is "gelu";
 # GPT-2 wrote the tanh form "gelu_new", GPT-NeoX "gelu_pytorch_tanh"; both are read.
-_GELUS = ("gelu_erf", "gelu")
 _HF_GELU = {"gelu_erf": ("gelu",), "gelu": ("gelu_new", "gelu_pytorch_tanh")}
+_GELUS = tuple(_HF_GELU)
 
 
 def _hf_gelu(cfg: ModelConfig, tanh_name: str) -> str:
