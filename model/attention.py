@@ -7,7 +7,9 @@ Each backend computes exactly that and shares one signature,
 
 * `eager` writes the formula out step by step and can hand back the weights;
 * `sdpa` calls torch's fused kernel (FlashAttention on supported GPUs, a fused C++
-  kernel on CPU), which never materialises the T×T weights;
+  kernel on CPU), which never materialises the T×T weights; in bf16 on a CPU, where
+  torch's kernel is slow, up to a few hundred queries it is the formula as two batched
+  matmuls instead (cpu_route);
 * `banded` computes only the band a sliding window can see, so time and memory grow
   with T·W instead of T² (Longformer's banded attention, arXiv:2004.05150);
 * `flex` hands the same rule to torch's FlexAttention, which compiles it into a
@@ -62,28 +64,73 @@ def eager_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: b
 
 
 CPU_FP32_MAX_QUERIES = 256
+CPU_MATMUL_MAX_SCORES = 512 * 1024      # per batch row and head: queries x keys
 
 
-def fp32_pays_on_cpu(q: torch.Tensor) -> bool:
-    """torch's CPU attention kernels are slower in bf16/fp16 than in fp32 with the casts,
+def cpu_route(q: torch.Tensor, k_len: int) -> str:
+    """How fused_sdpa computes attention for q: "fused" (torch's kernel as it is),
+    "fp32" (that kernel on fp32 copies) or "matmul" (the formula as two bf16 matmuls).
+
+    torch's CPU attention kernels are slower in bf16/fp16 than in fp32 with the casts,
     until a few hundred queries (a 2-core AVX-512 BF16 CPU, forward + backward: B=16,
     H=3, T=128, d_k=32: bf16 8.4 ms, fp32 4.1 ms; B=64, H=6, T=256, d_k=64: 162 vs 159
-    ms; T=512: 66 vs 75 ms; a decoding step over 1,024 keys, batch 8: 2.2 vs 0.7 ms).
-    So on a CPU, short sequences and decoding steps in bf16 (under autocast, or with bf16
-    weights) attend in fp32: faster, and with more precision, not less."""
-    return (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
-            and q.shape[-2] <= CPU_FP32_MAX_QUERIES)
+    ms; T=512: 66 vs 75 ms). Faster than both in bf16 is the article's formula itself:
+    Q·Kᵀ with the mask added in one oneDNN batched matmul, torch's softmax (which
+    computes in fp32 inside), then the matmul with V, the scores kept in bf16. Forward +
+    backward on the same CPU, best of three (matmul / fp32 kernel / bf16 kernel): B=16,
+    H=3, T=128, d_k=32: 1.3-2.3 / 2.7-2.8 / 6.4 ms; B=8, H=6, T=512, d_k=64: 45 / 75 /
+    62 ms; forward only, a decoding step of batch 8 over 1,024 keys: 0.7 / 17 / 4.5 ms;
+    at T=1024 the kernel wins again (103 / 97 / 71 ms), and the scores would fill memory.
+    The price is the scores' precision: bf16 keeps 8 bits, where the kernels accumulate
+    in fp32 (output error against float64 4.2e-3 relative instead of 3.0e-3, gradients
+    5.6e-3 instead of 4.0e-3: about the size of bf16's own rounding of the output).
+    fp16 keeps the fp32 route (its CPU matmuls are not this fast)."""
+    if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
+        return "fused"
+    if q.dtype == torch.bfloat16 and q.shape[-2] * k_len <= CPU_MATMUL_MAX_SCORES:
+        return "matmul"
+    return "fp32" if q.shape[-2] <= CPU_FP32_MAX_QUERIES else "fused"
 
 
 def kernel_dtype(q: torch.Tensor) -> torch.dtype:
     """The precision fused_sdpa computes q's attention in (an additive mask is built in it)."""
-    return torch.float32 if fp32_pays_on_cpu(q) else q.dtype
+    return torch.float32 if cpu_route(q, q.shape[-2]) == "fp32" else q.dtype
+
+
+@functools.lru_cache(maxsize=8)
+def causal_bias(T: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """(T, T): 0 on and below the diagonal, -inf above it (the causal mask, additive)."""
+    hidden = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
+    return torch.zeros(T, T, dtype=dtype, device=device).masked_fill(hidden, float("-inf"))
+
+
+def matmul_sdpa(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False):
+    """softmax(Q·Kᵀ/√d_k + mask)·V in q's precision, the mask added inside the first
+    matmul (baddbmm). attn_mask as SDPA takes it: bool (True = visible) or additive,
+    broadcastable to (..., Tq, Tk)."""
+    *lead, Tq, D = q.shape
+    Tk = k.shape[-2]
+    if is_causal:
+        attn_mask = causal_bias(Tq, q.dtype, str(q.device))
+    elif attn_mask is None:
+        attn_mask = torch.zeros((), dtype=q.dtype, device=q.device)
+    elif attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device) \
+            .masked_fill(~attn_mask, float("-inf"))
+    bias = attn_mask.to(q.dtype).expand(*lead, Tq, Tk).reshape(-1, Tq, Tk)
+    scores = torch.baddbmm(bias, q.reshape(-1, Tq, D), k.reshape(-1, Tk, D).transpose(1, 2),
+                           alpha=1 / math.sqrt(D))
+    weights = F.dropout(torch.softmax(scores, dim=-1), dropout_p)
+    return torch.bmm(weights, v.reshape(-1, Tk, v.shape[-1])).view(*lead, Tq, v.shape[-1])
 
 
 def fused_sdpa(q, k, v, attn_mask=None, **kw):
-    """torch's fused kernel, in fp32 where fp32_pays_on_cpu (every backend that calls the
-    kernel comes through here)."""
-    if not fp32_pays_on_cpu(q):
+    """torch's fused kernel, or in bf16 on a CPU the route cpu_route picks (every backend
+    that calls the kernel comes through here)."""
+    route = cpu_route(q, k.shape[-2])
+    if route == "matmul":
+        return matmul_sdpa(q, k, v, attn_mask, **kw)
+    if route == "fused":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kw)
     with torch.autocast("cpu", enabled=False):
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
