@@ -4,9 +4,10 @@
     python bench/cpu_levers.py --seconds 20 --only qk_norm relu2
     python bench/cpu_levers.py --steps 700 --seed 1      # equal steps: quality per step
 
-The base is what `--budget 100s` plans on tiny Shakespeare from the cpu preset (3 x 96,
-context 128, batch 16, Muon at 0.013, AdamW at 3e-3, warmup-stable-decay, bf16 autocast
-where the CPU has native bf16), trained
+The base is what `--budget 100s` planned on tiny Shakespeare from the cpu preset when
+these levers were measured (3 x 96, context 128, batch 16, Muon at 0.013, AdamW at 3e-3,
+warmup-stable-decay, bf16 autocast where the CPU has native bf16; since the planner aims
+at 10 tokens per parameter it picks 4 x 128 there, the "4x128" row), trained
 for a fixed number of seconds with the schedule following the clock; each row changes
 one thing. Equal time, not equal steps: a lever that makes steps slower has to earn
 that back in loss. Rows land in the README's speedrun section; a lever that pays is a

@@ -65,10 +65,11 @@ def eager_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: b
 
 CPU_FP32_MAX_QUERIES = 256
 CPU_MATMUL_MAX_SCORES = 512 * 1024      # per batch row and head: queries x keys
+CPU_FP32_MAX_DECODE_KEYS = 2 ** 18      # elements of K in a one-query step
 
 
-def cpu_route(q: torch.Tensor, k_len: int) -> str:
-    """How fused_sdpa computes attention for q: "fused" (torch's kernel as it is),
+def cpu_route(q: torch.Tensor, k: torch.Tensor) -> str:
+    """How fused_sdpa computes attention for q over k: "fused" (torch's kernel as it is),
     "fp32" (that kernel on fp32 copies) or "matmul" (the formula as two bf16 matmuls).
 
     torch's CPU attention kernels are slower in bf16/fp16 than in fp32 with the casts,
@@ -79,22 +80,28 @@ def cpu_route(q: torch.Tensor, k_len: int) -> str:
     computes in fp32 inside), then the matmul with V, the scores kept in bf16. Forward +
     backward on the same CPU, best of three (matmul / fp32 kernel / bf16 kernel): B=16,
     H=3, T=128, d_k=32: 1.3-2.3 / 2.7-2.8 / 6.4 ms; B=8, H=6, T=512, d_k=64: 45 / 75 /
-    62 ms; forward only, a decoding step of batch 8 over 1,024 keys: 0.7 / 17 / 4.5 ms;
-    at T=1024 the kernel wins again (103 / 97 / 71 ms), and the scores would fill memory.
-    The price is the scores' precision: bf16 keeps 8 bits, where the kernels accumulate
-    in fp32 (output error against float64 4.2e-3 relative instead of 3.0e-3, gradients
-    5.6e-3 instead of 4.0e-3: about the size of bf16's own rounding of the output).
-    fp16 keeps the fp32 route (its CPU matmuls are not this fast)."""
+    62 ms; at T=1024 the kernel wins again (103 / 97 / 71 ms), and the scores would fill
+    memory. A decoding step (one query) pays the matmuls' fixed 35-45 us: over a small
+    cache the fp32 kernel is faster (batch 1, 6 heads of 64, 256 keys: 53 / 23 / 62 us),
+    over a large one the casts cost more than everything (1,024 keys: 56 / 848 / 267
+    us; batch 8, 12 heads: 697 / 2,807 / 4,409 us). The price of the matmuls is the
+    scores' precision: bf16 keeps 8 bits, where the kernels accumulate in fp32 (output
+    error against float64 4.2e-3 relative instead of 3.0e-3, gradients 5.6e-3 instead
+    of 4.0e-3: about the size of bf16's own rounding of the output). fp16 keeps the fp32
+    route (its CPU matmuls are not this fast)."""
     if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
         return "fused"
-    if q.dtype == torch.bfloat16 and q.shape[-2] * k_len <= CPU_MATMUL_MAX_SCORES:
-        return "matmul"
+    if q.dtype == torch.bfloat16:
+        if q.shape[-2] == 1 and k.numel() <= CPU_FP32_MAX_DECODE_KEYS:
+            return "fp32"
+        return "matmul" if q.shape[-2] * k.shape[-2] <= CPU_MATMUL_MAX_SCORES else "fused"
     return "fp32" if q.shape[-2] <= CPU_FP32_MAX_QUERIES else "fused"
 
 
-def kernel_dtype(q: torch.Tensor) -> torch.dtype:
-    """The precision fused_sdpa computes q's attention in (an additive mask is built in it)."""
-    return torch.float32 if cpu_route(q, q.shape[-2]) == "fp32" else q.dtype
+def kernel_dtype(q: torch.Tensor, k: torch.Tensor) -> torch.dtype:
+    """The precision fused_sdpa computes q's attention over k in (an additive mask is
+    built in it)."""
+    return torch.float32 if cpu_route(q, k) == "fp32" else q.dtype
 
 
 @functools.lru_cache(maxsize=8)
@@ -117,7 +124,9 @@ def matmul_sdpa(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool
     elif attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device) \
             .masked_fill(~attn_mask, float("-inf"))
-    bias = attn_mask.to(q.dtype).expand(*lead, Tq, Tk).reshape(-1, Tq, Tk)
+    bias = attn_mask.to(q.dtype)
+    if bias.dim() > 2:                 # per batch row or head: one (Tq, Tk) per matmul
+        bias = bias.expand(*lead, Tq, Tk).reshape(-1, Tq, Tk)
     scores = torch.baddbmm(bias, q.reshape(-1, Tq, D), k.reshape(-1, Tk, D).transpose(1, 2),
                            alpha=1 / math.sqrt(D))
     weights = F.dropout(torch.softmax(scores, dim=-1), dropout_p)
@@ -127,7 +136,7 @@ def matmul_sdpa(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool
 def fused_sdpa(q, k, v, attn_mask=None, **kw):
     """torch's fused kernel, or in bf16 on a CPU the route cpu_route picks (every backend
     that calls the kernel comes through here)."""
-    route = cpu_route(q, k.shape[-2])
+    route = cpu_route(q, k)
     if route == "matmul":
         return matmul_sdpa(q, k, v, attn_mask, **kw)
     if route == "fused":
@@ -147,7 +156,7 @@ def sdpa_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bo
     if mask.is_square_causal:                              # training: the built-in triangle
         is_causal = True
     elif mask.bias is not None:                            # ALiBi: bias and mask in one
-        attn_mask = mask.additive(kernel_dtype(q))
+        attn_mask = mask.additive(kernel_dtype(q, k))
     elif not mask.sees_everything:                         # window, or a chunk after a cache
         attn_mask = mask.dense
     out = fused_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
@@ -211,7 +220,7 @@ def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: 
     n_keys = keys.shape[2]
     if mask.bias_fn is not None:                                      # ALiBi inside the band
         bias = mask.bias_fn(q_pos[:, :, None], k_pos[:, None, :])      # (H, n, W, keys)
-        attn_mask = bias.to(kernel_dtype(qb)).masked_fill(~ok, float("-inf"))
+        attn_mask = bias.to(kernel_dtype(qb, keys)).masked_fill(~ok, float("-inf"))
         attn_mask = attn_mask.expand(B, H, n, W, n_keys).reshape(B * H, n, W, n_keys)
     else:
         attn_mask = ok[None]                                          # (1, n, W, keys)

@@ -311,10 +311,12 @@ def test_auto_computes_only_the_band_once_it_is_cheaper(monkeypatch):
         assert calls == [f"{expected}_attention"], spec
 
 
-# (q_len, k_len, dtype, route): bf16 on a CPU takes two matmuls up to 512 x 1,024 scores
-# per row and head; fp16 takes torch's kernel on fp32 copies up to 256 queries; beyond
-# both, and for fp32, torch's kernel as it is.
-ROUTES = [(64, 64, torch.bfloat16, "matmul"), (1, 300, torch.bfloat16, "matmul"),
+# (q_len, k_len, dtype, route) with batch 1 and 2 heads of 16: bf16 on a CPU takes two
+# matmuls up to 512 x 1,024 scores per row and head, except a one-query step over at
+# most 2^18 elements of K (8,192 keys here), which takes torch's kernel on fp32 copies;
+# so does fp16 up to 256 queries; beyond those, and for fp32, torch's kernel as it is.
+ROUTES = [(64, 64, torch.bfloat16, "matmul"), (1, 300, torch.bfloat16, "fp32"),
+          (1, 8192, torch.bfloat16, "fp32"), (1, 8193, torch.bfloat16, "matmul"),
           (512, 1024, torch.bfloat16, "matmul"), (513, 1024, torch.bfloat16, "fused"),
           (1024, 1024, torch.bfloat16, "fused"), (64, 64, torch.float16, "fp32"),
           (256, 256, torch.float16, "fp32"), (300, 300, torch.float16, "fused"),
