@@ -79,7 +79,7 @@ MUTATIONS = [
      "x = x + self.skip_weights[L - 1 - i] * skips[L - 1 - i]",
      "x = x + self.skip_weights[L - 1 - i] * skips[-1]", f"{MODEL} -k unet"),
     ("CPU bf16 matmul attention only below 512 x 1,024 scores", "model/attention.py",
-     "q.shape[-2] * k_len <= CPU_MATMUL_MAX_SCORES", "q.shape[-2] * k_len < CPU_MATMUL_MAX_SCORES",
+     "q.shape[-2] * k.shape[-2] <= CPU_MATMUL_MAX_SCORES", "q.shape[-2] * k.shape[-2] < CPU_MATMUL_MAX_SCORES",
      f"{ATTN} -k route"),
     ("CPU bf16 matmul attention without 1/sqrt(d_k)", "model/attention.py",
      "alpha=1 / math.sqrt(D))", "alpha=1.0)", f"{ATTN} -k bf16"),
