@@ -28,12 +28,13 @@ from model.readout import SHORTLIST_COVERAGE, head_macs, shortlist_for
 # Chinchilla's compute-optimal ratio is about 20 (Hoffmann et al., arXiv:2203.15556),
 # fitted to runs of 70M-16B parameters that saw each token about once. The runs this
 # planner makes on a CPU are 10^4 times smaller and read a 1 MB corpus many times over,
-# and there the larger rung won at half that ratio: --budget 100s on a 2-core CPU, 3 x 96
-# (about 28 tokens per parameter, 4,000-4,600 steps) against 4 x 128 (about 5-7, 1,900-
-# 2,500 steps): tiny Shakespeare 1.4950 (median of 12 runs) vs 1.4872 (mean of 4),
-# Python source 1.2032 vs 1.1926, German fortunes 1.3845 vs 1.3847; one thread for
-# 200 s, side by side, Shakespeare 1.4843 vs 1.4592. The smaller model had stopped
-# improving: 4,600 steps reached what 4,000 did.
+# and there the rung at 5-7 tokens per parameter beat or tied the one nearest 20:
+# --budget 100s on a 2-core CPU, 3 x 96 (about 28 tokens per parameter, 3,600-4,600
+# steps) against 4 x 128 (about 5-7, 1,900-2,500 steps): tiny Shakespeare 1.4950 (median
+# of 12 runs) vs 1.4872 (mean of 4), Python source 1.2032 vs 1.1926, German fortunes
+# 1.3845 vs 1.3847; one thread for 200 s, side by side, Shakespeare 1.4843 vs 1.4592.
+# The smaller model had stopped improving (4,600 steps reached what 4,000 did). In log
+# ratio 10 is nearer 5 than 28, so at 100 s the planner now takes the larger rung.
 TOKENS_PER_PARAM = 10.0
 LADDER = [  # (n_layer, n_embd): depth grows with width, as in GPT-2's and nanoGPT's sizes
     (2, 64), (3, 96), (4, 128), (4, 160), (5, 192), (6, 256), (6, 320), (6, 384),
