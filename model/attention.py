@@ -82,13 +82,15 @@ def cpu_route(q: torch.Tensor, k: torch.Tensor) -> str:
     H=3, T=128, d_k=32: 1.3-2.3 / 2.7-2.8 / 6.4 ms; B=8, H=6, T=512, d_k=64: 45 / 75 /
     62 ms; at T=1024 the kernel wins again (103 / 97 / 71 ms), and the scores would fill
     memory. A decoding step (one query) pays the matmuls' fixed 35-45 us: over a small
-    cache the fp32 kernel is faster (batch 1, 6 heads of 64, 256 keys: 53 / 23 / 62 us),
-    over a large one the casts cost more than everything (1,024 keys: 56 / 848 / 267
-    us; batch 8, 12 heads: 697 / 2,807 / 4,409 us). The price of the matmuls is the
-    scores' precision: bf16 keeps 8 bits, where the kernels accumulate in fp32 (output
-    error against float64 4.2e-3 relative instead of 3.0e-3, gradients 5.6e-3 instead
-    of 4.0e-3: about the size of bf16's own rounding of the output). fp16 keeps the fp32
-    route (its CPU matmuls are not this fast)."""
+    cache the fp32 kernel is faster (batch 1, 6 heads of 64, 256 keys: 50 / 23 / 62 us),
+    over a large one it is at best a little faster and at worst far slower: the fp32
+    copies' cost jumps from run to run (1,024 keys: 56-67 / 64-864 / 267 us; 12 heads,
+    512 keys: 67 / 838; 640 keys: 74 / 1,075), so past 2^18 elements of K the matmuls'
+    steady cost wins (batch 8, 12 heads, 1,024 keys: 697 / 2,807 / 4,409 us). The
+    price of the matmuls is the scores' precision: bf16 keeps 8 bits, where the kernels
+    accumulate in fp32 (output error against float64 4.2e-3 relative instead of 3.0e-3,
+    gradients 5.6e-3 instead of 4.0e-3: about the size of bf16's own rounding of the
+    output). fp16 keeps the fp32 route (its CPU matmuls are not this fast)."""
     if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
         return "fused"
     if q.dtype == torch.bfloat16:
