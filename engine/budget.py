@@ -30,7 +30,7 @@ from model.readout import SHORTLIST_COVERAGE, head_macs, shortlist_for
 # planner makes on a CPU are 10^4 times smaller and read a 1 MB corpus many times over,
 # and there the rung at 5-7 tokens per parameter beat or tied the one nearest 20:
 # --budget 100s on a 2-core CPU, 3 x 96 (about 28 tokens per parameter, 3,600-4,600
-# steps) against 4 x 128 (about 5-7, 1,900-2,500 steps): tiny Shakespeare 1.4950 (median
+# steps) against 4 x 128 (about 5-7, 1,900-2,500 steps): tiny Shakespeare 1.4949 (median
 # of 12 runs) vs 1.4872 (mean of 4), Python source 1.2032 vs 1.1926, German fortunes
 # 1.3845 vs 1.3847; one thread for 200 s, side by side, Shakespeare 1.4843 vs 1.4592.
 # The smaller model had stopped improving (4,600 steps reached what 4,000 did). In log

@@ -66,6 +66,7 @@ def _needs(cfg: ModelConfig, **wanted) -> list[str]:
 # GPT-2 wrote the tanh form "gelu_new", GPT-NeoX "gelu_pytorch_tanh"; both are read.
 _HF_GELU = {"gelu_erf": ("gelu",), "gelu": ("gelu_new", "gelu_pytorch_tanh")}
 _GELUS = tuple(_HF_GELU)
+_HF_GELU_NAMES = sum(_HF_GELU.values(), ())      # every name read as one of them
 
 
 def _hf_gelu(cfg: ModelConfig, tanh_name: str) -> str:
@@ -146,7 +147,7 @@ def _gpt2_config(cfg):
 
 
 def _gpt2_from_config(c):
-    _refuse_unless(c, {"activation_function": sum(_HF_GELU.values(), ()),
+    _refuse_unless(c, {"activation_function": _HF_GELU_NAMES,
                        "scale_attn_by_inverse_layer_idx": (False,),
                        "reorder_and_upcast_attn": (False,), "scale_attn_weights": (True,)})
     if c.get("n_inner") not in (None, 4 * c["n_embd"]):
@@ -315,7 +316,7 @@ def _neox_config(cfg):
 
 
 def _neox_from_config(c):
-    _refuse_unless(c, {"hidden_act": sum(_HF_GELU.values(), ()),
+    _refuse_unless(c, {"hidden_act": _HF_GELU_NAMES,
                        "use_parallel_residual": (False,)})
     if c.get("intermediate_size") not in (None, 4 * c["hidden_size"]):
         raise CheckpointError(f"intermediate_size={c['intermediate_size']}: attnlab's GELU MLP "
