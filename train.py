@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 from engine.cli import Parser, add_config_options, errors_as_lines
 
@@ -30,6 +31,9 @@ def parser() -> Parser:
     p.add_argument("--budget", metavar="TIME", help="measure this machine, then pick the model "
                    "size and steps that fit TIME (90s, 5m, 1h) and stop on time with a final "
                    "evaluation")
+    p.add_argument("--exercises", metavar="DIR", default="my_attention",
+                   help="where --model.attention=yours and --model.position=yours find your "
+                        "code (python -m attnlab.exercises; default: my_attention)")
     add_config_options(p)
     p.add_argument("--init_from", dest="train.init_from", metavar="SRC", help="the same as "
                    "--train.init_from: start from a run, checkpoint or transformers folder",
@@ -39,6 +43,8 @@ def parser() -> Parser:
 
 def main(argv: list[str]) -> int:
     started = time.perf_counter()
+    from attnlab.exercises import plug
+    plug.install()                        # `yours`: the learner's code, as a registry entry
     args = parser().parse_args(argv)
     from common.errors import ConfigError
     from engine import config, distributed
@@ -68,6 +74,8 @@ def main(argv: list[str]) -> int:
         if args.budget is not None:
             from engine.budget import parse_duration, plan
             cfg = plan(cfg, parse_duration(args.budget), started)
+    for note in plug.prepare(cfg.model, Path(args.exercises)):
+        print(note)
     dist = distributed.setup()
     try:
         run = setup_run(cfg, run_dir=run_dir, resume=resuming, dist=dist,

@@ -1,0 +1,109 @@
+"""Build the article yourself: eight exercises that check your code and name your mistake.
+
+    python -m attnlab.exercises start [DIR]        # copy the stubs into DIR (my_attention)
+    python -m attnlab.exercises check              # a table of every exercise, and what next
+    python -m attnlab.exercises check attention    # one exercise (a name or its number)
+    python train.py --config tiny --model.attention=yours --model.position=yours
+
+Each stub names the article's sentence it implements, the shapes, its section of
+docs/walkthrough.md and the project's own implementation to read once it passes.
+`start` never overwrites a file already in DIR."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from engine.cli import Parser, errors_as_lines
+from attnlab.exercises.checks import EXERCISES, Result, find
+from attnlab.exercises.learner import DEFAULT_FOLDER, ExerciseError, check, start
+
+
+def parser() -> Parser:
+    p = Parser("python -m attnlab.exercises", __doc__,
+               usage="python -m attnlab.exercises {start [DIR] | check [NAME] [--dir DIR]}")
+    p.add_argument("command", choices=("start", "check"), help="start: copy the stubs in; "
+                   "check: run the checks")
+    p.add_argument("target", nargs="?", default=None, metavar="DIR|NAME",
+                   help=f"start: the folder (default {DEFAULT_FOLDER}); check: one exercise "
+                        "by name or number (default: all, as a table)")
+    p.add_argument("--dir", default=None, help=f"the exercises folder (default {DEFAULT_FOLDER})")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "start":
+        folder = Path(args.dir or args.target or DEFAULT_FOLDER)
+        copied, kept = start(folder)
+        if copied:
+            print(f"copied into {folder}: {', '.join(copied)}")
+        if kept:
+            print(f"kept (already there, not overwritten): {', '.join(kept)}")
+        print(f"next: open {folder / EXERCISES[0].filename}, write "
+              f"{EXERCISES[0].function}, then run python -m attnlab.exercises check "
+              f"{EXERCISES[0].name}{_dir_flag(folder)}")
+        return 0
+    folder = Path(args.dir or DEFAULT_FOLDER)
+    if not folder.is_dir():
+        raise ExerciseError(f"no exercises folder at {folder}; start with python -m "
+                            f"attnlab.exercises start {folder}")
+    if args.target is None:
+        results = [check(ex, folder) for ex in EXERCISES]
+        print(table(results, folder))
+        return 0 if all(r.passed for r in results) else 1
+    ex = find(args.target)
+    if ex is None:
+        names = ", ".join(f"{e.number} {e.name}" for e in EXERCISES)
+        raise ExerciseError(f"no exercise {args.target!r}; the exercises are: {names}")
+    result = check(ex, folder)
+    print(one_line(result))
+    if result.passed:
+        print(f"read the project's own: {ex.answer}")
+        if ex.trains:
+            print(f"train with yours: python train.py --config tiny {ex.trains}"
+                  f"{' --exercises ' + str(folder) if _dir_flag(folder) else ''}")
+    elif result.status == "not started":
+        print(f"write {ex.function} in {folder / ex.filename} (docs/walkthrough.md {ex.section})")
+    return 0 if result.passed else 1
+
+
+def _dir_flag(folder: Path) -> str:
+    return "" if folder == Path(DEFAULT_FOLDER) else f" --dir {folder}"
+
+
+def one_line(r: Result) -> str:
+    ex = r.exercise
+    text = f"exercise {ex.number} ({ex.name}, {ex.title}): {r.status}"
+    return text + (f": {r.message}" if r.status == "failed" else "")
+
+
+def table(results: list[Result], folder: Path) -> str:
+    width = max(len(r.exercise.name) for r in results)
+    lines = [f"exercises in {folder}:", f"  #  {'exercise'.ljust(width)}  status"]
+    for r in results:
+        detail = f": {r.message}" if r.status == "failed" else ""
+        lines.append(f"  {r.exercise.number}  {r.exercise.name.ljust(width)}  {r.status}{detail}")
+    done = sum(r.passed for r in results)
+    lines.append(f"{done} of {len(results)} passed.")
+    lines.append(next_step(results, folder))
+    return "\n".join(lines)
+
+
+def next_step(results: list[Result], folder: Path) -> str:
+    """What to try next: the first failing exercise, else the first not started."""
+    todo = next((r for r in results if r.status == "failed"), None) \
+        or next((r for r in results if r.status == "not started"), None)
+    if todo is None:
+        return ("next: every exercise passes. Train with your own code: python train.py "
+                "--config tiny --model.attention=yours --model.position=yours"
+                f"{' --exercises ' + str(folder) if _dir_flag(folder) else ''}; the project's own "
+                "answer to each is named at the top of its file")
+    ex = todo.exercise
+    verb = "fix" if todo.status == "failed" else "write"
+    return (f"next: {verb} {ex.function} in {folder / ex.filename} (docs/walkthrough.md "
+            f"{ex.section}), then python -m attnlab.exercises check {ex.name}{_dir_flag(folder)}")
+
+
+if __name__ == "__main__":
+    with errors_as_lines():
+        sys.exit(main())

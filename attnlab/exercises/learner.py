@@ -1,0 +1,93 @@
+"""The learner's folder: copying the stubs in, loading the learner's own functions from
+it, and checking them. Only the learner's exercise files are run (the learner's own
+code), each by its path; nothing else in the folder is read."""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+from common.errors import AttnlabError
+from attnlab.exercises.checks import EXERCISES, Exercise, Result, run_check
+
+DEFAULT_FOLDER = "my_attention"
+HERE = Path(__file__).resolve().parent
+STUBS = HERE / "stubs"
+SOLUTIONS = HERE / "solutions"
+
+
+class ExerciseError(AttnlabError):
+    """An exercises folder or file that cannot be used, explained."""
+
+
+def start(folder: Path) -> tuple[list[str], list[str]]:
+    """Copy every stub into `folder`; a file already there is kept, never overwritten.
+    Returns (copied, kept) file names."""
+    if folder.exists() and not folder.is_dir():
+        raise ExerciseError(f"{folder} is a file; give a folder for the exercises")
+    folder.mkdir(parents=True, exist_ok=True)
+    copied, kept = [], []
+    for ex in EXERCISES:
+        target = folder / ex.filename
+        if target.exists() or target.is_symlink():
+            kept.append(ex.filename)
+            continue
+        tmp = folder / f".{ex.filename}.tmp"
+        shutil.copyfile(STUBS / ex.filename, tmp)
+        tmp.replace(target)                      # whole or not at all
+        copied.append(ex.filename)
+    return copied, kept
+
+
+def load(ex: Exercise, folder: Path):
+    """The learner's function for `ex` from `folder`, or None when its file is missing.
+    Raises LearnerCodeError when the file cannot be imported."""
+    path = folder / ex.filename
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(f"my_attention_{ex.number:02d}_{ex.name}", path)
+    module = importlib.util.module_from_spec(spec)
+    saved, sys.dont_write_bytecode = sys.dont_write_bytecode, True   # no __pycache__ in their folder
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        where = f" line {err.lineno}" if isinstance(err, SyntaxError) and err.lineno else ""
+        raise LearnerCodeError(f"{ex.filename}{where} does not import: "
+                               f"{type(err).__name__}: {line}") from None
+    finally:
+        sys.dont_write_bytecode = saved
+    fn = getattr(module, ex.function, None)
+    if not callable(fn):
+        raise LearnerCodeError(f"{ex.filename} has no function {ex.function}(); keep the "
+                               "stub's name and signature")
+    return fn
+
+
+class LearnerCodeError(Exception):
+    """The learner's file does not import or lacks its function."""
+
+
+def check(ex: Exercise, folder: Path) -> Result:
+    """Run exercise `ex` on the learner's code in `folder`."""
+    try:
+        fn = load(ex, folder)
+    except LearnerCodeError as err:
+        return Result(ex, "failed", str(err))
+    if fn is None:
+        return Result(ex, "not started", f"{ex.filename} is not in {folder} (python -m "
+                      f"attnlab.exercises start {folder} copies it in)")
+    return run_check(ex, fn, folder.resolve())
+
+
+def passed_function(ex: Exercise, folder: Path):
+    """The learner's function for `ex` when it passes its check; otherwise an error that
+    says what to do."""
+    result = check(ex, folder)
+    if not result.passed:
+        why = result.message or result.status
+        raise ExerciseError(f"exercise {ex.number} ({ex.name}) in {folder / ex.filename} has not "
+                            f"passed ({result.status}: {why}); run python -m attnlab.exercises "
+                            f"check {ex.name} --dir {folder}")
+    return load(ex, folder)

@@ -1,0 +1,119 @@
+"""Your code in the real training loop: `yours` in the attention and position registries.
+
+`install()` adds one entry to each registry, as any backend or encoding is added, so
+`--model.attention=yours` and `--model.position=yours` pass the config's checks and
+appear in --help. `prepare(config, folder)` then loads the learner's functions from
+their folder, refusing any exercise that has not passed its check, and binds them:
+
+* attention: exercise 1's scaled_dot_product_attention, given the mask the project's
+  rule builds (causal, window, padding) as a bool matrix;
+* position: exercise 5's apply_rope (turning q and k in every layer), or, while that
+  one has not passed, exercise 4's sinusoidal_positions (added to the embeddings).
+
+model/ never imports this floor: the entries are registered from above, by the script."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from model import registry as model_registry
+from model.attention import ATTENTION_BACKENDS, Backend
+from model.config import ModelConfig
+from model.positions import POSITION_ENCODINGS, PositionEncoding
+from attnlab.exercises.checks import BY_NAME
+from attnlab.exercises.learner import ExerciseError, passed_function
+
+NAME = "yours"
+_bound: dict = {}              # "attention" -> the learner's function, once prepared
+
+
+def your_attention(q, k, v, mask, dropout_p: float = 0.0, need_weights: bool = False):
+    """The backend signature around the learner's scaled_dot_product_attention."""
+    attend = _bound.get("attention")
+    if attend is None:
+        raise ExerciseError("model.attention=yours has not been prepared: the script that "
+                            "builds the model calls attnlab.exercises.plug.prepare first")
+    if mask.bias is not None:
+        raise ExerciseError("your attention has no score bias; use a position encoding other "
+                            "than alibi with model.attention=yours")
+    visible = None if mask.sees_everything else mask.dense     # (Tq, Tk) or (B, 1, Tq, Tk)
+    out, weights = attend(q, k, v, visible)
+    return out, (weights if need_weights else None)
+
+
+YOUR_BACKEND = Backend(your_attention, returns_weights=True, has_dropout=False)
+
+
+class YourPositions(PositionEncoding):
+    """`yours` before prepare(): no facts yet (prepare swaps in one of the two below)."""
+
+
+class YourRoPE(YourPositions):
+    """Your apply_rope, called on every layer's queries and keys."""
+    rotary = True
+    learner = None             # set on the subclass prepare() makes
+
+    def rotate(self, x, start):
+        # x holds the queries' heads, then the keys': (B, n_head + n_kv_head, T, d_k).
+        positions = start + torch.arange(x.shape[-2], device=x.device)
+        q, k = x.split([self.config.n_head, x.shape[1] - self.config.n_head], dim=1)
+        q, k = type(self).learner(q, k, positions, self.config.rope_theta)
+        return torch.cat([q, k], dim=1)
+
+
+class YourSinusoidal(YourPositions):
+    """Your sinusoidal_positions, added to √d_model · the token embeddings (as
+    model/positions.py's Sinusoidal does, so the positions do not drown the tokens)."""
+    absolute = True
+    learner = None
+
+    def embed(self, x, start):
+        T, d = x.shape[1], x.shape[2]
+        table = torch.as_tensor(type(self).learner(T, d, start))
+        return x * math.sqrt(d) + table.to(device=x.device, dtype=x.dtype)
+
+
+def install() -> None:
+    """Register `yours` in the attention and position registries (idempotent)."""
+    ATTENTION_BACKENDS.setdefault(NAME, YOUR_BACKEND)
+    POSITION_ENCODINGS.setdefault(NAME, YourPositions)
+
+
+def chosen(config: ModelConfig) -> tuple[bool, bool]:
+    """(attention, position): whether the config picks the learner's entry for each."""
+    position = POSITION_ENCODINGS.get(config.position)
+    return (ATTENTION_BACKENDS.get(config.attention) is YOUR_BACKEND,
+            isinstance(position, type) and issubclass(position, YourPositions))
+
+
+def prepare(config: ModelConfig, folder: Path) -> list[str]:
+    """Load and bind the learner's code the config asks for; lines saying what is used.
+    Refuses (ExerciseError) an exercise that is missing or has not passed."""
+    attention, position = chosen(config)
+    notes = []
+    if attention:
+        if POSITION_ENCODINGS[config.position].biases_scores:
+            raise ExerciseError(f"model.position={config.position} adds a bias to the scores, "
+                                "which your attention has no argument for; use rope, "
+                                "sinusoidal, learned, none or yours with model.attention=yours")
+        ex = BY_NAME["attention"]
+        _bound["attention"] = passed_function(ex, folder)
+        notes.append(f"attention: yours ({ex.function} in {folder / ex.filename})")
+    if position:
+        rope, sinusoidal = BY_NAME["rope"], BY_NAME["sinusoidal"]
+        try:
+            ex, base = rope, YourRoPE
+            fn = passed_function(rope, folder)
+        except ExerciseError as not_rope:
+            try:
+                ex, base = sinusoidal, YourSinusoidal
+                fn = passed_function(sinusoidal, folder)
+            except ExerciseError:
+                raise ExerciseError(f"model.position=yours needs exercise 5 (rope) or 4 "
+                                    f"(sinusoidal) to pass; {not_rope}") from None
+        POSITION_ENCODINGS[NAME] = type(base.__name__, (base,), {"learner": staticmethod(fn)})
+        model_registry.check(config)             # the facts changed: check them again
+        notes.append(f"position: yours ({ex.function} in {folder / ex.filename})")
+    return notes

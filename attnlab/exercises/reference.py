@@ -1,0 +1,308 @@
+"""The exercises' yardsticks: each idea written once from the article in float64 torch,
+and beside it the mistakes learners make, each as a planted variant of that reference.
+
+The checker runs the learner's function and the reference on the same inputs; when
+they differ it runs every variant too, and the variant that matches the learner's
+output names the mistake. The variants are written the way the mistake is made (one
+changed line of the reference), so a match is evidence, not a guess.
+
+Independent of model/: these are the article's formulas, not the project's code (the
+project's code is the answer key in attnlab/exercises/solutions/ and must pass)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+# --- 1. scaled dot-product attention -------------------------------------------------
+
+def attention(q, k, v, mask=None, scale=None, softmax_dim=-1, mask_how="before"):
+    """softmax(Q·Kᵀ/√d_k)·V with hidden keys at -inf before the softmax; the keyword
+    arguments plant one mistake each (the checker's variants)."""
+    d_k = q.shape[-1]
+    scores = q @ k.transpose(-2, -1) / (math.sqrt(d_k) if scale is None else scale)
+    if mask is not None and mask_how == "before":
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None and mask_how == "zero":          # hidden scores set to 0, not -inf
+        scores = scores.masked_fill(~mask, 0.0)
+    elif mask is not None and mask_how == "inverted":      # True read as hidden
+        scores = scores.masked_fill(mask, float("-inf"))
+    weights = torch.softmax(scores, dim=softmax_dim)
+    if mask is not None and mask_how == "after":           # zeroed after the softmax
+        weights = weights * mask
+    return weights @ v, weights
+
+
+ATTENTION_MISTAKES = {
+    "unscaled": (lambda q, k, v, mask=None: attention(q, k, v, mask, scale=1.0),
+                 "the scores are too large by exactly √d_k: divide Q·Kᵀ by √d_k before the "
+                 "softmax (unscaled, large scores push the softmax into a one-hot corner)"),
+    "by_d_k": (lambda q, k, v, mask=None: attention(q, k, v, mask, scale=q.shape[-1]),
+               "the scores are divided by d_k instead of √d_k (too small by √d_k): the article "
+               "scales by the square root of the key size"),
+    "softmax_axis": (lambda q, k, v, mask=None: attention(q, k, v, mask, softmax_dim=-2),
+                     "rows do not sum to 1: the softmax ran over the queries (dim=-2); it goes "
+                     "over the keys, the last axis, so each query's weights sum to 1"),
+    "mask_after": (lambda q, k, v, mask=None: attention(q, k, v, mask, mask_how="after"),
+                   "the mask was applied after the softmax: hidden keys were zeroed, so the rows "
+                   "no longer sum to 1; fill hidden scores with -inf before the softmax"),
+    "mask_zero": (lambda q, k, v, mask=None: attention(q, k, v, mask, mask_how="zero"),
+                  "hidden keys still get weight: their scores were set to 0, and exp(0) = 1; "
+                  "fill them with -inf, since exp(-inf) = 0"),
+    "mask_inverted": (lambda q, k, v, mask=None: attention(q, k, v, mask, mask_how="inverted"),
+                      "the mask is read the wrong way round: True means the query may see the "
+                      "key, so hide where the mask is False (masked_fill(~mask, -inf))"),
+}
+
+
+# --- 2. the causal mask --------------------------------------------------------------
+
+def causal_mask(q_len, k_len, offset=None, diagonal=0, upper=False):
+    """(q_len, k_len) bool, True where the key is not ahead of the query; the queries are
+    the last q_len positions (they follow k_len - q_len cached keys)."""
+    q_pos = torch.arange(q_len) + (k_len - q_len if offset is None else offset)
+    k_pos = torch.arange(k_len)
+    d = k_pos[None, :] - q_pos[:, None]                   # how far the key is ahead
+    return d >= -diagonal if upper else d <= diagonal
+
+
+CAUSAL_MISTAKES = {
+    "upper": (lambda q_len, k_len: causal_mask(q_len, k_len, upper=True),
+              "the wrong triangle: keys ahead of the query are visible and the past is hidden; "
+              "a query may see keys at or before its own position (the lower triangle, tril)"),
+    "top_left": (lambda q_len, k_len: causal_mask(q_len, k_len, offset=0),
+                 "the causal triangle is aligned top-left: when q_len queries follow a cache, "
+                 "query i sits at position k_len - q_len + i and sees every cached key "
+                 "(tril(diagonal=k_len - q_len))"),
+    "no_self": (lambda q_len, k_len: causal_mask(q_len, k_len, diagonal=-1),
+                "the diagonal is hidden: a token may attend to itself (keys at or before the "
+                "query, not strictly before it)"),
+    "inverted": (lambda q_len, k_len: ~causal_mask(q_len, k_len),
+                 "True and False are swapped: the mask is True where the query may see the key"),
+}
+
+
+# --- 3. multi-head attention ---------------------------------------------------------
+
+def multi_head(x, w_q, w_k, w_v, w_o, n_head, split="right", merge="right", scale_by=None,
+               use_w_o=True, causal=True):
+    """Split into n_head heads, attend per head (causal), concatenate, W_O."""
+    B, T, C = x.shape
+    H = n_head
+    D = C // H
+
+    def heads(t):                                         # (B, T, C) -> (B, H, T, D)
+        if split == "right":
+            return t.view(B, T, H, D).transpose(1, 2)
+        return t.reshape(B, H, T, D)                      # planted: reshape, no transpose
+    q, k, v = heads(x @ w_q), heads(x @ w_k), heads(x @ w_v)
+    visible = torch.ones(T, T, dtype=torch.bool).tril() if causal else None
+    out, _ = attention(q, k, v, visible, scale=None if scale_by is None else math.sqrt(scale_by))
+    if merge == "right":
+        out = out.transpose(1, 2).reshape(B, T, C)        # heads side by side
+    else:
+        out = out.reshape(B, T, C)                        # planted: no transpose back
+    return out @ w_o if use_w_o else out
+
+
+MULTI_HEAD_MISTAKES = {
+    "split": (lambda x, wq, wk, wv, wo, h: multi_head(x, wq, wk, wv, wo, h, split="reshape"),
+              "heads mixed when splitting: reshape(B, H, T, d_k) cuts across tokens; view as "
+              "(B, T, H, d_k), then transpose(1, 2) to (B, H, T, d_k)"),
+    "merge": (lambda x, wq, wk, wv, wo, h: multi_head(x, wq, wk, wv, wo, h, merge="reshape"),
+              "heads mixed when concatenating: (B, H, T, d_k) must be transposed back to "
+              "(B, T, H, d_k) before the reshape to (B, T, d_model)"),
+    "both": (lambda x, wq, wk, wv, wo, h: multi_head(x, wq, wk, wv, wo, h, split="reshape",
+                                                     merge="reshape"),
+             "heads mixed: a reshape without the transpose, both when splitting into heads and "
+             "when concatenating them (view as (B, T, H, d_k), then transpose(1, 2))"),
+    "no_w_o": (lambda x, wq, wk, wv, wo, h: multi_head(x, wq, wk, wv, wo, h, use_w_o=False),
+               "W_O is missing: after concatenating the heads, multiply by W_O, which mixes "
+               "the heads' outputs"),
+    "width_scale": (lambda x, wq, wk, wv, wo, h: multi_head(x, wq, wk, wv, wo, h,
+                                                            scale_by=x.shape[-1]),
+                    "each head's scores are divided by √d_model; a head's keys have d_k = "
+                    "d_model / n_head dimensions, so divide by √d_k"),
+    "one_head": (lambda x, wq, wk, wv, wo, h: multi_head(x, wq, wk, wv, wo, 1),
+                 "this is one head of size d_model: split the projections into n_head heads "
+                 "of d_k = d_model / n_head and attend in each separately"),
+    "not_causal": (lambda x, wq, wk, wv, wo, h: multi_head(x, wq, wk, wv, wo, h, causal=False),
+                   "future tokens are visible: each head needs the causal mask"),
+}
+
+
+# --- 4. sinusoidal positions ---------------------------------------------------------
+
+def sinusoidal(T, d, start=0, swap=False, exponent=2, halves=False, use_start=True):
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d))."""
+    pos = torch.arange(T, dtype=torch.float64) + (start if use_start else 0)
+    i = torch.arange((d + 1) // 2, dtype=torch.float64)
+    angle = pos[:, None] / 10000.0 ** (exponent * i / d)            # (T, ceil(d/2))
+    first, second = (torch.cos, torch.sin) if swap else (torch.sin, torch.cos)
+    if halves:
+        return torch.cat([first(angle), second(angle)], dim=1)[:, :d]
+    pe = torch.empty(T, d, dtype=torch.float64)
+    pe[:, 0::2] = first(angle)
+    pe[:, 1::2] = second(angle[:, : d // 2])
+    return pe
+
+
+SINUSOIDAL_MISTAKES = {
+    "swapped": (lambda T, d, start=0: sinusoidal(T, d, start, swap=True),
+                "sin and cos are swapped: sin goes in the even dimensions 2i, cos in the odd "
+                "ones 2i+1"),
+    "exponent": (lambda T, d, start=0: sinusoidal(T, d, start, exponent=1),
+                 "the frequencies are wrong: pair i turns at 1/10000^(2i/d), where 2i is the "
+                 "even dimension's index (you used i/d)"),
+    "halves": (lambda T, d, start=0: sinusoidal(T, d, start, halves=True),
+               "sin and cos are in two halves: they interleave, sin at dimension 2i and cos at "
+               "2i+1 of the same angle"),
+    "start": (lambda T, d, start=0: sinusoidal(T, d, start, use_start=False),
+              "`start` is ignored: the rows are positions start, start+1, ... (a chunk after "
+              "a cache begins at start)"),
+}
+
+
+# --- 5. RoPE -------------------------------------------------------------------------
+
+def rope(q, k, positions, theta=10000.0, pairs="half", sign=1, exponent=2, which="both"):
+    """Pair i, (x[i], x[i + d/2]), turned by positions · theta^(-2i/d)."""
+    d = q.shape[-1]
+    i = torch.arange(d // 2, dtype=torch.float64)
+    angle = positions.to(torch.float64)[:, None] * theta ** (-exponent * i / d)   # (T, d/2)
+    cos, sin = angle.cos(), sign * angle.sin()
+
+    def turn(x):
+        if pairs == "half":
+            x1, x2 = x[..., : d // 2], x[..., d // 2:]
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x1, x2 = x[..., 0::2], x[..., 1::2]                # planted: neighbours as pairs
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return (turn(q) if which != "k" else q), (turn(k) if which != "q" else k)
+
+
+ROPE_MISTAKES = {
+    "interleaved": (lambda q, k, p, theta=10000.0: rope(q, k, p, theta, pairs="neighbours"),
+                    "RoPE rotates the wrong pairs: this project pairs x[i] with x[i + d/2] "
+                    "(rotate half, as GPT-NeoX and Llama), not neighbours x[2i], x[2i+1]"),
+    "only_q": (lambda q, k, p, theta=10000.0: rope(q, k, p, theta, which="q"),
+               "only the queries are rotated: RoPE turns the keys too, so that q·k depends on "
+               "the offset between them alone"),
+    "only_k": (lambda q, k, p, theta=10000.0: rope(q, k, p, theta, which="k"),
+               "only the keys are rotated: RoPE turns the queries too, so that q·k depends on "
+               "the offset between them alone"),
+    "direction": (lambda q, k, p, theta=10000.0: rope(q, k, p, theta, sign=-1),
+                  "the rotation goes the wrong way (by -angle): (x1, x2) -> (x1·cos - x2·sin, "
+                  "x2·cos + x1·sin)"),
+    "exponent": (lambda q, k, p, theta=10000.0: rope(q, k, p, theta, exponent=1),
+                 "the frequencies are wrong: pair i turns by position · theta^(-2i/d), with "
+                 "i the pair index (you used i/d)"),
+    "positions": (lambda q, k, p, theta=10000.0: rope(q, k, torch.arange(q.shape[-2]), theta),
+                  "the positions given are ignored: each vector turns by its own position "
+                  "(a chunk after a cache does not start at 0)"),
+}
+
+
+# --- 6. a KV-cache decode step -------------------------------------------------------
+
+def decode(q, k, v, cache_k, cache_v, how="right"):
+    """Append the new keys and values to the cache, then attend from the new queries
+    (positions T_past .. T_past + T_new - 1) to every key at or before each."""
+    T_past, T_new = cache_k.shape[-2], q.shape[-2]
+    if how == "prepend":
+        keys, values = torch.cat([k, cache_k], -2), torch.cat([v, cache_v], -2)
+    else:
+        keys, values = torch.cat([cache_k, k], -2), torch.cat([cache_v, v], -2)
+    visible = causal_mask(T_new, T_past + T_new)
+    if how == "top_left":
+        visible = causal_mask(T_new, T_past + T_new, offset=0)
+    elif how == "no_mask":
+        visible = None
+    if how == "before_append":            # the new tokens see only the old cache
+        out, _ = attention(q, cache_k, cache_v)
+        return out, keys, values
+    out, _ = attention(q, keys, values, visible)
+    return out, keys, values
+
+
+DECODE_MISTAKES = {
+    "before_append": (lambda *a: decode(*a, how="before_append"),
+                      "the step attended before appending: the new token's own key and value "
+                      "go into the cache first, so it sees itself as the full forward pass does"),
+    "top_left": (lambda *a: decode(*a, how="top_left"),
+                 "the causal triangle is aligned top-left: the new queries follow T_past cached "
+                 "keys, so query i sits at position T_past + i and sees every cached key"),
+    "no_mask": (lambda *a: decode(*a, how="no_mask"),
+                "weight on future keys: in a chunk of several new tokens each must not see the "
+                "ones after it (the causal mask, aligned to the end of the cache)"),
+    "prepend": (lambda *a: decode(*a, how="prepend"),
+                "the new keys went in front of the cache: they belong at the end, after the "
+                "T_past earlier tokens"),
+}
+
+
+# --- 7. a sliding window with global tokens -----------------------------------------
+
+def window_mask(T, window, n_global=0, reach=0, causal_globals=True, globals_=True,
+                causal=True):
+    """(T, T) bool: key not ahead of the query and fewer than `window` positions behind
+    it (itself included), unless it is one of the first n_global keys."""
+    q = torch.arange(T)[:, None]
+    k = torch.arange(T)[None, :]
+    near = (q - k).abs() < window + reach if not causal else (q - k) < window + reach
+    glob = (k < n_global) if globals_ else torch.zeros(T, T, dtype=torch.bool)
+    if not causal:
+        return near | glob
+    if causal_globals:
+        return (k <= q) & (near | glob)
+    return ((k <= q) & near) | glob
+
+
+WINDOW_MISTAKES = {
+    "one_wide": (lambda T, W, G=0: window_mask(T, W, G, reach=1),
+                 "the window is off by one: it sees W + 1 keys; a window of W holds W keys, the "
+                 "query itself included, so a key is in it when q - k < W"),
+    "one_narrow": (lambda T, W, G=0: window_mask(T, W, G, reach=-1),
+                   "the window is off by one: it sees W - 1 keys; a window of W holds W keys, "
+                   "the query itself included (q - k < W, not q - k < W - 1)"),
+    "globals_future": (lambda T, W, G=0: window_mask(T, W, G, causal_globals=False),
+                       "weight on future keys: the global tokens are visible to queries before "
+                       "them; a global key is still causal (k <= q)"),
+    "no_globals": (lambda T, W, G=0: window_mask(T, W, G, globals_=False),
+                   "the global tokens are missing: the first n_global keys stay visible to "
+                   "every later query, however far behind the window"),
+    "both_sides": (lambda T, W, G=0: window_mask(T, W, G, causal=False),
+                   "weight on future keys: the window reaches ahead of the query too; it "
+                   "covers the W - 1 keys before the query and the query itself"),
+}
+
+
+# --- 8. cross-attention with a padding mask -----------------------------------------
+
+def cross(x, memory, key_padding, w_q, w_k, w_v, w_o, padding="hide", causal=False):
+    """Decoder queries x·W_Q over encoder keys memory·W_K and values memory·W_V, padded
+    input positions hidden; one head, so d_k = d_model."""
+    q, k, v = x @ w_q, memory @ w_k, memory @ w_v                   # (B, T|S, C)
+    visible = torch.ones(x.shape[1], memory.shape[1], dtype=torch.bool)[None]
+    if padding == "hide":
+        visible = visible & ~key_padding[:, None, :]                # (B, 1|T, S)
+    elif padding == "inverted":
+        visible = visible & key_padding[:, None, :]
+    if causal:
+        visible = visible & torch.ones(x.shape[1], memory.shape[1], dtype=torch.bool).tril()
+    out, weights = attention(q, k, v, visible)
+    return out @ w_o, weights
+
+
+CROSS_MISTAKES = {
+    "padding_visible": (lambda *a: cross(*a, padding="none"),
+                        "padding is visible to cross-attention: padded input positions are only "
+                        "filler; give them -inf where key_padding is True"),
+    "padding_inverted": (lambda *a: cross(*a, padding="inverted"),
+                         "the real input is hidden and the padding seen: key_padding is True at "
+                         "padded positions, so hide where it is True"),
+    "causal": (lambda *a: cross(*a, causal=True),
+               "a causal mask on cross-attention: the whole input is known before decoding "
+               "starts, so every query may see every real input position"),
+}
