@@ -317,7 +317,9 @@ def cross_cases():
     C = 6
     w = [_rand(50 + i, C, C) / math.sqrt(C) for i in range(4)]
     padding = torch.tensor([[False] * 5, [False, False, False, True, True]])
-    return [Case("3 decoder queries over 5 encoder positions, the second input padded after 3",
+    return [Case("4 decoder queries over 4 encoder positions, no padding",
+                 (_rand(7, 2, 4, C), _rand(6, 2, 4, C), torch.zeros(2, 4, dtype=torch.bool), *w)),
+            Case("3 decoder queries over 5 encoder positions, the second input padded after 3",
                  (_rand(8, 2, 3, C), _rand(9, 2, 5, C), padding, *w))]
 
 

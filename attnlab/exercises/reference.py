@@ -92,11 +92,11 @@ def multi_head(x, w_q, w_k, w_v, w_o, n_head, split="right", merge="right", scal
     H = n_head
     D = C // H
 
-    def heads(t):                                         # (B, T, C) -> (B, H, T, D)
-        if split == "right":
+    def heads(t, which):                                  # (B, T, C) -> (B, H, T, D)
+        if split == "right" or which not in split:
             return t.view(B, T, H, D).transpose(1, 2)
         return t.reshape(B, H, T, D)                      # planted: reshape, no transpose
-    q, k, v = heads(x @ w_q), heads(x @ w_k), heads(x @ w_v)
+    q, k, v = heads(x @ w_q, "q"), heads(x @ w_k, "k"), heads(x @ w_v, "v")
     visible = torch.ones(T, T, dtype=torch.bool).tril() if causal else None
     out, _ = attention(q, k, v, visible, scale=None if scale_by is None else math.sqrt(scale_by))
     if merge == "right":
@@ -106,17 +106,31 @@ def multi_head(x, w_q, w_k, w_v, w_o, n_head, split="right", merge="right", scal
     return out @ w_o if use_w_o else out
 
 
+def _heads_mixed(split: str, merge: str):
+    """The reshape-without-transpose mistakes: in the projections named in `split`
+    (any of q, k, v), and/or when concatenating."""
+    def variant(x, wq, wk, wv, wo, h):
+        return multi_head(x, wq, wk, wv, wo, h, split=split or "right", merge=merge)
+    where = " and ".join(split)
+    if split and merge == "reshape":
+        text = (f"heads mixed: a reshape without the transpose, both when splitting {where} "
+                "into heads and when concatenating them (view as (B, T, H, d_k), then "
+                "transpose(1, 2))")
+    elif split:
+        text = (f"heads mixed when splitting {where}: reshape(B, H, T, d_k) cuts across "
+                "tokens; view as (B, T, H, d_k), then transpose(1, 2) to (B, H, T, d_k)")
+    else:
+        text = ("heads mixed when concatenating: (B, H, T, d_k) must be transposed back to "
+                "(B, T, H, d_k) before the reshape to (B, T, d_model)")
+    return variant, text
+
+
 MULTI_HEAD_MISTAKES = {
-    "split": (lambda x, wq, wk, wv, wo, h: multi_head(x, wq, wk, wv, wo, h, split="reshape"),
-              "heads mixed when splitting: reshape(B, H, T, d_k) cuts across tokens; view as "
-              "(B, T, H, d_k), then transpose(1, 2) to (B, H, T, d_k)"),
-    "merge": (lambda x, wq, wk, wv, wo, h: multi_head(x, wq, wk, wv, wo, h, merge="reshape"),
-              "heads mixed when concatenating: (B, H, T, d_k) must be transposed back to "
-              "(B, T, H, d_k) before the reshape to (B, T, d_model)"),
-    "both": (lambda x, wq, wk, wv, wo, h: multi_head(x, wq, wk, wv, wo, h, split="reshape",
-                                                     merge="reshape"),
-             "heads mixed: a reshape without the transpose, both when splitting into heads and "
-             "when concatenating them (view as (B, T, H, d_k), then transpose(1, 2))"),
+    f"mixed_{split or 'none'}_{merge}": _heads_mixed(split, merge)
+    for merge in ("right", "reshape")
+    for split in ("qkv", "q", "k", "v", "qk", "qv", "kv", "")
+    if split or merge == "reshape"
+} | {
     "no_w_o": (lambda x, wq, wk, wv, wo, h: multi_head(x, wq, wk, wv, wo, h, use_w_o=False),
                "W_O is missing: after concatenating the heads, multiply by W_O, which mixes "
                "the heads' outputs"),
@@ -177,8 +191,11 @@ def rope(q, k, positions, theta=10000.0, pairs="half", sign=1, exponent=2, which
         if pairs == "half":
             x1, x2 = x[..., : d // 2], x[..., d // 2:]
             return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        x1, x2 = x[..., 0::2], x[..., 1::2]                # planted: neighbours as pairs
-        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        x1, x2 = x[..., 0::2], x[..., 1::2]                # planted: neighbours as pairs,
+        turned = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+        if pairs == "neighbours":                          # put back in place
+            return torch.stack(turned, dim=-1).flatten(-2)
+        return torch.cat(turned, dim=-1)                   # or written out as halves
     return (turn(q) if which != "k" else q), (turn(k) if which != "q" else k)
 
 
@@ -186,6 +203,10 @@ ROPE_MISTAKES = {
     "interleaved": (lambda q, k, p, theta=10000.0: rope(q, k, p, theta, pairs="neighbours"),
                     "RoPE rotates the wrong pairs: this project pairs x[i] with x[i + d/2] "
                     "(rotate half, as GPT-NeoX and Llama), not neighbours x[2i], x[2i+1]"),
+    "interleaved_halves": (lambda q, k, p, theta=10000.0: rope(q, k, p, theta,
+                                                               pairs="neighbours_halves"),
+                           "RoPE rotates the wrong pairs: this project pairs x[i] with "
+                           "x[i + d/2] (rotate half), not neighbours x[2i], x[2i+1]"),
     "only_q": (lambda q, k, p, theta=10000.0: rope(q, k, p, theta, which="q"),
                "only the queries are rotated: RoPE turns the keys too, so that q·k depends on "
                "the offset between them alone"),
@@ -280,10 +301,12 @@ WINDOW_MISTAKES = {
 
 # --- 8. cross-attention with a padding mask -----------------------------------------
 
-def cross(x, memory, key_padding, w_q, w_k, w_v, w_o, padding="hide", causal=False):
+def cross(x, memory, key_padding, w_q, w_k, w_v, w_o, padding="hide", causal=False,
+          keys_from="memory"):
     """Decoder queries x·W_Q over encoder keys memory·W_K and values memory·W_V, padded
     input positions hidden; one head, so d_k = d_model."""
-    q, k, v = x @ w_q, memory @ w_k, memory @ w_v                   # (B, T|S, C)
+    source = memory if keys_from == "memory" else x
+    q, k, v = x @ w_q, source @ w_k, source @ w_v                   # (B, T|S, C)
     visible = torch.ones(x.shape[1], memory.shape[1], dtype=torch.bool)[None]
     if padding == "hide":
         visible = visible & ~key_padding[:, None, :]                # (B, 1|T, S)
@@ -302,6 +325,10 @@ CROSS_MISTAKES = {
     "padding_inverted": (lambda *a: cross(*a, padding="inverted"),
                          "the real input is hidden and the padding seen: key_padding is True at "
                          "padded positions, so hide where it is True"),
+    "keys_from_decoder": (lambda *a: cross(*a, keys_from="x"),
+                          "this is self-attention: in cross-attention the keys and values "
+                          "come from the encoder's output (memory), only the queries from the "
+                          "decoder (x)"),
     "causal": (lambda *a: cross(*a, causal=True),
                "a causal mask on cross-attention: the whole input is known before decoding "
                "starts, so every query may see every real input position"),

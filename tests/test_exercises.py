@@ -1,0 +1,321 @@
+"""attnlab/exercises: every stub is "not started", the project's own code and a plain
+learner's correct code pass, every planted mistake (one changed line of a correct
+answer) gets the diagnosis that names it, and train.py runs the learner's code."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from attnlab.exercises.checks import EXERCISES, BY_NAME, run_check
+from attnlab.exercises import __main__ as tool
+from attnlab.exercises.learner import SOLUTIONS, STUBS, ExerciseError, check, start
+from conftest import ROOT, run_script
+
+# A learner's correct answers, written plainly in torch (not the project's code), and
+# per exercise the mistakes planted in them: (the line as written, the line with the
+# mistake, words the diagnosis must contain).
+CORRECT = {
+    "attention": '''
+import math, torch
+def scaled_dot_product_attention(q, k, v, mask=None):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return weights @ v, weights
+''',
+    "causal_mask": '''
+import torch
+def causal_mask(q_len, k_len):
+    return torch.ones(q_len, k_len, dtype=torch.bool).tril(diagonal=k_len - q_len)
+''',
+    "multi_head": '''
+import math, torch
+def multi_head_attention(x, w_q, w_k, w_v, w_o, n_head):
+    B, T, C = x.shape
+    d = C // n_head
+    q = (x @ w_q).view(B, T, n_head, d).transpose(1, 2)
+    k = (x @ w_k).view(B, T, n_head, d).transpose(1, 2)
+    v = (x @ w_v).view(B, T, n_head, d).transpose(1, 2)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    scores = scores.masked_fill(future, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v
+    out = out.transpose(1, 2).reshape(B, T, C)
+    return out @ w_o
+''',
+    "sinusoidal": '''
+import torch
+def sinusoidal_positions(T, d, start=0):
+    pos = torch.arange(start, start + T, dtype=torch.float64)
+    i = torch.arange(0, d, 2, dtype=torch.float64)
+    angle = pos[:, None] / 10000 ** (i / d)
+    pe = torch.zeros(T, d, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(angle)
+    pe[:, 1::2] = torch.cos(angle)
+    return pe
+''',
+    "rope": '''
+import torch
+def apply_rope(q, k, positions, theta=10000.0):
+    d = q.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = positions.double()[:, None] * inv_freq
+    cos, sin = angle.cos(), angle.sin()
+    def turn(x):
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return turn(q), turn(k)
+''',
+    "kv_cache": '''
+import math, torch
+def decode_step(q, k, v, cache_k, cache_v):
+    keys = torch.cat([cache_k, k], dim=-2)
+    values = torch.cat([cache_v, v], dim=-2)
+    T_new, T_all = q.shape[-2], keys.shape[-2]
+    visible = torch.ones(T_new, T_all, dtype=torch.bool).tril(diagonal=T_all - T_new)
+    scores = q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ values, keys, values
+''',
+    "window": '''
+import torch
+def window_mask(T, window, n_global=0):
+    q = torch.arange(T)[:, None]
+    k = torch.arange(T)[None, :]
+    return (k <= q) & ((q - k < window) | (k < n_global))
+''',
+    "cross_attention": '''
+import math, torch
+def cross_attention(x, memory, key_padding, w_q, w_k, w_v, w_o):
+    q, k, v = x @ w_q, memory @ w_k, memory @ w_v
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(key_padding[:, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return (weights @ v) @ w_o, weights
+''',
+}
+
+PLANTED = {
+    "attention": [
+        ("/ math.sqrt(q.shape[-1])", "", "divide Q·Kᵀ by √d_k"),
+        ("dim=-1)", "dim=-2)", "softmax ran over the queries"),
+        ('scores = scores.masked_fill(~mask, float("-inf"))', "pass",
+         "hidden keys get weight"),
+        ('weights = torch.softmax(scores, dim=-1)',
+         'weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), -1)\n'
+         '    weights = weights if mask is None else weights * mask', "after the softmax"),
+        ('float("-inf")', "0.0", "exp(0) = 1"),
+    ],
+    "causal_mask": [
+        (".tril(diagonal=k_len - q_len)", ".triu()", "the wrong triangle"),
+        (".tril(diagonal=k_len - q_len)", ".tril()", "aligned top-left"),
+        ("diagonal=k_len - q_len", "diagonal=k_len - q_len - 1", "the diagonal is hidden"),
+    ],
+    "multi_head": [
+        ("q = (x @ w_q).view(B, T, n_head, d).transpose(1, 2)",
+         "q = (x @ w_q).reshape(B, n_head, T, d)", "heads mixed when splitting"),
+        ("out = out.transpose(1, 2).reshape(B, T, C)", "out = out.reshape(B, T, C)",
+         "heads mixed when concatenating"),
+        ("scores = scores.masked_fill(future, float(\"-inf\"))", "pass",
+         "future tokens are visible"),
+        ("/ math.sqrt(d)", "/ math.sqrt(C)", "√d_model"),
+        ("return out @ w_o", "return out", "W_O is missing"),
+    ],
+    "sinusoidal": [
+        ("pe[:, 0::2] = torch.sin(angle)\n    pe[:, 1::2] = torch.cos(angle)",
+         "pe[:, 0::2] = torch.cos(angle)\n    pe[:, 1::2] = torch.sin(angle)",
+         "sin and cos are swapped"),
+        ("i = torch.arange(0, d, 2, dtype=torch.float64)",
+         "i = torch.arange(0, d // 2, dtype=torch.float64)", "frequencies are wrong"),
+        ("torch.arange(start, start + T,", "torch.arange(0, T,", "`start` is ignored"),
+    ],
+    "rope": [
+        ("x1, x2 = x[..., : d // 2], x[..., d // 2:]", "x1, x2 = x[..., 0::2], x[..., 1::2]",
+         "wrong pairs"),
+        ("return turn(q), turn(k)", "return turn(q), k", "only the queries"),
+        ("angle = positions.double()[:, None]",
+         "angle = torch.arange(q.shape[-2]).double()[:, None]", "positions given are ignored"),
+        ("x1 * cos - x2 * sin, x2 * cos + x1 * sin", "x1 * cos + x2 * sin, x2 * cos - x1 * sin",
+         "wrong way"),
+    ],
+    "kv_cache": [
+        ("scores = q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])\n"
+         "    scores = scores.masked_fill(~visible, float(\"-inf\"))\n"
+         "    return torch.softmax(scores, dim=-1) @ values, keys, values",
+         "scores = q @ cache_k.transpose(-2, -1) / math.sqrt(q.shape[-1])\n"
+         "    return torch.softmax(scores, dim=-1) @ cache_v, keys, values",
+         "attended before appending"),
+        ("visible = torch.ones(T_new, T_all, dtype=torch.bool).tril(diagonal=T_all - T_new)",
+         "visible = torch.ones(T_new, T_all, dtype=torch.bool).tril()", "aligned top-left"),
+        ("scores = scores.masked_fill(~visible, float(\"-inf\"))", "pass",
+         "weight on future keys"),
+        ("return torch.softmax(scores, dim=-1) @ values, keys, values",
+         "return torch.softmax(scores, dim=-1) @ values, cache_k, cache_v",
+         "the cache returned holds the T_past old keys"),
+    ],
+    "window": [
+        ("q - k < window", "q - k <= window", "off by one: it sees W + 1"),
+        ("(k <= q) & ((q - k < window) | (k < n_global))",
+         "((k <= q) & (q - k < window)) | (k < n_global)",
+         "global tokens are visible to queries before them"),
+        (" | (k < n_global)", "", "global tokens are missing"),
+    ],
+    "cross_attention": [
+        ("scores = scores.masked_fill(key_padding[:, None, :], float(\"-inf\"))", "pass",
+         "padding is visible to cross-attention"),
+        ("q, k, v = x @ w_q, memory @ w_k, memory @ w_v", "q, k, v = x @ w_q, x @ w_k, x @ w_v",
+         "come from the encoder's output"),
+        ("key_padding[:, None, :]", "~key_padding[:, None, :]", "the real input is hidden"),
+    ],
+}
+
+
+def write(folder, ex, source):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / ex.filename).write_text(source)
+    return folder
+
+
+def test_every_exercise_has_a_correct_answer_and_at_least_two_planted_mistakes():
+    assert set(CORRECT) == set(PLANTED) == set(BY_NAME)
+    assert all(len(PLANTED[name]) >= 2 for name in PLANTED)
+    assert [ex.number for ex in EXERCISES] == list(range(1, 9))
+
+
+@pytest.mark.parametrize("ex", EXERCISES, ids=lambda ex: ex.name)
+def test_every_stub_is_not_started(ex):
+    result = check(ex, STUBS)
+    assert result.status == "not started", result.message
+    text = (STUBS / ex.filename).read_text()
+    assert "raise NotImplementedError" in text and ex.answer.split(":")[0] in text
+    assert "docs/walkthrough.md" in text and f"check {ex.name}" in text
+
+
+@pytest.mark.parametrize("ex", EXERCISES, ids=lambda ex: ex.name)
+def test_the_projects_own_code_passes(ex):
+    result = check(ex, SOLUTIONS)
+    assert result.passed, result.message
+
+
+@pytest.mark.parametrize("ex", EXERCISES, ids=lambda ex: ex.name)
+def test_a_learners_plain_correct_answer_passes(ex, tmp_path):
+    result = check(ex, write(tmp_path, ex, CORRECT[ex.name]))
+    assert result.passed, result.message
+
+
+@pytest.mark.parametrize("name,planted", [(n, p) for n in PLANTED for p in PLANTED[n]],
+                         ids=lambda x: x if isinstance(x, str) else x[2][:30])
+def test_every_planted_mistake_gets_the_diagnosis_that_names_it(name, planted, tmp_path):
+    line, wrong, words = planted
+    assert line in CORRECT[name]
+    ex = BY_NAME[name]
+    result = check(ex, write(tmp_path, ex, CORRECT[name].replace(line, wrong)))
+    assert result.status == "failed" and words in result.message, result.message
+
+
+@pytest.mark.parametrize("ex", EXERCISES, ids=lambda ex: ex.name)
+def test_each_of_the_checkers_own_variants_is_told_apart(ex):
+    # The variants are the checker's evidence: each must be caught by its own message,
+    # not by an earlier variant's or by a shape complaint.
+    for name, (variant, diagnosis) in ex.mistakes.items():
+        result = run_check(ex, variant)
+        assert result.status == "failed" and result.message.startswith(diagnosis), (name, result)
+
+
+def test_errors_in_the_learners_code_are_one_line_naming_the_exercise(tmp_path):
+    ex = BY_NAME["attention"]
+    raising = CORRECT["attention"].replace("weights = torch.softmax", "weights = torch.softmaxx")
+    result = check(ex, write(tmp_path / "a", ex, raising))
+    assert result.status == "failed" and "\n" not in result.message
+    assert "AttributeError (01_attention.py line 7)" in result.message
+    broken = check(ex, write(tmp_path / "b", ex, "def scaled_dot_product_attention(:\n"))
+    assert broken.status == "failed" and "01_attention.py line 1 does not import" in broken.message
+    renamed = check(ex, write(tmp_path / "c", ex, "def attention(q, k, v):\n    pass\n"))
+    assert "has no function scaled_dot_product_attention()" in renamed.message
+    shaped = check(ex, write(tmp_path / "d", ex, "def scaled_dot_product_attention(q, k, v, "
+                             "mask=None):\n    return q, q\n"))
+    assert "output 1 has shape (2, 3, 4, 16), expected (2, 3, 4, 8)" in shaped.message
+
+
+def run_tool(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "attnlab.exercises", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_start_copies_the_stubs_and_never_overwrites_work(tmp_path, capsys):
+    mine = tmp_path / "mine"
+    write(mine, BY_NAME["attention"], CORRECT["attention"])
+    copied, kept = start(mine)
+    assert kept == ["01_attention.py"] and len(copied) == 7
+    assert (mine / "01_attention.py").read_text() == CORRECT["attention"]
+    assert tool.main(["start", str(mine)]) == 0
+    out = capsys.readouterr().out
+    assert "kept (already there, not overwritten): 01_attention.py, 02_causal_mask.py" in out
+    assert "copied" not in out
+    proc = run_tool("start", cwd=tmp_path)                     # the default folder, from -m
+    assert proc.returncode == 0 and (tmp_path / "my_attention" / "08_cross_attention.py").exists()
+
+
+def test_check_prints_a_progress_table_and_what_to_try_next(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "my_attention"
+    start(folder)
+    write(folder, BY_NAME["attention"], CORRECT["attention"])
+    write(folder, BY_NAME["causal_mask"], CORRECT["causal_mask"].replace(
+        ".tril(diagonal=k_len - q_len)", ".triu()"))
+    assert tool.main(["check"]) == 1
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[2].split() == ["1", "attention", "passed"]
+    assert rows[3].startswith("  2  causal_mask") and "failed: the wrong triangle" in rows[3]
+    assert rows[4].split() == ["3", "multi_head", "not", "started"]
+    assert "1 of 8 passed." in rows
+    assert rows[-1].startswith("next: fix causal_mask in my_attention/02_causal_mask.py")
+    assert tool.main(["check", "1"]) == 0
+    assert "train with yours: python train.py --config tiny --model.attention=yours" \
+        in capsys.readouterr().out
+    with pytest.raises(ExerciseError, match="no exercises folder at nowhere; start with"):
+        tool.main(["check", "--dir", "nowhere"])
+    with pytest.raises(ExerciseError, match="no exercise 'nine'; the exercises are: 1 attention"):
+        tool.main(["check", "nine"])
+
+
+def tiny(corpus, out, name, *extra):
+    return ["train.py", "--config", "tiny", f"--data.path={corpus}",
+            f"--data.cache_dir={out / 'cache'}", f"--train.out_dir={out / 'runs'}",
+            f"--train.run_name={name}", "--train.max_iters=4", "--train.eval_interval=4",
+            "--train.eval_iters=1", *extra]
+
+
+def step_losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text()
+            .splitlines() if "loss" in json.loads(line)]
+
+
+def test_training_with_the_learners_code_matches_eager_and_rope(corpus, tmp_path):
+    # The project's solutions, copied in as the learner's: attention and positions both
+    # run through the registries' `yours` entries in the real loop.
+    mine = tmp_path / "mine"
+    shutil.copytree(SOLUTIONS, mine)
+    yours = run_script(*tiny(corpus, tmp_path, "yours", "--model.attention=yours",
+                             "--model.position=yours", f"--exercises={mine}"))
+    assert f"attention: yours (scaled_dot_product_attention in {mine}" in yours.stdout
+    assert f"position: yours (apply_rope in {mine}" in yours.stdout
+    run_script(*tiny(corpus, tmp_path, "eager", "--model.attention=eager", "--model.position=rope"))
+    a, b = step_losses(tmp_path / "runs" / "yours"), step_losses(tmp_path / "runs" / "eager")
+    assert len(a) == len(b) == 4 and a == pytest.approx(b, rel=1e-5, abs=1e-6)
+
+
+def test_training_with_yours_is_refused_until_the_exercise_passes(corpus, tmp_path):
+    mine = tmp_path / "mine"
+    start(mine)
+    proc = run_script(*tiny(corpus, tmp_path, "x", "--model.attention=yours",
+                            f"--exercises={mine}"), check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: exercise 1 (attention)") and "not started" in lines[0]
+    assert not (tmp_path / "runs").exists()                    # refused before any work
