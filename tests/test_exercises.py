@@ -319,3 +319,33 @@ def test_training_with_yours_is_refused_until_the_exercise_passes(corpus, tmp_pa
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: exercise 1 (attention)") and "not started" in lines[0]
     assert not (tmp_path / "runs").exists()                    # refused before any work
+
+
+def test_position_yours_is_your_sinusoidal_table_until_rope_passes(tmp_path, monkeypatch):
+    # In this process, without train.py: the registries are patched for this test only.
+    import torch
+    from attnlab.exercises import plug
+    from model import GPT, ModelConfig
+    from model.attention import ATTENTION_BACKENDS
+    from model.positions import POSITION_ENCODINGS
+    monkeypatch.setitem(ATTENTION_BACKENDS, "yours", plug.YOUR_BACKEND)
+    monkeypatch.setitem(POSITION_ENCODINGS, "yours", plug.YourPositions)
+    monkeypatch.setattr(plug, "_bound", {})
+    mine = tmp_path / "mine"
+    start(mine)
+    for name in ("attention", "sinusoidal"):
+        shutil.copy(SOLUTIONS / BY_NAME[name].filename, mine)
+    config = ModelConfig(vocab_size=20, n_layer=1, n_head=2, n_embd=16, block_size=8,
+                         attention="yours", position="yours")
+    notes = plug.prepare(config, mine)
+    assert notes[1] == f"position: yours (sinusoidal_positions in {mine / '04_sinusoidal.py'})"
+    ids = torch.randint(0, 20, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    yours = GPT(config).eval()
+    torch.manual_seed(0)
+    theirs = GPT(ModelConfig(**{**vars(config), "attention": "eager", "position": "sinusoidal"}))
+    assert yours.positions.absolute and not yours.positions.rotary
+    assert torch.allclose(yours(ids)[0], theirs.eval()(ids)[0], atol=1e-5)
+    (mine / "04_sinusoidal.py").unlink()
+    with pytest.raises(ExerciseError, match="model.position=yours needs exercise 5 .rope. or 4"):
+        plug.prepare(config, mine)
