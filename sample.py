@@ -10,6 +10,7 @@ Sampling options are also accepted as --sample.KEY=VALUE.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from engine.cli import Parser, add_config_options, add_run_options, errors_as_lines
 
@@ -18,12 +19,17 @@ def parser() -> Parser:
     p = Parser("python sample.py", __doc__, usage="python sample.py [--run DIR] "
                "[--checkpoint best|latest] [--device D] [--KEY=VALUE ...]")
     add_run_options(p)
+    p.add_argument("--exercises", metavar="DIR", default="my_attention",
+                   help="where a run trained with attention or position `yours` finds your "
+                        "code (python -m attnlab.exercises; default: my_attention)")
     p.set_defaults(device="auto")
     add_config_options(p, sections=("sample",), short=("sample",))
     return p
 
 
 def main(argv: list[str]) -> int:
+    from attnlab.exercises import plug
+    plug.install()                        # `yours`: the learner's code, as a registry entry
     args = parser().parse_args(argv)
     from engine.cli import apply_overrides
     from engine.checkpoint import latest_run
@@ -33,7 +39,12 @@ def main(argv: list[str]) -> int:
 
     s = apply_overrides(RunConfig(), args).sample
     device = pick_device(args.device)
-    model, cfg, tokenizer, ckpt = load_run(args.run or latest_run(), args.checkpoint, device)
+
+    def bind_yours(cfg):
+        for note in plug.prepare(cfg.model, Path(args.exercises)):
+            print(note, file=sys.stderr)
+    model, cfg, tokenizer, ckpt = load_run(args.run or latest_run(), args.checkpoint, device,
+                                           before_build=bind_yours)
     dtype = pick_dtype(s.dtype, device, cfg.model.n_embd, decoding=True)
     model = model.to(dtype)
     prompt_ids = encode_prompt(tokenizer, s.prompt)

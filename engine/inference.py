@@ -16,10 +16,13 @@ from model import GPT
 from model.sampling import next_token_distribution
 
 
-def load_run(path: str | Path, which: str = "best", device: str | torch.device = "cpu"):
+def load_run(path: str | Path, which: str = "best", device: str | torch.device = "cpu",
+             before_build=None):
     """(model in eval mode, its RunConfig, its tokenizer, the checkpoint folder) from a
     run directory, a checkpoint folder, or a transformers folder (GPT-2, Llama,
-    Mistral, GPT-NeoX: engine/interop.py)."""
+    Mistral, GPT-NeoX: engine/interop.py). `before_build(cfg)` runs once the saved
+    config is read, before the model is built (a script binding registry entries of
+    its own, such as the exercises' `yours`)."""
     from engine.interop import is_hf_folder, load_hf_folder
     if Path(path).is_file():
         raise CheckpointError(f"{path} is a file; give a run directory, a checkpoint folder "
@@ -37,6 +40,8 @@ def load_run(path: str | Path, which: str = "best", device: str | torch.device =
         tokenizer = Tokenizer.load(ckpt)
     except (OSError, ValueError) as err:
         raise CheckpointError(f"checkpoint {ckpt} has an unreadable config or tokenizer ({err})") from None
+    if before_build is not None:
+        before_build(cfg)
     model = GPT(cfg.model)
     checkpoint.load_weights(model, weights, ckpt)
     return model.to(device).eval(), cfg, tokenizer, ckpt

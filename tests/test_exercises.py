@@ -308,6 +308,9 @@ def test_training_with_the_learners_code_matches_eager_and_rope(corpus, tmp_path
     run_script(*tiny(corpus, tmp_path, "eager", "--model.attention=eager", "--model.position=rope"))
     a, b = step_losses(tmp_path / "runs" / "yours"), step_losses(tmp_path / "runs" / "eager")
     assert len(a) == len(b) == 4 and a == pytest.approx(b, rel=1e-5, abs=1e-6)
+    sampled = run_script("sample.py", "--run", tmp_path / "runs" / "yours", f"--exercises={mine}",
+                         "--max_new_tokens=8", "--device=cpu", "--prompt=ROMEO:")
+    assert "position: yours (apply_rope" in sampled.stderr and sampled.stdout.startswith("ROMEO:")
 
 
 def test_training_with_yours_is_refused_until_the_exercise_passes(corpus, tmp_path):
