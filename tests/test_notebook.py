@@ -13,3 +13,5 @@ def test_the_walkthrough_notebook_runs_top_to_bottom():
     printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                       for o in c.get("outputs", []))
     assert "blend: 6.1" in printed and "exact match on held-out words" in printed
+    assert "without the scaling: the scores are too large by exactly √d_k" in printed
+    assert "with it: passed" in printed
