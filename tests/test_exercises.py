@@ -132,6 +132,7 @@ PLANTED = {
         ("i = torch.arange(0, d, 2, dtype=torch.float64)",
          "i = torch.arange(0, d // 2, dtype=torch.float64)", "frequencies are wrong"),
         ("torch.arange(start, start + T,", "torch.arange(0, T,", "`start` is ignored"),
+        ("10000 ** (i / d)", "10000 ** (2 * i / d)", "doubles the index twice"),
     ],
     "rope": [
         ("x1, x2 = x[..., : d // 2], x[..., d // 2:]", "x1, x2 = x[..., 0::2], x[..., 1::2]",
@@ -141,6 +142,8 @@ PLANTED = {
          "angle = torch.arange(q.shape[-2]).double()[:, None]", "positions given are ignored"),
         ("x1 * cos - x2 * sin, x2 * cos + x1 * sin", "x1 * cos + x2 * sin, x2 * cos - x1 * sin",
          "wrong way"),
+        ("torch.arange(0, d, 2, dtype=torch.float64) / d", "torch.arange(0, d, 2, dtype=torch."
+         "float64) * 2 / d", "doubles the index twice"),
     ],
     "kv_cache": [
         ("scores = q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])\n"

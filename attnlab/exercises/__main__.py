@@ -62,8 +62,10 @@ def main(argv=None) -> int:
         if ex.trains:
             print(f"train with yours: python train.py --config tiny {ex.trains}"
                   f"{' --exercises ' + str(folder) if _dir_flag(folder) else ''}")
-    elif result.status == "not started":
-        print(f"write {ex.function} in {folder / ex.filename} (docs/walkthrough.md {ex.section})")
+    else:
+        verb = "write" if result.status == "not started" else "fix"
+        print(f"{verb} {ex.function} in {folder / ex.filename} (docs/walkthrough.md "
+              f"{ex.section}), then check again")
     return 0 if result.passed else 1
 
 

@@ -169,6 +169,10 @@ SINUSOIDAL_MISTAKES = {
     "exponent": (lambda T, d, start=0: sinusoidal(T, d, start, exponent=1),
                  "the frequencies are wrong: pair i turns at 1/10000^(2i/d), where 2i is the "
                  "even dimension's index (you used i/d)"),
+    "exponent_twice": (lambda T, d, start=0: sinusoidal(T, d, start, exponent=4),
+                       "the frequencies are wrong: the exponent doubles the index twice; with i "
+                       "stepping 0, 2, 4, ... (the even dimension) it is 10000^(i/d), with i "
+                       "the pair index 10000^(2i/d)"),
     "halves": (lambda T, d, start=0: sinusoidal(T, d, start, halves=True),
                "sin and cos are in two halves: they interleave, sin at dimension 2i and cos at "
                "2i+1 of the same angle"),
@@ -219,6 +223,10 @@ ROPE_MISTAKES = {
     "exponent": (lambda q, k, p, theta=10000.0: rope(q, k, p, theta, exponent=1),
                  "the frequencies are wrong: pair i turns by position · theta^(-2i/d), with "
                  "i the pair index (you used i/d)"),
+    "exponent_twice": (lambda q, k, p, theta=10000.0: rope(q, k, p, theta, exponent=4),
+                       "the frequencies are wrong: the exponent doubles the index twice; with i "
+                       "stepping 0, 2, 4, ... it is theta^(-i/d), with i the pair index "
+                       "theta^(-2i/d)"),
     "positions": (lambda q, k, p, theta=10000.0: rope(q, k, torch.arange(q.shape[-2]), theta),
                   "the positions given are ignored: each vector turns by its own position "
                   "(a chunk after a cache does not start at 0)"),
