@@ -355,3 +355,16 @@ def test_position_yours_is_your_sinusoidal_table_until_rope_passes(tmp_path, mon
     (mine / "04_sinusoidal.py").unlink()
     with pytest.raises(ExerciseError, match="model.position=yours needs exercise 5 .rope. or 4"):
         plug.prepare(config, mine)
+
+
+def test_the_exercises_import_only_floors_below_them_and_never_the_tests():
+    # tests/test_architecture.py reads each package's top level; this package's folders too.
+    import ast
+    allowed = {"attnlab", "engine", "model", "data", "common", "torch", "numpy"}
+    for path in (ROOT / "attnlab" / "exercises").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                top = name.split(".")[0]
+                assert top in allowed or top in sys.stdlib_module_names, (path, name)
