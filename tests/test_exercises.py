@@ -278,6 +278,8 @@ def test_check_prints_a_progress_table_and_what_to_try_next(tmp_path, capsys, mo
     assert rows[4].split() == ["3", "multi_head", "not", "started"]
     assert "1 of 8 passed." in rows
     assert rows[-1].startswith("next: fix causal_mask in my_attention/02_causal_mask.py")
+    assert tool.main(["check", "my_attention"]) == 1                 # a folder, as start takes it
+    assert capsys.readouterr().out.splitlines()[:3] == rows[:3]
     assert tool.main(["check", "1"]) == 0
     assert "train with yours: python train.py --config tiny --model.attention=yours" \
         in capsys.readouterr().out

@@ -44,6 +44,8 @@ def main(argv=None) -> int:
               f"{EXERCISES[0].name}{_dir_flag(folder)}")
         return 0
     folder = Path(args.dir or DEFAULT_FOLDER)
+    if args.target and find(args.target) is None and Path(args.target).is_dir():
+        folder, args.target = Path(args.target), None     # `check DIR`, as `start DIR` takes it
     if not folder.is_dir():
         raise ExerciseError(f"no exercises folder at {folder}; start with python -m "
                             f"attnlab.exercises start {folder}")
