@@ -357,6 +357,8 @@ def test_position_yours_is_your_sinusoidal_table_until_rope_passes(tmp_path, mon
     (mine / "04_sinusoidal.py").unlink()
     with pytest.raises(ExerciseError, match="model.position=yours needs exercise 5 .rope. or 4"):
         plug.prepare(config, mine)
+    with pytest.raises(ExerciseError, match="position=alibi adds a bias to the scores"):
+        plug.prepare(ModelConfig(**{**vars(config), "position": "alibi"}), mine)
 
 
 def test_the_exercises_import_only_floors_below_them_and_never_the_tests():
