@@ -197,11 +197,11 @@ def _branch(run: Run, ckpt: Path) -> None:
     """Continue from `ckpt` of another run in run.run_dir, a new run that records it as
     its parent: the checkpoint (and the best before it) are copied in, with the metrics
     up to its step, and nothing of the other run is touched."""
-    if checkpoint.list_checkpoints(run.run_dir):
-        raise CheckpointError(f"{run.run_dir} already holds checkpoints; choose another "
-                              f"--train.run_name to continue {ckpt} in a new run")
     source = ckpt.parent.parent
-    if run.dist.is_main:
+    if run.dist.is_main:                      # under the new run's lock
+        if checkpoint.list_checkpoints(run.run_dir):
+            raise CheckpointError(f"{run.run_dir} already holds checkpoints; choose another "
+                                  f"--train.run_name to continue {ckpt} in a new run")
         _branch_files(source, ckpt, run.run_dir)
     run.dist.barrier()
     restore(run, run.run_dir / checkpoint.CKPT_DIR / ckpt.name)
