@@ -202,8 +202,8 @@ def choose(path: str | Path, which: str = "latest") -> tuple[Path, str, bool]:
                         "weights before training, and no later step was evaluated "
                         "(--checkpoint best for step 0)"), True
     loss = (read_json(path / "best.json") or {}).get("val_loss")
-    shown = f" {loss:.4f}" if isinstance(loss, float) else ""
-    return best, f"the best by validation loss{shown}, at step {step}", False
+    shown = f"{loss:.4f} " if isinstance(loss, float) else ""
+    return best, f"the best by validation loss: {shown}at step {step}", False
 
 
 def _last_eval(ckpt: Path) -> int | None:
