@@ -5,7 +5,10 @@
     python sample.py --temperature 0 --max_new_tokens 200     # greedy
     python sample.py --explain --max_new_tokens 20             # watch each step's choice
 
-Sampling options are also accepted as --sample.KEY=VALUE.
+Sampling options are also accepted as --sample.KEY=VALUE; those not given come from the
+run's own [sample] settings (its preset's max_new_tokens, temperature, ...). The latest
+run is the one in runs/ whose newest checkpoint was written last; its best checkpoint
+is the one best.json names, or the latest where nothing after step 0 was evaluated.
 """
 from __future__ import annotations
 
@@ -31,20 +34,28 @@ def main(argv: list[str]) -> int:
     from attnlab.exercises import plug
     plug.install()                        # `yours`: the learner's code, as a registry entry
     args = parser().parse_args(argv)
-    from engine.cli import apply_overrides
+    from dataclasses import replace
+    from engine.cli import apply_overrides, overrides_of
     from engine.checkpoint import latest_run
-    from engine.config import RunConfig
+    from engine.config import RunConfig, apply
     from engine.device import dtype_name, pick_device, pick_dtype
     from engine.inference import StepExplainer, encode_prompt, load_run, pick_decode, stream_text
 
-    s = apply_overrides(RunConfig(), args).sample
+    apply_overrides(RunConfig(), args)            # a bad option fails before any loading
     device = pick_device(args.device)
 
     def bind_yours(cfg):
         for note in plug.prepare(cfg.model, Path(args.exercises)):
             print(note, file=sys.stderr)
     model, cfg, tokenizer, ckpt = load_run(args.run or latest_run(), args.checkpoint, device,
-                                           before_build=bind_yours)
+                                           before_build=bind_yours,
+                                           log=lambda line: print(line, file=sys.stderr))
+    # The run's own sampling settings, with what the command line gives on top.
+    settings = RunConfig(sample=replace(cfg.sample))
+    for section, values in overrides_of(args).items():
+        apply(settings, section, values, "the command line")
+    settings.validate()
+    s = settings.sample
     dtype = pick_dtype(s.dtype, device, cfg.model.n_embd, decoding=True)
     model = model.to(dtype)
     prompt_ids = encode_prompt(tokenizer, s.prompt)

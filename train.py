@@ -27,7 +27,10 @@ def parser() -> Parser:
                    help="a preset from configs/ (cpu, gpu, mps, ...) or a .toml file; default: "
                         "chosen from the device found (cuda -> gpu, mps -> mps, else cpu)")
     p.add_argument("--resume", nargs="?", const="", metavar="RUN_DIR",
-                   help="continue a run from its latest checkpoint (default: the latest run)")
+                   help="continue a run from its latest checkpoint (default: the latest run, "
+                        "the one in runs/ whose newest checkpoint was written last); from an "
+                        "older checkpoint, or with a new --train.run_name, training goes on in a "
+                        "new run that records it as its parent, and the old run stays as it was")
     p.add_argument("--budget", metavar="TIME", help="measure this machine, then pick the model "
                    "size and steps that fit TIME (90s, 5m, 1h) and stop on time with a final "
                    "evaluation")

@@ -27,7 +27,8 @@ def main(argv=None) -> int:
     from engine.checkpoint import latest_run
     from engine.inference import load_run
     from engine.interop import export
-    model, cfg, tokenizer, ckpt = load_run(args.run or latest_run(), args.checkpoint)
+    model, cfg, tokenizer, ckpt = load_run(args.run or latest_run(), args.checkpoint,
+                                           log=print)
     s = cfg.sample
     generation = {"do_sample": s.temperature > 0, "max_new_tokens": s.max_new_tokens}
     if s.temperature > 0:

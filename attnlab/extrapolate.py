@@ -117,7 +117,8 @@ def main(argv=None) -> int:
     parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--batches", type=int, default=10, help="validation batches per point")
     parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--out", default="", help="output folder (default: --from, or .)")
+    parser.add_argument("--out", default="", help="output folder (default: --from, or "
+                        "figures/, which git ignores)")
     args = parser.parse_args(argv)
     runs = [Path(r) for r in args.runs] + (find_runs(Path(args.folder)) if args.folder else [])
     if not runs:
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
                            "or --runs DIR [DIR ...]")
     if any(f < 1 for f in args.factors):
         raise AttnlabError("--factors must be whole numbers of at least 1")
-    out = Path(args.out or args.folder or ".")
+    out = Path(args.out or args.folder or "figures")
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for run in runs:

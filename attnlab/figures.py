@@ -24,7 +24,7 @@ import torch
 
 from model.attention import eager_attention
 from model.mask import Mask, visible
-from attnlab.plotting import pyplot, save_figure
+from attnlab.plotting import figures_folder, pyplot, save_figure
 from engine.cli import Parser, errors_as_lines
 
 COST_JSON = Path(__file__).resolve().parent.parent / "bench" / "out" / "attention_cost.json"
@@ -170,15 +170,17 @@ FIGURES = {"softmax": softmax_saturation, "sqrt_dk": sqrt_dk_growth, "blend": mo
 def main(argv=None):
     parser = Parser("python -m attnlab.figures", __doc__)
     parser.add_argument("figure", choices=["all", *FIGURES])
-    parser.add_argument("--out", default="", help="a PNG path, or a folder for `all`")
+    parser.add_argument("--out", default="", help="a PNG path, or a folder for `all` "
+                        "(default: figures/, which git ignores)")
     args = parser.parse_args(argv)
     if args.figure == "all":
-        folder = Path(args.out or "figures")
+        folder = Path(args.out) if args.out else figures_folder()
         folder.mkdir(parents=True, exist_ok=True)
         for name, make in FIGURES.items():
             print(f"wrote {make(folder / f'{name}.png')}")
     else:
-        print(f"wrote {FIGURES[args.figure](Path(args.out or f'{args.figure}.png'))}")
+        out = Path(args.out) if args.out else figures_folder() / f"{args.figure}.png"
+        print(f"wrote {FIGURES[args.figure](out)}")
 
 
 if __name__ == "__main__":

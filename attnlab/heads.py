@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from common.errors import AttnlabError
-from attnlab.plotting import pyplot, save_figure
+from attnlab.plotting import figures_folder, pyplot, save_figure
 from engine.cli import Parser, errors_as_lines
 
 
@@ -304,7 +304,8 @@ def main(argv=None) -> int:
     parser.add_argument("--text", default="", help="the sentence to look at")
     parser.add_argument("--clean", default="", help="patch: the text whose activations are patched in")
     parser.add_argument("--corrupt", default="", help="patch: the same text with one word changed")
-    parser.add_argument("--out", default="", help="output path (PNG for grid and head, HTML for html)")
+    parser.add_argument("--out", default="", help="output path (PNG for grid and head, HTML for "
+                        "html) or folder; default: the run's figures/ folder")
     parser.add_argument("--layer", type=int, default=0)
     parser.add_argument("--head", type=int, default=0)
     parser.add_argument("--from", dest="source", default="", help="search: the word looking")
@@ -316,6 +317,8 @@ def main(argv=None) -> int:
     from engine.checkpoint import latest_run
     from engine.inference import load_run
     model, _, tokenizer, ckpt = load_run(args.run or latest_run(), "best")
+    if not args.out:
+        args.out = str(figures_folder(ckpt))
     if args.what in ("lens", "ablate", "patch", "induction"):
         return deeper(args, model, tokenizer)
     tokens, maps = attention_maps(model, tokenizer, args.text)

@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     parser = Parser("python -m attnlab.induction", __doc__)
     parser.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
     parser.add_argument("--span", type=int, default=16, help="length of the repeated span")
-    parser.add_argument("--out", default="induction", help="folder for the figures")
+    parser.add_argument("--out", default="figures/induction", help="folder for the figures "
+                        "(default: figures/induction; git ignores figures/)")
     args = parser.parse_args(argv)
     vocab = 64
     model = train_attention_only(vocab, args.span, args.steps)

@@ -23,3 +23,17 @@ def save_figure(fig, path, dpi: int = 110) -> Path:
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
     return path
+
+
+def figures_folder(source: Path | None = None) -> Path:
+    """Where a tool writes its figures when --out is not given: the run's own figures/
+    for a checkpoint of a run (runs/ is not tracked), else figures/ in the working
+    directory (ignored by git in the repository), never loose files beside the code."""
+    folder = Path("figures")
+    if source is not None:
+        source = Path(source)
+        run = source.parent.parent
+        if source.parent.name == "checkpoints" and (run / "config.json").is_file():
+            folder = run / "figures"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder

@@ -112,7 +112,8 @@ def plot_cross_attention(model, word: str, path: Path) -> Path:
 def main(argv=None) -> int:
     parser = Parser("python -m attnlab.seq2seq", __doc__)
     parser.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
-    parser.add_argument("--out", default="figures", help="folder for the figure")
+    parser.add_argument("--out", default="figures", help="folder for the figure (default: "
+                        "figures/, which git ignores)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     model = train(args.steps)

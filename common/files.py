@@ -3,9 +3,11 @@ are atomic (a temporary file, flushed to disk, then renamed over the target)."""
 from __future__ import annotations
 
 import fcntl
+import glob
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 
@@ -47,6 +49,40 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def write_json_atomic(path: Path, data) -> None:
     write_text_atomic(path, json.dumps(data, indent=2))
+
+
+def umask_mode(path: Path) -> None:
+    """Give a file the mode a plain `open` would (0666 less the umask). Some writers
+    (safetensors among them) create their file private to its owner, which a folder
+    meant to be shared or uploaded should not be."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
+def remove_stale(folder: Path, prefix: str) -> None:
+    """Remove what `PREFIX<pid>` names in `folder` where that process no longer runs:
+    the temporary folders of writes that were killed. A live process's are left alone."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for path in folder.glob(f"{glob.escape(prefix)}*"):
+        pid = path.name[len(prefix):]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True                       # someone else's process, or not a pid we can judge
+    return True
 
 
 def lock_file(path: Path, wait: bool):

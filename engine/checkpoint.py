@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -119,6 +120,27 @@ def _write(tmp: Path, weights: dict, optimizer, tensors: dict, state: dict,
                                            "files": manifest})
 
 
+def copy_checkpoint(ckpt: Path, run_dir: Path) -> Path:
+    """A copy of checkpoint folder `ckpt` in run_dir, appearing whole. Its files are
+    hard links where the file system allows: a checkpoint's files are never changed in
+    place (only written whole, renamed or removed), so two runs can share them, and
+    pruning one run's copy leaves the other's."""
+    def link(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+    root = Path(run_dir) / CKPT_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / ckpt.name
+    tmp = root / f".tmp-{ckpt.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(ckpt, tmp, copy_function=link)
+    os.rename(tmp, final)
+    fsync(root)
+    return final
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / CKPT_DIR
     if not root.is_dir():
@@ -149,9 +171,17 @@ def remove_partial(run_dir: Path) -> None:
 
 def resolve(path: str | Path, which: str = "latest") -> Path:
     """A checkpoint folder from a run directory (its latest or best) or the folder itself."""
+    return choose(path, which)[0]
+
+
+def choose(path: str | Path, which: str = "latest") -> tuple[Path, str, bool]:
+    """(checkpoint folder, why it was chosen, whether that departs from what was asked).
+    `best` is the step best.json names, except where that is step 0, the weights
+    before any training, and no later step was evaluated (a run stopped before its
+    first evaluation): then the latest, which has trained."""
     path = Path(path)
     if (path / "state.json").is_file():
-        return path
+        return path, "the checkpoint folder given", False
     if not path.is_dir():
         raise CheckpointError(f"run directory {path} does not exist; train one with "
                               "`python train.py`, or pass the folder printed by train.py")
@@ -159,11 +189,29 @@ def resolve(path: str | Path, which: str = "latest") -> Path:
     if not ckpts:
         raise CheckpointError(f"{path} holds no checkpoint (no {CKPT_DIR}/{PREFIX}*/); "
                               "train first, or point at another run")
-    if which == "best" and best_step(path) is not None:
-        best = path / CKPT_DIR / f"{PREFIX}{best_step(path):07d}"
-        if best.is_dir():
-            return best
-    return ckpts[-1]
+    latest = ckpts[-1]
+    if which != "best":
+        return latest, "the latest checkpoint", False
+    step = best_step(path)
+    best = path / CKPT_DIR / f"{PREFIX}{step:07d}" if step is not None else None
+    if best is None or not best.is_dir():
+        return latest, ("the latest checkpoint: no best.json names an evaluated checkpoint "
+                        "that is still there"), True
+    if step == 0 and latest != best and _last_eval(latest) == 0:
+        return latest, ("the latest checkpoint: the best by validation loss is step 0, the "
+                        "weights before training, and no later step was evaluated "
+                        "(--checkpoint best for step 0)"), True
+    loss = (read_json(path / "best.json") or {}).get("val_loss")
+    shown = f"{loss:.4f} " if isinstance(loss, float) else ""
+    return best, f"the best by validation loss: {shown}at step {step}", False
+
+
+def _last_eval(ckpt: Path) -> int | None:
+    """The last step evaluated when `ckpt` was written (a checkpoint from before this
+    was recorded was always written right after evaluating its own step)."""
+    state = read_json(ckpt / "state.json") or {}
+    last = state.get("last_eval", state.get("step"))
+    return last if isinstance(last, int) else None
 
 
 def verified_json(ckpt: Path, name: str) -> dict:
@@ -224,18 +272,26 @@ def load_weights(model: torch.nn.Module, weights: dict, origin: Path) -> None:
     model.load_state_dict(weights, strict=False)
 
 
-def latest_run(out_dir: str | Path = "runs") -> Path:
-    """The run train.py wrote last (named in OUT_DIR/LATEST)."""
-    marker = Path(out_dir) / "LATEST"
-    if not marker.is_file():
-        raise CheckpointError(f"no trained run found ({marker} is missing); train one with "
-                              "`python train.py`, or pass a run directory")
-    try:
-        name = marker.read_text(encoding="utf-8").strip()
-    except (OSError, ValueError):
-        name = ""
-    run = Path(out_dir) / name
-    if not name or "/" in name or not run.is_dir():
-        raise CheckpointError(f"{marker} does not name a run directory in {out_dir}/; pass the "
-                              "run with --run DIR (or --resume DIR), and the next run rewrites it")
+def latest_run(out_dir: str | Path = "runs", log=None) -> Path:
+    """The run in OUT_DIR whose newest checkpoint was written last: the one trained
+    most recently, not the one created last (a short trial started while a long run
+    trains) nor one that stopped before its first checkpoint. `log` gets one line
+    naming it."""
+    out_dir = Path(out_dir)
+    newest: tuple[float, str] | None = None
+    for run in (out_dir.iterdir() if out_dir.is_dir() else ()):
+        ckpts = list_checkpoints(run) if run.is_dir() and (run / "config.json").is_file() else []
+        try:
+            written = (ckpts[-1] / "state.json").stat().st_mtime if ckpts else None
+        except OSError:
+            written = None
+        if written is not None and (newest is None or (written, run.name) > newest):
+            newest = (written, run.name)
+    if newest is None:
+        raise CheckpointError(f"no trained run found in {out_dir}/ (no run directory there "
+                              "holds a checkpoint); train one with `python train.py`, or pass "
+                              "a run directory")
+    run = out_dir / newest[1]
+    (log or (lambda line: print(line, file=sys.stderr)))(
+        f"run: {run} (the one whose checkpoint was written last; --run DIR for another)")
     return run

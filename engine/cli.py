@@ -112,9 +112,11 @@ def build(preset: str | None, argv: list[str]) -> RunConfig:
 
 def add_run_options(parser: Parser, what: str = "run directory or checkpoint folder") -> None:
     """--run, --checkpoint and --device: how every tool names the model it reads."""
-    parser.add_argument("--run", default="", help=f"{what} (default: the latest run)")
+    parser.add_argument("--run", default="", help=f"{what} (default: the latest run: the one "
+                        "in runs/ whose newest checkpoint was written last)")
     parser.add_argument("--checkpoint", default="best", choices=("best", "latest"),
-                        help="which checkpoint of a run: best (lowest val loss) or latest")
+                        help="which checkpoint of a run: best (lowest val loss; the latest "
+                             "where nothing after step 0 was evaluated) or latest")
     parser.add_argument("--device", default="cpu",
                         help="auto, cpu, cuda, cuda:N or mps (default: cpu)")
 

@@ -3,6 +3,7 @@ sampling and the tools, and streaming its text as it is generated."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -17,12 +18,14 @@ from model.sampling import next_token_distribution
 
 
 def load_run(path: str | Path, which: str = "best", device: str | torch.device = "cpu",
-             before_build=None):
+             before_build=None, log=None):
     """(model in eval mode, its RunConfig, its tokenizer, the checkpoint folder) from a
     run directory, a checkpoint folder, or a transformers folder (GPT-2, Llama,
     Mistral, GPT-NeoX: engine/interop.py). `before_build(cfg)` runs once the saved
     config is read, before the model is built (a script binding registry entries of
-    its own, such as the exercises' `yours`)."""
+    its own, such as the exercises' `yours`). `log` gets one line saying which
+    checkpoint of a run is used and why; without it, that line goes to stderr only when
+    the choice is not the one asked for (checkpoint.choose)."""
     from engine.interop import is_hf_folder, load_hf_folder
     if Path(path).is_file():
         raise CheckpointError(f"{path} is a file; give a run directory, a checkpoint folder "
@@ -32,7 +35,9 @@ def load_run(path: str | Path, which: str = "best", device: str | torch.device =
         cfg = RunConfig(model=model_cfg)
         cfg.data.tokenizer = tokenizer.kind
         return model, cfg, tokenizer, Path(path)
-    ckpt = checkpoint.resolve(path, which)
+    ckpt, why, departs = checkpoint.choose(path, which)
+    if log is not None or departs:
+        (log or (lambda line: print(line, file=sys.stderr)))(f"checkpoint: {ckpt} ({why})")
     weights, _, state = checkpoint.load(ckpt)
     try:
         cfg: RunConfig = from_dict(json.loads((ckpt / "config.json").read_text()),

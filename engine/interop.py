@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from common.errors import AttnlabError, CheckpointError
-from common.files import read_json
+from common.files import read_json, remove_stale, umask_mode
 from data.tokenizer import Tokenizer
 from model import GPT, ModelConfig
 from model.layers import MLPS, NORMS
@@ -500,6 +500,7 @@ def export(model: GPT, cfg: ModelConfig, tokenizer: Tokenizer, out: str | Path,
         raise ExportError(f"{out} exists and is not an empty folder; choose a new --out")
     state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     weights = {k: v.contiguous().clone() for k, v in arch.to_hf_weights(state, cfg).items()}
+    remove_stale(out.parent, f".{out.name}.tmp-")      # left by an export that was killed
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -510,6 +511,7 @@ def export(model: GPT, cfg: ModelConfig, tokenizer: Tokenizer, out: str | Path,
             architectures=[arch.hf_class], torch_dtype="float32")
         hf_config.save_pretrained(tmp)
         save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+        umask_mode(tmp / "model.safetensors")
         hf_tokenizer(tokenizer).save_pretrained(tmp)
         transformers.GenerationConfig(bos_token_id=eot, eos_token_id=eot,
                                       **(generation or {})).save_pretrained(tmp)

@@ -123,7 +123,7 @@ def train_step(run: Run, time_used: float = 0.0) -> tuple[torch.Tensor, torch.Te
     at = schedule_step(run.progress.step, time_used, train_cfg)
     lr, batch = lr_at(at, train_cfg), batch_at(at, train_cfg)
     run.optimizer.set_lr(lr / train_cfg.lr)
-    run.progress.last_lr = lr
+    run.progress.last_lr = run.optimizer.param_groups[0]["lr"]     # logged: the rate used
     total = torch.zeros((), device=run.device)
     mine = [m for m in range(train_cfg.grad_accum) if m % dist.world == dist.rank]
     for m in range(train_cfg.grad_accum):

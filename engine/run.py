@@ -3,6 +3,7 @@ state goes to a checkpoint and comes back (`save`, `restore`). The loop that tra
 it is engine/loop.py."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -12,7 +13,7 @@ from typing import Callable
 import torch
 
 from common.errors import CheckpointError, ConfigError
-from common.files import lock_file, lock_holder, read_json
+from common.files import lock_file, lock_holder, read_json, write_json_atomic, write_text_atomic
 from engine import checkpoint
 from engine.budget import refuse_what_cannot_fit
 from engine.config import RunConfig, apply, apply_to, from_dict
@@ -26,6 +27,15 @@ from model.readout import SHORTLIST_COVERAGE, shortlist_for
 
 # Model fields a fine-tuning run may change: the same weights compute the same function.
 SWAPPABLE_MODEL_FIELDS = ("attention", "dropout")
+
+# Training options a resume cannot change, and why: a new value would be recorded and
+# never used. Every other one (rates, betas, weight decay, the schedule, max_iters, ...)
+# takes effect from the first step after the checkpoint.
+FIXED_ON_RESUME = {
+    "optimizer": "the optimizer's state in the checkpoint is for it",
+    "seed": "the random streams come back from the checkpoint",
+    "init_from": "the weights come from the checkpoint",
+}
 
 
 @dataclass
@@ -136,7 +146,8 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
     torch.manual_seed(train_cfg.seed)
     given = source.tokenizer if source else None
     if resume and cfg.train.init_from:        # a fine-tuning run keeps its parent's tokenizer
-        given = Tokenizer.load(run_dir or Path(train_cfg.out_dir) / train_cfg.run_name)
+        given = Tokenizer.load(resume if isinstance(resume, Path)
+                               else run_dir or Path(train_cfg.out_dir) / train_cfg.run_name)
     data = _load_data(cfg, dist, log, given)
     counts = None
     if cfg.model.readout == "adaptive" and not resume and source is None:
@@ -170,7 +181,9 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
               sharded=sharded, log=log)
     if dist.is_main:
         run.lock = _lock_run_dir(run.run_dir)
-    if resume:
+    if isinstance(resume, Path) and resume.parent.parent.resolve() != run.run_dir.resolve():
+        _branch(run, resume)
+    elif resume:
         restore(run, resume if isinstance(resume, Path) else None)
     elif checkpoint.list_checkpoints(run.run_dir):
         raise CheckpointError(f"{run.run_dir} already holds checkpoints; continue it with "
@@ -178,6 +191,55 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
     if dist.is_main:
         _write_run_files(run)
     return run
+
+
+def _branch(run: Run, ckpt: Path) -> None:
+    """Continue from `ckpt` of another run in run.run_dir, a new run that records it as
+    its parent: the checkpoint (and the best before it) are copied in, with the metrics
+    up to its step, and nothing of the other run is touched."""
+    source = ckpt.parent.parent
+    if run.dist.is_main:                      # under the new run's lock
+        if checkpoint.list_checkpoints(run.run_dir):
+            raise CheckpointError(f"{run.run_dir} already holds checkpoints; choose another "
+                                  f"--train.run_name to continue {ckpt} in a new run")
+        _branch_files(source, ckpt, run.run_dir)
+    run.dist.barrier()
+    restore(run, run.run_dir / checkpoint.CKPT_DIR / ckpt.name)
+    run.progress.wandb_id = None              # a run of its own in the tracker too
+    if not run.sharded:                       # as fine-tuning records its source
+        from engine.interop import weights_sha256
+        run.cfg.parent["weights_sha256"] = weights_sha256(run.model)
+    run.log(f"branched: {run.run_dir} is a new run from {ckpt} (recorded as its parent); "
+            f"{source} stays as it was")
+
+
+def _branch_files(source: Path, ckpt: Path, run_dir: Path) -> None:
+    """What a run branched from `ckpt` of run `source` starts with: the checkpoint, the
+    metrics up to its step, and the best checkpoint up to it with its best.json."""
+    step = (read_json(ckpt / "state.json") or {}).get("step", 0)
+    records = []
+    try:
+        lines = (source / "metrics.jsonl").read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:                    # a torn last line
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            records.append(record)
+    write_text_atomic(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    checkpoint.copy_checkpoint(ckpt, run_dir)
+    evaluated = [r for r in records if isinstance(r.get("val_loss"), (int, float))]
+    best = min(evaluated, key=lambda r: r["val_loss"], default=None)
+    if best is not None:
+        name = f"{checkpoint.PREFIX}{best['step']:07d}"
+        if name != ckpt.name and (source / checkpoint.CKPT_DIR / name).is_dir():
+            checkpoint.copy_checkpoint(source / checkpoint.CKPT_DIR / name, run_dir)
+        if (run_dir / checkpoint.CKPT_DIR / name).is_dir():
+            write_json_atomic(run_dir / "best.json",
+                              {"step": best["step"], "val_loss": best["val_loss"], "path": name})
 
 
 def fit_readout(model_cfg, counts: torch.Tensor, log) -> None:
@@ -242,7 +304,6 @@ def _write_run_files(run: Run) -> None:
     run.run_dir.mkdir(parents=True, exist_ok=True)
     (run.run_dir / "config.json").write_text(run.cfg.to_json())
     run.data.tokenizer.save(run.run_dir)
-    (Path(run.cfg.train.out_dir) / "LATEST").write_text(run.run_dir.name + "\n")
 
 
 # -- checkpoints of a run --------------------------------------------------------------
@@ -299,10 +360,17 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
         weights = shard_weights(run.model, weights)
         opt_state = shard_optimizer_state(run.optimizer, opt_state)
     checkpoint.load_weights(run.model, weights, ckpt)
+    # The saved param groups bring back the rates, betas and weight decay the checkpoint
+    # was trained with; those of the config (the command line's, on a resume) are the
+    # ones the optimizer was just built with, and they are what the next steps use.
+    wanted = [{k: v for k, v in group.items() if k != "params"}
+              for group in run.optimizer.param_groups]
     try:
         run.optimizer.load_state_dict(opt_state)
     except (ValueError, KeyError, RuntimeError) as err:
         raise CheckpointError(f"optimizer state in {ckpt} does not fit this model ({err})") from None
+    for group, hyper in zip(run.optimizer.param_groups, wanted):
+        group.update(hyper)
     run.batches.load_state_dict({"generator": tensors["data.generator"]})
     restore_rng(tensors, run.device)
     if "scaler" in state:
@@ -321,8 +389,11 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     latest checkpoint), one of its checkpoint folders, or empty (the latest run). The
     config is the checkpoint's own, hash-checked copy, with the command line's training
     options applied; a run-level config.json that disagrees about the model or data is
-    refused, and so is a change to either on the command line. New checkpoints always go
-    to the run directory, never inside a checkpoint."""
+    refused, and so is a change to either on the command line, or to an option a resume
+    cannot honour (FIXED_ON_RESUME). New checkpoints always go to a run directory, never
+    inside a checkpoint: the checkpoint's own run when it is that run's latest, else (or
+    when --train.run_name names another run) a new run that records it as its parent,
+    so a run's history is never rewritten."""
     path = Path(resume) if resume else checkpoint.latest_run(out_dir)
     if (path / "state.json").is_file():                   # a checkpoint folder
         run_dir = path.parent.parent
@@ -347,7 +418,45 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     _refuse_changes(saved, cfg.to_dict(), f"the checkpoint {ckpt} was trained with a "
                     "different model or data config", "resume without those overrides, or "
                     "start a new run")
+    fixed = [f"train.{k}: {saved.get('train', {}).get(k)!r} -> {getattr(cfg.train, k)!r} ({why})"
+             for k, why in FIXED_ON_RESUME.items()
+             if k in saved.get("train", {}) and saved["train"][k] != getattr(cfg.train, k)]
+    if fixed:
+        raise CheckpointError(f"a resume keeps these options of {ckpt}: {'; '.join(fixed)}; "
+                              f"resume without them, or start a new run from its weights with "
+                              f"--train.init_from={ckpt}")
+    step = (read_json(ckpt / "state.json") or {}).get("step", 0)
+    if cfg.train.max_iters < step:
+        raise ConfigError(f"train.max_iters={cfg.train.max_iters} is before step {step}, where "
+                          f"{ckpt} stands; give a larger one to train on")
+    name = overrides.get("train", {}).get("run_name") or ""
+    latest = checkpoint.list_checkpoints(run_dir)[-1]
+    if ckpt.resolve() != latest.resolve() or (name and name != run_dir.name):
+        run_dir = _branch_dir(cfg, run_dir, ckpt, step, name, overrides.get("train", {}).get("out_dir"))
     return cfg, run_dir, ckpt
+
+
+def _branch_dir(cfg: RunConfig, run_dir: Path, ckpt: Path, step: int, name: str,
+                out_dir: str | None) -> Path:
+    """Where a resume from `ckpt`, not its run's latest checkpoint (or into another
+    --train.run_name), goes on: a new run beside the old one, named for it and the step
+    unless named, and recording `ckpt` as its parent."""
+    out = Path(out_dir) if out_dir else run_dir.parent
+    if name:
+        target = out / name
+        if checkpoint.list_checkpoints(target):
+            raise CheckpointError(f"{target} already holds checkpoints; choose another "
+                                  f"--train.run_name to continue {ckpt} in a new run")
+    else:
+        base = f"{run_dir.name}-from-{step}"
+        target, n = out / base, 1
+        while target.exists():
+            n += 1
+            target = out / f"{base}-{n}"
+    previous = cfg.parent
+    cfg.parent = {"path": str(ckpt), "step": step, **({"parent": previous} if previous else {})}
+    cfg.train.run_name, cfg.train.out_dir = target.name, str(out)
+    return target
 
 
 def _refuse_changes(trained: dict, other: dict, what: str, fix: str) -> None:

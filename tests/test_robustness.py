@@ -32,11 +32,11 @@ def test_resuming_from_a_checkpoint_folder_writes_into_its_run_never_inside_it(r
     out, run = run20
     copy = tmp_path / "runs" / "r"
     shutil.copytree(run, copy)
-    ckpt = copy / "checkpoints" / "step_0000010"
+    ckpt = copy / "checkpoints" / "step_0000020"             # the run's latest
     before = sorted(p.name for p in ckpt.iterdir())
     proc = run_script("train.py", "--resume", ckpt, "--train.max_iters=30",
                       f"--train.out_dir={tmp_path / 'runs'}")
-    assert "from step_0000010 (step 10)" in proc.stdout
+    assert "from step_0000020 (step 20)" in proc.stdout
     assert sorted(p.name for p in ckpt.iterdir()) == before          # the checkpoint untouched
     assert checkpoint.list_checkpoints(copy)[-1].name == "step_0000030"
     run_script("sample.py", "--run", ckpt, "--max_new_tokens", "5")  # still a usable checkpoint
@@ -213,9 +213,11 @@ def test_hand_edited_run_files_get_one_error_line(run20, tmp_path):
     _, run = run20
     copy = tmp_path / "runs" / "r"
     shutil.copytree(run, copy)
-    (tmp_path / "runs" / "LATEST").write_bytes(b"\xff\xfe not utf-8")
-    proc = run_script(ROOT / "sample.py", check=False, cwd=tmp_path)
-    assert proc.returncode == 2 and "LATEST does not name a run directory" in proc.stderr
+    (tmp_path / "runs" / "stray").write_bytes(b"\xff\xfe not a run")
+    (tmp_path / "runs" / "half").mkdir()                   # a run stopped before its first checkpoint
+    (tmp_path / "runs" / "half" / "config.json").write_text("{}")
+    proc = run_script(ROOT / "sample.py", "--max_new_tokens", "3", cwd=tmp_path)
+    assert "run: runs/r (the one whose checkpoint was written last" in proc.stderr
     state = copy / "checkpoints" / "step_0000020" / "state.json"
     state.write_text(json.dumps({"files": ["not", "a", "dict"], "step": "x"}))
     proc = run_script("sample.py", "--run", state.parent, check=False)

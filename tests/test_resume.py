@@ -1,0 +1,254 @@
+"""Resuming and reading back a run: options a resume changes take effect (or are
+refused), an older checkpoint branches into a new run instead of rewriting history,
+and the tools pick a trained checkpoint and the run trained last, saying which."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.errors import CheckpointError, ConfigError
+from conftest import ROOT, run_script
+from engine import checkpoint, cli
+from engine.inference import load_run
+from engine.loop import train
+from engine.run import resume_config, setup_run
+
+
+def quiet(*a, **k):
+    pass
+
+
+def tiny_run(corpus, out, name="r", *extra):
+    cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={out / 'cache'}",
+                             f"--train.out_dir={out / 'runs'}", f"--train.run_name={name}", *extra])
+    run = setup_run(cfg, log=quiet)
+    train(run)
+    return run.run_dir
+
+
+def resume(path, overrides=None, log=quiet, spy=None):
+    cfg, run_dir, ckpt = resume_config(str(path), str(path), overrides or {})
+    run = setup_run(cfg, run_dir=run_dir, resume=ckpt, log=log)
+    if spy is not None:
+        spy(run)
+    train(run)
+    return run
+
+
+def files_of(folder):
+    """Every file under `folder` with its bytes: what 'untouched' means."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def run20(corpus, tmp_path_factory):
+    """A tiny run with checkpoints at steps 0, 10 and 20."""
+    out = tmp_path_factory.mktemp("resume")
+    return tiny_run(corpus, out)
+
+
+def copy_of(run_dir, tmp_path):
+    copy = tmp_path / "runs" / run_dir.name
+    shutil.copytree(run_dir, copy)
+    return copy
+
+
+def test_a_resume_trains_with_the_rates_it_is_given_and_logs_the_rate_used(run20, tmp_path):
+    """The loaded optimizer state brought back the old rate, and the schedule scaled it."""
+    start = load_run(run20, "latest")[0].state_dict()
+    plain = copy_of(run20, tmp_path / "plain")
+    resume(plain, {"train": {"max_iters": "23"}})
+    slow = copy_of(run20, tmp_path / "slow")
+    used = []
+
+    def record(run):
+        step = run.optimizer.step
+        run.optimizer.step = lambda scaler: (used.append(run.optimizer.param_groups[0]["lr"]),
+                                             step(scaler))[1]
+    resume(slow, {"train": {"max_iters": "23", "lr": "1e-9", "min_lr": "1e-10"}}, spy=record)
+    moved = lambda folder: max((load_run(folder, "latest")[0].state_dict()[k] - v).abs().max().item()
+                               for k, v in start.items())
+    assert moved(plain) > 1e-4
+    assert moved(slow) < 1e-7                         # 3 steps at about 1e-9
+    logged = [r["lr"] for r in map(json.loads, (slow / "metrics.jsonl").read_text().splitlines())
+              if "lr" in r and r["step"] > 20]
+    assert len(used) == 3 and logged == used and all(1e-10 <= lr <= 1e-9 for lr in used)
+
+
+def test_betas_weight_decay_and_momentum_given_to_a_resume_are_the_optimizers(run20, corpus, tmp_path):
+    copy = copy_of(run20, tmp_path)
+    cfg, run_dir, ckpt = resume_config(str(copy), str(copy), {"train": {
+        "max_iters": "30", "beta1": "0.5", "beta2": "0.9", "weight_decay": "0.01", "lr": "2e-3"}})
+    run = setup_run(cfg, run_dir=run_dir, resume=ckpt, log=quiet)
+    run.release()
+    decayed, plain = run.optimizer.named["adamw"].param_groups
+    assert tuple(decayed["betas"]) == (0.5, 0.9) and tuple(plain["betas"]) == (0.5, 0.9)
+    assert decayed["weight_decay"] == 0.01 and plain["weight_decay"] == 0.0
+    assert decayed["base_lr"] == 2e-3
+    assert run.optimizer.named["adamw"].state                # the moments were loaded
+    muon = tiny_run(corpus, tmp_path / "m", "m", "--train.optimizer=muon", "--train.max_iters=2")
+    cfg, run_dir, ckpt = resume_config(str(muon), str(muon), {"train": {
+        "max_iters": "4", "muon_momentum": "0.8", "muon_lr": "0.01", "weight_decay": "0.05"}})
+    run = setup_run(cfg, run_dir=run_dir, resume=ckpt, log=quiet)
+    run.release()
+    group = run.optimizer.named["muon"].param_groups[0]
+    assert (group["momentum"], group["base_lr"], group["weight_decay"]) == (0.8, 0.01, 0.05)
+    assert run.optimizer.named["muon"].state
+
+
+def test_options_a_resume_cannot_honour_are_refused_in_one_line(run20, tmp_path):
+    copy = copy_of(run20, tmp_path)
+    before = files_of(copy)
+    for key, value in [("optimizer", "muon"), ("seed", "7"), ("init_from", str(run20))]:
+        with pytest.raises(CheckpointError, match=f"train.{key}: .* -> .*resume without them"):
+            resume_config(str(copy), str(copy), {"train": {key: value}})
+    with pytest.raises(ConfigError, match="train.max_iters=5 is before step 20"):
+        resume_config(str(copy), str(copy), {"train": {"max_iters": "5"}})
+    proc = run_script("train.py", "--resume", copy, "--train.optimizer=muon", check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: a resume keeps")
+    assert proc.stderr.count("\n") == 1 and "--train.init_from=" in proc.stderr
+    assert files_of(copy) == before
+
+
+def test_resuming_an_older_checkpoint_branches_into_a_new_run_and_leaves_the_old_one(run20, tmp_path):
+    copy = copy_of(run20, tmp_path)
+    before = files_of(copy)
+    older = copy / "checkpoints" / "step_0000010"
+    lines = []
+    branch = resume(older, {"train": {"max_iters": "25", "keep_last": "1"}}, log=lines.append).run_dir
+    assert files_of(copy) == before                    # not one byte of the old run changed
+    assert branch == copy.parent / "r-from-10"
+    assert any(f"{branch} is a new run from {older}" in line for line in lines)
+    cfg = json.loads((branch / "config.json").read_text())
+    assert cfg["parent"]["path"] == str(older) and cfg["parent"]["step"] == 10
+    assert len(cfg["parent"]["weights_sha256"]) == 64 and cfg["train"]["run_name"] == "r-from-10"
+    records = [json.loads(l) for l in (branch / "metrics.jsonl").read_text().splitlines()]
+    inherited = [r for r in map(json.loads, (copy / "metrics.jsonl").read_text().splitlines())
+                 if r["step"] <= 10]
+    assert records[:len(inherited)] == inherited and all(r["step"] > 10 for r in records[len(inherited):])
+    assert sorted({r["step"] for r in records}) == list(range(26))
+    # Its own history from here on: the branch's checkpoints, best.json, and its latest.
+    names = [p.name for p in checkpoint.list_checkpoints(branch)]
+    assert names[-1] == "step_0000025"
+    assert checkpoint.best_step(branch) in [int(n.split("_")[1]) for n in names]
+    # The same checkpoint again: another new run; into a named run that has checkpoints: refused.
+    again = resume(older, {"train": {"max_iters": "12"}}).run_dir
+    assert again.name == "r-from-10-2" and files_of(copy) == before
+    with pytest.raises(CheckpointError, match="r-from-10 already holds checkpoints; choose another"):
+        resume_config(str(older), str(copy), {"train": {"run_name": "r-from-10"}})
+    # The branch's own latest resumes in place.
+    assert resume_config(str(branch), str(branch), {"train": {"max_iters": "30"}})[1] == branch
+
+
+def test_a_new_run_name_on_resume_forks_the_latest_checkpoint(run20, tmp_path):
+    copy = copy_of(run20, tmp_path)
+    before = files_of(copy)
+    fork = resume(copy, {"train": {"max_iters": "22", "run_name": "fork"}}).run_dir
+    assert fork == copy.parent / "fork" and files_of(copy) == before
+    assert checkpoint.list_checkpoints(fork)[-1].name == "step_0000022"
+    assert checkpoint.best_step(fork) is not None
+
+
+def test_sampling_after_a_ctrl_c_before_any_evaluation_uses_the_trained_weights(corpus, tmp_path):
+    """Stopped at step 3, best.json still names step 0 (random weights)."""
+    cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'cache'}",
+                             f"--train.out_dir={tmp_path / 'runs'}", "--train.run_name=stop"])
+    run = setup_run(cfg, log=quiet)
+    forward, calls = run.train_forward, []
+
+    def stop_at_third(x, y):
+        calls.append(1)
+        if len(calls) == 3:
+            run.stop_signal = signal.SIGINT
+        return forward(x, y)
+    run.train_forward = stop_at_third
+    train(run)
+    assert checkpoint.best_step(run.run_dir) == 0
+    lines = []
+    _, _, _, ckpt = load_run(run.run_dir, "best", log=lines.append)
+    assert ckpt.name == "step_0000003" and len(lines) == 1
+    assert "step_0000003" in lines[0] and "best by validation loss is step 0" in lines[0]
+    assert load_run(run.run_dir, "latest")[3].name == "step_0000003"
+    # sample.py says so, and samples as many tokens as the run's preset says (50, not 500).
+    proc = run_script("sample.py", "--run", run.run_dir)
+    assert "step_0000003 (the latest checkpoint: the best" in proc.stderr
+    assert len(proc.stdout) == 50 + 1                 # a character model: one per token
+
+
+def make_run(out, name, steps, last_eval, best=None, written=None):
+    """A run folder with checkpoint state.json files only: what choosing one reads."""
+    run = out / name
+    run.mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    for step in steps:
+        ckpt = run / "checkpoints" / f"step_{step:07d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "state.json").write_text(json.dumps({"step": step, "last_eval": min(step, last_eval)}))
+        if written is not None:
+            os.utime(ckpt / "state.json", (written, written))
+    if best is not None:
+        (run / "best.json").write_text(json.dumps({"step": best, "val_loss": 1.5}))
+    return run
+
+
+def test_the_best_checkpoint_is_the_evaluated_one_unless_only_step_0_was(tmp_path):
+    evaluated = make_run(tmp_path, "a", [0, 10, 13], last_eval=10, best=10)
+    assert checkpoint.choose(evaluated, "best")[:3:2] == (evaluated / "checkpoints" / "step_0000010", False)
+    assert "validation loss: 1.5000 at step 10" in checkpoint.choose(evaluated, "best")[1]
+    worse_later = make_run(tmp_path, "b", [0, 10], last_eval=10, best=0)   # fine-tuning made it worse
+    assert checkpoint.choose(worse_later, "best")[0].name == "step_0000000"
+    unevaluated = make_run(tmp_path, "c", [0, 4], last_eval=0, best=0)
+    assert checkpoint.choose(unevaluated, "best")[0].name == "step_0000004"
+    no_best = make_run(tmp_path, "d", [0, 4], last_eval=0)
+    path, why, departs = checkpoint.choose(no_best, "best")
+    assert path.name == "step_0000004" and departs and "no best.json" in why
+
+
+def test_the_latest_run_is_the_one_trained_last_not_the_one_created_last(tmp_path):
+    out = tmp_path / "runs"
+    make_run(out, "long", [0, 500], 500, written=2_000_000)          # still training, written last
+    make_run(out, "trial", [0, 5], 5, written=1_000_000)             # created later, done early
+    make_run(out, "failed", [], 0)                                   # no checkpoint at all
+    (out / "LATEST").write_text("trial\n")                          # what train.py used to mark
+    lines = []
+    assert checkpoint.latest_run(out, log=lines.append) == out / "long"
+    assert lines == [f"run: {out / 'long'} (the one whose checkpoint was written last; --run DIR for another)"]
+    with pytest.raises(CheckpointError, match="no trained run found"):
+        checkpoint.latest_run(tmp_path / "empty")
+
+
+def test_an_export_cleans_what_a_killed_export_left_and_writes_shareable_files(run20, tmp_path):
+    from attnlab.export import main
+    pid_max = int(open("/proc/sys/kernel/pid_max").read())
+    dead = tmp_path / f".hf.tmp-{pid_max + 1}"                       # no process has this pid
+    alive = tmp_path / f".hf.tmp-{os.getppid()}"                     # an export still writing
+    for folder in (dead, alive):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"partial")
+    mask = os.umask(0o022)
+    try:
+        main(["--run", str(run20), "--out", str(tmp_path / "hf")])
+    finally:
+        os.umask(mask)
+    assert not dead.exists() and alive.exists()
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+
+
+def test_figures_go_to_the_run_or_an_ignored_folder(run20, tmp_path, monkeypatch):
+    from attnlab.plotting import figures_folder
+    monkeypatch.chdir(tmp_path)
+    ckpt = checkpoint.resolve(run20)
+    assert figures_folder(ckpt) == run20 / "figures" and (run20 / "figures").is_dir()
+    assert figures_folder() == Path("figures")
+    ignored = subprocess_check_ignore("figures/attention_grid.png")
+    assert ignored and not subprocess_check_ignore("docs/figures/x.png")
+
+
+def subprocess_check_ignore(path):
+    return subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0
