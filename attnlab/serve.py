@@ -271,6 +271,8 @@ class Service:
         if not (isinstance(ids, list) and len(ids) <= MAX_IDS
                 and all(type(i) is int and 0 <= i < V for i in ids)):     # bool is an int too
             raise BadRequest(f"ids must be a list of at most {MAX_IDS:,} token ids below {V}")
+        if len(ids) < 2:
+            raise BadRequest("ids must hold the token asked about and at least one before it")
         if not (type(index) is int and 1 <= index < len(ids)):
             raise BadRequest(f"index must point at a token after the first (1..{len(ids) - 1})")
         start = max(0, index - self.cfg.model.block_size)

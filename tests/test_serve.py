@@ -147,6 +147,7 @@ JSON = {"Content-Type": "application/json"}
     ("/api/search", {"text": ["the king"], "from": "it", "to": "king"}, 400, "non-empty string"),
     ("/api/step", {"ids": [True, False], "index": 1}, 400, "token ids"),
     ("/api/step", {"ids": [1, 2], "index": True}, 400, "index must point"),
+    ("/api/step", {"ids": [], "index": 0}, 400, "at least one before it"),
     ("/api/step", {"ids": [1] * 60_000, "index": 1}, 400, "at most 50,000"),
     ("/api/step", {"ids": [1, 2], "index": 1, "settings": {"temperature": [1]}}, 400, "a number"),
     ("/api/step", {"ids": [1, 2], "index": 1, "settings": {"temperature": "1" * 100}}, 413, "over 40"),
