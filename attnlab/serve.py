@@ -63,6 +63,11 @@ LOOPBACK_HOSTS = ["localhost", "127.0.0.1", "[::1]"]
 USER_ERRORS = (AttnlabError, ModelError, ValueError)
 
 
+class ServerStopping(AttnlabError):
+    def __init__(self):
+        super().__init__("the server was stopped (Ctrl-C); start it again to go on")
+
+
 class BadRequest(AttnlabError):
     """Input the page (or a hand-made request) sent that cannot be used."""
 
@@ -123,6 +128,13 @@ class ModelThread:
         self.streams.add(stream)
         self._add(stream.turn)
         return stream
+
+    def end_streams(self) -> None:
+        """Ends every generation and its stream (the server is stopping): each client
+        gets an error event saying so, and the server need not wait for them."""
+        for stream in list(self.streams):
+            stream.stop()
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, ServerStopping())
 
     def close(self) -> None:
         with self.ready:
@@ -572,10 +584,20 @@ def main(argv=None) -> int:
               "it can use the model, and the page has no login", file=sys.stderr)
     import uvicorn
     service = Service(model, cfg, tokenizer, str(ckpt))
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # Ctrl-C ends the streams in progress: uvicorn waits for every response to
+            # finish, which could be MAX_NEW_TOKENS more tokens away.
+            service.thread.end_streams()
+            super().handle_exit(sig, frame)
     config = uvicorn.Config(create_app(service, allowed_hosts(args.host)), host=args.host,
                             port=args.port, log_level="warning")
     print(f"serving {ckpt} at http://{args.host}:{args.port} (Ctrl-C to stop)", flush=True)
-    uvicorn.Server(config).run(sockets=[sock])
+    try:
+        Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:              # uvicorn raises Ctrl-C again once it has stopped
+        pass
+    print("stopped", file=sys.stderr)
     return 0
 
 

@@ -288,7 +288,11 @@ def wait_for(url, timeout=60):
     raise AssertionError(f"{url} did not answer")
 
 
-def test_a_warning_when_listening_beyond_this_machine(tiny_run):
+def test_a_warning_beyond_this_machine_and_stopping_ends_the_streams(tiny_run):
+    """--host 0.0.0.0 warns; stopping the server (SIGTERM, as Ctrl-C) ends a stream in
+    progress with an error event instead of waiting for its 2,000 tokens, and prints
+    no traceback."""
+    import urllib.request
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "attnlab.serve", "--run", str(tiny_run),
                              "--host", "0.0.0.0", "--port", str(port)], cwd=ROOT,
@@ -296,10 +300,17 @@ def test_a_warning_when_listening_beyond_this_machine(tiny_run):
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         wait_for(f"http://127.0.0.1:{port}/api/info")
+        url = f"http://127.0.0.1:{port}/api/generate?prompt=KING&max_new_tokens=2000"
+        with urllib.request.urlopen(url, timeout=60) as response:
+            assert b'"token"' in response.readline() + response.readline() + response.readline()
+            proc.terminate()
+            rest = response.read().decode()
     finally:
         proc.terminate()
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=60)
+    assert "event: error" in rest and "the server was stopped" in rest and "event: done" not in rest
     assert "warning: listening on 0.0.0.0, not only this machine" in err
+    assert "Traceback" not in err and "train.py" not in err
 
 
 # --- a real server: the test client holds a response until it is complete, so what
