@@ -417,8 +417,11 @@ def create_app(service: Service, allowed_hosts=LOOPBACK_HOSTS):
                 yield sse(first)
                 while True:
                     items = await stream.take()
-                    yield "".join(map(sse, items))
-                    if not isinstance(items[-1], list):
+                    # The first item that is not a list of events (the end, an error, the
+                    # server stopping) ends the stream; a step made meanwhile is dropped.
+                    last = next((i for i, item in enumerate(items) if not isinstance(item, list)), None)
+                    yield "".join(map(sse, items if last is None else items[:last + 1]))
+                    if last is not None:
                         return
             finally:                 # the client left (or the stream ended): stop generating
                 stream.stop()
