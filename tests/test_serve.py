@@ -343,7 +343,7 @@ class Steps:
     each began; with `gated`, each pass waits for a permit from the test (at most
     `patience` seconds, after which it goes on and is counted as forced)."""
 
-    def __init__(self, model, gated=False, patience=2.0):
+    def __init__(self, model, gated=False, patience=5.0):
         self.gated, self.patience, self.forced, self.starts = gated, patience, 0, []
         self.permits = threading.Semaphore(0)
         self.handle = model.register_forward_pre_hook(self)
