@@ -5,18 +5,25 @@ for any token, what each head looked at and which candidates the sampler chose f
     python -m attnlab.serve --run ./gpt2 --port 8080
 
 Built on Starlette and uvicorn. Tokens stream as server-sent events from the same
-generation code as sample.py (same seed and settings, same text). Clicking a token asks
-what produced it: the attention of the query before it, computed then on the eager
-path (so every backend can show it), and the candidates before and after temperature /
-top-k / top-p, recomputed with the generation's settings; the stream stays as fast as
-sample.py because it carries nothing else. The server listens on 127.0.0.1 unless --host says
-otherwise, and says so when it does: the page has no login.
+generation code as sample.py (same seed and settings, same text), each sent as soon as
+it is drawn; clients take turns on the model a token at a time, and one that leaves
+(the page's Stop) ends its generation. Clicking a token asks what produced it: the
+attention of the query before it, computed then on the eager path (so every backend can
+show it), and the candidates before and after temperature / top-k / top-p, recomputed
+with the generation's settings; the stream stays as fast as sample.py because it
+carries nothing else.
 
-API (JSON errors are {"error": "..."} with status 400 or 422):
+The page has no login, so it guards its door as Jupyter does: it listens on 127.0.0.1
+and answers only this machine's names (localhost, 127.0.0.1, [::1]) unless --host says
+otherwise, and says so when it does; a request from another site's page is refused, a
+POST must be JSON, and every input has a cap.
+
+API (JSON errors are {"error": "..."} with status 400, 403, 413 or 415):
   GET  /api/info                     the model: config line, layers, heads, mask pattern
   GET  /api/generate?prompt=...&temperature=&top_k=&top_p=&max_new_tokens=&seed=
                                      text/event-stream: the prompt's ids, then for each
-                                     token {"index", "id", "token"} and the text pieces
+                                     token {"index", "id", "token"} and the text pieces;
+                                     "event: done" at the end ("event: error" if it failed)
   POST /api/step {"ids": [...], "index": i, "settings": {temperature, top_k, top_p}}
                                      what produced token i: per layer and head, the
                                      weights its query gave each earlier token, and the
@@ -26,41 +33,182 @@ API (JSON errors are {"error": "..."} with status 400 or 422):
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
+import errno
 import ipaddress
 import json
+import socket
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import traceback
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
-from common.errors import AttnlabError
+from common.errors import AttnlabError, ConfigError
 from engine.cli import Parser, add_run_options, errors_as_lines
+from model import ModelError
 
 WEB = Path(__file__).resolve().parent / "web"
 MAX_NEW_TOKENS = 2000          # one request; the page's slider stops at 500
+MAX_TEXT = 10_000              # characters of a prompt or a searched text
+MAX_SEARCH_TOKENS = 512        # a search keeps every head's (T, T) map: T^2 memory and time
+MAX_IDS = 50_000               # token ids sent back to /api/step (a long prompt + MAX_NEW_TOKENS)
+MAX_WORD = 200                 # characters of search's "from" and "to"
+MAX_BODY = 512 * 1024          # bytes of a POST body; MAX_IDS ids fit in about 350 KB
 TOP = 8                        # candidates shown per step
-BATCH_S = 0.02                 # steps made within this are sent together (still ~50 per second)
+LOOPBACK_HOSTS = ["localhost", "127.0.0.1", "[::1]"]
+USER_ERRORS = (AttnlabError, ModelError, ValueError)
+
+
+class ServerStopping(AttnlabError):
+    def __init__(self):
+        super().__init__("the server was stopped (Ctrl-C); start it again to go on")
 
 
 class BadRequest(AttnlabError):
     """Input the page (or a hand-made request) sent that cannot be used."""
 
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+class ModelThread:
+    """Every model call runs in this one thread, so only one OpenMP team of torch
+    threads exists (a second one spinning beside it halved decoding speed on 2 cores)
+    and the event loop never waits for the model. Work takes turns, round-robin: each
+    live generation makes one token step per turn and a one-off call (a click's
+    attention, a search) takes one turn, so a short request behind long ones finishes
+    in a few of their steps instead of after them."""
+
+    def __init__(self):
+        self.turns: collections.deque = collections.deque()
+        self.ready = threading.Condition()
+        self.streams: set[Stream] = set()      # generations not yet finished or stopped
+        self.closed = False
+        threading.Thread(target=self._loop, name="model", daemon=True).start()
+
+    def _add(self, turn) -> None:
+        with self.ready:
+            self.turns.append(turn)
+            self.ready.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self.ready:
+                while not self.turns and not self.closed:
+                    self.ready.wait()
+                if self.closed:
+                    return
+                turn = self.turns.popleft()
+            if turn():                         # it wants another turn: to the back
+                self._add(turn)
+
+    async def call(self, fn, *args):
+        """fn(*args) in the model thread, awaited."""
+        future = concurrent.futures.Future()
+
+        def turn() -> bool:
+            if future.set_running_or_notify_cancel():     # False: the caller left
+                try:
+                    future.set_result(fn(*args))
+                except Exception as err:
+                    future.set_exception(err)
+            return False
+        self._add(turn)
+        return await asyncio.wrap_future(future)
+
+    def stream(self, steps) -> "Stream":
+        """Runs the generator `steps` one item per turn; its items arrive in the
+        returned Stream's queue as they are made."""
+        stream = Stream(self, steps, asyncio.get_running_loop())
+        self.streams.add(stream)
+        self._add(stream.turn)
+        return stream
+
+    def end_streams(self) -> None:
+        """Ends every generation and its stream (the server is stopping): each client
+        gets an error event saying so, and the server need not wait for them."""
+        for stream in list(self.streams):
+            stream.stop()
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, ServerStopping())
+
+    def close(self) -> None:
+        with self.ready:
+            self.closed = True
+            self.ready.notify()
+
+
+class Stream:
+    """One generation on its way to its client: the model thread puts each step's events
+    in `queue` as soon as they are made (a list, then END or the exception that ended
+    it), and the event loop sends whatever has piled up since its last write, so a slow
+    client never holds up the model and a fast one gets every token at once."""
+    END = "end"
+
+    def __init__(self, owner: ModelThread, steps, loop):
+        self.owner, self.steps, self.loop = owner, steps, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.stopped = False                   # set by the event loop when the client leaves
+
+    def turn(self) -> bool:
+        if self.stopped:
+            self.steps.close()                 # ends generation where it is
+            self.owner.streams.discard(self)
+            return False
+        more = True
+        try:
+            item = next(self.steps)
+        except StopIteration:
+            item, more = self.END, False
+        except Exception as err:
+            item, more = err, False
+        if not more:
+            self.owner.streams.discard(self)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:                   # the event loop is gone: the server stopped
+            self.steps.close()
+            self.owner.streams.discard(self)
+            return False
+        return more
+
+    async def take(self) -> list:
+        """Everything made since the last take, waiting for at least one item."""
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        return items
+
+    def stop(self) -> None:
+        self.stopped = True
+
 
 class Service:
-    """The loaded model and the work the routes ask of it. Every model call runs in one
-    dedicated thread, so generation never blocks the event loop, two clients' streams
-    take turns step by step, and only one OpenMP team of torch threads exists (a second
-    one spinning beside it halved decoding speed on 2 cores)."""
+    """The loaded model and the work the routes ask of it, all run in one ModelThread."""
 
     def __init__(self, model, cfg, tokenizer, origin: str):
-        self.model, self.cfg, self.tokenizer, self.origin = model, cfg, tokenizer, origin
-        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
+        base = public_base(origin)
+        self.origin = str(Path(origin).resolve().relative_to(base))
+        folders = {str(base): ".", str(Path.cwd().resolve()): ".", str(Path.home()): "~"}
+        self.hidden = sorted(((f, n) for f, n in folders.items() if len(Path(f).parts) > 1),
+                             key=lambda kv: -len(kv[0]))          # never the root folder itself
+        self.thread = ModelThread()
 
     async def run(self, fn, *args):
         """fn(*args) in the model thread, awaited."""
-        return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
+        return await self.thread.call(fn, *args)
+
+    def public(self, message: str) -> str:
+        """A message as the page may show it: folders above the model's named relatively."""
+        for folder, name in self.hidden:
+            message = message.replace(folder + "/", "" if name == "." else name + "/")
+            message = message.replace(folder, name)
+        return message
 
     def info(self) -> dict:
         from model.mask import visible
@@ -81,7 +229,13 @@ class Service:
         from engine.config import RunConfig, apply_to
         unknown = set(query) - {"prompt", "temperature", "top_k", "top_p", "max_new_tokens", "seed"}
         if unknown:
-            raise BadRequest(f"unknown parameter {sorted(unknown)[0]!r}")
+            raise BadRequest(f"unknown parameter {_short(sorted(unknown)[0])!r}")
+        for key, value in query.items():
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise BadRequest(f"{key} must be a number or a string, not {type(value).__name__}")
+            if isinstance(value, str) and len(value) > (MAX_TEXT if key == "prompt" else 40):
+                raise BadRequest(f"{key} is over {MAX_TEXT if key == 'prompt' else 40:,} characters",
+                                 413)
         sample = RunConfig().sample
         sample.max_new_tokens = 100
         apply_to(sample, "sample", dict(query), "the request")
@@ -94,22 +248,28 @@ class Service:
         return sample
 
     def steps(self, sample):
-        """A generator of events: the prompt, then each token (id, text) and the text
-        pieces exactly as sample.py writes them."""
+        """A generator with one list of events per step: the prompt's, then each token
+        (index, id, text) as soon as it is drawn, with the text pieces exactly as
+        sample.py writes them."""
         from engine.inference import encode_prompt, stream_text
         ids = encode_prompt(self.tokenizer, sample.prompt)       # TokenizerError names characters
         drawn: list[int] = []
-        yield {"prompt_ids": ids, "prompt_tokens": [self.tokenizer.decode([i]) for i in ids]}
+        yield [{"prompt_ids": ids, "prompt_tokens": [self.tokenizer.decode([i]) for i in ids]}]
         pieces = stream_text(self.model, self.tokenizer, ids, sample.max_new_tokens,
                              sample.temperature, sample.top_k, sample.top_p, sample.seed,
                              on_step=lambda logits, token: drawn.append(int(token[0, 0])))
         sent = 0
-        for piece in [*pieces, None]:            # None: after the last piece, any tokens left
-            for token in drawn[sent:]:
-                yield {"index": len(ids) + sent, "id": token, "token": self.tokenizer.decode([token])}
-                sent += 1
-            if piece is not None:
-                yield {"text": piece}
+
+        def tokens():
+            nonlocal sent
+            new = [{"index": len(ids) + i, "id": t, "token": self.tokenizer.decode([t])}
+                   for i, t in enumerate(drawn[sent:], start=sent)]
+            sent = len(drawn)
+            return new
+        for piece in pieces:      # a piece comes with the token that completed its characters
+            yield tokens() + [{"text": piece}]
+        if drawn[sent:]:
+            yield tokens()
 
     @torch.no_grad()
     def step(self, ids: list[int], index: int, sample) -> dict:
@@ -120,9 +280,12 @@ class Service:
         settings as during generation)."""
         from model.sampling import next_token_distribution
         V = self.cfg.model.vocab_size
-        if not (isinstance(ids, list) and all(isinstance(i, int) and 0 <= i < V for i in ids)):
-            raise BadRequest(f"ids must be a list of token ids below {V}")
-        if not (isinstance(index, int) and 1 <= index < len(ids)):
+        if not (isinstance(ids, list) and len(ids) <= MAX_IDS
+                and all(type(i) is int and 0 <= i < V for i in ids)):     # bool is an int too
+            raise BadRequest(f"ids must be a list of at most {MAX_IDS:,} token ids below {V}")
+        if len(ids) < 2:
+            raise BadRequest("ids must hold the token asked about and at least one before it")
+        if not (type(index) is int and 1 <= index < len(ids)):
             raise BadRequest(f"index must point at a token after the first (1..{len(ids) - 1})")
         start = max(0, index - self.cfg.model.block_size)
         context = torch.tensor([ids[start:index]], device=next(self.model.parameters()).device)
@@ -139,14 +302,41 @@ class Service:
                             for layer in out.attentions],
                 "candidates": [[self.tokenizer.decode([i]), round(b[i], 6), round(a[i], 6), i] for i in top]}
 
+    def check_search(self, text, source, target) -> None:
+        """Refuses, before any model work, a search the page could not have sent."""
+        if not all(isinstance(s, str) for s in (text, source, target)) or not (text and source and target):
+            raise BadRequest("search needs text, from and to, each a non-empty string")
+        if len(text) > MAX_TEXT:
+            raise BadRequest(f"the text is {len(text):,} characters; search reads at most {MAX_TEXT:,}", 413)
+        if max(len(source), len(target)) > MAX_WORD:
+            raise BadRequest(f"from and to are words of the text: at most {MAX_WORD} characters each", 413)
+
+    @torch.no_grad()
     def search(self, text: str, source: str, target: str) -> dict:
         from attnlab.heads import attention_maps, search, token_spans
-        if not (isinstance(text, str) and text and source and target):
-            raise BadRequest("search needs text, from and to")
+        self.check_search(text, source, target)
+        limit = min(self.cfg.model.block_size, MAX_SEARCH_TOKENS)
+        n = len(self.tokenizer.encode(text))
+        if n > limit:
+            raise BadRequest(f"the text is {n} tokens; this page searches at most {limit} (a "
+                             "search keeps every head's attention over the whole text)", 413)
         tokens, maps = attention_maps(self.model, self.tokenizer, text)
         ranking, query, targets = search(maps, text, token_spans(self.tokenizer, text), source, target)
         return {"query": tokens[query], "targets": "".join(tokens[t] for t in targets),
                 "ranking": [{"layer": l, "head": h, "weight": round(w, 4)} for w, l, h in ranking[:10]]}
+
+
+def public_base(path: str) -> Path:
+    """The folder a model's path is named from on the page: the working directory if
+    the model is inside it, else the folder three levels up (run/checkpoints/step). The
+    page never shows an absolute path: whoever reaches it would learn the user's name and
+    folders."""
+    p, cwd = Path(path).resolve(), Path.cwd().resolve()
+    return cwd if p.is_relative_to(cwd) else p.parents[min(2, len(p.parents) - 1)]
+
+
+def _short(text: str, n: int = 40) -> str:
+    return text if len(text) <= n else text[:n] + "..."
 
 
 def _sample_defaults(cfg) -> dict:
@@ -154,18 +344,38 @@ def _sample_defaults(cfg) -> dict:
     return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed}
 
 
-def create_app(service: Service):
+def create_app(service: Service, allowed_hosts=LOOPBACK_HOSTS):
+    """The Starlette app. Like Jupyter and other local servers, it answers only requests
+    whose Host is one of `allowed_hosts` (this machine's names unless --host says
+    otherwise: a site that points its own name at 127.0.0.1 cannot read the page), refuses
+    a request from a page of another site, and reads POST bodies only as JSON (a form or
+    text/plain POST is what a foreign page can send without asking)."""
     from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.middleware.trustedhost import TrustedHostMiddleware
     from starlette.responses import FileResponse, JSONResponse, StreamingResponse
     from starlette.routing import Mount, Route
     from starlette.staticfiles import StaticFiles
 
-    def error(err, status=400):
-        return JSONResponse({"error": str(err)}, status_code=status)
+    def error(err, status=None):
+        status = status or getattr(err, "status", 400)
+        return JSONResponse({"error": service.public(str(err))}, status_code=status)
 
     async def body_of(request) -> dict:
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise BadRequest("send the body as JSON, with Content-Type: application/json", 415)
+        if int(request.headers.get("content-length") or 0) > MAX_BODY:
+            raise BadRequest(f"the request body is over {MAX_BODY // 1024} KB", 413)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY:
+                raise BadRequest(f"the request body is over {MAX_BODY // 1024} KB", 413)
         try:
-            data = json.loads(await request.body())
+            data = json.loads(body)
+        except RecursionError:
+            raise BadRequest("the request body nests too deeply") from None
         except ValueError:
             raise BadRequest("the request body is not JSON") from None
         if not isinstance(data, dict):
@@ -181,20 +391,40 @@ def create_app(service: Service):
     async def generate(request):
         try:
             sample = service.settings(dict(request.query_params))
-            steps = service.steps(sample)
-            first = await service.run(next, steps, None)      # refusals come before streaming
-        except (AttnlabError, ValueError) as err:
+        except USER_ERRORS as err:
             return error(err)
+        stream = service.thread.stream(service.steps(sample))
+        try:
+            first = await stream.queue.get()      # refusals (a prompt it cannot encode) come first
+        except BaseException:
+            stream.stop()
+            raise
+        if isinstance(first, Exception):
+            return error(first) if isinstance(first, USER_ERRORS) else internal(request, first)
+
+        def sse(item) -> str:
+            if isinstance(item, list):
+                return "".join(f"data: {json.dumps(event)}\n\n" for event in item)
+            if item is Stream.END:
+                return "event: done\ndata: {}\n\n"
+            if not isinstance(item, USER_ERRORS):
+                traceback.print_exception(item, file=sys.stderr)
+            message = str(item) if isinstance(item, USER_ERRORS) else internal_message(item)
+            return f"event: error\ndata: {json.dumps({'error': service.public(message)})}\n\n"
 
         async def events():
-            batch = [first]
-            while batch:
-                yield "".join(f"data: {json.dumps(item)}\n\n" for item in batch)
-                if await request.is_disconnected():
-                    steps.close()                    # the client left: stop generating
-                    return
-                batch = await service.run(_next_batch, steps)
-            yield "event: done\ndata: {}\n\n"
+            try:
+                yield sse(first)
+                while True:
+                    items = await stream.take()
+                    # The first item that is not a list of events (the end, an error, the
+                    # server stopping) ends the stream; a step made meanwhile is dropped.
+                    last = next((i for i, item in enumerate(items) if not isinstance(item, list)), None)
+                    yield "".join(map(sse, items if last is None else items[:last + 1]))
+                    if last is not None:
+                        return
+            finally:                 # the client left (or the stream ended): stop generating
+                stream.stop()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store"})
@@ -207,57 +437,140 @@ def create_app(service: Service):
                 raise BadRequest("settings must be an object: {temperature, top_k, top_p}")
             sample = service.settings({**settings, "prompt": "-"})
             return JSONResponse(await service.run(service.step, data.get("ids"), data.get("index"), sample))
-        except (AttnlabError, ValueError) as err:
+        except USER_ERRORS as err:
             return error(err)
 
     async def search(request):
         try:
             data = await body_of(request)
-            return JSONResponse(await service.run(
-                service.search, data.get("text"), data.get("from"), data.get("to")))
-        except AttnlabError as err:
+            args = data.get("text"), data.get("from"), data.get("to")
+            service.check_search(*args)                  # before waiting for the model's turn
+            return JSONResponse(await service.run(service.search, *args))
+        except USER_ERRORS as err:
             return error(err)
+
+    def internal_message(err) -> str:
+        return f"internal error ({type(err).__name__}); the server's terminal shows what happened"
+
+    def internal(request, err):
+        traceback.print_exception(err, file=sys.stderr)
+        return JSONResponse({"error": internal_message(err)}, status_code=500)
 
     return Starlette(routes=[
         Route("/", index), Route("/api/info", info), Route("/api/generate", generate),
         Route("/api/step", step, methods=["POST"]),
         Route("/api/search", search, methods=["POST"]),
         Mount("/static", StaticFiles(directory=WEB)),
-    ], exception_handlers={ValueError: lambda request, err: error(err)})
+    ], middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)),
+                   Middleware(SameOrigin)],
+        exception_handlers={Exception: lambda request, err: JSONResponse(
+            {"error": internal_message(err)}, status_code=500)})
 
 
-def _next_batch(steps, seconds: float = BATCH_S) -> list:
-    """The steps a generation makes in the next `seconds` (at least one; empty at the
-    end): one hop to the model thread and one write per batch instead of per token."""
-    out, start = [], time.perf_counter()
-    while not out or time.perf_counter() - start < seconds:
-        item = next(steps, None)
-        if item is None:
-            break
-        out.append(item)
-    return out
+class SameOrigin:
+    """ASGI middleware: a request a browser sends from a page of another site (its
+    Origin is not this server's own, or for the API its Sec-Fetch-Site says cross-site
+    or same-site, as a page on another port of this machine is) gets 403, as Jupyter
+    refuses cross-origin API requests. Scripts and curl send neither header and pass."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            from starlette.datastructures import Headers
+            from starlette.responses import JSONResponse
+            headers = Headers(scope=scope)
+            origin, site = headers.get("origin"), headers.get("sec-fetch-site", "")
+            foreign = origin is not None and not same_origin(origin, headers.get("host", ""))
+            if foreign or (scope["path"].startswith("/api/") and site in ("cross-site", "same-site")):
+                response = JSONResponse({"error": "this page answers only its own pages: open it "
+                                                  "at the address the server printed"}, 403)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def same_origin(origin: str, host: str) -> bool:
+    """Whether an Origin header (scheme://host[:port]) names the server at `host`."""
+    try:
+        parts = urlsplit(origin)
+        return parts.scheme in ("http", "https") and parts.netloc.lower() == host.lower() != ""
+    except ValueError:
+        return False
 
 
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def allowed_hosts(host: str) -> list[str]:
+    """The Host names the server answers: this machine's loopback names, and the name
+    or address given with --host; any name when it listens on every interface (0.0.0.0
+    or ::), since a visitor then reaches it by a name it cannot know."""
+    try:
+        if ipaddress.ip_address(host).is_unspecified:
+            return ["*"]
+        literal = f"[{host}]" if ipaddress.ip_address(host).version == 6 else host
+    except ValueError:
+        literal = host.lower()
+    return LOOPBACK_HOSTS + ([literal] if literal not in LOOPBACK_HOSTS else [])
+
+
+def port_number(text: str) -> int:
+    """--port: a TCP port, 1-65535."""
+    import argparse
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number (1-65535), not {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (1-65535), not {port}")
+    return port
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, or one ConfigError line saying why not (a name that
+    does not resolve, a port in use or reserved)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (OSError, UnicodeError) as err:         # gaierror is an OSError; "a..b" fails IDNA
+        raise ConfigError(f"--host {host!r} is not an address or a name this machine can "
+                          f"resolve ({err}); use 127.0.0.1 (this machine only) or 0.0.0.0 "
+                          "(every interface)") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        advice = {errno.EADDRINUSE: "something else uses it: choose another --port",
+                  errno.EACCES: "ports below 1024 need root: choose another --port",
+                  errno.EADDRNOTAVAIL: "that address is not this machine's: use 127.0.0.1 "
+                                       "(this machine only) or 0.0.0.0 (every interface)"}
+        raise ConfigError(f"cannot listen on {host} port {port} ({err.strerror or err}); "
+                          + advice.get(err.errno, "choose another --host or --port")) from None
+    return sock
 
 
 def parser() -> Parser:
     p = Parser("python -m attnlab.serve", __doc__)
     add_run_options(p, "run directory, checkpoint or transformers folder")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
-                   "this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+                   "this machine only); the page answers requests for this name and localhost")
+    p.add_argument("--port", type=port_number, default=8000, help="port (default 8000)")
     return p
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    sock = listen(args.host, args.port)            # a bad --host or --port before the model loads
     from engine.checkpoint import latest_run
     from engine.device import pick_device, pick_dtype
     from engine.inference import load_run
@@ -273,9 +586,21 @@ def main(argv=None) -> int:
         print(f"warning: listening on {args.host}, not only this machine: anyone who can reach "
               "it can use the model, and the page has no login", file=sys.stderr)
     import uvicorn
+    service = Service(model, cfg, tokenizer, str(ckpt))
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # Ctrl-C ends the streams in progress: uvicorn waits for every response to
+            # finish, which could be MAX_NEW_TOKENS more tokens away.
+            service.thread.end_streams()
+            super().handle_exit(sig, frame)
+    config = uvicorn.Config(create_app(service, allowed_hosts(args.host)), host=args.host,
+                            port=args.port, log_level="warning")
     print(f"serving {ckpt} at http://{args.host}:{args.port} (Ctrl-C to stop)", flush=True)
-    uvicorn.run(create_app(Service(model, cfg, tokenizer, str(ckpt))), host=args.host,
-                port=args.port, log_level="warning")
+    try:
+        Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:              # uvicorn raises Ctrl-C again once it has stopped
+        pass
+    print("stopped", file=sys.stderr)
     return 0
 
 

@@ -1,5 +1,7 @@
-"""python -m attnlab.serve: the API through Starlette's test client, then the page in a
-real headless Chromium (Debian's chromium and chromium-driver, which .ci/run installs)."""
+"""python -m attnlab.serve: the API through Starlette's test client; streaming, taking
+turns and Stop through a real uvicorn on 127.0.0.1 (the test client holds a response
+until it is complete); then the page in a real headless Chromium (Debian's chromium and
+chromium-driver, which .ci/run installs)."""
 import json
 import os
 import shutil
@@ -29,7 +31,8 @@ def tiny_run(corpus, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(tiny_run):
     model, cfg, tokenizer, ckpt = load_run(tiny_run)
-    with TestClient(create_app(Service(model, cfg, tokenizer, str(ckpt)))) as c:
+    with TestClient(create_app(Service(model, cfg, tokenizer, str(ckpt))),
+                    base_url="http://127.0.0.1:8000") as c:     # a loopback Host, as a browser sends
         yield c
 
 
@@ -104,7 +107,7 @@ def test_bad_input_gets_a_4xx_json_error_and_the_server_goes_on(client, params, 
                                   json.dumps({"ids": [1, 2], "index": 1, "settings": [1]}),
                                   json.dumps({"ids": [1, 2], "index": 1, "settings": {"x": 1}})])
 def test_bad_step_requests_are_refused(client, body):
-    response = client.post("/api/step", content=body)
+    response = client.post("/api/step", content=body, headers={"Content-Type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]
 
 
@@ -133,6 +136,134 @@ def test_two_clients_at_once_each_get_their_own_stream(client):
     assert results == alone and results[1] != results[2]
 
 
+JSON = {"Content-Type": "application/json"}
+
+
+@pytest.mark.parametrize("path,body,status,message", [
+    ("/api/search", {"text": "x" * 20_000, "from": "x", "to": "x"}, 413, "at most 10,000"),
+    ("/api/search", {"text": "the king and it " * 4, "from": "it", "to": "king"}, 413, "at most 32 (a"),
+    ("/api/search", {"text": "the king and it", "from": "it" * 200, "to": "king"}, 413, "at most 200"),
+    ("/api/search", {"text": "the king and it", "from": 5, "to": "king"}, 400, "non-empty string"),
+    ("/api/search", {"text": ["the king"], "from": "it", "to": "king"}, 400, "non-empty string"),
+    ("/api/step", {"ids": [True, False], "index": 1}, 400, "token ids"),
+    ("/api/step", {"ids": [1, 2], "index": True}, 400, "index must point"),
+    ("/api/step", {"ids": [], "index": 0}, 400, "at least one before it"),
+    ("/api/step", {"ids": [1] * 60_000, "index": 1}, 400, "at most 50,000"),
+    ("/api/step", {"ids": [1, 2], "index": 1, "settings": {"temperature": [1]}}, 400, "a number"),
+    ("/api/step", {"ids": [1, 2], "index": 1, "settings": {"temperature": "1" * 100}}, 413, "over 40"),
+])
+def test_every_input_has_a_cap_and_a_type(client, path, body, status, message):
+    response = client.post(path, json=body)
+    assert response.status_code == status and message in response.json()["error"], response.text
+
+
+@pytest.mark.parametrize("path", ["/api/step", "/api/search"])
+@pytest.mark.parametrize("body,status,message", [
+    (b'{"text": "' + b"x" * 1_000_000 + b'"}', 413, "over 512 KB"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "nests too deeply"),
+    (b'{"ids": ' + b"[" * 500 + b"]" * 500 + b', "index": 1, "text": 1}', 400, ""),
+], ids=["1 MB", "nested 100,000 deep", "nested 500 deep"])
+def test_a_huge_or_deep_body_is_refused_not_a_500(client, path, body, status, message):
+    response = client.post(path, content=body, headers=JSON)
+    assert response.status_code == status and message in response.json()["error"], response.text
+
+
+def test_a_long_prompt_is_refused(client):
+    response = client.get("/api/generate", params={"prompt": "a" * 10_001})
+    assert response.status_code == 413 and "prompt is over 10,000" in response.json()["error"]
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.1.evil.example"])
+@pytest.mark.parametrize("path", ["/", "/api/info", "/api/generate?prompt=KING&max_new_tokens=2"])
+def test_only_this_machine_s_names_are_answered(client, host, path):
+    """DNS rebinding: a site that points its own name at 127.0.0.1 gets nothing."""
+    response = client.get(path, headers={"Host": host})
+    assert response.status_code == 400 and "KING" not in response.text
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:8000", "localhost:8000", "[::1]:8000", "localhost"])
+def test_loopback_names_are_answered(client, host):
+    assert client.get("/api/info", headers={"Host": host}).status_code == 200
+
+
+@pytest.mark.parametrize("headers", [
+    {"Origin": "https://evil.example"}, {"Origin": "null"},
+    {"Origin": "http://127.0.0.1:9999"},                    # another port is another site
+    {"Sec-Fetch-Site": "cross-site"}, {"Sec-Fetch-Site": "same-site"},
+])
+def test_requests_from_another_site_s_page_are_refused(client, headers):
+    search = {"text": "the king and it", "from": "it", "to": "king"}
+    response = client.post("/api/search", json=search, headers=headers)
+    assert response.status_code == 403 and "its own pages" in response.json()["error"]
+    assert client.get("/api/generate", params={"prompt": "KING"}, headers=headers).status_code == 403
+    assert client.get("/api/info", headers=headers).status_code == 403
+
+
+def test_the_page_s_own_requests_pass(client):
+    same = {"Origin": "http://127.0.0.1:8000", "Sec-Fetch-Site": "same-origin"}
+    search = {"text": "the king and it", "from": "it", "to": "king"}
+    assert client.post("/api/search", json=search, headers=same).status_code == 200
+    assert client.get("/", headers={"Sec-Fetch-Site": "cross-site"}).status_code == 200  # a link to it
+
+
+@pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded",
+                                  "multipart/form-data; boundary=x", None])
+def test_a_post_that_is_not_json_is_refused(client, kind):
+    """The content types a foreign page may POST without asking first: 415."""
+    headers = {"Content-Type": kind} if kind else {}
+    body = json.dumps({"text": "the king and it", "from": "it", "to": "king"})
+    response = client.post("/api/search", content=body, headers=headers)
+    assert response.status_code == 415 and "application/json" in response.json()["error"]
+    assert client.post("/api/search", content=body,
+                       headers={"Content-Type": "application/json; charset=utf-8"}).status_code == 200
+
+
+def test_no_absolute_path_is_shown(client, tiny_run):
+    info = client.get("/api/info").text
+    assert str(tiny_run) not in info and str(ROOT) not in info
+    assert json.loads(info)["origin"].startswith("s/checkpoints/step_")      # run/checkpoints/step
+    model, cfg, tokenizer, ckpt = load_run(tiny_run)
+    message = Service(model, cfg, tokenizer, str(ckpt)).public(
+        f"cannot read {ckpt / 'tokenizer.json'} (in {ckpt.parent})")
+    assert str(tiny_run.parent) not in message and "s/checkpoints/" in message
+
+
+def test_the_allowed_names_follow_host():
+    from attnlab.serve import allowed_hosts
+    assert allowed_hosts("127.0.0.1") == ["localhost", "127.0.0.1", "[::1]"]
+    assert allowed_hosts("myhost.lan")[-1] == "myhost.lan" and "localhost" in allowed_hosts("myhost.lan")
+    assert allowed_hosts("fe80::1")[-1] == "[fe80::1]"
+    assert allowed_hosts("0.0.0.0") == ["*"] and allowed_hosts("::") == ["*"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--port", "70000"], "port number (1-65535), not 70000"),
+    (["--port", "-1"], "port number (1-65535), not -1"),
+    (["--port", "http"], "not 'http'"),
+    (["--host", "evil..name"], "--host 'evil..name' is not an address"),
+])
+def test_a_bad_host_or_port_is_one_error_line(capsys, argv, message):
+    from attnlab.serve import main
+    from engine.cli import errors_as_lines
+    with pytest.raises(SystemExit) as exit, errors_as_lines():
+        main(argv + ["--run", "nowhere"])               # refused before the model is looked for
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.startswith("error: ") and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_port_in_use_is_one_error_line(capsys):
+    from attnlab.serve import main
+    from engine.cli import errors_as_lines
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(SystemExit), errors_as_lines():
+            main(["--port", str(taken.getsockname()[1]), "--run", "nowhere"])
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot listen") and "choose another --port" in err
+
+
 def test_only_loopback_unless_asked():
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.5")
@@ -157,7 +288,11 @@ def wait_for(url, timeout=60):
     raise AssertionError(f"{url} did not answer")
 
 
-def test_a_warning_when_listening_beyond_this_machine(tiny_run):
+def test_a_warning_beyond_this_machine_and_stopping_ends_the_streams(tiny_run):
+    """--host 0.0.0.0 warns; stopping the server (SIGTERM, as Ctrl-C) ends a stream in
+    progress with an error event instead of waiting for its 2,000 tokens, and prints
+    no traceback."""
+    import urllib.request
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "attnlab.serve", "--run", str(tiny_run),
                              "--host", "0.0.0.0", "--port", str(port)], cwd=ROOT,
@@ -165,10 +300,181 @@ def test_a_warning_when_listening_beyond_this_machine(tiny_run):
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         wait_for(f"http://127.0.0.1:{port}/api/info")
+        url = f"http://127.0.0.1:{port}/api/generate?prompt=KING&max_new_tokens=2000"
+        with urllib.request.urlopen(url, timeout=60) as response:
+            assert b'"token"' in response.readline() + response.readline() + response.readline()
+            proc.terminate()
+            rest = response.read().decode()
     finally:
         proc.terminate()
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=60)
+    assert "event: error" in rest and "the server was stopped" in rest and "event: done" not in rest
     assert "warning: listening on 0.0.0.0, not only this machine" in err
+    assert "Traceback" not in err and "train.py" not in err
+
+
+# --- a real server: the test client holds a response until it is complete, so what
+# arrives when can only be seen over a socket.
+
+@pytest.fixture(scope="module")
+def live(tiny_run):
+    """(base URL, Service, event loop) of uvicorn serving the tiny run on 127.0.0.1, in
+    this process so a test can watch the model's steps."""
+    import uvicorn
+    from attnlab.serve import listen
+    model, cfg, tokenizer, ckpt = load_run(tiny_run)
+    service = Service(model, cfg, tokenizer, str(ckpt))
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", service, server.servers[0].get_loop()
+    server.should_exit = True
+    thread.join(timeout=30)
+    service.thread.close()
+
+
+class Steps:
+    """A forward pre-hook counting the model's passes (one per token drawn) and when
+    each began; with `gated`, each pass waits for a permit from the test (at most
+    `patience` seconds, after which it goes on and is counted as forced)."""
+
+    def __init__(self, model, gated=False, patience=5.0):
+        self.gated, self.patience, self.forced, self.starts = gated, patience, 0, []
+        self.permits = threading.Semaphore(0)
+        self.handle = model.register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        if self.gated and not self.permits.acquire(timeout=self.patience):
+            self.forced += 1
+        self.starts.append(time.perf_counter())
+
+    def allow(self):
+        self.permits.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def timed_events(url, **params):
+    """Yields (arrival time, SSE event name, data) as each event arrives."""
+    import httpx
+    kind = "message"
+    with httpx.stream("GET", url + "/api/generate", params=params, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                yield time.perf_counter(), kind, json.loads(line[6:])
+                kind = "message"
+
+
+def test_each_token_arrives_before_the_next_is_drawn(live):
+    """Every token's event is timed as it arrives; the model may draw token k+1 only once
+    token k has arrived. A server that generates before sending would hold every pass
+    for `patience` (forced) and deliver the tokens together at the end."""
+    url, service, _ = live
+    n = 6
+    with Steps(service.model, gated=True) as steps:
+        steps.allow()                                        # the prompt's pass
+        start, tokens, done = time.perf_counter(), [], []
+        for arrived, kind, data in timed_events(url, prompt="KING", max_new_tokens=n, temperature=0):
+            if "token" in data:
+                tokens.append(arrived)
+                steps.allow()                                # now the next one
+            done += [arrived] if kind == "done" else []
+    assert len(tokens) == n and len(done) == 1 and steps.forced == 0
+    assert all(tokens[k] < steps.starts[k + 1] for k in range(n - 1))    # sent as drawn
+    assert tokens[0] - start < 30                                        # and soon
+
+
+def test_a_live_stream_carries_every_token_in_order(live, client, monkeypatch):
+    """Over a socket the events come in many writes: none is lost or reordered, and the
+    text is the test client's (sample.py's, by the first test). The first time, the event
+    loop is held while the prompt's event and the first tokens are made, so they are all
+    waiting together when the server picks up the first."""
+    url, service, loop = live
+    made = service.steps
+
+    def held(sample):
+        events, busy, release = made(sample), threading.Event(), threading.Event()
+        loop.call_soon_threadsafe(lambda: (busy.set(), release.wait(10)))
+        busy.wait(10)
+        yield next(events)                                   # the prompt's
+        yield next(events)
+        yield next(events)
+        release.set()
+        yield from events
+    settings = {"prompt": "KING", "max_new_tokens": "60", "seed": "3"}
+    text = "".join(e.get("text", "") for e in stream(client, **settings))
+    for attempt in range(2):
+        if attempt == 0:
+            monkeypatch.setattr(service, "steps", held)
+        events = [data for _, _, data in timed_events(url, **settings)]
+        monkeypatch.undo()
+        assert [e["index"] for e in events if "token" in e] == list(range(4, 64))
+        assert "".join(e.get("text", "") for e in events) == text
+
+
+def test_a_short_request_behind_long_ones_finishes_first(live):
+    """Three clients ask for 2,000 tokens, then a fourth for 5: it is done while the
+    three are still generating, since every live request takes one token step a turn."""
+    url, service, _ = live
+    first, finished, leave = [threading.Event() for _ in range(3)], [], threading.Event()
+
+    def long(i):
+        for _, kind, data in timed_events(url, prompt="KING", max_new_tokens=2000, seed=i):
+            if "token" in data:
+                first[i].set()
+            if kind == "done":
+                finished.append(i)
+            if leave.is_set():
+                return                                       # closes the connection
+    with Steps(service.model) as steps:
+        threads = [threading.Thread(target=long, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in first)
+        before = len(steps.starts)
+        events = list(timed_events(url, prompt="KING", max_new_tokens=5))
+        during = len(steps.starts) - before
+        live_then, finished_then = len(service.thread.streams), list(finished)
+        leave.set()
+        for t in threads:
+            t.join(timeout=60)
+        assert sum("token" in data for _, _, data in events) == 5 and events[-1][1] == "done"
+        assert finished_then == [] and live_then == 3
+        assert during < 2000                     # it did not wait for a long one to end
+        deadline = time.monotonic() + 30         # the three left: their generations end
+        while service.thread.streams and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not service.thread.streams and len(steps.starts) < 3 * 2000
+
+
+def test_a_client_that_leaves_ends_its_generation(live):
+    """Stop on the page closes the connection: the server stops drawing tokens."""
+    url, service, _ = live
+    with Steps(service.model) as steps:
+        for i, (_, _, data) in enumerate(timed_events(url, prompt="KING", max_new_tokens=2000)):
+            if i == 5:
+                break
+        deadline = time.monotonic() + 30
+        while service.thread.streams and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not service.thread.streams and len(steps.starts) < 1000
+
+
+def d_enabled(driver, element_id) -> bool:
+    from selenium.webdriver.common.by import By
+    return driver.find_element(By.ID, element_id).is_enabled()
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -179,7 +485,8 @@ DRIVER = shutil.which("chromedriver")
                     reason="needs Debian's chromium and chromium-driver (.ci/run installs them)")
 def test_the_page_in_a_real_browser(tiny_run, tmp_path):
     """Headless Chromium: type a prompt, generate 20 tokens, click the 10th, and find the
-    layer x head grid and the candidate table drawn; saves a screenshot."""
+    layer x head grid and the candidate table drawn; a prompt the tokenizer refuses is
+    named on the page; saves a screenshot."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service as DriverService
     from selenium.webdriver.common.by import By
@@ -215,6 +522,18 @@ def test_the_page_in_a_real_browser(tiny_run, tmp_path):
         after = [float(r.get_attribute("data-after")) for r in rows]
         assert rows and 0 < sum(after) <= 1 + 1e-4
         assert len(driver.find_elements(By.CSS_SELECTOR, "#candidates tr.chosen")) == 1
+        prompt.clear()
+        prompt.send_keys("KING€")                              # refused: the page says why
+        driver.find_element(By.ID, "generate").click()
+        wait.until(lambda d: "'€'" in d.find_element(By.ID, "status").text)
+        assert d_enabled(driver, "generate") and not d_enabled(driver, "stop")
+        assert len(driver.find_elements(By.CSS_SELECTOR, ".output .tok")) == 0
+        prompt.clear()
+        prompt.send_keys("KING")
+        driver.find_element(By.ID, "generate").click()
+        wait.until(lambda d: "done" in d.find_element(By.ID, "status").text)
+        driver.find_elements(By.CSS_SELECTOR, ".output .tok")[9].click()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#grid canvas.head")) == 2 * 2)
         driver.save_screenshot(str(tmp_path / "serve.png"))
         if os.environ.get("ATTNLAB_SCREENSHOT"):
             shutil.copy(tmp_path / "serve.png", os.environ["ATTNLAB_SCREENSHOT"])

@@ -3,7 +3,7 @@
 "use strict";
 const $ = (id) => document.getElementById(id);
 let info = null;        // /api/info
-let source = null;      // the EventSource of the generation in progress
+let running = null;     // the AbortController of the generation in progress
 let ids = [];           // every token id so far: prompt, then generated
 let steps = {};         // index -> the generated token's event
 let settings = {};      // the sampling settings of the generation shown
@@ -38,7 +38,7 @@ async function loadInfo() {
 }
 
 function stop(message) {
-  if (source) { source.close(); source = null; }
+  if (running) { running.abort(); running = null; }     // the server ends the generation
   $("generate").disabled = false;
   $("stop").disabled = true;
   if (message !== undefined) setStatus(message);
@@ -50,46 +50,81 @@ async function generate() {
   for (const key of ["prompt", "temperature", "top_k", "top_p", "max_new_tokens", "seed"]) {
     params.set(key, $(key).value);
   }
-  const url = "/api/generate?" + params.toString();
   settings = { temperature: $("temperature").value, top_k: $("top_k").value, top_p: $("top_p").value };
   $("output").textContent = "";
   $("details").hidden = true;
   ids = []; steps = {};
   setStatus("generating…");
-  source = new EventSource(url);
+  const mine = new AbortController();
+  running = mine;
   $("generate").disabled = true;
   $("stop").disabled = false;
   let count = 0;
-  source.onmessage = (event) => {
-    const item = JSON.parse(event.data);
-    if (item.prompt_ids) {
-      ids = item.prompt_ids.slice();
-      promptTokens = item.prompt_tokens;
-      const span = document.createElement("span");
-      span.className = "prompt";
-      span.textContent = item.prompt_tokens.join("");
-      $("output").appendChild(span);
-    } else if (item.token !== undefined) {
-      ids.push(item.id);
-      steps[item.index] = item;
-      const span = document.createElement("span");
-      span.className = "tok";
-      span.dataset.index = item.index;
-      span.textContent = item.token;
-      span.title = `token ${item.index}`;
-      span.addEventListener("click", () => select(span));
-      $("output").appendChild(span);
-      count += 1;
-      setStatus(`${count} tokens`);
+  const onEvent = (kind, item) => {
+    if (kind === "done") { stop(`${count} tokens, done`); return; }
+    if (kind === "error") { stop(); setStatus(item.error, true); return; }
+    for (const event of item) {
+      if (event.prompt_ids) {
+        ids = event.prompt_ids.slice();
+        promptTokens = event.prompt_tokens;
+        const span = document.createElement("span");
+        span.className = "prompt";
+        span.textContent = event.prompt_tokens.join("");
+        $("output").appendChild(span);
+      } else if (event.token !== undefined) {
+        ids.push(event.id);
+        steps[event.index] = event;
+        const span = document.createElement("span");
+        span.className = "tok";
+        span.dataset.index = event.index;
+        span.textContent = event.token;
+        span.title = `token ${event.index}`;
+        span.addEventListener("click", () => select(span));
+        $("output").appendChild(span);
+        count += 1;
+      }
     }
+    setStatus(`${count} tokens`);
   };
-  source.addEventListener("done", () => stop(`${count} tokens, done`));
-  source.onerror = async () => {
-    if (!source) return;
-    stop();
-    const response = await fetch(url);                 // the server says why, as JSON
-    setStatus(response.ok ? "the stream ended" : await errorText(response), !response.ok);
-  };
+  try {
+    const response = await fetch("/api/generate?" + params.toString(), { signal: mine.signal });
+    if (!response.ok) {
+      const why = await errorText(response);           // before stop(), which aborts the body
+      stop(); setStatus(why, true); return;
+    }
+    await readEvents(response, onEvent);
+    if (running === mine) stop("the stream ended");
+  } catch (err) {
+    if (running === mine) { stop(); setStatus(`the stream broke: ${err.message}`, true); }
+  }
+}
+
+// Server-sent events read from a fetch (not EventSource, which cannot show why a request
+// was refused and reconnects by itself): blocks separated by a blank line, "event:" and
+// "data:" lines. onEvent(kind, data) gets each block's data messages of one write
+// together, so a burst of tokens is drawn once.
+async function readEvents(response, onEvent) {
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value;
+    const blocks = buffer.split("\n\n");
+    buffer = blocks.pop();
+    let burst = [];
+    for (const block of blocks) {
+      let kind = "message", data = "";
+      for (const line of block.split("\n")) {
+        if (line.startsWith("event: ")) kind = line.slice(7);
+        else if (line.startsWith("data: ")) data += line.slice(6);
+      }
+      if (kind === "message") { burst.push(JSON.parse(data)); continue; }
+      if (burst.length) { onEvent("message", burst); burst = []; }
+      onEvent(kind, JSON.parse(data));
+    }
+    if (burst.length) onEvent("message", burst);
+  }
 }
 
 async function select(span) {
