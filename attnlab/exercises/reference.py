@@ -274,13 +274,13 @@ DECODE_MISTAKES = {
 # --- 7. a sliding window with global tokens -----------------------------------------
 
 def window_mask(T, window, n_global=0, reach=0, causal_globals=True, globals_=True,
-                causal=True):
+                causal=True, global_reach=0):
     """(T, T) bool: key not ahead of the query and fewer than `window` positions behind
     it (itself included), unless it is one of the first n_global keys."""
     q = torch.arange(T)[:, None]
     k = torch.arange(T)[None, :]
     near = (q - k).abs() < window + reach if not causal else (q - k) < window + reach
-    glob = (k < n_global) if globals_ else torch.zeros(T, T, dtype=torch.bool)
+    glob = (k < n_global + global_reach) if globals_ else torch.zeros(T, T, dtype=torch.bool)
     if not causal:
         return near | glob
     if causal_globals:
@@ -295,6 +295,12 @@ WINDOW_MISTAKES = {
     "one_narrow": (lambda T, W, G=0: window_mask(T, W, G, reach=-1),
                    "the window is off by one: it sees W - 1 keys; a window of W holds W keys, "
                    "the query itself included (q - k < W, not q - k < W - 1)"),
+    "globals_one_more": (lambda T, W, G=0: window_mask(T, W, G, global_reach=1),
+                         "one too many global tokens: the first n_global keys are global, so a "
+                         "key is global when k < n_global (k <= n_global makes n_global + 1)"),
+    "globals_one_fewer": (lambda T, W, G=0: window_mask(T, W, G, global_reach=-1),
+                          "one too few global tokens: the first n_global keys are global, so a "
+                          "key is global when k < n_global (k < n_global - 1 makes n_global - 1)"),
     "globals_future": (lambda T, W, G=0: window_mask(T, W, G, causal_globals=False),
                        "weight on future keys: the global tokens are visible to queries before "
                        "them; a global key is still causal (k <= q)"),
@@ -310,7 +316,7 @@ WINDOW_MISTAKES = {
 # --- 8. cross-attention with a padding mask -----------------------------------------
 
 def cross(x, memory, key_padding, w_q, w_k, w_v, w_o, padding="hide", causal=False,
-          keys_from="memory"):
+          keys_from="memory", use_w_o=True):
     """Decoder queries x·W_Q over encoder keys memory·W_K and values memory·W_V, padded
     input positions hidden; one head, so d_k = d_model."""
     source = memory if keys_from == "memory" else x
@@ -320,10 +326,12 @@ def cross(x, memory, key_padding, w_q, w_k, w_v, w_o, padding="hide", causal=Fal
         visible = visible & ~key_padding[:, None, :]                # (B, 1|T, S)
     elif padding == "inverted":
         visible = visible & key_padding[:, None, :]
+    elif padding == "queries":                                      # laid along the queries
+        visible = visible & ~key_padding[:, :, None]
     if causal:
         visible = visible & torch.ones(x.shape[1], memory.shape[1], dtype=torch.bool).tril()
     out, weights = attention(q, k, v, visible)
-    return out @ w_o, weights
+    return (out @ w_o if use_w_o else out), weights
 
 
 CROSS_MISTAKES = {
@@ -333,6 +341,13 @@ CROSS_MISTAKES = {
     "padding_inverted": (lambda *a: cross(*a, padding="inverted"),
                          "the real input is hidden and the padding seen: key_padding is True at "
                          "padded positions, so hide where it is True"),
+    "padding_queries": (lambda *a: cross(*a, padding="queries"),
+                        "the padding mask is shaped for the wrong axis: it hides decoder queries; "
+                        "key_padding marks encoder positions, the keys, which are the last axis "
+                        "of the scores (key_padding[:, None, :], shaped (B, 1, S))"),
+    "no_w_o": (lambda *a: cross(*a, use_w_o=False),
+               "W_O is missing: after the weighted sum of the values, multiply by W_O, the "
+               "output projection"),
     "keys_from_decoder": (lambda *a: cross(*a, keys_from="x"),
                           "this is self-attention: in cross-attention the keys and values "
                           "come from the encoder's output (memory), only the queries from the "
