@@ -3,6 +3,7 @@
     python -m attnlab.exercises start [DIR]        # copy the stubs into DIR (my_attention)
     python -m attnlab.exercises check              # a table of every exercise, and what next
     python -m attnlab.exercises check attention    # one exercise (a name or its number)
+    python -m attnlab.exercises check --exercises DIR   # another folder (also: check DIR)
     python train.py --config tiny --model.attention=yours --model.position=yours
 
 Each stub names the article's sentence it implements, the shapes, its section of
@@ -20,13 +21,15 @@ from attnlab.exercises.learner import DEFAULT_FOLDER, ExerciseError, check, star
 
 def parser() -> Parser:
     p = Parser("python -m attnlab.exercises", __doc__,
-               usage="python -m attnlab.exercises {start [DIR] | check [NAME] [--dir DIR]}")
+               usage="python -m attnlab.exercises {start [DIR] | check [NAME] [--exercises DIR]}")
     p.add_argument("command", choices=("start", "check"), help="start: copy the stubs in; "
                    "check: run the checks")
     p.add_argument("target", nargs="?", default=None, metavar="DIR|NAME",
                    help=f"start: the folder (default {DEFAULT_FOLDER}); check: one exercise "
                         "by name or number (default: all, as a table)")
-    p.add_argument("--dir", default=None, help=f"the exercises folder (default {DEFAULT_FOLDER})")
+    # --exercises, as train.py and sample.py name the same folder; --dir is kept as an alias.
+    p.add_argument("--exercises", "--dir", dest="dir", metavar="DIR", default=None,
+                   help=f"the exercises folder (default {DEFAULT_FOLDER})")
     return p
 
 
@@ -39,13 +42,15 @@ def main(argv=None) -> int:
             print(f"copied into {folder}: {', '.join(copied)}")
         if kept:
             print(f"kept (already there, not overwritten): {', '.join(kept)}")
-        print(f"next: open {folder / EXERCISES[0].filename}, write "
-              f"{EXERCISES[0].function}, then run python -m attnlab.exercises check "
-              f"{EXERCISES[0].name}{_dir_flag(folder)}")
+        # A folder with work in it: point at the first exercise not yet passed.
+        print(next_step([check(ex, folder) for ex in EXERCISES], folder))
         return 0
     folder = Path(args.dir or DEFAULT_FOLDER)
-    if args.target and find(args.target) is None and Path(args.target).is_dir():
+    if args.target and find(args.target) is None and Path(args.target).exists():
         folder, args.target = Path(args.target), None     # `check DIR`, as `start DIR` takes it
+    if folder.exists() and not folder.is_dir():
+        raise ExerciseError(f"{folder} is a file, not an exercises folder; give a folder "
+                            f"(python -m attnlab.exercises start DIR makes one)")
     if not folder.is_dir():
         raise ExerciseError(f"no exercises folder at {folder}; start with python -m "
                             f"attnlab.exercises start {folder}")
@@ -64,7 +69,7 @@ def main(argv=None) -> int:
         if ex.trains:
             print(f"train with yours: python train.py --config tiny {ex.trains}"
                   f"{' --exercises ' + str(folder) if _dir_flag(folder) else ''}")
-    else:
+    elif result.status in ("failed", "not started"):
         verb = "write" if result.status == "not started" else "fix"
         print(f"{verb} {ex.function} in {folder / ex.filename} (docs/walkthrough.md "
               f"{ex.section}), then check again")
@@ -72,20 +77,23 @@ def main(argv=None) -> int:
 
 
 def _dir_flag(folder: Path) -> str:
-    return "" if folder == Path(DEFAULT_FOLDER) else f" --dir {folder}"
+    return "" if folder == Path(DEFAULT_FOLDER) else f" --exercises {folder}"
+
+
+SAYS_WHY = ("failed", "missing", "empty")     # statuses whose message is shown
 
 
 def one_line(r: Result) -> str:
     ex = r.exercise
     text = f"exercise {ex.number} ({ex.name}, {ex.title}): {r.status}"
-    return text + (f": {r.message}" if r.status == "failed" else "")
+    return text + (f": {r.message}" if r.status in SAYS_WHY else "")
 
 
 def table(results: list[Result], folder: Path) -> str:
     width = max(len(r.exercise.name) for r in results)
     lines = [f"exercises in {folder}:", f"  #  {'exercise'.ljust(width)}  status"]
     for r in results:
-        detail = f": {r.message}" if r.status == "failed" else ""
+        detail = f": {r.message}" if r.status in SAYS_WHY else ""
         lines.append(f"  {r.exercise.number}  {r.exercise.name.ljust(width)}  {r.status}{detail}")
     done = sum(r.passed for r in results)
     lines.append(f"{done} of {len(results)} passed.")
@@ -94,8 +102,9 @@ def table(results: list[Result], folder: Path) -> str:
 
 
 def next_step(results: list[Result], folder: Path) -> str:
-    """What to try next: the first failing exercise, else the first not started."""
-    todo = next((r for r in results if r.status == "failed"), None) \
+    """What to try next: the first failing (or missing, or empty) exercise, else the first
+    not started."""
+    todo = next((r for r in results if r.status in SAYS_WHY), None) \
         or next((r for r in results if r.status == "not started"), None)
     if todo is None:
         return ("next: every exercise passes. Train with your own code: python train.py "
@@ -103,6 +112,8 @@ def next_step(results: list[Result], folder: Path) -> str:
                 f"{' --exercises ' + str(folder) if _dir_flag(folder) else ''}; the project's own "
                 "answer to each is named at the top of its file")
     ex = todo.exercise
+    if todo.status in ("missing", "empty"):
+        return f"next: {todo.message}"
     verb = "fix" if todo.status == "failed" else "write"
     return (f"next: {verb} {ex.function} in {folder / ex.filename} (docs/walkthrough.md "
             f"{ex.section}), then python -m attnlab.exercises check {ex.name}{_dir_flag(folder)}")

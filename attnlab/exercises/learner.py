@@ -71,13 +71,19 @@ class LearnerCodeError(Exception):
 
 def check(ex: Exercise, folder: Path) -> Result:
     """Run exercise `ex` on the learner's code in `folder`."""
+    path = folder / ex.filename
+    if path.is_file() and not path.read_bytes().strip():
+        return Result(ex, "empty", f"{ex.filename} is empty; write {ex.function} in it, or "
+                      f"delete it and run python -m attnlab.exercises start {folder} to get "
+                      "the stub back")
     try:
         fn = load(ex, folder)
     except LearnerCodeError as err:
         return Result(ex, "failed", str(err))
     if fn is None:
-        return Result(ex, "not started", f"{ex.filename} is not in {folder} (python -m "
-                      f"attnlab.exercises start {folder} copies it in)")
+        return Result(ex, "missing", f"{ex.filename} is missing from {folder}; python -m "
+                      f"attnlab.exercises start {folder} restores its stub without touching "
+                      "the other files")
     return run_check(ex, fn, folder.resolve())
 
 
@@ -89,5 +95,5 @@ def passed_function(ex: Exercise, folder: Path):
         why = result.message or result.status
         raise ExerciseError(f"exercise {ex.number} ({ex.name}) in {folder / ex.filename} has not "
                             f"passed ({result.status}: {why}); run python -m attnlab.exercises "
-                            f"check {ex.name} --dir {folder}")
+                            f"check {ex.name} --exercises {folder}")
     return load(ex, folder)
