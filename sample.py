@@ -13,7 +13,6 @@ is the one best.json names, or the latest where nothing after step 0 was evaluat
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from engine.cli import Parser, add_config_options, add_run_options, errors_as_lines
 
@@ -22,9 +21,10 @@ def parser() -> Parser:
     p = Parser("python sample.py", __doc__, usage="python sample.py [--run DIR] "
                "[--checkpoint best|latest] [--device D] [--KEY=VALUE ...]")
     add_run_options(p)
-    p.add_argument("--exercises", metavar="DIR", default="my_attention",
+    p.add_argument("--exercises", metavar="DIR", default=None,
                    help="where a run trained with attention or position `yours` finds your "
-                        "code (python -m attnlab.exercises; default: my_attention)")
+                        "code (python -m attnlab.exercises; default: the folder it was "
+                        "trained with, else my_attention)")
     p.set_defaults(device="auto")
     add_config_options(p, sections=("sample",), short=("sample",))
     return p
@@ -44,10 +44,12 @@ def main(argv: list[str]) -> int:
     apply_overrides(RunConfig(), args)            # a bad option fails before any loading
     device = pick_device(args.device)
 
+    run = args.run or latest_run()
+
     def bind_yours(cfg):
-        for note in plug.prepare(cfg.model, Path(args.exercises)):
+        for note in plug.prepare(cfg.model, plug.folder_for(args.exercises, run)):
             print(note, file=sys.stderr)
-    model, cfg, tokenizer, ckpt = load_run(args.run or latest_run(), args.checkpoint, device,
+    model, cfg, tokenizer, ckpt = load_run(run, args.checkpoint, device,
                                            before_build=bind_yours,
                                            log=lambda line: print(line, file=sys.stderr))
     # The run's own sampling settings, with what the command line gives on top.

@@ -15,7 +15,6 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 from engine.cli import Parser, add_config_options, errors_as_lines
 
@@ -34,9 +33,10 @@ def parser() -> Parser:
     p.add_argument("--budget", metavar="TIME", help="measure this machine, then pick the model "
                    "size and steps that fit TIME (90s, 5m, 1h) and stop on time with a final "
                    "evaluation")
-    p.add_argument("--exercises", metavar="DIR", default="my_attention",
+    p.add_argument("--exercises", metavar="DIR", default=None,
                    help="where --model.attention=yours and --model.position=yours find your "
-                        "code (python -m attnlab.exercises; default: my_attention)")
+                        "code (python -m attnlab.exercises; default: the folder a resumed run "
+                        "recorded, else my_attention)")
     add_config_options(p)
     p.add_argument("--init_from", dest="train.init_from", metavar="SRC", help="the same as "
                    "--train.init_from: start from a run, checkpoint or transformers folder",
@@ -77,12 +77,17 @@ def main(argv: list[str]) -> int:
         if args.budget is not None:
             from engine.budget import parse_duration, plan
             cfg = plan(cfg, parse_duration(args.budget), started)
-    for note in plug.prepare(cfg.model, Path(args.exercises)):
+    # --exercises, else the folder recorded by the run resumed (or started from).
+    exercises = plug.folder_for(args.exercises,
+                                run_dir if resuming else cfg.train.init_from or None)
+    for note in plug.prepare(cfg.model, exercises):
         print(note)
     dist = distributed.setup()
     try:
         run = setup_run(cfg, run_dir=run_dir, resume=resuming, dist=dist,
                         source=source)
+        if dist.is_main:
+            plug.remember(cfg.model, run.run_dir, exercises)
         run.log(f"config:\n{describe(cfg)}")
         run.log(run.describe_setup())
         run.log(run.summary())

@@ -18,14 +18,16 @@ from pathlib import Path
 
 import torch
 
+from common.files import read_json, write_json_atomic
 from model import registry as model_registry
 from model.attention import ATTENTION_BACKENDS, Backend
 from model.config import ModelConfig
 from model.positions import POSITION_ENCODINGS, PositionEncoding
 from attnlab.exercises.checks import BY_NAME
-from attnlab.exercises.learner import ExerciseError, passed_function
+from attnlab.exercises.learner import DEFAULT_FOLDER, ExerciseError, passed_function
 
 NAME = "yours"
+RECORD = "exercises.json"      # beside a run's config: the folder it was trained with
 _bound: dict = {}              # "attention" -> the learner's function, once prepared
 
 
@@ -117,3 +119,29 @@ def prepare(config: ModelConfig, folder: Path) -> list[str]:
         model_registry.check(config)             # the facts changed: check them again
         notes.append(f"position: yours ({ex.function} in {folder / ex.filename})")
     return notes
+
+
+def remember(config: ModelConfig, run_dir: Path, folder: Path) -> None:
+    """Record in the run the (absolute) folder its `yours` entries were loaded from, so
+    that sampling or resuming it finds the same code without being told again."""
+    if any(chosen(config)):
+        write_json_atomic(Path(run_dir) / RECORD, {"folder": str(Path(folder).resolve())})
+
+
+def folder_for(given: str | None, run: str | Path | None) -> Path:
+    """The exercises folder: `given` (--exercises) when set, else the one the run at `run`
+    (a run directory or one of its checkpoint folders) recorded, else my_attention."""
+    if given:
+        return Path(given)
+    if run is not None:
+        run = Path(run)
+        # A checkpoint folder (it holds state.json) sits two levels below its run.
+        for place in (run, run.parent.parent) if (run / "state.json").is_file() else (run,):
+            path = place / RECORD
+            if path.exists():
+                folder = (read_json(path) or {}).get("folder")
+                if not isinstance(folder, str) or not folder:
+                    raise ExerciseError(f"{path} does not name an exercises folder; pass "
+                                        "--exercises DIR")
+                return Path(folder)
+    return Path(DEFAULT_FOLDER)
