@@ -114,6 +114,8 @@ PLANTED = {
         (".tril(diagonal=k_len - q_len)", ".triu()", "the wrong triangle"),
         (".tril(diagonal=k_len - q_len)", ".tril()", "aligned top-left"),
         ("diagonal=k_len - q_len", "diagonal=k_len - q_len - 1", "the diagonal is hidden"),
+        (".tril(diagonal=k_len - q_len)", ".tril(diagonal=k_len - q_len).int()",
+         "returned a int32 tensor; return a bool tensor"),
     ],
     "multi_head": [
         ("q = (x @ w_q).view(B, T, n_head, d).transpose(1, 2)",
@@ -166,6 +168,7 @@ PLANTED = {
          "((k <= q) & (q - k < window)) | (k < n_global)",
          "global tokens are visible to queries before them"),
         (" | (k < n_global)", "", "global tokens are missing"),
+        ("(k < n_global)", "(k <= n_global)", "one too many global tokens"),
     ],
     "cross_attention": [
         ("scores = scores.masked_fill(key_padding[:, None, :], float(\"-inf\"))", "pass",
@@ -173,6 +176,9 @@ PLANTED = {
         ("q, k, v = x @ w_q, memory @ w_k, memory @ w_v", "q, k, v = x @ w_q, x @ w_k, x @ w_v",
          "come from the encoder's output"),
         ("key_padding[:, None, :]", "~key_padding[:, None, :]", "the real input is hidden"),
+        ("key_padding[:, None, :]", "key_padding[:, :, None]",
+         "padding mask is shaped for the wrong axis"),
+        ("return (weights @ v) @ w_o, weights", "return weights @ v, weights", "W_O is missing"),
     ],
 }
 
@@ -244,6 +250,25 @@ def test_errors_in_the_learners_code_are_one_line_naming_the_exercise(tmp_path):
     assert "output 1 has shape (2, 3, 4, 16), expected (2, 3, 4, 8)" in shaped.message
 
 
+def test_a_missing_or_empty_exercise_file_is_named_as_such(tmp_path, capsys):
+    mine = tmp_path / "mine"
+    start(mine)
+    (mine / "03_multi_head.py").unlink()
+    (mine / "05_rope.py").write_text("\n")
+    missing, empty = check(BY_NAME["multi_head"], mine), check(BY_NAME["rope"], mine)
+    assert missing.status == "missing" and missing.message == (
+        f"03_multi_head.py is missing from {mine}; python -m attnlab.exercises start {mine} "
+        "restores its stub without touching the other files")
+    assert empty.status == "empty" and "05_rope.py is empty" in empty.message
+    assert tool.main(["check", str(mine)]) == 1
+    out = capsys.readouterr().out
+    assert "  3  multi_head       missing: 03_multi_head.py is missing" in out
+    assert out.splitlines()[-1] == f"next: {missing.message}"
+    copied, kept = start(mine)
+    assert copied == ["03_multi_head.py"] and check(BY_NAME["multi_head"], mine).status == \
+        "not started"
+
+
 def run_tool(*args, cwd):
     return subprocess.run([sys.executable, "-m", "attnlab.exercises", *map(str, args)], cwd=cwd,
                           capture_output=True, text=True, timeout=120,
@@ -260,6 +285,10 @@ def test_start_copies_the_stubs_and_never_overwrites_work(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "kept (already there, not overwritten): 01_attention.py, 02_causal_mask.py" in out
     assert "copied" not in out
+    # Exercise 1 passes there already: the next step is exercise 2, not 1.
+    last = out.splitlines()[-1]
+    assert last.startswith(f"next: write causal_mask in {mine / '02_causal_mask.py'}")
+    assert last.endswith(f"check causal_mask --exercises {mine}")
     proc = run_tool("start", cwd=tmp_path)                     # the default folder, from -m
     assert proc.returncode == 0 and (tmp_path / "my_attention" / "08_cross_attention.py").exists()
 
@@ -280,11 +309,19 @@ def test_check_prints_a_progress_table_and_what_to_try_next(tmp_path, capsys, mo
     assert rows[-1].startswith("next: fix causal_mask in my_attention/02_causal_mask.py")
     assert tool.main(["check", "my_attention"]) == 1                 # a folder, as start takes it
     assert capsys.readouterr().out.splitlines()[:3] == rows[:3]
+    for flag in ("--exercises", "--dir"):                    # train.py's name, and the alias
+        assert tool.main(["check", flag, str(folder)]) == 1
+        assert capsys.readouterr().out.splitlines()[0] == f"exercises in {folder}:"
     assert tool.main(["check", "1"]) == 0
     assert "train with yours: python train.py --config tiny --model.attention=yours" \
         in capsys.readouterr().out
     with pytest.raises(ExerciseError, match="no exercises folder at nowhere; start with"):
         tool.main(["check", "--dir", "nowhere"])
+    (tmp_path / "afile").write_text("")
+    for args in (["check", "--exercises", "afile"], ["check", "afile"]):
+        with pytest.raises(ExerciseError, match="afile is a file, not an exercises folder; give "
+                                                "a folder"):
+            tool.main(args)
     with pytest.raises(ExerciseError, match="no exercise 'nine'; the exercises are: 1 attention"):
         tool.main(["check", "nine"])
 
@@ -306,16 +343,45 @@ def test_training_with_the_learners_code_matches_eager_and_rope(corpus, tmp_path
     # run through the registries' `yours` entries in the real loop.
     mine = tmp_path / "mine"
     shutil.copytree(SOLUTIONS, mine)
-    yours = run_script(*tiny(corpus, tmp_path, "yours", "--model.attention=yours",
-                             "--model.position=yours", f"--exercises={mine}"))
-    assert f"attention: yours (scaled_dot_product_attention in {mine}" in yours.stdout
-    assert f"position: yours (apply_rope in {mine}" in yours.stdout
+    # Trained from tmp_path with a relative folder: the run records it absolute, and
+    # sample.py, run elsewhere from the hint train.py prints, finds it there.
+    yours = run_script(ROOT / "train.py", *tiny(corpus, tmp_path, "yours",
+                       "--model.attention=yours", "--model.position=yours",
+                       "--exercises=mine")[1:], cwd=tmp_path)
+    assert "attention: yours (scaled_dot_product_attention in mine/01_attention.py)" in yours.stdout
+    assert "position: yours (apply_rope in mine/05_rope.py)" in yours.stdout
     run_script(*tiny(corpus, tmp_path, "eager", "--model.attention=eager", "--model.position=rope"))
     a, b = step_losses(tmp_path / "runs" / "yours"), step_losses(tmp_path / "runs" / "eager")
     assert len(a) == len(b) == 4 and a == pytest.approx(b, rel=1e-5, abs=1e-6)
-    sampled = run_script("sample.py", "--run", tmp_path / "runs" / "yours", f"--exercises={mine}",
-                         "--max_new_tokens=8", "--device=cpu", "--prompt=ROMEO:")
-    assert "position: yours (apply_rope" in sampled.stderr and sampled.stdout.startswith("ROMEO:")
+    assert json.loads((tmp_path / "runs" / "yours" / "exercises.json").read_text()) == \
+        {"folder": str(mine.resolve())}
+    hint = yours.stdout.split("sample with: python sample.py ")[1].split()
+    assert hint == ["--run", str(tmp_path / "runs" / "yours")]
+    sampled = run_script(ROOT / "sample.py", *hint, "--max_new_tokens=8", "--device=cpu",
+                         "--prompt=ROMEO:", cwd=tmp_path / "runs")
+    assert f"position: yours (apply_rope in {mine.resolve()}" in sampled.stderr
+    assert sampled.stdout.startswith("ROMEO:")
+
+
+def test_a_run_remembers_its_exercises_folder_and_exercises_overrides_it(tmp_path, monkeypatch):
+    from attnlab.exercises import plug
+    from model import ModelConfig
+    from model.attention import ATTENTION_BACKENDS
+    monkeypatch.setitem(ATTENTION_BACKENDS, "yours", plug.YOUR_BACKEND)
+    monkeypatch.chdir(tmp_path)
+    run, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints" / "step_0000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "state.json").write_text("{}")
+    plug.remember(ModelConfig(attention="eager"), run, tmp_path / "mine")
+    assert not (run / "exercises.json").exists()             # not trained with yours
+    assert plug.folder_for(None, run) == plug.Path("my_attention")
+    plug.remember(ModelConfig(attention="yours"), run, plug.Path("mine"))
+    for where in (run, ckpt):
+        assert plug.folder_for(None, where) == tmp_path / "mine"
+        assert plug.folder_for("other", where) == plug.Path("other")
+    (run / "exercises.json").write_text("[not an object")
+    with pytest.raises(ExerciseError, match=f"{run / 'exercises.json'} does not name an exercises"):
+        plug.folder_for(None, run)
 
 
 def test_training_with_yours_is_refused_until_the_exercise_passes(corpus, tmp_path):
