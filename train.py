@@ -77,9 +77,9 @@ def main(argv: list[str]) -> int:
         if args.budget is not None:
             from engine.budget import parse_duration, plan
             cfg = plan(cfg, parse_duration(args.budget), started)
-    # --exercises, else the folder recorded by the run resumed (or started from).
-    exercises = plug.folder_for(args.exercises,
-                                run_dir if resuming else cfg.train.init_from or None)
+    # --exercises, else the folder recorded by the run of the checkpoint resumed (or the
+    # run started from); a resume may branch into a new run, which has no record yet.
+    exercises = plug.folder_for(args.exercises, resuming or cfg.train.init_from or None)
     for note in plug.prepare(cfg.model, exercises):
         print(note)
     dist = distributed.setup()
