@@ -19,7 +19,8 @@ projections) and the 1024^3 probe engine/device.py uses for MFU, in fp32 and bf1
 batched (8, 128 x 512) @ (8, 512 x 128) matmul in fp32 and bf16 (Muon's Newton-Schulz
 shape for the cpu preset: where emulated bf16 shows); training steps of the cpu and
 speedrun-cpu presets (Muon) and of the cpu preset with AdamW, in the precision the
-project picks; with --busy, a cpu-preset step on 1 thread and on all of them while
+project picks, and in CPU time on one thread (which a shared machine's load barely
+moves); with --busy, a cpu-preset step on 1 thread and on all of them while
 one process per other core spins; with --runs, `python train.py` (the cpu preset),
 `--config speedrun-cpu` to val 1.886 and `--budget 145s`, and nanoGPT's CPU recipe with
 --nanogpt.
@@ -43,7 +44,7 @@ KINDS = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
              "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
 }
-MICRO = ["capability", "matmul", "bmm", "step"]
+MICRO = ["capability", "matmul", "bmm", "step", "cputime"]
 BUDGET = "145s"              # nanoGPT's CPU recipe's wall time on a 2-core AVX2 CPU
 
 
@@ -114,6 +115,33 @@ def figure(name: str, repeats: int) -> dict:
             rate = max(measure(cfg, cpu, dtype, 2.0) for _ in range(repeats))
             out[f"step, {label}, ms"] = 1e3 / rate
         return out
+    if name == "cputime":
+        # CPU seconds a step on one thread: what a quiet core would take, nearly whatever
+        # else the machine runs (a shared machine's wall times are not).
+        from engine import cli
+        from engine.optim import configure_optimizer
+        from model import GPT
+        torch.set_num_threads(1)
+        out = {}
+        for label, preset, extra, steps in (("cpu preset (Muon)", "cpu", [], 6),
+                                            ("speedrun-cpu preset", "speedrun-cpu", [], 20)):
+            cfg = cli.build(preset, ["--train.device=cpu", "--model.vocab_size=65", *extra])
+            model = GPT(cfg.model)
+            opt = configure_optimizer(model, cfg.train, cpu)
+            scaler = torch.amp.GradScaler("cpu", enabled=False)
+            x = torch.randint(0, 65, (cfg.train.batch_size, cfg.model.block_size),
+                              generator=torch.Generator().manual_seed(0))
+
+            def step():
+                model(x, x).loss.backward()
+                opt.step(scaler)
+                opt.zero_grad()
+            step()
+            start = time.process_time()
+            for _ in range(steps):
+                step()
+            out[f"step, {label}, 1 thread, CPU ms"] = (time.process_time() - start) / steps * 1e3
+        return out
     if name.startswith("busy"):
         # One spinning process per other core, as a browser or a build would keep them.
         from engine import cli
@@ -130,7 +158,7 @@ def figure(name: str, repeats: int) -> dict:
             for p in spin:
                 p.kill()
                 p.wait()
-        wait = os.environ.get("OMP_WAIT_POLICY", "default")
+        wait = os.environ.get("OMP_WAIT_POLICY", "unset").lower()
         return {f"step, cpu preset, other cores busy, {threads} thread(s), wait {wait}, ms": 1e3 / rate}
     raise SystemExit(f"unknown figure {name!r}")
 
@@ -138,7 +166,10 @@ def figure(name: str, repeats: int) -> dict:
 # --- the parent: each figure in a fresh process per kind, then one table -------------
 
 def in_kind(kind: str, args: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """Run under the kind's settings, with torch's threads waiting as train.py has them."""
+    from common.threads import wait_passively
     env = {**os.environ, **KINDS[kind], "WANDB_MODE": "disabled", **(env_extra or {})}
+    wait_passively(env)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True)
 
 
@@ -200,10 +231,10 @@ def main():
         for kind in args.kinds:
             add(kind, worker(kind, name, args.repeats))
             print(f"  {name} under {kind}: done", file=sys.stderr, flush=True)
-    if args.busy:
+    if args.busy:                                     # OpenMP's own default: spinning
         for kind in args.kinds:
             add(kind, worker(kind, f"busy:{os.cpu_count() or 2}", args.repeats,
-                             {"OMP_WAIT_POLICY": "PASSIVE"}))
+                             {"OMP_WAIT_POLICY": "ACTIVE"}))
     if args.runs:
         sys.path.insert(0, str(ROOT / "bench"))
         with tempfile.TemporaryDirectory() as tmp:

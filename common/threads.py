@@ -18,4 +18,5 @@ WAIT_POLICY = "PASSIVE"
 
 def wait_passively(env=os.environ) -> None:
     """OMP_WAIT_POLICY=PASSIVE unless the environment already says otherwise."""
-    env.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
+    if not env.get("OMP_WAIT_POLICY", "").strip():
+        env["OMP_WAIT_POLICY"] = WAIT_POLICY
