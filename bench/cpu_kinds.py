@@ -208,12 +208,15 @@ def main():
     parser.add_argument("--busy", action="store_true", help="also time a step with the other cores busy")
     parser.add_argument("--runs", action="store_true", help="also the README's train.py runs")
     parser.add_argument("--nanogpt", type=Path, help="with --runs: a nanoGPT checkout, its CPU recipe too")
-    parser.add_argument("--corpus", type=Path, default=ROOT.parent / "shared" / "data" / "tinyshakespeare.txt")
+    parser.add_argument("--corpus", type=Path,
+                        default=ROOT.parent / "shared" / "data" / "tinyshakespeare.txt")
     parser.add_argument("--figure", help=argparse.SUPPRESS)       # the worker's entry
     args = parser.parse_args()
     if args.figure:
         print(json.dumps(figure(args.figure, args.repeats)))
         return
+    from common.threads import wait_passively
+    wait_passively()                    # nanoGPT's runs wait as train.py's do
     import platform
     import torch
     from engine.device import cpu_name
