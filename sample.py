@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import sys
 
-from engine.cli import Parser, add_config_options, add_run_options, errors_as_lines
+from common.threads import wait_passively
+
+wait_passively()                    # before torch loads: see common/threads.py
+from engine.cli import Parser, add_config_options, add_run_options, errors_as_lines  # noqa: E402
 
 
 def parser() -> Parser:

@@ -16,7 +16,10 @@ import os
 import sys
 import time
 
-from engine.cli import Parser, add_config_options, errors_as_lines
+from common.threads import wait_passively
+
+wait_passively()                    # before torch loads: see common/threads.py
+from engine.cli import Parser, add_config_options, errors_as_lines  # noqa: E402
 
 
 def parser() -> Parser:

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cpu_recipe import DEFAULT_CORPUS, run  # noqa: E402
 
 # The preset reads 8 validation batches of 32 × 64 tokens per evaluation: 16,384 tokens,
@@ -85,6 +86,10 @@ def main():
     parser.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout: run its CPU recipe beside ours")
     parser.add_argument("--nanogpt-log", type=Path, help="a nanoGPT log to draw instead of running it")
     args = parser.parse_args()
+    # nanoGPT's process gets the thread waiting train.py sets for itself, so that on a busy
+    # machine both wait alike (common/threads.py).
+    from common.threads import wait_passively
+    wait_passively()
     nano = None
     if args.nanogpt:
         args.nanogpt_log = Path("bench/out/nanogpt_cpu.log")

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine.device import autocast, cpu_has_native_bf16, peak_flops  # noqa: E402
+from engine.device import autocast, peak_flops  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
+from model.precision import cpu_has_native_bf16  # noqa: E402
 
 SIZES = {  # name: (n_layer, n_head, n_embd, block_size, batch_size)
     "small": (4, 4, 128, 64, 12),

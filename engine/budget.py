@@ -208,7 +208,8 @@ def measure(cfg, device, dtype, seconds: float, batch=None, counts=None) -> floa
 def plan(cfg, budget_s: float, started: float, log=print):
     """Set cfg's model size and schedule for a run that ends `budget_s` seconds after
     `started` (a time.perf_counter() value). Returns cfg."""
-    from engine.device import cpu_has_native_bf16, pick_device, pick_dtype
+    from engine.device import pick_device, pick_dtype
+    from model import precision
     from data.tokens import Batches, load_tokens
 
     data_cfg, train_cfg = cfg.data, cfg.train
@@ -237,7 +238,7 @@ def plan(cfg, budget_s: float, started: float, log=print):
 
     # On a CPU with native bf16 the chosen model is timed in both precisions (below).
     precisions = [train_cfg.dtype]
-    if train_cfg.dtype == "auto" and device.type == "cpu" and cpu_has_native_bf16():
+    if train_cfg.dtype == "auto" and device.type == "cpu" and precision.cpu_has_native_bf16():
         precisions = ["float32", "bfloat16"]
     _, flops_per_s = step_rate(cfg.model)
     left = budget_s - (time.perf_counter() - started)

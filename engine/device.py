@@ -12,6 +12,7 @@ import torch
 
 from common.errors import ConfigError
 from common.files import read_json, write_json_atomic
+from model import precision
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,13 +41,6 @@ def pick_device(name: str = "auto") -> torch.device:
     return device
 
 
-def cpu_has_native_bf16() -> bool:
-    """AVX-512 BF16 or AMX: bf16 matmuls run at about twice the fp32 rate."""
-    cpu = getattr(torch, "cpu", None)
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(cpu, name, lambda: False)() for name in checks)
-
-
 # Whether bf16 autocast pays on a CPU depends on the width and on how fast its bf16
 # matmuls are against fp32 ones, which differs between CPUs that both have AVX-512 BF16.
 # Measured on two 2-core "AMD EPYC" machines, a training step with Muon:
@@ -62,7 +56,7 @@ CPU_FAST_BF16 = 3.0             # ... this many times as fast as fp32 (cached pr
 
 
 def cpu_bf16_pays(n_embd: int) -> bool:
-    if not cpu_has_native_bf16() or n_embd < CPU_FAST_BF16_MIN_WIDTH:
+    if not precision.cpu_has_native_bf16() or n_embd < CPU_FAST_BF16_MIN_WIDTH:
         return False
     if n_embd >= CPU_BF16_MIN_WIDTH:
         return True
@@ -81,8 +75,10 @@ def pick_dtype(name: str, device: torch.device, n_embd: int = 0,
                decoding: bool = False) -> torch.dtype:
     """The autocast precision (or, for `decoding`, the precision weights are held in
     to sample). auto: bf16 on GPUs that have it (fp16 on older ones); on a CPU, bf16
-    where the CPU has native bf16 and the model is wide enough for it to pay
-    (cpu_bf16_pays; to decode, from CPU_DECODE_BF16_MIN_WIDTH), else fp32; fp32 on MPS."""
+    where the CPU has native bf16 (model/precision.py) and the model is wide enough for
+    it to pay (cpu_bf16_pays; to decode, from CPU_DECODE_BF16_MIN_WIDTH), else fp32;
+    fp32 on MPS. bfloat16 asked for by name is kept even where it is emulated (to study
+    its rounding), and precision_note says what it costs."""
     if name != "auto":
         dtype = DTYPES[name]
         if dtype == torch.float16 and device.type == "cpu":
@@ -93,11 +89,20 @@ def pick_dtype(name: str, device: torch.device, n_embd: int = 0,
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device.type == "cpu" and decoding:
-        return torch.bfloat16 if cpu_has_native_bf16() and n_embd >= CPU_DECODE_BF16_MIN_WIDTH \
+        return torch.bfloat16 if precision.cpu_has_native_bf16() and n_embd >= CPU_DECODE_BF16_MIN_WIDTH \
             else torch.float32
     if device.type == "cpu" and cpu_bf16_pays(n_embd):
         return torch.bfloat16
     return torch.float32
+
+
+def precision_note(device: torch.device, dtype: torch.dtype) -> str:
+    """A warning for the run's set-up line where bf16 was asked for on a CPU that would
+    emulate it; empty otherwise."""
+    if device.type == "cpu" and precision.cpu_compute_dtype(dtype) != dtype:
+        return (" (emulated: this CPU has no native bf16, so its bf16 matmuls run many times "
+                "slower than fp32; train.dtype=auto uses float32 here)")
+    return ""
 
 
 def autocast(device: torch.device, dtype: torch.dtype):

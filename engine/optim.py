@@ -7,6 +7,7 @@ import math
 import torch
 
 from common.errors import ConfigError
+from model import precision
 
 
 class Optimizers:
@@ -50,13 +51,13 @@ class Optimizers:
 
 
 class GroupedMuon(torch.optim.Muon):
-    """torch's Muon (momentum, Nesterov, Newton-Schulz orthogonalisation in bf16, weight
-    decay, its learning-rate adjustment), with the Newton-Schulz iterations of all the
-    matrices of one shape run together as batched matmuls. A small model's step is
-    dozens of tiny matmuls whose dispatch costs more than their arithmetic: for 3 x 96 on
-    a 2-core CPU, torch's loop over its 12 matrices took 4.9 ms of a 32 ms bf16 training
-    step, this one 2.3 ms (four shapes, three batches: a tall matrix is orthogonalised
-    as its transpose, as torch does).
+    """torch's Muon (momentum, Nesterov, Newton-Schulz orthogonalisation in bf16 where
+    that is native, weight decay, its learning-rate adjustment), with the Newton-Schulz
+    iterations of all the matrices of one shape run together as batched matmuls. A small
+    model's step is dozens of tiny matmuls whose dispatch costs more than their
+    arithmetic: for 3 x 96 on a 2-core CPU, torch's loop over its 12 matrices took 4.9 ms
+    of a 32 ms bf16 training step, this one 2.3 ms (four shapes, three batches: a tall
+    matrix is orthogonalised as its transpose, as torch does).
     Same state and hyperparameters as torch's class, so checkpoints move between them."""
 
     @torch.no_grad()
@@ -88,7 +89,8 @@ class GroupedMuon(torch.optim.Muon):
             for idx in by_shape.values():
                 wide = [updates[i].mT if updates[i].size(0) > updates[i].size(1) else updates[i]
                         for i in idx]
-                x = newton_schulz(torch.stack(wide), group["ns_coefficients"], group["ns_steps"], group["eps"])
+                x = newton_schulz(torch.stack(wide), group["ns_coefficients"], group["ns_steps"],
+                                  group["eps"], newton_schulz_dtype(wide[0].device))
                 for i, o in zip(idx, x.unbind(0)):
                     ortho[i] = o.mT if updates[i].size(0) > updates[i].size(1) else o
             lr, wd = group["lr"], group["weight_decay"]
@@ -98,12 +100,26 @@ class GroupedMuon(torch.optim.Muon):
         return loss
 
 
-def newton_schulz(g: torch.Tensor, coefficients, steps: int, eps: float) -> torch.Tensor:
+def newton_schulz_dtype(device: torch.device) -> torch.dtype:
+    """bf16, as torch's Muon computes the iterations, where the device has it natively;
+    fp32 on a CPU without it (model/precision.py) or a GPU older than Ampere, where bf16
+    matmuls are emulated: on an AVX2 CPU a batched bf16 matmul of the cpu preset's shape
+    took 34x its fp32 time, most of the training step (docs/benchmarks.md)."""
+    if device.type == "cpu":
+        return precision.cpu_compute_dtype(torch.bfloat16)
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.float32
+    return torch.bfloat16
+
+
+def newton_schulz(g: torch.Tensor, coefficients, steps: int, eps: float,
+                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """(n, r, c) matrices with r <= c -> their approximate orthogonalisations U·S'·Vᵀ
-    (S' near 1), in bf16: X <- a·X + (b·A + c·A²)·X with A = X·Xᵀ, after scaling each
-    matrix to norm 1 (Jordan et al.'s quintic iteration, the coefficients torch uses)."""
+    (S' near 1), in dtype: X <- a·X + (b·A + c·A²)·X with A = X·Xᵀ, after scaling each
+    matrix to norm 1 (Jordan et al.'s quintic iteration, the coefficients torch uses).
+    The iteration only needs S' near 1, not exact, which is why bf16 is enough."""
     a, b, c = coefficients
-    x = g.bfloat16()
+    x = g.to(dtype)
     x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)
     for _ in range(steps):
         gram = x @ x.mT

@@ -17,7 +17,7 @@ from common.files import lock_file, lock_holder, read_json, write_json_atomic, w
 from engine import checkpoint
 from engine.budget import refuse_what_cannot_fit
 from engine.config import RunConfig, apply, apply_to, from_dict
-from engine.device import autocast, dtype_name, pick_device, pick_dtype, setup_backends
+from engine.device import autocast, dtype_name, pick_device, pick_dtype, precision_note, setup_backends
 from engine.distributed import Dist
 from engine.optim import Optimizers, configure_optimizer
 from data.tokenizer import Tokenizer
@@ -92,7 +92,8 @@ class Run:
     def describe_setup(self) -> str:
         tok = self.data.tokenizer
         world = f", {self.dist.world} processes" if self.dist.world > 1 else ""
-        return (f"device: {self.device}, autocast {dtype_name(self.dtype)}{world}; data: "
+        return (f"device: {self.device}, autocast {dtype_name(self.dtype)}"
+                f"{precision_note(self.device, self.dtype)}{world}; data: "
                 f"{self.cfg.data.path or 'the bundled Shakespeare'} ({tok.kind} tokenizer, "
                 f"vocabulary {tok.vocab_size}, {len(self.data.train):,} train / "
                 f"{len(self.data.val):,} val tokens)")

@@ -7,9 +7,9 @@ Each backend computes exactly that and shares one signature,
 
 * `eager` writes the formula out step by step and can hand back the weights;
 * `sdpa` calls torch's fused kernel (FlashAttention on supported GPUs, a fused C++
-  kernel on CPU), which never materialises the T×T weights; in bf16 on a CPU, where
-  torch's kernel is slow, up to a few hundred queries it is the formula as two batched
-  matmuls instead (cpu_route);
+  kernel on CPU), which never materialises the T×T weights; in bf16 on a CPU with
+  native bf16, where torch's kernel is slow, up to a few hundred queries it is the
+  formula as two batched matmuls instead (cpu_route);
 * `banded` computes only the band a sliding window can see, so time and memory grow
   with T·W instead of T² (Longformer's banded attention, arXiv:2004.05150);
 * `flex` hands the same rule to torch's FlexAttention, which compiles it into a
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from model.flex import attend as flex_attend
 from model.config import ModelConfig
 from model.mask import Mask, rule
+from model.precision import cpu_compute_dtype
 
 
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -90,9 +91,13 @@ def cpu_route(q: torch.Tensor, k: torch.Tensor) -> str:
     price of the matmuls is the scores' precision: bf16 keeps 8 bits, where the kernels
     accumulate in fp32 (output error against float64 4.2e-3 relative instead of 3.0e-3,
     gradients 5.6e-3 instead of 4.0e-3: about the size of bf16's own rounding of the
-    output). fp16 keeps the fp32 route (its CPU matmuls are not this fast)."""
+    output). fp16 keeps the fp32 route (its CPU matmuls are not this fast), and so does
+    bf16 on a CPU without native bf16 (model/precision.py), where both its matmuls and
+    torch's bf16 kernel would be emulated."""
     if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
         return "fused"
+    if cpu_compute_dtype(q.dtype) != q.dtype:
+        return "fp32"
     if q.dtype == torch.bfloat16:
         if q.shape[-2] == 1 and k.numel() <= CPU_FP32_MAX_DECODE_KEYS:
             return "fp32"

@@ -311,24 +311,38 @@ def test_auto_computes_only_the_band_once_it_is_cheaper(monkeypatch):
         assert calls == [f"{expected}_attention"], spec
 
 
-# (q_len, k_len, dtype, route) with batch 1 and 2 heads of 16: bf16 on a CPU takes two
-# matmuls up to 512 x 1,024 scores per row and head, except a one-query step over at
-# most 2^18 elements of K (8,192 keys here), which takes torch's kernel on fp32 copies;
-# so does fp16 up to 256 queries; beyond those, and for fp32, torch's kernel as it is.
-ROUTES = [(64, 64, torch.bfloat16, "matmul"), (1, 300, torch.bfloat16, "fp32"),
-          (1, 8192, torch.bfloat16, "fp32"), (1, 8193, torch.bfloat16, "matmul"),
-          (512, 1024, torch.bfloat16, "matmul"), (513, 1024, torch.bfloat16, "fused"),
-          (1024, 1024, torch.bfloat16, "fused"), (64, 64, torch.float16, "fp32"),
-          (256, 256, torch.float16, "fp32"), (300, 300, torch.float16, "fused"),
-          (64, 64, torch.float32, "fused")]
+@pytest.fixture
+def native_bf16(monkeypatch):
+    """The CPU routes as on a CPU with native bf16, whatever this one has: their
+    arithmetic is the same, only slower where bf16 is emulated."""
+    from model import precision
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
 
 
-@pytest.mark.parametrize("q_len,k_len,dtype,route", ROUTES)
-def test_cpu_attention_takes_the_route_its_precision_and_length_pay_for(q_len, k_len, dtype, route):
+# (q_len, k_len, dtype, native bf16, route) with batch 1 and 2 heads of 16: bf16 on a
+# CPU with native bf16 takes two matmuls up to 512 x 1,024 scores per row and head,
+# except a one-query step over at most 2^18 elements of K (8,192 keys here), which takes
+# torch's kernel on fp32 copies; so does fp16 up to 256 queries, and bf16 at any length
+# on a CPU that would emulate it; beyond those, and for fp32, torch's kernel as it is.
+ROUTES = [(64, 64, torch.bfloat16, True, "matmul"), (1, 300, torch.bfloat16, True, "fp32"),
+          (1, 8192, torch.bfloat16, True, "fp32"), (1, 8193, torch.bfloat16, True, "matmul"),
+          (512, 1024, torch.bfloat16, True, "matmul"), (513, 1024, torch.bfloat16, True, "fused"),
+          (1024, 1024, torch.bfloat16, True, "fused"), (64, 64, torch.float16, True, "fp32"),
+          (256, 256, torch.float16, True, "fp32"), (300, 300, torch.float16, True, "fused"),
+          (64, 64, torch.float32, True, "fused"), (64, 64, torch.bfloat16, False, "fp32"),
+          (1, 8193, torch.bfloat16, False, "fp32"), (1024, 1024, torch.bfloat16, False, "fp32"),
+          (64, 64, torch.float32, False, "fused")]
+
+
+@pytest.mark.parametrize("q_len,k_len,dtype,native,route", ROUTES)
+def test_cpu_attention_takes_the_route_its_precision_and_length_pay_for(q_len, k_len, dtype, native,
+                                                                        route, monkeypatch):
     """Each route told apart by its output: the fp32 route equals torch's fp32 kernel
     rounded, the fused route torch's kernel in the inputs' precision, and the matmul
     route neither, yet within bf16's rounding of the float64 formula."""
+    from model import precision
     from model.attention import sdpa_attention
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, n, 16, dtype=dtype) for n in (q_len, k_len, k_len))
     mask = Mask.over(k_len - q_len, q_len, k_len)
@@ -353,7 +367,7 @@ def test_cpu_attention_takes_the_route_its_precision_and_length_pay_for(q_len, k
 @pytest.mark.parametrize("position", ["none", "alibi"])
 @pytest.mark.parametrize("mask_name", sorted(MASKS))
 @pytest.mark.parametrize("backend", ["sdpa", "banded", "auto"])
-def test_bf16_attention_on_a_cpu_matches_the_float64_reference(backend, mask_name, position):
+def test_bf16_attention_on_a_cpu_matches_the_float64_reference(backend, mask_name, position, native_bf16):
     """bf16 on a CPU (the matmul route for these lengths): every mask (causal, chunk after
     a cache, decoding step, window, global tokens, the banded blocks) and ALiBi's additive
     bias, forward and backward, within bf16's rounding of the formula in float64 on the
@@ -378,7 +392,7 @@ def test_bf16_attention_on_a_cpu_matches_the_float64_reference(backend, mask_nam
         assert rel(t.grad, expected) < 2e-2, name
 
 
-def test_bf16_attention_on_a_cpu_drops_weights_in_training_only():
+def test_bf16_attention_on_a_cpu_drops_weights_in_training_only(native_bf16):
     """Attention dropout on the matmul route: some weights zeroed (the output changes
     from call to call) at p > 0, none at p = 0."""
     from model.attention import sdpa_attention

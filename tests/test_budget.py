@@ -128,7 +128,8 @@ def test_on_a_cpu_with_bf16_the_plan_keeps_the_precision_that_measured_faster(fa
     import time
     import engine.budget as budget
     import engine.device as device
-    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
+    from model import precision
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     monkeypatch.setattr(budget, "measure", lambda cfg, dev, dtype, seconds, *data:
                         30.0 if dtype == device.DTYPES[faster] else 20.0)
     cfg = cli.build("cpu", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",

@@ -152,11 +152,12 @@ def test_cpu_autocast_is_bf16_where_the_cpus_bf16_matmuls_make_it_pay(width, bf1
     """The measured rule: wide models take bf16 on any CPU with native bf16; from 64
     wide only where bf16 matmuls ran at least 3x fp32 ones; never below."""
     from engine import device
-    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
+    from model import precision
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     monkeypatch.setattr(device, "peak_flops",
                         lambda kind, name, *a: 2e11 * (bf16_speed if name == "bfloat16" else 1.0))
     assert device.pick_dtype("auto", torch.device("cpu"), width) == device.DTYPES[expected]
-    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
     assert device.pick_dtype("auto", torch.device("cpu"), width) == torch.float32
 
 
@@ -168,7 +169,8 @@ def test_cpu_sampling_holds_bf16_weights_only_where_decoding_gains(width, native
     4 x 128 decodes 1.7x faster in fp32), whatever training autocasts to; an explicit
     precision is kept as asked."""
     from engine import device
-    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: native)
+    from model import precision
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
     monkeypatch.setattr(device, "peak_flops", lambda kind, name, *a: 2e11 * (4.1 if name == "bfloat16" else 1.0))
     cpu = torch.device("cpu")
     assert device.pick_dtype("auto", cpu, width, decoding=True) == device.DTYPES[expected]

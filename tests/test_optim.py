@@ -1,8 +1,11 @@
 """Optimizers (attnlab/optim.py): AdamW alone or Muon beside it, saved and resumed."""
 import json
 
+import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from common.errors import ConfigError
 from engine import cli
@@ -26,14 +29,20 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     assert opt.named["adamw"].param_groups[0]["lr"] == pytest.approx(t.lr / 2)
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
-def test_grouped_muon_steps_as_torchs_muon_does_and_shares_its_checkpoints(nesterov, adjust):
+def test_grouped_muon_steps_as_torchs_muon_does_and_shares_its_checkpoints(nesterov, adjust, native,
+                                                                           monkeypatch):
     """GroupedMuon batches the Newton-Schulz iterations of same-shape matrices; torch's
     own Muon, one matrix at a time, is the reference: the same parameters after every
     step (tall, wide and square matrices, two of a shape), and a state saved by one
-    continues in the other."""
+    continues in the other. On a CPU with native bf16 both iterate in bf16; without it
+    ours iterates in fp32, and so does the reference: torch's Muon with its one cast to
+    bf16 (`grad.bfloat16()`) made an fp32 copy instead."""
     from engine.optim import GroupedMuon
+    from model import precision
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
     shapes = [(12, 8), (8, 12), (8, 8), (12, 8), (8, 12), (16, 8)]
     g = torch.Generator().manual_seed(0)
     start = [torch.randn(s, generator=g) for s in shapes]
@@ -51,17 +60,96 @@ def test_grouped_muon_steps_as_torchs_muon_does_and_shares_its_checkpoints(neste
             opt.step()
         return params, opt.state_dict()
 
-    theirs, _ = run(torch.optim.Muon, grads)
+    # In bf16, its rounding at most (1% of the distance moved over six steps); in fp32,
+    # fp32's (measured 6e-6), where bf16 iterations would be 2% off.
+    tolerance = 1e-2 if native else 1e-4
+    with pytest.MonkeyPatch.context() as reference:
+        if not native:
+            reference.setattr(torch.Tensor, "bfloat16", lambda t, *a, **k: t.clone())
+        theirs, _ = run(torch.optim.Muon, grads)
+        half, state = run(torch.optim.Muon, grads[:3])
     ours, _ = run(GroupedMuon, grads)
     for p, q, p0 in zip(ours, theirs, start):
         moved = (q - p0).abs().max()
         assert moved > 1e-3
-        assert (p - q).abs().max() <= 1e-2 * moved          # bf16 rounding at most
-    half, state = run(torch.optim.Muon, grads[:3])
+        assert (p - q).abs().max() <= tolerance * moved
     resumed, _ = run(GroupedMuon, grads[3:], [torch.nn.Parameter(p.detach().clone()) for p in half], state)
     for p, q, h in zip(resumed, theirs, half):
         moved = (q - h).abs().max()
-        assert moved > 1e-3 and (p - q).abs().max() <= 1e-2 * moved
+        assert moved > 1e-3 and (p - q).abs().max() <= tolerance * moved
+
+
+def newton_schulz_float64(g: np.ndarray, coefficients, steps: int, eps: float) -> np.ndarray:
+    """Jordan et al.'s quintic Newton-Schulz iteration for one wide matrix, in float64
+    NumPy: X <- a·X + (b·A + c·A²)·X, A = X·Xᵀ, from X = G / max(‖G‖, eps)."""
+    a, b, c = coefficients
+    x = g / max(np.linalg.norm(g), eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x
+
+
+def test_without_native_bf16_newton_schulz_is_fp32_to_its_float64_reference(monkeypatch):
+    """On a CPU that would emulate bf16, the iterations run in fp32: equal to float64 to
+    fp32's rounding (measured 1.5e-6 of the largest entry; bf16's would be 3.4e-2). With
+    native bf16 they run in bf16, as torch's Muon does, within bf16's rounding."""
+    from engine.optim import newton_schulz, newton_schulz_dtype
+    from model import precision
+    g = torch.randn(3, 8, 24, generator=torch.Generator().manual_seed(0))
+    coefficients, steps, eps = (3.4445, -4.7750, 2.0315), 5, 1e-7
+    ref = np.stack([newton_schulz_float64(m, coefficients, steps, eps) for m in g.double().numpy()])
+    cpu = torch.device("cpu")
+    for native, tolerance in ((False, 1e-5), (True, 6e-2)):
+        monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+        out = newton_schulz(g, coefficients, steps, eps, newton_schulz_dtype(cpu))
+        assert out.dtype == (torch.bfloat16 if native else torch.float32)
+        assert np.abs(out.double().numpy() - ref).max() <= tolerance * np.abs(ref).max()
+
+
+class DtypeRecorder(TorchDispatchMode):
+    """Every aten op that runs, by name, with the dtypes of its tensors in and out."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: dict[str, set] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        self.ops.setdefault(func.overloadpacket.__name__, set()).update(t.dtype for t in tensors)
+        return out
+
+
+MATMULS = {"mm", "bmm", "baddbmm", "addmm", "addbmm", "matmul", "linear"}
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_without_native_bf16_a_training_step_runs_no_bf16_matmul(native, corpus, tmp_path, monkeypatch):
+    """A CPU that would emulate bf16 (forced here, whatever this one is): two training
+    steps with Muon and the precision left to auto, 256 wide (where a CPU with native bf16
+    autocasts to bf16), evaluation included, run no op in bf16 at all, matmuls above all:
+    the layers, attention and Muon's Newton-Schulz iterations are fp32. With native bf16
+    forced on, the same recorder sees bf16 matmuls in the layers and in Newton-Schulz."""
+    import engine.loop
+    from model import precision
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(engine.loop, "peak_flops", lambda *a: None)     # no matmul probe
+    cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                             f"--train.out_dir={tmp_path / 'r'}", "--train.run_name=bf16",
+                             "--train.optimizer=muon", "--train.max_iters=2", "--train.eval_iters=1",
+                             "--model.n_layer=1", "--model.n_embd=256", "--model.n_head=8",
+                             "--model.block_size=16", "--train.batch_size=2"])
+    run = setup_run(cfg, log=lambda *a, **k: None)
+    with DtypeRecorder() as recorder:
+        train(run)
+    ran = {op for op in MATMULS if op in recorder.ops}
+    assert {"mm", "baddbmm"} <= ran                # the layers' and Newton-Schulz's matmuls
+    in_bf16 = {op for op, dtypes in recorder.ops.items() if torch.bfloat16 in dtypes}
+    if native:
+        assert {"mm", "baddbmm"} <= in_bf16
+    else:
+        assert not in_bf16, sorted(in_bf16)
 
 
 def _losses(run_dir):

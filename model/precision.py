@@ -1,0 +1,50 @@
+"""Does this CPU compute in bf16 natively? The one fact every precision choice on a CPU
+follows: autocast (engine/device.py), Muon's Newton-Schulz iterations (engine/optim.py),
+the CPU attention routes (model/attention.py), sampling and the --budget probes.
+
+Without native bf16 (AVX2 CPUs: most laptops' Intel Core chips, AMD Zen 2 and 3) torch
+emulates a bf16 matmul element by element, some 30 times slower than in fp32, so there
+nothing is computed in bf16 at all. docs/benchmarks.md has the figures.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+# Settings that hold torch to AVX2 or less on any CPU, the way bench/cpu_kinds.py makes
+# an AVX-512 machine stand in for an AVX2 one: ATen's kernels (ATEN_CPU_CAPABILITY) and
+# oneDNN's (ONEDNN_MAX_CPU_ISA, formerly DNNL_MAX_CPU_ISA).
+ATEN_BELOW_AVX512 = ("default", "avx2")
+ONEDNN_BELOW_AVX512 = ("sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2")
+
+
+def held_below_avx512(env=os.environ) -> bool:
+    """Whether the environment holds torch's CPU kernels to AVX2 or less."""
+    aten = env.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    onednn = (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "").strip().lower()
+    return aten in ATEN_BELOW_AVX512 or onednn in ONEDNN_BELOW_AVX512
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True where torch sends bf16 matmuls to oneDNN's bf16 kernels: the test ATen
+    itself makes before it does (torch.ops.mkldnn._is_mkldnn_bf16_supported, which is
+    also what torch.compile's CPU backend asks), and False where the environment holds
+    torch to AVX2 (held_below_avx512). Decided once per process, as torch decides it."""
+    if held_below_avx512():
+        return False
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(torch.backends.mkldnn.is_available() and check is not None and check())
+    except RuntimeError:              # a build without oneDNN's ops
+        return False
+
+
+def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision to compute in on this CPU for work asked of in `dtype`: fp32 in place
+    of bf16 where bf16 would be emulated."""
+    if dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        return torch.float32
+    return dtype

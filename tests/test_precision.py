@@ -1,0 +1,35 @@
+"""model/precision.py: whether this CPU computes in bf16 natively, from torch's own test,
+and the settings that make any CPU stand in for an AVX2 one."""
+import pytest
+import torch
+
+from model import precision
+
+
+@pytest.mark.parametrize("env,held", [
+    ({}, False), ({"ATEN_CPU_CAPABILITY": "avx2"}, True), ({"ATEN_CPU_CAPABILITY": "default"}, True),
+    ({"ATEN_CPU_CAPABILITY": "avx512"}, False), ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, True),
+    ({"DNNL_MAX_CPU_ISA": "avx2"}, True), ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, False),
+    ({"ONEDNN_MAX_CPU_ISA": "ALL", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}, False)])
+def test_the_avx2_settings_hold_torch_below_avx512(env, held):
+    assert precision.held_below_avx512(env) is held
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+@pytest.mark.parametrize("env", [{}, {"ATEN_CPU_CAPABILITY": "avx2"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"}])
+def test_native_bf16_is_onednns_answer_unless_torch_is_held_to_avx2(onednn, env, monkeypatch):
+    """oneDNN's answer decides (the test ATen makes before it sends a bf16 matmul to
+    oneDNN), and either AVX2 setting overrules a yes; bf16 work is then done in fp32."""
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
+    precision.cpu_has_native_bf16.cache_clear()
+    try:
+        native = onednn and not env
+        assert precision.cpu_has_native_bf16() is native
+        assert precision.cpu_compute_dtype(torch.bfloat16) == (torch.bfloat16 if native else torch.float32)
+        assert precision.cpu_compute_dtype(torch.float32) == torch.float32
+    finally:
+        precision.cpu_has_native_bf16.cache_clear()
