@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
     from engine.cli import apply_overrides, overrides_of
     from engine.config import describe
     from engine.loop import train
-    from engine.run import adopt_source, resume_config, setup_run
+    from engine.run import adopt_source, resume_changes, resume_config, setup_run
 
     resuming, source = args.resume is not None, None
     if args.preset == "":
@@ -68,6 +68,10 @@ def main(argv: list[str]) -> int:
     if resuming:
         out_dir = overrides_of(args).get("train", {}).get("out_dir", "runs")
         cfg, run_dir, resuming = resume_config(args.resume, out_dir, overrides_of(args))
+        changes = resume_changes(cfg, resuming)
+        if changes and os.environ.get("RANK", "0") == "0":
+            print(f"resume changes {'; '.join(changes)} (from the first step after "
+                  f"{resuming.name}; recorded in the run's config.json)")
     else:
         cfg, run_dir = config.RunConfig(), None
         config.load_preset(cfg, args.preset or default_preset(args))
@@ -118,7 +122,11 @@ def default_preset(args) -> str:
 
 
 if __name__ == "__main__":
-    with errors_as_lines():
+    # A first Ctrl-C during training is the loop's: it saves and says how to continue.
+    # One that reaches here came before the first checkpoint, or during a save.
+    with errors_as_lines("python train.py --resume RUN continues a run from its last "
+                         "checkpoint where one was written; otherwise run the same "
+                         "command again"):
         code = main(sys.argv[1:])
     # Checkpoints and metrics are written, fsynced and closed (wandb finished) by now:
     # skip the interpreter's teardown of torch's modules, 0.8 s on a 2-core CPU, which

@@ -328,11 +328,14 @@ class Service:
 
 def public_base(path: str) -> Path:
     """The folder a model's path is named from on the page: the working directory if
-    the model is inside it, else the folder three levels up (run/checkpoints/step). The
-    page never shows an absolute path: whoever reaches it would learn the user's name and
-    folders."""
+    the model is inside it, else the folder that holds its run (or its transformers
+    folder), so the page shows `run/checkpoints/step` or `folder`. The page never shows
+    an absolute path: whoever reaches it would learn the user's name and folders."""
     p, cwd = Path(path).resolve(), Path.cwd().resolve()
-    return cwd if p.is_relative_to(cwd) else p.parents[min(2, len(p.parents) - 1)]
+    if p.is_relative_to(cwd) and p != cwd:
+        return cwd
+    run = p.parent.parent if p.parent.name == "checkpoints" else p
+    return run.parent if len(run.parts) > 1 else run
 
 
 def _short(text: str, n: int = 40) -> str:

@@ -122,11 +122,12 @@ def add_run_options(parser: Parser, what: str = "run directory or checkpoint fol
 
 
 @contextmanager
-def errors_as_lines():
+def errors_as_lines(interrupted: str = "nothing half-written was kept; run the same "
+                                         "command again"):
     """Every error a user can cause (the project's and the model's own, and what the
     system refuses: a full disk, a read-only folder, a path that is not there) as one
-    `error:` line and exit status 2; a second Ctrl-C as one line and status 130.
-    ATTNLAB_DEBUG=1 shows the traceback instead."""
+    `error:` line and exit status 2; Ctrl-C as one line (`interrupted`: what to do next)
+    and status 130. ATTNLAB_DEBUG=1 shows the traceback instead."""
     debug = bool(os.environ.get("ATTNLAB_DEBUG"))
     try:
         with friendly_errors(ModelError):
@@ -145,6 +146,5 @@ def errors_as_lines():
     except KeyboardInterrupt:
         if debug:
             raise
-        print("error: interrupted; a run continues from its last checkpoint with "
-              "python train.py --resume", file=sys.stderr)
+        print(f"error: interrupted; {interrupted}", file=sys.stderr)
         sys.exit(130)

@@ -460,6 +460,15 @@ def _branch_dir(cfg: RunConfig, run_dir: Path, ckpt: Path, step: int, name: str,
     return target
 
 
+def resume_changes(cfg: RunConfig, ckpt: Path) -> list[str]:
+    """The training options a resume changes from those `ckpt` was trained with, as
+    `train.lr: 0.001 -> 1e-09`, so the run says what it now does differently."""
+    trained = checkpoint.verified_json(ckpt, "config.json").get("train", {})
+    now = cfg.to_dict()["train"]
+    return [f"train.{k}: {v!r} -> {now[k]!r}" for k, v in trained.items()
+            if k in now and now[k] != v]
+
+
 def _refuse_changes(trained: dict, other: dict, what: str, fix: str) -> None:
     changed = [f"{s}.{k}: {v!r} -> {other.get(s, {}).get(k)!r}"
                for s in ("model", "data") for k, v in trained.get(s, {}).items()

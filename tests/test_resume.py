@@ -16,7 +16,7 @@ from conftest import ROOT, run_script
 from engine import checkpoint, cli
 from engine.inference import load_run
 from engine.loop import train
-from engine.run import resume_config, setup_run
+from engine.run import resume_changes, resume_config, setup_run
 
 
 def quiet(*a, **k):
@@ -78,6 +78,17 @@ def test_a_resume_trains_with_the_rates_it_is_given_and_logs_the_rate_used(run20
     logged = [r["lr"] for r in map(json.loads, (slow / "metrics.jsonl").read_text().splitlines())
               if "lr" in r and r["step"] > 20]
     assert len(used) == 3 and logged == used and all(1e-10 <= lr <= 1e-9 for lr in used)
+
+
+def test_a_resume_names_each_option_it_changes(run20, tmp_path):
+    copy = copy_of(run20, tmp_path)
+    cfg, _, ckpt = resume_config(str(copy), str(copy), {"train": {"lr": "1e-9", "min_lr": "1e-10",
+                                                                  "max_iters": "30"}})
+    changes = resume_changes(cfg, ckpt)
+    assert any(c.startswith("train.lr: ") and c.endswith("-> 1e-09") for c in changes)
+    assert any(c.startswith("train.max_iters: 20 -> 30") for c in changes)
+    cfg, _, ckpt = resume_config(str(copy), str(copy), {})
+    assert resume_changes(cfg, ckpt) == []
 
 
 def test_betas_weight_decay_and_momentum_given_to_a_resume_are_the_optimizers(run20, corpus, tmp_path):

@@ -3,6 +3,7 @@ turns and Stop through a real uvicorn on 127.0.0.1 (the test client holds a resp
 until it is complete); then the page in a real headless Chromium (Debian's chromium and
 chromium-driver, which .ci/run installs)."""
 import json
+from pathlib import Path
 import os
 import shutil
 import socket
@@ -543,3 +544,15 @@ def test_the_page_in_a_real_browser(tiny_run, tmp_path):
             driver.quit()
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_the_page_names_a_model_outside_the_working_folder_from_its_run(tmp_path, monkeypatch):
+    """Never an absolute path, and never one that reads as relative to the root."""
+    from attnlab.serve import public_base
+    monkeypatch.chdir(tmp_path)
+    elsewhere = Path("/tmp") / "attnlab-elsewhere" / "r"
+    ckpt = elsewhere / "checkpoints" / "step_0000010"
+    assert ckpt.relative_to(public_base(str(ckpt))) == Path("r/checkpoints/step_0000010")
+    assert elsewhere.relative_to(public_base(str(elsewhere))) == Path("r")
+    inside = tmp_path / "runs" / "r"
+    assert inside.relative_to(public_base(str(inside))) == Path("runs/r")
