@@ -60,6 +60,34 @@ def report(nats: float, tokens: int, n_bytes: int) -> dict:
             "bits_per_byte": nats / math.log(2) / max(n_bytes, 1)}
 
 
+def load_for_comparison(folder: Path, tokenizer):
+    """transformers' own model from a local folder, checked as attnlab reads one first
+    (engine/hf_files.py), loaded from safetensors only."""
+    from engine.checkpoint import CKPT_DIR
+    from engine.interop import is_hf_folder, open_hf_folder
+    if not folder.exists():
+        raise AttnlabError(f"--compare {folder} does not exist; give a transformers folder "
+                           "(python -m attnlab.export writes one)")
+    if not is_hf_folder(folder):
+        own = (folder / "state.json").is_file() or (folder / CKPT_DIR).is_dir()
+        raise AttnlabError(f"--compare {folder} is not a transformers folder" + (
+            f" but attnlab's own run or checkpoint: export it with python -m attnlab.export "
+            f"--run {folder} --out DIR, then compare with DIR" if own else
+            " (it has no config.json of one); give a folder written by python -m attnlab.export"))
+    checked = open_hf_folder(folder)
+    if checked.cfg.vocab_size <= tokenizer.highest_id:
+        raise AttnlabError(f"--compare {folder} has a vocabulary of {checked.cfg.vocab_size:,} "
+                           f"tokens, fewer than the --run model's tokenizer uses: it is not "
+                           "the same model's export")
+    import transformers
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            folder, local_files_only=True, use_safetensors=True).eval()
+    except (OSError, ValueError) as err:
+        raise AttnlabError(f"transformers cannot load --compare {folder} "
+                           f"({str(err).splitlines()[0][:300]})") from None
+
+
 def main(argv=None) -> int:
     parser = Parser("python -m attnlab.evaluate", __doc__)
     add_run_options(parser, "run directory, checkpoint or transformers folder")
@@ -87,13 +115,12 @@ def main(argv=None) -> int:
     stride = args.stride or max(1, context // 2)
     if not 0 < stride <= context:
         raise AttnlabError(f"--stride must be between 1 and the context ({context}), got {stride}")
+    hf = load_for_comparison(Path(args.compare), tokenizer) if args.compare else None
     n_bytes = len(text.encode("utf-8"))
     ours = report(*sliding_loss(lambda x: model(x.to(device)).logits, ids, context, stride), n_bytes)
     print(f"{ckpt}: {ours['tokens']:,} tokens scored, windows of {context} moved by {stride}")
     rows = [("attnlab", ours)]
-    if args.compare:
-        import transformers
-        hf = transformers.AutoModelForCausalLM.from_pretrained(args.compare).eval()
+    if hf is not None:
         rows.append(("transformers", report(*sliding_loss(lambda x: hf(x).logits, ids, context,
                                                           stride), n_bytes)))
     print(f"{'model':<13} {'loss':>8} {'perplexity':>11} {'bits/byte':>10}")

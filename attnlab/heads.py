@@ -16,6 +16,7 @@ Rows of a heatmap are the tokens looking (queries), columns the tokens looked at
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -166,10 +167,14 @@ def export_head_view(path, tokens, maps, inline_js: str | Path | None = None) ->
 
 # -- one layer deeper: the logit lens, ablation, activation patching, induction -------
 
-def _ids(tokenizer, text: str, device) -> torch.Tensor:
+def _ids(tokenizer, text: str, device, at_least: int = 1) -> torch.Tensor:
     if not text:
         raise AttnlabError("give some text with --text")
-    return torch.tensor([tokenizer.encode(text)], device=device)
+    ids = tokenizer.encode(text)
+    if len(ids) < at_least:
+        raise AttnlabError(f"{text!r} is {len(ids)} token(s); this needs at least {at_least} "
+                           "(each token is scored on predicting the next): give a longer --text")
+    return torch.tensor([ids], device=device)
 
 
 @torch.no_grad()
@@ -250,6 +255,26 @@ def out_path(given: str, default: str) -> Path:
     return Path(given) / default if Path(given).is_dir() else Path(given)
 
 
+def check_figure_out(given: str) -> None:
+    """Refuse, before any work, an --out whose suffix matplotlib cannot write."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    suffix = Path(given).suffix.lower().lstrip(".")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if given and not Path(given).is_dir() and suffix and suffix not in formats:
+        raise AttnlabError(f"--out {given}: a figure cannot be saved as .{suffix}; use .png "
+                           f"(or {', '.join('.' + f for f in sorted(formats) if f != 'png')})")
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
 def deeper(args, model, tokenizer) -> int:
     """lens, ablate, patch and induction: one layer below the attention maps."""
     device = next(model.parameters()).device
@@ -272,7 +297,7 @@ def deeper(args, model, tokenizer) -> int:
         print(save_layer_map(out_path(args.out, "patching.png"), share, labels,
                              f"activation patching: recovered share of logit({show(answer)})"))
         return 0
-    ids = _ids(tokenizer, args.text, device)
+    ids = _ids(tokenizer, args.text, device, at_least=2)
     labels = [show(i) for i in ids[0]]
     if args.what == "lens":
         top, p_next = logit_lens(model, ids)
@@ -310,10 +335,13 @@ def main(argv=None) -> int:
     parser.add_argument("--head", type=int, default=0)
     parser.add_argument("--from", dest="source", default="", help="search: the word looking")
     parser.add_argument("--to", dest="target", default="", help="search: the word looked at")
-    parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--top", type=positive, default=5,
+                        help="search and ablate: how many heads to list (default 5)")
     parser.add_argument("--inline-js", default="", help="html: folder with d3.min.js, "
                         "jquery.min.js and require.js to embed (opens offline)")
     args = parser.parse_args(argv)
+    if args.what != "html":
+        check_figure_out(args.out)
     from engine.checkpoint import latest_run
     from engine.inference import load_run
     model, _, tokenizer, ckpt = load_run(args.run or latest_run(), "best")

@@ -1,14 +1,20 @@
-"""File helpers shared by the token cache and checkpoints: hashing, and writes that
-are atomic (a temporary file, flushed to disk, then renamed over the target)."""
+"""File helpers shared by the token cache and checkpoints: hashing, reads that are
+bounded (a file that is not a plain file, or is larger than it can be, is refused
+before it is read), and writes that are atomic (a temporary file, flushed to disk,
+then renamed over the target)."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import hashlib
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
+
+JSON_LIMIT = 64 << 20       # bytes: the project's own JSON files are far smaller
 
 
 def file_sha256(path: Path) -> str:
@@ -29,22 +35,64 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def read_json(path: Path) -> dict | None:
-    """A JSON object from a file, or None when the file is missing, unreadable, not
-    UTF-8, not JSON, or holds something other than an object."""
+def read_bounded(path: Path, limit: int) -> bytes:
+    """The bytes of a plain file of at most `limit` bytes. Anything else is refused with
+    ValueError before more than `limit` bytes are read: a device (a symlink to
+    /dev/zero never ends), a pipe (opened without waiting for a writer), a folder, or a
+    larger file. A missing file raises OSError as open() does."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("is not a plain file")
+        if info.st_size > limit:
+            raise ValueError(f"is {info.st_size:,} bytes, more than the {limit:,} it may be")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:                       # it grew while being read
+        raise ValueError(f"is more than the {limit:,} bytes it may be")
+    return data
+
+
+def parse_json_object(data: bytes) -> dict:
+    """A JSON object from bytes, or ValueError saying why not: not UTF-8, not JSON,
+    nested too deeply for the parser, or a JSON value that is not an object."""
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("is not UTF-8 text") from None
+    except RecursionError:
+        raise ValueError("is nested too deeply to be a JSON file of this kind") from None
+    except ValueError as err:
+        raise ValueError(f"is not JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def read_json(path: Path, limit: int = JSON_LIMIT) -> dict | None:
+    """A JSON object from a file, or None when the file is missing, unreadable, not a
+    plain file, larger than `limit`, not UTF-8, not JSON, or holds something other than
+    an object."""
+    try:
+        return parse_json_object(read_bounded(path, limit))
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) else None
 
 
 def write_text_atomic(path: Path, text: str) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    fsync(tmp)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        fsync(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk leaves no half-written file behind
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json_atomic(path: Path, data) -> None:

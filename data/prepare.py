@@ -12,7 +12,9 @@ is done by data/build.py; this file is its command line.
 from __future__ import annotations
 
 import argparse
+import errno
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -81,7 +83,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     with friendly_errors():
-        run(build_parser().parse_args(argv))
+        args = build_parser().parse_args(argv)
+        try:
+            run(args)
+        except OSError as err:
+            if os.environ.get("ATTNLAB_DEBUG"):
+                raise
+            raise DataError(cannot_write(err, args.out)) from None
+
+
+def cannot_write(err: OSError, out: str) -> str:
+    """What a refused write means for the build, and what to do: a full disk keeps
+    every finished shard and the recorded progress (the same command resumes); a
+    folder that cannot be written needs another --out."""
+    reason = f"{err.filename or out}: {err.strerror or err}"
+    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return (f"{reason}; the tokens written so far are kept: free some space (or choose "
+                f"another --out) and run the same command again, which resumes")
+    inside = bool(err.filename) and Path(os.path.abspath(err.filename)).is_relative_to(
+        os.path.abspath(out))
+    if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and inside:
+        return f"{reason}; --out {out} cannot be written: choose a folder you can write to"
+    return f"{reason}; run the same command again once that is fixed (it resumes)"
 
 
 def run(args) -> None:

@@ -57,6 +57,11 @@ class Tokenizer:
         """The end-of-document token placed between documents (None: no such token)."""
         return None
 
+    @property
+    def highest_id(self) -> int:
+        """The largest id encode() can give (a model needs vocab_size above it)."""
+        return self.vocab_size - 1
+
     def spans(self, text: str) -> list[tuple[int, int]]:
         """(start, end) character offsets of each token of `text`."""
         raise NotImplementedError
@@ -95,9 +100,20 @@ class Tokenizer:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise TokenizerError(f"tokenizer file {path} is not valid JSON ({err})") from None
+        except RecursionError:
+            raise TokenizerError(f"tokenizer file {path} is nested too deeply to be a "
+                                 "tokenizer") from None
         if isinstance(data, dict) and data.get("type") == "char":
-            return CharTokenizer(data["chars"])
-        return BPETokenizer.from_json(text, path)
+            chars = data.get("chars")
+            if (not isinstance(chars, list) or not chars
+                    or not all(isinstance(c, str) and len(c) == 1 for c in chars)
+                    or len(set(chars)) != len(chars)):
+                raise TokenizerError(f"tokenizer file {path} is a character tokenizer whose "
+                                     "\"chars\" is not a list of distinct single characters")
+            return CharTokenizer(chars)
+        bpe = BPETokenizer.from_json(text, path)
+        chars = one_token_per_character(bpe.hf)
+        return CharTokenizer(chars) if chars else bpe
 
 
 class CharTokenizer(Tokenizer):
@@ -209,7 +225,33 @@ class BPETokenizer(Tokenizer):
         return self.hf.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text).ids
+        return self._encoding(text).ids
+
+    def _encoding(self, text: str):
+        try:
+            return self.hf.encode(text)
+        except Exception as err:   # a tokenizer without a byte fallback or [UNK] token
+            raise self._cannot_encode([text], err) from None
+
+    def _cannot_encode(self, texts: list[str], err: Exception) -> TokenizerError:
+        """Name the pieces of `texts` (as its pre-tokenizer cuts them: characters, for a
+        tokenizer of characters) this tokenizer has no token for."""
+        def fails(piece):
+            try:
+                self.hf.encode(piece)
+            except Exception:
+                return True
+            return False
+        cut = self.hf.pre_tokenizer
+        pieces = {p for text in texts for p, _ in cut.pre_tokenize_str(text)} if cut is not None \
+            else {c for text in texts for c in text}
+        unknown = sorted(p for p in pieces if fails(p))
+        if not unknown:
+            return TokenizerError(f"this tokenizer cannot encode the text ({err})")
+        return TokenizerError("this tokenizer has no token for "
+                              + ", ".join(repr(p) for p in unknown[:20])
+                              + (f" and {len(unknown) - 20} more" if len(unknown) > 20 else "")
+                              + f"; remove them from the text ({err})")
 
     def encode_array(self, text: str) -> np.ndarray:
         pieces = self.PIECE_BOUNDARY.split(text)
@@ -219,7 +261,11 @@ class BPETokenizer(Tokenizer):
             if len(cache) + len(new) > self.CACHE_LIMIT:   # bounded memory on huge corpora
                 cache.clear()
             encode = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)  # no offsets: faster
-            for piece, encoding in zip(new, encode(new)):
+            try:
+                encodings = encode(new)
+            except Exception as err:
+                raise self._cannot_encode(new, err) from None
+            for piece, encoding in zip(new, encodings):
                 cache[piece] = encoding.ids
         ids = itertools.chain.from_iterable(map(cache.__getitem__, pieces))
         return np.fromiter(ids, dtype=np.int64)
@@ -232,10 +278,34 @@ class BPETokenizer(Tokenizer):
         return self.hf.decode(list(ids))
 
     def spans(self, text):
-        return list(self.hf.encode(text).offsets)
+        return list(self._encoding(text).offsets)
+
+    @property
+    def highest_id(self) -> int:
+        return max(self.hf.get_vocab(with_added_tokens=True).values(), default=-1)
 
     def to_json(self) -> str:
         return self.hf.to_str()
+
+
+def one_token_per_character(hf) -> list[str] | None:
+    """The characters of a Hugging Face tokenizer that gives exactly one token per
+    character, numbered in sorted order (the form python -m attnlab.export writes a
+    character tokenizer in), or None for any other tokenizer. Checked by what it does,
+    not by how its file is laid out: every character encodes to its own id, in both
+    orders, and decodes back."""
+    vocab = hf.get_vocab(with_added_tokens=True)
+    chars = sorted(vocab)
+    if not vocab or any(len(c) != 1 for c in chars) or [vocab[c] for c in chars] != list(range(len(chars))):
+        return None
+    text = "".join(chars)
+    try:
+        forward, backward = hf.encode(text).ids, hf.encode(text[::-1]).ids
+        same_text = hf.decode(forward) == text
+    except Exception:
+        return None
+    ids = list(range(len(chars)))
+    return chars if forward == ids and backward == ids[::-1] and same_text else None
 
 
 TOKENIZERS = {"char": CharTokenizer, "bpe": BPETokenizer}

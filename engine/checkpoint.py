@@ -93,8 +93,16 @@ def save(run_dir: Path, step: int, model, optimizer, tensors: dict, state: dict,
     tmp.mkdir()
     try:
         _write(tmp, weights, optimizer, tensors, state, files, step)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)      # a full disk leaves no half checkpoint behind
+        if isinstance(err, (OSError, SafetensorError)):
+            # safetensors reports a failed write as its own error, the OS's reason inside
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else \
+                str(err).rpartition("I/O error: ")[2]
+            raise CheckpointError(
+                f"checkpoint {final.name} could not be written in {root} ({reason}); the run "
+                f"is intact up to its last checkpoint: make room and continue with python "
+                f"train.py --resume {run_dir}") from None
         raise
     if final.exists():                      # the same step saved again (e.g. Ctrl-C right after)
         shutil.rmtree(final)

@@ -4,9 +4,12 @@ A folder in that format holds config.json (with a `model_type`), the weights in
 safetensors (one file, or shards named by model.safetensors.index.json) and
 tokenizer.json. Each architecture below that says exactly what one of ours computes
 is an entry of ARCHITECTURES: which of our variants it needs, how its config maps to
-ours, and how each weight matrix maps (transposed, split or fused). Reading a folder
-needs neither transformers nor pickle; writing one uses transformers' own config and
-tokenizer classes, so the folder is what `from_pretrained` expects.
+ours (and the schema its config.json must fit), and how each weight matrix maps
+(transposed, split or fused). Reading a folder needs neither transformers nor pickle,
+and treats the folder as untrusted (engine/hf_files.py: files confined to the folder,
+bounded reads, config and tensors checked before anything is allocated); writing one
+uses transformers' own config and tokenizer classes, so the folder is what
+`from_pretrained` expects.
 
     gpt2      learned positions, LayerNorm, GELU (tanh), biases        GPT2LMHeadModel
     llama     RoPE, RMSNorm, SwiGLU, GQA/MQA, no window                LlamaForCausalLM
@@ -19,20 +22,23 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from common.errors import AttnlabError, CheckpointError
+from common.errors import AttnlabError, CheckpointError, TokenizerError
 from common.files import read_json, remove_stale, umask_mode
 from data.tokenizer import Tokenizer
-from model import GPT, ModelConfig
+from engine.checkpoint import CKPT_DIR, load_weights
+from engine.hf_files import (CONFIG_LIMIT, INDEX, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS,
+                             MAX_VOCAB, MAX_WIDTH, TOKENIZER_LIMIT, Field, WeightFiles,
+                             checked_config, count, read_folder_bytes, read_folder_json,
+                             refuse_too_large)
+from model import GPT, ModelConfig, ModelError
 from model.layers import MLPS, NORMS
 from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
-
-INDEX = "model.safetensors.index.json"
 
 
 class ExportError(AttnlabError):
@@ -40,9 +46,16 @@ class ExportError(AttnlabError):
 
 
 def is_hf_folder(path: str | Path) -> bool:
-    """A folder in transformers' format (config.json naming a model_type)."""
-    config = read_json(Path(path) / "config.json")
-    return config is not None and "model_type" in config
+    """A folder in transformers' format: a config.json that is not this project's (a
+    run's and a checkpoint's config.json have a "model" section, and they sit beside
+    checkpoints/ or state.json). An unreadable config.json counts too, so that reading
+    the folder says what is wrong with it rather than that it holds no checkpoint."""
+    path = Path(path)
+    if (not os.path.lexists(path / "config.json") or os.path.lexists(path / "state.json")
+            or (path / CKPT_DIR).is_dir()):
+        return False
+    config = read_json(path / "config.json", CONFIG_LIMIT)
+    return config is None or "model_type" in config or not isinstance(config.get("model"), dict)
 
 
 # -- the parts each architecture is made of ------------------------------------------
@@ -104,9 +117,13 @@ class Architecture:
     hf_class: str                                    # the transformers class that loads it
     blockers: Callable[[ModelConfig], list[str]]     # why cfg cannot be this architecture
     to_hf_config: Callable[[ModelConfig], dict]
-    from_hf_config: Callable[[dict], ModelConfig]
+    from_hf_config: Callable[[dict], ModelConfig]    # after config.json fits `schema`
     to_hf_weights: Callable[[dict, ModelConfig], dict]
     from_hf_weights: Callable[[Callable, ModelConfig], dict]
+    schema: dict[str, Field] = field(default_factory=dict)   # every config value read
+    base_prefix: str = ""          # transformers' base_model_prefix, with its dot
+    head: tuple[str, ...] = ("lm_head.weight",)      # the output layer's names (export's first)
+    ignored: tuple[str, ...] = ()  # buffers transformers skips on load (its regexes)
 
 
 def _split_qkv(w, cfg):
@@ -144,6 +161,27 @@ def _gpt2_config(cfg):
             "activation_function": _hf_gelu(cfg, "gelu_new"), "layer_norm_epsilon": cfg.norm_eps,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             "tie_word_embeddings": cfg.tie_embeddings}
+
+
+_ROPE = {
+    "rope_parameters": Field(dict, null=True, fields={
+        "rope_theta": Field(float, 1e-3, 1e12), "rope_type": Field(str),
+        "partial_rotary_factor": Field(float, 0.0, 1.0)}),
+    "rope_scaling": Field(dict, null=True, fields={"rope_type": Field(str), "type": Field(str)}),
+    "rope_theta": Field(float, 1e-3, 1e12),
+}
+_SIZES = {"vocab_size": count(MAX_VOCAB), "max_position_embeddings": count(MAX_POSITIONS),
+          "hidden_size": count(MAX_WIDTH), "num_hidden_layers": count(MAX_LAYERS),
+          "num_attention_heads": count(MAX_HEADS)}
+
+_GPT2_SCHEMA = {
+    "vocab_size": count(MAX_VOCAB), "n_positions": count(MAX_POSITIONS), "n_embd": count(MAX_WIDTH),
+    "n_layer": count(MAX_LAYERS), "n_head": count(MAX_HEADS),
+    "n_inner": count(4 * MAX_WIDTH, required=False, null=True),
+    "activation_function": Field(str), "layer_norm_epsilon": Field(float, 0.0, 1.0),
+    "tie_word_embeddings": Field(bool), "scale_attn_by_inverse_layer_idx": Field(bool),
+    "reorder_and_upcast_attn": Field(bool), "scale_attn_weights": Field(bool),
+}
 
 
 def _gpt2_from_config(c):
@@ -234,6 +272,16 @@ def _rope_theta(c: dict) -> float:
     return float(params.get("rope_theta", c.get("rope_theta", c.get("rotary_emb_base", 10000.0))))
 
 
+_LLAMA_SCHEMA = {
+    **_SIZES, **_ROPE, "intermediate_size": count(16 * MAX_WIDTH),
+    "num_key_value_heads": count(MAX_HEADS, required=False, null=True),
+    "head_dim": count(MAX_WIDTH, required=False, null=True), "hidden_act": Field(str),
+    "rms_norm_eps": Field(float, 0.0, 1.0), "tie_word_embeddings": Field(bool),
+    "attention_bias": Field(bool), "mlp_bias": Field(bool),
+    "sliding_window": count(MAX_POSITIONS, low=0, required=False, null=True),
+}
+
+
 def _llama_from_config(c):
     _refuse_unless(c, {"hidden_act": ("silu",)})
     H = c["num_attention_heads"]
@@ -315,6 +363,15 @@ def _neox_config(cfg):
             "attention_dropout": 0.0, "hidden_dropout": 0.0}
 
 
+_NEOX_SCHEMA = {
+    **_SIZES, **_ROPE, "intermediate_size": count(16 * MAX_WIDTH, required=False, null=True),
+    "hidden_act": Field(str), "layer_norm_eps": Field(float, 0.0, 1.0),
+    "use_parallel_residual": Field(bool), "attention_bias": Field(bool),
+    "tie_word_embeddings": Field(bool), "rotary_pct": Field(float, 0.0, 1.0),
+    "rotary_emb_base": Field(float, 1e-3, 1e12),
+}
+
+
 def _neox_from_config(c):
     _refuse_unless(c, {"hidden_act": _HF_GELU_NAMES,
                        "use_parallel_residual": (False,)})
@@ -334,6 +391,11 @@ def _neox_from_config(c):
 _NEOX = [("input_layernorm", "norm_attn", 1, True), ("attention.query_key_value", "attn.w_qkv", 3, False),
          ("attention.dense", "attn.w_o", 1, False), ("post_attention_layernorm", "norm_mlp", 1, True),
          ("mlp.dense_h_to_4h", "mlp.fc", 4, True), ("mlp.dense_4h_to_h", "mlp.proj", 1, True)]
+
+
+# NeoX's files call the output layer embed_out (transformers 5's module calls it lm_head
+# and converts the name); a folder with either name is read.
+_NEOX_HEAD = ("embed_out.weight", "lm_head.weight")
 
 
 def _neox_to_hf(sd, cfg):
@@ -373,28 +435,33 @@ def _neox_from_hf(get, cfg):
         raise CheckpointError("this GPT-NeoX has biases in its norms or MLP but none in its "
                               "attention; attnlab has one bias switch for all of them")
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = get("embed_out.weight", "lm_head.weight")
+        out["lm_head.weight"] = get(*_NEOX_HEAD)
     return out
 
 
 def _refuse_unless(c: dict, allowed: dict) -> None:
     for key, values in allowed.items():
         if key in c and c[key] not in values:
-            raise CheckpointError(f"config.json has {key}={c[key]!r}; attnlab computes "
+            raise CheckpointError(f"{key}={c[key]!r}; attnlab computes "
                                   f"{' or '.join(map(repr, values))} only")
 
 
 ARCHITECTURES = {
     "gpt2": Architecture("gpt2", "GPT2LMHeadModel", _gpt2_blockers, _gpt2_config,
-                         _gpt2_from_config, _gpt2_to_hf, _gpt2_from_hf),
+                         _gpt2_from_config, _gpt2_to_hf, _gpt2_from_hf, _GPT2_SCHEMA,
+                         "transformer.", ignored=(r"attn\.(masked_)?bias$", r"crossattention\.bias$")),
     "llama": Architecture("llama", "LlamaForCausalLM", lambda c: _llama_blockers(c, False),
                           lambda c: _llama_config(c, False), _llama_from_config, _llama_to_hf,
-                          _llama_from_hf),
+                          _llama_from_hf, _LLAMA_SCHEMA, "model.",
+                          ignored=(r"rotary_emb\.inv_freq$",)),
     "mistral": Architecture("mistral", "MistralForCausalLM", lambda c: _llama_blockers(c, True),
                             lambda c: _llama_config(c, True), _llama_from_config, _llama_to_hf,
-                            _llama_from_hf),
+                            _llama_from_hf, _LLAMA_SCHEMA, "model.",
+                            ignored=(r"rotary_emb\.inv_freq$",)),
     "gpt_neox": Architecture("gpt_neox", "GPTNeoXForCausalLM", _neox_blockers, _neox_config,
-                             _neox_from_config, _neox_to_hf, _neox_from_hf),
+                             _neox_from_config, _neox_to_hf, _neox_from_hf, _NEOX_SCHEMA,
+                             "gpt_neox.", head=_NEOX_HEAD,
+                             ignored=(r"attention\.(masked_)?bias$", r"rotary_emb\.inv_freq$")),
 }
 
 
@@ -414,65 +481,88 @@ def architecture_for(cfg: ModelConfig) -> Architecture:
 
 # -- reading a folder ------------------------------------------------------------------
 
-class WeightFiles:
-    """The safetensors of a folder, one file or shards named by the index, read one
-    tensor at a time (memory stays near the model's own size)."""
+@dataclass
+class HFFolder:
+    """A transformers folder whose config, tokenizer and tensor headers passed every
+    check; no tensor has been read yet."""
+    path: Path
+    arch: Architecture
+    cfg: ModelConfig
+    tokenizer: Tokenizer
+    files: WeightFiles
+    tied_head: str | None        # an output layer stored although tied: must equal wte
 
-    def __init__(self, folder: Path):
-        from safetensors import safe_open
-        index = read_json(folder / INDEX)
-        if index is not None:
-            names = index.get("weight_map", {})
-            files = sorted(set(names.values()))
-        elif (folder / "model.safetensors").is_file():
-            files = ["model.safetensors"]
-            names = None
-        else:
-            pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
-            hint = (f" ({', '.join(pickled)} are pickles, which attnlab never loads: save the model "
-                    "again with save_pretrained(folder, safe_serialization=True))") if pickled else ""
-            raise CheckpointError(f"{folder} has no model.safetensors or {INDEX}{hint}")
-        self.handles = {}
-        for name in files:
-            try:
-                self.handles[name] = safe_open(str(folder / name), framework="pt")
-            except Exception as err:        # safetensors raises its own error types
-                raise CheckpointError(f"{folder / name} cannot be read as safetensors ({err})") from None
-        self.where = names or {k: files[0] for k in self.handles[files[0]].keys()}
 
-    def get(self, *names: str) -> torch.Tensor:
-        """The first of `names` the files hold (also without its first component: a
-        folder saved from the base model has no head prefix)."""
-        for name in names:
-            for candidate in (name, name.split(".", 1)[-1]):
-                if candidate in self.where:
-                    return self.handles[self.where[candidate]].get_tensor(candidate)
-        raise CheckpointError(f"weight {names[0]} is missing from the safetensors files")
+def open_hf_folder(folder: str | Path) -> HFFolder:
+    """Check a transformers folder as untrusted input before anything is allocated:
+    config.json against its architecture's schema and the memory free, tokenizer.json
+    against the vocabulary, and the safetensors headers against the tensors the config
+    needs. Any failure is one CheckpointError (or TokenizerError) naming the file."""
+    from engine.budget import available_bytes
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a folder; give a transformers folder "
+                              "(config.json, model.safetensors, tokenizer.json)")
+    config_path = folder / "config.json"
+    config = read_folder_json(folder, "config.json", CONFIG_LIMIT)
+    model_type = config.get("model_type")
+    arch = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
+    if arch is None:
+        what = "names no model_type" if model_type is None else f"is a {str(model_type)[:40]!r} model"
+        raise CheckpointError(f"{config_path} {what}; attnlab reads {', '.join(ARCHITECTURES)}")
+    checked_config(config, arch.schema, config_path)
+    try:
+        cfg = arch.from_hf_config(config)
+        # The size of what the config describes, before anything is built: blocks,
+        # embeddings (and an untied output layer), positions.
+        refuse_too_large(cfg.n_layer * 12 * cfg.n_embd ** 2 + cfg.block_size * cfg.n_embd
+                         + (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.n_embd,
+                         config_path, available_bytes(torch.device("cpu")))
+        with torch.device("meta"):                # shapes only: no memory, no values
+            expected = {name: tuple(t.shape)
+                        for name, t in arch.to_hf_weights(GPT(cfg).state_dict(), cfg).items()}
+    except (ModelError, CheckpointError) as err:
+        raise CheckpointError(f"{config_path}: {err}") from None
+    tokenizer = _read_tokenizer(folder, cfg)
+    files = WeightFiles(folder, arch.base_prefix)
+    # A tied output layer is the token embedding; a folder may store it anyway.
+    tied_head = files.find(*arch.head) if cfg.tie_embeddings else None
+    wte_shape = (cfg.vocab_size, cfg.n_embd)
+    files.check(expected, aliases={arch.head[0]: arch.head[1:]}, ignored=arch.ignored,
+                allowed={tied_head: wte_shape} if tied_head else None, n_layer=cfg.n_layer)
+    return HFFolder(folder, arch, cfg, tokenizer, files, tied_head)
+
+
+def _read_tokenizer(folder: Path, cfg: ModelConfig) -> Tokenizer:
+    path = folder / "tokenizer.json"
+    if not os.path.lexists(path):
+        raise CheckpointError(f"{folder} has no tokenizer.json (save the tokenizer with "
+                              "save_pretrained into the same folder)")
+    data = read_folder_bytes(folder, "tokenizer.json", TOKENIZER_LIMIT)
+    try:
+        tokenizer = Tokenizer.parse(data.decode("utf-8"), path)
+    except UnicodeDecodeError:
+        raise TokenizerError(f"tokenizer file {path} is not UTF-8 text") from None
+    if tokenizer.highest_id >= cfg.vocab_size:
+        raise TokenizerError(f"{path} has token ids up to {tokenizer.highest_id:,} but "
+                             f"config.json's vocab_size is {cfg.vocab_size:,}: the model has no "
+                             "row for the ids past it (the tokenizer is not this model's)")
+    return tokenizer
 
 
 def load_hf_folder(folder: str | Path, device="cpu", dtype=torch.float32):
-    """(model in eval mode, its ModelConfig, its tokenizer) from a transformers folder."""
-    folder = Path(folder)
-    config = read_json(folder / "config.json") or {}
-    arch = ARCHITECTURES.get(config.get("model_type"))
-    if arch is None:
-        raise CheckpointError(f"{folder}/config.json is a {config.get('model_type')!r} model; "
-                              f"attnlab reads {', '.join(ARCHITECTURES)}")
-    try:
-        cfg = arch.from_hf_config(config)
-    except KeyError as err:
-        raise CheckpointError(f"{folder}/config.json lacks {err}") from None
-    files = WeightFiles(folder)
-    weights = arch.from_hf_weights(files.get, cfg)
-    model = GPT(cfg)
-    from engine.checkpoint import load_weights
-    load_weights(model, weights, folder)
-    tokenizer_path = folder / "tokenizer.json"
-    if not tokenizer_path.is_file():
-        raise CheckpointError(f"{folder} has no tokenizer.json (save the tokenizer with "
-                              "save_pretrained into the same folder)")
-    tokenizer = Tokenizer.parse(tokenizer_path.read_text(encoding="utf-8"), tokenizer_path)
-    return model.to(device=device, dtype=dtype).eval(), cfg, tokenizer
+    """(model in eval mode, its ModelConfig, its tokenizer) from a transformers folder,
+    every file checked first (open_hf_folder)."""
+    hf = open_hf_folder(folder)
+    weights = hf.arch.from_hf_weights(hf.files.get, hf.cfg)
+    if hf.tied_head and not torch.equal(hf.files.get(hf.tied_head).float(),
+                                        weights["wte.weight"].float()):
+        raise CheckpointError(f"{hf.files.source} holds an output layer {hf.tied_head} that "
+                              "differs from the token embedding, but config.json ties them "
+                              "(tie_word_embeddings): set it to false if they are separate")
+    model = GPT(hf.cfg)
+    load_weights(model, weights, hf.path)
+    return model.to(device=device, dtype=dtype).eval(), hf.cfg, hf.tokenizer
 
 
 def weights_sha256(model: torch.nn.Module) -> str:

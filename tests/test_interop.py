@@ -244,3 +244,62 @@ def test_evaluate_scores_every_token_once_from_its_window():
             logits = model(torch.tensor([ids[start:t]])).logits[0, -1].double()
         expected -= torch.log_softmax(logits, -1)[ids[t]].item()
     assert count == 49 and nats == pytest.approx(expected, rel=1e-6)
+
+
+def _one_error_line(capsys, main, argv):
+    from engine.cli import errors_as_lines
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_, errors_as_lines():
+        main(argv)
+    stderr = capsys.readouterr().err            # progress bars aside, one line: error: ...
+    err = [line for line in stderr.splitlines() if line.startswith("error")]
+    assert exit_.value.code == 2 and len(err) == 1 and "Traceback" not in stderr, stderr
+    return err[0]
+
+
+def test_a_character_model_exported_comes_back_as_characters_naming_what_it_lacks(
+        parent_run, corpus, tmp_path, capsys):
+    """Exported, a character model's tokenizer is transformers' one-token-per-character
+    form; read back it is the character tokenizer again, so a character it never saw is
+    named in one line (sample, heads, evaluate, fine-tuning), as its own run does."""
+    import sample
+    from attnlab import evaluate, heads
+    from engine.inference import load_run
+    out, parent = parent_run
+    model, cfg, original, _ = load_run(parent)
+    export(model, cfg.model, original, tmp_path / "exported")
+    exported = str(tmp_path / "exported")
+    _, cfg_back, tok, _ = load_run(exported)
+    assert tok.kind == "char" and cfg_back.data.tokenizer == "char" and tok.chars == original.chars
+    assert tok.encode(corpus.read_text()[:500]) == original.encode(corpus.read_text()[:500])
+    text = tmp_path / "new.txt"
+    text.write_text(corpus.read_text()[:5000] + "Zoë paid 5 €\n")
+    for main, argv in [(sample.main, ["--run", exported, "--prompt", "Zoë", "--max_new_tokens", "2"]),
+                       (heads.main, ["grid", "--run", exported, "--text", "Zoë", "--out", str(tmp_path / "g.png")]),
+                       (evaluate.main, ["--run", exported, "--data", str(text)])]:
+        assert "'ë'" in _one_error_line(capsys, main, argv)
+    tuned = run_script("train.py", "--config", "finetune", f"--train.init_from={exported}",
+                       f"--data.path={text}", f"--data.cache_dir={out / 'cache'}",
+                       f"--train.out_dir={tmp_path / 'runs'}", "--train.max_iters=2", check=False)
+    lines = [l for l in tuned.stderr.splitlines() if l.startswith(("error", "Traceback"))]
+    assert tuned.returncode == 2 and len(lines) == 1 and "'ë', '€'" in lines[0], tuned.stderr[-2000:]
+
+
+def test_a_foreign_tokenizer_without_an_unknown_token_names_the_characters_it_lacks():
+    """A word-level tokenizer with no [UNK] (tokenizers raises a bare Exception)."""
+    from tokenizers import Regex, Tokenizer as Backend, models, pre_tokenizers
+    from common.errors import TokenizerError
+    from data.tokenizer import Tokenizer
+    backend = Backend(models.WordLevel({"to": 0, "be": 1, "or": 2, "not": 3}, unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = Tokenizer.parse(backend.to_str())
+    assert tok.kind == "bpe" and tok.encode("to be or not") == [0, 1, 2, 3]
+    for call in (tok.encode, tok.encode_array, tok.spans):
+        with pytest.raises(TokenizerError, match="no token for 'what'; remove them"):
+            call("to be or what")
+    single = Backend(models.WordLevel({c: i for i, c in enumerate("abc ")}, unk_token=None))
+    single.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok = Tokenizer.parse(single.to_str())
+    assert tok.kind == "bpe"                     # no decoder that joins characters: not ours
+    with pytest.raises(TokenizerError, match="no token for 'Z', 'é'; remove them"):
+        tok.encode("a b Z é")

@@ -224,19 +224,164 @@ def test_hand_edited_run_files_get_one_error_line(run20, tmp_path):
     assert proc.returncode == 2 and "no readable state.json" in proc.stderr
 
 
-def test_a_full_disk_mid_checkpoint_leaves_no_temporary_folder(tmp_path, monkeypatch):
+@pytest.mark.parametrize("failure", ["oserror", "safetensors"])
+def test_a_full_disk_mid_checkpoint_leaves_no_temporary_folder(failure, tmp_path, monkeypatch):
     import errno
+    from safetensors import SafetensorError
     from engine.optim import Optimizers
     from model import GPT, ModelConfig
     model = GPT(ModelConfig(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=16))
     opt = Optimizers(adamw=torch.optim.AdamW(model.parameters()))
 
-    def full_disk(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def full_disk(*args, **kwargs):          # what each raises on ENOSPC
+        if failure == "oserror":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
     monkeypatch.setattr(checkpoint, "save_file", full_disk)
-    with pytest.raises(OSError):
+    with pytest.raises(CheckpointError, match=r"step_0000003 could not be written .*No space left on "
+                                              r"device.*train.py --resume"):
         checkpoint.save(tmp_path, 3, model, opt, {}, {}, {}, 2)
     assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+# Runs a script with safetensors' save_file failing as a full disk makes it fail,
+# for the checkpoint of one step (argv: STEP SCRIPT ARGS...).
+FULL_DISK_AT = """
+import runpy, sys
+import safetensors.torch
+from safetensors import SafetensorError
+real, step = safetensors.torch.save_file, sys.argv.pop(1)
+def save_file(tensors, filename, *args, **kwargs):
+    if f"step_{int(step):07d}" in str(filename):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    return real(tensors, filename, *args, **kwargs)
+safetensors.torch.save_file = save_file
+sys.argv.pop(0)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_training_on_a_full_disk_stops_with_one_line_and_resumes_to_the_same_weights(run20, tmp_path):
+    _, run = run20
+    full, straight = tmp_path / "full" / "r", tmp_path / "straight" / "r"
+    shutil.copytree(run, full)
+    shutil.copytree(run, straight)
+    wrapper = tmp_path / "full_disk.py"
+    wrapper.write_text(FULL_DISK_AT)
+    proc = run_script(wrapper, "30", ROOT / "train.py", "--resume", full, "--train.max_iters=40",
+                      check=False)
+    errors = [l for l in proc.stderr.splitlines() if l.startswith(("error", "Traceback"))]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert "No space left on device" in errors[0] and f"python train.py --resume {full}" in errors[0]
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == \
+        sorted(p.name for p in (run / "checkpoints").iterdir())          # as they were, no temp
+    run_script("train.py", "--resume", full, "--train.max_iters=40")
+    run_script("train.py", "--resume", straight, "--train.max_iters=40")
+    last = "checkpoints/step_0000040/model.safetensors"
+    assert (full / last).read_bytes() == (straight / last).read_bytes()
+    assert (full / "metrics.jsonl").read_text().count('"val_loss"') == \
+        (straight / "metrics.jsonl").read_text().count('"val_loss"')
+
+
+def _prepare(corpus, out, capsys=None):
+    import data.prepare
+    argv = [str(corpus), "--tokenizer", "char", "--out", str(out), "--num-proc", "1",
+            "--shard-tokens", "5000"]
+    if capsys is None:
+        data.prepare.main(argv)
+        return None
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        data.prepare.main(argv)
+    stderr = capsys.readouterr().err            # progress bars aside, one line: error: ...
+    err = [line for line in stderr.splitlines() if line.startswith("error")]
+    assert exit_.value.code == 2 and len(err) == 1 and "Traceback" not in stderr, stderr
+    return err[0]
+
+
+def test_prepare_on_a_full_disk_or_read_only_out_says_so_in_one_line_and_resumes(
+        corpus, tmp_path, monkeypatch, capsys):
+    import errno
+    from data.shards import ShardWriter
+    real, calls = ShardWriter.append, []
+
+    def fills_the_disk(self, ids):
+        calls.append(1)
+        if len(calls) == 4:                   # half the tokens reach the file, then ENOSPC
+            self.file.write(ids[: len(ids) // 2].tobytes())
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, ids)
+    text = corpus.read_text()
+    books = tmp_path / "books"                # eight documents: eight pieces to append
+    books.mkdir()
+    for i in range(8):
+        (books / f"{i}.txt").write_text(text[i * 7000:(i + 1) * 7000])
+    monkeypatch.setattr(ShardWriter, "append", fills_the_disk)
+    monkeypatch.setattr("data.build.BATCH_CHARS", 10_000)    # progress recorded between batches
+    error = _prepare(books, tmp_path / "full", capsys)
+    assert "No space left on device" in error and "run the same command again" in error
+    monkeypatch.setattr(ShardWriter, "append", real)
+    _prepare(books, tmp_path / "full")
+    _prepare(books, tmp_path / "clean")
+    names = sorted(p.name for p in (tmp_path / "clean").iterdir() if p.name != "meta.json")
+    assert names == sorted(p.name for p in (tmp_path / "full").iterdir() if p.name != "meta.json")
+    for name in names:
+        assert (tmp_path / "full" / name).read_bytes() == (tmp_path / "clean" / name).read_bytes(), name
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+    monkeypatch.setattr("pathlib.Path.mkdir", read_only)
+    error = _prepare(books, tmp_path / "ro" / "out", capsys)
+    assert "Read-only file system" in error and "choose a folder you can write to" in error
+
+
+def _tool_error(capsys, main, argv) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_, cli.errors_as_lines():
+        main(argv)
+    stderr = capsys.readouterr().err            # progress bars aside, one line: error: ...
+    err = [line for line in stderr.splitlines() if line.startswith("error")]
+    assert exit_.value.code == 2 and len(err) == 1 and "Traceback" not in stderr, stderr
+    return err[0]
+
+
+# Mistakes in a tool's arguments: (tool, argv with RUN and TMP, what the line must say,
+# what it must not).
+TOOL_MISTAKES = {
+    "heads grid --out g.txt": ("heads", ["grid", "--run", "RUN", "--text", "hello", "--out", "TMP/g.txt"],
+                               "cannot be saved as .txt; use .png", None),
+    "heads lens on one token": ("heads", ["lens", "--run", "RUN", "--text", "h"], "at least 2", None),
+    "heads search --top -3": ("heads", ["search", "--run", "RUN", "--text", "the cat saw the hat",
+                                        "--from", "hat", "--to", "cat", "--top", "-3"],
+                              "argument --top: '-3' is not a whole number of at least 1", None),
+    "evaluate --compare RUN": ("evaluate", ["--run", "RUN", "--data", "TMP/text.txt", "--compare", "RUN"],
+                               "is not a transformers folder but attnlab's own run", None),
+    "evaluate --compare a missing folder": ("evaluate", ["--run", "RUN", "--data", "TMP/text.txt",
+                                                         "--compare", "TMP/missing"],
+                                            "TMP/missing does not exist", "repo"),
+    "sample a folder with a broken config.json": ("sample", ["--run", "TMP/hf"],
+                                                  "TMP/hf/config.json is not JSON", "train first"),
+}
+
+
+@pytest.mark.parametrize("case", TOOL_MISTAKES)
+def test_tool_mistakes_get_one_error_line_that_says_what_is_wrong(case, run20, tmp_path, capsys):
+    import sample
+    from attnlab import evaluate, heads
+    from engine.inference import load_run
+    from engine.interop import export
+    _, run = run20
+    (tmp_path / "text.txt").write_text("the cat saw the hat\n" * 5)
+    tool, argv, says, not_says = TOOL_MISTAKES[case]
+    if "TMP/hf" in argv:
+        model, cfg, tok, _ = load_run(run)
+        export(model, cfg.model, tok, tmp_path / "hf")
+        (tmp_path / "hf" / "config.json").write_text("{not json")
+    main = {"heads": heads.main, "evaluate": evaluate.main, "sample": sample.main}[tool]
+    error = _tool_error(capsys, main, [a.replace("RUN", str(run)).replace("TMP", str(tmp_path)) for a in argv])
+    assert says.replace("TMP", str(tmp_path)) in error, error
+    assert not_says is None or not_says not in error.lower(), error
+    assert not (tmp_path / "g.txt").exists()
 
 
 def test_muon_with_fsdp_is_refused_and_an_empty_bpe_prompt_starts_a_document():

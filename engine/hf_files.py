@@ -1,0 +1,301 @@
+"""The files of a transformers folder, read as untrusted input.
+
+A folder downloaded from the Hub is written by someone else, so everything in it is
+checked before it costs memory or reaches outside the folder, as safetensors and
+transformers' loading do:
+
+* every file is read through `folder_file`: a plain relative name that, symlinks
+  resolved, stays inside the folder (a Hub cache snapshot may also link into its own
+  blobs folder); the refusal reads the same whether a file outside exists or not;
+* JSON files are read only when they are plain files no larger than a bound (a
+  symlink to /dev/zero or a pipe is refused before it is read);
+* config.json is checked against a schema (`Field`: type and range of each value the
+  reader uses), and the model it describes against the memory there is, before the
+  model is built;
+* the tensors the safetensors headers list must be exactly the ones the config needs,
+  with the shapes it gives and a floating-point dtype (`WeightFiles.check`), before a
+  tensor is read.
+Each refusal is one CheckpointError naming the file. The readers of each architecture
+(engine/interop.py) say what their config and tensors must be.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.errors import CheckpointError
+from common.files import parse_json_object, read_bounded
+
+CONFIG_LIMIT = 4 << 20         # bytes of config.json (real ones are a few KB)
+INDEX_LIMIT = 64 << 20         # of the shard index (one line per tensor: well under 1 MB)
+TOKENIZER_LIMIT = 256 << 20    # of tokenizer.json (the largest vocabularies' are ~35 MB)
+INDEX = "model.safetensors.index.json"
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")     # safetensors' names; others are refused
+
+# Caps no real model of these architectures comes near (the largest have ~256k tokens,
+# 128k positions, 126 layers and a width of 16k); within them the memory check decides.
+MAX_VOCAB = 1 << 22
+MAX_POSITIONS = 1 << 22
+MAX_LAYERS = 1 << 10
+MAX_WIDTH = 1 << 16
+MAX_HEADS = 1 << 12
+
+
+# -- where a folder's files may be ----------------------------------------------------
+
+def folder_roots(folder: Path) -> tuple[Path, ...]:
+    """Where the files of `folder` may be once symlinks are resolved: the folder, and
+    for a snapshot in the Hugging Face cache (.../models--NAME/snapshots/REVISION, whose
+    files are links to ../../blobs/HASH) that repository's blobs folder."""
+    root = folder.resolve()
+    roots = [root]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        roots.append(root.parent.parent / "blobs")
+    return tuple(roots)
+
+
+def folder_file(folder: Path, name, named_in: Path | None = None) -> Path:
+    """The resolved path of the file `name` in `folder` (a name the file `named_in`
+    gives, or one of the folder's own), refused unless it is a relative path that stays
+    inside the folder with every symlink followed. Whether a path outside exists is
+    never looked at, so the error cannot tell."""
+    what = (f"{named_in} names {str(name)[:200]!r}, which is not a file inside {folder}"
+            if named_in else f"{folder / name} leads outside {folder}")
+    outside = CheckpointError(f"{what}; a transformers folder holds its own files (copy the "
+                              "file in instead of naming or linking a path outside the folder)")
+    if not isinstance(name, str) or not name or "\0" in name or os.path.isabs(name):
+        raise outside
+    try:
+        target = (folder / name).resolve()
+    except (OSError, RuntimeError):             # a loop of symlinks
+        raise outside from None
+    if not any(target.is_relative_to(root) for root in folder_roots(folder)):
+        raise outside
+    return target
+
+
+def read_folder_bytes(folder: Path, name: str, limit: int) -> bytes:
+    """The bytes of folder/name: confined to the folder, a plain file, at most `limit`."""
+    path = folder_file(folder, name)
+    try:
+        return read_bounded(path, limit)
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder / name} is missing") from None
+    except ValueError as err:
+        raise CheckpointError(f"{folder / name} {err}; it cannot be this folder's {name}") from None
+    except OSError as err:
+        raise CheckpointError(f"{folder / name} cannot be read ({err.strerror or err})") from None
+
+
+def read_folder_json(folder: Path, name: str, limit: int = CONFIG_LIMIT) -> dict:
+    """A JSON object from folder/name, read as `read_folder_bytes` reads."""
+    data = read_folder_bytes(folder, name, limit)
+    try:
+        return parse_json_object(data)
+    except ValueError as err:
+        raise CheckpointError(f"{folder / name} {err}") from None
+
+
+# -- config.json against a schema -----------------------------------------------------
+
+@dataclass(frozen=True)
+class Field:
+    """What one value of a config may be: its JSON type (int, float, bool, str or
+    dict), an inclusive range for numbers, whether null (or absence) is allowed, and
+    for a dict the fields inside it."""
+    kind: type
+    low: float | None = None
+    high: float | None = None
+    required: bool = False
+    null: bool = False
+    fields: dict | None = None
+
+
+def count(high: int, low: int = 1, required: bool = True, null: bool = False) -> Field:
+    """A whole number from `low` to `high`."""
+    return Field(int, low, high, required=required, null=null)
+
+
+_KINDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string",
+          dict: "an object"}
+
+
+def _is(kind: type, value) -> bool:
+    if kind is int:
+        return type(value) is int                                 # bool is not a count
+    if kind is float:
+        return type(value) in (int, float) and math.isfinite(value)
+    return type(value) is kind
+
+
+def _bound(value, none: str) -> str:
+    return none if value is None else f"{value:,g}" if isinstance(value, float) else f"{value:,}"
+
+
+def config_problems(config: dict, schema: dict[str, Field], prefix: str = "") -> list[str]:
+    """What in `config` breaks `schema`, one phrase each (empty: nothing)."""
+    out = []
+    for key, field in schema.items():
+        name, value = prefix + key, config.get(key)
+        if value is None:
+            if field.required or (key in config and not field.null):
+                out.append(f"{name} is {'missing' if key not in config else 'null'}")
+            continue
+        if not _is(field.kind, value):
+            out.append(f"{name} is {str(value)[:40]!r} ({type(value).__name__}), not "
+                       f"{_KINDS[field.kind]}")
+        elif field.kind in (int, float) and not (
+                (field.low is None or value >= field.low) and (field.high is None or value <= field.high)):
+            out.append(f"{name}={value} is outside {_bound(field.low, '-inf')}.."
+                       f"{_bound(field.high, 'inf')}")
+        elif field.fields:
+            out += config_problems(value, field.fields, prefix=f"{name}.")
+    return out
+
+
+def checked_config(config: dict, schema: dict[str, Field], path: Path) -> dict:
+    """`config` when every value `schema` names has its type and range; else one
+    CheckpointError naming the file and the first few values that are wrong."""
+    problems = config_problems(config, schema)
+    if problems:
+        more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
+        raise CheckpointError(f"{path} cannot describe a model attnlab reads: "
+                              + "; ".join(problems[:4]) + more)
+    return config
+
+
+def refuse_too_large(params: int, path: Path, memory: int | None) -> None:
+    """Before anything is allocated: a model of `params` parameters is read into
+    float32 tensors and copied into the model, 8 bytes a parameter at the peak; refuse
+    it when that is more than the `memory` free (None: unknown, then 64 GiB)."""
+    need, have = 8 * params, memory if memory is not None else 64 << 30
+    if need > have:
+        raise CheckpointError(
+            f"{path} describes a model of about {params:,.3g} parameters, which takes "
+            f"{need / 2**30:,.3g} GiB to load, and {have / 2**30:,.1f} GiB is free; it is "
+            "too large for this machine (or its config.json is wrong)")
+
+
+# -- the safetensors files ----------------------------------------------------------
+
+class WeightFiles:
+    """The safetensors of a folder, one file or shards named by the index, each
+    confined to the folder; their headers are read at once (names, dtypes, shapes),
+    tensors one at a time when asked for (memory stays near the model's own size).
+    `prefix` is the architecture's base-model prefix, which a folder saved from the
+    base model (no output layer) leaves off every name."""
+
+    def __init__(self, folder: Path, prefix: str = ""):
+        from safetensors import safe_open
+        self.folder, self.prefix = folder, prefix
+        index_path = folder / INDEX
+        weight_map = None
+        if os.path.lexists(index_path):
+            index = read_folder_json(folder, INDEX, INDEX_LIMIT)
+            weight_map = index.get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{index_path} names no tensors (its weight_map is "
+                                      "missing, empty or not an object)")
+            odd = [k for k, v in weight_map.items() if not isinstance(v, str)]
+            if odd:
+                raise CheckpointError(f"{index_path} gives no file name for {odd[0][:100]!r}")
+            files, self.source = sorted(set(weight_map.values())), index_path
+        elif os.path.lexists(folder / "model.safetensors"):
+            files, self.source = ["model.safetensors"], folder / "model.safetensors"
+        else:
+            pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+            hint = (f" ({', '.join(pickled)} are pickles, which attnlab never loads: save the model "
+                    "again with save_pretrained(folder, safe_serialization=True))") if pickled else ""
+            raise CheckpointError(f"{folder} has no model.safetensors or {INDEX}{hint}")
+        self.handles, self.where, self.header = {}, {}, {}
+        for name in files:
+            path = folder_file(folder, name, index_path if weight_map is not None else None)
+            if not path.is_file():
+                raise CheckpointError(f"{self.source} names {name!r}, which is not a file in {folder}")
+            try:
+                handle = safe_open(str(path), framework="pt")
+                for key in handle.keys():
+                    if key in self.where:
+                        raise CheckpointError(f"{folder / name} and {folder / self.where[key]} "
+                                              f"both hold {key}")
+                    part = handle.get_slice(key)
+                    self.header[key] = (part.get_dtype(), tuple(part.get_shape()))
+                    self.where[key] = name
+            except CheckpointError:
+                raise
+            except Exception as err:        # safetensors raises its own error types
+                raise CheckpointError(f"{folder / name} cannot be read as safetensors ({err})") from None
+            self.handles[name] = handle
+        if weight_map is not None:
+            elsewhere = [k for k, v in weight_map.items() if self.where.get(k) != v]
+            if elsewhere:
+                k = elsewhere[0]
+                raise CheckpointError(f"{index_path} puts {k[:100]} in {weight_map[k][:100]}, "
+                                      "which does not hold it")
+            unlisted = [k for k in self.where if k not in weight_map]
+            if unlisted:
+                raise CheckpointError(f"{folder / self.where[unlisted[0]]} holds {unlisted[0]}, "
+                                      f"which {INDEX} does not list")
+
+    def find(self, *names: str) -> str | None:
+        """The name under which the files hold the first of `names` that they hold
+        (with or without the base-model prefix)."""
+        for name in names:
+            short = name[len(self.prefix):] if self.prefix and name.startswith(self.prefix) else None
+            for candidate in (name, short):
+                if candidate in self.where:
+                    return candidate
+        return None
+
+    def check(self, expected: dict[str, tuple], aliases: dict[str, tuple[str, ...]] | None = None,
+              ignored: tuple[str, ...] = (), allowed: dict[str, tuple] | None = None,
+              n_layer: int | None = None) -> None:
+        """Refuse, naming the tensors, unless the files hold every `expected` tensor
+        (or one of its `aliases`) with that shape, nothing else except names matching an
+        `ignored` pattern (buffers transformers also skips) and the `allowed` ones with
+        their shapes, and only floating-point dtypes. Reads headers only."""
+        aliases, allowed = aliases or {}, allowed or {}
+        seen, missing, wrong, dtypes = set(), [], [], []
+        wanted = [(name, shape, (name, *aliases.get(name, ()))) for name, shape in expected.items()]
+        wanted += [(name, shape, (name,)) for name, shape in allowed.items()]
+        for name, shape, names in wanted:
+            key = self.find(*names)
+            if key is None:
+                if name not in allowed:
+                    missing.append(name)
+                continue
+            seen.add(key)
+            dtype, got = self.header[key]
+            if dtype not in FLOAT_DTYPES:
+                dtypes.append(f"{key} ({dtype})")
+            elif got != tuple(shape):
+                wrong.append(f"{key} {list(got)} where config.json gives {list(shape)}")
+        extra = sorted(k for k in self.where if k not in seen and not any(re.search(p, k) for p in ignored))
+        if not (missing or wrong or dtypes or extra):
+            return
+        layers = [int(m.group(1)) for k in extra for m in [re.search(r"\.(\d+)\.", k)] if m]
+        deeper = (f" (the files have {max(layers) + 1} layers, config.json says {n_layer})"
+                  if n_layer is not None and layers and max(layers) >= n_layer else "")
+        listed = lambda names: ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        parts = [f"missing {listed(missing)}" if missing else "",
+                 f"unexpected {listed(extra)}{deeper}" if extra else "",
+                 f"shape differs: {listed(wrong)}" if wrong else "",
+                 f"not floating point: {listed(dtypes)} (attnlab reads float16, bfloat16, "
+                 "float32 and float64 weights, not quantised or integer ones)" if dtypes else ""]
+        raise CheckpointError(f"{self.source} does not hold the weights its config.json "
+                              "describes: " + "; ".join(p for p in parts if p))
+
+    def get(self, *names: str) -> torch.Tensor:
+        """The first of `names` the files hold (also without the base-model prefix)."""
+        key = self.find(*names)
+        if key is None:
+            raise CheckpointError(f"weight {names[0]} is missing from {self.source}")
+        try:
+            return self.handles[self.where[key]].get_tensor(key)
+        except Exception as err:
+            raise CheckpointError(f"{self.folder / self.where[key]} cannot be read ({err})") from None
