@@ -60,7 +60,7 @@ VARIANTS = {
                                    {"sliding_window": W, "n_global": G}, fact_first=0.25),
 }
 BASE = dict(n_layer=2, n_head=4, n_embd=64, mlp="gelu_erf", position="rope")
-DEPTHS = [i / 10 for i in range(11)]
+COLUMNS = ["variant", "factor", "length", "depth", "distance", "correct", "window", "layers", "about"]
 
 
 def train_variant(task: TokenTask, variant: Variant, context: int, steps: int, batch: int = 32,
@@ -166,8 +166,7 @@ def cells(rows, variant: str, factors, depths):
 
 def heatmap(ax, acc, factors, depths, context: int, title: str, chance: float):
     plt = pyplot()
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("lightgrey")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="lightgrey")
     image = ax.imshow(acc.numpy(), cmap=cmap, vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(len(factors)), [f"{f}x\n{f * context}" for f in factors], fontsize=7)
     ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
@@ -195,7 +194,7 @@ def write(rows, variants: list[str], factors, depths, context: int, chance: floa
           about: dict[str, str]):
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "recall.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, ["variant", "factor", "length", "depth", "distance", "correct"])
+        w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     lines = [f"Accuracy (whole answer right) by depth, averaged over depths 0-100%; chance "
@@ -278,6 +277,8 @@ def main(argv=None) -> int:
     parser.add_argument("--examples", type=int, default=24, help="examples per grid cell")
     parser.add_argument("--depths", type=int, default=11, help="depths from 0 to 100%%")
     parser.add_argument("--out", default="runs/recall", help="folder for the figures and tables")
+    parser.add_argument("--merge", nargs="+", default=[], metavar="DIR", help="train nothing: "
+                        "draw the figures and table again from these runs' recall.csv, together")
     args = parser.parse_args(argv)
     if any(f < 1 for f in args.factors) or args.steps < 1 or args.examples < 1 or args.depths < 2:
         raise AttnlabError("--factors, --steps and --examples must be at least 1, --depths at least 2")
@@ -286,7 +287,12 @@ def main(argv=None) -> int:
         raise AttnlabError(f"unknown variant {unknown[0]!r}; valid: {', '.join(VARIANTS)}")
     depths = [i / (args.depths - 1) for i in range(args.depths)]
     out = Path(args.out)
-    rows, names, about, windowed = [], [], {}, {}
+    rows = []
+    if args.merge:
+        rows = [r for folder in args.merge for r in read_rows(Path(folder))]
+        report(rows, sorted({r["factor"] for r in rows}), sorted({r["depth"] for r in rows}),
+               rows[0]["length"] // rows[0]["factor"], 10.0 ** -args.digits, out)
+        return 0
     if args.model:
         from engine.inference import load_run
         model, cfg, tokenizer, ckpt = load_run(args.model, "best")
@@ -306,18 +312,41 @@ def main(argv=None) -> int:
             print(f"{name}: {v.about}")
             model = train_variant(task, v, context, args.steps)
             found = evaluate(name, model, task, context, args.factors, depths, args.examples)
-            rows += found
             for r in found:
-                about.setdefault(r["variant"], v.about if r["variant"] == name else
-                                 f"{v.about}, {r['variant'].split(' + ')[-1]}")
-            if model.config.sliding_window:
-                windowed[name] = (model.config.sliding_window, model.config.n_layer)
-    names = list(dict.fromkeys(r["variant"] for r in rows))
-    written = write(rows, names, args.factors, depths, context, task.chance, out, about)
-    if windowed:
-        written.append(distance_plot(rows, windowed, task.chance, out))
-    print("wrote " + ", ".join(str(p) for p in written) + f", {out}/recall.md and .csv")
+                r.update(window=model.config.sliding_window, layers=model.config.n_layer,
+                         about=v.about if r["variant"] == name else
+                         f"{v.about}, {r['variant'].split(' + ')[-1]}")
+            rows += found
+            # Everything so far, after each variant: a stopped run keeps what it measured.
+            written = report(rows, args.factors, depths, context, task.chance, out)
+        return 0
+    written = report(rows, args.factors, depths, context, task.chance, out)
     return 0
+
+
+def report(rows, factors, depths, context: int, chance: float, out: Path):
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    about = {r["variant"]: r.get("about") or r["variant"] for r in rows}
+    windowed = {r["variant"]: (int(r["window"]), int(r["layers"])) for r in rows
+                if r.get("window") and " + " not in r["variant"]}
+    written = write(rows, names, factors, depths, context, chance, out, about)
+    if windowed:
+        written.append(distance_plot(rows, windowed, chance, out))
+    print("wrote " + ", ".join(str(p) for p in written) + f", {out}/recall.md and .csv")
+    return written
+
+
+def read_rows(folder: Path) -> list[dict]:
+    """The rows a run wrote to recall.csv, typed again."""
+    rows = []
+    with open(folder / "recall.csv", newline="") as f:
+        for r in csv.DictReader(f):
+            r["factor"], r["length"] = int(r["factor"]), int(r["length"])
+            r["depth"] = float(r["depth"])
+            r["distance"] = int(r["distance"]) if r["distance"] else None
+            r["correct"] = None if r["correct"] == "" else r["correct"] == "True"
+            rows.append(r)
+    return rows
 
 
 if __name__ == "__main__":

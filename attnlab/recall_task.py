@@ -52,12 +52,15 @@ class Example:
 
 
 class TokenTask:
-    """Examples for any tokenizer. `length` counts the model's input tokens."""
+    """Examples for any tokenizer. `length` counts the model's input tokens; `phrase`
+    is the sentence before the value, said once in the fact and again as the question."""
 
-    def __init__(self, tokenizer: Tokenizer, filler: str, digits: int = 2):
-        self.tokenizer, self.digits = tokenizer, digits
+    def __init__(self, tokenizer: Tokenizer, filler: str, digits: int = 2,
+                 phrase: str = "The code for {key} is"):
+        self.tokenizer, self.digits, self.phrase = tokenizer, digits, phrase
         self.filler = torch.tensor(tokenizer.encode(filler), dtype=torch.long)
         self.chance = 10.0 ** -digits
+        self._encoded: dict[tuple[str, str], tuple] = {}
 
     def distance(self, ex: "Example") -> int:
         """How far back the answer lies: from where the question's answer goes to where
@@ -65,8 +68,14 @@ class TokenTask:
         return int(ex.answer_at[0]) + 1 - ex.value_at
 
     def _parts(self, key: str, value: str):
+        # Encoded once per (key, value): a training batch asks for hundreds.
+        if (key, value) not in self._encoded:
+            self._encoded[key, value] = self._encode_parts(key, value)
+        return self._encoded[key, value]
+
+    def _encode_parts(self, key: str, value: str):
         enc = lambda s: torch.tensor(self.tokenizer.encode(s), dtype=torch.long)
-        question = enc(f" The code for {key} is")
+        question = enc(" " + self.phrase.format(key=key))
         answer = enc(f" {value}")
         fact = torch.cat([question, answer, enc(".")])
         return fact, question, answer
