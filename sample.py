@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
         sys.stdout.write("" if explainer else s.prompt)
         for piece in stream_text(model, tokenizer, prompt_ids, s.max_new_tokens, s.temperature,
                                  s.top_k, s.top_p, s.seed + n, on_step=explainer,
-                                 decode=decode):
+                                 decode=decode, sinks=s.sinks or None):
             text += piece
             if explainer:                  # the step's candidates, then the text so far
                 print(explainer.render(explainer.steps[-1], len(explainer.steps)))

@@ -101,6 +101,9 @@ class SampleConfig:
     dtype: str = opt("auto", "weights while sampling: auto (bfloat16 where train.dtype=auto would "
                              "use it: at batch 1 the weights' bytes bound the speed), float32, "
                              "bfloat16 or float16", choices=("auto", "float32", "bfloat16", "float16"))
+    sinks: int = opt(0, "past the context, keep the first N tokens (attention sinks) and a "
+                        "rolling window of the newest, renumbered, and stream for ever "
+                        "(StreamingLLM, arXiv:2309.17453); 0 = re-read the newest half")
     explain: bool = opt(False, "show each step's top candidates before and after "
                                "temperature / top-k / top-p, and the token chosen")
     explain_top: int = opt(5, "candidates shown per step with explain")

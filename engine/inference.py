@@ -80,7 +80,7 @@ def pick_decode(decode: str, device) -> str:
 
 def stream_text(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], max_new_tokens: int,
                 temperature: float, top_k: int, top_p: float, seed: int,
-                on_step=None, decode: str = "auto") -> Iterator[str]:
+                on_step=None, decode: str = "auto", sinks: int | None = None) -> Iterator[str]:
     """Yield the generated text piece by piece, as soon as each token is sampled.
 
     Byte-level BPE tokens can end inside a multi-byte character; a piece is released
@@ -91,7 +91,7 @@ def stream_text(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], max_new
     decoder = IncrementalDecoder(tokenizer)
     for token in model.generate(idx, max_new_tokens, temperature, top_k, top_p,
                                 generator=generator, on_step=on_step,
-                                decode=pick_decode(decode, device)):
+                                decode=pick_decode(decode, device), sinks=sinks):
         piece = decoder.add(int(token[0, 0]))
         if piece:
             yield piece

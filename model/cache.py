@@ -25,10 +25,18 @@ class KVCache:
     its keys and values, and `end(T)` advances. Without a window the buffer holds every
     token up to `max_len`. With a sliding window W it is a rolling buffer: it keeps the
     n_global first tokens and the newest W-1, which is all a future query can see, so
-    its memory stays bounded by n_global + 2·W however long generation runs."""
+    its memory stays bounded by n_global + 2·W however long generation runs.
 
-    def __init__(self, n_layer: int, max_len: int, window: int = 0, n_global: int = 0):
-        self.n_layer, self.window, self.n_global = n_layer, window, n_global
+    Given `shift(k, delta)` (the position encoding's), it also renumbers what it keeps,
+    as StreamingLLM does (arXiv:2309.17453): the newest tokens move down to follow the
+    global ones (their keys turned back by the same offset), so positions stay below
+    n_global + 2·W and a model streams far past its context without meeting a distance
+    or a position it was never trained on. The first tokens kept then act as attention
+    sinks: the place a head puts the weight it has nowhere else to put."""
+
+    def __init__(self, n_layer: int, max_len: int, window: int = 0, n_global: int = 0,
+                 shift=None):
+        self.n_layer, self.window, self.n_global, self.shift = n_layer, window, n_global, shift
         self.capacity = n_global + 2 * window if window else max_len
         self.k: torch.Tensor | None = None   # (n_layer, B, H_kv, capacity, d_k)
         self.v: torch.Tensor | None = None
@@ -66,6 +74,13 @@ class KVCache:
         self.positions = self.positions[idx]
         self.stored = len(keep)
         self.first = 0 if g else self.length - recent
+        if self.shift is not None and recent:
+            delta = g - int(self.positions[g])       # the newest move down to follow the sinks
+            if self.k is not None:
+                self.k[:, :, :, g:self.stored] = self.shift(self.k[:, :, :, g:self.stored], delta)
+            self.positions[g:] += delta
+            self.length += delta
+            self.first = int(self.positions[0])
 
     def _grow(self, capacity: int) -> None:
         if self.k is not None:

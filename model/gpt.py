@@ -115,13 +115,16 @@ class GPT(nn.Module):
                 return_attention: bool = False) -> Output:
         B, T = idx.shape
         c = self.config
+        window, n_global = c.sliding_window, c.n_global
         if cache is None:
             start, k_pos, k_first = 0, torch.arange(T, device=idx.device), 0
         else:
-            start = cache.length
             k_pos, k_first = cache.begin(T, idx.device)
-        mask = Mask(q_start=start, q_len=T, k_pos=k_pos, k_first=k_first, window=c.sliding_window,
-                    n_global=c.n_global, bias_fn=self.positions.score_bias())
+            start = cache.length                 # after begin: a renumbering cache moves it
+            # The cache's own window: a streaming cache rolls over a model trained without one.
+            window, n_global = cache.window, cache.n_global
+        mask = Mask(q_start=start, q_len=T, k_pos=k_pos, k_first=k_first, window=window,
+                    n_global=n_global, bias_fn=self.positions.score_bias())
         x = self.drop(self.positions.embed(self.wte(idx), start))   # (B, T, C)
         attentions = [] if return_attention else None
         L, skips = c.n_layer, []
@@ -165,6 +168,11 @@ class GPT(nn.Module):
         return KVCache(self.config.n_layer, max_len, self.config.sliding_window,
                        self.config.n_global)
 
+    def new_stream_cache(self, window: int, sinks: int) -> KVCache:
+        """A rolling cache of the first `sinks` tokens and the newest `window`, renumbered
+        as it rolls (StreamingLLM, arXiv:2309.17453), for any model, windowed or not."""
+        return KVCache(self.config.n_layer, window, window, sinks, shift=self.positions.shift)
+
     @property
     def rolls(self) -> bool:
         """A windowed model whose positions are relative (or absent) can decode for
@@ -178,7 +186,9 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, generator: torch.Generator | None = None,
-                 use_cache: bool = True, on_step=None, decode: str = "cache") -> Iterator[torch.Tensor]:
+                 use_cache: bool = True, on_step=None, decode: str = "cache",
+                 sinks: int | None = None, stream_window: int = 0,
+                 forced: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
         """Yield (B, 1) new tokens one at a time, so a caller can print them as they come.
 
         `decode` says how earlier tokens are kept (DECODERS): re-read in `full` every
@@ -193,7 +203,14 @@ class GPT(nn.Module):
         it fills up the oldest half of the context is dropped and the rest is re-read
         in one pass (positions restart at 0), so every token is still predicted from
         between block_size/2 and block_size tokens of context. `on_step(logits, token)`,
-        if given, sees each step's last-position logits and the token drawn from them."""
+        if given, sees each step's last-position logits and the token drawn from them.
+
+        `sinks` streams past the context from a rolling cache instead: the first `sinks`
+        tokens and the newest `stream_window` (default (block_size - sinks) // 2, so
+        renumbered positions stay inside the context) are kept, for ever (StreamingLLM,
+        arXiv:2309.17453); sinks=0 keeps the window alone. It decodes from the growing
+        cache whatever `decode` says. `forced` (B, N) tokens are fed instead of sampled
+        (teacher forcing), so `on_step` sees the logits the model gives a known text."""
         if decode not in DECODERS:
             raise ValueError(f"decode must be one of {', '.join(DECODERS)}, not {decode!r}")
         if not use_cache:
@@ -202,17 +219,26 @@ class GPT(nn.Module):
             raise ValueError("decode='graph' records a CUDA graph: it needs a CUDA device; "
                              "use 'static' or 'cache' elsewhere")
         window = self.config.block_size
-        rolls = self.rolls and decode != "full"
+        if sinks is not None:
+            if decode == "full":
+                raise ValueError("sinks keep keys in a rolling KV cache; use a cache to decode")
+            if not 0 <= sinks < window:
+                raise ValueError(f"sinks must be between 0 and block_size-1 ({window - 1}), not {sinks}")
+            decode = "cache"
+        if forced is not None:
+            max_new_tokens = forced.shape[1]
+        rolls = (self.rolls or sinks is not None) and decode != "full"
         context = idx if rolls else idx[:, -window:]
         cache = static = step = None
         length = 0                               # tokens the cache holds, kept in Python
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
             if decode == "full":
                 logits = self(context[:, -window:]).logits
             elif cache is None or (length >= window and not rolls):
                 if cache is not None:            # full: keep the newest half, re-read it
                     context = context[:, -(window // 2 or 1):]
-                cache = self.new_cache(window)
+                cache = (self.new_cache(window) if sinks is None else self.new_stream_cache(
+                    stream_window or max(1, (window - sinks) // 2), sinks))
                 logits = self(context, cache=cache).logits
                 length = context.shape[1]
                 if decode != "cache":
@@ -227,7 +253,8 @@ class GPT(nn.Module):
                 logits = self(token, cache=static if static is not None else cache).logits
                 length += 1
             logits = logits[:, -1].float()        # sampling maths in fp32 whatever the weights
-            token = sample_next(logits, temperature, top_k, top_p, generator)
+            token = (forced[:, i:i + 1] if forced is not None else
+                     sample_next(logits, temperature, top_k, top_p, generator))
             if on_step is not None:
                 on_step(logits, token)
             # Keep only what a later step can read: the newest block_size tokens.

@@ -55,6 +55,11 @@ class PositionEncoding(nn.Module):
     def score_bias(self):
         return None
 
+    def shift(self, k: torch.Tensor, delta: int) -> torch.Tensor:
+        """Keys already encoded at their positions, moved by `delta` positions (a rolling
+        cache that renumbers what it keeps). Nothing to do where keys carry no position."""
+        return k
+
 
 class Sinusoidal(PositionEncoding):
     """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(same angle).
@@ -153,6 +158,14 @@ class RoPE(PositionEncoding):
         # Each pair (x1[i], x2[i]) turns by its angle: a 2-D rotation matrix, written out.
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def shift(self, k, delta):
+        # Rotations compose: turning a key at p by delta·θ_i more puts it at p + delta.
+        # (YaRN's mscale is a length, not an angle: already in k, it stays.)
+        angle = delta * self.inv_freq
+        cos, sin = angle.cos().to(k.dtype), angle.sin().to(k.dtype)
+        k1, k2 = k.chunk(2, dim=-1)
+        return torch.cat((k1 * cos - k2 * sin, k2 * cos + k1 * sin), dim=-1)
 
 
 class ALiBi(PositionEncoding):

@@ -1,0 +1,354 @@
+"""Retrieval by depth and length: can the model find a fact it was given N tokens ago?
+
+    python -m attnlab.recall --out runs/recall                     # train every variant, test
+    python -m attnlab.recall --variants rope alibi --steps 400 --out runs/recall-quick
+    python -m attnlab.recall --model runs/NAME --out runs/recall-NAME    # a trained model
+    python -m attnlab.recall --model path/to/gpt2-folder --context 256   # a transformers folder
+
+Validation loss says how well a model predicts the next token on average; it does not
+say whether a fact from far back can still be used. This lab asks that directly with
+the task in attnlab/recall_task.py: "The code for K is V." at a depth of the text, and
+at the end " The code for K is", whose next tokens must be V (chance: 10^-digits).
+
+Each variant is a small model trained on the CPU for a few hundred steps at context T,
+with loss on the answer only, then tested on a grid: depth 0-100% x length 1x-8x T.
+RoPE models are also tested under position interpolation, NTK and YaRN (rope_factor =
+the length factor; model/positions.py). Learned positions have no vectors past T:
+those cells are n/a. With `--model`, nothing is trained: the grid is run on that
+model, with the task encoded by its own tokenizer.
+
+Writes into --out: a heatmap per variant (recall_<variant>.png), all of them in one
+figure (recall_heatmaps.png), accuracy against distance for the windowed variants
+(recall_distance.png), and the table (recall.md, recall.csv).
+"""
+from __future__ import annotations
+
+import csv
+import math
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from attnlab.plotting import pyplot, save_figure
+from attnlab.recall_task import TokenTask, char_task, filler_text
+from common.errors import AttnlabError
+from engine.cli import Parser, errors_as_lines
+
+
+@dataclass
+class Variant:
+    """A model to train for the lab: model fields over the lab's small base model."""
+    about: str
+    model: dict = field(default_factory=dict)
+    fact_first: float = 0.0       # share of training examples with the fact at depth 0
+
+
+W, G = 16, 24     # the window of the windowed variants; global tokens cover the first fact
+VARIANTS = {
+    "none": Variant("no positions, full attention", {"position": "none"}),
+    "sinusoidal": Variant("sinusoidal positions, full attention", {"position": "sinusoidal"}),
+    "learned": Variant("learned positions, full attention", {"position": "learned"}),
+    "rope": Variant("RoPE, full attention", {"position": "rope"}),
+    "alibi": Variant("ALiBi, full attention", {"position": "alibi"}),
+    f"window{W}x2": Variant(f"RoPE, window {W} over 2 layers", {"sliding_window": W}),
+    f"window{W}x4": Variant(f"RoPE, window {W} over 4 layers", {"sliding_window": W, "n_layer": 4}),
+    f"window{2 * W}x2": Variant(f"RoPE, window {2 * W} over 2 layers", {"sliding_window": 2 * W}),
+    f"window{W}x2+global": Variant(f"RoPE, window {W} over 2 layers, the first {G} tokens global",
+                                   {"sliding_window": W, "n_global": G}, fact_first=0.25),
+}
+BASE = dict(n_layer=2, n_head=4, n_embd=64, mlp="gelu_erf", position="rope")
+COLUMNS = ["variant", "factor", "length", "depth", "distance", "correct", "window", "layers", "about"]
+
+
+def train_variant(task: TokenTask, variant: Variant, context: int, steps: int, batch: int = 32,
+                  lr: float = 3e-3, seed: int = 0, log=print):
+    """A small model trained on the task with the project's optimizer and schedule."""
+    from engine.config import TrainConfig
+    from engine.loop import lr_at
+    from engine.optim import configure_optimizer
+    from model import GPT, ModelConfig
+    torch.manual_seed(seed)
+    cfg = ModelConfig(**{**BASE, **variant.model, "vocab_size": task.tokenizer.vocab_size,
+                         "block_size": context})
+    model = GPT(cfg)
+    t = TrainConfig(lr=lr, min_lr=lr / 10, max_iters=steps, warmup_iters=min(50, steps // 5),
+                    weight_decay=0.0)
+    opt = configure_optimizer(model, t, torch.device("cpu"))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    g = torch.Generator().manual_seed(seed + 1)
+    started = time.perf_counter()
+    for step in range(steps):
+        opt.set_lr(lr_at(step, t) / t.lr)
+        first = float(torch.rand((), generator=g)) < variant.fact_first
+        x, y = task.batch(batch, context, g, depth=0.0 if first else None)
+        loss = model(x, y).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step(scaler)
+        opt.zero_grad()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"  step {step:>4}: answer loss {loss.item():.3f} "
+                f"(guessing the digits: {math.log(10):.2f})")
+    log(f"  trained in {time.perf_counter() - started:.0f} s")
+    return model.eval()
+
+
+@torch.no_grad()
+def grid(model, task: TokenTask, context: int, factors, depths, n: int, seed: int = 0):
+    """One row per example: factor, depth, the distance from the fact's answer to the
+    question's, and whether every answer token was the model's top choice."""
+    rows = []
+    device = next(model.parameters()).device
+    for f in factors:
+        length = f * context
+        for depth in depths:
+            g = torch.Generator().manual_seed(seed + 1000 * f + round(100 * depth))
+            examples = [task.example(length, depth, g) for _ in range(n)]
+            x = torch.stack([e.ids for e in examples]).to(device)
+            logits = model(x).logits
+            for i, e in enumerate(examples):
+                guess = logits[i, e.answer_at].argmax(-1).cpu()
+                distance = task.distance(e)
+                rows.append({"factor": f, "length": length, "depth": depth,
+                             "distance": distance, "correct": bool((guess == e.answer).all())})
+    return rows
+
+
+def schemes(cfg, factor: int):
+    """(label, model config) pairs to test at this factor: as trained, and for a RoPE
+    model with full attention each scaling (a window keeps distances short anyway)."""
+    from attnlab.extrapolate import schemes as scaled
+    if cfg.sliding_window:
+        yield "as trained", cfg
+        return
+    for label, mcfg in scaled(cfg, factor):
+        yield ("as trained" if mcfg is cfg else label), mcfg
+
+
+def evaluate(name: str, model, task: TokenTask, context: int, factors, depths, n: int, log=print):
+    """Grid rows for the model and each of its scalings, labelled `name` / `scheme`."""
+    from model import GPT
+    from model.positions import POSITION_ENCODINGS
+    cfg = model.config
+    rows = []
+    for f in factors:
+        for scheme, mcfg in schemes(cfg, f):
+            label = name if scheme == "as trained" else f"{name} + {scheme.split('+ ')[-1]}"
+            if POSITION_ENCODINGS[mcfg.position].has_length_limit and f * context > cfg.block_size:
+                rows += [{"variant": label, "factor": f, "length": f * context, "depth": d,
+                          "distance": None, "correct": None} for d in depths]
+                continue
+            m = model
+            if mcfg is not cfg:
+                m = GPT(mcfg).to(next(model.parameters()).device).eval()
+                m.load_state_dict(model.state_dict())
+            found = grid(m, task, context, [f], depths, n)
+            rows += [{"variant": label, **r} for r in found]
+            acc = sum(r["correct"] for r in found) / len(found)
+            log(f"  {label:<22} {f}x ({f * context:>5} tokens): accuracy {acc:6.1%}")
+    return rows
+
+
+def cells(rows, variant: str, factors, depths):
+    """(depths, factors) accuracies of one variant; NaN where not applicable."""
+    acc = torch.full((len(depths), len(factors)), float("nan"))
+    for i, d in enumerate(depths):
+        for j, f in enumerate(factors):
+            hit = [r["correct"] for r in rows if r["variant"] == variant
+                   and r["factor"] == f and r["depth"] == d and r["correct"] is not None]
+            if hit:
+                acc[i, j] = sum(hit) / len(hit)
+    return acc
+
+
+def heatmap(ax, acc, factors, depths, context: int, title: str, chance: float):
+    plt = pyplot()
+    cmap = plt.get_cmap("viridis").with_extremes(bad="lightgrey")
+    image = ax.imshow(acc.numpy(), cmap=cmap, vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(factors)), [f"{f}x\n{f * context}" for f in factors], fontsize=7)
+    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
+    for i in range(acc.shape[0]):
+        for j in range(acc.shape[1]):
+            v = acc[i, j].item()
+            text = "n/a" if math.isnan(v) else f"{100 * v:.0f}"
+            ax.text(j, i, text, ha="center", va="center", fontsize=6,
+                    color="black" if math.isnan(v) or v > 0.5 else "white")
+    ax.set_title(title, fontsize=8)
+    ax.set_xlabel("length (x trained context, tokens)", fontsize=7)
+    ax.set_ylabel("depth of the fact", fontsize=7)
+    return image
+
+
+def colorbar(fig, image, cax, chance: float):
+    bar = fig.colorbar(image, cax=cax)
+    bar.ax.axhline(chance, color="red", linewidth=2)
+    bar.ax.text(1.6, chance, f" chance {chance:.0%}", color="red", fontsize=7, va="center",
+                transform=bar.ax.get_yaxis_transform())
+    bar.set_label("accuracy (whole answer right)", fontsize=7)
+
+
+def write(rows, variants: list[str], factors, depths, context: int, chance: float, out: Path,
+          about: dict[str, str]):
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "recall.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    lines = [f"Accuracy (whole answer right) by depth, averaged over depths 0-100%; chance "
+             f"{chance:.0%}; trained context {context} tokens.", "",
+             "| variant | " + " | ".join(f"{f}x" for f in factors) + " |",
+             "|---|" + "---|" * len(factors)]
+    maps = {}
+    for v in variants:
+        acc = cells(rows, v, factors, depths)
+        maps[v] = acc
+        mean = [acc[:, j][~acc[:, j].isnan()] for j in range(len(factors))]
+        lines.append(f"| {v} | " + " | ".join("n/a" if not len(m) else f"{m.mean():.0%}"
+                                              for m in mean) + " |")
+    (out / "recall.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plt = pyplot()
+    written = []
+    for v, acc in maps.items():
+        fig, (ax, cax) = plt.subplots(1, 2, figsize=(4.2, 4.2), width_ratios=[1, 0.06])
+        colorbar(fig, heatmap(ax, acc, factors, depths, context, about.get(v, v), chance), cax, chance)
+        written.append(save_figure(fig, out / f"recall_{v.replace(' ', '').replace('+', '_')}.png"))
+    cols = min(4, len(maps))
+    nrows = math.ceil(len(maps) / cols)
+    fig, axes = plt.subplots(nrows, cols + 1, figsize=(3.3 * cols + 0.8, 3.8 * nrows), squeeze=False,
+                             width_ratios=[1] * cols + [0.06])
+    panels = [ax for row in axes for ax in row[:-1]]
+    for ax, (v, acc) in zip(panels, maps.items()):
+        image = heatmap(ax, acc, factors, depths, context, about.get(v, v), chance)
+    for ax in panels[len(maps):] + [row[-1] for row in axes[1:]]:
+        ax.axis("off")
+    fig.suptitle(f"Recall of a fact by depth and length (trained at {context} tokens)", fontsize=10)
+    colorbar(fig, image, axes[0, -1], chance)
+    written.append(save_figure(fig, out / "recall_heatmaps.png"))
+    return written
+
+
+def distance_plot(rows, windowed: dict[str, tuple[int, int]], chance: float, out: Path,
+                  bins: int = 24):
+    """Accuracy against the distance back to the fact, for each (window, layers) variant,
+    with the window W and the stacked reach L·W marked."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for (name, (w, layers)), color in zip(windowed.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+        pts = [(r["distance"], r["correct"]) for r in rows if r["variant"] == name and r["correct"] is not None]
+        if not pts:
+            continue
+        top = max(d for d, _ in pts)
+        edges = torch.linspace(0, top + 1, bins + 1)
+        xs, ys = [], []
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            hit = [c for d, c in pts if lo <= d < hi]
+            if hit:
+                xs.append(((lo + hi) / 2).item())
+                ys.append(sum(hit) / len(hit))
+        ax.plot(xs, ys, marker=".", color=color, label=f"{name} (W={w}, L={layers})")
+        ax.axvline(w, color=color, linestyle=":", alpha=0.7)
+        ax.axvline(layers * (w - 1), color=color, linestyle="--", alpha=0.7)
+    ax.axhline(chance, color="red", linewidth=1, label=f"chance {chance:.0%}")
+    ax.set_xscale("symlog", linthresh=64)
+    ax.set_xlabel("distance back to the fact's answer (tokens); dotted: W, dashed: L·(W-1)")
+    ax.set_ylabel("accuracy")
+    ax.set_title("Sliding windows: how far back a fact can be retrieved")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return save_figure(fig, out / "recall_distance.png")
+
+
+def main(argv=None) -> int:
+    parser = Parser("python -m attnlab.recall", __doc__)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="NAME",
+                        help="variants to train: " + ", ".join(VARIANTS))
+    parser.add_argument("--model", default="", help="test this model instead of training: a run "
+                        "directory, checkpoint or transformers folder (its tokenizer encodes the task)")
+    parser.add_argument("--context", type=int, default=0, help="trained (base) context in tokens; "
+                        "default 96 for the lab's models, the model's block_size with --model")
+    parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8],
+                        help="lengths to test, as multiples of the context")
+    parser.add_argument("--steps", type=int, default=500, help="training steps per variant")
+    parser.add_argument("--digits", type=int, default=2, help="digits of the answer (chance 10^-digits)")
+    parser.add_argument("--examples", type=int, default=24, help="examples per grid cell")
+    parser.add_argument("--depths", type=int, default=11, help="depths from 0 to 100%%")
+    parser.add_argument("--out", default="runs/recall", help="folder for the figures and tables")
+    parser.add_argument("--merge", nargs="+", default=[], metavar="DIR", help="train nothing: "
+                        "draw the figures and table again from these runs' recall.csv, together")
+    args = parser.parse_args(argv)
+    if any(f < 1 for f in args.factors) or args.steps < 1 or args.examples < 1 or args.depths < 2:
+        raise AttnlabError("--factors, --steps and --examples must be at least 1, --depths at least 2")
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown and not args.model:
+        raise AttnlabError(f"unknown variant {unknown[0]!r}; valid: {', '.join(VARIANTS)}")
+    depths = [i / (args.depths - 1) for i in range(args.depths)]
+    out = Path(args.out)
+    rows = []
+    if args.merge:
+        rows = [r for folder in args.merge for r in read_rows(Path(folder))]
+        report(rows, sorted({r["factor"] for r in rows}), sorted({r["depth"] for r in rows}),
+               rows[0]["length"] // rows[0]["factor"], 10.0 ** -args.digits, out)
+        return 0
+    if args.model:
+        from engine.inference import load_run
+        model, cfg, tokenizer, ckpt = load_run(args.model, "best")
+        task = TokenTask(tokenizer, filler_text(), args.digits)
+        context = args.context or cfg.model.block_size
+        name = Path(args.model).name or "model"
+        print(f"{ckpt}: {cfg.model.position} positions, context {context} tokens")
+        rows = evaluate(name, model, task, context, args.factors, depths, args.examples)
+    else:
+        task = char_task(args.digits)
+        context = args.context or 96
+        if context < task.overhead() + 8:
+            raise AttnlabError(f"--context {context} leaves no room for filler: give at least "
+                               f"{task.overhead() + 8}")
+        for name in args.variants:
+            v = VARIANTS[name]
+            print(f"{name}: {v.about}")
+            model = train_variant(task, v, context, args.steps)
+            found = evaluate(name, model, task, context, args.factors, depths, args.examples)
+            for r in found:
+                r.update(window=model.config.sliding_window, layers=model.config.n_layer,
+                         about=v.about if r["variant"] == name else
+                         f"{v.about}, {r['variant'].split(' + ')[-1]}")
+            rows += found
+            # Everything so far, after each variant: a stopped run keeps what it measured.
+            written = report(rows, args.factors, depths, context, task.chance, out)
+        return 0
+    written = report(rows, args.factors, depths, context, task.chance, out)
+    return 0
+
+
+def report(rows, factors, depths, context: int, chance: float, out: Path):
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    about = {r["variant"]: r.get("about") or r["variant"] for r in rows}
+    windowed = {r["variant"]: (int(r["window"]), int(r["layers"])) for r in rows
+                if r.get("window") and " + " not in r["variant"]}
+    written = write(rows, names, factors, depths, context, chance, out, about)
+    if windowed:
+        written.append(distance_plot(rows, windowed, chance, out))
+    print("wrote " + ", ".join(str(p) for p in written) + f", {out}/recall.md and .csv")
+    return written
+
+
+def read_rows(folder: Path) -> list[dict]:
+    """The rows a run wrote to recall.csv, typed again."""
+    rows = []
+    with open(folder / "recall.csv", newline="") as f:
+        for r in csv.DictReader(f):
+            r["factor"], r["length"] = int(r["factor"]), int(r["length"])
+            r["depth"] = float(r["depth"])
+            r["distance"] = int(r["distance"]) if r["distance"] else None
+            r["correct"] = None if r["correct"] == "" else r["correct"] == "True"
+            rows.append(r)
+    return rows
+
+
+if __name__ == "__main__":
+    with errors_as_lines():
+        sys.exit(main())

@@ -1,0 +1,130 @@
+"""The retrieval lab (attnlab/recall_task.py, attnlab/recall.py): the task says what it
+claims, a tiny model learns it far above chance, the lab writes its heatmaps, and the
+same command reads a transformers folder with the task in that folder's tokens."""
+import random
+import re
+import warnings
+
+import pytest
+import torch
+
+from attnlab import recall
+from attnlab.recall_task import FACT, KEYS, TokenTask, char_task
+from data.tokenizer import BPETokenizer, CharTokenizer
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Models this small spend their time in dispatch, not arithmetic: a second thread
+    # only adds synchronisation (and stalls badly on a busy machine).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def chars():
+    return char_task(digits=2, chars=20_000)
+
+
+@pytest.fixture(scope="module")
+def bpe_task(chars):
+    # A byte-level BPE: the fact, question and answer merge differently from characters.
+    text = chars.tokenizer.decode(chars.filler[:20_000].tolist())
+    return TokenTask(BPETokenizer.train([text], 400), text, digits=3)
+
+
+@pytest.mark.parametrize("which", ["chars", "bpe_task"])
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 1.0])
+def test_the_answer_is_the_one_fact_in_the_text_and_the_depth_lands_where_asked(which, depth, request):
+    task = request.getfixturevalue(which)
+    g = torch.Generator().manual_seed(int(depth * 10))
+    for length in (96, 160):
+        ex = task.example(length, depth, g)
+        assert len(ex.ids) == length
+        text = task.tokenizer.decode(ex.ids.tolist())
+        facts = FACT.findall(text)
+        assert facts == [(ex.key, ex.value)]                   # one fact, and it holds the answer
+        assert task.tokenizer.decode(ex.answer.tolist()).strip() == ex.value
+        # The text ends by asking for this key's code: the answer follows from the text alone.
+        full = task.tokenizer.decode(ex.ids.tolist() + ex.answer[-1:].tolist())
+        assert full.endswith(f"The code for {ex.key} is {ex.value}")
+        # The fact starts after round(depth * F) of the F filler tokens.
+        assert ex.fact_at == round(depth * ex.filler)
+        before = task.tokenizer.decode(ex.ids[ex.fact_at:].tolist())
+        assert before.startswith(f" The code for {ex.key} is")
+        assert ex.ids[ex.value_at:ex.value_at + len(ex.answer)].tolist() == ex.answer.tolist()
+        assert ex.answer_at.tolist() == list(range(length - len(ex.answer), length))
+        assert len(re.findall(r"\d", full)) == 2 * len(ex.value)    # no other digit anywhere
+
+
+def test_a_fact_that_does_not_fit_is_refused(chars):
+    with pytest.raises(ValueError, match="cannot hold"):
+        chars.example(20, 0.5, torch.Generator())
+    with pytest.raises(ValueError, match="depth"):
+        chars.example(96, 1.5, torch.Generator())
+
+
+def test_a_tiny_model_retrieves_far_above_chance():
+    # Random letters as filler and a one-letter phrase keep the context at 24 tokens,
+    # so a one-layer model learns to find the one digit in a few seconds.
+    rng = random.Random(0)
+    filler = "".join(rng.choice("abcdefghij ") for _ in range(4000))
+    task = TokenTask(CharTokenizer(set(filler) | set(KEYS) | set("0123456789 .")), filler,
+                     digits=1, phrase="{key}")
+    base = dict(recall.BASE)
+    try:
+        recall.BASE.update(n_layer=1, n_head=2, n_embd=32)
+        model = recall.train_variant(task, recall.Variant("", {"position": "rope"}), 24, 200,
+                                     lr=1e-2, log=lambda *a: None)
+    finally:
+        recall.BASE.clear()
+        recall.BASE.update(base)
+    rows = recall.grid(model, task, 24, [1], [0.0, 0.5, 1.0], 32)
+    accuracy = sum(r["correct"] for r in rows) / len(rows)
+    assert accuracy >= 0.6 > 5 * task.chance
+
+
+def test_the_lab_writes_a_heatmap_per_variant_and_the_table(tmp_path):
+    out = tmp_path / "lab"
+    recall.main(["--variants", "learned", "window16x2", "--steps", "2", "--factors", "1", "2",
+                 "--depths", "2", "--examples", "2", "--out", str(out)])
+    for name in ("recall_learned.png", "recall_window16x2.png", "recall_heatmaps.png",
+                 "recall_distance.png"):
+        assert (out / name).stat().st_size > 1000
+    table = (out / "recall.md").read_text()
+    assert "chance 1%" in table
+    assert re.search(r"\| learned \| \d+% \| n/a \|", table)     # no positions past its table
+
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("layout", ["gpt2", "llama"])
+def test_the_lab_tests_a_transformers_folder_in_its_own_tokens(layout, chars, tmp_path):
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", module="transformers")
+    folder = tmp_path / layout
+    text = chars.tokenizer.decode(chars.filler[:20_000].tolist())
+    bpe = BPETokenizer.train([text], 400)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe.hf, eos_token="<|endoftext|>").save_pretrained(folder)
+    torch.manual_seed(0)
+    if layout == "gpt2":
+        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=bpe.vocab_size, n_positions=64, n_embd=32, n_layer=2, n_head=2))
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=bpe.vocab_size, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=64))
+    hf.save_pretrained(folder)
+    out = tmp_path / "out"
+    recall.main(["--model", str(folder), "--factors", "1", "2", "--depths", "2",
+                 "--examples", "2", "--out", str(out)])
+    table = (out / "recall.md").read_text()
+    assert f"| {layout} |" in table and "chance 1%" in table
+    assert (out / f"recall_{layout}.png").is_file()
+    if layout == "gpt2":                                 # learned positions: 64, no further
+        assert f"| {layout} | 0% | n/a |" in table
+    else:                                                # RoPE: the scalings are tested too
+        assert "| llama + YaRN |" in table

@@ -1,0 +1,73 @@
+"""Streaming past the context (model/cache.py, GPT.generate with `sinks`): a rolling
+cache of the first tokens and the newest window, renumbered as it rolls (StreamingLLM,
+arXiv:2309.17453). Its memory and its positions stay bounded however long it runs, and
+right after it rolls a step gives the logits of a fresh pass over what it kept."""
+import pytest
+import torch
+
+from model import GPT, ModelConfig
+from model.positions import POSITION_ENCODINGS
+
+
+def tiny(position: str, n_layer: int = 2, block_size: int = 32) -> GPT:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=40, block_size=block_size, n_layer=n_layer, n_head=2,
+                      n_embd=16, position=position)
+    return GPT(cfg).eval()
+
+
+@pytest.mark.parametrize("position", POSITION_ENCODINGS)
+def test_the_sink_cache_keeps_its_memory_and_positions_bounded_over_a_long_generation(position):
+    model = tiny(position, block_size=24)
+    window, sinks = 10, 4
+    cache = model.new_stream_cache(window, sinks)
+    ids = torch.randint(0, 40, (1, 8 * model.config.block_size))
+    sizes, lengths = set(), []
+    with torch.no_grad():
+        for t in range(ids.shape[1]):
+            model(ids[:, t:t + 1], cache=cache)
+            sizes.add(cache.nbytes())
+            lengths.append(cache.length)
+    # One buffer of sinks + 2·window slots, allocated once; positions never pass it, so
+    # even learned positions (a table of block_size rows) stream for ever.
+    assert sizes == {2 * 2 * (sinks + 2 * window) * 2 * 8 * 4}
+    assert max(lengths) == sinks + 2 * window <= model.config.block_size
+    assert cache.positions[:sinks].tolist() == list(range(sinks))
+    # generate streams the same way: 8x the context from a model with a position table.
+    out = list(model.generate(ids[:, :3], 8 * model.config.block_size, sinks=sinks,
+                              generator=torch.Generator().manual_seed(0)))
+    assert len(out) == 8 * model.config.block_size
+
+
+@pytest.mark.parametrize("position", ["rope", "alibi", "none"])
+def test_right_after_rolling_a_step_equals_a_fresh_pass_over_the_kept_tokens(position):
+    # One layer: its keys depend on each token and its position only, so after the cache
+    # renumbers (keys turned back by the shift) they must be the keys of a fresh pass.
+    model = tiny(position, n_layer=1)
+    window, sinks = 8, 3
+    cache = model.new_stream_cache(window, sinks)
+    ids = torch.randint(0, 40, (1, 90))
+    rolled = 0
+    with torch.no_grad():
+        for t in range(ids.shape[1]):
+            before = cache.length
+            step = model(ids[:, t:t + 1], cache=cache).logits[0, -1]
+            if cache.length <= before:                      # it rolled before this token
+                kept = torch.cat([ids[:, :sinks], ids[:, t - (window - 1):t + 1]], dim=1)
+                fresh = model(kept).logits[0, -1]
+                torch.testing.assert_close(step, fresh, atol=1e-5, rtol=1e-5)
+                rolled += 1
+    assert rolled >= 4
+
+
+def test_sinks_and_forced_tokens_in_generate():
+    model = tiny("rope")
+    text = torch.randint(0, 40, (1, 200))
+    seen = []
+    tokens = list(model.generate(text[:, :1], 0, forced=text[:, 1:], sinks=4,
+                                 on_step=lambda logits, token: seen.append(token)))
+    assert torch.cat(tokens, 1).tolist() == text[:, 1:].tolist() == torch.cat(seen, 1).tolist()
+    with pytest.raises(ValueError, match="sinks"):
+        next(model.generate(text[:, :1], 5, sinks=4, use_cache=False))
+    with pytest.raises(ValueError, match="sinks"):
+        next(model.generate(text[:, :1], 5, sinks=32))
