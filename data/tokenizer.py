@@ -61,6 +61,11 @@ class Tokenizer:
         """(start, end) character offsets of each token of `text`."""
         raise NotImplementedError
 
+    def token_strings(self, ids) -> list[str]:
+        """Each token as the tools label it (a WordPiece shows its vocabulary entry,
+        [CLS] and ##t included)."""
+        return [self.decode([int(i)]) for i in ids]
+
     def can_encode(self, text: str) -> bool:
         try:
             self.encode(text)
@@ -97,6 +102,10 @@ class Tokenizer:
             raise TokenizerError(f"tokenizer file {path} is not valid JSON ({err})") from None
         if isinstance(data, dict) and data.get("type") == "char":
             return CharTokenizer(data["chars"])
+        if isinstance(data, dict) and isinstance(data.get("model"), dict) \
+                and data["model"].get("type") == "WordPiece":
+            from data.wordpiece import WordPieceTokenizer
+            return WordPieceTokenizer.from_json(text, path)
         return BPETokenizer.from_json(text, path)
 
 

@@ -13,6 +13,8 @@ tokenizer classes, so the folder is what `from_pretrained` expects.
     mistral   the same with a sliding window, no biases                MistralForCausalLM
     gpt_neox  RoPE, LayerNorm, GELU (tanh), sequential residual         GPTNeoXForCausalLM
               (this project's default, biases zero where it has none)
+
+and the BERT-family encoders (bert, roberta, distilbert) of engine/interop_bert.py.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from common.errors import AttnlabError, CheckpointError
 from common.files import read_json
 from data.tokenizer import Tokenizer
 from model import GPT, ModelConfig
-from model.layers import MLPS, NORMS
+from model.layers import BLOCKS, MLPS, NORMS
 from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
 
 INDEX = "model.safetensors.index.json"
@@ -95,6 +97,15 @@ def _common_refusals(cfg: ModelConfig) -> list[str]:
     if ROPE_SCALINGS[cfg.rope_scaling].stretches:
         out.append(f"model.rope_scaling={cfg.rope_scaling} (export the model unstretched: "
                    "rope_scaling=none)")
+    # An encoder's parts: the BERT family's entries (engine/interop_bert.py) allow them.
+    if not cfg.causal:
+        out.append("model.causal=false (an encoder: see the BERT family)")
+    if not BLOCKS[cfg.block].final_norm:
+        out.append(f"model.block={cfg.block} (post-norm blocks: see the BERT family)")
+    if cfg.n_token_types:
+        out.append(f"model.n_token_types={cfg.n_token_types} (token types: see the BERT family)")
+    if cfg.position_offset:
+        out.append(f"model.position_offset={cfg.position_offset} (see RoBERTa)")
     return out
 
 
@@ -107,6 +118,10 @@ class Architecture:
     from_hf_config: Callable[[dict], ModelConfig]
     to_hf_weights: Callable[[dict, ModelConfig], dict]
     from_hf_weights: Callable[[Callable, ModelConfig], dict]
+    # An architecture that reads or writes its folder its own way (the BERT family picks
+    # its head from the weights present and writes an encoder's tokenizer).
+    load: Callable | None = None          # (folder, config dict, device, dtype) -> like load_hf_folder
+    write: Callable | None = None         # (model, cfg, tokenizer, out) -> Architecture
 
 
 def _split_qkv(w, cfg):
@@ -458,6 +473,8 @@ def load_hf_folder(folder: str | Path, device="cpu", dtype=torch.float32):
     if arch is None:
         raise CheckpointError(f"{folder}/config.json is a {config.get('model_type')!r} model; "
                               f"attnlab reads {', '.join(ARCHITECTURES)}")
+    if arch.load is not None:
+        return arch.load(folder, config, device, dtype)
     try:
         cfg = arch.from_hf_config(config)
     except KeyError as err:
@@ -498,6 +515,8 @@ def export(model: GPT, cfg: ModelConfig, tokenizer: Tokenizer, out: str | Path,
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} exists and is not an empty folder; choose a new --out")
+    if arch.write is not None:
+        return arch.write(model, cfg, tokenizer, out)
     state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     weights = {k: v.contiguous().clone() for k, v in arch.to_hf_weights(state, cfg).items()}
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -542,3 +561,7 @@ def hf_tokenizer(tokenizer: Tokenizer):
 def describe_parent(source: str | Path, model: torch.nn.Module) -> dict:
     return {"path": str(source), "weights_sha256": weights_sha256(model)}
 
+
+
+# The BERT family registers its entries in ARCHITECTURES (it builds on the helpers above).
+import engine.interop_bert  # noqa: E402,F401
