@@ -107,10 +107,12 @@ def names(model) -> list[str]:
 
 
 @torch.no_grad()
-def run_with_cache(model, tokens: torch.Tensor, only: Iterable[str] | None = None):
+def run_with_cache(model, tokens: torch.Tensor, only: Iterable[str] | None = None, **inputs):
     """(logits, {name: activation}) for one forward pass over `tokens` (B, T). With
     `only`, just those are kept. Attention patterns come from the eager path, so they
-    exist for every backend; asking for none of them keeps the model's own backend."""
+    exist for every backend; asking for none of them keeps the model's own backend.
+    `inputs` go to the model as they are (attention_mask for a padded batch, token_types).
+    An encoder without an output layer gives logits None."""
     wanted = None if only is None else set(only)
     unknown = set() if wanted is None else wanted - set(names(model))
     if unknown:
@@ -118,7 +120,7 @@ def run_with_cache(model, tokens: torch.Tensor, only: Iterable[str] | None = Non
     need_weights = wanted is None or any(n.endswith(".pattern") for n in wanted)
     cache: dict = {}
     with _installed(_hooks_for(model, cache, wanted)):
-        logits = model(tokens, return_attention=need_weights).logits
+        logits = model(tokens, return_attention=need_weights, **inputs).logits
     return logits, cache
 
 

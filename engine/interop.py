@@ -79,7 +79,7 @@ def _gelu_from_hf(act: str) -> str:
     return next(ours for ours, theirs in _HF_GELU.items() if act in theirs)
 
 
-def _common_refusals(cfg: ModelConfig) -> list[str]:
+def _common_refusals(cfg: ModelConfig, decoder: bool = True) -> list[str]:
     out = []
     if cfg.n_global:
         out.append(f"model.n_global={cfg.n_global} (global tokens: no architecture has them)")
@@ -97,7 +97,8 @@ def _common_refusals(cfg: ModelConfig) -> list[str]:
     if ROPE_SCALINGS[cfg.rope_scaling].stretches:
         out.append(f"model.rope_scaling={cfg.rope_scaling} (export the model unstretched: "
                    "rope_scaling=none)")
-    # An encoder's parts: the BERT family's entries (engine/interop_bert.py) allow them.
+    if not decoder:        # the BERT family (engine/interop_bert.py) checks an encoder's parts
+        return out
     if not cfg.causal:
         out.append("model.causal=false (an encoder: see the BERT family)")
     if not BLOCKS[cfg.block].final_norm:

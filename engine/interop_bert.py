@@ -156,7 +156,7 @@ def _distilbert_to_config(cfg: ModelConfig) -> dict:
 
 def _encoder_refusals(cfg: ModelConfig) -> list[str]:
     # What no architecture has, the readout aside (an encoder's is checked below).
-    out = _common_refusals(replace(cfg, readout="full")) + _needs(
+    out = _common_refusals(replace(cfg, readout="full"), decoder=False) + _needs(
         cfg, position="learned", norm="layernorm", mlp="gelu_erf")
     if cfg.causal:
         out.append("model.causal=true (BERT-family models see in both directions)")
@@ -269,9 +269,16 @@ def _load(family_name: str, arch: Architecture):
         if cfg.readout == "none":
             cfg = replace(cfg, tie_embeddings=False)
         weights = _from_hf_weights(family, files.get, cfg)
-        model = GPT(cfg)
         from engine.checkpoint import load_weights
-        load_weights(model, weights, folder)
+        # Checked against a model of the same shapes on the meta device (no memory, no
+        # random init: drawing 30k x 384 normal numbers to overwrite them costs more than
+        # reading the file), then the read tensors become the model's own.
+        with torch.device("meta"):
+            model = GPT(cfg)
+        load_weights(_shapes_only(model), weights, folder)
+        model.load_state_dict(weights, strict=False, assign=True)
+        if _has_head(cfg) and cfg.tie_embeddings:
+            model.lm_head.weight = model.wte.weight          # assign= replaced the shared one
         try:
             tokenizer = WordPieceTokenizer.from_file(folder / "tokenizer.json")
         except TokenizerError as err:
@@ -281,6 +288,22 @@ def _load(family_name: str, arch: Architecture):
                                   f"the model only {cfg.vocab_size}: they do not belong together")
         return model.to(device=device, dtype=dtype).eval(), cfg, tokenizer
     return load
+
+
+def _shapes_only(model: GPT) -> torch.nn.Module:
+    """A stand-in whose state_dict has model's names and shapes, tied weights kept
+    tied (meta tensors have no storage to compare)."""
+    class Shapes(torch.nn.Module):
+        def state_dict(self):
+            out, seen = {}, {}
+            for name, t in model.state_dict(keep_vars=True).items():
+                first = seen.setdefault(id(t), name)
+                out[name] = out[first] if first != name else torch.empty(t.shape, dtype=t.dtype)
+            return out
+
+        def load_state_dict(self, *a, **k):
+            pass
+    return Shapes()
 
 
 # Special tokens under the names the BERT family gives them, for transformers' tokenizer.
