@@ -199,11 +199,20 @@ class GPT(nn.Module):
         ever from a rolling cache; learned and sinusoidal positions are absolute."""
         return bool(self.config.sliding_window) and not self.positions.absolute
 
+    def check_generates(self) -> None:
+        """ModelError, saying why, for a model that cannot write text token by token."""
+        if not self.config.causal:
+            raise ModelError("this model is an encoder (model.causal=false): every token sees "
+                             "the whole text, the future included, so it cannot write one token "
+                             "after another; fill in a [MASK] instead (python -m attnlab.fill)")
+        if not READOUTS[self.config.readout].scores_tokens:
+            raise ModelError("this model has no output layer (model.readout=none), so it scores "
+                             "no tokens and cannot generate")
+
     def new_static_cache(self, max_len: int) -> StaticKVCache:
         return StaticKVCache(self.config.n_layer, max_len, self.config.sliding_window,
                              self.config.n_global)
 
-    @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, generator: torch.Generator | None = None,
                  use_cache: bool = True, on_step=None, decode: str = "cache") -> Iterator[torch.Tensor]:
@@ -222,13 +231,13 @@ class GPT(nn.Module):
         in one pass (positions restart at 0), so every token is still predicted from
         between block_size/2 and block_size tokens of context. `on_step(logits, token)`,
         if given, sees each step's last-position logits and the token drawn from them."""
-        if not self.config.causal:
-            raise ModelError("this model is an encoder (model.causal=false): every token sees "
-                             "the whole text, the future included, so it cannot write one token "
-                             "after another; fill in a [MASK] instead (python -m attnlab.fill)")
-        if not READOUTS[self.config.readout].scores_tokens:
-            raise ModelError("this model has no output layer (model.readout=none), so it scores "
-                             "no tokens and cannot generate")
+        self.check_generates()
+        return self._generate(idx, max_new_tokens, temperature, top_k, top_p, generator,
+                              use_cache, on_step, decode)
+
+    @torch.no_grad()
+    def _generate(self, idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache,
+                  on_step, decode):
         if decode not in DECODERS:
             raise ValueError(f"decode must be one of {', '.join(DECODERS)}, not {decode!r}")
         if not use_cache:
