@@ -224,3 +224,16 @@ def test_the_page_in_a_real_browser(tiny_run, tmp_path):
             driver.quit()
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_the_page_opens_the_articles_encoder_in_its_mask_and_search_tab(minilm):
+    model, cfg, tokenizer, _ = load_run(minilm)
+    with TestClient(create_app(Service(model, cfg, tokenizer, str(minilm)))) as c:
+        info = c.get("/api/info").json()
+        assert "bidirectional" in info["config"] and info["mask"][3][:6] == [1] * 6
+        found = c.post("/api/search", json={"text": "The trophy didn't fit in the suitcase "
+                                                    "because it was too big.",
+                                            "from": "it", "to": "trophy"}).json()
+        assert found["query"] == "it" and (found["ranking"][0]["layer"], found["ranking"][0]["head"]) == (3, 1)
+        refused = c.get("/api/generate", params={"prompt": "the"})
+        assert refused.status_code == 400 and "encoder" in refused.json()["error"]
