@@ -45,10 +45,11 @@ def attention_maps(model, tokenizer, text: str):
     if len(ids) > model.config.block_size and model.positions.has_length_limit:
         raise AttnlabError(f"the text is {len(ids)} tokens; this model reads at most "
                            f"{model.config.block_size}")
+    from attnlab.lens import run_with_cache          # the one way every tool reads a model
     idx = torch.tensor([ids], device=next(model.parameters()).device)
-    out = model(idx, return_attention=True)
-    maps = [w[0].float().cpu() for w in out.attentions]
-    return tokenizer.token_strings(ids), maps
+    names = [f"blocks.{l}.pattern" for l in range(model.config.n_layer)]
+    _, cache = run_with_cache(model, idx, only=names)
+    return tokenizer.token_strings(ids), [cache[n][0].float().cpu() for n in names]
 
 
 def _find(text: str, needle: str, after: int) -> int:
