@@ -561,8 +561,3 @@ def hf_tokenizer(tokenizer: Tokenizer):
 
 def describe_parent(source: str | Path, model: torch.nn.Module) -> dict:
     return {"path": str(source), "weights_sha256": weights_sha256(model)}
-
-
-
-# The BERT family registers its entries in ARCHITECTURES (it builds on the helpers above).
-import engine.interop_bert  # noqa: E402,F401

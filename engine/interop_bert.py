@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from common.errors import CheckpointError, TokenizerError
-from data.wordpiece import WordPieceTokenizer
+from data.tokenizer import WordPieceTokenizer
 from engine.interop import (ARCHITECTURES, Architecture, ExportError, WeightFiles, _common_refusals,
                             _needs, _refuse_unless)
 from model import GPT, ModelConfig
