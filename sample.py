@@ -63,6 +63,7 @@ def main(argv: list[str]) -> int:
     s = settings.sample
     dtype = pick_dtype(s.dtype, device, cfg.model.n_embd, decoding=True)
     model = model.to(dtype)
+    model.check_generates()          # an encoder is refused before anything is printed
     prompt_ids = encode_prompt(tokenizer, s.prompt)
     decode = pick_decode(s.decode, device) if s.use_cache else "full"
     print(f"[{ckpt}: {cfg.model.position} positions, {model.num_params() / 1e6:.2f}M parameters, "

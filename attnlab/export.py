@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     arch = export(model, cfg.model, tokenizer, args.out, generation)
     print(f"wrote {args.out}: {arch.hf_class} ({arch.model_type}) from {ckpt}, "
           f"{model.num_params() / 1e6:.2f}M parameters")
-    print(f"load it with: AutoModelForCausalLM.from_pretrained({args.out!r})")
+    print(f"load it with: transformers.{arch.hf_class}.from_pretrained({args.out!r})")
     return 0
 
 

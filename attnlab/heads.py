@@ -12,12 +12,16 @@ head where one word looks most at another, and what each head tends to do.
     python -m attnlab.heads induction --run runs/NAME               # induction-head scores
 
 Rows of a heatmap are the tokens looking (queries), columns the tokens looked at
-(keys); each row sums to 1 and is zero right of the diagonal (the causal mask).
+(keys); each row sums to 1 and, in a decoder, is zero right of the diagonal (the causal
+mask). --run also takes a BERT-family folder (an encoder: rows see both directions),
+such as the article's all-MiniLM-L6-v2. Layers and heads are numbered from 0 (--layer,
+--head, the plots); search also prints them from 1, the article's numbering.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -42,16 +46,25 @@ def attention_maps(model, tokenizer, text: str):
     if len(ids) > model.config.block_size and model.positions.has_length_limit:
         raise AttnlabError(f"the text is {len(ids)} tokens; this model reads at most "
                            f"{model.config.block_size}")
+    from attnlab.lens import run_with_cache          # the one way every tool reads a model
     idx = torch.tensor([ids], device=next(model.parameters()).device)
-    out = model(idx, return_attention=True)
-    maps = [w[0].float().cpu() for w in out.attentions]
-    return [tokenizer.decode([i]) for i in ids], maps
+    names = [f"blocks.{l}.pattern" for l in range(model.config.n_layer)]
+    _, cache = run_with_cache(model, idx, only=names)
+    return tokenizer.token_strings(ids), [cache[n][0].float().cpu() for n in names]
+
+
+def _find(text: str, needle: str, after: int) -> int:
+    """The first occurrence of needle at or after `after` as a whole word ("it" in
+    "because it was", not in "fit"), else as any substring; -1 if none."""
+    word = re.compile(rf"(?<!\w){re.escape(needle)}(?!\w)")
+    found = word.search(text, after)
+    return found.start() if found else text.find(needle, after)
 
 
 def find_span(text: str, needle: str, spans, after: int = 0) -> list[int]:
     """Indices of the tokens covering the first occurrence of needle at or after
-    character `after`."""
-    start = text.find(needle, after)
+    character `after` (a whole word where there is one)."""
+    start = _find(text, needle, after)
     if start < 0 and after and needle in text:
         raise AttnlabError(f"{needle!r} occurs only before the word it should look at; the "
                            "causal mask lets a token look back only, so put --from after --to")
@@ -65,7 +78,7 @@ def search(maps, text: str, spans, source: str, target: str):
     """Rank every (layer, head) by how much the last token of `source` attends to the
     tokens of `target` (the article's "it -> trophy"). `target` must come first."""
     target_tokens = find_span(text, target, spans)
-    source_tokens = find_span(text, source, spans, after=text.find(target) + len(target))
+    source_tokens = find_span(text, source, spans, after=_find(text, target, 0) + len(target))
     query = source_tokens[-1]
     ranking = []
     for layer, weights in enumerate(maps):
@@ -79,11 +92,15 @@ def head_stats(weights: torch.Tensor) -> dict:
     T = weights.shape[0]
     rows = torch.arange(T)
     entropy = -(weights * weights.clamp_min(1e-12).log()).sum(-1).mean().item()
-    distance = (weights * (rows[:, None] - rows[None, :]).clamp_min(0)).sum(-1)[1:].mean().item()
+    # |query - key|: a decoder's keys are never ahead, an encoder's may be.
+    distance = (weights * (rows[:, None] - rows[None, :]).abs()).sum(-1)[1:].mean().item()
     previous = weights[rows[1:], rows[1:] - 1].mean().item() if T > 1 else 0.0
+    following = weights[rows[:-1], rows[:-1] + 1].mean().item() if T > 1 else 0.0
     first = weights[1:, 0].mean().item() if T > 1 else 1.0
     if previous > 0.5:
         label = "previous-token head"
+    elif following > 0.5:
+        label = "next-token head"
     elif first > 0.5:
         label = "first-token (sink) head"
     elif distance < 3.0:
@@ -91,7 +108,7 @@ def head_stats(weights: torch.Tensor) -> dict:
     else:
         label = "broad head"
     return {"entropy": entropy, "mean_distance": distance, "previous": previous,
-            "first": first, "label": label}
+            "next": following, "first": first, "label": label}
 
 
 def _plot_one(ax, weights, tokens, title, labels=True):
@@ -188,8 +205,10 @@ def logit_lens(model, ids: torch.Tensor):
     per_layer = torch.stack([model.readout(model.norm_f(cache[f"blocks.{l}.resid_post"]))[0]
                              for l in range(L)]).float()               # (L, T, V)
     probs = torch.softmax(per_layer, -1)
-    nxt = ids[0, 1:]
-    p_next = probs[:, :-1].gather(-1, nxt[None, :, None].expand(L, -1, 1))[..., 0]
+    # A decoder predicts the next token; an encoder's masked-LM head the token itself.
+    shift = int(model.config.causal)
+    nxt = ids[0, shift:]
+    p_next = probs[:, :probs.shape[1] - shift].gather(-1, nxt[None, :, None].expand(L, -1, 1))[..., 0]
     return per_layer.argmax(-1).cpu(), p_next.cpu()
 
 
@@ -198,13 +217,15 @@ def head_ablation(model, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
     """The text's next-token loss, and (layers, heads) its change when each head alone
     is zero-ablated."""
     from attnlab.lens import ablate
-    base = model(ids[:, :-1], ids[:, 1:]).loss.item()
     c = model.config
+    # A decoder's loss is on the next token, an encoder's (masked-LM head) on each token.
+    inputs, targets = (ids[:, :-1], ids[:, 1:]) if c.causal else (ids, ids)
+    base = model(inputs, targets).loss.item()
     delta = torch.zeros(c.n_layer, c.n_head)
     for layer in range(c.n_layer):
         for head in range(c.n_head):
             with ablate(model, heads=[(layer, head)]):
-                delta[layer, head] = model(ids[:, :-1], ids[:, 1:]).loss.item() - base
+                delta[layer, head] = model(inputs, targets).loss.item() - base
     return base, delta
 
 
@@ -277,8 +298,18 @@ def positive(text: str) -> int:
 
 def deeper(args, model, tokenizer) -> int:
     """lens, ablate, patch and induction: one layer below the attention maps."""
+    from model.readout import READOUTS
     device = next(model.parameters()).device
-    show = lambda i: repr(tokenizer.decode([int(i)]))[1:-1][:8]
+    show = lambda i: repr(tokenizer.token_strings([int(i)])[0])[1:-1][:8]
+    if args.what in ("lens", "ablate", "patch") and not READOUTS[model.config.readout].scores_tokens:
+        raise AttnlabError(f"{args.what} reads the model's token scores, and this encoder has no "
+                           "output layer (a sentence encoder keeps only hidden states); look at "
+                           "its attention with grid, head, search, stats or html, or give a folder "
+                           "with a masked-LM head (BertForMaskedLM)")
+    if args.what == "induction" and not model.config.causal:
+        raise AttnlabError("induction heads copy what followed an earlier occurrence of the "
+                           "current token, a decoder's trick; this model is an encoder "
+                           "(model.causal=false): look at it with grid, head, search or stats")
     if args.what == "induction":
         from attnlab.induction import plot_heads, report
         _, _, prev, induct = report(model, span=min(20, model.config.block_size // 2))
@@ -304,8 +335,11 @@ def deeper(args, model, tokenizer) -> int:
         print("layer " + " ".join(f"{l:>8}" for l in labels))
         for layer, row in enumerate(top):
             print(f"{layer:>5} " + " ".join(f"{show(i):>8}" for i in row))
-        print(save_layer_map(out_path(args.out, "logit_lens.png"), p_next, labels[1:],
-                             "logit lens: probability of the actual next token after each layer",
+        print(save_layer_map(out_path(args.out, "logit_lens.png"), p_next,
+                             labels[int(model.config.causal):],
+                             "logit lens: probability of the actual next token after each layer"
+                             if model.config.causal else
+                             "logit lens: probability of the token itself after each layer",
                              cmap="viridis", center=False))
         return 0
     base, delta = head_ablation(model, ids)
@@ -366,16 +400,19 @@ def main(argv=None) -> int:
         ranking, query, targets = search(maps, args.text, token_spans(tokenizer, args.text),
                                          args.source, args.target)
         print(f"token {query} ({tokens[query]!r}) looking at tokens {targets} "
-              f"({''.join(tokens[t] for t in targets)!r}):")
+              f"({''.join(tokens[t] for t in targets)!r}); layers and heads counted from 1 as "
+              "the article does, this project's --layer/--head (from 0) beside:")
         for weight, layer, head in ranking[:args.top]:
-            print(f"  layer {layer}, head {head}: weight {weight:.3f}")
+            print(f"  layer {layer + 1}, head {head + 1}: {args.source} → {args.target} = "
+                  f"{weight:.2f}   (--layer {layer} --head {head}, weight {weight:.3f})")
     else:
-        print(f"{'layer':>5} {'head':>4} {'entropy':>8} {'distance':>8} {'prev':>6} {'first':>6}  pattern")
+        print(f"{'layer':>5} {'head':>4} {'entropy':>8} {'distance':>8} {'prev':>6} {'next':>6} "
+              f"{'first':>6}  pattern")
         for layer, weights in enumerate(maps):
             for head in range(weights.shape[0]):
                 s = head_stats(weights[head])
                 print(f"{layer:>5} {head:>4} {s['entropy']:8.3f} {s['mean_distance']:8.2f} "
-                      f"{s['previous']:6.2f} {s['first']:6.2f}  {s['label']}")
+                      f"{s['previous']:6.2f} {s['next']:6.2f} {s['first']:6.2f}  {s['label']}")
     return 0
 
 

@@ -19,12 +19,14 @@ Names, for each layer l (B batch, T tokens, H heads, D = d_k, C = n_embd):
   blocks.l.resid_post  (B, T, C)     the residual stream leaving the block
 and final_norm (B, T, C), the last residual stream after the final norm, whose product
 with the output layer is the logits. In a model with model.value_embeds, `v` is x·W_V
-before the token's value embedding is added; with model.skip_connections, a late block's
-resid_pre includes the skip from its mirror block (so it is not the previous resid_post).
+with the token's value embedding added (what the weighted sum uses); with
+model.skip_connections, a late block's resid_pre includes the skip from its mirror
+block (so it is not the previous resid_post).
 
 Everything is read with forward hooks on the model's own modules and removed
-afterwards: the model's code has no hook points, and a model with no hook set runs
-exactly as before.
+afterwards; q, k and v come from the attention module's identity hook points (hook_q,
+hook_k, hook_v), so they are what the softmax used, QK-norm and positions included,
+and a model with no hook set runs exactly as before.
 """
 from __future__ import annotations
 
@@ -58,14 +60,11 @@ def _hooks_for(model, cache: dict, only: set[str] | None):
             if want(p + "attn_out"):
                 cache[p + "attn_out"] = output[0].detach()
 
-        def qkv_post(module, args, output, p=p, H=c.n_head, H_kv=c.kv_heads, D=c.head_dim):
-            B, T, _ = output.shape
-            qkv = output.detach().view(B, T, H + 2 * H_kv, D).transpose(1, 2)
-            qk, v = qkv[:, :H + H_kv], qkv[:, H + H_kv:]
-            q, k = model.positions.rotate(qk, 0).split([H, H_kv], dim=1)    # positions 0..T-1
-            for name, value in (("q", q), ("k", k), ("v", v)):
+        def read(name, p=p):
+            def hook(module, args, output):
                 if want(p + name):
-                    cache[p + name] = value
+                    cache[p + name] = output.detach()
+            return hook
 
         def w_o_pre(module, args, p=p, H=c.n_head, D=c.head_dim):
             if want(p + "z"):
@@ -77,7 +76,8 @@ def _hooks_for(model, cache: dict, only: set[str] | None):
                 cache[p + "mlp_out"] = output.detach()
 
         out += [(block, "pre", block_pre), (block, "post", block_post),
-                (block.attn, "post", attn_post), (block.attn.w_qkv, "post", qkv_post),
+                (block.attn, "post", attn_post),
+                *((getattr(block.attn, f"hook_{n}"), "post", read(n)) for n in "qkv"),
                 (block.attn.w_o, "pre", w_o_pre), (block.mlp, "post", mlp_post)]
 
     def final(module, args, output):
@@ -107,10 +107,12 @@ def names(model) -> list[str]:
 
 
 @torch.no_grad()
-def run_with_cache(model, tokens: torch.Tensor, only: Iterable[str] | None = None):
+def run_with_cache(model, tokens: torch.Tensor, only: Iterable[str] | None = None, **inputs):
     """(logits, {name: activation}) for one forward pass over `tokens` (B, T). With
     `only`, just those are kept. Attention patterns come from the eager path, so they
-    exist for every backend; asking for none of them keeps the model's own backend."""
+    exist for every backend; asking for none of them keeps the model's own backend.
+    `inputs` go to the model as they are (attention_mask for a padded batch, token_types).
+    An encoder without an output layer gives logits None."""
     wanted = None if only is None else set(only)
     unknown = set() if wanted is None else wanted - set(names(model))
     if unknown:
@@ -118,7 +120,7 @@ def run_with_cache(model, tokens: torch.Tensor, only: Iterable[str] | None = Non
     need_weights = wanted is None or any(n.endswith(".pattern") for n in wanted)
     cache: dict = {}
     with _installed(_hooks_for(model, cache, wanted)):
-        logits = model(tokens, return_attention=need_weights).logits
+        logits = model(tokens, return_attention=need_weights, **inputs).logits
     return logits, cache
 
 

@@ -215,9 +215,9 @@ class Service:
         c = self.cfg.model
         T = min(c.block_size, 32)
         pos = torch.arange(T)
-        pattern = visible(pos, pos, c.sliding_window, c.n_global).int().tolist()
+        pattern = visible(pos, pos, c.sliding_window, c.n_global, c.causal).int().tolist()
         window = f"window {c.sliding_window}" + (f" + {c.n_global} global" if c.n_global else "") \
-            if c.sliding_window else "full causal"
+            if c.sliding_window else "full causal" if c.causal else "bidirectional (an encoder)"
         return {"origin": self.origin, "layers": c.n_layer, "heads": c.n_head,
                 "config": f"{c.attention} attention, {c.position} positions, {window}; "
                           f"{c.n_layer} layers x {c.n_head} heads, {c.n_embd} wide, context "
@@ -227,6 +227,7 @@ class Service:
     def settings(self, query: dict):
         """Sampling settings from the request, checked like sample.py's options."""
         from engine.config import RunConfig, apply_to
+        self.model.check_generates()            # an encoder: the head search and mask tabs only
         unknown = set(query) - {"prompt", "temperature", "top_k", "top_p", "max_new_tokens", "seed"}
         if unknown:
             raise BadRequest(f"unknown parameter {_short(sorted(unknown)[0])!r}")

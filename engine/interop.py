@@ -16,6 +16,8 @@ uses transformers' own config and tokenizer classes, so the folder is what
     mistral   the same with a sliding window, no biases                MistralForCausalLM
     gpt_neox  RoPE, LayerNorm, GELU (tanh), sequential residual         GPTNeoXForCausalLM
               (this project's default, biases zero where it has none)
+
+and the BERT-family encoders (bert, roberta, distilbert) of engine/interop_bert.py.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from engine.hf_files import (CONFIG_LIMIT, INDEX, MAX_HEADS, MAX_LAYERS, MAX_POS
                              checked_config, count, read_folder_bytes, read_folder_json,
                              refuse_too_large)
 from model import GPT, ModelConfig, ModelError
-from model.layers import MLPS, NORMS
+from model.layers import BLOCKS, MLPS, NORMS
 from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
 
 
@@ -90,7 +92,7 @@ def _gelu_from_hf(act: str) -> str:
     return next(ours for ours, theirs in _HF_GELU.items() if act in theirs)
 
 
-def _common_refusals(cfg: ModelConfig) -> list[str]:
+def _common_refusals(cfg: ModelConfig, decoder: bool = True) -> list[str]:
     out = []
     if cfg.n_global:
         out.append(f"model.n_global={cfg.n_global} (global tokens: no architecture has them)")
@@ -108,6 +110,16 @@ def _common_refusals(cfg: ModelConfig) -> list[str]:
     if ROPE_SCALINGS[cfg.rope_scaling].stretches:
         out.append(f"model.rope_scaling={cfg.rope_scaling} (export the model unstretched: "
                    "rope_scaling=none)")
+    if not decoder:        # the BERT family (engine/interop_bert.py) checks an encoder's parts
+        return out
+    if not cfg.causal:
+        out.append("model.causal=false (an encoder: see the BERT family)")
+    if not BLOCKS[cfg.block].final_norm:
+        out.append(f"model.block={cfg.block} (post-norm blocks: see the BERT family)")
+    if cfg.n_token_types:
+        out.append(f"model.n_token_types={cfg.n_token_types} (token types: see the BERT family)")
+    if cfg.position_offset:
+        out.append(f"model.position_offset={cfg.position_offset} (see RoBERTa)")
     return out
 
 
@@ -124,6 +136,10 @@ class Architecture:
     base_prefix: str = ""          # transformers' base_model_prefix, with its dot
     head: tuple[str, ...] = ("lm_head.weight",)      # the output layer's names (export's first)
     ignored: tuple[str, ...] = ()  # buffers transformers skips on load (its regexes)
+    # An architecture that reads or writes its folder its own way (the BERT family picks
+    # its head from the weights present and writes an encoder's tokenizer).
+    load: Callable | None = None          # (folder, config dict, device, dtype) -> like load_hf_folder
+    write: Callable | None = None         # (model, cfg, tokenizer, out) -> Architecture
 
 
 def _split_qkv(w, cfg):
@@ -493,6 +509,21 @@ class HFFolder:
     tied_head: str | None        # an output layer stored although tied: must equal wte
 
 
+def _config_and_architecture(folder: Path) -> tuple[dict, Architecture]:
+    """config.json, read with a bound, and the architecture its model_type names."""
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a folder; give a transformers folder "
+                              "(config.json, model.safetensors, tokenizer.json)")
+    config = read_folder_json(folder, "config.json", CONFIG_LIMIT)
+    model_type = config.get("model_type")
+    arch = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
+    if arch is None:
+        what = "names no model_type" if model_type is None else f"is a {str(model_type)[:40]!r} model"
+        raise CheckpointError(f"{folder / 'config.json'} {what}; attnlab reads "
+                              f"{', '.join(ARCHITECTURES)}")
+    return config, arch
+
+
 def open_hf_folder(folder: str | Path) -> HFFolder:
     """Check a transformers folder as untrusted input before anything is allocated:
     config.json against its architecture's schema and the memory free, tokenizer.json
@@ -504,12 +535,7 @@ def open_hf_folder(folder: str | Path) -> HFFolder:
         raise CheckpointError(f"{folder} is not a folder; give a transformers folder "
                               "(config.json, model.safetensors, tokenizer.json)")
     config_path = folder / "config.json"
-    config = read_folder_json(folder, "config.json", CONFIG_LIMIT)
-    model_type = config.get("model_type")
-    arch = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
-    if arch is None:
-        what = "names no model_type" if model_type is None else f"is a {str(model_type)[:40]!r} model"
-        raise CheckpointError(f"{config_path} {what}; attnlab reads {', '.join(ARCHITECTURES)}")
+    config, arch = _config_and_architecture(folder)
     checked_config(config, arch.schema, config_path)
     try:
         cfg = arch.from_hf_config(config)
@@ -552,7 +578,13 @@ def _read_tokenizer(folder: Path, cfg: ModelConfig) -> Tokenizer:
 
 def load_hf_folder(folder: str | Path, device="cpu", dtype=torch.float32):
     """(model in eval mode, its ModelConfig, its tokenizer) from a transformers folder,
-    every file checked first (open_hf_folder)."""
+    every file checked first (open_hf_folder; an architecture with a reader of its own,
+    the BERT family, checks its folder there)."""
+    folder = Path(folder)
+    config, arch = _config_and_architecture(folder)
+    if arch.load is not None:
+        checked_config(config, arch.schema, folder / "config.json")
+        return arch.load(folder, config, device, dtype)
     hf = open_hf_folder(folder)
     weights = hf.arch.from_hf_weights(hf.files.get, hf.cfg)
     if hf.tied_head and not torch.equal(hf.files.get(hf.tied_head).float(),
@@ -588,6 +620,8 @@ def export(model: GPT, cfg: ModelConfig, tokenizer: Tokenizer, out: str | Path,
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} exists and is not an empty folder; choose a new --out")
+    if arch.write is not None:
+        return arch.write(model, cfg, tokenizer, out)
     state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     weights = {k: v.contiguous().clone() for k, v in arch.to_hf_weights(state, cfg).items()}
     remove_stale(out.parent, f".{out.name}.tmp-")      # left by an export that was killed
@@ -633,4 +667,3 @@ def hf_tokenizer(tokenizer: Tokenizer):
 
 def describe_parent(source: str | Path, model: torch.nn.Module) -> dict:
     return {"path": str(source), "weights_sha256": weights_sha256(model)}
-

@@ -308,6 +308,10 @@ class MultiHeadAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
+        # Named places a tool can read (attnlab/lens.py hooks them): q, k and v exactly as
+        # the softmax and the weighted sum use them, after positions, QK-norm and value
+        # embeddings. Identities, so a model with no hook set computes what it did.
+        self.hook_q, self.hook_k, self.hook_v = nn.Identity(), nn.Identity(), nn.Identity()
 
     def forward(self, x, positions, mask: Mask, cache=None, need_weights: bool = False,
                 value_embed=None):
@@ -327,6 +331,7 @@ class MultiHeadAttention(nn.Module):
             qk = F.rms_norm(qk, (D,))
         # Queries and keys get their positions in one call (RoPE turns both alike).
         q, k = positions.rotate(qk, mask.q_start).split([H, H_kv], dim=1)   # (B, H|H_kv, T, D)
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         if cache is not None:                # keys and values of the earlier tokens too
             k, v = cache.update(self.layer_idx, k, v)
         if H_kv != H:                        # each key/value head serves H / H_kv query heads

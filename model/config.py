@@ -32,10 +32,19 @@ class ModelConfig:
                                   "included); 0 = every earlier token")
     n_global: int = _opt(0, "with a window: the first N tokens stay visible to every "
                             "later token (global tokens / attention sinks)")
+    causal: bool = _opt(True, "each token sees only itself and earlier tokens (a decoder, the "
+                              "article's masked self-attention); false = every token sees the "
+                              "whole sequence (an encoder, BERT's bidirectional self-attention)")
     attention: str = _opt("auto", "attention backend; auto = sdpa, with a window flex on CUDA "
                                    "and banded elsewhere", registry="attention")
     position: str = _opt("rope", "position encoding", registry="position")
+    position_offset: int = _opt(0, "learned positions: position p reads table row p + offset "
+                                   "(RoBERTa keeps its first two rows for padding: 2)")
+    n_token_types: int = _opt(0, "token-type (segment) embeddings: BERT adds one of N learned "
+                                 "vectors per token (sentence A or B); 0 = none")
     norm: str = _opt("layernorm", "normalisation layer", registry="norm")
+    block: str = _opt("prenorm", "residual block: prenorm normalises each sublayer's input "
+                                 "(GPT-2), postnorm each residual sum (BERT)", registry="block")
     mlp: str = _opt("gelu_erf", "feed-forward block: gelu_erf is GELU exactly, gelu its tanh "
                                     "approximation as GPT-2 computed it", registry="mlp")
     tie_embeddings: bool = _opt(True, "share the token embedding with the output layer")
@@ -80,7 +89,8 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelError(f"model.{name} must be a positive integer, got {value!r}")
         for name in ("vocab_size", "n_kv_head", "sliding_window", "n_global",
-                     "rope_original_context", "readout_shortlist"):
+                     "rope_original_context", "readout_shortlist", "position_offset",
+                     "n_token_types"):
             if getattr(self, name) < 0:
                 raise ModelError(f"model.{name} must not be negative, got {getattr(self, name)}")
         if self.sliding_window > self.block_size:
@@ -95,6 +105,10 @@ class ModelConfig:
             raise ModelError(f"model.n_kv_head={self.n_kv_head} must divide "
                              f"model.n_head={self.n_head}: each key/value head serves "
                              "a whole group of query heads")
+        if self.sliding_window and not self.causal:
+            raise ModelError("model.sliding_window limits how far back a query looks; with "
+                             "model.causal=false every token sees the whole sequence: set one "
+                             "or the other")
         if self.n_global and not self.sliding_window:
             raise ModelError("model.n_global keeps the first tokens visible past a sliding "
                              "window; set model.sliding_window too (without a window every "

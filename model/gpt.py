@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from model.cache import CapturedStep, KVCache, StaticKVCache
 from model.registry import check as check_config
 from model.config import ModelConfig, ModelError
-from model.layers import NORMS, Block
+from model.layers import BLOCKS, NORMS, token_types
 from model.mask import Mask
 from model.positions import POSITION_ENCODINGS
-from model.readout import AdaptiveReadout, head_macs
+from model.readout import READOUTS, AdaptiveReadout, MaskedLMTransform, NoOutputLayer, head_macs
 from model.sampling import sample_next
 
 
@@ -24,9 +24,10 @@ DECODERS = ("full", "cache", "static", "graph")
 
 
 class Output(NamedTuple):
-    logits: torch.Tensor                     # (B, T, vocab_size)
+    logits: torch.Tensor | None              # (B, T, vocab_size); None without an output layer
     loss: torch.Tensor | None                # mean cross-entropy when targets are given
     attentions: list | None                  # per layer (B, H, T, T_keys) when asked for
+    hidden: torch.Tensor | None = None       # (B, T, C) the last hidden states, normalised
 
 
 class GPT(nn.Module):
@@ -37,9 +38,13 @@ class GPT(nn.Module):
             raise ModelError("model.vocab_size must be set (it comes from the tokenizer)")
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)    # token -> vector
+        self.token_types = token_types(config)                       # BERT's segments, or none
         self.positions = POSITION_ENCODINGS[config.position](config)
+        block = BLOCKS[config.block]
+        # Post-norm blocks (BERT) normalise the embeddings and leave no final norm to do.
+        self.norm_emb = NORMS[config.norm](config) if block.norms_embeddings else nn.Identity()
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.blocks = nn.ModuleList(block(config, i) for i in range(config.n_layer))
         if config.value_embeds:
             # Lookups like wte (not hidden matrices): kept outside the blocks, so the
             # optimizer treats them as embeddings.
@@ -49,11 +54,17 @@ class GPT(nn.Module):
         if config.skip_connections:
             # One weight per skip, from 1: at the start each skip is a plain sum.
             self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2))
-        self.norm_f = NORMS[config.norm](config)
-        if config.readout == "adaptive":
+        self.norm_f = NORMS[config.norm](config) if block.final_norm else nn.Identity()
+        readout = READOUTS[config.readout]
+        if readout.shortlisted:
             self.adaptive = AdaptiveReadout(config)
+        elif not readout.scores_tokens:
+            self.head_transform, self.lm_head = nn.Identity(), NoOutputLayer()
         else:
-            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+            # BERT's masked-LM head puts a dense layer, GELU and a LayerNorm first and
+            # gives every vocabulary entry a bias; the plain output layer is one matrix.
+            self.head_transform = MaskedLMTransform(config) if readout.transform else nn.Identity()
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=readout.transform)
             if config.tie_embeddings:
                 # The same matrix reads tokens in and scores them out (arXiv:1608.05859).
                 self.lm_head.weight = self.wte.weight
@@ -89,7 +100,7 @@ class GPT(nn.Module):
             n -= sum(p.numel() for p in self.positions.parameters())
             if self.config.value_embeds:
                 n -= sum(p.numel() for p in self.value_embeds.parameters())
-            if self.config.readout == "adaptive":
+            if READOUTS[self.config.readout].shortlisted:
                 # Left out like the tied readout it replaces: the adaptive softmax exists to
                 # make a large vocabulary cheap, not to add capacity to the model.
                 n -= sum(p.numel() for p in self.adaptive.parameters())
@@ -104,7 +115,7 @@ class GPT(nn.Module):
         c = self.config
         T = seq_len or c.block_size
         matmul_weights = self.num_params(non_embedding=True)
-        if c.readout == "adaptive":
+        if READOUTS[c.readout].shortlisted:
             # the tail counted for the 5% of tokens a 95% shortlist leaves it (the default rule)
             matmul_weights += head_macs(c.n_embd, c.vocab_size, c.readout_shortlist)
         elif c.tie_embeddings:
@@ -112,7 +123,12 @@ class GPT(nn.Module):
         return int(6 * matmul_weights + 12 * c.n_layer * c.n_embd * T)
 
     def forward(self, idx, targets=None, cache: KVCache | None = None,
-                return_attention: bool = False) -> Output:
+                return_attention: bool = False, attention_mask: torch.Tensor | None = None,
+                token_types: torch.Tensor | None = None) -> Output:
+        """idx (B, T) token ids; targets (B, T) with -1 where no loss is taken;
+        attention_mask (B, T), 1 at real tokens and 0 at padding (a batch of unequal
+        lengths: padded keys are hidden from every query); token_types (B, T) the
+        segment of each token, for a model with model.n_token_types."""
         B, T = idx.shape
         c = self.config
         window, n_global = c.sliding_window, c.n_global
@@ -123,9 +139,14 @@ class GPT(nn.Module):
             start = cache.length                 # after begin: a renumbering cache moves it
             # The cache's own window: a streaming cache rolls over a model trained without one.
             window, n_global = cache.window, cache.n_global
+        padding = None if attention_mask is None else attention_mask == 0      # (B, T)
         mask = Mask(q_start=start, q_len=T, k_pos=k_pos, k_first=k_first, window=window,
-                    n_global=n_global, bias_fn=self.positions.score_bias())
-        x = self.drop(self.positions.embed(self.wte(idx), start))   # (B, T, C)
+                    n_global=n_global, bias_fn=self.positions.score_bias(), causal=c.causal,
+                    key_padding=padding)
+        # Token, then segment, then position, summed in BERT's order (so BERT's weights
+        # give BERT's values to the last bit).
+        x = self.positions.embed(self.token_types(self.wte(idx), token_types), start)
+        x = self.drop(self.norm_emb(x))                              # (B, T, C)
         attentions = [] if return_attention else None
         L, skips = c.n_layer, []
         for i, block in enumerate(self.blocks):
@@ -142,27 +163,34 @@ class GPT(nn.Module):
         if cache is not None:
             cache.end(T)
         h = self.norm_f(x)
-        if c.readout == "adaptive":
+        if READOUTS[c.readout].shortlisted:
             # Training needs only the targets' probabilities, which is what makes the
             # adaptive softmax cheap; the whole distribution only when no target is given.
             if targets is not None:
-                return Output(None, self.adaptive.loss(h, targets), attentions)
-            return Output(self.adaptive(h), None, attentions)
-        logits = self.lm_head(h)                                     # (B, T, vocab)
+                return Output(None, self.adaptive.loss(h, targets), attentions, h)
+            return Output(self.adaptive(h), None, attentions, h)
+        logits = self.lm_head(self.head_transform(h))                # (B, T, vocab)
         if c.logit_softcap:
             # Soft-capping (Gemma 2, modded-nanogpt): c·tanh(z/c) is z for small logits and
             # never beyond ±c, so no token's score can run away early in training.
             logits = c.logit_softcap * torch.tanh(logits / c.logit_softcap)
         loss = None
         if targets is not None:
+            if logits is None:
+                raise ModelError("this encoder has no output layer (model.readout=none), so "
+                                 "there is no loss to take; give it a head to train it")
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)),
                                    targets.reshape(-1), ignore_index=-1)
-        return Output(logits, loss, attentions)
+        return Output(logits, loss, attentions, h)
 
     def readout(self, h: torch.Tensor) -> torch.Tensor:
         """Scores for every vocabulary entry from final-norm hidden states (B, T, C):
         the output layer alone, for tools that read the residual stream through it."""
-        return self.adaptive(h) if self.config.readout == "adaptive" else self.lm_head(h)
+        readout = READOUTS[self.config.readout]
+        if not readout.scores_tokens:
+            raise ModelError("this encoder has no output layer (model.readout=none): its hidden "
+                             "states cannot be read as token scores")
+        return self.adaptive(h) if readout.shortlisted else self.lm_head(self.head_transform(h))
 
     def new_cache(self, max_len: int) -> KVCache:
         return KVCache(self.config.n_layer, max_len, self.config.sliding_window,
@@ -179,11 +207,20 @@ class GPT(nn.Module):
         ever from a rolling cache; learned and sinusoidal positions are absolute."""
         return bool(self.config.sliding_window) and not self.positions.absolute
 
+    def check_generates(self) -> None:
+        """ModelError, saying why, for a model that cannot write text token by token."""
+        if not self.config.causal:
+            raise ModelError("this model is an encoder (model.causal=false): every token sees "
+                             "the whole text, the future included, so it cannot write one token "
+                             "after another; fill in a [MASK] instead (python -m attnlab.fill)")
+        if not READOUTS[self.config.readout].scores_tokens:
+            raise ModelError("this model has no output layer (model.readout=none), so it scores "
+                             "no tokens and cannot generate")
+
     def new_static_cache(self, max_len: int) -> StaticKVCache:
         return StaticKVCache(self.config.n_layer, max_len, self.config.sliding_window,
                              self.config.n_global)
 
-    @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, generator: torch.Generator | None = None,
                  use_cache: bool = True, on_step=None, decode: str = "cache",
@@ -211,6 +248,13 @@ class GPT(nn.Module):
         arXiv:2309.17453); sinks=0 keeps the window alone. It decodes from the growing
         cache whatever `decode` says. `forced` (B, N) tokens are fed instead of sampled
         (teacher forcing), so `on_step` sees the logits the model gives a known text."""
+        self.check_generates()
+        return self._generate(idx, max_new_tokens, temperature, top_k, top_p, generator,
+                              use_cache, on_step, decode, sinks, stream_window, forced)
+
+    @torch.no_grad()
+    def _generate(self, idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache,
+                  on_step, decode, sinks, stream_window, forced):
         if decode not in DECODERS:
             raise ValueError(f"decode must be one of {', '.join(DECODERS)}, not {decode!r}")
         if not use_cache:

@@ -1,5 +1,6 @@
-"""The rest of a Transformer block: normalisation, the feed-forward MLP, and the
-pre-norm residual block that wraps attention and MLP."""
+"""The rest of a Transformer block: normalisation, the feed-forward MLP, the residual
+block that wraps attention and MLP (pre-norm as GPT-2, post-norm as BERT), and BERT's
+token-type (segment) embeddings."""
 from __future__ import annotations
 
 import torch
@@ -93,7 +94,12 @@ MLPS = {"gelu_erf": GeluErfMLP, "gelu": GeluMLP, "swiglu": SwiGLU, "relu2": Relu
 
 class Block(nn.Module):
     """x + attention(norm(x)), then x + mlp(norm(x)): pre-norm residual (GPT-2), which
-    keeps an identity path from input to output so deep stacks train stably."""
+    keeps an identity path from input to output so deep stacks train stably. The
+    stream leaves the last block unnormalised, so the model norms it once at the end.
+
+    The class attributes are the facts the model asks about a block."""
+    norms_embeddings = False   # a norm between the embeddings and the first block
+    final_norm = True          # a norm after the last block
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -109,3 +115,51 @@ class Block(nn.Module):
         x = x + a
         x = x + self.mlp(self.norm_mlp(x))
         return x, weights
+
+
+class PostNormBlock(Block):
+    """norm(x + attention(x)), then norm(x + mlp(x)): post-norm residual, as in "Attention
+    Is All You Need" and BERT (arXiv:1810.04805). Every block hands on a normalised
+    stream, so there is no final norm; BERT also normalises the summed embeddings
+    before the first block. The same modules as Block, in another order, so a BERT
+    checkpoint's two LayerNorms per layer map one to one onto norm_attn and norm_mlp."""
+    norms_embeddings = True
+    final_norm = False
+
+    def forward(self, x, positions, mask, cache=None, need_weights=False, value_embed=None):
+        a, weights = self.attn(x, positions, mask, cache, need_weights, value_embed)
+        x = self.norm_attn(x + a)
+        x = self.norm_mlp(x + self.mlp(x))
+        return x, weights
+
+
+BLOCKS = {"prenorm": Block, "postnorm": PostNormBlock}
+
+
+class NoTokenTypes(nn.Module):
+    """No segment embeddings (model.n_token_types=0): the input is left as it is."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+
+    def forward(self, x, token_types=None):
+        return x
+
+
+class TokenTypes(nn.Module):
+    """BERT's segment embeddings: one learned vector per token type (sentence A = 0,
+    sentence B = 1), added to the token embedding so the model can tell the two
+    sentences of a pair apart. Without token types given, every token is type 0."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.table = nn.Embedding(config.n_token_types, config.n_embd)
+
+    def forward(self, x, token_types=None):
+        if token_types is None:                   # row 0 for every token, no index tensor
+            return x + self.table.weight[0]
+        return x + self.table(token_types)
+
+
+def token_types(config: ModelConfig) -> nn.Module:
+    return (TokenTypes if config.n_token_types else NoTokenTypes)(config)

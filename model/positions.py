@@ -88,25 +88,28 @@ class Sinusoidal(PositionEncoding):
 
 
 class Learned(PositionEncoding):
-    """One trained vector per position (GPT-2). The table has block_size rows, so it
-    cannot say anything about a position it never saw: longer input is refused."""
+    """One trained vector per position (GPT-2, BERT). The table has block_size rows, so
+    it cannot say anything about a position it never saw: longer input is refused.
+    With model.position_offset, position p reads row p + offset (RoBERTa's table has
+    two rows before the first position, for padding)."""
     absolute = True
     has_length_limit = True
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
-        self.table = nn.Embedding(config.block_size, config.n_embd)
+        self.offset = config.position_offset
+        self.table = nn.Embedding(config.block_size + self.offset, config.n_embd)
 
     def embed(self, x, start):
         T = x.shape[1]
         # (A static cache's step has at most block_size slots, so it cannot get here.)
-        if isinstance(start, int) and start + T > self.table.num_embeddings:
+        if isinstance(start, int) and start + T > self.table.num_embeddings - self.offset:
             raise PositionRangeError(
-                f"learned positions have a table of {self.table.num_embeddings} positions "
-                f"(model.block_size) but this sequence reaches position {start + T - 1}; "
-                "use a context of at most block_size tokens, or an encoding that works "
-                "at any length (rope, sinusoidal, none)")
-        return x + self.table(start + torch.arange(T, device=x.device))
+                f"learned positions have a table of {self.table.num_embeddings - self.offset} "
+                f"positions (model.block_size) but this sequence reaches position "
+                f"{start + T - 1}; use a context of at most block_size tokens, or an "
+                "encoding that works at any length (rope, sinusoidal, none)")
+        return x + self.table(self.offset + start + torch.arange(T, device=x.device))
 
 
 class RoPE(PositionEncoding):

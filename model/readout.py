@@ -38,12 +38,39 @@ TAIL_DIVISOR = 4          # the tail's projection is n_embd / 4 wide (torch's de
 @dataclass(frozen=True)
 class Readout:
     shares_embedding: bool       # can be the token embedding's own matrix (tie_embeddings)
+    scores_tokens: bool = True   # has an output layer at all (an encoder without a head has not)
+    shortlisted: bool = False    # the adaptive softmax: a shortlist sized by readout_shortlist
+    transform: bool = False      # BERT's masked-LM head: dense, GELU and LayerNorm first,
+                                 # then the output layer with a bias per vocabulary entry
 
 
 READOUTS = {
     "full": Readout(shares_embedding=True),       # a linear layer, softmax over every entry
-    "adaptive": Readout(shares_embedding=False),  # a shortlist softmax and a narrow tail
+    "adaptive": Readout(shares_embedding=False, shortlisted=True),  # shortlist and narrow tail
+    "mlm": Readout(shares_embedding=True, transform=True),          # BERT's masked-LM head
+    "none": Readout(shares_embedding=False, scores_tokens=False),   # hidden states only
 }
+
+
+class MaskedLMTransform(nn.Module):
+    """BERT's masked-LM head before its output layer (arXiv:1810.04805, as released):
+    one more dense layer, exact GELU and a LayerNorm, so the last block's states need
+    not be token scores themselves (they also feed sentence-level heads)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.n_embd, config.n_embd)
+        self.norm = nn.LayerNorm(config.n_embd, eps=config.norm_eps)
+
+    def forward(self, h):
+        return self.norm(F.gelu(self.dense(h)))
+
+
+class NoOutputLayer(nn.Module):
+    """An encoder kept without a head (readout `none`): there are no token scores."""
+
+    def forward(self, h):
+        return None
 
 
 def shortlist_for(counts: torch.Tensor, coverage: float = SHORTLIST_COVERAGE) -> int:

@@ -9,7 +9,7 @@ from dataclasses import fields
 
 from model.attention import ATTENTION_BACKENDS
 from model.config import ModelConfig, ModelError
-from model.layers import MLPS, NORMS
+from model.layers import BLOCKS, MLPS, NORMS
 from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
 from model.readout import READOUTS
 
@@ -17,6 +17,7 @@ REGISTRIES = {
     "attention": ATTENTION_BACKENDS,
     "position": POSITION_ENCODINGS,
     "norm": NORMS,
+    "block": BLOCKS,
     "mlp": MLPS,
     "rope_scaling": ROPE_SCALINGS,
     "readout": READOUTS,
@@ -48,19 +49,30 @@ def check(config: ModelConfig) -> None:
     if position.rotary and config.head_dim % 2:
         raise ModelError(f"RoPE rotates pairs of dimensions, so the head size "
                          f"(n_embd/n_head = {config.head_dim}) must be even")
+    if not config.causal and position.biases_scores:
+        relative = ", ".join(n for n, p in POSITION_ENCODINGS.items() if not p.biases_scores)
+        raise ModelError(f"model.position={config.position} biases scores by causal distance, "
+                         f"and model.causal=false sees in both directions; use one of {relative}")
+    if config.position_offset and not position.has_length_limit:
+        raise ModelError("model.position_offset shifts rows of a learned position table; set "
+                         "model.position=learned with it, or leave it 0")
     if ROPE_SCALINGS[config.rope_scaling].stretches and not position.rotary:
         rotary = " or ".join(n for n, p in POSITION_ENCODINGS.items() if p.rotary)
         raise ModelError(f"model.rope_scaling={config.rope_scaling} needs model.position="
                          f"{rotary} (it stretches rotary positions)")
-    if config.readout != "full":
-        if config.tie_embeddings and not READOUTS[config.readout].shares_embedding:
-            raise ModelError(f"model.readout={config.readout} has matrices of its own, so it cannot "
+    readout = READOUTS[config.readout]
+    if readout is not READOUTS["full"]:
+        if config.tie_embeddings and not readout.shares_embedding:
+            raise ModelError(f"model.readout={config.readout} has "
+                             + ("matrices of its own" if readout.scores_tokens else "no output layer")
+                             + ", so it cannot "
                              "be tied to the token embedding; set model.tie_embeddings=false with it")
         if config.zero_head or config.logit_softcap:
             raise ModelError("model.zero_head and model.logit_softcap shape a full output "
                              f"layer's logits; model.readout={config.readout} scores tokens its "
                              "own way: leave them at their defaults with it")
-        if config.vocab_size and not 0 < config.readout_shortlist < config.vocab_size:
+        if (readout.shortlisted and config.vocab_size
+                and not 0 < config.readout_shortlist < config.vocab_size):
             raise ModelError(f"model.readout_shortlist={config.readout_shortlist} must be between 1 "
                              f"and the vocabulary size less one ({config.vocab_size - 1}); a run "
                              "sets it from the training data when it is 0")

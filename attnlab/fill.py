@@ -1,0 +1,59 @@
+"""Fill in the blanks: what a masked-language model (BERT's objective) puts where the
+text says [MASK], its top guesses with their probabilities. The encoder's counterpart
+of sample.py, which writes text left to right and so needs a decoder.
+
+    python -m attnlab.fill --run bert-folder --text "The capital of France is [MASK]."
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from common.errors import AttnlabError
+from engine.cli import Parser, errors_as_lines
+from model.readout import READOUTS
+
+
+@torch.no_grad()
+def fill(model, tokenizer, text: str, top: int = 5) -> list[tuple[int, list[tuple[str, float]]]]:
+    """For each [MASK] of `text`: (its token index, [(token, probability)] best first)."""
+    mask_id = getattr(tokenizer, "mask_id", None)
+    if model.config.causal:
+        raise AttnlabError("this model is a decoder: it reads left to right, so it cannot use "
+                           "the words after a blank; continue a prompt with sample.py instead")
+    if not READOUTS[model.config.readout].scores_tokens:
+        raise AttnlabError("this encoder has no masked-LM head (a sentence encoder keeps only "
+                           "hidden states); give a folder saved from BertForMaskedLM or the like")
+    if mask_id is None:
+        raise AttnlabError("this tokenizer has no mask token ([MASK] or <mask>)")
+    ids = tokenizer.encode(text)
+    where = [i for i, t in enumerate(ids) if t == mask_id]
+    if not where:
+        raise AttnlabError(f"the text has no {tokenizer.token_strings([mask_id])[0]} to fill in")
+    idx = torch.tensor([ids], device=next(model.parameters()).device)
+    probs = torch.softmax(model(idx).logits[0].float(), dim=-1)
+    out = []
+    for i in where:
+        p, tok = probs[i].topk(top)
+        out.append((i, list(zip(tokenizer.token_strings(tok.tolist()), p.tolist()))))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = Parser("python -m attnlab.fill", __doc__)
+    parser.add_argument("--run", required=True, help="a masked-LM folder or run directory")
+    parser.add_argument("--text", required=True, help="text with [MASK] where a word is missing")
+    parser.add_argument("--top", type=int, default=5, help="guesses shown per blank")
+    args = parser.parse_args(argv)
+    from engine.inference import load_run
+    model, _, tokenizer, _ = load_run(args.run)
+    for position, guesses in fill(model, tokenizer, args.text, args.top):
+        shown = ", ".join(f"{t} {p:.3f}" for t, p in guesses)
+        print(f"token {position}: {shown}")
+    return 0
+
+
+if __name__ == "__main__":
+    with errors_as_lines():
+        sys.exit(main())

