@@ -48,12 +48,13 @@ def block_mask(length: int, window: int, n_global: int, device: str):
                              _compile=length >= COMPILE_MASK_FROM)
 
 
-# torch 2.13's compiled CPU kernel reads scratch memory it never wrote when the length
-# is not a multiple of its 16-wide tiles (seen at lengths 8, 24, 40, 56 and 72 with
-# d_k <= 16 on AVX2 CPUs: errors of 1 to 4, or NaN). The same inputs come out right or
-# wrong depending on what the allocator hands it, so no single check can vouch for a
-# length; padding can. The padded keys lie after every real query, so the causal rule
-# hides them, and the padded queries' rows are dropped. bench/flex_cpu_repro.py shows it.
+# torch 2.13's compiled CPU kernel reads scratch memory it never wrote at some lengths
+# that are not multiples of 16 (8, 24, 40, 56 and 72 with d_k <= 16 on AVX2 CPUs: errors
+# of 1 to 4, or NaN); every multiple of 16 tried was right, even with the allocator's
+# free memory filled with NaN. The same inputs come out right or wrong depending on what
+# memory it is handed, so no single check can vouch for a length; padding can. The
+# padded keys lie after every real query, so the causal rule hides them, and the padded
+# queries' rows are dropped. bench/flex_cpu_repro.py reproduces it with torch alone.
 CPU_LENGTH_MULTIPLE = 16
 
 # Whether the kernel agreed with the rule, per call signature (shapes, dtype, device,

@@ -304,14 +304,17 @@ def _numpy_flex_reference(q, k, v, mask):
 
 
 def test_flex_is_right_at_short_lengths_and_with_alibi_in_a_window():
-    """Several inputs per case: the faulty kernel was right or wrong for the same length
-    depending on what memory it was handed."""
+    """Several inputs per case, each tensor allocated on its own, and before each call
+    blocks of NaN handed back to the allocator: the faulty kernel read memory beside its
+    inputs, so it was right or wrong for the same input depending on what lay there."""
     from model import flex
     for T, kw in _flex_cases():
         for seed in range(4):
             torch.manual_seed(seed)
-            q, k, v = torch.randn(3, 2, 4, T, 8).unbind(0)
+            q, k, v = (torch.randn(2, 4, T, 8) for _ in range(3))
             mask = Mask.over(0, T, T, **kw)
+            poison = [torch.full((n,), float("nan")) for n in (64, 256, 1024, 4096, 16384) * 4]
+            del poison
             out = flex.attend(q, k, v, mask)
             np.testing.assert_allclose(out.double().numpy(), _numpy_flex_reference(q, k, v, mask),
                                        atol=1e-5, rtol=0, err_msg=f"T={T} {sorted(kw)}")
