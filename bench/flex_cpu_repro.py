@@ -8,8 +8,8 @@ each tensor allocated on its own, and before each call the allocator is handed b
 filled with NaN and freed again, so a kernel that reads memory it should not (beside
 its inputs or in its scratch buffers) shows it nearly every time rather than by chance. Prints the torch version, the CPU's vector flags, the ISA inductor picked,
 and for each (d_k, length) the largest |flex - sdpa| and how many inputs were wrong.
-On a Zen 3 (AVX2, no AVX-512) with torch 2.13.0+cpu, lengths 8, 24, 40, 56 and 72 are
-wrong at d_k 8 and 16; multiples of 16, and d_k 32, are right.
+On a Zen 3 (AVX2, no AVX-512) with torch 2.13.0+cpu: lengths 8, 24 and 72 wrong at
+d_k 8 and 16, 40 and 56 at d_k 8; every multiple of 16 tried, and d_k 32, right.
 """
 from __future__ import annotations
 
