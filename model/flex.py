@@ -10,8 +10,10 @@ positions 0..T-1); model/attention.py sends a chunk after a cache to sdpa."""
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
+import torch.nn.functional as F
 
 from model.mask import Mask, rule
 
@@ -46,10 +48,90 @@ def block_mask(length: int, window: int, n_global: int, device: str):
                              _compile=length >= COMPILE_MASK_FROM)
 
 
+# torch 2.13's compiled CPU kernel reads scratch memory it never wrote at some lengths
+# that are not multiples of 16 (8, 24, 40, 56 and 72 with d_k <= 16 on AVX2 CPUs: errors
+# of 1 to 4, or NaN); every multiple of 16 tried was right, even with the allocator's
+# free memory filled with NaN. The same inputs come out right or wrong depending on what
+# memory it is handed, so no single check can vouch for a length; padding can. The
+# padded keys lie after every real query, so the causal rule hides them, and the padded
+# queries' rows are dropped. bench/flex_cpu_repro.py reproduces it with torch alone.
+CPU_LENGTH_MULTIPLE = 16
+
+# Whether the kernel agreed with the rule, per call signature (shapes, dtype, device,
+# window, bias). Each signature is checked on its first call, against the rule written
+# out on float32 (`_reference`): a kernel fault that padding does not cover, on any
+# device, gives a warning and the dense path instead of wrong numbers.
+_verdicts: dict[tuple, bool] = {}
+# Bounds the check's score matrix (B·H·rows·T elements, 64 MiB of float32): past it the
+# check compares evenly spaced query rows, first and last included.
+CHECK_ELEMENTS = 1 << 24
+
+
 def attend(q, k, v, mask: Mask) -> torch.Tensor:
     """softmax(Q·Kᵀ/√d_k + bias, masked by the rule)·V for a whole sequence."""
-    blocks = block_mask(mask.q_len, mask.window, mask.n_global, str(q.device))
-    return _kernel()(q, k, v, score_mod=_score_mod(mask), block_mask=blocks)
+    key = (tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), mask.window, mask.n_global,
+           None if mask.bias_fn is None else getattr(mask.bias_fn, "__qualname__", "bias"))
+    if torch.compiler.is_compiling():            # inside a compiled model: traced as it is
+        return _fused(q, k, v, mask)
+    if _verdicts.get(key) is False:
+        return _dense(q, k, v, mask)
+    out = _fused(q, k, v, mask)
+    if key not in _verdicts:
+        _verdicts[key] = _agrees(q, k, v, mask, out)
+        if not _verdicts[key]:
+            warnings.warn(f"FlexAttention's compiled kernel disagrees with the mask rule for "
+                          f"queries {tuple(q.shape)} in {q.dtype} on {q.device} (torch "
+                          f"{torch.__version__}); that shape uses dense attention instead",
+                          RuntimeWarning, stacklevel=2)
+            return _dense(q, k, v, mask)
+    return out
+
+
+def _fused(q, k, v, mask: Mask) -> torch.Tensor:
+    T = mask.q_len
+    padded = T
+    if q.device.type == "cpu":
+        padded = -(-T // CPU_LENGTH_MULTIPLE) * CPU_LENGTH_MULTIPLE
+    if padded != T:
+        # The same tensor passed twice stays one tensor: the kernel guards on that.
+        padded_q = F.pad(q, (0, 0, 0, padded - T))
+        padded_k = padded_q if k is q else F.pad(k, (0, 0, 0, padded - T))
+        v = padded_q if v is q else padded_k if v is k else F.pad(v, (0, 0, 0, padded - T))
+        q, k = padded_q, padded_k
+    blocks = block_mask(padded, mask.window, mask.n_global, str(q.device))
+    out = _kernel()(q, k, v, score_mod=_score_mod(mask), block_mask=blocks)
+    return out[:, :, :T] if padded != T else out
+
+
+def _dense(q, k, v, mask: Mask) -> torch.Tensor:
+    """The same attention through SDPA with the whole mask (and bias) as a matrix."""
+    attn_mask = mask.additive(q.dtype) if mask.bias_fn is not None else mask.dense
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+
+
+@torch.no_grad()
+def _reference(q, k, v, mask: Mask, rows: torch.Tensor) -> torch.Tensor:
+    """Attention of the query rows `rows` written out in float32: the rule, the bias,
+    softmax, the weighted sum."""
+    q, k, v = (x.detach().float() for x in (q, k, v))
+    keys = torch.arange(k.shape[2], device=q.device)
+    scores = q[:, :, rows] @ k.transpose(-1, -2) / q.shape[-1] ** 0.5      # (B, H, R, T)
+    if mask.bias_fn is not None:
+        scores = scores + mask.bias_fn(rows[:, None], keys[None, :]).float()
+    visible = rule(rows[:, None], keys[None, :], mask.window, mask.n_global)
+    return scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
+
+
+def _agrees(q, k, v, mask: Mask, out: torch.Tensor) -> bool:
+    B, H, T, _ = q.shape
+    n_rows = max(2, min(T, CHECK_ELEMENTS // max(1, B * H * T)))
+    rows = torch.linspace(0, T - 1, n_rows, device=q.device).round().long().unique()
+    expected = _reference(q, k, v, mask, rows)
+    got = out.detach()[:, :, rows].float()
+    # The output is a weighted mean of the values, so its error scales with them.
+    scale = max(1.0, v.detach().abs().amax().item())
+    tol = scale * (1e-3 if q.dtype == torch.float32 else 3e-2)
+    return bool(torch.isfinite(got).all()) and (got - expected).abs().amax().item() <= tol
 
 
 def _score_mod(mask: Mask):

@@ -279,6 +279,72 @@ def test_flex_compiles_for_new_lengths_without_one_graph_per_length():
     assert counters["stats"]["unique_graphs"] <= 3
 
 
+def _flex_cases():
+    """Short lengths (on AVX2 CPUs torch's compiled kernel read memory it never wrote at
+    8 and 24 with d_k = 8), plain causal and ALiBi with a window and global keys: two
+    kernels to compile, seconds each."""
+    from model.positions import alibi_slopes
+    slopes = alibi_slopes(4)
+
+    def alibi(q_pos, k_pos, head=None):
+        distance = (q_pos - k_pos).float()
+        return -(slopes[head] if head is not None else slopes.view(-1, 1, 1)) * distance
+    yield 8, {}
+    yield 24, dict(window=6, n_global=2, bias_fn=alibi)
+
+
+def _numpy_flex_reference(q, k, v, mask):
+    T = mask.q_len
+    bias = None
+    if mask.bias_fn is not None:
+        bias = mask.bias_fn(torch.arange(T)[:, None], torch.arange(T)[None, :]).double().numpy()
+    visible = mask_rule(np.arange(T), np.arange(T), mask.window, mask.n_global)
+    out, _, _ = reference_attention(*(x.double().numpy() for x in (q, k, v)), visible, bias)
+    return out
+
+
+def test_flex_is_right_at_short_lengths_and_with_alibi_in_a_window():
+    """Several inputs per case, each tensor allocated on its own, and before each call
+    blocks of NaN handed back to the allocator: the faulty kernel read memory beside its
+    inputs, so it was right or wrong for the same input depending on what lay there."""
+    from model import flex
+    for T, kw in _flex_cases():
+        for seed in range(4):
+            torch.manual_seed(seed)
+            q, k, v = (torch.randn(2, 4, T, 8) for _ in range(3))
+            mask = Mask.over(0, T, T, **kw)
+            poison = [torch.full((n,), float("nan")) for n in (64, 256, 1024, 4096, 16384) * 4]
+            del poison
+            out = flex.attend(q, k, v, mask)
+            np.testing.assert_allclose(out.double().numpy(), _numpy_flex_reference(q, k, v, mask),
+                                       atol=1e-5, rtol=0, err_msg=f"T={T} {sorted(kw)}")
+
+
+def test_a_flex_kernel_that_disagrees_with_the_rule_is_never_used(monkeypatch):
+    """A wrong compiled kernel (planted) is caught on the first call of its shape: the
+    answer comes from the dense path, with one warning, and the kernel is not asked again."""
+    from model import flex
+    calls = []
+
+    def wrong(q, k, v, mask):
+        calls.append(q.shape)
+        return torch.zeros_like(q)
+    monkeypatch.setattr(flex, "_fused", wrong)
+    monkeypatch.setattr(flex, "_verdicts", {})
+    torch.manual_seed(0)
+    T, kw = list(_flex_cases())[-1]
+    q, k, v = torch.randn(3, 1, 4, T, 8).unbind(0)
+    mask = Mask.over(0, T, T, **kw)
+    with pytest.warns(RuntimeWarning, match="disagrees with the mask rule"):
+        out = flex.attend(q, k, v, mask)
+    np.testing.assert_allclose(out.double().numpy(), _numpy_flex_reference(q, k, v, mask),
+                               atol=1e-5, rtol=0)
+    out = flex.attend(q, k, v, mask)
+    np.testing.assert_allclose(out.double().numpy(), _numpy_flex_reference(q, k, v, mask),
+                               atol=1e-5, rtol=0)
+    assert len(calls) == 1
+
+
 def test_a_long_flex_block_mask_is_built_without_the_t_by_t_mask():
     """At T = 16,384 the whole boolean mask alone would be 256 MiB; building the block
     mask must stay far below that (measured in a process of its own)."""

@@ -38,13 +38,17 @@ def test_the_choice_is_the_size_nearest_the_compute_optimal_ratio():
 
 def test_a_budget_run_plans_explains_and_stops_on_time(corpus, tmp_path):
     budget = 25
+    # The clock starts in train.py's main; the interpreter's start-up comes on top, and on
+    # a busy machine it alone can take many seconds, so it is measured, not assumed.
+    started = time.perf_counter()
+    run_script("train.py", "--help")
+    startup = time.perf_counter() - started
     started = time.perf_counter()
     proc = run_script(*tiny_args(corpus, tmp_path, "budget", "--budget", f"{budget}s"))
     wall = time.perf_counter() - started
     out = proc.stdout + proc.stderr
     assert "tokens/param" in out and "<- chosen" in out and "chosen:" in out
-    # The clock starts in train.py's main; the interpreter's own start-up comes on top.
-    assert wall < budget + 6, out[-2000:]
+    assert wall < budget + startup + 6, out[-2000:]
     run_dir = tmp_path / "runs" / "budget"
     records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last_step = max(r["step"] for r in records)

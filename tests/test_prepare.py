@@ -300,6 +300,12 @@ def test_an_unreachable_hub_falls_back_to_the_local_cache(monkeypatch, tmp_path)
 def test_an_unreachable_hub_says_so_within_seconds(tmp_path):
     env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
     env.pop("HF_HUB_OFFLINE", None)
+    # Within seconds of start-up, which is measured (the same imports): on a busy machine
+    # importing the libraries alone can take longer than a fixed bound.
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import data.prepare, datasets"], cwd=ROOT, env=env,
+                   capture_output=True, timeout=120)
+    startup = time.perf_counter() - started
     started = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "data.prepare", "someone/not-cached",
                              "--out", str(tmp_path / "out")], cwd=ROOT, env=env,
@@ -308,7 +314,7 @@ def test_an_unreachable_hub_says_so_within_seconds(tmp_path):
     assert result.returncode == 2
     assert "cannot be reached" in result.stderr and "python -m data.prepare path/to" in result.stderr
     assert "Traceback" not in result.stderr
-    assert took < 20
+    assert took < startup + 15
 
 
 def test_prepare_help_and_sizes():

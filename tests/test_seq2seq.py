@@ -57,7 +57,9 @@ def test_padded_inputs_get_exactly_zero_weight_and_change_nothing():
 
 def test_the_reversal_demo_learns_to_reverse_held_out_strings():
     from attnlab.seq2seq import accuracy, batch, held_out, random_words, train
-    model = train(steps=600, seconds=60, log=lambda *a: None)
+    # 300 steps reach 100% on these strings (200 reach 87%): a fixed count of updates,
+    # so the result does not depend on how fast or busy the machine is.
+    model = train(steps=300, log=lambda *a: None)
     test = random_words(300, torch.Generator().manual_seed(5), want_held_out=True)
     assert all(held_out(w) for w in test)
     train_words = random_words(300, torch.Generator().manual_seed(5), want_held_out=False)
