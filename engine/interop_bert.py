@@ -36,7 +36,7 @@ from common.errors import CheckpointError, TokenizerError
 from data.tokenizer import WordPieceTokenizer
 from engine.interop import (ARCHITECTURES, Architecture, ExportError, WeightFiles, _common_refusals,
                             _needs, _refuse_unless)
-from engine.hf_files import TOKENIZER_LIMIT, read_folder_bytes, refuse_too_large
+from engine.hf_files import FLOAT_DTYPES, TOKENIZER_LIMIT, read_folder_bytes, refuse_too_large
 from model import GPT, ModelConfig
 from model.layers import BLOCKS
 from model.readout import READOUTS
@@ -270,7 +270,14 @@ def _load(family_name: str, arch: Architecture):
         refuse_too_large(cfg.n_layer * 12 * cfg.n_embd ** 2 + cfg.block_size * cfg.n_embd
                          + 2 * cfg.vocab_size * cfg.n_embd, folder / "config.json",
                          available_bytes(torch.device("cpu")))
-        files = WeightFiles(folder)
+        files = WeightFiles(folder, family.prefix)
+        # Shapes are checked against the model below; dtypes here, from the headers, so an
+        # integer or quantised tensor is refused rather than cast to float.
+        odd = [f"{k} ({d})" for k, (d, _) in files.header.items() if d not in FLOAT_DTYPES]
+        if odd:
+            raise CheckpointError(f"{files.source} holds tensors that are not floating point: "
+                                  f"{', '.join(odd[:3])} (attnlab reads float16, bfloat16, "
+                                  "float32 and float64 weights)")
         cfg = replace(cfg, readout="mlm" if family.head_marker in files.where else "none")
         if cfg.readout == "none":
             cfg = replace(cfg, tie_embeddings=False)

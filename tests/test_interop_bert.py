@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from attnlab.lens import run_with_cache
+from common.errors import CheckpointError
 from engine.inference import load_run
 from engine.interop import export, load_hf_folder
 
@@ -138,3 +139,20 @@ def test_an_encoder_refuses_to_generate(minilm):
     model, _, tokenizer, _ = load_run(minilm)
     with pytest.raises(Exception, match="encoder"):
         next(model.generate(torch.tensor([tokenizer.encode("the")]), 1))
+
+
+def test_a_bert_folder_with_integer_weights_is_refused_with_the_tensor_named(tmp_path):
+    """The BERT reader checks dtypes from the headers as the decoder readers do."""
+    import json
+    from safetensors.torch import save_file
+    from transformers import BertConfig, BertModel
+    BertModel(BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=32)).save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+    weights = load_file(tmp_path / "model.safetensors")
+    name = next(k for k in weights if k.endswith("word_embeddings.weight"))
+    weights[name] = weights[name].to(torch.int32)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    from engine.interop import load_hf_folder
+    with pytest.raises(CheckpointError, match=f"not floating point: {name}"):
+        load_hf_folder(tmp_path)
