@@ -195,6 +195,10 @@ def choose(path: str | Path, which: str = "latest") -> tuple[Path, str, bool]:
                               "`python train.py`, or pass the folder printed by train.py")
     ckpts = list_checkpoints(path)
     if not ckpts:
+        if any(path.glob("*.safetensors")) or (path / "tokenizer.json").exists():
+            raise CheckpointError(f"{path} has weights but no config.json: a transformers "
+                                  "folder needs the config.json save_pretrained writes beside "
+                                  "them (and a run, its checkpoints/ folder)")
         raise CheckpointError(f"{path} holds no checkpoint (no {CKPT_DIR}/{PREFIX}*/); "
                               "train first, or point at another run")
     latest = ckpts[-1]

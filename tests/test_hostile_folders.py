@@ -17,6 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.errors import CheckpointError
+
 import engine.interop as interop
 from common.errors import AttnlabError
 from data.tokenizer import CharTokenizer
@@ -493,3 +495,11 @@ def test_every_hostile_folder_costs_little_memory_and_ends_as_one_error_line(tmp
         stderr = capsys.readouterr().err
         err = [line for line in stderr.splitlines() if line.startswith("error")]
         assert exit_.value.code == 2 and len(err) == 1 and "Traceback" not in stderr, stderr
+
+
+def test_a_folder_of_weights_without_config_json_is_named_as_such(tmp_path):
+    from engine.checkpoint import choose
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="has weights but no config.json"):
+        choose(tmp_path, "best")
