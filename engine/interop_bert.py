@@ -271,17 +271,19 @@ def _load(family_name: str, arch: Architecture):
                          + 2 * cfg.vocab_size * cfg.n_embd, folder / "config.json",
                          available_bytes(torch.device("cpu")))
         files = WeightFiles(folder, family.prefix)
-        # Shapes are checked against the model below; dtypes here, from the headers, so an
-        # integer or quantised tensor is refused rather than cast to float.
-        odd = [f"{k} ({d})" for k, (d, _) in files.header.items() if d not in FLOAT_DTYPES]
-        if odd:
-            raise CheckpointError(f"{files.source} holds tensors that are not floating point: "
-                                  f"{', '.join(odd[:3])} (attnlab reads float16, bfloat16, "
-                                  "float32 and float64 weights)")
+        # Shapes are checked against the model below; dtypes here, from the headers of the
+        # tensors read, so an integer or quantised weight is refused rather than cast.
+        def get(*names):
+            key = files.find(*names)
+            if key is not None and files.header[key][0] not in FLOAT_DTYPES:
+                raise CheckpointError(f"{files.source} holds {key} as {files.header[key][0]}, "
+                                      "not floating point (attnlab reads float16, bfloat16, "
+                                      "float32 and float64 weights)")
+            return files.get(*names)
         cfg = replace(cfg, readout="mlm" if family.head_marker in files.where else "none")
         if cfg.readout == "none":
             cfg = replace(cfg, tie_embeddings=False)
-        weights = _from_hf_weights(family, files.get, cfg)
+        weights = _from_hf_weights(family, get, cfg)
         from engine.checkpoint import load_weights
         # Checked against a model of the same shapes on the meta device (no memory, no
         # random init: drawing 30k x 384 normal numbers to overwrite them costs more than
