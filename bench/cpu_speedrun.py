@@ -86,8 +86,8 @@ def main():
     parser.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout: run its CPU recipe beside ours")
     parser.add_argument("--nanogpt-log", type=Path, help="a nanoGPT log to draw instead of running it")
     args = parser.parse_args()
-    # nanoGPT's process gets the thread waiting train.py sets for itself, so that on a busy
-    # machine both wait alike (common/threads.py).
+    # nanoGPT's process gets the thread waiting train.py would choose for itself, so that
+    # on a busy machine both wait alike (common/threads.py).
     from common.threads import wait_passively
     wait_passively()
     nano = None
