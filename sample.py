@@ -63,6 +63,7 @@ def main(argv: list[str]) -> int:
     s = settings.sample
     dtype = pick_dtype(s.dtype, device, cfg.model.n_embd, decoding=True)
     model = model.to(dtype)
+    refuse_what_cannot_write(cfg, run)
     model.check_generates()          # an encoder is refused before anything is printed
     prompt_ids = encode_prompt(tokenizer, s.prompt)
     decode = pick_decode(s.decode, device) if s.use_cache else "full"
@@ -89,6 +90,24 @@ def main(argv: list[str]) -> int:
                 sys.stdout.flush()
         sys.stdout.write("\n")
     return 0
+
+
+def refuse_what_cannot_write(cfg, run) -> None:
+    """A run whose training gave it nothing to write with, refused with what to do
+    instead (the model itself refuses any model.causal=false one)."""
+    from common.errors import ConfigError
+    from engine.objectives import OBJECTIVES
+    if not OBJECTIVES[cfg.train.objective].writes:
+        raise ConfigError(f"this run is an encoder trained to fill in blanks "
+                          f"(train.objective={cfg.train.objective}), not to write text left to "
+                          f"right; fill one in: python -m attnlab.fill --run {run} "
+                          "--text \"To be, or not to [MASK]\"")
+    if not cfg.model.causal:
+        raise ConfigError("this run is a language model trained without the causal mask "
+                          "(model.causal=false): each position read the very token it was "
+                          "asked to predict, which a text being written does not have yet, so "
+                          "it never learned to predict; python -m attnlab.article leak trains "
+                          "one beside a causal one and shows what each writes")
 
 
 if __name__ == "__main__":

@@ -106,9 +106,15 @@ def main(argv: list[str]) -> int:
         return 0
     if result.get("interrupted"):
         return 130
-    print(f"done at step {result['step']}: best val loss {result['best_val']:.4f} "
-          f"({run.data.bits(result['best_val']):.3f} {run.data.bits_unit}); "
-          f"sample with: python sample.py --run {run.run_dir}")
+    objective = run.objective
+    if objective.writes:
+        print(f"done at step {result['step']}: best val loss {result['best_val']:.4f} "
+              f"({run.data.bits(result['best_val']):.3f} {run.data.bits_unit}); "
+              f"sample with: python sample.py --run {run.run_dir}")
+    else:
+        print(f"done at step {result['step']}: best {objective.loss_name} "
+              f"{result['best_val']:.4f}; fill in blanks with: python -m attnlab.fill "
+              f"--run {run.run_dir} --text \"To be, or not to [MASK]\"")
     return 0
 
 

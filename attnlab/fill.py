@@ -3,6 +3,9 @@ text says [MASK], its top guesses with their probabilities. The encoder's counte
 of sample.py, which writes text left to right and so needs a decoder.
 
     python -m attnlab.fill --run bert-folder --text "The capital of France is [MASK]."
+    python -m attnlab.fill --run runs/encoder-NAME --text "To be, or not to [MASK]e"
+
+A run of the encoder preset (train.objective=mlm) fills one character per [MASK].
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from model.readout import READOUTS
 @torch.no_grad()
 def fill(model, tokenizer, text: str, top: int = 5) -> list[tuple[int, list[tuple[str, float]]]]:
     """For each [MASK] of `text`: (its token index, [(token, probability)] best first)."""
-    mask_id = getattr(tokenizer, "mask_id", None)
+    mask_id = tokenizer.mask_id
     if model.config.causal:
         raise AttnlabError("this model is a decoder: it reads left to right, so it cannot use "
                            "the words after a blank; continue a prompt with sample.py instead")
@@ -49,7 +52,8 @@ def main(argv=None) -> int:
     from engine.inference import load_run
     model, _, tokenizer, _ = load_run(args.run)
     for position, guesses in fill(model, tokenizer, args.text, args.top):
-        shown = ", ".join(f"{t} {p:.3f}" for t, p in guesses)
+        # A character model's guesses are often a space or a newline: shown quoted.
+        shown = ", ".join(f"{t if t.strip() == t and t else repr(t)} {p:.3f}" for t, p in guesses)
         print(f"token {position}: {shown}")
     return 0
 

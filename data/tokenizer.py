@@ -20,6 +20,8 @@ from common.errors import TokenizerError
 from common.files import write_text_atomic
 
 FILENAME = "tokenizer.json"
+# The mask token under the names the BERT family gives it ([MASK] for the ones added here).
+MASK_NAMES = ("[MASK]", "<mask>")
 
 
 class Tokenizer:
@@ -61,6 +63,17 @@ class Tokenizer:
     def highest_id(self) -> int:
         """The largest id encode() can give (a model needs vocab_size above it)."""
         return self.vocab_size - 1
+
+    @property
+    def mask_id(self) -> int | None:
+        """The id of the blank a masked-language model fills in (None: it has none)."""
+        return None
+
+    def with_mask(self) -> "Tokenizer":
+        """This tokenizer with a [MASK] token added after every other id, for a model
+        trained to fill blanks (train.objective=mlm); the other ids stay as they are, so
+        text tokenized before still reads the same."""
+        raise TokenizerError(f"the {self.kind} tokenizer cannot add a mask token")
 
     def spans(self, text: str) -> list[tuple[int, int]]:
         """(start, end) character offsets of each token of `text`."""
@@ -109,13 +122,16 @@ class Tokenizer:
             raise TokenizerError(f"tokenizer file {path} is nested too deeply to be a "
                                  "tokenizer") from None
         if isinstance(data, dict) and data.get("type") == "char":
-            chars = data.get("chars")
+            chars, mask = data.get("chars"), data.get("mask")
             if (not isinstance(chars, list) or not chars
                     or not all(isinstance(c, str) and len(c) == 1 for c in chars)
                     or len(set(chars)) != len(chars)):
                 raise TokenizerError(f"tokenizer file {path} is a character tokenizer whose "
                                      "\"chars\" is not a list of distinct single characters")
-            return CharTokenizer(chars)
+            if mask is not None and mask != MASK_NAMES[0]:
+                raise TokenizerError(f"tokenizer file {path} is a character tokenizer whose "
+                                     f"\"mask\" is {mask!r}; it can only be {MASK_NAMES[0]!r}")
+            return CharTokenizer(chars, mask)
         if isinstance(data, dict) and isinstance(data.get("model"), dict) \
                 and data["model"].get("type") == "WordPiece":
             return WordPieceTokenizer.from_json(text, path)
@@ -129,9 +145,12 @@ class CharTokenizer(Tokenizer):
     needs_every_symbol = True       # so validation text never has an unknown character
     sized_by_setting = False
 
-    def __init__(self, chars: Iterable[str]):
+    def __init__(self, chars: Iterable[str], mask: str | None = None):
         self.chars = sorted(set(chars))
         self.stoi = {ch: i for i, ch in enumerate(self.chars)}
+        # The blank of a masked-LM run: one id after the characters, written [MASK] in
+        # text (a word, not a character, so no corpus character is given up for it).
+        self.mask = mask
 
     @classmethod
     def train(cls, text: str) -> "CharTokenizer":
@@ -148,9 +167,19 @@ class CharTokenizer(Tokenizer):
 
     @property
     def vocab_size(self) -> int:
-        return len(self.chars)
+        return len(self.chars) + (self.mask is not None)
+
+    @property
+    def mask_id(self) -> int | None:
+        return len(self.chars) if self.mask is not None else None
+
+    def with_mask(self) -> "CharTokenizer":
+        return CharTokenizer(self.chars, MASK_NAMES[0])
 
     def encode(self, text: str) -> list[int]:
+        if self.mask is not None and self.mask in text:
+            pieces = [self.encode(piece) for piece in text.split(self.mask)]
+            return [i for n, piece in enumerate(pieces) for i in ([self.mask_id] if n else []) + piece]
         try:
             return [self.stoi[ch] for ch in text]
         except KeyError:
@@ -162,12 +191,19 @@ class CharTokenizer(Tokenizer):
                 "which encodes any text") from None
 
     def decode(self, ids):
-        return "".join(self.chars[i] for i in ids)
+        return "".join(self.chars[i] if i < len(self.chars) else self.mask for i in ids)
 
     def spans(self, text):
-        return [(i, i + 1) for i in range(len(text))]
+        out, at = [], 0
+        for i in self.encode(text):
+            width = 1 if i < len(self.chars) else len(self.mask)
+            out.append((at, at + width))
+            at += width
+        return out
 
     def encode_array(self, text: str) -> np.ndarray:
+        if self.mask is not None and self.mask in text:
+            return np.asarray(self.encode(text), dtype=np.int64)
         # Vectorized: the code points of the text looked up in the sorted vocabulary
         # (Python sorts strings by code point, so self.chars is sorted that way too).
         points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
@@ -179,7 +215,8 @@ class CharTokenizer(Tokenizer):
         return ids.astype(np.int64)
 
     def to_json(self) -> str:
-        return json.dumps({"type": "char", "chars": self.chars}, ensure_ascii=False)
+        saved = {"type": "char", "chars": self.chars} | ({"mask": self.mask} if self.mask else {})
+        return json.dumps(saved, ensure_ascii=False)
 
 
 class BPETokenizer(Tokenizer):
@@ -282,6 +319,19 @@ class BPETokenizer(Tokenizer):
     def eot_id(self) -> int | None:
         return self.hf.token_to_id(self.END_OF_TEXT)
 
+    @property
+    def mask_id(self) -> int | None:
+        for name in MASK_NAMES:
+            if (i := self.hf.token_to_id(name)) is not None:
+                return i
+        return None
+
+    def with_mask(self) -> "BPETokenizer":
+        from tokenizers import AddedToken, Tokenizer as HFTokenizer
+        hf = HFTokenizer.from_str(self.hf.to_str())       # a copy: this one stays as it was
+        hf.add_special_tokens([AddedToken(MASK_NAMES[0], special=True)])
+        return type(self)(hf)
+
     def decode(self, ids):
         return self.hf.decode(list(ids))
 
@@ -323,9 +373,6 @@ def one_token_per_character(hf) -> list[str] | None:
 # [SEP] last for BERT, <s> and </s> for RoBERTa. Encoding is Hugging Face `tokenizers`
 # itself, so the ids are exactly what the model saw in training.
 
-# The mask token under the names the BERT family gives it.
-MASK_NAMES = ("[MASK]", "<mask>")
-
 
 class WordPieceTokenizer(BPETokenizer):
     kind = "wordpiece"
@@ -354,14 +401,6 @@ class WordPieceTokenizer(BPETokenizer):
     @property
     def eot_id(self) -> int | None:
         return None                # an encoder's texts are not joined into one stream
-
-    @property
-    def mask_id(self) -> int | None:
-        """The id of the token a masked-LM fills in, or None if the vocabulary has none."""
-        for name in MASK_NAMES:
-            if (i := self.hf.token_to_id(name)) is not None:
-                return i
-        return None
 
     @property
     def special_ids(self) -> set[int]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from common.errors import ConfigError, choices_hint
 from common.fields import opt
 from data.tokenizer import TOKENIZERS
+from engine.objectives import OBJECTIVES
 from engine.optim import LR_SCHEDULES
 from model import REGISTRIES, ModelConfig, ModelError
 from model import registry as model_registry
@@ -48,6 +49,9 @@ class TrainConfig:
                                  "batch grows linearly from a quarter of batch_size to all of "
                                  "it (more, cheaper steps early); 0 = off")
     max_iters: int = opt(5000, "optimizer steps")
+    objective: str = opt("next", "what the model learns to predict: next (the next token, a "
+                                 "language model) or mlm (BERT's masked tokens, an encoder: "
+                                 "needs model.causal=false)", choices=tuple(OBJECTIVES))
     optimizer: str = opt("adamw", "adamw, or muon (Muon for hidden matrices, AdamW for the rest)",
                          choices=("adamw", "muon"))
     lr: float = opt(1e-3, "peak learning rate (AdamW)")
@@ -162,6 +166,10 @@ class RunConfig:
             raise ConfigError(f"train.time_limit must be 0 (off) or positive, got {train.time_limit}")
         if train.weight_decay < 0 or train.grad_clip < 0:
             raise ConfigError("train.weight_decay and train.grad_clip must not be negative")
+        if OBJECTIVES[train.objective].bidirectional and self.model.causal:
+            raise ConfigError(f"train.objective={train.objective} guesses a hidden token from "
+                              "the words on both sides of it, and model.causal=true hides the "
+                              "words after it; set model.causal=false (the encoder preset does)")
         backend = REGISTRIES["attention"][self.model.attention]
         if not backend.trains_on_cpu and train.device in ("cpu", "auto"):
             from engine.device import pick_device

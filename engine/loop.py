@@ -16,8 +16,9 @@ from common.errors import AttnlabError
 from common.files import write_json_atomic
 from engine import checkpoint
 from engine.device import dtype_name, mfu, peak_flops, synchronize
+from engine.objectives import masked_accuracy
 from engine.optim import LR_SCHEDULES
-from engine.run import Run, save
+from engine.run import EVAL_DRAWS, Run, save
 from engine.tracking import Metrics
 from data.tokens import Batches
 
@@ -133,6 +134,7 @@ def train_step(run: Run, time_used: float = 0.0) -> tuple[torch.Tensor, torch.Te
         x, y = run.batches.next()
         if batch < x.shape[0]:                # the batch-size schedule: the first sequences
             x, y = x[:batch], y[:batch]
+        x, y = run.objective_batch(x, y, run.progress.step * train_cfg.grad_accum + m)
         # DDP averages over processes, so each scales by world / grad_accum; gradients
         # are exchanged once, after this process's last micro-batch.
         sync = m == mine[-1] or dist.world == 1
@@ -157,33 +159,51 @@ def train_step(run: Run, time_used: float = 0.0) -> tuple[torch.Tensor, torch.Te
 
 
 @torch.no_grad()
-def evaluate(model, tokens, batch_size: int, block_size: int, iters: int, device, ctx) -> float:
+def evaluate(model, tokens, batch_size: int, block_size: int, iters: int, device, ctx,
+             prepare=None, counts: list | None = None) -> float:
     """Mean loss over `iters` validation batches spread evenly over the whole split,
-    the same ones every time (Batches.spaced)."""
+    the same ones every time (Batches.spaced). `prepare(x, y, i)` turns batch i into
+    the objective's (inputs, targets); `counts`, if given, gets [right, scored]: how
+    many targets the top-scored token gets right (masked-token accuracy)."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
-    for x, y in Batches(tokens, batch_size, block_size, device, split="val").spaced(iters):
+    for i, (x, y) in enumerate(Batches(tokens, batch_size, block_size, device, split="val").spaced(iters)):
+        if prepare is not None:
+            x, y = prepare(x, y, i)
         with ctx:
-            total += model(x, y).loss.float()
+            out = model(x, y)
+        total += out.loss.float()
+        if counts is not None and out.logits is not None:
+            right, scored = masked_accuracy(out.logits, y)
+            counts[0] += right
+            counts[1] += scored
     model.train(was_training)
     return (total / iters).item()
 
 
 def evaluate_and_save(run: Run, metrics: Metrics, bar) -> float:
     """Val loss, a checkpoint, and best.json when it is the best so far."""
-    train_cfg, p = run.cfg.train, run.progress
+    train_cfg, p, objective = run.cfg.train, run.progress, run.objective
+    counts = [0, 0] if objective.reports_accuracy else None
     val = evaluate(run.eval_forward, run.data.val, train_cfg.batch_size, run.cfg.model.block_size,
-                   train_cfg.eval_iters, run.device, run.autocast())
+                   train_cfg.eval_iters, run.device, run.autocast(),
+                   prepare=lambda x, y, i: run.objective_batch(x, y, EVAL_DRAWS + i), counts=counts)
     if not math.isfinite(val):
         raise diverged(run, "the validation loss", val)
     best = val < p.best_val
     p.best_val = min(p.best_val, val)
     p.last_eval = p.step                      # recorded in the checkpoint written below
-    unit = run.data.bits_unit
-    metrics.log({"step": p.step, "val_loss": val, f"val_{unit}": run.data.bits(val)})
+    unit, record, shown = run.data.bits_unit, {"step": p.step, "val_loss": val}, ""
+    if objective.per_byte:
+        record[f"val_{unit}"] = run.data.bits(val)
+        shown += f", {run.data.bits(val):.3f} {unit}"
+    if counts is not None:
+        record["val_accuracy"] = counts[0] / max(counts[1], 1)
+        shown += f", accuracy {record['val_accuracy']:.1%} of {counts[1]:,} masked tokens"
+    metrics.log(record)
     if run.dist.is_main:                      # tqdm.write prints even for a disabled bar
-        bar.write(f"step {p.step:>6}: val loss {val:.4f}, {run.data.bits(val):.3f} {unit}"
+        bar.write(f"step {p.step:>6}: {objective.loss_name} {val:.4f}{shown}"
                   + (" (best)" if best else ""))
     path = save(run)
     if best and run.dist.is_main:

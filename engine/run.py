@@ -19,6 +19,7 @@ from engine.budget import refuse_what_cannot_fit
 from engine.config import RunConfig, apply, apply_to, from_dict
 from engine.device import autocast, dtype_name, pick_device, pick_dtype, precision_note, setup_backends
 from engine.distributed import Dist
+from engine.objectives import OBJECTIVES, draw_generator
 from engine.optim import Optimizers, configure_optimizer
 from data.tokenizer import Tokenizer
 from data.tokens import Batches, TokenData, load_tokens
@@ -35,7 +36,11 @@ FIXED_ON_RESUME = {
     "optimizer": "the optimizer's state in the checkpoint is for it",
     "seed": "the random streams come back from the checkpoint",
     "init_from": "the weights come from the checkpoint",
+    "objective": "the tokenizer and the model's head were built for it",
 }
+
+# Where the masking draws of validation batches start, far from any training step's.
+EVAL_DRAWS = 1 << 62
 
 
 @dataclass
@@ -72,6 +77,18 @@ class Run:
 
     def autocast(self):
         return autocast(self.device, self.dtype)
+
+    @property
+    def objective(self):
+        return OBJECTIVES[self.cfg.train.objective]
+
+    def objective_batch(self, x: torch.Tensor, y: torch.Tensor, index: int):
+        """(inputs, targets) the objective makes of a window (x, y) that is batch `index`
+        of its stream (training micro-batches count from 0, validation ones from
+        EVAL_DRAWS): the draws depend on the index alone (objectives.draw_generator)."""
+        obj, tok = self.objective, self.data.tokenizer
+        generator = draw_generator(self.cfg.train.seed, index, x.device) if obj.draws else None
+        return obj.batch(x, y, tok.mask_id, tok.vocab_size, generator)
 
     def release(self) -> None:
         """Let another process write to run_dir (engine.loop.train does this when it
@@ -288,6 +305,17 @@ def _load_data(cfg: RunConfig, dist: Dist, log, given: Tokenizer | None = None) 
     if dist.is_main:
         dist.barrier()
     Batches(data.val, 1, cfg.model.block_size, split="val")     # refuse a too-short split now
+    objective = OBJECTIVES[cfg.train.objective]
+    if objective.needs_mask_token and data.tokenizer.mask_id is None:
+        if given is not None:
+            raise ConfigError(f"train.objective={cfg.train.objective} needs a mask token, and "
+                              f"the tokenizer of {cfg.train.init_from} has none (its model's "
+                              "vocabulary is fixed); start an encoder from scratch instead")
+        data.tokenizer = data.tokenizer.with_mask()       # one id after the corpus's own
+    if not cfg.model.causal and not objective.bidirectional:
+        log("model.causal=false with a next-token objective: every position sees the token "
+            "it is asked to predict, so the loss collapses and the model learns nothing it "
+            "can generate with (the article's §04; python -m attnlab.article leak shows it)")
     if given is not None:                     # the model's vocabulary may be padded past it
         return data
     if cfg.model.vocab_size not in (0, data.tokenizer.vocab_size):

@@ -116,3 +116,89 @@ def test_a_small_encoder_learns_to_fill_masked_characters(corpus):
         loss.backward()
         opt.step()
     assert loss.item() < 0.8 * math.log(tok.vocab_size)
+
+
+# -- the encoder preset: train.objective=mlm through the training loop ------------------
+
+def encoder_run(corpus, out, name, steps, every=10):
+    """The encoder preset cut to a tiny model, trained in this process; its Run."""
+    from engine import cli
+    from engine.loop import train
+    from engine.run import setup_run
+    cfg = cli.build("encoder", [f"--data.path={corpus}", f"--data.cache_dir={out / 'cache'}",
+                                f"--train.out_dir={out / 'runs'}", f"--train.run_name={name}",
+                                "--model.n_layer=2", "--model.n_embd=32", "--model.n_head=2",
+                                "--model.block_size=32", "--train.batch_size=8",
+                                f"--train.max_iters={steps}", f"--train.eval_interval={every}",
+                                "--train.eval_iters=2", "--train.log_interval=1"])
+    run = setup_run(cfg, log=lambda *a, **k: None)
+    train(run)
+    return run
+
+
+def records(run_dir):
+    import json
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def encoder20(corpus, tmp_path_factory):
+    return encoder_run(corpus, tmp_path_factory.mktemp("encoder"), "enc", 20)
+
+
+def test_the_encoder_preset_trains_on_masked_tokens_and_reports_their_accuracy(encoder20):
+    from engine.objectives import masked_accuracy
+    run = encoder20
+    tok = run.data.tokenizer
+    assert tok.mask_id == tok.vocab_size - 1 == run.cfg.model.vocab_size - 1
+    assert tok.encode("a[MASK]b") == [tok.encode("a")[0], tok.mask_id, tok.encode("b")[0]]
+    evals = [r for r in records(run.run_dir) if "val_loss" in r]
+    assert [r["step"] for r in evals] == [0, 10, 20]
+    assert all(0 <= r["val_accuracy"] <= 1 and "val_bpb" not in r for r in evals)
+    # The loss is taken on the chosen 15% alone: the same batch, scored by hand.
+    x, y = run.batches.load(__import__("numpy").arange(8))
+    inputs, targets = run.objective_batch(x, y, 7)
+    assert 0 < (targets != -1).float().mean() < 0.3 and torch.equal(targets[targets != -1], x[targets != -1])
+    with torch.no_grad():
+        out = run.model(inputs, targets)
+    chosen = targets != -1
+    by_hand = torch.nn.functional.cross_entropy(out.logits[chosen], targets[chosen])
+    torch.testing.assert_close(out.loss, by_hand)
+    right, scored = masked_accuracy(out.logits, targets)
+    assert scored == chosen.sum() and right == (out.logits.argmax(-1) == targets)[chosen].sum()
+
+
+def test_a_resumed_encoder_run_masks_and_trains_exactly_as_an_unbroken_one(corpus, tmp_path):
+    from engine.loop import train
+    from engine.run import resume_config, setup_run
+    straight = encoder_run(corpus, tmp_path, "straight", 8, every=4)
+    broken = encoder_run(corpus, tmp_path, "broken", 4, every=4)
+    cfg, run_dir, ckpt = resume_config(str(broken.run_dir), str(tmp_path / "runs"),
+                                       {"train": {"max_iters": "8"}})
+    train(setup_run(cfg, run_dir=run_dir, resume=ckpt, log=lambda *a, **k: None))
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "elapsed_s", "mfu")}
+                        for r in rs]
+    assert strip(records(run_dir)) == strip(records(straight.run_dir))
+
+
+def test_an_encoder_run_is_refused_by_sample_and_filled_by_fill(encoder20):
+    from conftest import run_script
+    from attnlab.fill import fill
+    from engine.inference import load_run
+    run = encoder20
+    refused = run_script("sample.py", "--run", run.run_dir, check=False)
+    assert refused.returncode != 0
+    line, = [l for l in refused.stderr.splitlines() if l.startswith("error:")]
+    assert "python -m attnlab.fill --run" in line and "Traceback" not in refused.stderr
+    model, _, tokenizer, _ = load_run(run.run_dir)
+    (position, guesses), = fill(model, tokenizer, "To be, or not to [MASK]e", top=3)
+    assert position == len("To be, or not to ") and len(guesses) == 3
+    probs = torch.softmax(model(torch.tensor([tokenizer.encode("To be, or not to [MASK]e")])).logits[0, position], -1)
+    assert [p for _, p in guesses] == pytest.approx(probs.topk(3).values.tolist(), abs=1e-6)
+
+
+def test_the_masked_objective_is_refused_on_a_causal_model():
+    from common.errors import ConfigError
+    from engine import cli
+    with pytest.raises(ConfigError, match="model.causal=false"):
+        cli.build("encoder", ["--model.causal=true"])
