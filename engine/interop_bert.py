@@ -36,8 +36,10 @@ from common.errors import CheckpointError, TokenizerError
 from data.tokenizer import WordPieceTokenizer
 from engine.interop import (ARCHITECTURES, Architecture, ExportError, WeightFiles, _common_refusals,
                             _needs, _refuse_unless)
-from engine.hf_files import FLOAT_DTYPES, TOKENIZER_LIMIT, read_folder_bytes, refuse_too_large
-from model import GPT, ModelConfig
+from engine.hf_files import (MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB,
+                             MAX_WIDTH, TOKENIZER_LIMIT, Field, count, read_folder_bytes,
+                             refuse_too_large)
+from model import GPT, ModelConfig, ModelError
 from model.layers import BLOCKS
 from model.readout import READOUTS
 
@@ -94,6 +96,32 @@ FAMILIES = {
 
 
 # -- configs ---------------------------------------------------------------------------
+
+# Every config.json value a reader below uses, with its type and range: checked before
+# any of them is used (engine/hf_files.checked_config), as for the decoders.
+MAX_TOKEN_TYPES = 1 << 16
+_BERT_SCHEMA = {
+    "vocab_size": count(MAX_VOCAB), "hidden_size": count(MAX_WIDTH),
+    "num_hidden_layers": count(MAX_LAYERS), "num_attention_heads": count(MAX_HEADS),
+    "intermediate_size": count(4 * MAX_WIDTH, required=False, null=True),
+    "hidden_act": Field(str), "max_position_embeddings": count(MAX_POSITIONS),
+    "type_vocab_size": count(MAX_TOKEN_TYPES, low=0, required=False),
+    "layer_norm_eps": Field(float, 0.0, 1.0), "position_embedding_type": Field(str),
+    "is_decoder": Field(bool), "add_cross_attention": Field(bool),
+    "tie_word_embeddings": Field(bool),
+}
+_ROBERTA_SCHEMA = {**_BERT_SCHEMA, "pad_token_id": count(MAX_POSITIONS, low=0, required=False)}
+_DISTILBERT_SCHEMA = {
+    "vocab_size": count(MAX_VOCAB), "dim": count(MAX_WIDTH), "n_layers": count(MAX_LAYERS),
+    "n_heads": count(MAX_HEADS), "hidden_dim": count(4 * MAX_WIDTH, required=False, null=True),
+    "activation": Field(str), "max_position_embeddings": count(MAX_POSITIONS),
+    "sinusoidal_pos_embds": Field(bool), "tie_word_embeddings": Field(bool),
+}
+# What a BERT-family file may hold that the model does not read: the position-id
+# buffer, BertModel's pooler, the next-sentence head of BertForPreTraining, and the
+# output bias stored a second time under the decoder's name.
+_IGNORED = (r"(^|\.)embeddings\.(position_ids|token_type_ids)$", r"(^|\.)pooler\.",
+            r"^cls\.seq_relationship\.", r"(^|\.)decoder\.bias$")
 
 def _encoder(**kw) -> ModelConfig:
     """The variants every BERT-family model is made of, and its sizes."""
@@ -262,28 +290,41 @@ def _load(family_name: str, arch: Architecture):
         """(model in eval mode, its ModelConfig, its tokenizer) from a BERT-family folder;
         the head is read when its weights are there."""
         from engine.budget import available_bytes
+        config_path = folder / "config.json"
         try:
             cfg = arch.from_hf_config(config)
-        except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"{folder}/config.json lacks or mistypes {err}") from None
-        # The size the config describes, refused before anything is read or built.
-        refuse_too_large(cfg.n_layer * 12 * cfg.n_embd ** 2 + cfg.block_size * cfg.n_embd
-                         + 2 * cfg.vocab_size * cfg.n_embd, folder / "config.json",
-                         available_bytes(torch.device("cpu")))
+            # The size the config describes, refused before anything is read or built.
+            refuse_too_large(cfg.n_layer * 12 * cfg.n_embd ** 2 + cfg.block_size * cfg.n_embd
+                             + 2 * cfg.vocab_size * cfg.n_embd, config_path,
+                             available_bytes(torch.device("cpu")))
+            with torch.device("meta"):
+                GPT(cfg)                      # every size and variant checked, no memory
+        except (KeyError, TypeError, ValueError, ModelError, CheckpointError) as err:
+            raise CheckpointError(f"{config_path}: {err}") from None
         files = WeightFiles(folder, family.prefix)
-        # Shapes are checked against the model below; dtypes here, from the headers of the
-        # tensors read, so an integer or quantised weight is refused rather than cast.
-        def get(*names):
-            key = files.find(*names)
-            if key is not None and files.header[key][0] not in FLOAT_DTYPES:
-                raise CheckpointError(f"{files.source} holds {key} as {files.header[key][0]}, "
-                                      "not floating point (attnlab reads float16, bfloat16, "
-                                      "float32 and float64 weights)")
-            return files.get(*names)
-        cfg = replace(cfg, readout="mlm" if family.head_marker in files.where else "none")
+        cfg = replace(cfg, readout="mlm" if files.find(family.head_marker) else "none")
         if cfg.readout == "none":
             cfg = replace(cfg, tie_embeddings=False)
-        weights = _from_hf_weights(family, get, cfg)
+        # Names, shapes and dtypes from the headers, before a tensor is read (an integer or
+        # quantised weight is refused, not cast): everything
+        # the config needs, nothing else but the buffers transformers skips too, and a
+        # tied output layer stored anyway (checked equal to the embedding below).
+        with torch.device("meta"):
+            expected = {name: tuple(t.shape)
+                        for name, t in _to_hf_weights(family, GPT(cfg).state_dict(), cfg).items()}
+        p = family.prefix
+        aliases = {n: (n[len(p):],) if n.startswith(p) else (p + n,) for n in expected}
+        tied = family.head["lm_head.weight"] if _has_head(cfg) and cfg.tie_embeddings else None
+        files.check(expected, aliases=aliases, ignored=_IGNORED,
+                    allowed={tied: (cfg.vocab_size, cfg.n_embd)} if tied else None,
+                    n_layer=cfg.n_layer)
+
+        weights = _from_hf_weights(family, files.get, cfg)
+        if tied and files.find(tied) and not torch.equal(files.get(tied).float(),
+                                                         weights["wte.weight"].float()):
+            raise CheckpointError(f"{files.source} holds an output layer {tied} that differs "
+                                  "from the token embedding, but config.json ties them "
+                                  "(tie_word_embeddings): set it to false if they are separate")
         from engine.checkpoint import load_weights
         # Checked against a model of the same shapes on the meta device (no memory, no
         # random init: drawing 30k x 384 normal numbers to overwrite them costs more than
@@ -373,20 +414,22 @@ def _write(family_name: str, arch: Architecture):
     return write
 
 
-def _architecture(name: str, blockers, to_config, from_config) -> Architecture:
+def _architecture(name: str, blockers, to_config, from_config, schema) -> Architecture:
     family = FAMILIES[name]
     arch = Architecture(name, family.encoder_class, blockers, to_config, from_config,
                         lambda sd, cfg: _to_hf_weights(family, sd, cfg),
-                        lambda get, cfg: _from_hf_weights(family, get, cfg))
+                        lambda get, cfg: _from_hf_weights(family, get, cfg), schema,
+                        base_prefix=family.prefix)
     return replace(arch, load=_load(name, arch), write=_write(name, arch))
 
 
 # In the order export tries them: the first that computes a model exactly is written,
 # so an encoder without token types is a DistilBERT when its epsilon is DistilBERT's.
 ENCODERS = {
-    "roberta": _architecture("roberta", _roberta_blockers, _roberta_to_config, _roberta_from_config),
+    "roberta": _architecture("roberta", _roberta_blockers, _roberta_to_config, _roberta_from_config,
+                             _ROBERTA_SCHEMA),
     "distilbert": _architecture("distilbert", _distilbert_blockers, _distilbert_to_config,
-                                _distilbert_from_config),
-    "bert": _architecture("bert", _bert_blockers, _bert_to_config, _bert_from_config),
+                                _distilbert_from_config, _DISTILBERT_SCHEMA),
+    "bert": _architecture("bert", _bert_blockers, _bert_to_config, _bert_from_config, _BERT_SCHEMA),
 }
 ARCHITECTURES.update(ENCODERS)

@@ -507,3 +507,238 @@ def test_a_folder_of_weights_without_config_json_is_named_as_such(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(CheckpointError, match="has weights but no config.json"):
         choose(tmp_path, "best")
+
+
+# -- the BERT family: its own reader, the same cases ----------------------------------
+# BERT, RoBERTa and DistilBERT folders written here by hand as transformers lays them
+# out (a masked-LM class: the base model under its prefix, the head beside it), with a
+# WordPiece tokenizer.json.
+
+from engine.interop_bert import ENCODERS, FAMILIES  # noqa: E402
+
+ENCODER_KINDS = list(ENCODERS)
+_BERT_SIZES = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+               "intermediate_size": 64, "hidden_act": "gelu", "max_position_embeddings": 24,
+               "type_vocab_size": 2, "layer_norm_eps": 1e-12, "position_embedding_type": "absolute"}
+ENCODER_CONFIGS = {
+    "bert": {"model_type": "bert", **_BERT_SIZES},
+    "roberta": {"model_type": "roberta", **_BERT_SIZES, "pad_token_id": 1},
+    "distilbert": {"model_type": "distilbert", "vocab_size": 64, "dim": 16, "n_layers": 2,
+                   "n_heads": 2, "hidden_dim": 64, "activation": "gelu",
+                   "max_position_embeddings": 24, "sinusoidal_pos_embds": False},
+}
+# Each family's names for the sizes: vocabulary, width, layers, heads, positions, MLP width.
+ENCODER_KEYS = {
+    "bert": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "max_position_embeddings", "intermediate_size"),
+    "distilbert": ("vocab_size", "dim", "n_layers", "n_heads", "max_position_embeddings", "hidden_dim"),
+}
+ENCODER_KEYS["roberta"] = ENCODER_KEYS["bert"]
+
+
+def wordpiece_json() -> str:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "##s", "."]
+    vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(64 - len(words))])}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.add_special_tokens(words[:5])
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    return tok.to_str()
+
+
+def write_encoder(folder, kind):
+    """A small valid masked-LM folder of `kind` (copied from one written once); its model."""
+    key = f"encoder-{kind}"
+    if key not in _TEMPLATES:
+        from dataclasses import replace
+        template = Path(tempfile.mkdtemp(prefix=f"hostile-{kind}-"))
+        atexit.register(shutil.rmtree, template, True)
+        arch, config = ENCODERS[kind], ENCODER_CONFIGS[kind]
+        cfg = replace(arch.from_hf_config(config), readout="mlm")
+        torch.manual_seed(0)
+        model = GPT(cfg).eval()
+        weights = arch.to_hf_weights({k: v.detach() for k, v in model.state_dict().items()}, cfg)
+        save_file({k: v.contiguous().clone() for k, v in weights.items()}, template / "model.safetensors")
+        (template / "config.json").write_text(json.dumps(config))
+        (template / "tokenizer.json").write_text(wordpiece_json())
+        _TEMPLATES[key] = (template, model)
+    template, model = _TEMPLATES[key]
+    shutil.copytree(template, folder, dirs_exist_ok=True)
+    return model
+
+
+def _layer_weight(kind, part, layer=0):
+    """The transformers name of a per-layer weight: part 0 = the query, else a linear of
+    the family's map (its MLP's first layer)."""
+    f = FAMILIES[kind]
+    name = f.qkv[0] if part == "query" else f.linears["mlp.fc"]
+    return f"{f.prefix}{f.layers.format(i=layer)}{name}.weight"
+
+
+def _encoder_tensor_cases(kind):
+    q, fc = _layer_weight(kind, "query"), _layer_weight(kind, "fc", 1)
+    fc_bias = fc[:-len("weight")] + "bias"
+    return {
+        "a tensor missing": (_drop(fc_bias), fc_bias),
+        "an extra tensor": (_add(f"{FAMILIES[kind].prefix}encoder.extra"), "encoder.extra"),
+        "a shape that differs": (_reshape(q, (16, 17)), q),
+        "int32 weights": (_cast(q, torch.int32), "I32"),
+        "bool weights": (_cast(q, torch.bool), "BOOL"),
+        "fp8 weights": (_cast(q, torch.float8_e4m3fn), "F8_E4M3"),
+        "int64 embeddings": (_cast(f"{FAMILIES[kind].prefix}embeddings.word_embeddings.weight",
+                                   torch.int64), "I64"),
+        "NaN weights": (lambda f: edit_weights(f, lambda w: w[q].fill_(float("nan"))), "NaN"),
+        "a head of the wrong vocabulary": (
+            _reshape(FAMILIES[kind].head["lm_head.bias"], (65,)), FAMILIES[kind].head["lm_head.bias"]),
+    }
+
+
+def _encoder_config_cases(kind):
+    vocab, width, layers, heads, positions, inner = ENCODER_KEYS[kind]
+    return {
+        "heads=0": {heads: 0}, "heads=-1": {heads: -1}, "width=10^12": {width: 10**12},
+        "vocab=10^12": {vocab: 10**12}, "positions=10^12": {positions: 10**12},
+        "layers=10^6": {layers: 10**6}, "width not divisible by heads": {heads: 3},
+        "a 10^13-parameter model within every cap": {layers: 1024, width: 65536, heads: 512,
+                                                     inner: 4 * 65536},
+        "layers missing": {layers: None}, "vocab a string": {vocab: "64"},
+        "layers a float": {layers: 2.5}, "layers true": {layers: True}, "width a list": {width: [16]},
+        "positions NaN": {positions: float("nan")}, "MLP width a string": {inner: "64"},
+        "eps a string": ({"layer_norm_eps": "1e-12"} if kind != "distilbert" else {"dim": "16"}),
+        "eps NaN": ({"layer_norm_eps": float("nan")} if kind != "distilbert" else {"n_heads": 2.0}),
+        "activation a list": ({"hidden_act": ["gelu"]} if kind != "distilbert" else {"activation": ["gelu"]}),
+        "activation not computed": ({"hidden_act": "relu"} if kind != "distilbert" else {"activation": "relu"}),
+        "tie a string": {"tie_word_embeddings": "true"},
+        "no model_type": {"model_type": None},
+        **({"token types a string": {"type_vocab_size": "2"}, "token types 10^12": {"type_vocab_size": 10**12},
+            "position type relative": {"position_embedding_type": "relative_key"},
+            "a decoder": {"is_decoder": True}} if kind != "distilbert" else
+           {"sinusoidal positions": {"sinusoidal_pos_embds": True},
+            "sinusoidal a string": {"sinusoidal_pos_embds": "no"}}),
+        **({"pad_token_id a string": {"pad_token_id": "1"}, "pad_token_id 10^12": {"pad_token_id": 10**12},
+            "pad_token_id -5": {"pad_token_id": -5}} if kind == "roberta" else {}),
+    }
+
+
+def _edit_config_none_deletes(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            config.pop(k, None)
+        else:
+            config[k] = v
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+ENCODER_CASES = (
+    [(kind, f"tensor: {case}") for kind in ENCODER_KINDS for case in _encoder_tensor_cases(kind)]
+    + [(kind, f"config: {case}") for kind in ENCODER_KINDS for case in _encoder_config_cases(kind)]
+    + [(kind, f"shard: {case}") for kind in ENCODER_KINDS for case in SHARD_CASES]
+    + [(kind, case) for kind in ENCODER_KINDS for case in TOKENIZER_CASES
+       if "chars" not in case and "vocab_size" not in case]
+    + [(kind, f"config file: {case}") for kind in ENCODER_KINDS for case in
+       ("config: a huge integer", "config: linked to /dev/zero", "config: not UTF-8", "config: a sparse 5 GB file")]
+)
+
+
+ENCODER_TOKENIZER_CASES = {
+    "tokenizer: not UTF-8": lambda f: (f / "tokenizer.json").write_bytes(b'{"model": "\xff"}'),
+    "tokenizer: a WordPiece whose vocab is a list": lambda f: (f / "tokenizer.json").write_text(
+        json.dumps({**json.loads(wordpiece_json()), "model": {"type": "WordPiece", "vocab": [1, 2]}})),
+    "tokenizer: more tokens than the model has rows": lambda f: (f / "tokenizer.json").write_text(
+        json.dumps(_grown_wordpiece(80))),
+}
+
+
+def _grown_wordpiece(n):
+    data = json.loads(wordpiece_json())
+    data["model"]["vocab"].update({f"x{i}": 64 + i for i in range(n - 64)})
+    return data
+
+
+for _kind in ENCODER_KINDS:
+    ENCODER_CASES += [(_kind, case) for case in ENCODER_TOKENIZER_CASES]
+TOKENIZER_CASES_ALL = {**TOKENIZER_CASES, **ENCODER_TOKENIZER_CASES}
+
+
+def make_encoder_case(kind, case, folder):
+    group, name = case.split(": ", 1)
+    if case in TOKENIZER_CASES_ALL:
+        TOKENIZER_CASES_ALL[case](folder)
+    elif group == "tensor":
+        _encoder_tensor_cases(kind)[name][0](folder)
+    elif group == "config":
+        _edit_config_none_deletes(folder, **_encoder_config_cases(kind)[name])
+    elif group == "shard":
+        SHARD_CASES[name](folder)
+    elif name == "config: a huge integer":
+        layers = ENCODER_KEYS[kind][2]
+        (folder / "config.json").write_text((folder / "config.json").read_text().replace(
+            f'"{layers}": 2', f'"{layers}": ' + "9" * 5000))
+    else:
+        CONFIG_CASES[name](folder)
+
+
+ENCODER_MATCH = {"config: a 10^13-parameter model within every cap": "too large for this machine",
+                 "config file: config: linked to /dev/zero": "config.json leads outside",
+                 "tokenizer: more tokens than the model has rows": "tokenizer.json"}
+
+
+@pytest.mark.parametrize("kind,case", ENCODER_CASES, ids=[f"{k}-{c}"[:70] for k, c in ENCODER_CASES])
+def test_a_hostile_bert_family_folder_is_refused_naming_its_file(kind, case, tmp_path, monkeypatch):
+    folder = tmp_path / "hub" / "model"
+    write_encoder(folder, kind)
+    make_encoder_case(kind, case, folder)
+    import engine.interop_bert as interop_bert
+    built = []
+    real = interop_bert.GPT
+    monkeypatch.setattr(interop_bert, "GPT", lambda cfg: built.append(torch.get_default_device()) or real(cfg))
+    message = refused(folder, ENCODER_MATCH.get(case))
+    assert all(d.type == "meta" for d in built), "a model was built before the refusal"
+    group, name = case.split(": ", 1)
+    if group == "tensor":
+        assert _encoder_tensor_cases(kind)[name][1] in message, message
+    if group in ("config", "tokenizer"):
+        assert f"{group}.json" in message, message
+
+
+@pytest.mark.parametrize("kind", ENCODER_KINDS)
+def test_a_sound_bert_family_folder_loads_whole_sharded_and_in_float16(kind, tmp_path):
+    model = write_encoder(tmp_path / "one", kind)
+    x = torch.randint(5, 64, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(x).logits
+    for name, change, atol in (("one", None, 1e-6), ("sharded", shard, 1e-6),
+                               ("half", lambda f: edit_weights(f, lambda w: w.update(
+                                   {k: v.half() for k, v in w.items()})), 2e-2)):
+        if change is not None:
+            shutil.copytree(tmp_path / "one", tmp_path / name)
+            change(tmp_path / name)
+        ours, cfg, tok = load_hf_folder(tmp_path / name)
+        assert cfg.readout == "mlm" and tok.mask_id == 4
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x).logits, want, atol=atol, rtol=0)
+
+
+def test_hostile_bert_family_folders_end_as_one_error_line(tmp_path, capsys):
+    import sample
+    from attnlab import heads
+    for kind, case in [("bert", "config: vocab a string"), ("roberta", "shard: index: ../../ path"),
+                       ("distilbert", "tensor: fp8 weights"), ("bert", "tokenizer: not JSON"),
+                       ("roberta", "config: heads=0")]:
+        folder = tmp_path / kind / case.replace("/", "_").replace(" ", "_") / "model"
+        write_encoder(folder, kind)
+        make_encoder_case(kind, case, folder)
+        for main in (lambda: sample.main(["--run", str(folder)]),
+                     lambda: heads.main(["search", "--run", str(folder), "--text", "the cat",
+                                         "--from", "cat", "--to", "the"])):
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as exit_, errors_as_lines():
+                main()
+            stderr = capsys.readouterr().err
+            err = [line for line in stderr.splitlines() if line.startswith("error")]
+            assert exit_.value.code == 2 and len(err) == 1 and "Traceback" not in stderr, (case, stderr)
+            assert str(folder) in err[0], err[0]
