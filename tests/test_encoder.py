@@ -202,3 +202,19 @@ def test_the_masked_objective_is_refused_on_a_causal_model():
     from engine import cli
     with pytest.raises(ConfigError, match="model.causal=false"):
         cli.build("encoder", ["--model.causal=true"])
+
+
+def test_the_leak_demo_shows_the_loss_collapse_the_look_ahead_and_the_last_position(corpus, tmp_path):
+    """python -m attnlab.article leak, cut to a 1-layer, 1-head model and 120 steps: the
+    non-causal run's training loss falls far below the causal one's, its head looks one
+    step ahead, and at the last position (where generation reads) it is worse than the
+    causal model, since there was never a next token there to copy."""
+    from attnlab.article import leak, leak_figure
+    honest, leaked = leak(120, tmp_path / "runs", str(corpus), sample_tokens=30,
+                          extra=("--model.n_layer=1", "--model.n_head=1"))
+    assert honest.causal and not leaked.causal
+    assert honest.train_loss > 2.0 and leaked.train_loss < 0.5 * honest.train_loss
+    assert honest.next_mass == 0 and leaked.next_mass > 0.6
+    assert leaked.last_loss > honest.last_loss
+    assert len(leaked.sample) >= 30 and len(honest.sample) >= 30
+    assert leak_figure([honest, leaked], tmp_path / "leak.png").stat().st_size > 0
