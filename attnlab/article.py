@@ -23,6 +23,7 @@ text so far, temperature 0.8. (sample.py refuses such a run and sends its user h
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import tempfile
@@ -149,7 +150,8 @@ def leak(steps: int = LEAK_STEPS, runs: Path | None = None, data: str = "",
         rows = []
         for causal in (True, False):
             log(f"training the tiny preset {steps} steps with model.causal={str(causal).lower()}")
-            run = train_lm(causal, steps, out, data, extra=extra)
+            with contextlib.redirect_stdout(sys.stderr):     # the loop's eval lines: progress
+                run = train_lm(causal, steps, out, data, extra=extra)
             records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
             curve = [(r["step"], r["loss"]) for r in records if "loss" in r]
             tail = [loss for _, loss in curve[-max(1, len(curve) // 10):]]
@@ -178,8 +180,8 @@ def leak_figure(rows: list[LeakRow], path: Path) -> Path:
         T = min(24, r.pattern.shape[0])
         ax.imshow(r.pattern[:T, :T].numpy(), cmap="viridis", vmin=0, vmax=1)
         ax.set(xlabel="key position", ylabel="query position",
-               title=f"{'causal' if r.causal else 'causal=false'}: layer {r.head[0]}, head {r.head[1]} "
-                     f"(weight on i+1: {r.next_mass:.2f})")
+               title=f"{'causal' if r.causal else 'causal=false'}, layer {r.head[0]} head {r.head[1]}: "
+                     f"{r.next_mass:.2f} on i+1")
     return save_figure(fig, path)
 
 

@@ -204,7 +204,8 @@ def test_the_masked_objective_is_refused_on_a_causal_model():
         cli.build("encoder", ["--model.causal=true"])
 
 
-def test_the_leak_demo_shows_the_loss_collapse_the_look_ahead_and_the_last_position(corpus, tmp_path):
+def test_the_leak_demo_shows_the_loss_collapse_the_look_ahead_and_the_last_position(corpus, tmp_path,
+                                                                                     capsys):
     """python -m attnlab.article leak, cut to a 1-layer, 1-head model and 120 steps: the
     non-causal run's training loss falls far below the causal one's, its head looks one
     step ahead, and at the last position (where generation reads) it is worse than the
@@ -218,3 +219,11 @@ def test_the_leak_demo_shows_the_loss_collapse_the_look_ahead_and_the_last_posit
     assert leaked.last_loss > honest.last_loss
     assert len(leaked.sample) >= 30 and len(honest.sample) >= 30
     assert leak_figure([honest, leaked], tmp_path / "leak.png").stat().st_size > 0
+    # sample.py refuses the leaked run in one line that sends its user to the demo.
+    import sample
+    from engine.cli import errors_as_lines
+    capsys.readouterr()
+    with pytest.raises(SystemExit), errors_as_lines():
+        sample.main(["--run", str(tmp_path / "runs" / "not-causal")])
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+    assert len(err) == 1 and "attnlab.article leak" in err[0]
