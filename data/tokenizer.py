@@ -329,7 +329,8 @@ class BPETokenizer(Tokenizer):
     def with_mask(self) -> "BPETokenizer":
         from tokenizers import AddedToken, Tokenizer as HFTokenizer
         hf = HFTokenizer.from_str(self.hf.to_str())       # a copy: this one stays as it was
-        hf.add_special_tokens([AddedToken(MASK_NAMES[0], special=True)])
+        # Not `special`: decode() leaves special tokens out, and a blank should read as one.
+        hf.add_tokens([AddedToken(MASK_NAMES[0], special=False, normalized=False)])
         return type(self)(hf)
 
     def decode(self, ids):

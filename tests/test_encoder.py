@@ -227,3 +227,13 @@ def test_the_leak_demo_shows_the_loss_collapse_the_look_ahead_and_the_last_posit
         sample.main(["--run", str(tmp_path / "runs" / "not-causal")])
     err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
     assert len(err) == 1 and "attnlab.article leak" in err[0]
+
+
+def test_the_head_tools_open_an_encoder_run(encoder20, tmp_path, capsys):
+    from attnlab import heads
+    run_dir = str(encoder20.run_dir)
+    assert heads.main(["grid", "--run", run_dir, "--text", "To be, or not", "--out", str(tmp_path / "g.png")]) == 0
+    assert (tmp_path / "g.png").stat().st_size > 0
+    capsys.readouterr()
+    assert heads.main(["search", "--run", run_dir, "--text", "To be, or not", "--from", "or", "--to", "be"]) == 0
+    assert "or → be" in capsys.readouterr().out

@@ -51,3 +51,20 @@ def test_unreadable_tokenizer_file_is_explained(tmp_path):
         Tokenizer.load(tmp_path)
     with pytest.raises(TokenizerError, match="no tokenizer"):
         Tokenizer.load(tmp_path / "missing")
+
+
+def test_a_mask_token_is_added_after_every_other_id_and_survives_saving():
+    """train.objective=mlm gives the corpus's tokenizer a [MASK] token: one id past the
+    others, so text tokenized before reads the same; saved and read back, it stays."""
+    from data.tokenizer import BPETokenizer, CharTokenizer, Tokenizer
+    text = "to be or not to be, that is the question\n" * 20
+    for tok in (CharTokenizer.train(text), BPETokenizer.train([text], 300)):
+        masked = tok.with_mask()
+        assert tok.mask_id is None and masked.mask_id == tok.vocab_size == masked.vocab_size - 1
+        ids = masked.encode("to be[MASK]or")
+        assert ids == tok.encode("to be") + [masked.mask_id] + tok.encode("or")
+        assert masked.decode(ids) == "to be[MASK]or"
+        again = Tokenizer.parse(masked.to_json())
+        assert again.mask_id == masked.mask_id and again.encode("to be[MASK]or") == ids
+    char = CharTokenizer.train(text).with_mask()
+    assert char.spans("a[MASK]b".replace("a", "t").replace("b", "o")) == [(0, 1), (1, 7), (7, 8)]
