@@ -8,7 +8,7 @@ Each mutation replaces one exact line fragment in one file of a fresh copy of th
 repository (the tracked files, in a temporary folder: the working tree is never
 touched) and runs the tests that cover that file. A mutation whose fragment is no
 longer in the file is reported as stale, so the list cannot silently rot. The table
-it prints goes in the README's test section.
+it prints goes in docs/testing.md.
 """
 from __future__ import annotations
 
