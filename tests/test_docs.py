@@ -86,7 +86,7 @@ def commands_of(path: Path) -> list[Command]:
                 line = line[2:]
             if not line or line.startswith("#"):
                 continue
-            where = f"{path.relative_to(ROOT)}:{start + first}"
+            where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{start + first}"
             try:
                 words = shlex.split(line, comments=True)
             except ValueError as err:
@@ -261,6 +261,31 @@ def check_config(ns: argparse.Namespace) -> None:
     cfg = config.RunConfig()
     config.load_preset(cfg, getattr(ns, "preset", None) or "cpu")   # train.py's CPU default
     apply_overrides(cfg, ns)
+
+
+def test_the_reader_finds_commands_in_every_kind_of_block(tmp_path):
+    doc = tmp_path / "x.md"
+    doc.write_text(
+        "```bash\n"
+        "# a comment\n"
+        "python train.py --config tiny \\\n    --train.max_iters=5   # trailing comment\n"
+        "OMP_NUM_THREADS=1 python -m attnlab.heads grid --text \"a b\" && python sample.py\n"
+        "torchrun --standalone --nproc_per_node=2 train.py --config gpu\n"
+        "pip install x; python -c 'print(1)'\n"
+        "```\n"
+        "```console\n$ python bench/streaming.py --run r\noutput line python train.py --nope\n```\n"
+        "```\n$ python -m data.prepare a.txt --out b\n```\n"
+        "```text\npython train.py --not-a-command\n```\n"
+        "```python\nimport train\n```\n", encoding="utf-8")
+    found = [(c.target, c.argv) for c in commands_of(doc)]
+    assert found == [
+        ("train.py", ("--config", "tiny", "--train.max_iters=5")),
+        ("-m attnlab.heads", ("grid", "--text", "a b")),
+        ("sample.py", ()),
+        ("train.py", ("--config", "gpu")),
+        ("bench/streaming.py", ("--run", "r")),
+        ("-m data.prepare", ("a.txt", "--out", "b")),
+    ]
 
 
 def test_the_docs_have_commands_to_check():
