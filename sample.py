@@ -17,12 +17,13 @@ import sys
 from common.threads import wait_passively
 
 wait_passively()                    # before torch loads: see common/threads.py
-from engine.cli import Parser, add_config_options, add_run_options, errors_as_lines  # noqa: E402
+from attnlab.options import add_run_options  # noqa: E402
+from engine.cli import Parser, add_config_options, errors_as_lines  # noqa: E402
 
 
 def parser() -> Parser:
     p = Parser("python sample.py", __doc__, usage="python sample.py [--run DIR] "
-               "[--checkpoint best|latest] [--device D] [--KEY=VALUE ...]")
+               "[--checkpoint best|latest|STEP] [--device D] [--KEY=VALUE ...]")
     add_run_options(p)
     p.add_argument("--exercises", metavar="DIR", default=None,
                    help="where a run trained with attention or position `yours` finds your "

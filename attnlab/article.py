@@ -19,6 +19,8 @@ import sys
 import torch
 
 from common.errors import AttnlabError
+from attnlab.capture import attention_maps, run_with_cache
+from attnlab.options import add_run_options, load
 from engine.cli import Parser, errors_as_lines
 
 BANK = ("the river bank eroded", "the savings bank collapsed")
@@ -31,7 +33,6 @@ SENTENCES = ("The trophy didn't fit in the suitcase because it was too big.",
 def bank_cosines(model, tokenizer, texts=BANK, word: str = "bank") -> list[float]:
     """Cosine of `word`'s vectors in the two texts entering each block, then leaving
     the last: n_layer + 1 values, the first the embedding layer's output."""
-    from attnlab.lens import run_with_cache
     L = model.config.n_layer
     vectors = []
     for text in texts:
@@ -41,15 +42,15 @@ def bank_cosines(model, tokenizer, texts=BANK, word: str = "bank") -> list[float
             raise AttnlabError(f"{word!r} is not one token of {text!r}")
         at = pieces.index(word)
         names = [f"blocks.{l}.resid_pre" for l in range(L)] + [f"blocks.{L - 1}.resid_post"]
-        _, cache = run_with_cache(model, torch.tensor([ids]), only=names)
-        vectors.append(torch.stack([cache[n][0, at] for n in names]))
+        idx = torch.tensor([ids], device=next(model.parameters()).device)
+        _, cache = run_with_cache(model, idx, only=names)
+        vectors.append(torch.stack([cache[n][0, at].float().cpu() for n in names]))
     return torch.cosine_similarity(vectors[0], vectors[1], dim=-1).tolist()
 
 
 @torch.no_grad()
 def distance_per_layer(model, tokenizer, texts=SENTENCES) -> list[tuple[float, float]]:
     """(mean attention distance in tokens, share of weight on special tokens) per layer."""
-    from attnlab.heads import attention_maps
     special = getattr(tokenizer, "special_ids", set())
     sums = torch.zeros(model.config.n_layer, 2)
     for text in texts:
@@ -67,10 +68,9 @@ def distance_per_layer(model, tokenizer, texts=SENTENCES) -> list[tuple[float, f
 def main(argv=None) -> int:
     parser = Parser("python -m attnlab.article", __doc__)
     parser.add_argument("what", choices=["bank", "distance"])
-    parser.add_argument("--run", required=True, help="a BERT-family folder (or any run)")
+    add_run_options(parser, "a BERT-family folder such as all-MiniLM-L6-v2 (or any run)")
     args = parser.parse_args(argv)
-    from engine.inference import load_run
-    model, _, tokenizer, _ = load_run(args.run)
+    model, _, tokenizer, _ = load(args)
     if args.what == "bank":
         print(f"cosine of 'bank' in {BANK[0]!r} and {BANK[1]!r}:")
         for layer, cos in enumerate(bank_cosines(model, tokenizer)):

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from attnlab.options import add_run_options, load
 from attnlab.plotting import pyplot, save_figure
 from attnlab.recall_task import TokenTask, char_task, filler_text
 from common.errors import AttnlabError
@@ -266,8 +267,9 @@ def main(argv=None) -> int:
     parser = Parser("python -m attnlab.recall", __doc__)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="NAME",
                         help="variants to train: " + ", ".join(VARIANTS))
-    parser.add_argument("--model", default="", help="test this model instead of training: a run "
-                        "directory, checkpoint or transformers folder (its tokenizer encodes the task)")
+    add_run_options(parser, "test this model instead of training: a run directory or name, "
+                    "checkpoint or transformers folder (its tokenizer encodes the task)",
+                    aliases=("--model",), without="train the variants")
     parser.add_argument("--context", type=int, default=0, help="trained (base) context in tokens; "
                         "default 96 for the lab's models, the model's block_size with --model")
     parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8],
@@ -283,7 +285,7 @@ def main(argv=None) -> int:
     if any(f < 1 for f in args.factors) or args.steps < 1 or args.examples < 1 or args.depths < 2:
         raise AttnlabError("--factors, --steps and --examples must be at least 1, --depths at least 2")
     unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown and not args.model:
+    if unknown and not args.run:
         raise AttnlabError(f"unknown variant {unknown[0]!r}; valid: {', '.join(VARIANTS)}")
     depths = [i / (args.depths - 1) for i in range(args.depths)]
     out = Path(args.out)
@@ -293,12 +295,11 @@ def main(argv=None) -> int:
         report(rows, sorted({r["factor"] for r in rows}), sorted({r["depth"] for r in rows}),
                rows[0]["length"] // rows[0]["factor"], 10.0 ** -args.digits, out)
         return 0
-    if args.model:
-        from engine.inference import load_run
-        model, cfg, tokenizer, ckpt = load_run(args.model, "best")
+    if args.run:
+        model, cfg, tokenizer, ckpt = load(args)
         task = TokenTask(tokenizer, filler_text(), args.digits)
         context = args.context or cfg.model.block_size
-        name = Path(args.model).name or "model"
+        name = Path(args.run).name or "model"
         print(f"{ckpt}: {cfg.model.position} positions, context {context} tokens")
         rows = evaluate(name, model, task, context, args.factors, depths, args.examples)
     else:

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from attnlab.heads import attention_maps, head_stats, save_grid, save_head, search, token_spans
+from attnlab.capture import attention_maps
+from attnlab.heads import head_stats, save_grid, save_head, search, token_spans
 from data.tokenizer import CharTokenizer
 from model import GPT, ModelConfig
 
@@ -128,8 +129,8 @@ def test_every_attention_tool_reads_minilm_and_the_rest_say_why_not(minilm, tmp_
     assert len(rows) == 6 * 12
     assert any(r.endswith("previous-token head") for r in rows)     # a neighbour head
     assert any(r.endswith("next-token head") for r in rows)         # it looks ahead: an encoder
-    for tool in ("lens", "ablate", "patch"):
-        with pytest.raises(AttnlabError, match=f"{tool} reads the model's token scores.*no output layer"):
+    for tool in ("lens", "ablate", "patch"):          # forwarded to python -m attnlab.lens
+        with pytest.raises(AttnlabError, match="reads the model's token scores.*no output layer"):
             main([tool, *run, "--clean", ARTICLE, "--corrupt", ARTICLE])
     with pytest.raises(AttnlabError, match="encoder"):
-        main(["induction", *run])
+        main(["induction", "--run", str(minilm)])
