@@ -187,6 +187,8 @@ BAD = [
     ["-m", "data.prepare", "x.txt", "--out", "/tmp/x", "--max-bytes", "1e400"],
     ["-m", "data.prepare", "README.md", "--out", "README.md"],
     ["-m", "attnlab.heads", "grid", "--text", "x", "--run", "/nonexistent"],
+    ["-m", "attnlab.lens", "logit", "--text", "x", "--run", "nosuch"],
+    ["-m", "attnlab.induction", "--run", "/nonexistent", "--checkpoint", "latest"],
     ["-m", "attnlab.export", "--run", "/nonexistent", "--out", "/tmp/x"],
     ["-m", "attnlab.evaluate", "--run", "/nonexistent", "--data", "README.md"],
     ["-m", "attnlab.figures", "nope"],
