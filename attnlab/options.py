@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from pathlib import Path
 
 from common.errors import CheckpointError, ConfigError
@@ -107,7 +106,3 @@ def load(args: argparse.Namespace, before_build=None, log=None):
     device = pick_device(args.device)
     run = find_run(args.run, log=log)
     return load_run(run, args.checkpoint, device, before_build=before_build, log=log)
-
-
-def stderr(line: str) -> None:
-    print(line, file=sys.stderr)
