@@ -5,7 +5,7 @@ MLPs switched off (ablation), and activations swapped between prompts (patching)
     python -m attnlab.lens ablate --run runs/NAME --text "..."     # each head switched off
     python -m attnlab.lens patch  --run runs/NAME --clean "..." --corrupt "..."
 
-From Python, with the activations attnlab.capture reads (names: attnlab.capture):
+From Python (run_with_cache is attnlab.capture's, which lists every name it reads):
 
     from attnlab.lens import run_with_cache, ablate, patch
     logits, cache = run_with_cache(model, tokens)
