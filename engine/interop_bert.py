@@ -98,7 +98,7 @@ FAMILIES = {
 def _encoder(**kw) -> ModelConfig:
     """The variants every BERT-family model is made of, and its sizes."""
     return ModelConfig(causal=False, block="postnorm", position="learned", norm="layernorm",
-                       mlp="gelu_erf", bias=True, attention="sdpa", dropout=0.0, **kw)
+                       mlp="gelu_erf", bias=True, attention="auto", dropout=0.0, **kw)
 
 
 def _check_width(inner: int, width: int, key: str) -> None:
