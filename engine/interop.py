@@ -77,15 +77,15 @@ def _needs(cfg: ModelConfig, **wanted) -> list[str]:
     return out
 
 
-# GELU's two forms under transformers' names for them (ACT2FN): the exact one is "gelu";
-# GPT-2 wrote the tanh form "gelu_new", GPT-NeoX "gelu_pytorch_tanh"; both are read.
-_HF_GELU = {"gelu_erf": ("gelu",), "gelu": ("gelu_new", "gelu_pytorch_tanh")}
+# GELU's two forms under transformers' names for them (ACT2FN): the exact one is "gelu",
+# as here; GPT-2 wrote the tanh form "gelu_new", GPT-NeoX "gelu_pytorch_tanh"; both are read.
+_HF_GELU = {"gelu": ("gelu",), "gelu_tanh": ("gelu_new", "gelu_pytorch_tanh")}
 _GELUS = tuple(_HF_GELU)
 _HF_GELU_NAMES = sum(_HF_GELU.values(), ())      # every name read as one of them
 
 
 def _hf_gelu(cfg: ModelConfig, tanh_name: str) -> str:
-    return "gelu" if MLPS[cfg.mlp] is MLPS["gelu_erf"] else tanh_name
+    return "gelu" if MLPS[cfg.mlp] is MLPS["gelu"] else tanh_name
 
 
 def _gelu_from_hf(act: str) -> str:

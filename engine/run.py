@@ -16,7 +16,7 @@ from common.errors import CheckpointError, ConfigError
 from common.files import lock_file, lock_holder, read_json, write_json_atomic, write_text_atomic
 from engine import checkpoint
 from engine.budget import refuse_what_cannot_fit
-from engine.config import RunConfig, apply, apply_to, from_dict
+from engine.config import RunConfig, apply, apply_to, from_dict, migrate
 from engine.device import autocast, dtype_name, pick_device, pick_dtype, precision_note, setup_backends
 from engine.distributed import Dist
 from engine.optim import Optimizers, configure_optimizer
@@ -408,9 +408,10 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
         ckpt = checkpoint.resolve(run_dir, "latest")
     else:
         raise CheckpointError(f"cannot resume: {path} is not a run directory (no config.json)")
-    saved = checkpoint.verified_json(ckpt, "config.json")
+    saved = migrate(checkpoint.verified_json(ckpt, "config.json"), str(ckpt / "config.json"))
     cfg = from_dict(saved, str(ckpt / "config.json"))
     run_level = read_json(run_dir / "config.json") or {}
+    run_level = migrate(run_level, str(run_dir / "config.json")) if isinstance(run_level, dict) else {}
     _refuse_changes(saved, run_level, f"{run_dir / 'config.json'} disagrees with the config "
                     f"{ckpt.name} was trained with", "put config.json back as it was")
     for section, values in overrides.items():

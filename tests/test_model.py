@@ -159,16 +159,16 @@ def test_every_norm_and_mlp_variant_trains(registry):
 
 
 def test_mlp_activations_are_what_their_names_say():
-    """Each activation against its formula in float64 NumPy: gelu_erf is x·Φ(x) exactly,
-    gelu GPT-2's tanh approximation of it; the two differ by up to about 5e-4, which
-    the 1e-6 tolerance sees."""
+    """Each activation against its formula in float64 NumPy: gelu is x·Φ(x) exactly (as
+    torch and transformers name it), gelu_tanh GPT-2's tanh approximation of it; the two
+    differ by up to about 5e-4, which the 1e-6 tolerance sees."""
     import math
     import numpy as np
     from model.layers import MLPS
     erf = np.vectorize(math.erf)
     formulas = {
-        "gelu_erf": lambda h: 0.5 * h * (1 + erf(h / math.sqrt(2))),
-        "gelu": lambda h: 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3))),
+        "gelu": lambda h: 0.5 * h * (1 + erf(h / math.sqrt(2))),
+        "gelu_tanh": lambda h: 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3))),
         "relu2": lambda h: np.maximum(h, 0) ** 2,
     }
     torch.manual_seed(0)
