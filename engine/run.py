@@ -100,13 +100,14 @@ class Run:
 
 
 @dataclass
-class Source:
-    """The weights and tokenizer a run starts from (train.init_from)."""
+class Pretrained:
+    """The weights and tokenizer a run starts from (train.init_from), as against the
+    corpus it trains on (data.sources)."""
     model: GPT
     tokenizer: Tokenizer
 
 
-def adopt_source(cfg: RunConfig, model_overrides: dict[str, str]) -> Source:
+def adopt_source(cfg: RunConfig, model_overrides: dict[str, str]) -> Pretrained:
     """Load train.init_from and make cfg's model its model: the architecture comes from
     the source, and a command-line override that would change it is refused. The run
     records its parent (path and a hash of its weights)."""
@@ -126,11 +127,11 @@ def adopt_source(cfg: RunConfig, model_overrides: dict[str, str]) -> Source:
     cfg.data.tokenizer = tokenizer.kind
     cfg.parent = describe_parent(cfg.train.init_from, model)
     cfg.validate()
-    return Source(model, tokenizer)
+    return Pretrained(model, tokenizer)
 
 
 def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path = False,
-              log=print, dist: Dist | None = None, source: Source | None = None) -> Run:
+              log=print, dist: Dist | None = None, source: Pretrained | None = None) -> Run:
     """Device, data, model, its wrappers, optimizer and run directory, in that order;
     with `source`, the model starts from its weights and the data is encoded with its
     tokenizer; with `resume`, the state of a checkpoint (a path: that one; True: the
