@@ -41,6 +41,7 @@ from engine.hf_files import (CONFIG_LIMIT, INDEX, MAX_HEADS, MAX_LAYERS, MAX_POS
 from model import GPT, ModelConfig, ModelError
 from model.layers import BLOCKS, MLPS, NORMS
 from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
+from model.readout import READOUTS
 
 
 class ExportError(AttnlabError):
@@ -104,7 +105,7 @@ def _common_refusals(cfg: ModelConfig, decoder: bool = True) -> list[str]:
         out.append("model.value_embeds=true (no value embeddings there)")
     if cfg.skip_connections:
         out.append("model.skip_connections=true (no skips across blocks there)")
-    if cfg.readout != "full":
+    if not READOUTS[cfg.readout].plain:
         out.append(f"model.readout={cfg.readout} (every architecture there scores the whole "
                    "vocabulary with one linear layer: train with model.readout=full)")
     if ROPE_SCALINGS[cfg.rope_scaling].stretches:

@@ -281,7 +281,7 @@ def _load(family_name: str, arch: Architecture):
                                       "float32 and float64 weights)")
             return files.get(*names)
         cfg = replace(cfg, readout="mlm" if family.head_marker in files.where else "none")
-        if cfg.readout == "none":
+        if not READOUTS[cfg.readout].scores_tokens:
             cfg = replace(cfg, tie_embeddings=False)
         weights = _from_hf_weights(family, get, cfg)
         from engine.checkpoint import load_weights

@@ -23,7 +23,7 @@ from engine.optim import Optimizers, configure_optimizer
 from data.tokenizer import Tokenizer
 from data.tokens import Batches, TokenData, load_tokens
 from model import GPT
-from model.readout import SHORTLIST_COVERAGE, shortlist_for
+from model.readout import READOUTS, SHORTLIST_COVERAGE, shortlist_for
 
 # Model fields a fine-tuning run may change: the same weights compute the same function.
 SWAPPABLE_MODEL_FIELDS = ("attention", "dropout")
@@ -83,7 +83,7 @@ class Run:
     def summary(self) -> str:
         c, m = self.cfg.model, self.model
         readout = (f", adaptive readout (shortlist of {c.readout_shortlist:,})"
-                   if c.readout == "adaptive" else "")
+                   if READOUTS[c.readout].shortlisted else "")
         return (f"model: {c.n_layer} layers x {c.n_head} heads, {c.n_embd} wide, context "
                 f"{c.block_size}, {c.position} positions, {c.attention} attention{readout}: "
                 f"{m.num_params() / 1e6:.2f}M parameters ({m.num_params(True) / 1e6:.2f}M "
@@ -152,7 +152,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
                                else run_dir or Path(train_cfg.out_dir) / train_cfg.run_name)
     data = _load_data(cfg, dist, log, given)
     counts = None
-    if cfg.model.readout == "adaptive" and not resume and source is None:
+    if READOUTS[cfg.model.readout].shortlisted and not resume and source is None:
         counts = torch.from_numpy(data.train.counts(cfg.model.vocab_size))
         fit_readout(cfg.model, counts, log)
         cfg.validate()                        # the shortlist against the vocabulary
