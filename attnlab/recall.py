@@ -60,7 +60,7 @@ VARIANTS = {
     f"window{W}x2+global": Variant(f"RoPE, window {W} over 2 layers, the first {G} tokens global",
                                    {"sliding_window": W, "n_global": G}, fact_first=0.25),
 }
-BASE = dict(n_layer=2, n_head=4, n_embd=64, mlp="gelu_erf", position="rope")
+BASE = dict(n_layer=2, n_head=4, n_embd=64, mlp="gelu", position="rope")
 COLUMNS = ["variant", "factor", "length", "depth", "distance", "correct", "window", "layers", "about"]
 
 

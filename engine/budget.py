@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.errors import ConfigError
-from model.readout import SHORTLIST_COVERAGE, head_macs, shortlist_for
+from model.readout import READOUTS, SHORTLIST_COVERAGE, head_macs, shortlist_for
 
 # Chinchilla's compute-optimal ratio is about 20 (Hoffmann et al., arXiv:2203.15556),
 # fitted to runs of 70M-16B parameters that saw each token about once. The runs this
@@ -67,7 +67,7 @@ def training_bytes(cfg) -> tuple[int, int]:
     lower bounds, so a model refused for them could not have fitted."""
     m, t = cfg.model, cfg.train
     vocab = max(m.vocab_size, 1)
-    if m.readout == "adaptive":
+    if READOUTS[m.readout].shortlisted:
         readout = head_macs(m.n_embd, vocab, max(m.readout_shortlist, 1), tail_share=1.0)
     else:
         readout = 0 if m.tie_embeddings else vocab * m.n_embd
@@ -152,13 +152,14 @@ def choose_readout(model_cfg, counts: torch.Tensor, log=print) -> None:
     Chinese characters (3,684, the 980 most frequent making up 95% of the text) a
     3 x 96 model then ran 21.5 steps/s instead of 14.9 and reached 3.572 instead of
     3.672 in 100 s; on an alphabet of 65 or 96 characters the full layer stays."""
-    if model_cfg.readout != "full" or model_cfg.zero_head or model_cfg.logit_softcap:
+    if not READOUTS[model_cfg.readout].plain or model_cfg.zero_head or model_cfg.logit_softcap:
         return
     d, vocab = model_cfg.n_embd, model_cfg.vocab_size
     shortlist = shortlist_for(counts)
     if shortlist >= vocab or head_macs(d, vocab, shortlist) > 0.5 * head_macs(d, vocab):
         return
-    model_cfg.readout, model_cfg.readout_shortlist, model_cfg.tie_embeddings = "adaptive", shortlist, False
+    adaptive = next(name for name, r in READOUTS.items() if r.shortlisted)
+    model_cfg.readout, model_cfg.readout_shortlist, model_cfg.tie_embeddings = adaptive, shortlist, False
     log(f"readout: adaptive softmax, the {shortlist:,} most frequent of {vocab:,} tokens "
         f"({SHORTLIST_COVERAGE:.0%} of the training text) in its shortlist: "
         f"{head_macs(d, vocab, shortlist) / head_macs(d, vocab):.0%} of the full output layer's work")
@@ -182,7 +183,7 @@ def measure(cfg, device, dtype, seconds: float, batch=None, counts=None) -> floa
         x = torch.randint(0, cfg.model.vocab_size, (train_cfg.batch_size, cfg.model.block_size), generator=g)
         batch = (x, x)
     x, y = (t.to(device) for t in batch)
-    if counts is not None and model.config.readout == "adaptive":
+    if counts is not None and READOUTS[model.config.readout].shortlisted:
         model.adaptive.set_frequencies(counts)
 
     def step():

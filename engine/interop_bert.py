@@ -10,7 +10,7 @@ transformers, no pickle, no remote code.
                                                                         DistilBertForMaskedLM
 
 Each maps exactly onto this project's model with model.causal=false, block=postnorm,
-position=learned, norm=layernorm, mlp=gelu_erf, bias=true. A folder with a masked-LM
+position=learned, norm=layernorm, mlp=gelu, bias=true. A folder with a masked-LM
 head (its weights present) gets readout=mlm, tied to the token embedding as there;
 a folder without one (a sentence encoder such as all-MiniLM-L6-v2) loads with
 readout=none: hidden states and attention, no token scores. BertModel's pooler (a
@@ -98,7 +98,7 @@ FAMILIES = {
 def _encoder(**kw) -> ModelConfig:
     """The variants every BERT-family model is made of, and its sizes."""
     return ModelConfig(causal=False, block="postnorm", position="learned", norm="layernorm",
-                       mlp="gelu_erf", bias=True, attention="sdpa", dropout=0.0, **kw)
+                       mlp="gelu", bias=True, attention="auto", dropout=0.0, **kw)
 
 
 def _check_width(inner: int, width: int, key: str) -> None:
@@ -158,7 +158,7 @@ def _distilbert_to_config(cfg: ModelConfig) -> dict:
 def _encoder_refusals(cfg: ModelConfig) -> list[str]:
     # What no architecture has, the readout aside (an encoder's is checked below).
     out = _common_refusals(replace(cfg, readout="full"), decoder=False) + _needs(
-        cfg, position="learned", norm="layernorm", mlp="gelu_erf")
+        cfg, position="learned", norm="layernorm", mlp="gelu")
     if cfg.causal:
         out.append("model.causal=true (BERT-family models see in both directions)")
     if BLOCKS[cfg.block] is not BLOCKS["postnorm"]:
@@ -281,7 +281,7 @@ def _load(family_name: str, arch: Architecture):
                                       "float32 and float64 weights)")
             return files.get(*names)
         cfg = replace(cfg, readout="mlm" if family.head_marker in files.where else "none")
-        if cfg.readout == "none":
+        if not READOUTS[cfg.readout].scores_tokens:
             cfg = replace(cfg, tie_embeddings=False)
         weights = _from_hf_weights(family, get, cfg)
         from engine.checkpoint import load_weights

@@ -202,7 +202,7 @@ class GPT(nn.Module):
         return KVCache(self.config.n_layer, window, window, sinks, shift=self.positions.shift)
 
     @property
-    def rolls(self) -> bool:
+    def decodes_with_rolling_cache(self) -> bool:
         """A windowed model whose positions are relative (or absent) can decode for
         ever from a rolling cache; learned and sinusoidal positions are absolute."""
         return bool(self.config.sliding_window) and not self.positions.absolute
@@ -271,7 +271,7 @@ class GPT(nn.Module):
             decode = "cache"
         if forced is not None:
             max_new_tokens = forced.shape[1]
-        rolls = (self.rolls or sinks is not None) and decode != "full"
+        rolls = (self.decodes_with_rolling_cache or sinks is not None) and decode != "full"
         context = idx if rolls else idx[:, -window:]
         cache = static = step = None
         length = 0                               # tokens the cache holds, kept in Python

@@ -13,7 +13,7 @@ def planted_model(tokenizer, source: str, target: str, layer: int = 1, head: int
     `source` matches only the key of `target`; every other head attends uniformly."""
     V = tokenizer.vocab_size
     model = GPT(ModelConfig(vocab_size=V, n_layer=2, n_head=2, n_embd=2 * V, block_size=64,
-                            position="none", norm="rmsnorm", mlp="gelu")).eval()
+                            position="none", norm="rmsnorm", mlp="gelu_tanh")).eval()
     D = model.config.head_dim
     with torch.no_grad():
         for p in model.parameters():
