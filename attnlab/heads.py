@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from attnlab.capture import attention_maps
-from attnlab.options import add_run_options, find_run, load, positive
+from attnlab.options import add_run_options, load, positive
 from attnlab.plotting import check_figure_out, figures_folder, out_path, pyplot, save_figure
 from common.errors import AttnlabError
 from engine.cli import Parser, errors_as_lines
@@ -177,7 +177,7 @@ def forward(what: str, rest: list[str]) -> int:
     import importlib
     module, first = FORWARDED[what]
     if what == "induction" and not any(a == "--run" or a.startswith("--run=") for a in rest):
-        rest = ["--run", str(find_run())]          # here, no --run meant the latest run
+        rest = ["--run", "", *rest]                # here, no --run meant the latest run
     return importlib.import_module(module).main(first + rest)
 
 
