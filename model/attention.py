@@ -252,7 +252,7 @@ class MultiHeadAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        # Named places a tool can read (attnlab/lens.py hooks them): q, k and v exactly as
+        # Named places a tool can read (attnlab/capture.py hooks them): q, k and v exactly as
         # the softmax and the weighted sum use them, after positions, QK-norm and value
         # embeddings. Identities, so a model with no hook set computes what it did.
         self.hook_q, self.hook_k, self.hook_v = nn.Identity(), nn.Identity(), nn.Identity()
