@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from common.threads import wait_passively
+from common.threads import report as report_threads, wait_passively
 
 wait_passively()                    # before torch loads: see common/threads.py
 from attnlab.options import add_run_options  # noqa: E402
@@ -65,6 +65,7 @@ def main(argv: list[str]) -> int:
     dtype = pick_dtype(s.dtype, device, cfg.model.n_embd, decoding=True)
     model = model.to(dtype)
     model.check_generates()          # an encoder is refused before anything is printed
+    report_threads()
     prompt_ids = encode_prompt(tokenizer, s.prompt)
     decode = pick_decode(s.decode, device) if s.use_cache else "full"
     print(f"[{ckpt}: {cfg.model.position} positions, {model.num_params() / 1e6:.2f}M parameters, "
