@@ -14,12 +14,17 @@ Each variant is a small model trained on the CPU for a few hundred steps at cont
 with loss on the answer only, then tested on a grid: depth 0-100% x length 1x-8x T.
 RoPE models are also tested under position interpolation, NTK and YaRN (rope_factor =
 the length factor; model/positions.py). Learned positions have no vectors past T:
-those cells are n/a. With `--model`, nothing is trained: the grid is run on that
-model, with the task encoded by its own tokenizer.
+those cells are n/a. The windowed variants (windowWxL) learn a short form of the task,
+" K is V." in lower-case letters, trained on facts their stack of windows can reach,
+L·(W-1)+1 tokens back, the nearest first; the +global ones keep the fact's tokens, set
+at the start of the text in half the examples, visible to every query. With `--model`,
+nothing is trained: the grid is run on that model, with the task encoded by its own
+tokenizer.
 
 Writes into --out: a heatmap per variant (recall_<variant>.png), all of them in one
 figure (recall_heatmaps.png), accuracy against distance for the windowed variants
-(recall_distance.png), and the table (recall.md, recall.csv).
+(recall_distance.png), and the tables (recall.md: by depth and length, and for the
+windows by distance: within W, to the reach, beyond; recall.csv: every example).
 """
 from __future__ import annotations
 
@@ -56,7 +61,7 @@ def windowed(w: int, layers: int, **more) -> Variant:
     # Trained where the stack reaches, the nearest facts first: facts beyond the reach
     # cannot be learned by any weights, and relaying a fact through the layers is found
     # (if at all) only once fetching it from inside one window has been.
-    return Variant(f"RoPE, window {w} over {layers} layers", {"sliding_window": w, "n_layer": layers},
+    return Variant(f"RoPE, window {w} over {layers} layer{'s' * (layers > 1)}", {"sliding_window": w, "n_layer": layers},
                    short=True, within_reach=True, ramp=0.3, **more)
 
 
@@ -164,6 +169,8 @@ def evaluate(name: str, model, task: TokenTask, context: int, factors, depths, n
             if POSITION_ENCODINGS[mcfg.position].has_length_limit and f * context > cfg.block_size:
                 rows += [{"variant": label, "factor": f, "length": f * context, "depth": d,
                           "distance": None, "correct": None} for d in depths]
+                log(f"  {label:<22} {f}x ({f * context:>5} tokens): n/a, {mcfg.position} positions "
+                    f"stop at {cfg.block_size}")
                 continue
             m = model
             if mcfg is not cfg:

@@ -86,16 +86,18 @@ def test_a_tiny_model_retrieves_far_above_chance():
     assert accuracy >= 0.6 > 5 * task.chance
 
 
-def test_the_lab_writes_a_heatmap_per_variant_and_the_table(tmp_path):
+def test_the_lab_writes_a_heatmap_per_variant_and_the_table(tmp_path, capsys):
     out = tmp_path / "lab"
     recall.main(["--variants", "learned", "window16x2", "--steps", "2", "--factors", "1", "2",
                  "--depths", "2", "--examples", "2", "--out", str(out)])
+    assert "learned                2x (  192 tokens): n/a, learned positions stop at 96" in capsys.readouterr().out
     for name in ("recall_learned.png", "recall_window16x2.png", "recall_heatmaps.png",
                  "recall_distance.png"):
         assert (out / name).stat().st_size > 1000
     table = (out / "recall.md").read_text()
     assert "chance 1%" in table
     assert re.search(r"\| learned \| \d+% \| n/a \|", table)     # no positions past its table
+    assert re.search(r"\| window16x2 \| 16 \| 2 \| 31 \| ", table)    # and the windows by distance
 
 
 transformers = pytest.importorskip("transformers")
