@@ -31,6 +31,7 @@ from __future__ import annotations
 import csv
 import math
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -207,7 +208,7 @@ def heatmap(ax, acc, factors, depths, context: int, title: str, chance: float):
             text = "n/a" if math.isnan(v) else f"{100 * v:.0f}"
             ax.text(j, i, text, ha="center", va="center", fontsize=6,
                     color="black" if math.isnan(v) or v > 0.5 else "white")
-    ax.set_title(title, fontsize=8)
+    ax.set_title("\n".join(textwrap.wrap(title, 40)), fontsize=8)
     ax.set_xlabel("length (x trained context, tokens)", fontsize=7)
     ax.set_ylabel("depth of the fact", fontsize=7)
     return image
@@ -390,7 +391,8 @@ def report(rows, factors, depths, context: int, chance: float, out: Path):
     about = {r["variant"]: r.get("about") or r["variant"] for r in rows}
     # Windows alone, as trained: global tokens or a RoPE scaling change what "reach" means.
     windowed = {r["variant"]: (int(r["window"]), int(r["layers"])) for r in rows
-                if r.get("window") and not int(r.get("global") or 0) and " + " not in r["variant"]}
+                if int(r.get("window") or 0) and not int(r.get("global") or 0)   # "0" read back
+                and " + " not in r["variant"]}
     written = write(rows, names, factors, depths, context, chance, out, about)
     if windowed:
         written.append(distance_plot(rows, windowed, chance, out))

@@ -98,6 +98,10 @@ def test_the_lab_writes_a_heatmap_per_variant_and_the_table(tmp_path, capsys):
     assert "chance 1%" in table
     assert re.search(r"\| learned \| \d+% \| n/a \|", table)     # no positions past its table
     assert re.search(r"\| window16x2 \| 16 \| 2 \| 31 \| ", table)    # and the windows by distance
+    # Drawn again from the table's rows, as read back from recall.csv: the same tables.
+    recall.main(["--merge", str(out), "--out", str(tmp_path / "again")])
+    again = (tmp_path / "again" / "recall.md").read_text()
+    assert again == table and "| learned | 0 |" not in again
 
 
 transformers = pytest.importorskip("transformers")
