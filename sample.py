@@ -41,6 +41,7 @@ def main(argv: list[str]) -> int:
     from dataclasses import replace
     from engine.cli import apply_overrides, overrides_of
     from engine.checkpoint import latest_run
+    from common.errors import ConfigError
     from engine.config import RunConfig, apply
     from engine.device import dtype_name, pick_device, pick_dtype
     from engine.inference import StepExplainer, encode_prompt, load_run, pick_decode, stream_text
@@ -62,6 +63,10 @@ def main(argv: list[str]) -> int:
         apply(settings, section, values, "the command line")
     settings.validate()
     s = settings.sample
+    if s.sinks >= cfg.model.block_size:        # the run's context, which validate() does not know
+        raise ConfigError(f"sample.sinks={s.sinks} keeps more tokens than the model's context of "
+                          f"{cfg.model.block_size}; give at most {cfg.model.block_size - 1} "
+                          "(StreamingLLM keeps 4)")
     dtype = pick_dtype(s.dtype, device, cfg.model.n_embd, decoding=True)
     model = model.to(dtype)
     model.check_generates()          # an encoder is refused before anything is printed

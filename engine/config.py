@@ -199,6 +199,18 @@ class RunConfig:
             raise ConfigError(f"sample.seed must be between 0 and 2**63 - 1, got {sample.seed}")
         if sample.explain_top < 1:
             raise ConfigError(f"sample.explain_top must be at least 1, got {sample.explain_top}")
+        if sample.sinks:
+            # Sinks live in a rolling KV cache: say so here, before generate() would raise.
+            if sample.sinks < 0:
+                raise ConfigError(f"sample.sinks must be 0 (off) or positive, got {sample.sinks}")
+            if not sample.use_cache:
+                raise ConfigError("sample.sinks keeps the first tokens in a rolling KV cache, "
+                                  "and sample.use_cache=false turns the cache off: drop one "
+                                  "of the two")
+            if sample.decode in ("static", "graph"):
+                raise ConfigError(f"sample.sinks decodes from a rolling cache that grows as "
+                                  f"it rolls, not a preallocated one: use sample.decode=cache "
+                                  f"(or auto) with sinks, not {sample.decode}")
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,

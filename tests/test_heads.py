@@ -54,6 +54,11 @@ def test_head_statistics_label_recognisable_patterns():
     assert head_stats(previous)["label"] == "previous-token head"
     assert head_stats(previous)["mean_distance"] == 1.0
     assert head_stats(sink)["label"] == "first-token (sink) head"
+    # `first` is the mean weight on token 0 over the queries that have a choice (1..T-1):
+    # a causal uniform head gives query i a weight of 1/(i+1) there.
+    assert head_stats(sink)["first"] == 1.0
+    assert head_stats(uniform)["first"] == pytest.approx(sum(1 / (i + 1) for i in range(1, T)) / (T - 1))
+    assert head_stats(previous)["first"] == pytest.approx(1 / (T - 1))
     assert head_stats(uniform)["entropy"] > head_stats(previous)["entropy"] == 0
 
 
