@@ -1,7 +1,8 @@
 """Position encodings: how a model that otherwise sees a *set* of tokens learns order.
 
 Attention by itself is permutation-equivariant: shuffle the input tokens and the
-outputs shuffle the same way (tests/test_positions.py proves it for `none`). Every
+outputs shuffle the same way (tests/test_attention.py,
+test_without_positions_attention_is_permutation_equivariant, proves it). Every
 encoding here is one of two hooks, so the attention code has no branches:
 
 * `embed(x, start)` adds a vector per absolute position to the token embeddings
