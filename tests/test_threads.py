@@ -60,6 +60,7 @@ def test_the_choice_is_said_when_work_starts_not_before_an_error_line(capsys):
     """A mistyped option on a busy machine still gets one line: the threads line waits
     for report(), which train.py and sample.py call once the run is set up."""
     from common import threads
+    threads._pending.clear()                  # importing train.py elsewhere may have left one
     env = {}
     wait_passively(env, busy=lambda: 1.5)
     assert capsys.readouterr().err == ""
