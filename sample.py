@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import sys
 
-from common.threads import wait_passively
+from common.threads import report as report_threads, wait_passively
 
 wait_passively()                    # before torch loads: see common/threads.py
-from engine.cli import Parser, add_config_options, add_run_options, errors_as_lines  # noqa: E402
+from attnlab.options import add_run_options  # noqa: E402
+from engine.cli import Parser, add_config_options, errors_as_lines  # noqa: E402
 
 
 def parser() -> Parser:
     p = Parser("python sample.py", __doc__, usage="python sample.py [--run DIR] "
-               "[--checkpoint best|latest] [--device D] [--KEY=VALUE ...]")
+               "[--checkpoint best|latest|STEP] [--device D] [--KEY=VALUE ...]")
     add_run_options(p)
     p.add_argument("--exercises", metavar="DIR", default=None,
                    help="where a run trained with attention or position `yours` finds your "
@@ -40,6 +41,7 @@ def main(argv: list[str]) -> int:
     from dataclasses import replace
     from engine.cli import apply_overrides, overrides_of
     from engine.checkpoint import latest_run
+    from common.errors import ConfigError
     from engine.config import RunConfig, apply
     from engine.device import dtype_name, pick_device, pick_dtype
     from engine.inference import StepExplainer, encode_prompt, load_run, pick_decode, stream_text
@@ -61,10 +63,15 @@ def main(argv: list[str]) -> int:
         apply(settings, section, values, "the command line")
     settings.validate()
     s = settings.sample
+    if s.sinks >= cfg.model.block_size:        # the run's context, which validate() does not know
+        raise ConfigError(f"sample.sinks={s.sinks} keeps more tokens than the model's context of "
+                          f"{cfg.model.block_size}; give at most {cfg.model.block_size - 1} "
+                          "(StreamingLLM keeps 4)")
     dtype = pick_dtype(s.dtype, device, cfg.model.n_embd, decoding=True)
     model = model.to(dtype)
     refuse_what_cannot_write(cfg, run)
     model.check_generates()          # an encoder is refused before anything is printed
+    report_threads()
     prompt_ids = encode_prompt(tokenizer, s.prompt)
     decode = pick_decode(s.decode, device) if s.use_cache else "full"
     print(f"[{ckpt}: {cfg.model.position} positions, {model.num_params() / 1e6:.2f}M parameters, "

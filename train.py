@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from common.threads import wait_passively
+from common.threads import report as report_threads, wait_passively
 
 wait_passively()                    # before torch loads: see common/threads.py
 from engine.cli import Parser, add_config_options, errors_as_lines  # noqa: E402
@@ -95,6 +95,8 @@ def main(argv: list[str]) -> int:
                         source=source)
         if dist.is_main:
             plug.remember(cfg.model, run.run_dir, exercises)
+        if dist.is_main:
+            report_threads()
         run.log(f"config:\n{describe(cfg)}")
         run.log(run.describe_setup())
         run.log(run.summary())

@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 
 from common.errors import AttnlabError
+from attnlab.capture import attention_maps, run_with_cache
+from attnlab.options import add_run_options, load
 from engine.cli import Parser, errors_as_lines
 
 BANK = ("the river bank eroded", "the savings bank collapsed")
@@ -45,7 +47,6 @@ SENTENCES = ("The trophy didn't fit in the suitcase because it was too big.",
 def bank_cosines(model, tokenizer, texts=BANK, word: str = "bank") -> list[float]:
     """Cosine of `word`'s vectors in the two texts entering each block, then leaving
     the last: n_layer + 1 values, the first the embedding layer's output."""
-    from attnlab.lens import run_with_cache
     L = model.config.n_layer
     vectors = []
     for text in texts:
@@ -55,15 +56,15 @@ def bank_cosines(model, tokenizer, texts=BANK, word: str = "bank") -> list[float
             raise AttnlabError(f"{word!r} is not one token of {text!r}")
         at = pieces.index(word)
         names = [f"blocks.{l}.resid_pre" for l in range(L)] + [f"blocks.{L - 1}.resid_post"]
-        _, cache = run_with_cache(model, torch.tensor([ids]), only=names)
-        vectors.append(torch.stack([cache[n][0, at] for n in names]))
+        idx = torch.tensor([ids], device=next(model.parameters()).device)
+        _, cache = run_with_cache(model, idx, only=names)
+        vectors.append(torch.stack([cache[n][0, at].float().cpu() for n in names]))
     return torch.cosine_similarity(vectors[0], vectors[1], dim=-1).tolist()
 
 
 @torch.no_grad()
 def distance_per_layer(model, tokenizer, texts=SENTENCES) -> list[tuple[float, float]]:
     """(mean attention distance in tokens, share of weight on special tokens) per layer."""
-    from attnlab.heads import attention_maps
     special = getattr(tokenizer, "special_ids", set())
     sums = torch.zeros(model.config.n_layer, 2)
     for text in texts:
@@ -80,7 +81,7 @@ def distance_per_layer(model, tokenizer, texts=SENTENCES) -> list[tuple[float, f
 
 # -- §04: the leak --------------------------------------------------------------------
 
-LEAK_STEPS = 300                # the tiny preset's model: about a minute for both on 2 cores
+LEAK_STEPS = 300                # the tiny preset's model: 12 s of CPU time for both runs
 LEAK_PROMPT = "ROMEO:\n"
 
 
@@ -118,7 +119,6 @@ def train_lm(causal: bool, steps: int, out: Path, data: str = "", log=lambda *a,
 def next_position_mass(model, x: torch.Tensor) -> tuple[float, tuple[int, int], torch.Tensor]:
     """(mean weight on key i + 1 over the queries of x (B, T), for the head with most of
     it; that head's (layer, head); its pattern on x[0])."""
-    from attnlab.lens import run_with_cache
     names = [f"blocks.{l}.pattern" for l in range(model.config.n_layer)]
     _, cache = run_with_cache(model, x, only=names)
     mass = torch.stack([cache[n].float().diagonal(offset=1, dim1=-2, dim2=-1).mean(dim=(0, -1))
@@ -188,7 +188,7 @@ def leak_figure(rows: list[LeakRow], path: Path) -> Path:
 def main(argv=None) -> int:
     parser = Parser("python -m attnlab.article", __doc__)
     parser.add_argument("what", choices=["bank", "distance", "leak"])
-    parser.add_argument("--run", help="bank, distance: a BERT-family folder (or any run)")
+    add_run_options(parser, "bank, distance: a BERT-family folder such as all-MiniLM-L6-v2 (or any run)")
     parser.add_argument("--steps", type=int, default=LEAK_STEPS, help="leak: training steps of each model")
     parser.add_argument("--data", default="", help="leak: corpus (default: the bundled plays)")
     parser.add_argument("--runs", default=None, help="leak: keep the two runs in this folder "
@@ -216,12 +216,7 @@ def main(argv=None) -> int:
         path = leak_figure(rows, Path(args.out) if args.out else figures_folder() / "leak.png")
         print(f"\nfigure: {path}")
         return 0
-    if not args.run:
-        raise AttnlabError(f"{args.what} needs --run: a BERT-family folder, such as the one "
-                           "python -c \"from all_minilm_l6_v2 import extract_model; "
-                           "extract_model('models')\" writes")
-    from engine.inference import load_run
-    model, _, tokenizer, _ = load_run(args.run)
+    model, _, tokenizer, _ = load(args)
     if args.what == "bank":
         print(f"cosine of 'bank' in {BANK[0]!r} and {BANK[1]!r}:")
         for layer, cos in enumerate(bank_cosines(model, tokenizer)):

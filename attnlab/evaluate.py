@@ -24,7 +24,8 @@ import torch
 from tqdm import tqdm
 
 from common.errors import AttnlabError
-from engine.cli import Parser, add_run_options, errors_as_lines
+from attnlab.options import add_run_options, load
+from engine.cli import Parser, errors_as_lines
 
 
 def windows(n_tokens: int, context: int, stride: int):
@@ -90,15 +91,13 @@ def load_for_comparison(folder: Path, tokenizer):
 
 def main(argv=None) -> int:
     parser = Parser("python -m attnlab.evaluate", __doc__)
-    add_run_options(parser, "run directory, checkpoint or transformers folder")
+    add_run_options(parser)
     parser.add_argument("--data", required=True, help="a UTF-8 text file to score")
     parser.add_argument("--stride", type=int, default=0,
                         help="tokens the window moves each time (default: half the context)")
     parser.add_argument("--compare", default="", help="a transformers folder to score the same way")
     args = parser.parse_args(argv)
-    from engine.checkpoint import latest_run
     from engine.device import pick_device
-    from engine.inference import load_run
     path = Path(args.data)
     if not path.is_file():
         raise AttnlabError(f"--data {path} is not a file; give a UTF-8 text file")
@@ -107,7 +106,7 @@ def main(argv=None) -> int:
     except UnicodeDecodeError as err:
         raise AttnlabError(f"--data {path} is not UTF-8 text ({err})") from None
     device = pick_device(args.device)
-    model, cfg, tokenizer, ckpt = load_run(args.run or latest_run(), args.checkpoint, device)
+    model, cfg, tokenizer, ckpt = load(args)
     ids = tokenizer.encode(text)
     if len(ids) < 2:
         raise AttnlabError(f"--data {path} holds fewer than two tokens; nothing to score")

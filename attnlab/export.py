@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import sys
 
-from engine.cli import Parser, add_run_options, errors_as_lines
+from attnlab.options import add_run_options, load
+from engine.cli import Parser, errors_as_lines
 
 
 def main(argv=None) -> int:
@@ -24,11 +25,8 @@ def main(argv=None) -> int:
     add_run_options(parser)
     parser.add_argument("--out", required=True, help="the folder to write (new or empty)")
     args = parser.parse_args(argv)
-    from engine.checkpoint import latest_run
-    from engine.inference import load_run
     from engine.interop import export
-    model, cfg, tokenizer, ckpt = load_run(args.run or latest_run(), args.checkpoint,
-                                           log=print)
+    model, cfg, tokenizer, ckpt = load(args, log=print)
     s = cfg.sample
     generation = {"do_sample": s.temperature > 0, "max_new_tokens": s.max_new_tokens}
     if s.temperature > 0:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from common.errors import AttnlabError
+from attnlab.options import add_run_options, find_run
 from attnlab.plotting import pyplot, save_figure
 from engine.cli import Parser, errors_as_lines
 
@@ -30,9 +31,9 @@ def find_runs(folder: Path) -> list[Path]:
 @torch.no_grad()
 def val_loss(model, tokens, length: int, batches: int, batch_size: int) -> float:
     from data.tokens import Batches
-    total = 0.0
+    total, device = 0.0, next(model.parameters()).device
     for x, y in Batches(tokens, batch_size, length, split="val").spaced(batches):
-        total += model(x, y).loss.item()
+        total += model(x.to(device), y.to(device)).loss.item()
     return total / batches
 
 
@@ -48,13 +49,14 @@ def schemes(cfg, factor: int):
                                              rope_original_context=cfg.block_size)
 
 
-def evaluate_run(run: Path, factors, batches: int, batch_size: int) -> list[dict]:
+def evaluate_run(run: Path, factors, batches: int, batch_size: int, which: str = "best",
+                 device="cpu") -> list[dict]:
     from engine import checkpoint
     from engine.inference import load_run
     from data.tokens import load_tokens
     from model import GPT
     from model.positions import POSITION_ENCODINGS
-    model, cfg, _, ckpt = load_run(run, "best")
+    model, cfg, _, ckpt = load_run(run, which, device)
     weights, _, _ = checkpoint.load(ckpt)
     data_cfg = cfg.data
     data = load_tokens(data_cfg.path, data_cfg.tokenizer, data_cfg.vocab_size, data_cfg.val_fraction, data_cfg.cache_dir, log=lambda *a: None)
@@ -68,6 +70,7 @@ def evaluate_run(run: Path, factors, batches: int, batch_size: int) -> list[dict
             else:
                 m = GPT(mcfg)
                 checkpoint.load_weights(m, weights, ckpt)
+                m = m.to(device)
                 row["val_loss"] = val_loss(m.eval(), data.val, f * T, batches, batch_size)
             rows.append(row)
             shown = "n/a (past its table)" if row["val_loss"] is None else f"{row['val_loss']:.4f}"
@@ -113,14 +116,15 @@ def write(rows: list[dict], out: Path, factors) -> None:
 def main(argv=None) -> int:
     parser = Parser("python -m attnlab.extrapolate", __doc__)
     parser.add_argument("--from", dest="folder", default="", help="a folder of runs (compare's output)")
-    parser.add_argument("--runs", nargs="*", default=[], help="run directories")
+    parser.add_argument("--runs", nargs="*", default=[], help="run directories (or names in runs/)")
+    add_run_options(parser, run=False)
     parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--batches", type=int, default=10, help="validation batches per point")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--out", default="", help="output folder (default: --from, or "
                         "figures/, which git ignores)")
     args = parser.parse_args(argv)
-    runs = [Path(r) for r in args.runs] + (find_runs(Path(args.folder)) if args.folder else [])
+    runs = [find_run(r) for r in args.runs if r] + (find_runs(Path(args.folder)) if args.folder else [])
     if not runs:
         raise AttnlabError("no runs to evaluate: give --from FOLDER (from attnlab.compare) "
                            "or --runs DIR [DIR ...]")
@@ -128,9 +132,12 @@ def main(argv=None) -> int:
         raise AttnlabError("--factors must be whole numbers of at least 1")
     out = Path(args.out or args.folder or "figures")
     out.mkdir(parents=True, exist_ok=True)
+    from engine.device import pick_device
+    device = pick_device(args.device)
     rows = []
     for run in runs:
-        rows.extend(evaluate_run(run, args.factors, args.batches, args.batch_size))
+        rows.extend(evaluate_run(run, args.factors, args.batches, args.batch_size,
+                                 args.checkpoint, device))
     write(rows, out, args.factors)
     print(f"\nwrote {out}/extrapolation.md, .csv and .png")
     return 0

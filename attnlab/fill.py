@@ -14,6 +14,7 @@ import sys
 import torch
 
 from common.errors import AttnlabError
+from attnlab.options import add_run_options, load
 from engine.cli import Parser, errors_as_lines
 from model.readout import READOUTS
 
@@ -45,12 +46,11 @@ def fill(model, tokenizer, text: str, top: int = 5) -> list[tuple[int, list[tupl
 
 def main(argv=None) -> int:
     parser = Parser("python -m attnlab.fill", __doc__)
-    parser.add_argument("--run", required=True, help="a masked-LM folder or run directory")
+    add_run_options(parser, "a masked-LM folder (BertForMaskedLM and the like) or run")
     parser.add_argument("--text", required=True, help="text with [MASK] where a word is missing")
     parser.add_argument("--top", type=int, default=5, help="guesses shown per blank")
     args = parser.parse_args(argv)
-    from engine.inference import load_run
-    model, _, tokenizer, _ = load_run(args.run)
+    model, _, tokenizer, _ = load(args)
     for position, guesses in fill(model, tokenizer, args.text, args.top):
         # A character model's guesses are often a space or a newline: shown quoted.
         shown = ", ".join(f"{t if t.strip() == t and t else repr(t)} {p:.3f}" for t, p in guesses)

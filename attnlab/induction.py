@@ -3,7 +3,7 @@ last occurrence of the current token (Olsson et al., "In-context Learning and
 Induction Heads", 2022).
 
     python -m attnlab.induction --out figures/induction        # train, detect, ablate
-    python -m attnlab.heads induction --run runs/NAME          # detect in any model
+    python -m attnlab.induction --run runs/NAME                # detect in any model
 
 The experiment trains a 2-layer attention-only model (no MLPs) on sequences made of a
 random span of tokens followed by the same span again; the span's length changes from
@@ -27,8 +27,11 @@ from pathlib import Path
 
 import torch
 
-from attnlab.lens import ablate, run_with_cache
-from attnlab.plotting import pyplot, save_figure
+from attnlab.capture import attention
+from attnlab.lens import ablate
+from attnlab.options import add_run_options, load
+from attnlab.plotting import check_figure_out, figures_folder, out_path, pyplot, save_figure
+from common.errors import AttnlabError
 from engine.cli import Parser, errors_as_lines
 
 
@@ -49,12 +52,12 @@ def head_scores(model, span: int = 20, n: int = 16, vocab: int | None = None, se
     vocab = vocab or model.config.vocab_size
     span = min(span, model.config.block_size // 2)
     x = repeated_sequences(n, span, vocab, g).to(next(model.parameters()).device)
-    _, cache = run_with_cache(model, x, only=[f"blocks.{l}.pattern" for l in range(model.config.n_layer)])
+    _, maps = attention(model, x)
     T = 2 * span
     prev, induct = [], []
     t = torch.arange(span, T)                                # second-half positions
     for layer in range(model.config.n_layer):
-        p = cache[f"blocks.{layer}.pattern"].float()        # (n, H, T, T)
+        p = maps[layer].float()                              # (n, H, T, T)
         prev.append(p[:, :, torch.arange(1, T), torch.arange(0, T - 1)].mean(dim=(0, 2)))
         induct.append(p[:, :, t, t - span + 1].mean(dim=(0, 2)))
     return torch.stack(prev).cpu(), torch.stack(induct).cpu()
@@ -115,24 +118,45 @@ def plot_heads(model, span: int, heads: dict[str, tuple[int, int]], path: Path,
     x = repeated_sequences(1, min(span, 12, model.config.block_size // 2),
                            vocab or model.config.vocab_size, g)
     x = x.to(next(model.parameters()).device)
-    _, cache = run_with_cache(model, x)
+    _, maps = attention(model, x)
     plt = pyplot()
     fig, axes = plt.subplots(1, len(heads), figsize=(4.2 * len(heads), 4))
     for ax, (title, (layer, head)) in zip(list(axes) if len(heads) > 1 else [axes], heads.items()):
-        ax.imshow(cache[f"blocks.{layer}.pattern"][0, head].cpu(), cmap="viridis", vmin=0, vmax=1)
+        ax.imshow(maps[layer][0, head].float().cpu(), cmap="viridis", vmin=0, vmax=1)
         ax.set_title(f"{title}\nlayer {layer}, head {head}", fontsize=10)
         ax.set_xlabel("key position (looked at)")
         ax.set_ylabel("query position (looking)")
     return save_figure(fig, path)
 
 
+def detect(args) -> int:
+    """Scores and the two heads' patterns in a model of the user's (--run)."""
+    check_figure_out(args.out or "")
+    model, _, _, ckpt = load(args)
+    if not model.config.causal:
+        raise AttnlabError("induction heads copy what followed an earlier occurrence of the "
+                           "current token, a decoder's trick; this model is an encoder "
+                           "(model.causal=false): look at it with python -m attnlab.heads")
+    _, _, prev, induct = report(model, span=min(20, model.config.block_size // 2))
+    print(plot_heads(model, 12, {"previous-token head": prev, "induction head": induct},
+                     out_path(args.out or str(figures_folder(ckpt)), "induction_heads.png")))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = Parser("python -m attnlab.induction", __doc__)
+    add_run_options(parser, "detect the heads in this model: a run directory or name, "
+                    "checkpoint folder, or transformers folder",
+                    without="train a 2-layer model and detect them in it")
+    parser.set_defaults(run=None)
     parser.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
     parser.add_argument("--span", type=int, default=16, help="length of the repeated span")
-    parser.add_argument("--out", default="figures/induction", help="folder for the figures "
-                        "(default: figures/induction; git ignores figures/)")
+    parser.add_argument("--out", default=None, help="folder for the figures (default: "
+                        "figures/induction, which git ignores; with --run, the run's figures/)")
     args = parser.parse_args(argv)
+    if args.run is not None:
+        return detect(args)
+    args.out = args.out or "figures/induction"
     vocab = 64
     model = train_attention_only(vocab, args.span, args.steps)
     test_span = args.span * 3 // 4                  # a length it was trained on, not the longest

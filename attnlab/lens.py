@@ -1,127 +1,35 @@
-"""Every intermediate activation of a model by a readable name, and switching parts off
-or swapping them between prompts: the next step after attention heatmaps.
+"""One layer below the attention maps: each layer's guess (the logit lens), heads and
+MLPs switched off (ablation), and activations swapped between prompts (patching).
+
+    python -m attnlab.lens logit  --run runs/NAME --text "..."     # each layer's guess
+    python -m attnlab.lens ablate --run runs/NAME --text "..."     # each head switched off
+    python -m attnlab.lens patch  --run runs/NAME --clean "..." --corrupt "..."
+
+From Python (run_with_cache is attnlab.capture's, which lists every name it reads):
 
     from attnlab.lens import run_with_cache, ablate, patch
     logits, cache = run_with_cache(model, tokens)
-    cache["blocks.1.pattern"]           # (B, H, T, T) attention weights of layer 1
     with ablate(model, heads=[(1, 3)]):  # layer 1, head 3 switched off
         loss = model(tokens, targets).loss
     with patch(model, clean_cache, ["blocks.0.resid_post"], positions=[5]):
         logits = model(corrupt_tokens).logits
 
-Names, for each layer l (B batch, T tokens, H heads, D = d_k, C = n_embd):
-  blocks.l.resid_pre   (B, T, C)     the residual stream entering the block
-  blocks.l.q / .k / .v (B, H|H_kv, T, D)   queries, keys (positions applied) and values
-  blocks.l.pattern     (B, H, T, T)  attention weights (from the eager path: every backend)
-  blocks.l.z           (B, T, H, D)  each head's output, before W_O mixes the heads
-  blocks.l.attn_out    (B, T, C)     the attention sublayer's output (after W_O)
-  blocks.l.mlp_out     (B, T, C)     the MLP sublayer's output
-  blocks.l.resid_post  (B, T, C)     the residual stream leaving the block
-and final_norm (B, T, C), the last residual stream after the final norm, whose product
-with the output layer is the logits. In a model with model.value_embeds, `v` is x·W_V
-with the token's value embedding added (what the weighted sum uses); with
-model.skip_connections, a late block's resid_pre includes the skip from its mirror
-block (so it is not the previous resid_post).
-
-Everything is read with forward hooks on the model's own modules and removed
-afterwards; q, k and v come from the attention module's identity hook points (hook_q,
-hook_k, hook_v), so they are what the softmax used, QK-norm and positions included,
-and a model with no hook set runs exactly as before.
+Both edit the forward pass with the same removable hooks capture uses, so the model
+runs as before once the `with` block is left.
 """
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from typing import Iterable
 
 import torch
 
+from attnlab.capture import installed, names, run_with_cache  # noqa: F401  (lens users read and edit)
+from attnlab.options import add_run_options, load, positive
+from attnlab.plotting import check_figure_out, figures_folder, out_path, save_layer_map
 from common.errors import AttnlabError
-
-
-def _hooks_for(model, cache: dict, only: set[str] | None):
-    """(module, kind, hook) triples that fill `cache` with the activations named."""
-    want = (lambda n: True) if only is None else only.__contains__
-    c = model.config
-    out = []
-    for layer, block in enumerate(model.blocks):
-        p = f"blocks.{layer}."
-
-        def block_pre(module, args, p=p):
-            if want(p + "resid_pre"):
-                cache[p + "resid_pre"] = args[0].detach()
-
-        def block_post(module, args, output, p=p):
-            if want(p + "resid_post"):
-                cache[p + "resid_post"] = output[0].detach()
-            if want(p + "pattern") and output[1] is not None:
-                cache[p + "pattern"] = output[1].detach()
-
-        def attn_post(module, args, output, p=p):
-            if want(p + "attn_out"):
-                cache[p + "attn_out"] = output[0].detach()
-
-        def read(name, p=p):
-            def hook(module, args, output):
-                if want(p + name):
-                    cache[p + name] = output.detach()
-            return hook
-
-        def w_o_pre(module, args, p=p, H=c.n_head, D=c.head_dim):
-            if want(p + "z"):
-                B, T, _ = args[0].shape
-                cache[p + "z"] = args[0].detach().view(B, T, H, D)
-
-        def mlp_post(module, args, output, p=p):
-            if want(p + "mlp_out"):
-                cache[p + "mlp_out"] = output.detach()
-
-        out += [(block, "pre", block_pre), (block, "post", block_post),
-                (block.attn, "post", attn_post),
-                *((getattr(block.attn, f"hook_{n}"), "post", read(n)) for n in "qkv"),
-                (block.attn.w_o, "pre", w_o_pre), (block.mlp, "post", mlp_post)]
-
-    def final(module, args, output):
-        if want("final_norm"):
-            cache["final_norm"] = output.detach()
-    out.append((model.norm_f, "post", final))
-    return out
-
-
-@contextmanager
-def _installed(hooks):
-    handles = []
-    try:
-        for module, kind, fn in hooks:
-            register = module.register_forward_pre_hook if kind == "pre" else module.register_forward_hook
-            handles.append(register(fn))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def names(model) -> list[str]:
-    """Every name run_with_cache fills, in the order the forward pass meets them."""
-    per_layer = ["resid_pre", "q", "k", "v", "pattern", "z", "attn_out", "mlp_out", "resid_post"]
-    return [f"blocks.{l}.{n}" for l in range(model.config.n_layer) for n in per_layer] + ["final_norm"]
-
-
-@torch.no_grad()
-def run_with_cache(model, tokens: torch.Tensor, only: Iterable[str] | None = None, **inputs):
-    """(logits, {name: activation}) for one forward pass over `tokens` (B, T). With
-    `only`, just those are kept. Attention patterns come from the eager path, so they
-    exist for every backend; asking for none of them keeps the model's own backend.
-    `inputs` go to the model as they are (attention_mask for a padded batch, token_types).
-    An encoder without an output layer gives logits None."""
-    wanted = None if only is None else set(only)
-    unknown = set() if wanted is None else wanted - set(names(model))
-    if unknown:
-        raise AttnlabError(f"no activation named {sorted(unknown)[0]!r}; see attnlab.lens.names(model)")
-    need_weights = wanted is None or any(n.endswith(".pattern") for n in wanted)
-    cache: dict = {}
-    with _installed(_hooks_for(model, cache, wanted)):
-        logits = model(tokens, return_attention=need_weights, **inputs).logits
-    return logits, cache
+from engine.cli import Parser, errors_as_lines
 
 
 def _layer_head(model, layer: int, head: int | None = None) -> None:
@@ -169,7 +77,7 @@ def ablate(model, heads: Iterable[tuple[int, int]] = (), mlps: Iterable[int] = (
                 return torch.zeros_like(output)
             return means[f"blocks.{layer}.mlp_out"].mean(dim=(0, 1)).to(output.dtype).expand_as(output)
         hooks.append((model.blocks[layer].mlp, "post", mlp_post))
-    with _installed(hooks):
+    with installed(hooks):
         yield
 
 
@@ -211,5 +119,156 @@ def patch(model, source: dict, names: Iterable[str], positions: Iterable[int] | 
             hooks.append((block.mlp, "post", lambda m, a, out, r=replace: r(out)))
         else:
             hooks.append((block.attn.w_o, "pre", lambda m, args, r=replace: (r(args[0]),)))
-    with _installed(hooks):
+    with installed(hooks):
         yield
+
+
+# -- the three studies, as the command line runs them ---------------------------------
+
+def token_ids(tokenizer, text: str, device, at_least: int = 1) -> torch.Tensor:
+    if not text:
+        raise AttnlabError("give some text with --text")
+    ids = tokenizer.encode(text)
+    if len(ids) < at_least:
+        raise AttnlabError(f"{text!r} is {len(ids)} token(s); this needs at least {at_least} "
+                           "(each token is scored on predicting the next): give a longer --text")
+    return torch.tensor([ids], device=device)
+
+
+@torch.no_grad()
+def logit_lens(model, ids: torch.Tensor):
+    """For every layer, the residual stream after it read through the final norm and
+    the output layer (nostalgebraist's logit lens): (layers, T) top token ids and
+    (layers, T) probabilities each layer gives the actual next token."""
+    L = model.config.n_layer
+    logits, cache = run_with_cache(model, ids, only=[f"blocks.{l}.resid_post" for l in range(L)])
+    per_layer = torch.stack([model.readout(model.norm_f(cache[f"blocks.{l}.resid_post"]))[0]
+                             for l in range(L)]).float()               # (L, T, V)
+    probs = torch.softmax(per_layer, -1)
+    # A decoder predicts the next token; an encoder's masked-LM head the token itself.
+    shift = int(model.config.causal)
+    nxt = ids[0, shift:]
+    p_next = probs[:, :probs.shape[1] - shift].gather(-1, nxt[None, :, None].expand(L, -1, 1))[..., 0]
+    return per_layer.argmax(-1).cpu(), p_next.cpu()
+
+
+@torch.no_grad()
+def head_ablation(model, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """The text's next-token loss, and (layers, heads) its change when each head alone
+    is zero-ablated."""
+    c = model.config
+    # A decoder's loss is on the next token, an encoder's (masked-LM head) on each token.
+    inputs, targets = (ids[:, :-1], ids[:, 1:]) if c.causal else (ids, ids)
+    base = model(inputs, targets).loss.item()
+    delta = torch.zeros(c.n_layer, c.n_head)
+    for layer in range(c.n_layer):
+        for head in range(c.n_head):
+            with ablate(model, heads=[(layer, head)]):
+                delta[layer, head] = model(inputs, targets).loss.item() - base
+    return base, delta
+
+
+@torch.no_grad()
+def activation_patching(model, clean: torch.Tensor, corrupt: torch.Tensor):
+    """Patch the clean run's residual stream into the corrupt run, one (layer,
+    position) at a time, and measure how much of the clean answer comes back at the
+    last position: 0 = the corrupt run's logit for the clean answer, 1 = the clean
+    run's. Returns (the answer id, (layers, T) recovered share)."""
+    if clean.shape != corrupt.shape:
+        raise AttnlabError(f"--clean is {clean.shape[1]} tokens and --corrupt {corrupt.shape[1]}; "
+                           "patching compares the same positions: give texts of equal length "
+                           "in tokens (change one word for another of the same length)")
+    L, T = model.config.n_layer, clean.shape[1]
+    wanted = [f"blocks.{l}.resid_pre" for l in range(L)]
+    clean_logits, cache = run_with_cache(model, clean, only=wanted)
+    answer = int(clean_logits[0, -1].argmax())
+    low = model(corrupt).logits[0, -1, answer].item()
+    high = clean_logits[0, -1, answer].item()
+    share = torch.zeros(L, T)
+    for layer in range(L):
+        for pos in range(T):
+            with patch(model, cache, [wanted[layer]], positions=[pos]):
+                got = model(corrupt).logits[0, -1, answer].item()
+            share[layer, pos] = (got - low) / (high - low) if high != low else 0.0
+    return answer, share
+
+
+def show_logit_lens(args, model, tokenizer, show) -> None:
+    ids = token_ids(tokenizer, args.text, next(model.parameters()).device, at_least=2)
+    labels = [show(i) for i in ids[0]]
+    top, p_next = logit_lens(model, ids)
+    print("layer " + " ".join(f"{l:>8}" for l in labels))
+    for layer, row in enumerate(top):
+        print(f"{layer:>5} " + " ".join(f"{show(i):>8}" for i in row))
+    print(save_layer_map(out_path(args.out, "logit_lens.png"), p_next,
+                         labels[int(model.config.causal):],
+                         "logit lens: probability of the actual next token after each layer"
+                         if model.config.causal else
+                         "logit lens: probability of the token itself after each layer",
+                         cmap="viridis", center=False))
+
+
+def show_ablation(args, model, tokenizer, show) -> None:
+    ids = token_ids(tokenizer, args.text, next(model.parameters()).device, at_least=2)
+    base, delta = head_ablation(model, ids)
+    ranked = sorted(((delta[l, h].item(), l, h) for l in range(delta.shape[0])
+                     for h in range(delta.shape[1])), reverse=True)
+    print(f"loss of the text {base:.4f}; change when one head is zero-ablated, largest first:")
+    for change, layer, head in ranked[:args.top]:
+        print(f"  layer {layer}, head {head}: {change:+.4f}")
+    print(save_layer_map(out_path(args.out, "head_ablation.png"), delta,
+                         [str(h) for h in range(delta.shape[1])],
+                         f"loss change when a head is zero-ablated (base {base:.3f})"))
+
+
+def show_patching(args, model, tokenizer, show) -> None:
+    device = next(model.parameters()).device
+    clean, corrupt = token_ids(tokenizer, args.clean, device), token_ids(tokenizer, args.corrupt, device)
+    answer, share = activation_patching(model, clean, corrupt)
+    labels = [show(i) for i in clean[0]]
+    print(f"answer (the clean run's top next token): {show(answer)!r}; share of its logit "
+          "recovered by patching the clean residual stream in at one layer and position:")
+    print("layer " + " ".join(f"{l:>8}" for l in labels))
+    for layer, row in enumerate(share):
+        print(f"{layer:>5} " + " ".join(f"{v:8.2f}" for v in row))
+    print(save_layer_map(out_path(args.out, "patching.png"), share, labels,
+                         f"activation patching: recovered share of logit({show(answer)})"))
+
+
+# name on the command line -> (what it is called in a sentence, what runs it)
+STUDIES = {"logit": ("the logit lens", show_logit_lens), "ablate": ("ablation", show_ablation),
+           "patch": ("patching", show_patching)}
+
+
+def parser() -> Parser:
+    p = Parser("python -m attnlab.lens", __doc__)
+    p.add_argument("what", choices=list(STUDIES))
+    add_run_options(p)
+    p.add_argument("--text", default="", help="logit and ablate: the text to read")
+    p.add_argument("--clean", default="", help="patch: the text whose activations are patched in")
+    p.add_argument("--corrupt", default="", help="patch: the same text with one word changed")
+    p.add_argument("--top", type=positive, default=5, help="ablate: how many heads to list (default 5)")
+    p.add_argument("--out", default="", help="a PNG path or a folder (default: the run's "
+                   "figures/ folder)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    check_figure_out(args.out)
+    from model.readout import READOUTS
+    model, _, tokenizer, ckpt = load(args)
+    if not READOUTS[model.config.readout].scores_tokens:
+        raise AttnlabError(f"{STUDIES[args.what][0]} reads the model's token scores, and this encoder has no "
+                           "output layer (a sentence encoder keeps only hidden states); look at "
+                           "its attention with python -m attnlab.heads, or give a folder with a "
+                           "masked-LM head (BertForMaskedLM)")
+    args.out = args.out or str(figures_folder(ckpt))
+    show = lambda i: repr(tokenizer.token_strings([int(i)])[0])[1:-1][:8]
+    STUDIES[args.what][1](args, model, tokenizer, show)
+    return 0
+
+
+if __name__ == "__main__":
+    with errors_as_lines():
+        sys.exit(main())

@@ -1,9 +1,11 @@
 """Shared plumbing for the `python -m attnlab.*` tools: matplotlib without a screen,
-and saving a figure. (Their argument parser is engine.cli.Parser, the one every
-command line uses.)"""
+where a figure goes, and saving it. (Their argument parser is engine.cli.Parser, the
+one every command line uses; the options naming a model are attnlab.options.)"""
 from __future__ import annotations
 
 from pathlib import Path
+
+from common.errors import AttnlabError
 
 
 def pyplot():
@@ -37,3 +39,35 @@ def figures_folder(source: Path | None = None) -> Path:
             folder = run / "figures"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def out_path(given: str, default: str) -> Path:
+    """--out as given; inside it when it is a folder; the default name when empty."""
+    if not given:
+        return Path(default)
+    return Path(given) / default if Path(given).is_dir() else Path(given)
+
+
+def check_figure_out(given: str) -> None:
+    """Refuse, before any work, an --out whose suffix matplotlib cannot write."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    suffix = Path(given).suffix.lower().lstrip(".")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if given and not Path(given).is_dir() and suffix and suffix not in formats:
+        raise AttnlabError(f"--out {given}: a figure cannot be saved as .{suffix}; use .png "
+                           f"(or {', '.join('.' + f for f in sorted(formats) if f != 'png')})")
+
+
+def save_layer_map(path, values, xlabels, title, ylabel="layer", cmap="RdBu_r", center=True):
+    """A (layers, columns) table of values as a heatmap, centred on 0 unless told not."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(max(4, 0.45 * values.shape[1] + 2), max(2.5, 0.5 * values.shape[0] + 1.5)))
+    lim = float(values.abs().max()) or 1.0
+    image = ax.imshow(values, cmap=cmap, aspect="auto", **({"vmin": -lim, "vmax": lim} if center else {}))
+    ax.set_xticks(range(len(xlabels)))
+    ax.set_xticklabels(xlabels, rotation=90, fontsize=8)
+    ax.set_yticks(range(values.shape[0]))
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    fig.colorbar(image, ax=ax)
+    return save_figure(fig, path)

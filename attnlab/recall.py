@@ -14,24 +14,31 @@ Each variant is a small model trained on the CPU for a few hundred steps at cont
 with loss on the answer only, then tested on a grid: depth 0-100% x length 1x-8x T.
 RoPE models are also tested under position interpolation, NTK and YaRN (rope_factor =
 the length factor; model/positions.py). Learned positions have no vectors past T:
-those cells are n/a. With `--model`, nothing is trained: the grid is run on that
-model, with the task encoded by its own tokenizer.
+those cells are n/a. The windowed variants (windowWxL) learn a short form of the task,
+" K is V." in lower-case letters, trained on facts their stack of windows can reach,
+L·(W-1)+1 tokens back, the nearest first; the +global ones keep the fact's tokens, set
+at the start of the text in half the examples, visible to every query. With `--model`,
+nothing is trained: the grid is run on that model, with the task encoded by its own
+tokenizer.
 
 Writes into --out: a heatmap per variant (recall_<variant>.png), all of them in one
 figure (recall_heatmaps.png), accuracy against distance for the windowed variants
-(recall_distance.png), and the table (recall.md, recall.csv).
+(recall_distance.png), and the tables (recall.md: by depth and length, and for the
+windows by distance: within W, to the reach, beyond; recall.csv: every example).
 """
 from __future__ import annotations
 
 import csv
 import math
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from attnlab.options import add_run_options, load
 from attnlab.plotting import pyplot, save_figure
 from attnlab.recall_task import TokenTask, char_task, filler_text
 from common.errors import AttnlabError
@@ -40,27 +47,43 @@ from engine.cli import Parser, errors_as_lines
 
 @dataclass
 class Variant:
-    """A model to train for the lab: model fields over the lab's small base model."""
+    """A model to train for the lab: model fields over the lab's small base model, and
+    how its training examples are drawn."""
     about: str
     model: dict = field(default_factory=dict)
+    short: bool = False           # the short task (char_task(short=True)): fits a small window
+    within_reach: bool = False    # train only on facts a window stack can reach, L·(W-1)+1 back
+    ramp: float = 0.0             # share of the steps over which the farthest fact moves from
+                                  # right before the question out to its limit (0: no ramp)
     fact_first: float = 0.0       # share of training examples with the fact at depth 0
+    global_fact: bool = False     # the first tokens, as many as the fact, are global
 
 
-W, G = 16, 24     # the window of the windowed variants; global tokens cover the first fact
+def windowed(w: int, layers: int, **more) -> Variant:
+    # Trained where the stack reaches, the nearest facts first: facts beyond the reach
+    # cannot be learned by any weights, and relaying a fact through the layers is found
+    # (if at all) only once fetching it from inside one window has been.
+    return Variant(f"RoPE, window {w} over {layers} layer{'s' * (layers > 1)}", {"sliding_window": w, "n_layer": layers},
+                   short=True, within_reach=True, ramp=0.3, **more)
+
+
 VARIANTS = {
     "none": Variant("no positions, full attention", {"position": "none"}),
     "sinusoidal": Variant("sinusoidal positions, full attention", {"position": "sinusoidal"}),
     "learned": Variant("learned positions, full attention", {"position": "learned"}),
     "rope": Variant("RoPE, full attention", {"position": "rope"}),
     "alibi": Variant("ALiBi, full attention", {"position": "alibi"}),
-    f"window{W}x2": Variant(f"RoPE, window {W} over 2 layers", {"sliding_window": W}),
-    f"window{W}x4": Variant(f"RoPE, window {W} over 4 layers", {"sliding_window": W, "n_layer": 4}),
-    f"window{2 * W}x2": Variant(f"RoPE, window {2 * W} over 2 layers", {"sliding_window": 2 * W}),
-    f"window{W}x2+global": Variant(f"RoPE, window {W} over 2 layers, the first {G} tokens global",
-                                   {"sliding_window": W, "n_global": G}, fact_first=0.25),
+    **{f"window{w}x{n}": windowed(w, n) for w, n in [(16, 1), (8, 2), (8, 3), (8, 4), (16, 2), (4, 4)]},
+    "window8x2+global": replace(windowed(8, 2, fact_first=0.5, global_fact=True),
+                                about="RoPE, window 8 over 2 layers, the fact's tokens global"),
+    "window8x2+global+nope": replace(
+        windowed(8, 2, fact_first=0.5, global_fact=True), model={
+            "sliding_window": 8, "n_layer": 2, "position": "none"},
+        about="no positions, window 8 over 2 layers, the fact's tokens global"),
 }
-BASE = dict(n_layer=2, n_head=4, n_embd=64, mlp="gelu_erf", position="rope")
-COLUMNS = ["variant", "factor", "length", "depth", "distance", "correct", "window", "layers", "about"]
+BASE = dict(n_layer=2, n_head=4, n_embd=64, mlp="gelu", position="rope")
+COLUMNS = ["variant", "factor", "length", "depth", "distance", "correct", "window", "layers",
+           "global", "about"]
 
 
 def train_variant(task: TokenTask, variant: Variant, context: int, steps: int, batch: int = 32,
@@ -71,8 +94,14 @@ def train_variant(task: TokenTask, variant: Variant, context: int, steps: int, b
     from engine.optim import configure_optimizer
     from model import GPT, ModelConfig
     torch.manual_seed(seed)
-    cfg = ModelConfig(**{**BASE, **variant.model, "vocab_size": task.tokenizer.vocab_size,
+    extra = {"n_global": task.nearest()} if variant.global_fact else {}
+    cfg = ModelConfig(**{**BASE, **variant.model, **extra, "vocab_size": task.tokenizer.vocab_size,
                          "block_size": context})
+    farthest = 1.0                        # the share of the filler a fact may be set back
+    if variant.within_reach:
+        filler = task.example(context, 0.0, torch.Generator()).filler
+        far = reach(cfg.sliding_window, cfg.n_layer)
+        farthest = min(1.0, max(0.0, (far - task.nearest()) / filler))
     model = GPT(cfg)
     t = TrainConfig(lr=lr, min_lr=lr / 10, max_iters=steps, warmup_iters=min(50, steps // 5),
                     weight_decay=0.0)
@@ -83,7 +112,8 @@ def train_variant(task: TokenTask, variant: Variant, context: int, steps: int, b
     for step in range(steps):
         opt.set_lr(lr_at(step, t) / t.lr)
         first = float(torch.rand((), generator=g)) < variant.fact_first
-        x, y = task.batch(batch, context, g, depth=0.0 if first else None)
+        grown = min(1.0, (step + 1) / (variant.ramp * steps)) if variant.ramp else 1.0
+        x, y = task.batch(batch, context, g, depth=0.0 if first else None, reach=farthest * grown)
         loss = model(x, y).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -119,9 +149,10 @@ def grid(model, task: TokenTask, context: int, factors, depths, n: int, seed: in
 
 def schemes(cfg, factor: int):
     """(label, model config) pairs to test at this factor: as trained, and for a RoPE
-    model with full attention each scaling (a window keeps distances short anyway)."""
+    model each scaling, unless a window keeps every distance short (global tokens do not:
+    the distance to them grows with the text)."""
     from attnlab.extrapolate import schemes as scaled
-    if cfg.sliding_window:
+    if cfg.sliding_window and not cfg.n_global:
         yield "as trained", cfg
         return
     for label, mcfg in scaled(cfg, factor):
@@ -140,6 +171,8 @@ def evaluate(name: str, model, task: TokenTask, context: int, factors, depths, n
             if POSITION_ENCODINGS[mcfg.position].has_length_limit and f * context > cfg.block_size:
                 rows += [{"variant": label, "factor": f, "length": f * context, "depth": d,
                           "distance": None, "correct": None} for d in depths]
+                log(f"  {label:<22} {f}x ({f * context:>5} tokens): n/a, {mcfg.position} positions "
+                    f"stop at {cfg.block_size}")
                 continue
             m = model
             if mcfg is not cfg:
@@ -176,7 +209,7 @@ def heatmap(ax, acc, factors, depths, context: int, title: str, chance: float):
             text = "n/a" if math.isnan(v) else f"{100 * v:.0f}"
             ax.text(j, i, text, ha="center", va="center", fontsize=6,
                     color="black" if math.isnan(v) or v > 0.5 else "white")
-    ax.set_title(title, fontsize=8)
+    ax.set_title("\n".join(textwrap.wrap(title, 40)), fontsize=8)
     ax.set_xlabel("length (x trained context, tokens)", fontsize=7)
     ax.set_ylabel("depth of the fact", fontsize=7)
     return image
@@ -231,6 +264,33 @@ def write(rows, variants: list[str], factors, depths, context: int, chance: floa
     return written
 
 
+def reach(window: int, layers: int) -> int:
+    """How far back (as TokenTask.distance counts) a stack of windows can see the fact's
+    answer: each layer moves it at most W-1 positions forward, and the query sits one
+    position after the distance's end."""
+    return layers * (window - 1) + 1
+
+
+def reach_table(rows, windowed: dict[str, tuple[int, int]], chance: float, out: Path):
+    """Accuracy by where the fact lies: within one window (a head fetches it directly),
+    past one window but within the stack's reach (it must be relayed up the layers), and
+    beyond (no weights can fetch it), appended to recall.md."""
+    lines = ["", f"Sliding windows by distance back to the fact (chance {chance:.0%}; examples in brackets):", "",
+             "| variant | W | L | reach L·(W-1)+1 | within W | W to reach | beyond reach |",
+             "|---|---|---|---|---|---|---|"]
+    for name, (w, layers) in windowed.items():
+        far = reach(w, layers)
+        parts = []
+        for lo, hi in ((0, w), (w, far), (far, float("inf"))):
+            hit = [r["correct"] for r in rows if r["variant"] == name and r["correct"] is not None
+                   and lo < r["distance"] <= hi]
+            parts.append(f"{sum(hit) / len(hit):.0%} ({len(hit)})" if hit else "-")
+        lines.append(f"| {name} | {w} | {layers} | {far} | " + " | ".join(parts) + " |")
+    with open(out / "recall.md", "a") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def distance_plot(rows, windowed: dict[str, tuple[int, int]], chance: float, out: Path,
                   bins: int = 24):
     """Accuracy against the distance back to the fact, for each (window, layers) variant,
@@ -251,10 +311,10 @@ def distance_plot(rows, windowed: dict[str, tuple[int, int]], chance: float, out
                 ys.append(sum(hit) / len(hit))
         ax.plot(xs, ys, marker=".", color=color, label=f"{name} (W={w}, L={layers})")
         ax.axvline(w, color=color, linestyle=":", alpha=0.7)
-        ax.axvline(layers * (w - 1), color=color, linestyle="--", alpha=0.7)
+        ax.axvline(reach(w, layers), color=color, linestyle="--", alpha=0.7)
     ax.axhline(chance, color="red", linewidth=1, label=f"chance {chance:.0%}")
     ax.set_xscale("symlog", linthresh=64)
-    ax.set_xlabel("distance back to the fact's answer (tokens); dotted: W, dashed: L·(W-1)")
+    ax.set_xlabel("distance back to the fact's answer (tokens); dotted: W, dashed: L·(W-1)+1")
     ax.set_ylabel("accuracy")
     ax.set_title("Sliding windows: how far back a fact can be retrieved")
     ax.grid(alpha=0.3)
@@ -266,8 +326,9 @@ def main(argv=None) -> int:
     parser = Parser("python -m attnlab.recall", __doc__)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="NAME",
                         help="variants to train: " + ", ".join(VARIANTS))
-    parser.add_argument("--model", default="", help="test this model instead of training: a run "
-                        "directory, checkpoint or transformers folder (its tokenizer encodes the task)")
+    add_run_options(parser, "test this model instead of training: a run directory or name, "
+                    "checkpoint or transformers folder (its tokenizer encodes the task)",
+                    aliases=("--model",), without="train the variants")
     parser.add_argument("--context", type=int, default=0, help="trained (base) context in tokens; "
                         "default 96 for the lab's models, the model's block_size with --model")
     parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8],
@@ -283,7 +344,7 @@ def main(argv=None) -> int:
     if any(f < 1 for f in args.factors) or args.steps < 1 or args.examples < 1 or args.depths < 2:
         raise AttnlabError("--factors, --steps and --examples must be at least 1, --depths at least 2")
     unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown and not args.model:
+    if unknown and not args.run:
         raise AttnlabError(f"unknown variant {unknown[0]!r}; valid: {', '.join(VARIANTS)}")
     depths = [i / (args.depths - 1) for i in range(args.depths)]
     out = Path(args.out)
@@ -293,27 +354,29 @@ def main(argv=None) -> int:
         report(rows, sorted({r["factor"] for r in rows}), sorted({r["depth"] for r in rows}),
                rows[0]["length"] // rows[0]["factor"], 10.0 ** -args.digits, out)
         return 0
-    if args.model:
-        from engine.inference import load_run
-        model, cfg, tokenizer, ckpt = load_run(args.model, "best")
+    if args.run:
+        model, cfg, tokenizer, ckpt = load(args)
         task = TokenTask(tokenizer, filler_text(), args.digits)
         context = args.context or cfg.model.block_size
-        name = Path(args.model).name or "model"
+        name = Path(args.run).name or "model"
         print(f"{ckpt}: {cfg.model.position} positions, context {context} tokens")
         rows = evaluate(name, model, task, context, args.factors, depths, args.examples)
     else:
-        task = char_task(args.digits)
+        tasks = {short: char_task(args.digits, short=short)
+                 for short in sorted({VARIANTS[name].short for name in args.variants})}
         context = args.context or 96
-        if context < task.overhead() + 8:
-            raise AttnlabError(f"--context {context} leaves no room for filler: give at least "
-                               f"{task.overhead() + 8}")
+        need = max(t.overhead() for t in tasks.values()) + 8
+        if context < need:
+            raise AttnlabError(f"--context {context} leaves no room for filler: give at least {need}")
         for name in args.variants:
             v = VARIANTS[name]
-            print(f"{name}: {v.about}")
+            task = tasks[v.short]
+            print(f"{name}: {v.about}" + (" (the short task: ' K is V.' in letters)" if v.short else ""))
             model = train_variant(task, v, context, args.steps)
             found = evaluate(name, model, task, context, args.factors, depths, args.examples)
             for r in found:
                 r.update(window=model.config.sliding_window, layers=model.config.n_layer,
+                         **{"global": model.config.n_global},
                          about=v.about if r["variant"] == name else
                          f"{v.about}, {r['variant'].split(' + ')[-1]}")
             rows += found
@@ -327,11 +390,14 @@ def main(argv=None) -> int:
 def report(rows, factors, depths, context: int, chance: float, out: Path):
     names = list(dict.fromkeys(r["variant"] for r in rows))
     about = {r["variant"]: r.get("about") or r["variant"] for r in rows}
+    # Windows alone, as trained: global tokens or a RoPE scaling change what "reach" means.
     windowed = {r["variant"]: (int(r["window"]), int(r["layers"])) for r in rows
-                if r.get("window") and " + " not in r["variant"]}
+                if int(r.get("window") or 0) and not int(r.get("global") or 0)   # "0" read back
+                and " + " not in r["variant"]}
     written = write(rows, names, factors, depths, context, chance, out, about)
     if windowed:
         written.append(distance_plot(rows, windowed, chance, out))
+        reach_table(rows, windowed, chance, out)
     print("wrote " + ", ".join(str(p) for p in written) + f", {out}/recall.md and .csv")
     return written
 

@@ -80,6 +80,11 @@ class TokenTask:
         fact = torch.cat([question, answer, enc(".")])
         return fact, question, answer
 
+    def nearest(self) -> int:
+        """The distance (as `distance` counts it) of a fact right before the question: its
+        own length, every later filler token adding one."""
+        return len(self._parts("W", "8" * self.digits)[0])
+
     def overhead(self) -> int:
         """Tokens of an example that are not filler (the longest over keys and values)."""
         fact, question, answer = self._parts("W", "8" * self.digits)
@@ -105,22 +110,34 @@ class TokenTask:
         return Example(ids, answer, torch.arange(first, length), at, at + len(question), n_filler,
                        key, value)
 
-    def batch(self, n: int, length: int, g: torch.Generator, depth: float | None = None):
+    def batch(self, n: int, length: int, g: torch.Generator, depth: float | None = None,
+              reach: float = 1.0):
         """(x, y) for training: y holds the answer's ids at their positions and -1 (no
         loss) everywhere else, so every step spends its gradient on retrieval alone.
-        Depths are uniform in [0, 1] unless one is given."""
+        Depths are uniform in [1 - reach, 1] (the nearest `reach` of the text; all of it
+        by default) unless one is given."""
         x = torch.empty(n, length, dtype=torch.long)
         y = torch.full((n, length), -1, dtype=torch.long)
         for i in range(n):
-            d = float(torch.rand((), generator=g)) if depth is None else depth
+            d = 1.0 - reach * (1.0 - float(torch.rand((), generator=g))) if depth is None else depth
             ex = self.example(length, d, g)
             x[i] = ex.ids
             y[i, ex.answer_at] = ex.answer
         return x, y
 
 
-def char_task(digits: int = 2, chars: int = 200_000) -> TokenTask:
-    """The task over characters, with a vocabulary of exactly the characters it uses."""
+def char_task(digits: int = 2, chars: int = 200_000, short: bool = False) -> TokenTask:
+    """The task over characters, with a vocabulary of exactly the characters it uses.
+
+    `short`: the fact is " K is V." and the filler Shakespeare's letters alone, lower
+    case, so the question (" K is", 5 tokens) fits in a small sliding window and the
+    fact's capital and digits are the only such tokens in the text: a windowed model
+    can then learn to find the fact where a window reaches it, and a test of how far
+    stacked windows reach is not a test of whether the question fits in one."""
     text = filler_text(chars)
-    tokenizer = CharTokenizer(set(text) | set("The code for is .0123456789") | set(KEYS))
-    return TokenTask(tokenizer, text, digits)
+    phrase = "The code for {key} is"
+    if short:
+        text = re.sub(r" +", " ", re.sub(r"[^a-z ]", "", text.lower()))
+        phrase = "{key} is"
+    tokenizer = CharTokenizer(set(text) | set(phrase.format(key="") + " .0123456789") | set(KEYS))
+    return TokenTask(tokenizer, text, digits, phrase=phrase)

@@ -48,7 +48,8 @@ from urllib.parse import urlsplit
 import torch
 
 from common.errors import AttnlabError, ConfigError
-from engine.cli import Parser, add_run_options, errors_as_lines
+from attnlab.options import add_run_options, load
+from engine.cli import Parser, errors_as_lines
 from model import ModelError
 
 WEB = Path(__file__).resolve().parent / "web"
@@ -279,6 +280,7 @@ class Service:
         path, so every backend can show it) and the candidates it was drawn from, before
         and after temperature / top-k / top-p (recomputed: the same weights and
         settings as during generation)."""
+        from attnlab.capture import attention
         from model.sampling import next_token_distribution
         V = self.cfg.model.vocab_size
         if not (isinstance(ids, list) and len(ids) <= MAX_IDS
@@ -290,8 +292,8 @@ class Service:
             raise BadRequest(f"index must point at a token after the first (1..{len(ids) - 1})")
         start = max(0, index - self.cfg.model.block_size)
         context = torch.tensor([ids[start:index]], device=next(self.model.parameters()).device)
-        out = self.model(context, return_attention=True)
-        logits = out.logits[:, -1].float()
+        logits, maps = attention(self.model, context)
+        logits = logits[:, -1].float()
         before = torch.softmax(logits[0], -1)
         after = next_token_distribution(logits, sample.temperature, sample.top_k, sample.top_p)[0]
         chosen = ids[index]
@@ -300,7 +302,7 @@ class Service:
         b, a = before.tolist(), after.tolist()
         return {"keys": list(range(start, index)), "chosen": chosen,
                 "weights": [[[round(w, 5) for w in head.tolist()] for head in layer[0, :, -1].float()]
-                            for layer in out.attentions],
+                            for layer in maps],
                 "candidates": [[self.tokenizer.decode([i]), round(b[i], 6), round(a[i], 6), i] for i in top]}
 
     def check_search(self, text, source, target) -> None:
@@ -314,7 +316,8 @@ class Service:
 
     @torch.no_grad()
     def search(self, text: str, source: str, target: str) -> dict:
-        from attnlab.heads import attention_maps, search, token_spans
+        from attnlab.capture import attention_maps
+        from attnlab.heads import search, token_spans
         self.check_search(text, source, target)
         limit = min(self.cfg.model.block_size, MAX_SEARCH_TOKENS)
         n = len(self.tokenizer.encode(text))
@@ -565,7 +568,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 def parser() -> Parser:
     p = Parser("python -m attnlab.serve", __doc__)
-    add_run_options(p, "run directory, checkpoint or transformers folder")
+    add_run_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
                    "this machine only); the page answers requests for this name and localhost")
     p.add_argument("--port", type=port_number, default=8000, help="port (default 8000)")
@@ -575,11 +578,9 @@ def parser() -> Parser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     sock = listen(args.host, args.port)            # a bad --host or --port before the model loads
-    from engine.checkpoint import latest_run
     from engine.device import pick_device, pick_dtype
-    from engine.inference import load_run
     device = pick_device(args.device)
-    model, cfg, tokenizer, ckpt = load_run(args.run or latest_run(), args.checkpoint, device)
+    model, cfg, tokenizer, ckpt = load(args)
     model = model.to(pick_dtype(cfg.sample.dtype, device, cfg.model.n_embd, decoding=True))
     # Decoding one token reads every weight once and does little arithmetic: one torch
     # thread decodes as fast as two here (255 and 257 tokens/s at 6 x 384, 45 and 45 at

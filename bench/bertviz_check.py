@@ -45,7 +45,8 @@ def main():
     parser.add_argument("--text", default="The trophy did not fit because it was big")
     args = parser.parse_args()
     import torch
-    from attnlab.heads import attention_maps, export_head_view
+    from attnlab.capture import attention_maps
+    from attnlab.heads import export_head_view
     if args.run:
         from engine.inference import load_run
         model, _, tokenizer, _ = load_run(args.run)

@@ -5,7 +5,7 @@ AVX2 code, as on a CPU without AVX-512 and without native bf16).
 
     python bench/cpu_kinds.py                    # matmuls and training steps (a few minutes)
     python bench/cpu_kinds.py --busy             # and a step with the other cores busy
-    python bench/cpu_kinds.py --runs             # and the README's runs (half an hour)
+    python bench/cpu_kinds.py --runs             # and the runs of docs/benchmarks.md (half an hour)
     python bench/cpu_kinds.py --kinds avx2 --runs --nanogpt path/to/nanoGPT
 
 On an AVX2 CPU both kinds are the same machine (the variables only lower a ceiling);
@@ -181,7 +181,7 @@ def worker(kind: str, name: str, repeats: int, env_extra: dict | None = None) ->
 
 
 def train_runs(kind: str, corpus: Path, tmp: Path) -> dict:
-    """The README's CPU runs under this kind: wall time and val loss of each."""
+    """The CPU runs of docs/benchmarks.md under this kind: wall time and val loss of each."""
     from cpu_recipe import run
     env = KINDS[kind]
     saved = {k: os.environ.get(k) for k in env}
@@ -206,7 +206,7 @@ def main():
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     parser.add_argument("--repeats", type=int, default=3, help="rounds per micro-figure (best counts)")
     parser.add_argument("--busy", action="store_true", help="also time a step with the other cores busy")
-    parser.add_argument("--runs", action="store_true", help="also the README's train.py runs")
+    parser.add_argument("--runs", action="store_true", help="also the train.py runs of docs/benchmarks.md")
     parser.add_argument("--nanogpt", type=Path, help="with --runs: a nanoGPT checkout, its CPU recipe too")
     parser.add_argument("--corpus", type=Path,
                         default=ROOT.parent / "shared" / "data" / "tinyshakespeare.txt")

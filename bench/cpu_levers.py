@@ -10,7 +10,7 @@ warmup-stable-decay, bf16 autocast where the CPU has native bf16; since the plan
 at 10 tokens per parameter it picks 4 x 128 there, the "4x128" row), trained
 for a fixed number of seconds with the schedule following the clock; each row changes
 one thing. Equal time, not equal steps: a lever that makes steps slower has to earn
-that back in loss. Rows land in the README's speedrun section; a lever that pays is a
+that back in loss. Rows land in docs/benchmarks.md; a lever that pays is a
 config field the presets use.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU figure of the README in one go, under 8 minutes on one H100/H200-class GPU.
+# Every GPU figure of docs/benchmarks.md in one go, under 8 minutes on one H100/H200-class GPU.
 # Needs torch with CUDA, transformers, numpy, tokenizers, safetensors, tqdm (no wandb,
 # no datasets, no network).
 #   1. which SDPA kernel runs (flash expected) for the training shapes in bf16;

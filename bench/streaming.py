@@ -15,7 +15,6 @@ Perplexity against position (in bins) and tokens/s for each, a figure and a tabl
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -56,8 +55,10 @@ def main(argv=None) -> int:
 
 def run(argv=None) -> int:
     from attnlab.plotting import pyplot, save_figure
+    from common.errors import ConfigError
+    from engine.cli import Parser
     from engine.inference import load_run
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("python bench/streaming.py", __doc__)
     p.add_argument("--run", required=True, help="run directory, checkpoint or transformers folder")
     p.add_argument("--factor", type=int, default=16, help="text length as a multiple of the context")
     p.add_argument("--sinks", type=int, default=4, help="first tokens kept as sinks")
@@ -65,10 +66,19 @@ def run(argv=None) -> int:
     p.add_argument("--bins", type=int, default=32, help="position bins in the figure")
     p.add_argument("--out", default="runs/streaming", help="folder for streaming.png and .md")
     args = p.parse_args(argv)
+    if args.factor < 2 or args.bins < 1 or args.sinks < 0 or args.window < 0:
+        raise ConfigError("--factor must be at least 2 (streaming starts past the context), "
+                          "--bins at least 1, --sinks and --window not negative")
     torch.set_num_threads(1)
     model, cfg, tokenizer, ckpt = load_run(args.run, "best")
     T = cfg.model.block_size
     window = args.window or (T - args.sinks) // 2
+    if window < 1 or args.sinks + 2 * window > T:
+        # The rolling cache holds sinks + 2·window positions; more than T would ask the
+        # model for positions (and distances) it was never trained on.
+        raise ConfigError(f"--sinks {args.sinks} and --window {window} need sinks + 2·window "
+                          f"between 2 and the context of {T}: give --window at most "
+                          f"{max(1, (T - args.sinks) // 2)} (or fewer sinks)")
     from attnlab.recall_task import filler_text
     text = filler_text(60 * args.factor * T)[-40 * args.factor * T:]     # from late in the plays
     ids = torch.tensor([tokenizer.encode(text)[:args.factor * T + 1]])

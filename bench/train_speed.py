@@ -72,7 +72,7 @@ def run_size(name, steps, rounds, compiled):
     contenders = {
         "HF GPT2LMHeadModel (sdpa, fp32)": make_step(hf_gpt2(L, H, C, T), "hf", torch.float32),
         "attnlab, GPT-2 layout (fp32)": make_step(      # GPT-2's tanh GELU, as HF's
-            ours(L, H, C, T, position="learned", bias=True, mlp="gelu"), "ours", torch.float32),
+            ours(L, H, C, T, position="learned", bias=True, mlp="gelu_tanh"), "ours", torch.float32),
         "attnlab, defaults (rope, fp32)": make_step(ours(L, H, C, T), "ours", torch.float32),
         f"attnlab, defaults ({str(bf16)[6:]} autocast)": make_step(ours(L, H, C, T), "ours", bf16),
         f"attnlab, relu² MLP ({str(bf16)[6:]} autocast)": make_step(

@@ -8,7 +8,8 @@ working, a shared server) the thread they wait for may not be running at all, an
 spinning takes the core it needs: a training step then costs several times what it does
 on one thread. So the scripts look at what the CPU is doing for a tenth of a second
 before torch loads, and only where other work holds at least half a core do they make the
-threads wait asleep (OMP_WAIT_POLICY=PASSIVE), and say so. docs/benchmarks.md has the
+threads wait asleep (OMP_WAIT_POLICY=PASSIVE), and say so once the run has started (a
+mistyped option still gets its one error line). docs/benchmarks.md has the
 measurements both ways; `python bench/cpu_kinds.py --busy` measures them. A wait policy
 or spin count set by the user always wins.
 """
@@ -21,6 +22,7 @@ import time
 WAIT_POLICY = "PASSIVE"
 BUSY_CORES = 0.5            # other work, in cores, from which passive waiting pays
 _USER_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+_pending: list[str] = []    # what wait_passively chose, said by report() when work starts
 
 
 def busy_cores(seconds: float = 0.1, stat: str = "/proc/stat") -> float | None:
@@ -41,7 +43,7 @@ def busy_cores(seconds: float = 0.1, stat: str = "/proc/stat") -> float | None:
     return cores * (busy1 - busy0) / max(total1 - total0, 1)
 
 
-def wait_passively(env=os.environ, busy=busy_cores, say=lambda line: print(line, file=sys.stderr)) -> None:
+def wait_passively(env=os.environ, busy=busy_cores, say=_pending.append) -> None:
     """OMP_WAIT_POLICY=PASSIVE when other work holds at least BUSY_CORES of the CPU, unless
     the environment already says how OpenMP threads wait."""
     if any(env.get(name, "").strip() for name in _USER_SETTINGS):
@@ -52,3 +54,9 @@ def wait_passively(env=os.environ, busy=busy_cores, say=lambda line: print(line,
         say(f"threads: other work holds {load:.1f} of {os.cpu_count()} cores, so torch's "
             "threads wait asleep instead of spinning (OMP_WAIT_POLICY=PASSIVE; set "
             "OMP_WAIT_POLICY=ACTIVE to keep them spinning)")
+
+
+def report(say=lambda line: print(line, file=sys.stderr)) -> None:
+    """Say what wait_passively chose, once: called when the run's work begins."""
+    while _pending:
+        say(_pending.pop(0))

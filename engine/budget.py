@@ -23,18 +23,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.errors import ConfigError
-from model.readout import SHORTLIST_COVERAGE, head_macs, shortlist_for
+from model.readout import READOUTS, SHORTLIST_COVERAGE, head_macs, shortlist_for
 
 # Chinchilla's compute-optimal ratio is about 20 (Hoffmann et al., arXiv:2203.15556),
-# fitted to runs of 70M-16B parameters that saw each token about once. The runs this
-# planner makes on a CPU are 10^4 times smaller and read a 1 MB corpus many times over,
-# and there the rung at 5-7 tokens per parameter beat or tied the one nearest 20:
-# --budget 100s on a 2-core CPU, 3 x 96 (about 28 tokens per parameter, 3,600-4,600
-# steps) against 4 x 128 (about 5-7, 1,900-2,500 steps): tiny Shakespeare 1.4949 (median
-# of 12 runs) vs 1.4872 (mean of 4), Python source 1.2032 vs 1.1926, German fortunes
-# 1.3845 vs 1.3847; one thread for 200 s, side by side, Shakespeare 1.4843 vs 1.4592.
-# The smaller model had stopped improving (4,600 steps reached what 4,000 did). In log
-# ratio 10 is nearer 5 than 28, so at 100 s the planner now takes the larger rung.
+# fitted to runs that saw each token about once. The runs this planner makes on a CPU
+# are 10^4 times smaller and read a small corpus many times over, and there the rung at
+# 5-7 tokens per parameter beat or tied the one nearest 20 (docs/benchmarks.md, "Tokens
+# per parameter").
 TOKENS_PER_PARAM = 10.0
 LADDER = [  # (n_layer, n_embd): depth grows with width, as in GPT-2's and nanoGPT's sizes
     (2, 64), (3, 96), (4, 128), (4, 160), (5, 192), (6, 256), (6, 320), (6, 384),
@@ -67,7 +62,7 @@ def training_bytes(cfg) -> tuple[int, int]:
     lower bounds, so a model refused for them could not have fitted."""
     m, t = cfg.model, cfg.train
     vocab = max(m.vocab_size, 1)
-    if m.readout == "adaptive":
+    if READOUTS[m.readout].shortlisted:
         readout = head_macs(m.n_embd, vocab, max(m.readout_shortlist, 1), tail_share=1.0)
     else:
         readout = 0 if m.tie_embeddings else vocab * m.n_embd
@@ -148,17 +143,17 @@ def choose(cands: list[Candidate], flops_per_s: float, train_s: float) -> Candid
 
 def choose_readout(model_cfg, counts: torch.Tensor, log=print) -> None:
     """The adaptive softmax (model/readout.py) where it at least halves the output
-    layer's work: a large vocabulary whose frequent tokens are few. On a corpus of
-    Chinese characters (3,684, the 980 most frequent making up 95% of the text) a
-    3 x 96 model then ran 21.5 steps/s instead of 14.9 and reached 3.572 instead of
-    3.672 in 100 s; on an alphabet of 65 or 96 characters the full layer stays."""
-    if model_cfg.readout != "full" or model_cfg.zero_head or model_cfg.logit_softcap:
+    layer's work: a large vocabulary whose frequent tokens are few, such as Chinese
+    characters; an alphabet keeps the full layer (docs/benchmarks.md, "The adaptive
+    readout")."""
+    if not READOUTS[model_cfg.readout].plain or model_cfg.zero_head or model_cfg.logit_softcap:
         return
     d, vocab = model_cfg.n_embd, model_cfg.vocab_size
     shortlist = shortlist_for(counts)
     if shortlist >= vocab or head_macs(d, vocab, shortlist) > 0.5 * head_macs(d, vocab):
         return
-    model_cfg.readout, model_cfg.readout_shortlist, model_cfg.tie_embeddings = "adaptive", shortlist, False
+    adaptive = next(name for name, r in READOUTS.items() if r.shortlisted)
+    model_cfg.readout, model_cfg.readout_shortlist, model_cfg.tie_embeddings = adaptive, shortlist, False
     log(f"readout: adaptive softmax, the {shortlist:,} most frequent of {vocab:,} tokens "
         f"({SHORTLIST_COVERAGE:.0%} of the training text) in its shortlist: "
         f"{head_macs(d, vocab, shortlist) / head_macs(d, vocab):.0%} of the full output layer's work")
@@ -182,7 +177,7 @@ def measure(cfg, device, dtype, seconds: float, batch=None, counts=None) -> floa
         x = torch.randint(0, cfg.model.vocab_size, (train_cfg.batch_size, cfg.model.block_size), generator=g)
         batch = (x, x)
     x, y = (t.to(device) for t in batch)
-    if counts is not None and model.config.readout == "adaptive":
+    if counts is not None and READOUTS[model.config.readout].shortlisted:
         model.adaptive.set_frequencies(counts)
 
     def step():
@@ -219,11 +214,9 @@ def plan(cfg, budget_s: float, started: float, log=print):
     choose_readout(cfg.model, counts, log)
     device = pick_device(train_cfg.device)
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * cfg.model.block_size
-    # Each probe: 0.5% of the budget. Half a second times a step to within about 10% of
-    # a 1.5 s probe (2-core CPU, three probes each, steps/s: 3 x 96 bf16 38.4-41.3
-    # against 40.6-41.3, 4 x 128 fp32 10.1-10.9 against 11.3-11.5): too little to move
-    # the size chosen (the ladder's rungs are 2-10x apart in tokens per parameter) or
-    # the precision (bf16 and fp32 differ by half), and the schedule follows the clock.
+    # Each probe: 0.5% of the budget. Half a second already times a step closely enough
+    # to choose the size (the rungs are 2-10x apart) and the precision, and the schedule
+    # follows the clock anyway (docs/benchmarks.md, "The --budget probe").
     probe_s = min(10.0, max(0.5, 0.005 * budget_s))
 
     batch = Batches(data.train, train_cfg.batch_size, cfg.model.block_size, seed=0).next()

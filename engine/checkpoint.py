@@ -184,9 +184,10 @@ def resolve(path: str | Path, which: str = "latest") -> Path:
 
 def choose(path: str | Path, which: str = "latest") -> tuple[Path, str, bool]:
     """(checkpoint folder, why it was chosen, whether that departs from what was asked).
-    `best` is the step best.json names, except where that is step 0, the weights
-    before any training, and no later step was evaluated (a run stopped before its
-    first evaluation): then the latest, which has trained."""
+    `which` is best, latest, or a step number ("500"). `best` is the step best.json
+    names, except where that is step 0, the weights before any training, and no later
+    step was evaluated (a run stopped before its first evaluation): then the latest,
+    which has trained."""
     path = Path(path)
     if (path / "state.json").is_file():
         return path, "the checkpoint folder given", False
@@ -202,6 +203,15 @@ def choose(path: str | Path, which: str = "latest") -> tuple[Path, str, bool]:
         raise CheckpointError(f"{path} holds no checkpoint (no {CKPT_DIR}/{PREFIX}*/); "
                               "train first, or point at another run")
     latest = ckpts[-1]
+    if str(which).isdigit():
+        step = int(which)
+        for ckpt in ckpts:
+            if ckpt.name == f"{PREFIX}{step:07d}":
+                return ckpt, f"the checkpoint at step {step}", False
+        kept = ", ".join(str(int(c.name.removeprefix(PREFIX))) for c in ckpts
+                         if c.name.removeprefix(PREFIX).isdigit())
+        raise CheckpointError(f"{path} has no checkpoint at step {step}; it keeps steps "
+                              f"{kept}: give one of those, or --checkpoint best or latest")
     if which != "best":
         return latest, "the latest checkpoint", False
     step = best_step(path)

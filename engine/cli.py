@@ -1,5 +1,6 @@
 """The one command-line layer: argparse options generated from the config dataclasses,
-used by train.py, sample.py and every `python -m attnlab.<tool>`.
+used by train.py, sample.py and every `python -m attnlab.<tool>` (whose options naming
+a model, --run, --checkpoint and --device, are attnlab/options.py).
 
 Each config field becomes `--section.key VALUE` (bool fields also work as a bare
 switch), with the field's help text, its choices and its default in `--help`. Values
@@ -108,17 +109,6 @@ def build(preset: str | None, argv: list[str]) -> RunConfig:
     if preset is not None:
         config.load_preset(cfg, preset)
     return apply_overrides(cfg, args)
-
-
-def add_run_options(parser: Parser, what: str = "run directory or checkpoint folder") -> None:
-    """--run, --checkpoint and --device: how every tool names the model it reads."""
-    parser.add_argument("--run", default="", help=f"{what} (default: the latest run: the one "
-                        "in runs/ whose newest checkpoint was written last)")
-    parser.add_argument("--checkpoint", default="best", choices=("best", "latest"),
-                        help="which checkpoint of a run: best (lowest val loss; the latest "
-                             "where nothing after step 0 was evaluated) or latest")
-    parser.add_argument("--device", default="cpu",
-                        help="auto, cpu, cuda, cuda:N or mps (default: cpu)")
 
 
 @contextmanager

@@ -9,6 +9,7 @@ and an unknown key is refused with the valid ones listed, all before any work st
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import tomllib
@@ -26,6 +27,16 @@ from model import registry as model_registry
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 MAX_NEW_TOKENS = 1_000_000          # one sample.py call: hours of text on a CPU already
+
+# The version a run config is saved with (config.json's "version"; none means 1). A
+# config of an older version is migrated when it is read, so old runs and checkpoints
+# load under today's names: RENAMED_IN[v] is what version v renamed, section by field.
+CONFIG_VERSION = 2
+RENAMED_IN = {
+    # GELU named as torch and transformers name it: gelu the exact form, gelu_tanh the
+    # approximation (before, gelu was the tanh form and gelu_erf the exact one).
+    2: {"model": {"mlp": {"gelu": "gelu_tanh", "gelu_erf": "gelu"}}},
+}
 
 
 @dataclass
@@ -121,6 +132,7 @@ class RunConfig:
     sample: SampleConfig = field(default_factory=SampleConfig)
     preset: str = ""
     parent: dict = field(default_factory=dict)    # the weights a fine-tuning run started from
+    version: int = CONFIG_VERSION                 # of this layout and its names (migrate)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -195,6 +207,18 @@ class RunConfig:
             raise ConfigError(f"sample.seed must be between 0 and 2**63 - 1, got {sample.seed}")
         if sample.explain_top < 1:
             raise ConfigError(f"sample.explain_top must be at least 1, got {sample.explain_top}")
+        if sample.sinks:
+            # Sinks live in a rolling KV cache: say so here, before generate() would raise.
+            if sample.sinks < 0:
+                raise ConfigError(f"sample.sinks must be 0 (off) or positive, got {sample.sinks}")
+            if not sample.use_cache:
+                raise ConfigError("sample.sinks keeps the first tokens in a rolling KV cache, "
+                                  "and sample.use_cache=false turns the cache off: drop one "
+                                  "of the two")
+            if sample.decode in ("static", "graph"):
+                raise ConfigError(f"sample.sinks decodes from a rolling cache that grows as "
+                                  f"it rolls, not a preallocated one: use sample.decode=cache "
+                                  f"(or auto) with sinks, not {sample.decode}")
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
@@ -302,17 +326,40 @@ def load_preset(cfg: RunConfig, name: str) -> None:
     cfg.preset = path.stem
 
 
-def from_dict(data: dict, origin: str) -> RunConfig:
-    """Rebuild a saved config (config.json of a run); missing keys keep their defaults."""
-    cfg = RunConfig()
+def migrate(data: dict, origin: str) -> dict:
+    """A saved config (config.json of a run or checkpoint) brought to CONFIG_VERSION: the
+    renames of every later version applied in order. The file itself is left as it is
+    (a checkpoint's hash covers it)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{origin} does not hold a config object")
-    for section, values in data.items():
+    version = data.get("version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ConfigError(f"{origin} has version {version!r}; a run config's version is a "
+                          "whole number from 1 (or absent, for the first)")
+    if version > CONFIG_VERSION:
+        raise ConfigError(f"{origin} is a version {version} config, newer than this attnlab "
+                          f"reads (version {CONFIG_VERSION}); update attnlab to load it")
+    data = copy.deepcopy(data)
+    for later in range(version + 1, CONFIG_VERSION + 1):
+        for section, renames in RENAMED_IN.get(later, {}).items():
+            values = data.get(section)
+            for key, names in renames.items():
+                if isinstance(values, dict) and isinstance(values.get(key), str):
+                    values[key] = names.get(values[key], values[key])
+    data["version"] = CONFIG_VERSION
+    return data
+
+
+def from_dict(data: dict, origin: str) -> RunConfig:
+    """Rebuild a saved config (config.json of a run), migrated from an older version;
+    missing keys keep their defaults."""
+    cfg = RunConfig()
+    for section, values in migrate(data, origin).items():
         if section == "preset":
             cfg.preset = str(values)
         elif section == "parent":
             cfg.parent = dict(values) if isinstance(values, dict) else {}
-        else:
+        elif section != "version":
             apply(cfg, section, values, origin)
     cfg.validate()
     return cfg

@@ -41,15 +41,10 @@ def pick_device(name: str = "auto") -> torch.device:
     return device
 
 
-# Whether bf16 autocast pays on a CPU depends on the width and on how fast its bf16
-# matmuls are against fp32 ones, which differs between CPUs that both have AVX-512 BF16.
-# Measured on two 2-core "AMD EPYC" machines, a training step with Muon:
-# - one whose bf16 matmul peak is 2.2x its fp32 one (0.43 vs 0.20 TFLOP/s): bf16 ran
-#   4 x 384 1.87x faster, 4 x 128 not at all (small matmuls are overhead-bound);
-# - one at 4.1x (0.82 vs 0.20), since short sequences attend in fp32 under autocast
-#   (model/attention.py: torch's bf16 CPU attention was the slow part): 3 x 64 at
-#   context 64 1.48x (20.7 vs 30.6 ms), 3 x 96 at 128 1.66x, 4 x 128 1.91x, 6 x 256
-#   2.14x. The slower kind was measured before that change: it keeps the 256 floor.
+# Whether bf16 autocast pays on a CPU depends on the width (small matmuls are bound by
+# overhead, not arithmetic) and on how much faster the CPU's bf16 matmuls are than its
+# fp32 ones, which differs between CPUs that both have AVX-512 BF16 (docs/benchmarks.md,
+# "bf16 autocast on a CPU").
 CPU_BF16_MIN_WIDTH = 256        # bf16 from here on any CPU with native bf16
 CPU_FAST_BF16_MIN_WIDTH = 64    # and from here where bf16 matmuls run at least ...
 CPU_FAST_BF16 = 3.0             # ... this many times as fast as fp32 (cached probes)
@@ -65,9 +60,8 @@ def cpu_bf16_pays(n_embd: int) -> bool:
 
 
 # Decoding at batch 1 is another matter: each token is a row of matrix-vector products,
-# and bf16 weights only pay where reading the weights dominates (on the 4.1x machine:
-# 6 x 384 376 against 257 tok/s in fp32, 8 x 512 214 against 133; 6 x 256 526 against
-# 584; 4 x 128 1,152 against 2,011; 3 x 64 1,541 against 2,599).
+# and bf16 weights only pay where reading the weights dominates (docs/benchmarks.md,
+# "bf16 weights to sample").
 CPU_DECODE_BF16_MIN_WIDTH = 384
 
 

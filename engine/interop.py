@@ -41,6 +41,7 @@ from engine.hf_files import (CONFIG_LIMIT, INDEX, MAX_HEADS, MAX_LAYERS, MAX_POS
 from model import GPT, ModelConfig, ModelError
 from model.layers import BLOCKS, MLPS, NORMS
 from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
+from model.readout import READOUTS
 
 
 class ExportError(AttnlabError):
@@ -77,15 +78,15 @@ def _needs(cfg: ModelConfig, **wanted) -> list[str]:
     return out
 
 
-# GELU's two forms under transformers' names for them (ACT2FN): the exact one is "gelu";
-# GPT-2 wrote the tanh form "gelu_new", GPT-NeoX "gelu_pytorch_tanh"; both are read.
-_HF_GELU = {"gelu_erf": ("gelu",), "gelu": ("gelu_new", "gelu_pytorch_tanh")}
+# GELU's two forms under transformers' names for them (ACT2FN): the exact one is "gelu",
+# as here; GPT-2 wrote the tanh form "gelu_new", GPT-NeoX "gelu_pytorch_tanh"; both are read.
+_HF_GELU = {"gelu": ("gelu",), "gelu_tanh": ("gelu_new", "gelu_pytorch_tanh")}
 _GELUS = tuple(_HF_GELU)
 _HF_GELU_NAMES = sum(_HF_GELU.values(), ())      # every name read as one of them
 
 
 def _hf_gelu(cfg: ModelConfig, tanh_name: str) -> str:
-    return "gelu" if MLPS[cfg.mlp] is MLPS["gelu_erf"] else tanh_name
+    return "gelu" if MLPS[cfg.mlp] is MLPS["gelu"] else tanh_name
 
 
 def _gelu_from_hf(act: str) -> str:
@@ -104,7 +105,7 @@ def _common_refusals(cfg: ModelConfig, decoder: bool = True) -> list[str]:
         out.append("model.value_embeds=true (no value embeddings there)")
     if cfg.skip_connections:
         out.append("model.skip_connections=true (no skips across blocks there)")
-    if cfg.readout != "full":
+    if not READOUTS[cfg.readout].plain:
         out.append(f"model.readout={cfg.readout} (every architecture there scores the whole "
                    "vocabulary with one linear layer: train with model.readout=full)")
     if ROPE_SCALINGS[cfg.rope_scaling].stretches:

@@ -10,7 +10,7 @@ transformers, no pickle, no remote code.
                                                                         DistilBertForMaskedLM
 
 Each maps exactly onto this project's model with model.causal=false, block=postnorm,
-position=learned, norm=layernorm, mlp=gelu_erf, bias=true. A folder with a masked-LM
+position=learned, norm=layernorm, mlp=gelu, bias=true. A folder with a masked-LM
 head (its weights present) gets readout=mlm, tied to the token embedding as there;
 a folder without one (a sentence encoder such as all-MiniLM-L6-v2) loads with
 readout=none: hidden states and attention, no token scores. BertModel's pooler (a
@@ -126,7 +126,7 @@ _IGNORED = (r"(^|\.)embeddings\.(position_ids|token_type_ids)$", r"(^|\.)pooler\
 def _encoder(**kw) -> ModelConfig:
     """The variants every BERT-family model is made of, and its sizes."""
     return ModelConfig(causal=False, block="postnorm", position="learned", norm="layernorm",
-                       mlp="gelu_erf", bias=True, attention="sdpa", dropout=0.0, **kw)
+                       mlp="gelu", bias=True, attention="auto", dropout=0.0, **kw)
 
 
 def _check_width(inner: int, width: int, key: str) -> None:
@@ -186,7 +186,7 @@ def _distilbert_to_config(cfg: ModelConfig) -> dict:
 def _encoder_refusals(cfg: ModelConfig) -> list[str]:
     # What no architecture has, the readout aside (an encoder's is checked below).
     out = _common_refusals(replace(cfg, readout="full"), decoder=False) + _needs(
-        cfg, position="learned", norm="layernorm", mlp="gelu_erf")
+        cfg, position="learned", norm="layernorm", mlp="gelu")
     if cfg.causal:
         out.append("model.causal=true (BERT-family models see in both directions)")
     if BLOCKS[cfg.block] is not BLOCKS["postnorm"]:
@@ -303,7 +303,7 @@ def _load(family_name: str, arch: Architecture):
             raise CheckpointError(f"{config_path}: {err}") from None
         files = WeightFiles(folder, family.prefix)
         cfg = replace(cfg, readout="mlm" if files.find(family.head_marker) else "none")
-        if cfg.readout == "none":
+        if not READOUTS[cfg.readout].scores_tokens:
             cfg = replace(cfg, tie_embeddings=False)
         # Names, shapes and dtypes from the headers, before a tensor is read (an integer or
         # quantised weight is refused, not cast): everything

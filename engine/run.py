@@ -16,7 +16,7 @@ from common.errors import CheckpointError, ConfigError
 from common.files import lock_file, lock_holder, read_json, write_json_atomic, write_text_atomic
 from engine import checkpoint
 from engine.budget import refuse_what_cannot_fit
-from engine.config import RunConfig, apply, apply_to, from_dict
+from engine.config import RunConfig, apply, apply_to, from_dict, migrate
 from engine.device import autocast, dtype_name, pick_device, pick_dtype, precision_note, setup_backends
 from engine.distributed import Dist
 from engine.objectives import OBJECTIVES, draw_generator
@@ -24,7 +24,7 @@ from engine.optim import Optimizers, configure_optimizer
 from data.tokenizer import Tokenizer
 from data.tokens import Batches, TokenData, load_tokens
 from model import GPT
-from model.readout import SHORTLIST_COVERAGE, shortlist_for
+from model.readout import READOUTS, SHORTLIST_COVERAGE, shortlist_for
 
 # Model fields a fine-tuning run may change: the same weights compute the same function.
 SWAPPABLE_MODEL_FIELDS = ("attention", "dropout")
@@ -100,7 +100,7 @@ class Run:
     def summary(self) -> str:
         c, m = self.cfg.model, self.model
         readout = (f", adaptive readout (shortlist of {c.readout_shortlist:,})"
-                   if c.readout == "adaptive" else "")
+                   if READOUTS[c.readout].shortlisted else "")
         return (f"model: {c.n_layer} layers x {c.n_head} heads, {c.n_embd} wide, context "
                 f"{c.block_size}, {c.position} positions, {c.attention} attention{readout}: "
                 f"{m.num_params() / 1e6:.2f}M parameters ({m.num_params(True) / 1e6:.2f}M "
@@ -117,13 +117,14 @@ class Run:
 
 
 @dataclass
-class Source:
-    """The weights and tokenizer a run starts from (train.init_from)."""
+class Pretrained:
+    """The weights and tokenizer a run starts from (train.init_from), as against the
+    corpus it trains on (data.sources)."""
     model: GPT
     tokenizer: Tokenizer
 
 
-def adopt_source(cfg: RunConfig, model_overrides: dict[str, str]) -> Source:
+def adopt_source(cfg: RunConfig, model_overrides: dict[str, str]) -> Pretrained:
     """Load train.init_from and make cfg's model its model: the architecture comes from
     the source, and a command-line override that would change it is refused. The run
     records its parent (path and a hash of its weights)."""
@@ -143,11 +144,11 @@ def adopt_source(cfg: RunConfig, model_overrides: dict[str, str]) -> Source:
     cfg.data.tokenizer = tokenizer.kind
     cfg.parent = describe_parent(cfg.train.init_from, model)
     cfg.validate()
-    return Source(model, tokenizer)
+    return Pretrained(model, tokenizer)
 
 
 def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path = False,
-              log=print, dist: Dist | None = None, source: Source | None = None) -> Run:
+              log=print, dist: Dist | None = None, source: Pretrained | None = None) -> Run:
     """Device, data, model, its wrappers, optimizer and run directory, in that order;
     with `source`, the model starts from its weights and the data is encoded with its
     tokenizer; with `resume`, the state of a checkpoint (a path: that one; True: the
@@ -168,7 +169,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
                                else run_dir or Path(train_cfg.out_dir) / train_cfg.run_name)
     data = _load_data(cfg, dist, log, given)
     counts = None
-    if cfg.model.readout == "adaptive" and not resume and source is None:
+    if READOUTS[cfg.model.readout].shortlisted and not resume and source is None:
         counts = torch.from_numpy(data.train.counts(cfg.model.vocab_size))
         fit_readout(cfg.model, counts, log)
         cfg.validate()                        # the shortlist against the vocabulary
@@ -436,9 +437,10 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
         ckpt = checkpoint.resolve(run_dir, "latest")
     else:
         raise CheckpointError(f"cannot resume: {path} is not a run directory (no config.json)")
-    saved = checkpoint.verified_json(ckpt, "config.json")
+    saved = migrate(checkpoint.verified_json(ckpt, "config.json"), str(ckpt / "config.json"))
     cfg = from_dict(saved, str(ckpt / "config.json"))
     run_level = read_json(run_dir / "config.json") or {}
+    run_level = migrate(run_level, str(run_dir / "config.json")) if isinstance(run_level, dict) else {}
     _refuse_changes(saved, run_level, f"{run_dir / 'config.json'} disagrees with the config "
                     f"{ckpt.name} was trained with", "put config.json back as it was")
     for section, values in overrides.items():

@@ -1,10 +1,14 @@
 """A decoder-only Transformer built from the pieces of the attention article.
 
-Read in this order: mask.py (the one mask rule), attention.py (the formula and its
-backends, multi-head; precision.py says whether this CPU has native bf16), positions.py (none, sinusoidal, learned, RoPE, ALiBi),
-layers.py (norms, MLP, the residual block), readout.py (the output layer, and the
-adaptive softmax for large vocabularies), gpt.py (the whole model and its KV cache),
-sampling.py (logits to tokens); registry.py lists every variant and checks a config.
+Read in this order: config.py (the one model configuration: sizes, and variants named
+by strings), mask.py (the one mask rule), attention.py (the formula, its backends and
+multi-head attention; flex.py is its FlexAttention path, cpu_kernels.py its tuning for
+CPUs and precision.py says whether this CPU has native bf16), positions.py (none,
+sinusoidal, learned, RoPE, ALiBi), layers.py (norms, MLP, the residual block),
+readout.py (the output layer, and the adaptive softmax for large vocabularies), gpt.py
+(the whole model and generation from it), cache.py (the KV caches it decodes with),
+sampling.py (logits to tokens), seq2seq.py (an encoder-decoder, through cross-attention);
+registry.py lists every variant and checks a config.
 The folder imports torch and itself only: copy it out and it runs."""
 from model.config import ModelConfig, ModelError
 from model.gpt import GPT, KVCache, Output

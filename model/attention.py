@@ -1,26 +1,26 @@
-"""Scaled dot-product attention, the mask rule and multi-head attention.
+"""Attention, the article's formula, and multi-head attention.
 
-    Attention(Q, K, V) = softmax(Q·Kᵀ / √d_k) · V
+    Attention(Q, K, V) = softmax(Q·Kᵀ / √d_k + mask) · V
 
-Each backend computes exactly that and shares one signature,
+`eager_attention` below writes it out one line per idea. The other backends compute
+the same thing faster and share its signature,
 `backend(q, k, v, mask, dropout_p, need_weights) -> (out, weights | None)`:
 
-* `eager` writes the formula out step by step and can hand back the weights;
-* `sdpa` calls torch's fused kernel (FlashAttention on supported GPUs, a fused C++
-  kernel on CPU), which never materialises the T×T weights; in bf16 on a CPU with
-  native bf16, where torch's kernel is slow, up to a few hundred queries it is the
-  formula as two batched matmuls instead (cpu_route);
+* `sdpa` is torch's F.scaled_dot_product_attention (FlashAttention on supported GPUs,
+  a fused C++ kernel on CPU), which never materialises the T×T weights;
 * `banded` computes only the band a sliding window can see, so time and memory grow
   with T·W instead of T² (Longformer's banded attention, arXiv:2004.05150);
 * `flex` hands the same rule to torch's FlexAttention, which compiles it into a
   kernel that skips fully masked blocks (model/flex.py);
-* `auto` (the default) is sdpa, except for a whole windowed sequence: flex on a CUDA
-  GPU, banded elsewhere or when attention dropout is on.
+* `cpu` is sdpa or banded through the kernel that pays for the precision and length
+  on a CPU (model/cpu_kernels.py: in bf16, two matmuls or fp32 copies);
+* `auto`, the default and what training runs, is `cpu` on a CPU; elsewhere sdpa, or
+  for a whole windowed sequence flex on a CUDA GPU and banded otherwise.
 
 The mask rule they all follow is in model/mask.py. Each backend is registered with
 the facts other code asks about it (can it return weights, does it need a window).
-
-tests/test_attention.py proves every backend equal to a float64 NumPy reference.
+tests/test_attention.py::test_every_backend_matches_the_float64_reference proves every
+backend equal to a float64 NumPy reference, forward and backward.
 """
 from __future__ import annotations
 
@@ -33,10 +33,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.flex import attend as flex_attend
 from model.config import ModelConfig
+from model.cpu_kernels import kernel_dtype, sdpa as cpu_sdpa
+from model.flex import attend as flex_attend
 from model.mask import Mask, rule
-from model.precision import cpu_compute_dtype
 
 
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -64,97 +64,20 @@ def eager_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: b
     return out, (weights if need_weights else None)
 
 
-CPU_FP32_MAX_QUERIES = 256
-CPU_MATMUL_MAX_SCORES = 512 * 1024      # per batch row and head: queries x keys
-CPU_FP32_MAX_DECODE_KEYS = 2 ** 18      # elements of K in a one-query step
+@dataclass(frozen=True)
+class Kernel:
+    """The fused call under sdpa and banded: F.scaled_dot_product_attention's signature,
+    and the precision it wants an additive mask built in."""
+    attend: Callable
+    mask_dtype: Callable = lambda q, k: q.dtype
 
 
-def cpu_route(q: torch.Tensor, k: torch.Tensor) -> str:
-    """How fused_sdpa computes attention for q over k: "fused" (torch's kernel as it is),
-    "fp32" (that kernel on fp32 copies) or "matmul" (the formula as two bf16 matmuls).
-
-    torch's CPU attention kernels are slower in bf16/fp16 than in fp32 with the casts,
-    until a few hundred queries (a 2-core AVX-512 BF16 CPU, forward + backward: B=16,
-    H=3, T=128, d_k=32: bf16 8.4 ms, fp32 4.1 ms; B=64, H=6, T=256, d_k=64: 162 vs 159
-    ms; T=512: 66 vs 75 ms). Faster than both in bf16 is the article's formula itself:
-    Q·Kᵀ with the mask added in one oneDNN batched matmul, torch's softmax (which
-    computes in fp32 inside), then the matmul with V, the scores kept in bf16. Forward +
-    backward on the same CPU, best of three (matmul / fp32 kernel / bf16 kernel): B=16,
-    H=3, T=128, d_k=32: 1.3-2.3 / 2.7-2.8 / 6.4 ms; B=8, H=6, T=512, d_k=64: 45 / 75 /
-    62 ms; at T=1024 the kernel wins again (103 / 97 / 71 ms), and the scores would fill
-    memory. A decoding step (one query) pays the matmuls' fixed 35-45 us: over a small
-    cache the fp32 kernel is faster (batch 1, 6 heads of 64, 256 keys: 50 / 23 / 62 us),
-    over a large one it is at best a little faster and at worst far slower: the fp32
-    copies' cost jumps from run to run (1,024 keys: 56-67 / 64-864 / 267 us; 12 heads,
-    512 keys: 67 / 838; 640 keys: 74 / 1,075), so past 2^18 elements of K the matmuls'
-    steady cost wins (batch 8, 12 heads, 1,024 keys: 697 / 2,807 / 4,409 us). The
-    price of the matmuls is the scores' precision: bf16 keeps 8 bits, where the kernels
-    accumulate in fp32 (output error against float64 4.2e-3 relative instead of 3.0e-3,
-    gradients 5.6e-3 instead of 4.0e-3: about the size of bf16's own rounding of the
-    output). fp16 keeps the fp32 route (its CPU matmuls are not this fast), and so does
-    bf16 on a CPU without native bf16 (model/precision.py), where both its matmuls and
-    torch's bf16 kernel would be emulated."""
-    if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
-        return "fused"
-    if cpu_compute_dtype(q.dtype) != q.dtype:
-        return "fp32"
-    if q.dtype == torch.bfloat16:
-        if q.shape[-2] == 1 and k.numel() <= CPU_FP32_MAX_DECODE_KEYS:
-            return "fp32"
-        return "matmul" if q.shape[-2] * k.shape[-2] <= CPU_MATMUL_MAX_SCORES else "fused"
-    return "fp32" if q.shape[-2] <= CPU_FP32_MAX_QUERIES else "fused"
+TORCH_KERNEL = Kernel(F.scaled_dot_product_attention)
+CPU_KERNEL = Kernel(cpu_sdpa, kernel_dtype)
 
 
-def kernel_dtype(q: torch.Tensor, k: torch.Tensor) -> torch.dtype:
-    """The precision fused_sdpa computes q's attention over k in (an additive mask is
-    built in it)."""
-    return torch.float32 if cpu_route(q, k) == "fp32" else q.dtype
-
-
-@functools.lru_cache(maxsize=8)
-def causal_bias(T: int, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """(T, T): 0 on and below the diagonal, -inf above it (the causal mask, additive)."""
-    hidden = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
-    return torch.zeros(T, T, dtype=dtype, device=device).masked_fill(hidden, float("-inf"))
-
-
-def matmul_sdpa(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False):
-    """softmax(Q·Kᵀ/√d_k + mask)·V in q's precision, the mask added inside the first
-    matmul (baddbmm). attn_mask as SDPA takes it: bool (True = visible) or additive,
-    broadcastable to (..., Tq, Tk)."""
-    *lead, Tq, D = q.shape
-    Tk = k.shape[-2]
-    if is_causal:
-        attn_mask = causal_bias(Tq, q.dtype, str(q.device))
-    elif attn_mask is None:
-        attn_mask = torch.zeros((), dtype=q.dtype, device=q.device)
-    elif attn_mask.dtype == torch.bool:
-        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device) \
-            .masked_fill(~attn_mask, float("-inf"))
-    bias = attn_mask.to(q.dtype)
-    if bias.dim() > 2:                 # per batch row or head: one (Tq, Tk) per matmul
-        bias = bias.expand(*lead, Tq, Tk).reshape(-1, Tq, Tk)
-    scores = torch.baddbmm(bias, q.reshape(-1, Tq, D), k.reshape(-1, Tk, D).transpose(1, 2),
-                           alpha=1 / math.sqrt(D))
-    weights = F.dropout(torch.softmax(scores, dim=-1), dropout_p)
-    return torch.bmm(weights, v.reshape(-1, Tk, v.shape[-1])).view(*lead, Tq, v.shape[-1])
-
-
-def fused_sdpa(q, k, v, attn_mask=None, **kw):
-    """torch's fused kernel, or in bf16 on a CPU the route cpu_route picks (every backend
-    that calls the kernel comes through here)."""
-    route = cpu_route(q, k)
-    if route == "matmul":
-        return matmul_sdpa(q, k, v, attn_mask, **kw)
-    if route == "fused":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kw)
-    with torch.autocast("cpu", enabled=False):
-        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
-                                             attn_mask=attn_mask, **kw)
-    return out.to(q.dtype)
-
-
-def sdpa_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
+def sdpa_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False,
+                   kernel: Kernel = TORCH_KERNEL):
     """The same function through torch.nn.functional.scaled_dot_product_attention,
     which picks FlashAttention or memory-efficient kernels where it can."""
     if need_weights:
@@ -163,10 +86,10 @@ def sdpa_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bo
     if mask.is_square_causal:                              # training: the built-in triangle
         is_causal = True
     elif mask.bias is not None:                            # ALiBi: bias and mask in one
-        attn_mask = mask.additive(kernel_dtype(q, k))
+        attn_mask = mask.additive(kernel.mask_dtype(q, k))
     elif not mask.sees_everything:                         # window, or a chunk after a cache
         attn_mask = mask.dense
-    out = fused_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+    out = kernel.attend(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
     return out, None
 
 
@@ -190,7 +113,8 @@ def band(T: int, W: int, G: int, device: str):
     return q_pos, k_pos, ok
 
 
-def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
+def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False,
+                     kernel: Kernel = TORCH_KERNEL):
     """Sliding-window attention that computes only the band.
 
     Cut the sequence into blocks of W queries. With a window of W, the keys a block can
@@ -201,7 +125,7 @@ def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: 
     a cache goes to sdpa, which costs O(W) per query there."""
     W, G = mask.window, mask.n_global
     if not W or not mask.is_whole_sequence:
-        return sdpa_attention(q, k, v, mask, dropout_p, need_weights)
+        return sdpa_attention(q, k, v, mask, dropout_p, need_weights, kernel)
     B, H, T, D = q.shape
     n = -(-T // W)
     pad = n * W - T                           # < W: every padded query still sees a real key
@@ -227,11 +151,11 @@ def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: 
     n_keys = keys.shape[2]
     if mask.bias_fn is not None:                                      # ALiBi inside the band
         bias = mask.bias_fn(q_pos[:, :, None], k_pos[:, None, :])      # (H, n, W, keys)
-        attn_mask = bias.to(kernel_dtype(qb, keys)).masked_fill(~ok, float("-inf"))
+        attn_mask = bias.to(kernel.mask_dtype(qb, keys)).masked_fill(~ok, float("-inf"))
         attn_mask = attn_mask.expand(B, H, n, W, n_keys).reshape(B * H, n, W, n_keys)
     else:
         attn_mask = ok[None]                                          # (1, n, W, keys)
-    out = fused_sdpa(qb, keys, values, attn_mask=attn_mask, dropout_p=dropout_p)   # (B·H, n, W, D)
+    out = kernel.attend(qb, keys, values, attn_mask=attn_mask, dropout_p=dropout_p)  # (B·H, n, W, D)
     return out.reshape(B, H, n * W, D)[:, :, :T], None
 
 
@@ -248,20 +172,36 @@ def flex_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bo
     return flex_attend(q, k, v, mask), None
 
 
+def band_pays(mask: Mask, need_weights: bool = False) -> bool:
+    """Whether computing only the band is cheaper than sdpa with the window's mask: for a
+    whole windowed sequence once the band (2·W keys per query block) is at most half the
+    T keys a masked sdpa reads (docs/benchmarks.md, "CPU attention routes")."""
+    return (bool(mask.window) and mask.is_whole_sequence and not need_weights
+            and mask.q_len >= 4 * mask.window)
+
+
+def cpu_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
+    """sdpa, or banded where the band pays, each through the kernel model/cpu_kernels.py
+    routes by precision and length (flex has no backward on a CPU)."""
+    if band_pays(mask, need_weights):
+        return banded_attention(q, k, v, mask, dropout_p, kernel=CPU_KERNEL)
+    return sdpa_attention(q, k, v, mask, dropout_p, need_weights, kernel=CPU_KERNEL)
+
+
 def auto_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
-    """The fastest backend for this call. Full causal attention and decoding steps go
-    to sdpa (FlashAttention on GPUs). A sliding window over a whole sequence computes
-    only its band: with FlexAttention's block-sparse kernel on CUDA, where flash causal
-    would do all T²/2 scores and a banded batch of small attentions is bound by launch
-    overhead; with `banded` on CPUs (flex has no backward there) and with dropout, once
-    the band (2·W keys per query block) is at most half the T keys a masked sdpa reads:
-    on this project's 2-core CPU, fwd+bwd at T=1024, W=128 takes 24 ms banded against
-    69 ms for sdpa with the window's mask, while at T=256, W=128 sdpa wins (30 vs 37 ms)."""
-    if mask.window and mask.is_whole_sequence and not need_weights:
-        if q.is_cuda and not dropout_p:
-            return flex_attention(q, k, v, mask)
-        if mask.q_len >= 4 * mask.window:
-            return banded_attention(q, k, v, mask, dropout_p)
+    """The fastest backend for this call: the backend tuned for the device where one is
+    registered (`cpu`). Elsewhere full causal attention and decoding steps go to sdpa
+    (FlashAttention on GPUs), and a sliding window over a whole sequence computes only
+    its band: with FlexAttention's block-sparse kernel on CUDA, where flash causal would
+    do all T²/2 scores and a banded batch of small attentions is bound by launch
+    overhead; with `banded` with dropout or on other devices, where the band pays."""
+    tuned = TUNED_FOR_DEVICE.get(q.device.type)
+    if tuned is not None:
+        return tuned(q, k, v, mask, dropout_p, need_weights)
+    if mask.window and mask.is_whole_sequence and not need_weights and q.is_cuda and not dropout_p:
+        return flex_attention(q, k, v, mask)
+    if band_pays(mask, need_weights):
+        return banded_attention(q, k, v, mask, dropout_p)
     return sdpa_attention(q, k, v, mask, dropout_p, need_weights)
 
 
@@ -274,6 +214,7 @@ class Backend:
     needs_window: bool = False       # computes only a sliding window's band
     has_dropout: bool = True         # applies attention dropout while training
     trains_on_cpu: bool = True       # has a backward pass on a CPU in this torch
+    tuned_for: str | None = None     # the device type `auto` hands every call to it on
 
     def __call__(self, q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
         return self.attend(q, k, v, mask, dropout_p, need_weights)
@@ -286,7 +227,10 @@ ATTENTION_BACKENDS = {
     "banded": Backend(banded_attention, needs_window=True),
     # torch compiles FlexAttention's forward only on CPUs: it samples there, trains on GPUs.
     "flex": Backend(flex_attention, has_dropout=False, trains_on_cpu=False),
+    # Machine tuning for bf16 and fp16 on CPUs (model/cpu_kernels.py); fp32 is sdpa's.
+    "cpu": Backend(cpu_attention, tuned_for="cpu"),
 }
+TUNED_FOR_DEVICE = {b.tuned_for: b for b in ATTENTION_BACKENDS.values() if b.tuned_for}
 
 
 class MultiHeadAttention(nn.Module):
@@ -308,7 +252,7 @@ class MultiHeadAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        # Named places a tool can read (attnlab/lens.py hooks them): q, k and v exactly as
+        # Named places a tool can read (attnlab/capture.py hooks them): q, k and v exactly as
         # the softmax and the weighted sum use them, after positions, QK-norm and value
         # embeddings. Identities, so a model with no hook set computes what it did.
         self.hook_q, self.hook_k, self.hook_v = nn.Identity(), nn.Identity(), nn.Identity()
@@ -317,8 +261,11 @@ class MultiHeadAttention(nn.Module):
                 value_embed=None):
         B, T, C = x.shape
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
-        qkv = self.w_qkv(x).view(B, T, H + 2 * H_kv, D).transpose(1, 2)   # (B, heads, T, D)
-        qk, v = qkv.split([H + H_kv, H_kv], dim=1)
+        # Q = x·W_Q, K = x·W_K, V = x·W_V, as one matmul cut into the three.
+        q, k, v = self.w_qkv(x).split([H * D, H_kv * D, H_kv * D], dim=-1)
+        q = q.view(B, T, H, D).transpose(1, 2)                       # (B, H, T, D)
+        k = k.view(B, T, H_kv, D).transpose(1, 2)                    # (B, H_kv, T, D)
+        v = v.view(B, T, H_kv, D).transpose(1, 2)                    # (B, H_kv, T, D)
         if value_embed is not None:
             # Value embeddings: what a token hands on when attended to is no longer only a
             # function of the residual stream; a per-token vector is added to it, so the
@@ -328,9 +275,9 @@ class MultiHeadAttention(nn.Module):
             # QK-norm (arXiv:2302.05442; the modded-nanogpt speedruns): every query and key
             # scaled to unit RMS, so |q·k|/√d_k <= √d_k whatever the weights grow to, and
             # the softmax cannot saturate into the one-hot corner at a high learning rate.
-            qk = F.rms_norm(qk, (D,))
-        # Queries and keys get their positions in one call (RoPE turns both alike).
-        q, k = positions.rotate(qk, mask.q_start).split([H, H_kv], dim=1)   # (B, H|H_kv, T, D)
+            q, k = F.rms_norm(q, (D,)), F.rms_norm(k, (D,))
+        # Positions: RoPE turns queries and keys by their positions (others leave them).
+        q, k = positions.rotate(q, mask.q_start), positions.rotate(k, mask.q_start)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         if cache is not None:                # keys and values of the earlier tokens too
             k, v = cache.update(self.layer_idx, k, v)

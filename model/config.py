@@ -45,8 +45,8 @@ class ModelConfig:
     norm: str = _opt("layernorm", "normalisation layer", registry="norm")
     block: str = _opt("prenorm", "residual block: prenorm normalises each sublayer's input "
                                  "(GPT-2), postnorm each residual sum (BERT)", registry="block")
-    mlp: str = _opt("gelu_erf", "feed-forward block: gelu_erf is GELU exactly, gelu its tanh "
-                                    "approximation as GPT-2 computed it", registry="mlp")
+    mlp: str = _opt("gelu", "feed-forward block: gelu is GELU exactly, gelu_tanh its tanh "
+                               "approximation as GPT-2 computed it", registry="mlp")
     tie_embeddings: bool = _opt(True, "share the token embedding with the output layer")
     readout: str = _opt("full", "output layer: a softmax over the whole vocabulary, or the "
                                 "adaptive softmax for large vocabularies", registry="readout")

@@ -19,9 +19,8 @@ from model.mask import Mask, rule
 
 
 # From this length on, the block mask is built by a compiled function that never holds
-# the T×T mask: at T = 16,384 the plain build took 2.4 GiB on a CPU (the whole boolean
-# mask and its intermediates), the compiled one 14 MiB; below it, the few seconds of
-# compiling cost more than the mask.
+# the T×T mask, which the plain build does (gigabytes at T = 16,384); below it, the few
+# seconds of compiling cost more than the mask (docs/benchmarks.md, "FlexAttention").
 COMPILE_MASK_FROM = 4096
 
 
@@ -29,9 +28,8 @@ COMPILE_MASK_FROM = 4096
 def _kernel():
     from torch.nn.attention.flex_attention import flex_attention
     # Automatic dynamic shapes: after a second length the kernel is compiled for any
-    # length, instead of once per length (with dynamic=False, six prompt lengths were
-    # six compilations of about 3 s each on a CPU, and past torch's recompile limit it
-    # fell back to the slow unfused path; dynamic=None compiled three graphs).
+    # length, instead of once per length, which costs seconds each and past torch's
+    # recompile limit falls back to the slow unfused path.
     return torch.compile(flex_attention, dynamic=None)
 
 
@@ -49,12 +47,10 @@ def block_mask(length: int, window: int, n_global: int, device: str):
 
 
 # torch 2.13's compiled CPU kernel reads scratch memory it never wrote at some lengths
-# that are not multiples of 16 (8, 24, 40, 56 and 72 with d_k <= 16 on AVX2 CPUs: errors
-# of 1 to 4, or NaN); every multiple of 16 tried was right, even with the allocator's
-# free memory filled with NaN. The same inputs come out right or wrong depending on what
-# memory it is handed, so no single check can vouch for a length; padding can. The
-# padded keys lie after every real query, so the causal rule hides them, and the padded
-# queries' rows are dropped. bench/flex_cpu_repro.py reproduces it with torch alone.
+# that are not multiples of 16 (wrong numbers or NaN, depending on what memory it is
+# handed), so no single check can vouch for a length; padding to a multiple of 16 can.
+# The padded keys lie after every real query, so the causal rule hides them, and the
+# padded queries' rows are dropped. bench/flex_cpu_repro.py reproduces it with torch alone.
 CPU_LENGTH_MULTIPLE = 16
 
 # Whether the kernel agreed with the rule, per call signature (shapes, dtype, device,

@@ -202,7 +202,7 @@ class GPT(nn.Module):
         return KVCache(self.config.n_layer, window, window, sinks, shift=self.positions.shift)
 
     @property
-    def rolls(self) -> bool:
+    def decodes_with_rolling_cache(self) -> bool:
         """A windowed model whose positions are relative (or absent) can decode for
         ever from a rolling cache; learned and sinusoidal positions are absolute."""
         return bool(self.config.sliding_window) and not self.positions.absolute
@@ -252,55 +252,109 @@ class GPT(nn.Module):
         return self._generate(idx, max_new_tokens, temperature, top_k, top_p, generator,
                               use_cache, on_step, decode, sinks, stream_window, forced)
 
-    @torch.no_grad()
-    def _generate(self, idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache,
-                  on_step, decode, sinks, stream_window, forced):
+    def _decode_mode(self, decode: str, use_cache: bool, sinks: int | None, device) -> str:
+        """The decode mode generate runs, after refusing what cannot run, saying why."""
         if decode not in DECODERS:
             raise ValueError(f"decode must be one of {', '.join(DECODERS)}, not {decode!r}")
         if not use_cache:
             decode = "full"
-        if decode == "graph" and idx.device.type != "cuda":
+        if decode == "graph" and device.type != "cuda":
             raise ValueError("decode='graph' records a CUDA graph: it needs a CUDA device; "
                              "use 'static' or 'cache' elsewhere")
-        window = self.config.block_size
         if sinks is not None:
+            window = self.config.block_size
             if decode == "full":
                 raise ValueError("sinks keep keys in a rolling KV cache; use a cache to decode")
             if not 0 <= sinks < window:
                 raise ValueError(f"sinks must be between 0 and block_size-1 ({window - 1}), not {sinks}")
             decode = "cache"
+        return decode
+
+    @torch.no_grad()
+    def _generate(self, idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache,
+                  on_step, decode, sinks, stream_window, forced):
+        decode = self._decode_mode(decode, use_cache, sinks, idx.device)
         if forced is not None:
             max_new_tokens = forced.shape[1]
-        rolls = (self.rolls or sinks is not None) and decode != "full"
-        context = idx if rolls else idx[:, -window:]
-        cache = static = step = None
-        length = 0                               # tokens the cache holds, kept in Python
+        window = self.config.block_size
+        steps = CachedSteps(self, decode, idx.shape[0])
+        if decode == "full":
+            logits_of = self._decode_full(idx[:, -window:])
+        elif sinks is not None:
+            logits_of = self._decode_streaming(idx, steps, sinks, stream_window)
+        elif self.decodes_with_rolling_cache:
+            logits_of = self._decode_rolling(idx, steps, self.new_cache(window))
+        else:
+            logits_of = self._decode_reprefill(idx[:, -window:], steps)
+        # Each mode below is a generator: it yields the logits for the next token and is
+        # sent the token chosen from them.
         for i in range(max_new_tokens):
-            if decode == "full":
-                logits = self(context[:, -window:]).logits
-            elif cache is None or (length >= window and not rolls):
-                if cache is not None:            # full: keep the newest half, re-read it
-                    context = context[:, -(window // 2 or 1):]
-                cache = (self.new_cache(window) if sinks is None else self.new_stream_cache(
-                    stream_window or max(1, (window - sinks) // 2), sinks))
-                logits = self(context, cache=cache).logits
-                length = context.shape[1]
-                if decode != "cache":
-                    static = static or self.new_static_cache(window)
-                    static.load(cache)
-                    if decode == "graph" and step is None:
-                        step = CapturedStep(self, static, idx.shape[0])
-            elif step is not None:
-                logits = step(token).clone()     # the graph's output is overwritten next step
-                length += 1
-            else:
-                logits = self(token, cache=static if static is not None else cache).logits
-                length += 1
+            logits = next(logits_of) if i == 0 else logits_of.send(token)
             logits = logits[:, -1].float()        # sampling maths in fp32 whatever the weights
             token = (forced[:, i:i + 1] if forced is not None else
                      sample_next(logits, temperature, top_k, top_p, generator))
             if on_step is not None:
                 on_step(logits, token)
-            # Keep only what a later step can read: the newest block_size tokens.
-            context = torch.cat([context, token], dim=1)[:, -window:]
             yield token
+
+    def _decode_full(self, context):
+        """No cache: every step re-reads the newest block_size tokens, sliding the context
+        one token at a time past it."""
+        window = self.config.block_size
+        while True:
+            token = yield self(context[:, -window:]).logits
+            context = torch.cat([context, token], dim=1)[:, -window:]
+
+    def _decode_reprefill(self, context, steps: CachedSteps):
+        """A growing cache of at most block_size tokens: read the prompt once, then one
+        token a step; when the cache is full, keep the newest half of the context and
+        re-read it in one pass (positions restart at 0)."""
+        window = self.config.block_size
+        while True:
+            logits = steps.prefill(context, self.new_cache(window))
+            for _ in range(window - context.shape[1]):
+                token = yield logits
+                context = torch.cat([context, token], dim=1)
+                logits = steps.step(token)
+            token = yield logits
+            context = torch.cat([context, token], dim=1)[:, -(window // 2 or 1):]
+
+    def _decode_rolling(self, context, steps: CachedSteps, cache: KVCache):
+        """A cache that rolls (a windowed model with relative positions, or a stream):
+        the prompt read once, then one token a step, for ever."""
+        token = yield steps.prefill(context, cache)
+        while True:
+            token = yield steps.step(token)
+
+    def _decode_streaming(self, context, steps: CachedSteps, sinks: int, stream_window: int):
+        """StreamingLLM (arXiv:2309.17453): a rolling cache of the first `sinks` tokens and
+        the newest `stream_window` (by default (block_size - sinks) // 2, so renumbered
+        positions stay inside the context), for any model."""
+        window = stream_window or max(1, (self.config.block_size - sinks) // 2)
+        return self._decode_rolling(context, steps, self.new_stream_cache(window, sinks))
+
+
+class CachedSteps:
+    """One token at a time after a prefill, as `decode` says: through the growing cache
+    itself (`cache`), through a preallocated copy of it stepped by tensors alone
+    (`static`), or that step replayed as a CUDA graph (`graph`). The static cache and the
+    graph are made once and reloaded after every prefill."""
+
+    def __init__(self, model: GPT, decode: str, batch: int):
+        self.model, self.decode, self.batch = model, decode, batch
+        self.cache = self.static = self.graph = None
+
+    def prefill(self, context: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        self.cache = cache
+        logits = self.model(context, cache=cache).logits
+        if self.decode != "cache":
+            self.static = self.static or self.model.new_static_cache(self.model.config.block_size)
+            self.static.load(cache)
+            if self.decode == "graph" and self.graph is None:
+                self.graph = CapturedStep(self.model, self.static, self.batch)
+        return logits
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        if self.graph is not None:
+            return self.graph(token).clone()      # the graph's output is overwritten next step
+        return self.model(token, cache=self.static if self.static is not None else self.cache).logits

@@ -24,10 +24,13 @@ NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm}
 
 
 class GeluMLP(nn.Module):
-    """Position-wise feed-forward: widen 4×, GELU, project back (GPT-2). GELU in its
-    tanh form, as GPT-2 computed it, so GPT-2's weights give GPT-2's outputs."""
+    """Position-wise feed-forward: widen 4×, GELU, project back (GPT-2, BERT). GELU in its
+    exact form, x·Φ(x) with Φ the normal CDF (Hendrycks & Gimpel, arXiv:1606.08415),
+    as torch and transformers name it `gelu`. The default: on a CPU torch vectorises
+    erf and not the tanh form, so the exact form is also the cheaper there
+    (docs/benchmarks.md, "GELU")."""
     has_weights = True
-    approximate = "tanh"
+    approximate = "none"
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -39,13 +42,10 @@ class GeluMLP(nn.Module):
         return self.dropout(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
 
 
-class GeluErfMLP(GeluMLP):
-    """The same MLP with GELU in its exact form, x·Φ(x) with Φ the normal CDF (Hendrycks
-    & Gimpel, arXiv:1606.08415); the tanh form was a cheaper approximation of it. On a
-    CPU it is now the cheaper one: torch 2.13 vectorises erf but not the tanh form (a
-    2-core CPU, 2,048 x 384 in bf16, forward + backward: 0.28 ms against 1.08 ms, which
-    made a 3 x 96 training step 7% faster). The default; `gelu` stays for GPT-2's weights."""
-    approximate = "none"
+class GeluTanhMLP(GeluMLP):
+    """The same MLP with GELU's tanh approximation, as GPT-2 computed it (transformers'
+    `gelu_new`), so GPT-2's weights give GPT-2's outputs."""
+    approximate = "tanh"
 
 
 class SwiGLU(nn.Module):
@@ -89,7 +89,8 @@ class NoMLP(nn.Module):
         return torch.zeros_like(x)
 
 
-MLPS = {"gelu_erf": GeluErfMLP, "gelu": GeluMLP, "swiglu": SwiGLU, "relu2": ReluSquaredMLP, "none": NoMLP}
+MLPS = {"gelu": GeluMLP, "gelu_tanh": GeluTanhMLP, "swiglu": SwiGLU, "relu2": ReluSquaredMLP,
+        "none": NoMLP}
 
 
 class Block(nn.Module):

@@ -1,14 +1,15 @@
 """Position encodings: how a model that otherwise sees a *set* of tokens learns order.
 
 Attention by itself is permutation-equivariant: shuffle the input tokens and the
-outputs shuffle the same way (tests/test_positions.py proves it for `none`). Every
+outputs shuffle the same way (tests/test_attention.py,
+test_without_positions_attention_is_permutation_equivariant, proves it). Every
 encoding here is one of two hooks, so the attention code has no branches:
 
 * `embed(x, start)` adds a vector per absolute position to the token embeddings
   (sinusoidal, learned), as in "Attention Is All You Need" (arXiv:1706.03762);
-* `rotate(x, start)` turns query and key vectors (passed together, one call per
-  layer) by an angle proportional to their position (RoPE, arXiv:2104.09864), so
-  q·k depends only on the offset between them;
+* `rotate(x, start)` turns query vectors, and then key vectors, by an angle
+  proportional to their position (RoPE, arXiv:2104.09864), so q·k depends only on
+  the offset between them;
 * `score_bias()` returns a function of (query, key) positions added to the scores
   (ALiBi, arXiv:2108.12409: a penalty growing with distance, no embedding at all).
 
@@ -146,7 +147,7 @@ class RoPE(PositionEncoding):
         self.register_buffer("sin", angle.sin() * self.mscale, persistent=False)
 
     def rotate(self, x, start):
-        # x: (B, heads, T, D), queries and keys of the same T positions.
+        # x: (B, heads, T, D), the queries or the keys of T positions from start.
         T = x.shape[-2]
         if isinstance(start, int) and start + T <= self.cos.shape[0]:
             cos, sin = self.cos[start:start + T], self.sin[start:start + T]

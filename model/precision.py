@@ -1,6 +1,6 @@
 """Does this CPU compute in bf16 natively? The one fact every precision choice on a CPU
 follows: autocast (engine/device.py), Muon's Newton-Schulz iterations (engine/optim.py),
-the CPU attention routes (model/attention.py), sampling and the --budget probes.
+the CPU attention routes (model/cpu_kernels.py), sampling and the --budget probes.
 
 Without native bf16 (AVX2 CPUs: most laptops' Intel Core chips, AMD Zen 2 and 3) torch
 emulates a bf16 matmul element by element, some 30 times slower than in fp32, so there

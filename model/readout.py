@@ -37,15 +37,20 @@ TAIL_DIVISOR = 4          # the tail's projection is n_embd / 4 wide (torch's de
 
 @dataclass(frozen=True)
 class Readout:
+    """An output layer and the facts the rest of the project asks about it, so no code
+    outside the registries compares a readout's name with a string."""
     shares_embedding: bool       # can be the token embedding's own matrix (tie_embeddings)
     scores_tokens: bool = True   # has an output layer at all (an encoder without a head has not)
     shortlisted: bool = False    # the adaptive softmax: a shortlist sized by readout_shortlist
     transform: bool = False      # BERT's masked-LM head: dense, GELU and LayerNorm first,
                                  # then the output layer with a bias per vocabulary entry
+    plain: bool = False          # one linear layer over the whole vocabulary and nothing
+                                 # else: what GPT-2, Llama and the rest have, and what
+                                 # zero_head, logit_softcap and --budget's choice work on
 
 
 READOUTS = {
-    "full": Readout(shares_embedding=True),       # a linear layer, softmax over every entry
+    "full": Readout(shares_embedding=True, plain=True),   # softmax over every entry
     "adaptive": Readout(shares_embedding=False, shortlisted=True),  # shortlist and narrow tail
     "mlm": Readout(shares_embedding=True, transform=True),          # BERT's masked-LM head
     "none": Readout(shares_embedding=False, scores_tokens=False),   # hidden states only
@@ -119,8 +124,8 @@ class AdaptiveReadout(nn.Module):
         above, read through the module's own matrices (one tail cluster). Written out
         rather than calling the module, whose forward refuses bf16 autocast (it copies
         bf16 tail scores into an fp32 buffer): so the shortlist's matmul, most of the
-        work, runs in bf16 under autocast (2.6 instead of 8.8 ms forward and backward for
-        2,048 tokens x 981 scores on a 2-core CPU), and the log-softmaxes in fp32."""
+        work, runs in bf16 under autocast, and the log-softmaxes in fp32
+        (docs/benchmarks.md, "The adaptive readout")."""
         h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
         keep = targets != -1
         if not keep.all():

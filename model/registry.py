@@ -61,7 +61,7 @@ def check(config: ModelConfig) -> None:
         raise ModelError(f"model.rope_scaling={config.rope_scaling} needs model.position="
                          f"{rotary} (it stretches rotary positions)")
     readout = READOUTS[config.readout]
-    if readout is not READOUTS["full"]:
+    if not readout.plain:
         if config.tie_embeddings and not readout.shares_embedding:
             raise ModelError(f"model.readout={config.readout} has "
                              + ("matrices of its own" if readout.scores_tokens else "no output layer")

@@ -140,3 +140,96 @@ def test_the_model_folder_lifts_out_with_torch_alone(tmp_path):
     proc = subprocess.run([sys.executable, "-I", "-c", script], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "lifted" in proc.stdout, proc.stderr[-2000:]
+
+
+# -- variant names are compared with strings only inside their registries -------------
+
+def variant_fields() -> set[str]:
+    """Every config field that names a registry entry (model.attention, model.mlp,
+    data.tokenizer, ...), read from the fields' own metadata, so a registry added to
+    any section is covered the day it lands."""
+    from dataclasses import fields
+    from engine.config import SECTIONS
+    return {f.name for cls in SECTIONS.values() for f in fields(cls) if f.metadata.get("registry")}
+
+
+def _names_a_field(node, names: set[str]) -> bool:
+    """`cfg.mlp`, `mlp`, `saved["mlp"]` or `saved.get("mlp")` for a variant field."""
+    if isinstance(node, ast.Attribute):
+        return node.attr in names
+    if isinstance(node, ast.Name):
+        return node.id in names
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value in names
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+        return bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value in names
+    return False
+
+
+def _is_text(node) -> bool:
+    """A string literal, or a literal tuple, list or set holding one."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_is_text(e) for e in node.elts)
+    return False
+
+
+def string_compares(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, code) of each comparison of a variant field with a string literal: ==, !=,
+    in / not in a literal, and match-case on string patterns."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            for (left, right), op in zip(zip(sides, sides[1:]), node.ops):
+                if not isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)):
+                    continue
+                if (_names_a_field(left, names) and _is_text(right)) or \
+                        (_names_a_field(right, names) and _is_text(left)):
+                    found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Match) and _names_a_field(node.subject, names):
+            if any(isinstance(p, ast.MatchValue) and _is_text(p.value)
+                   for case in node.cases for p in ast.walk(case.pattern)):
+                found.append((node.lineno, f"match {ast.unparse(node.subject)}"))
+    return found
+
+
+def project_sources():
+    """Every Python file of the project but the tests (which check names on purpose)."""
+    skip = {"tests", "runs", "node_modules", "__pycache__"}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT).parts
+        if not skip.intersection(parts) and not any(p.startswith(".") for p in parts):
+            yield path
+
+
+REGISTRY_MODULE = ROOT / "model" / "registry.py"
+
+
+def test_no_variant_name_is_compared_with_a_string_outside_its_registry():
+    """docs/architecture.md: the facts about a variant live on its registry entry, so no
+    code outside model/registry.py asks `cfg.readout == "adaptive"`; it asks the entry
+    (`READOUTS[cfg.readout].shortlisted`)."""
+    names = variant_fields()
+    assert {"attention", "position", "mlp", "norm", "block", "readout", "tokenizer"} <= names
+    found = [f"{path.relative_to(ROOT)}:{line}: {code}"
+             for path in project_sources() if path != REGISTRY_MODULE
+             for line, code in string_compares(path.read_text(encoding="utf-8"), names)]
+    assert not found, "ask the registry entry instead:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("code,caught", [
+    ('if cfg.readout == "adaptive": pass', True),
+    ('if "full" != model.config.readout: pass', True),
+    ('x = c.mlp in ("gelu", "gelu_tanh")', True),
+    ('x = saved["model"]["mlp"] not in {"gelu"}', True),
+    ('x = saved.get("attention") == "sdpa"', True),
+    ('match cfg.position:\n    case "rope": pass\n    case _: pass', True),
+    ('x = READOUTS[cfg.readout].shortlisted', False),
+    ('x = READOUTS[cfg.readout] is READOUTS["full"]', False),
+    ('x = replace(cfg, readout="full")', False),
+    ('x = cfg.n_layer == 2 and args.what == "lens"', False),
+])
+def test_the_string_compare_check_sees_each_form(code, caught):
+    assert bool(string_compares(code, variant_fields())) is caught

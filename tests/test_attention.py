@@ -407,12 +407,12 @@ def test_cpu_attention_takes_the_route_its_precision_and_length_pay_for(q_len, k
     rounded, the fused route torch's kernel in the inputs' precision, and the matmul
     route neither, yet within bf16's rounding of the float64 formula."""
     from model import precision
-    from model.attention import sdpa_attention
+    from model.attention import cpu_attention
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, n, 16, dtype=dtype) for n in (q_len, k_len, k_len))
     mask = Mask.over(k_len - q_len, q_len, k_len)
-    out, _ = sdpa_attention(q, k, v, mask)
+    out, _ = cpu_attention(q, k, v, mask)
     F = torch.nn.functional
     kernel_mask = dict(is_causal=True) if q_len == k_len else dict(attn_mask=mask.dense)
     as_is = F.scaled_dot_product_attention(q, k, v, **kernel_mask)
@@ -432,7 +432,7 @@ def test_cpu_attention_takes_the_route_its_precision_and_length_pay_for(q_len, k
 
 @pytest.mark.parametrize("position", ["none", "alibi"])
 @pytest.mark.parametrize("mask_name", sorted(MASKS))
-@pytest.mark.parametrize("backend", ["sdpa", "banded", "auto"])
+@pytest.mark.parametrize("backend", ["sdpa", "banded", "cpu", "auto"])
 def test_bf16_attention_on_a_cpu_matches_the_float64_reference(backend, mask_name, position, native_bf16):
     """bf16 on a CPU (the matmul route for these lengths): every mask (causal, chunk after
     a cache, decoding step, window, global tokens, the banded blocks) and ALiBi's additive
@@ -461,9 +461,24 @@ def test_bf16_attention_on_a_cpu_matches_the_float64_reference(backend, mask_nam
 def test_bf16_attention_on_a_cpu_drops_weights_in_training_only(native_bf16):
     """Attention dropout on the matmul route: some weights zeroed (the output changes
     from call to call) at p > 0, none at p = 0."""
-    from model.attention import sdpa_attention
+    from model.attention import cpu_attention
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, 32, 16).bfloat16() for _ in range(3))
     mask = Mask.over(0, 32, 32)
-    assert not torch.equal(sdpa_attention(q, k, v, mask, 0.5)[0], sdpa_attention(q, k, v, mask, 0.5)[0])
-    assert torch.equal(sdpa_attention(q, k, v, mask)[0], sdpa_attention(q, k, v, mask)[0])
+    assert not torch.equal(cpu_attention(q, k, v, mask, 0.5)[0], cpu_attention(q, k, v, mask, 0.5)[0])
+    assert torch.equal(cpu_attention(q, k, v, mask)[0], cpu_attention(q, k, v, mask)[0])
+
+
+@pytest.mark.parametrize("q_len,k_len", [(64, 64), (1, 300)])
+def test_sdpa_is_torchs_kernel_and_auto_takes_the_cpu_route(q_len, k_len, native_bf16):
+    """`sdpa` is F.scaled_dot_product_attention and nothing else, in bf16 too, on a CPU
+    with native bf16; `auto` there hands the call to the `cpu` backend's routes."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 16).bfloat16() for n in (q_len, k_len, k_len))
+    mask = Mask.over(k_len - q_len, q_len, k_len)
+    kernel_mask = dict(is_causal=True) if q_len == k_len else dict(attn_mask=mask.dense)
+    torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kernel_mask)
+    assert torch.equal(ATTENTION_BACKENDS["sdpa"](q, k, v, mask)[0], torch_out)
+    routed = ATTENTION_BACKENDS["cpu"](q, k, v, mask)[0]
+    assert not torch.equal(routed, torch_out)
+    assert torch.equal(ATTENTION_BACKENDS["auto"](q, k, v, mask)[0], routed)

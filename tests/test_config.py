@@ -28,7 +28,7 @@ def test_overrides_beat_presets_and_are_typed():
 @pytest.mark.parametrize("args,message", [
     (["--model.n_layr=4"], "did you mean 'n_layer'"),
     (["--modle.n_layer=4"], "did you mean 'model'"),
-    (["--model.attention=flash"], "valid choices: auto, banded, eager, flex, sdpa"),
+    (["--model.attention=flash"], "valid choices: auto, banded, cpu, eager, flex, sdpa"),
     (["--model.position=alibi2"], "did you mean 'alibi'.*valid choices: alibi, learned, none"),
     (["--model.attention=banded"], "set model.sliding_window"),
     (["--model.n_global=4"], "set model.sliding_window too"),
@@ -107,3 +107,66 @@ def test_random_overrides_are_accepted_or_refused_with_our_error(args):
     except ConfigError:
         return
     cfg.validate()
+
+
+# A run written before GELU was renamed (tests/fixtures/run-v0-gelu-tanh: one block of 16
+# wide, 4 steps, `--model.mlp=gelu`, then the tanh form): its config.json has no version.
+# expected.json holds the logits and seeded samples the code of that day computed from it.
+OLD_RUN = config.CONFIG_DIR.parent / "tests" / "fixtures" / "run-v0-gelu-tanh"
+
+
+def _old_run(tmp_path):
+    import shutil
+    return shutil.copytree(OLD_RUN, tmp_path / OLD_RUN.name)
+
+
+def test_a_run_saved_before_the_gelu_rename_loads_with_the_activation_it_trained_with(tmp_path):
+    """Old `gelu` (tanh) reads as `gelu_tanh`: the same logits to 1e-6 as the day it was
+    written (exact GELU would move them by about 1e-5) and the same seeded samples."""
+    import json
+    import torch
+    from engine.inference import load_run
+    run = _old_run(tmp_path)
+    assert "version" not in json.loads((run / "config.json").read_text())
+    expected = json.loads((run / "expected.json").read_text())
+    model, cfg, tokenizer, _ = load_run(run)
+    assert cfg.model.mlp == "gelu_tanh" and cfg.version == config.CONFIG_VERSION
+    idx = torch.tensor([tokenizer.encode(expected["prompt"])])
+    with torch.no_grad():
+        logits = model(idx).logits[0, -1]
+    torch.testing.assert_close(logits, torch.tensor(expected["last_logits"]), atol=1e-6, rtol=0)
+    for decode, extra in [("full", {}), ("cache", {}), ("static", {}), ("sinks2", {"sinks": 2})]:
+        g = torch.Generator().manual_seed(7)
+        mode = {"decode": decode} if not extra else extra
+        tokens = torch.cat(list(model.generate(idx, 40, 1.0, 0, 1.0, g, **mode)), 1)[0]
+        assert tokens.tolist() == expected[decode], decode
+
+
+def test_a_run_saved_before_the_gelu_rename_resumes(tmp_path):
+    """Resuming compares the checkpoint's config with the run's and the command line's;
+    both old files are migrated first, so the rename is not taken for a change."""
+    from engine.run import resume_config
+    cfg, run_dir, ckpt = resume_config(str(_old_run(tmp_path)), "", {"train": {"max_iters": "6"}})
+    assert cfg.model.mlp == "gelu_tanh" and ckpt.name == "step_0000004"
+    assert cfg.to_dict()["version"] == config.CONFIG_VERSION
+
+
+@pytest.mark.parametrize("saved,mlp", [
+    ({"model": {"mlp": "gelu"}}, "gelu_tanh"),                       # version 1: the tanh form
+    ({"model": {"mlp": "gelu_erf"}}, "gelu"),                        # version 1: the exact form
+    ({"version": 1, "model": {"mlp": "swiglu"}}, "swiglu"),
+    ({"version": 2, "model": {"mlp": "gelu"}}, "gelu"),              # already today's names
+])
+def test_old_configs_are_migrated_to_todays_names(saved, mlp):
+    import copy
+    before = copy.deepcopy(saved)
+    cfg = config.from_dict(saved, "config.json")
+    assert cfg.model.mlp == mlp and cfg.version == config.CONFIG_VERSION
+    assert saved == before                                 # the saved dict is left as it was
+
+
+@pytest.mark.parametrize("version,message", [(99, "newer than this attnlab reads"),
+                                             ("2", "a whole number from 1"), (0, "a whole number")])
+def test_a_config_of_an_unknown_version_is_refused_saying_why(version, message):
+    with pytest.raises(ConfigError, match=message):
+        config.from_dict({"version": version, "model": {}}, "run/config.json")

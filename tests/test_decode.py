@@ -32,7 +32,7 @@ def test_static_cache_steps_equal_the_full_forward_pass(attention, position, n_k
                      sliding_window=window, n_global=n_global)).eval()
     # A rolling cache runs 2.5x past the context (and 8x past a window of 5); the
     # others fill the context, which is also past any window.
-    T = 40 if model.rolls else 16
+    T = 40 if model.decodes_with_rolling_cache else 16
     x = torch.randint(0, 40, (2, T))
     with torch.no_grad():
         full = model(x).logits

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from attnlab.heads import attention_maps, head_stats, save_grid, save_head, search, token_spans
+from attnlab.capture import attention_maps
+from attnlab.heads import head_stats, save_grid, save_head, search, token_spans
 from data.tokenizer import CharTokenizer
 from model import GPT, ModelConfig
 
@@ -12,7 +13,7 @@ def planted_model(tokenizer, source: str, target: str, layer: int = 1, head: int
     `source` matches only the key of `target`; every other head attends uniformly."""
     V = tokenizer.vocab_size
     model = GPT(ModelConfig(vocab_size=V, n_layer=2, n_head=2, n_embd=2 * V, block_size=64,
-                            position="none", norm="rmsnorm", mlp="gelu")).eval()
+                            position="none", norm="rmsnorm", mlp="gelu_tanh")).eval()
     D = model.config.head_dim
     with torch.no_grad():
         for p in model.parameters():
@@ -53,6 +54,11 @@ def test_head_statistics_label_recognisable_patterns():
     assert head_stats(previous)["label"] == "previous-token head"
     assert head_stats(previous)["mean_distance"] == 1.0
     assert head_stats(sink)["label"] == "first-token (sink) head"
+    # `first` is the mean weight on token 0 over the queries that have a choice (1..T-1):
+    # a causal uniform head gives query i a weight of 1/(i+1) there.
+    assert head_stats(sink)["first"] == 1.0
+    assert head_stats(uniform)["first"] == pytest.approx(sum(1 / (i + 1) for i in range(1, T)) / (T - 1))
+    assert head_stats(previous)["first"] == pytest.approx(1 / (T - 1))
     assert head_stats(uniform)["entropy"] > head_stats(previous)["entropy"] == 0
 
 
@@ -128,8 +134,8 @@ def test_every_attention_tool_reads_minilm_and_the_rest_say_why_not(minilm, tmp_
     assert len(rows) == 6 * 12
     assert any(r.endswith("previous-token head") for r in rows)     # a neighbour head
     assert any(r.endswith("next-token head") for r in rows)         # it looks ahead: an encoder
-    for tool in ("lens", "ablate", "patch"):
-        with pytest.raises(AttnlabError, match=f"{tool} reads the model's token scores.*no output layer"):
+    for tool in ("lens", "ablate", "patch"):          # forwarded to python -m attnlab.lens
+        with pytest.raises(AttnlabError, match="reads the model's token scores.*no output layer"):
             main([tool, *run, "--clean", ARTICLE, "--corrupt", ARTICLE])
     with pytest.raises(AttnlabError, match="encoder"):
-        main(["induction", *run])
+        main(["induction", "--run", str(minilm)])

@@ -32,7 +32,7 @@ from model import GPT, ModelConfig
 
 CHARS = CharTokenizer("abcdefghijklmnopqrstuvwxyz .,\n")
 VARIANTS = {
-    "gpt2": dict(position="learned", norm="layernorm", mlp="gelu", bias=True),
+    "gpt2": dict(position="learned", norm="layernorm", mlp="gelu_tanh", bias=True),
     "llama": dict(norm="rmsnorm", mlp="swiglu", n_kv_head=1),
     "mistral": dict(norm="rmsnorm", mlp="swiglu", n_kv_head=1, sliding_window=8),
     "gpt_neox": dict(),

@@ -20,11 +20,11 @@ CHARS = CharTokenizer("abcdefghijklmnopqrstuvwxyz .,\n")
 
 # Every configuration an architecture expresses, and the one it maps to.
 MAPPED = {
-    "gpt2": (dict(position="learned", norm="layernorm", mlp="gelu", norm_eps=1e-2), "GPT2LMHeadModel"),
+    "gpt2": (dict(position="learned", norm="layernorm", mlp="gelu_tanh", norm_eps=1e-2), "GPT2LMHeadModel"),
     "gpt2-bias-untied": (dict(position="learned", bias=True, tie_embeddings=False), "GPT2LMHeadModel"),
     "default (neox)": (dict(), "GPTNeoXForCausalLM"),
     "neox-theta-eps": (dict(rope_theta=500.0, norm_eps=1e-2), "GPTNeoXForCausalLM"),
-    "neox-gelu-tanh": (dict(mlp="gelu"), "GPTNeoXForCausalLM"),
+    "neox-gelu-tanh": (dict(mlp="gelu_tanh"), "GPTNeoXForCausalLM"),
     "neox-bias": (dict(bias=True, tie_embeddings=False), "GPTNeoXForCausalLM"),
     "llama-gqa": (dict(norm="rmsnorm", mlp="swiglu", n_kv_head=2, rope_theta=500.0, norm_eps=1e-2),
                   "LlamaForCausalLM"),

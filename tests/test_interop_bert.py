@@ -3,7 +3,7 @@ article's all-MiniLM-L6-v2, and tiny random BERT, DistilBERT and RoBERTa masked 
 import pytest
 import torch
 
-from attnlab.lens import run_with_cache
+from attnlab.capture import run_with_cache
 from common.errors import CheckpointError
 from engine.inference import load_run
 from engine.interop import export, load_hf_folder

@@ -159,16 +159,16 @@ def test_every_norm_and_mlp_variant_trains(registry):
 
 
 def test_mlp_activations_are_what_their_names_say():
-    """Each activation against its formula in float64 NumPy: gelu_erf is x·Φ(x) exactly,
-    gelu GPT-2's tanh approximation of it; the two differ by up to about 5e-4, which
-    the 1e-6 tolerance sees."""
+    """Each activation against its formula in float64 NumPy: gelu is x·Φ(x) exactly (as
+    torch and transformers name it), gelu_tanh GPT-2's tanh approximation of it; the two
+    differ by up to about 5e-4, which the 1e-6 tolerance sees."""
     import math
     import numpy as np
     from model.layers import MLPS
     erf = np.vectorize(math.erf)
     formulas = {
-        "gelu_erf": lambda h: 0.5 * h * (1 + erf(h / math.sqrt(2))),
-        "gelu": lambda h: 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3))),
+        "gelu": lambda h: 0.5 * h * (1 + erf(h / math.sqrt(2))),
+        "gelu_tanh": lambda h: 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3))),
         "relu2": lambda h: np.maximum(h, 0) ** 2,
     }
     torch.manual_seed(0)
@@ -224,7 +224,7 @@ def test_rolling_cache_stays_bounded_and_matches_the_full_pass_past_window_and_c
         sizes.add(cache.nbytes())
     assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
     assert len(sizes) == 1 and cache.capacity == 2 + 2 * 6       # n_global + 2W slots, always
-    assert model.rolls
+    assert model.decodes_with_rolling_cache
 
 
 def test_rolling_generation_runs_far_past_the_context_with_bounded_memory():
@@ -235,7 +235,7 @@ def test_rolling_generation_runs_far_past_the_context_with_bounded_memory():
 
 def test_learned_positions_generate_past_the_context_by_shifting():
     model = GPT(tiny(position="learned", block_size=8)).eval()
-    assert not model.rolls
+    assert not model.decodes_with_rolling_cache
     assert len(list(model.generate(torch.zeros(1, 3, dtype=torch.long), 50))) == 50
 
 

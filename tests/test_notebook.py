@@ -17,5 +17,6 @@ def test_the_walkthrough_notebook_runs_top_to_bottom():
     assert "blend: 6.1" in printed and "exact match on held-out words" in printed
     assert "without the scaling: the scores are too large by exactly √d_k" in printed
     assert "with it: passed" in printed
+    assert "fact at depth 100%:" in printed and "recalled (chance 10%)" in printed
     if importlib.util.find_spec("all_minilm_l6_v2"):      # the article's own hands-on result
         assert "6 12 17" in printed and "layer 4, head 2: it → trophy = 0.58" in printed

@@ -157,7 +157,7 @@ def test_a_run_ranks_the_vocabulary_by_its_training_text_and_keeps_it(corpus, tm
 
 
 def test_the_logit_lens_reads_layers_through_the_adaptive_readout():
-    from attnlab.heads import logit_lens
+    from attnlab.lens import logit_lens
     model, _ = adaptive_model()
     x = torch.randint(0, 40, (1, 16), generator=torch.Generator().manual_seed(4))
     top, p_next = logit_lens(model, x)

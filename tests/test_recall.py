@@ -86,16 +86,22 @@ def test_a_tiny_model_retrieves_far_above_chance():
     assert accuracy >= 0.6 > 5 * task.chance
 
 
-def test_the_lab_writes_a_heatmap_per_variant_and_the_table(tmp_path):
+def test_the_lab_writes_a_heatmap_per_variant_and_the_table(tmp_path, capsys):
     out = tmp_path / "lab"
     recall.main(["--variants", "learned", "window16x2", "--steps", "2", "--factors", "1", "2",
                  "--depths", "2", "--examples", "2", "--out", str(out)])
+    assert "learned                2x (  192 tokens): n/a, learned positions stop at 96" in capsys.readouterr().out
     for name in ("recall_learned.png", "recall_window16x2.png", "recall_heatmaps.png",
                  "recall_distance.png"):
         assert (out / name).stat().st_size > 1000
     table = (out / "recall.md").read_text()
     assert "chance 1%" in table
     assert re.search(r"\| learned \| \d+% \| n/a \|", table)     # no positions past its table
+    assert re.search(r"\| window16x2 \| 16 \| 2 \| 31 \| ", table)    # and the windows by distance
+    # Drawn again from the table's rows, as read back from recall.csv: the same tables.
+    recall.main(["--merge", str(out), "--out", str(tmp_path / "again")])
+    again = (tmp_path / "again" / "recall.md").read_text()
+    assert again == table and "| learned | 0 |" not in again
 
 
 transformers = pytest.importorskip("transformers")
@@ -128,3 +134,47 @@ def test_the_lab_tests_a_transformers_folder_in_its_own_tokens(layout, chars, tm
         assert f"| {layout} | 0% | n/a |" in table
     else:                                                # RoPE: the scalings are tested too
         assert "| llama + YaRN |" in table
+
+
+def test_the_short_task_fits_a_small_window_and_batches_keep_the_fact_near_when_asked():
+    task = char_task(digits=2, chars=20_000, short=True)
+    g = torch.Generator().manual_seed(0)
+    ex = task.example(64, 1.0, g)
+    text = task.tokenizer.decode(ex.ids.tolist() + ex.answer[-1:].tolist())
+    assert text.endswith(f" {ex.key} is {ex.value}. {ex.key} is {ex.value}")
+    assert task.distance(ex) == task.nearest() == len(f" {ex.key} is {ex.value}.")
+    body = text[:-len(f" {ex.key} is {ex.value}. {ex.key} is {ex.value}")]
+    assert set(body) <= set("abcdefghijklmnopqrstuvwxyz ")          # the filler: letters alone
+    x, y = task.batch(64, 64, g, reach=0.25)
+    distances = (y >= 0).float().argmax(1) - (x == task.tokenizer.encode(".")[0]).float().argmax(1)
+    filler = task.example(64, 0.0, g).filler
+    # The fact's "." ends it; with reach r the fact sits in the nearest r of the filler.
+    assert distances.max() <= task.nearest() + 0.25 * filler + 1
+    assert distances.max() > task.nearest() + 0.1 * filler              # and spreads over it
+
+
+@pytest.mark.parametrize("window, layers", [(10, 1), (4, 3), (6, 2)])
+def test_a_window_stack_reaches_exactly_as_far_back_as_the_lab_says(window, layers):
+    # Change the fact's first digit at each distance and see whether the prediction of
+    # the question's first digit moves: it must for every distance up to reach(W, L)
+    # (random weights move it by chance-free amounts) and never beyond, by the mask.
+    from model import GPT, ModelConfig
+    task = char_task(digits=2, chars=20_000, short=True)
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=task.tokenizer.vocab_size, block_size=48, n_layer=layers,
+                            n_head=2, n_embd=16, sliding_window=window)).eval()
+    digit = {task.tokenizer.encode(str(d))[0] for d in range(10)}
+    reached = []
+    g = torch.Generator().manual_seed(1)
+    for depth in [i / 30 for i in range(31)]:
+        ex = task.example(48, depth, g)
+        other = ex.ids.clone()
+        at = ex.value_at + 1                                     # the fact's first digit
+        assert int(other[at]) in digit
+        other[at] = min(digit - {int(other[at])})
+        with torch.no_grad():
+            a, b = (model(x[None]).logits[0, ex.answer_at[1]] for x in (ex.ids, other))
+        reached.append((task.distance(ex), not torch.equal(a, b)))
+    far = recall.reach(window, layers)
+    assert all(moved == (d <= far) for d, moved in reached), (far, reached)
+    assert any(d <= far for d, _ in reached) and any(d > far for d, _ in reached)

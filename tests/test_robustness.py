@@ -187,6 +187,8 @@ BAD = [
     ["-m", "data.prepare", "x.txt", "--out", "/tmp/x", "--max-bytes", "1e400"],
     ["-m", "data.prepare", "README.md", "--out", "README.md"],
     ["-m", "attnlab.heads", "grid", "--text", "x", "--run", "/nonexistent"],
+    ["-m", "attnlab.lens", "logit", "--text", "x", "--run", "nosuch"],
+    ["-m", "attnlab.induction", "--run", "/nonexistent", "--checkpoint", "latest"],
     ["-m", "attnlab.export", "--run", "/nonexistent", "--out", "/tmp/x"],
     ["-m", "attnlab.evaluate", "--run", "/nonexistent", "--data", "README.md"],
     ["-m", "attnlab.figures", "nope"],
@@ -222,6 +224,21 @@ def test_hand_edited_run_files_get_one_error_line(run20, tmp_path):
     state.write_text(json.dumps({"files": ["not", "a", "dict"], "step": "x"}))
     proc = run_script("sample.py", "--run", state.parent, check=False)
     assert proc.returncode == 2 and "no readable state.json" in proc.stderr
+
+
+@pytest.mark.parametrize("options, says", [
+    (["--sample.sinks=4", "--sample.use_cache=false"],
+     "error: sample.sinks keeps the first tokens in a rolling KV cache"),
+    (["--sinks=4", "--decode=static"], "error: sample.sinks decodes from a rolling cache"),
+    (["--sinks=-1"], "error: sample.sinks must be 0 (off) or positive"),
+    (["--sinks=100000"], "error: sample.sinks=100000 keeps more tokens than the model's context"),
+])
+def test_attention_sinks_that_cannot_work_get_one_error_line(run20, options, says):
+    # The last needs the run's context, so every case runs on a real run.
+    _, run = run20
+    proc = run_script("sample.py", "--run", run, "--max_new_tokens=3", *options, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(says), proc.stderr
 
 
 @pytest.mark.parametrize("failure", ["oserror", "safetensors"])

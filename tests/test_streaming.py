@@ -71,3 +71,27 @@ def test_sinks_and_forced_tokens_in_generate():
         next(model.generate(text[:, :1], 5, sinks=4, use_cache=False))
     with pytest.raises(ValueError, match="sinks"):
         next(model.generate(text[:, :1], 5, sinks=32))
+
+
+def test_the_streaming_bench_refuses_a_window_past_the_context_in_one_line(tmp_path, capsys):
+    # sinks + 2·window positions must fit the trained context, or the rolling cache would
+    # ask the model for positions it never saw; the check needs the model, so a tiny
+    # transformers folder stands in for a run.
+    import importlib.util
+    from pathlib import Path
+    transformers = pytest.importorskip("transformers")
+    from data.tokenizer import BPETokenizer
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("streaming_bench", root / "bench" / "streaming.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bpe = BPETokenizer.train(["to be or not to be, that is the question " * 20], 300)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe.hf, eos_token="<|endoftext|>").save_pretrained(tmp_path)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=bpe.vocab_size, n_positions=32, n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path)
+    for argv, says in [(["--factor", "1"], "--factor must be at least 2"),
+                       (["--sinks", "4", "--window", "20"], "give --window at most 14")]:
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(["--run", str(tmp_path), "--out", str(tmp_path / "out"), *argv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and err[-1].startswith("error: ") and says in err[-1], err

@@ -54,3 +54,23 @@ def test_the_scripts_set_it_before_they_import_the_project(script):
     first = min(i for i, line in enumerate(lines)
                 if line.startswith(("from engine", "from model", "from data", "import torch")))
     assert any(line.startswith("wait_passively()") for line in lines[:first])
+
+
+def test_the_choice_is_said_when_work_starts_not_before_an_error_line(capsys):
+    """A mistyped option on a busy machine still gets one line: the threads line waits
+    for report(), which train.py and sample.py call once the run is set up."""
+    from common import threads
+    threads._pending.clear()                  # importing train.py elsewhere may have left one
+    env = {}
+    wait_passively(env, busy=lambda: 1.5)
+    assert capsys.readouterr().err == ""
+    said = []
+    threads.report(say=said.append)
+    threads.report(say=said.append)                            # said once
+    assert len(said) == 1 and "1.5" in said[0] and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+def test_the_scripts_report_it_after_they_parse(script):
+    text = (ROOT / script).read_text()
+    assert text.index("parse_args(") < text.index("report_threads()")

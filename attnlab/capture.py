@@ -1,0 +1,145 @@
+"""The one way every tool reads what happens inside a model: one forward pass, and the
+activations asked for, by a readable name.
+
+    from attnlab.capture import run_with_cache, attention
+    logits, cache = run_with_cache(model, tokens)
+    cache["blocks.1.pattern"]           # (B, H, T, T) attention weights of layer 1
+    maps = attention(model, tokens)     # [layer] -> (B, H, T, T), the patterns alone
+
+Names, for each layer l (B batch, T tokens, H heads, D = d_k, C = n_embd):
+  blocks.l.resid_pre   (B, T, C)     the residual stream entering the block
+  blocks.l.q / .k / .v (B, H|H_kv, T, D)   queries, keys (positions applied) and values
+  blocks.l.pattern     (B, H, T, T)  attention weights (from the eager path: every backend)
+  blocks.l.z           (B, T, H, D)  each head's output, before W_O mixes the heads
+  blocks.l.attn_out    (B, T, C)     the attention sublayer's output (after W_O)
+  blocks.l.mlp_out     (B, T, C)     the MLP sublayer's output
+  blocks.l.resid_post  (B, T, C)     the residual stream leaving the block
+and final_norm (B, T, C), the last residual stream after the final norm, whose product
+with the output layer is the logits. In a model with model.value_embeds, `v` is x·W_V
+with the token's value embedding added (what the weighted sum uses); with
+model.skip_connections, a late block's resid_pre includes the skip from its mirror
+block (so it is not the previous resid_post).
+
+Everything is read with forward hooks on the model's own modules and removed
+afterwards; q, k and v come from the attention module's identity hook points (hook_q,
+hook_k, hook_v), so they are what the softmax used, QK-norm and positions included,
+and a model with no hook set runs exactly as before. attnlab/lens.py switches parts
+off and swaps them between prompts with the same hooks.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable
+
+import torch
+
+from common.errors import AttnlabError
+
+PER_LAYER = ("resid_pre", "q", "k", "v", "pattern", "z", "attn_out", "mlp_out", "resid_post")
+
+
+def names(model) -> list[str]:
+    """Every name run_with_cache fills, in the order the forward pass meets them."""
+    return [f"blocks.{l}.{n}" for l in range(model.config.n_layer) for n in PER_LAYER] + ["final_norm"]
+
+
+def _hooks_for(model, cache: dict, only: set[str] | None):
+    """(module, kind, hook) triples that fill `cache` with the activations named."""
+    want = (lambda n: True) if only is None else only.__contains__
+    c = model.config
+    out = []
+    for layer, block in enumerate(model.blocks):
+        p = f"blocks.{layer}."
+
+        def block_pre(module, args, p=p):
+            if want(p + "resid_pre"):
+                cache[p + "resid_pre"] = args[0].detach()
+
+        def block_post(module, args, output, p=p):
+            if want(p + "resid_post"):
+                cache[p + "resid_post"] = output[0].detach()
+            if want(p + "pattern") and output[1] is not None:
+                cache[p + "pattern"] = output[1].detach()
+
+        def attn_post(module, args, output, p=p):
+            if want(p + "attn_out"):
+                cache[p + "attn_out"] = output[0].detach()
+
+        def read(name, p=p):
+            def hook(module, args, output):
+                if want(p + name):
+                    cache[p + name] = output.detach()
+            return hook
+
+        def w_o_pre(module, args, p=p, H=c.n_head, D=c.head_dim):
+            if want(p + "z"):
+                B, T, _ = args[0].shape
+                cache[p + "z"] = args[0].detach().view(B, T, H, D)
+
+        def mlp_post(module, args, output, p=p):
+            if want(p + "mlp_out"):
+                cache[p + "mlp_out"] = output.detach()
+
+        out += [(block, "pre", block_pre), (block, "post", block_post),
+                (block.attn, "post", attn_post),
+                *((getattr(block.attn, f"hook_{n}"), "post", read(n)) for n in "qkv"),
+                (block.attn.w_o, "pre", w_o_pre), (block.mlp, "post", mlp_post)]
+
+    def final(module, args, output):
+        if want("final_norm"):
+            cache["final_norm"] = output.detach()
+    out.append((model.norm_f, "post", final))
+    return out
+
+
+@contextmanager
+def installed(hooks):
+    """Forward hooks, as (module, "pre" | "post", function) triples, set while inside
+    the block and removed however it is left."""
+    handles = []
+    try:
+        for module, kind, fn in hooks:
+            register = module.register_forward_pre_hook if kind == "pre" else module.register_forward_hook
+            handles.append(register(fn))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def run_with_cache(model, tokens: torch.Tensor, only: Iterable[str] | None = None, **inputs):
+    """(logits, {name: activation}) for one forward pass over `tokens` (B, T). With
+    `only`, just those are kept. Attention patterns come from the eager path, so they
+    exist for every backend; asking for none of them keeps the model's own backend.
+    `inputs` go to the model as they are (attention_mask for a padded batch, token_types).
+    An encoder without an output layer gives logits None."""
+    wanted = None if only is None else set(only)
+    unknown = set() if wanted is None else wanted - set(names(model))
+    if unknown:
+        raise AttnlabError(f"no activation named {sorted(unknown)[0]!r}; see attnlab.capture.names(model)")
+    need_weights = wanted is None or any(n.endswith(".pattern") for n in wanted)
+    cache: dict = {}
+    with installed(_hooks_for(model, cache, wanted)):
+        logits = model(tokens, return_attention=need_weights, **inputs).logits
+    return logits, cache
+
+
+def attention(model, tokens: torch.Tensor, **inputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(logits, [layer] -> (B, H, T, T) attention weights) for `tokens` (B, T)."""
+    wanted = [f"blocks.{l}.pattern" for l in range(model.config.n_layer)]
+    logits, cache = run_with_cache(model, tokens, only=wanted, **inputs)
+    return logits, [cache[n] for n in wanted]
+
+
+def attention_maps(model, tokenizer, text: str):
+    """(token strings, [layer] -> (heads, T, T) weights on the CPU) for one text."""
+    if not text:
+        raise AttnlabError("give some text to look at with --text")
+    ids = tokenizer.encode(text)
+    if len(ids) > model.config.block_size and model.positions.has_length_limit:
+        raise AttnlabError(f"the text is {len(ids)} tokens; this model reads at most "
+                           f"{model.config.block_size}")
+    idx = torch.tensor([ids], device=next(model.parameters()).device)
+    _, maps = attention(model, idx)
+    return tokenizer.token_strings(ids), [m[0].float().cpu() for m in maps]

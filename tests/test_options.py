@@ -1,0 +1,120 @@
+"""The options every tool that reads a model shares (attnlab/options.py): the same
+--run, --checkpoint and --device in each --help, the same refusals, and the checkpoint
+each --checkpoint picks."""
+import importlib
+import json
+
+import pytest
+
+from common.errors import AttnlabError, ConfigError
+
+# Each tool, and how to call it so that the model it names is the next thing it needs.
+TOOLS = {
+    "heads": ["grid", "--text", "abc"],
+    "lens": ["logit", "--text", "abc"],
+    "induction": [],
+    "article": ["bank"],
+    "fill": ["--text", "a [MASK]"],
+    "evaluate": ["--data", "README.md"],
+    "export": ["--out", "unused"],
+    "recall": ["--factors", "1"],
+}
+WITHOUT_RUN = {"extrapolate": []}                   # names its runs with --runs and --from
+
+
+def main_of(tool):
+    return importlib.import_module(f"attnlab.{tool}").main
+
+
+@pytest.mark.parametrize("tool", [*TOOLS, *WITHOUT_RUN, "serve", "sample"])
+def test_every_tools_help_shows_the_shared_options_with_their_defaults(tool, capsys):
+    if tool == "sample":
+        import sample
+        parse = sample.parser().parse_args
+    elif tool == "serve":
+        from attnlab.serve import parser
+        parse = parser().parse_args
+    else:
+        parse = main_of(tool)
+    with pytest.raises(SystemExit) as done:
+        parse(["--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--checkpoint WHICH best (lowest validation loss" in text and "(default: best)" in text
+    assert "--device D auto, cpu, cuda, cuda:N or mps (default: auto" in text
+    assert ("--run DIR" in text) is (tool not in WITHOUT_RUN)
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_a_bad_run_gets_the_same_one_line_in_every_tool(tool, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path.parent)         # relative paths as a user types them
+    (tmp_path / "README.md").write_text("some text to score\n")
+    missing = f"{tmp_path.name}/nosuch"
+    argv = [a.replace("README.md", f"{tmp_path.name}/README.md") for a in TOOLS[tool]]
+    with pytest.raises(AttnlabError) as err:
+        main_of(tool)([*argv, "--run", missing, "--device", "cpu"])
+    assert str(err.value) == (f"--run {missing}: no run, checkpoint or transformers folder "
+                              "there, nor a run of that name in runs/; give one of those, or "
+                              "leave --run out for the latest run")
+
+
+@pytest.mark.parametrize("given,message", [
+    (["--checkpoint", "bst"], "argument --checkpoint: 'bst' is not best, latest or a step number"),
+    (["--checkpoint"], "--checkpoint needs a value"),
+    (["--device", "gpu"], "argument --device: unknown device 'gpu'; valid: auto, cpu, cuda"),
+])
+def test_a_bad_checkpoint_or_device_is_refused_while_parsing(given, message):
+    with pytest.raises(ConfigError, match=message):
+        main_of("lens")(["logit", *given])
+
+
+@pytest.fixture(scope="module")
+def run_with_steps(corpus, tmp_path_factory):
+    """A tiny run with checkpoints at steps 0, 2, 4 and 6, its best by validation loss
+    rewritten to step 2 (so best and latest differ)."""
+    from engine import cli
+    from engine.loop import train
+    from engine.run import setup_run
+    out = tmp_path_factory.mktemp("options")
+    cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={out / 'cache'}",
+                             f"--train.out_dir={out / 'runs'}", "--train.run_name=r",
+                             "--train.max_iters=6", "--train.eval_interval=2",
+                             "--train.keep_last=4"])
+    train(setup_run(cfg, log=lambda *a, **k: None))
+    run = out / "runs" / "r"
+    (run / "best.json").write_text(json.dumps({"step": 2, "val_loss": 1.5}))
+    return run
+
+
+def loaded(argv, log=None):
+    from attnlab.options import add_run_options, load
+    from engine.cli import Parser
+    parser = Parser("tool")
+    add_run_options(parser)
+    return load(parser.parse_args(argv), log=log)[3]
+
+
+def test_checkpoint_best_latest_and_a_step(run_with_steps, monkeypatch):
+    run = run_with_steps
+    step = lambda n: run / "checkpoints" / f"step_{n:07d}"
+    assert loaded(["--run", str(run)]) == step(2)                    # best, the default
+    assert loaded(["--run", str(run), "--checkpoint", "latest"]) == step(6)
+    lines = []
+    assert loaded(["--run", str(run), "--checkpoint", "4"], log=lines.append) == step(4)
+    assert lines == [f"checkpoint: {step(4)} (the checkpoint at step 4)"]
+    assert loaded(["--run", str(run), "--checkpoint", "step_0000004"]) == step(4)
+    with pytest.raises(AttnlabError, match=r"has no checkpoint at step 5; it keeps steps "
+                                           r"0, 2, 4, 6: give one of those, or --checkpoint best"):
+        loaded(["--run", str(run), "--checkpoint", "5"])
+    monkeypatch.chdir(run.parent.parent)                               # a run by its name,
+    assert loaded(["--run", "r", "--checkpoint", "latest"]).resolve() == step(6)   # in runs/
+    assert loaded(["--checkpoint", "latest"]).resolve() == step(6)    # and the latest run
+
+
+def test_best_falls_back_to_the_latest_and_says_so(run_with_steps, tmp_path, capsys):
+    import shutil
+    run = tmp_path / "r"
+    shutil.copytree(run_with_steps, run)
+    (run / "best.json").unlink()
+    assert loaded(["--run", str(run)]) == run / "checkpoints" / "step_0000006"
+    assert "the latest checkpoint: no best.json names an evaluated checkpoint" in capsys.readouterr().err
