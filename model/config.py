@@ -35,8 +35,8 @@ class ModelConfig:
     causal: bool = _opt(True, "each token sees only itself and earlier tokens (a decoder, the "
                               "article's masked self-attention); false = every token sees the "
                               "whole sequence (an encoder, BERT's bidirectional self-attention)")
-    attention: str = _opt("auto", "attention backend; auto = sdpa, with a window flex on CUDA "
-                                   "and banded elsewhere", registry="attention")
+    attention: str = _opt("auto", "attention backend; auto = cpu on a CPU, else sdpa, with a "
+                                   "window flex on CUDA and banded elsewhere", registry="attention")
     position: str = _opt("rope", "position encoding", registry="position")
     position_offset: int = _opt(0, "learned positions: position p reads table row p + offset "
                                    "(RoBERTa keeps its first two rows for padding: 2)")
