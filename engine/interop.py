@@ -39,7 +39,7 @@ from engine.hf_files import (CONFIG_LIMIT, INDEX, MAX_HEADS, MAX_LAYERS, MAX_POS
                              checked_config, count, read_folder_bytes, read_folder_json,
                              refuse_too_large)
 from model import GPT, ModelConfig, ModelError
-from model.layers import BLOCKS, MLPS, NORMS
+from model.layers import BLOCKS, MLPS, NORMS, block_weights
 from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
 from model.readout import READOUTS
 
@@ -159,6 +159,14 @@ def _from_neox_qkv(w, cfg):
     return w.reshape(H, 3, D, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
 
 
+def _with_mlp_width(cfg, width):
+    """cfg with the MLP `width` a checkpoint brings: model.mlp_hidden stays 0 when the
+    variant's own rule gives that width, so such an import reads as before."""
+    if width is not None and width != MLPS[cfg.mlp].width(cfg):
+        cfg.mlp_hidden = width
+    return cfg
+
+
 def _zeros_if_absent(sd, name, size):
     return sd[name] if name in sd else torch.zeros(size)
 
@@ -174,7 +182,7 @@ def _gpt2_blockers(cfg):
 
 def _gpt2_config(cfg):
     return {"vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_embd": cfg.n_embd,
-            "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": 4 * cfg.n_embd,
+            "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": MLPS[cfg.mlp].width(cfg),
             "activation_function": _hf_gelu(cfg, "gelu_new"), "layer_norm_epsilon": cfg.norm_eps,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             "tie_word_embeddings": cfg.tie_embeddings}
@@ -205,17 +213,15 @@ def _gpt2_from_config(c):
     _refuse_unless(c, {"activation_function": _HF_GELU_NAMES,
                        "scale_attn_by_inverse_layer_idx": (False,),
                        "reorder_and_upcast_attn": (False,), "scale_attn_weights": (True,)})
-    if c.get("n_inner") not in (None, 4 * c["n_embd"]):
-        raise CheckpointError(f"n_inner={c['n_inner']}: attnlab's GELU MLP is 4 x n_embd wide")
-    return ModelConfig(vocab_size=c["vocab_size"], block_size=c["n_positions"], n_layer=c["n_layer"],
+    return _with_mlp_width(ModelConfig(vocab_size=c["vocab_size"], block_size=c["n_positions"], n_layer=c["n_layer"],
                        n_head=c["n_head"], n_embd=c["n_embd"], position="learned", norm="layernorm",
                        mlp=_gelu_from_hf(c.get("activation_function", "gelu_new")), bias=True,
                        norm_eps=c.get("layer_norm_epsilon", 1e-5),
-                       tie_embeddings=c.get("tie_word_embeddings", True))
+                       tie_embeddings=c.get("tie_word_embeddings", True)), c.get("n_inner"))
 
 
 def _gpt2_to_hf(sd, cfg):
-    C = cfg.n_embd
+    C, hidden = cfg.n_embd, MLPS[cfg.mlp].width(cfg)
     out = {"transformer.wte.weight": sd["wte.weight"],
            "transformer.wpe.weight": sd["positions.table.weight"],
            "transformer.ln_f.weight": sd["norm_f.weight"],
@@ -224,7 +230,7 @@ def _gpt2_to_hf(sd, cfg):
         ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
         pairs = {"ln_1": ("norm_attn", None), "attn.c_attn": ("attn.w_qkv", 3 * C),
                  "attn.c_proj": ("attn.w_o", C), "ln_2": ("norm_mlp", None),
-                 "mlp.c_fc": ("mlp.fc", 4 * C), "mlp.c_proj": ("mlp.proj", C)}
+                 "mlp.c_fc": ("mlp.fc", hidden), "mlp.c_proj": ("mlp.proj", C)}
         for hf, (name, width) in pairs.items():
             w = sd[ours + name + ".weight"]
             out[theirs + hf + ".weight"] = w if width is None else w.t()   # Conv1D: (in, out)
@@ -266,7 +272,7 @@ def _llama_blockers(cfg, windowed: bool):
 def _llama_config(cfg, windowed: bool):
     c = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "num_hidden_layers": cfg.n_layer,
          "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads,
-         "head_dim": cfg.head_dim, "intermediate_size": MLPS[cfg.mlp](cfg).hidden,
+         "head_dim": cfg.head_dim, "intermediate_size": MLPS[cfg.mlp].width(cfg),
          "hidden_act": "silu", "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
          "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
          "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0}
@@ -314,11 +320,7 @@ def _llama_from_config(c):
                       sliding_window=c.get("sliding_window") or 0, position="rope", norm="rmsnorm",
                       mlp="swiglu", bias=bias, norm_eps=c.get("rms_norm_eps", 1e-6),
                       rope_theta=_rope_theta(c), tie_embeddings=c.get("tie_word_embeddings", False))
-    if MLPS["swiglu"](cfg).hidden != c["intermediate_size"]:
-        raise CheckpointError(f"intermediate_size={c['intermediate_size']}: attnlab's SwiGLU is "
-                              f"{MLPS['swiglu'](cfg).hidden} wide at this width (8/3 x n_embd, "
-                              "rounded up to 32)")
-    return cfg
+    return _with_mlp_width(cfg, c["intermediate_size"])
 
 
 _LLAMA_LINEARS = [("self_attn.o_proj", "attn.w_o"), ("mlp.down_proj", "mlp.proj")]
@@ -326,7 +328,7 @@ _LLAMA_LINEARS = [("self_attn.o_proj", "attn.w_o"), ("mlp.down_proj", "mlp.proj"
 
 def _llama_to_hf(sd, cfg):
     out = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["norm_f.weight"]}
-    hidden = MLPS[cfg.mlp](cfg).hidden
+    hidden = MLPS[cfg.mlp].width(cfg)
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
         out[theirs + "input_layernorm.weight"] = sd[ours + "norm_attn.weight"]
@@ -371,7 +373,7 @@ def _neox_blockers(cfg):
 
 def _neox_config(cfg):
     return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "num_hidden_layers": cfg.n_layer,
-            "num_attention_heads": cfg.n_head, "intermediate_size": 4 * cfg.n_embd,
+            "num_attention_heads": cfg.n_head, "intermediate_size": MLPS[cfg.mlp].width(cfg),
             "hidden_act": _hf_gelu(cfg, "gelu_pytorch_tanh"), "max_position_embeddings": cfg.block_size,
             "layer_norm_eps": cfg.norm_eps, "use_parallel_residual": False,
             "attention_bias": cfg.bias, "tie_word_embeddings": cfg.tie_embeddings,
@@ -392,18 +394,16 @@ _NEOX_SCHEMA = {
 def _neox_from_config(c):
     _refuse_unless(c, {"hidden_act": _HF_GELU_NAMES,
                        "use_parallel_residual": (False,)})
-    if c.get("intermediate_size") not in (None, 4 * c["hidden_size"]):
-        raise CheckpointError(f"intermediate_size={c['intermediate_size']}: attnlab's GELU MLP "
-                              "is 4 x hidden_size wide")
-    return ModelConfig(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"],
+    return _with_mlp_width(ModelConfig(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"],
                        n_layer=c["num_hidden_layers"], n_head=c["num_attention_heads"],
                        n_embd=c["hidden_size"], position="rope", norm="layernorm",
                        mlp=_gelu_from_hf(c.get("hidden_act", "gelu")),
                        bias=bool(c.get("attention_bias", True)), norm_eps=c.get("layer_norm_eps", 1e-5),
-                       rope_theta=_rope_theta(c), tie_embeddings=c.get("tie_word_embeddings", False))
+                       rope_theta=_rope_theta(c), tie_embeddings=c.get("tie_word_embeddings", False)),
+        c.get("intermediate_size"))
 
 
-# (NeoX name, ours, output width in n_embd, whether NeoX always has a bias there: its
+# (NeoX name, ours, output width in n_embd (3: the fused QKV, reordered), whether NeoX always has a bias there: its
 # norms and MLP do; its attention only with attention_bias)
 _NEOX = [("input_layernorm", "norm_attn", 1, True), ("attention.query_key_value", "attn.w_qkv", 3, False),
          ("attention.dense", "attn.w_o", 1, False), ("post_attention_layernorm", "norm_mlp", 1, True),
@@ -426,7 +426,7 @@ def _neox_to_hf(sd, cfg):
             w = sd[ours + name + ".weight"]
             out[theirs + hf + ".weight"] = _neox_qkv(w, cfg) if width == 3 else w
             if always or cfg.bias:
-                b = _zeros_if_absent(sd, ours + name + ".bias", width * C)
+                b = _zeros_if_absent(sd, ours + name + ".bias", w.shape[0])   # its output width
                 out[theirs + hf + ".bias"] = _neox_qkv(b, cfg) if width == 3 else b
     if not cfg.tie_embeddings:
         out["embed_out.weight"] = sd["lm_head.weight"]      # NeoX's name for its output layer
@@ -542,7 +542,7 @@ def open_hf_folder(folder: str | Path) -> HFFolder:
         cfg = arch.from_hf_config(config)
         # The size of what the config describes, before anything is built: blocks,
         # embeddings (and an untied output layer), positions.
-        refuse_too_large(cfg.n_layer * 12 * cfg.n_embd ** 2 + cfg.block_size * cfg.n_embd
+        refuse_too_large(cfg.n_layer * block_weights(cfg) + cfg.block_size * cfg.n_embd
                          + (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.n_embd,
                          config_path, available_bytes(torch.device("cpu")))
         with torch.device("meta"):                # shapes only: no memory, no values

@@ -47,6 +47,8 @@ class ModelConfig:
                                  "(GPT-2), postnorm each residual sum (BERT)", registry="block")
     mlp: str = _opt("gelu", "feed-forward block: gelu is GELU exactly, gelu_tanh its tanh "
                                "approximation as GPT-2 computed it", registry="mlp")
+    mlp_hidden: int = _opt(0, "the MLP's hidden width; 0 = the variant's own rule (4 x n_embd, "
+                              "SwiGLU 8/3 x n_embd rounded up to 32)")
     tie_embeddings: bool = _opt(True, "share the token embedding with the output layer")
     readout: str = _opt("full", "output layer: a softmax over the whole vocabulary, or the "
                                 "adaptive softmax for large vocabularies", registry="readout")
@@ -90,7 +92,7 @@ class ModelConfig:
                 raise ModelError(f"model.{name} must be a positive integer, got {value!r}")
         for name in ("vocab_size", "n_kv_head", "sliding_window", "n_global",
                      "rope_original_context", "readout_shortlist", "position_offset",
-                     "n_token_types"):
+                     "n_token_types", "mlp_hidden"):
             if getattr(self, name) < 0:
                 raise ModelError(f"model.{name} must not be negative, got {getattr(self, name)}")
         if self.sliding_window > self.block_size:

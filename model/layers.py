@@ -30,12 +30,19 @@ class GeluMLP(nn.Module):
     erf and not the tanh form, so the exact form is also the cheaper there
     (docs/benchmarks.md, "GELU")."""
     has_weights = True
+    matrices = 2            # n_embd x hidden matrices: in and out
     approximate = "none"
+
+    @staticmethod
+    def width(config: ModelConfig) -> int:
+        """The hidden width: model.mlp_hidden, or 4 x n_embd when it is 0."""
+        return config.mlp_hidden or 4 * config.n_embd
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.hidden = self.width(config)
+        self.fc = nn.Linear(config.n_embd, self.hidden, bias=config.bias)
+        self.proj = nn.Linear(self.hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -51,13 +58,18 @@ class GeluTanhMLP(GeluMLP):
 class SwiGLU(nn.Module):
     """Gated feed-forward silu(x·W_gate) ⊙ (x·W_up) (arXiv:2002.05202). The hidden
     width is 8/3 of n_embd (rounded up to a multiple of 32) so the three matrices
-    hold about as many weights as the GELU MLP's two."""
+    hold about as many weights as the GELU MLP's two; model.mlp_hidden sets another
+    (Llama's and Mistral's checkpoints each bring their own)."""
     has_weights = True
+    matrices = 3            # gate, up and down
+
+    @staticmethod
+    def width(config: ModelConfig) -> int:
+        return config.mlp_hidden or -(-8 * config.n_embd // 3 // 32) * 32
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        hidden = -(-8 * config.n_embd // 3 // 32) * 32
-        self.hidden = hidden
+        hidden = self.hidden = self.width(config)
         self.fc = nn.Linear(config.n_embd, 2 * hidden, bias=config.bias)   # gate and up, fused
         self.proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
@@ -81,12 +93,24 @@ class NoMLP(nn.Module):
     Olsson et al. (2022, "In-context Learning and Induction Heads") found induction
     heads: every computation is attention, so each can be read off the patterns."""
     has_weights = False
+    matrices = 0
+
+    @staticmethod
+    def width(config: ModelConfig) -> int:
+        return 0
 
     def __init__(self, config: ModelConfig):
         super().__init__()
 
     def forward(self, x):
         return torch.zeros_like(x)
+
+
+def block_weights(config: ModelConfig) -> int:
+    """About how many weights one block holds (attention's four n_embd x n_embd
+    matrices and the MLP's), counted from the config alone: nothing is built."""
+    mlp = MLPS[config.mlp]
+    return 4 * config.n_embd ** 2 + mlp.matrices * config.n_embd * mlp.width(config)
 
 
 MLPS = {"gelu": GeluMLP, "gelu_tanh": GeluTanhMLP, "swiglu": SwiGLU, "relu2": ReluSquaredMLP,

@@ -60,6 +60,9 @@ def check(config: ModelConfig) -> None:
         rotary = " or ".join(n for n, p in POSITION_ENCODINGS.items() if p.rotary)
         raise ModelError(f"model.rope_scaling={config.rope_scaling} needs model.position="
                          f"{rotary} (it stretches rotary positions)")
+    if config.mlp_hidden and not MLPS[config.mlp].has_weights:
+        raise ModelError(f"model.mlp_hidden={config.mlp_hidden} sets the width of an MLP, and "
+                         f"model.mlp={config.mlp} has none; leave it 0 with it")
     readout = READOUTS[config.readout]
     if not readout.plain:
         if config.tie_embeddings and not readout.shares_embedding:

@@ -49,6 +49,8 @@ def test_overrides_beat_presets_and_are_typed():
     (["--model.bias=maybe"], "true or false"),
     (["--model.sliding_window=300", "--model.block_size=256"], "larger than the context"),
     (["--model.sliding_window=-1"], "must not be negative"),
+    (["--model.mlp_hidden=-64"], "mlp_hidden must not be negative"),
+    (["--model.mlp=none", "--model.mlp_hidden=64"], "model.mlp=none has none; leave it 0"),
     (["--train.batch_size=0"], "must be positive"),
     (["--sample.top_p=1.5"], "top_p"),
     (["--sample.temperature=-1"], "temperature"),
@@ -131,6 +133,7 @@ def test_a_run_saved_before_the_gelu_rename_loads_with_the_activation_it_trained
     expected = json.loads((run / "expected.json").read_text())
     model, cfg, tokenizer, _ = load_run(run)
     assert cfg.model.mlp == "gelu_tanh" and cfg.version == config.CONFIG_VERSION
+    assert cfg.model.mlp_hidden == 0 and model.blocks[0].mlp.proj.in_features == 4 * cfg.model.n_embd
     idx = torch.tensor([tokenizer.encode(expected["prompt"])])
     with torch.no_grad():
         logits = model(idx).logits[0, -1]
@@ -149,6 +152,20 @@ def test_a_run_saved_before_the_gelu_rename_resumes(tmp_path):
     cfg, run_dir, ckpt = resume_config(str(_old_run(tmp_path)), "", {"train": {"max_iters": "6"}})
     assert cfg.model.mlp == "gelu_tanh" and ckpt.name == "step_0000004"
     assert cfg.to_dict()["version"] == config.CONFIG_VERSION
+
+
+@pytest.mark.parametrize("mlp,n_embd,width", [("swiglu", 64, 192), ("swiglu", 100, 288),
+                                              ("gelu", 48, 192), ("relu2", 48, 192)])
+def test_a_saved_config_without_an_mlp_width_keeps_the_width_it_trained_with(mlp, n_embd, width):
+    """Runs saved before model.mlp_hidden existed build the MLP their checkpoints hold."""
+    from model import GPT
+    cfg = config.from_dict({"version": config.CONFIG_VERSION,
+                            "model": {"mlp": mlp, "n_embd": n_embd, "n_head": 2, "n_layer": 1,
+                                      "vocab_size": 10, "block_size": 8}}, "saved")
+    assert cfg.model.mlp_hidden == 0
+    mlp_module = GPT(cfg.model).blocks[0].mlp
+    assert mlp_module.proj.in_features == width
+    assert mlp_module.fc.out_features == (2 * width if mlp == "swiglu" else width)
 
 
 @pytest.mark.parametrize("saved,mlp", [

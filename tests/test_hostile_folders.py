@@ -742,3 +742,42 @@ def test_hostile_bert_family_folders_end_as_one_error_line(tmp_path, capsys):
             err = [line for line in stderr.splitlines() if line.startswith("error")]
             assert exit_.value.code == 2 and len(err) == 1 and "Traceback" not in stderr, (case, stderr)
             assert str(folder) in err[0], err[0]
+
+
+# -- the MLP's width: a checkpoint brings its own ----------------------------------------
+
+@pytest.mark.parametrize("arch,key", [("llama", "intermediate_size"), ("mistral", "intermediate_size"),
+                                      ("gpt_neox", "intermediate_size"), ("gpt2", "n_inner")])
+def test_a_huge_mlp_width_is_refused_in_one_line_before_the_model_is_built(arch, key, tmp_path,
+                                                                           tok_json, monkeypatch,
+                                                                           capsys):
+    import engine.budget
+    import sample
+    write_folder(tmp_path / "huge", arch, tok_json)
+    edit_config(tmp_path / "huge", **{key: 10**9})             # past every cap
+    assert "config.json" in refused(tmp_path / "huge")
+    # Within the caps, but 2 layers x 3 x 16 x 2^18 weights are 100 MiB: the size check
+    # counts the MLP's own width, not 8 x n_embd^2, and refuses with 64 MiB free.
+    write_folder(tmp_path / "wide", arch, tok_json)
+    edit_config(tmp_path / "wide", **{key: 1 << 18})
+    monkeypatch.setattr(engine.budget, "available_bytes", lambda device: 64 << 20)
+    refused(tmp_path / "wide", "too large for this machine")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_, errors_as_lines():
+        sample.main(["--run", str(tmp_path / "huge"), "--max_new_tokens", "2"])
+    stderr = capsys.readouterr().err
+    err = [line for line in stderr.splitlines() if line.startswith("error")]
+    assert exit_.value.code == 2 and len(err) == 1 and "Traceback" not in stderr, stderr
+
+
+def test_a_folder_with_its_own_mlp_width_loads_and_a_mismatched_one_is_refused(tmp_path, tok_json):
+    # 40 is neither SwiGLU's rule (64 at n_embd 16) nor 4 x n_embd
+    for arch in ("llama", "gpt2"):
+        model = _write_folder(tmp_path / arch, arch, tok_json, mlp_hidden=40)
+        ours, cfg, _ = load_hf_folder(tmp_path / arch)
+        assert cfg.mlp_hidden == 40 and ours.blocks[0].mlp.proj.in_features == 40
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, ours.state_dict()[key]), key
+        # the config says one width, the weights hold another: refused by name
+        edit_config(tmp_path / arch, **{"intermediate_size" if arch == "llama" else "n_inner": 48})
+        assert "model.safetensors" in refused(tmp_path / arch)

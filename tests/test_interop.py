@@ -32,6 +32,11 @@ MAPPED = {
                                    tie_embeddings=False), "LlamaForCausalLM"),
     "mistral-window": (dict(norm="rmsnorm", mlp="swiglu", n_kv_head=2, sliding_window=8),
                        "MistralForCausalLM"),
+    # an MLP width of its own, not the variant's rule: written as intermediate_size / n_inner
+    "llama-ffn200": (dict(norm="rmsnorm", mlp="swiglu", mlp_hidden=200), "LlamaForCausalLM"),
+    "gpt2-ffn96": (dict(position="learned", mlp="gelu_tanh", bias=True, mlp_hidden=96),
+                   "GPT2LMHeadModel"),
+    "neox-ffn160": (dict(bias=True, mlp_hidden=160), "GPTNeoXForCausalLM"),
 }
 
 
@@ -111,6 +116,24 @@ HF_MODELS = {
         vocab_size=v, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    # real checkpoints choose their own MLP width (Llama 2 7B: 11008 at 4096)
+    "llama-ffn128": lambda v: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=v, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, tie_word_embeddings=False)),
+    "llama-ffn200": lambda v: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=v, hidden_size=64, intermediate_size=200, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)),
+    "mistral-ffn200": lambda v: transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=v, hidden_size=64, intermediate_size=200, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        sliding_window=8)),
+    "gpt2-n_inner96": lambda v: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=v, n_positions=64, n_embd=64, n_layer=2, n_head=4, n_inner=96)),
+    "neox-ffn160": lambda v: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=v, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, use_parallel_residual=False,
+        hidden_act="gelu", rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+                                            "rope_type": "default"})),
     "neox-sequential": lambda v: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
         vocab_size=v, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, max_position_embeddings=64, use_parallel_residual=False,
@@ -146,6 +169,12 @@ def test_a_transformers_folder_imports_with_equal_logits_and_round_trips(name, s
     assert cfg_again == cfg
     for key, value in ours.state_dict().items():
         assert torch.equal(value, again.state_dict()[key]), key
+    width = json.loads((folder / "config.json").read_text())
+    width = width.get("intermediate_size", width.get("n_inner"))
+    if width is not None:
+        assert ours.blocks[0].mlp.proj.in_features == width
+        assert json.loads((tmp_path / "again" / "config.json").read_text()).get(
+            "intermediate_size", width) == width
 
 
 def test_pickled_weights_are_refused_with_the_way_out(tmp_path):
