@@ -109,7 +109,10 @@ def refuse_what_cannot_write(cfg, run) -> None:
                           f"(train.objective={cfg.train.objective}), not to write text left to "
                           f"right; fill one in: python -m attnlab.fill --run {run} "
                           "--text \"To be, or not to [MASK]\"")
-    if not cfg.model.causal:
+    from model.readout import READOUTS
+    # A decoder's plain output layer trained with no mask is the leak; an encoder (BERT and
+    # the like) is refused by the model itself, pointing to fill.
+    if not cfg.model.causal and READOUTS[cfg.model.readout].plain:
         raise ConfigError("this run is a language model trained without the causal mask "
                           "(model.causal=false): each position read the very token it was "
                           "asked to predict, which a text being written does not have yet, so "

@@ -24,3 +24,15 @@ def test_attention_reaches_further_in_later_layers_and_parks_on_separators(loade
     assert distance[0] < min(distance[1:])           # layer 1 is the most local (4.9 tokens)
     assert distance[4] > distance[1] > distance[0]   # and it grows to layer 5 (6.2)
     assert max(s for _, s in rows) > 0.5             # over half the weight on [CLS]/[SEP]
+
+
+def test_sample_refuses_the_articles_encoder_as_an_encoder(minilm, capsys):
+    """MiniLM was trained bidirectionally on purpose: sample.py points to fill, not to the
+    leak demo meant for a decoder trained without its mask."""
+    import sample
+    from engine.cli import errors_as_lines
+    with pytest.raises(SystemExit), errors_as_lines():
+        sample.main(["--run", str(minilm)])
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+    assert len(err) == 1 and "encoder" in err[0] and "attnlab.fill" in err[0]
+    assert "leak" not in err[0]
