@@ -24,11 +24,17 @@ tokenizer.
 Writes into --out: a heatmap per variant (recall_<variant>.png), all of them in one
 figure (recall_heatmaps.png), accuracy against distance for the windowed variants
 (recall_distance.png), and the tables (recall.md: by depth and length, and for the
-windows by distance: within W, to the reach, beyond; recall.csv: every example).
+windows by distance: within W, to the reach, beyond; recall.csv: every example, with
+the trained context and the answer's digits). An --out folder used before keeps the
+rows of the variants not run again: only the variants run now replace their rows, so
+the lab can be run a few variants at a time into one folder. In the tables and
+figures, "n/a" is a cell the model cannot reach (learned positions stop there) and
+"-" one that was never run.
 """
 from __future__ import annotations
 
 import csv
+import io
 import math
 import sys
 import textwrap
@@ -42,6 +48,7 @@ from attnlab.options import add_run_options, load
 from attnlab.plotting import pyplot, save_figure
 from attnlab.recall_task import TokenTask, char_task, filler_text
 from common.errors import AttnlabError
+from common.files import writable_folder, write_text_atomic
 from engine.cli import Parser, errors_as_lines
 
 
@@ -83,7 +90,7 @@ VARIANTS = {
 }
 BASE = dict(n_layer=2, n_head=4, n_embd=64, mlp="gelu", position="rope")
 COLUMNS = ["variant", "factor", "length", "depth", "distance", "correct", "window", "layers",
-           "global", "about"]
+           "global", "about", "context", "digits"]
 
 
 def train_variant(task: TokenTask, variant: Variant, context: int, steps: int, batch: int = 32,
@@ -186,8 +193,14 @@ def evaluate(name: str, model, task: TokenTask, context: int, factors, depths, n
 
 
 def cells(rows, variant: str, factors, depths):
-    """(depths, factors) accuracies of one variant; NaN where not applicable."""
-    acc = torch.full((len(depths), len(factors)), float("nan"))
+    """(depths, factors) accuracies of one variant; NaN where not applicable, and
+    NOT_RUN where the variant has no rows at all (a merge of runs on other grids)."""
+    acc = torch.full((len(depths), len(factors)), NOT_RUN)
+    for r in rows:
+        if r["variant"] == variant and r["factor"] in factors and r["depth"] in depths:
+            i, j = depths.index(r["depth"]), factors.index(r["factor"])
+            if r["correct"] is None:
+                acc[i, j] = float("nan") if acc[i, j] == NOT_RUN else acc[i, j]
     for i, d in enumerate(depths):
         for j, f in enumerate(factors):
             hit = [r["correct"] for r in rows if r["variant"] == variant
@@ -197,18 +210,30 @@ def cells(rows, variant: str, factors, depths):
     return acc
 
 
+NOT_RUN = -1.0        # a cell no run measured, told apart from n/a (out of the model's reach)
+
+
+def cell_text(values) -> str:
+    """A table cell: the mean of the measured values, n/a when none could be, - when
+    none was run."""
+    measured = values[values >= 0]
+    if len(measured):
+        return f"{measured.mean():.0%}"
+    return "n/a" if values.isnan().any() else "-"
+
+
 def heatmap(ax, acc, factors, depths, context: int, title: str, chance: float):
     plt = pyplot()
-    cmap = plt.get_cmap("viridis").with_extremes(bad="lightgrey")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="lightgrey", under="white")
     image = ax.imshow(acc.numpy(), cmap=cmap, vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(len(factors)), [f"{f}x\n{f * context}" for f in factors], fontsize=7)
     ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
     for i in range(acc.shape[0]):
         for j in range(acc.shape[1]):
             v = acc[i, j].item()
-            text = "n/a" if math.isnan(v) else f"{100 * v:.0f}"
+            text = "n/a" if math.isnan(v) else "-" if v == NOT_RUN else f"{100 * v:.0f}"
             ax.text(j, i, text, ha="center", va="center", fontsize=6,
-                    color="black" if math.isnan(v) or v > 0.5 else "white")
+                    color="black" if math.isnan(v) or v == NOT_RUN or v > 0.5 else "white")
     ax.set_title("\n".join(textwrap.wrap(title, 40)), fontsize=8)
     ax.set_xlabel("length (x trained context, tokens)", fontsize=7)
     ax.set_ylabel("depth of the fact", fontsize=7)
@@ -226,10 +251,12 @@ def colorbar(fig, image, cax, chance: float):
 def write(rows, variants: list[str], factors, depths, context: int, chance: float, out: Path,
           about: dict[str, str]):
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "recall.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+    # Whole or not at all: the csv may hold earlier runs' rows, which a crash must not lose.
+    text = io.StringIO()
+    w = csv.DictWriter(text, COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+    write_text_atomic(out / "recall.csv", text.getvalue())
     lines = [f"Accuracy (whole answer right) by depth, averaged over depths 0-100%; chance "
              f"{chance:.0%}; trained context {context} tokens.", "",
              "| variant | " + " | ".join(f"{f}x" for f in factors) + " |",
@@ -238,10 +265,8 @@ def write(rows, variants: list[str], factors, depths, context: int, chance: floa
     for v in variants:
         acc = cells(rows, v, factors, depths)
         maps[v] = acc
-        mean = [acc[:, j][~acc[:, j].isnan()] for j in range(len(factors))]
-        lines.append(f"| {v} | " + " | ".join("n/a" if not len(m) else f"{m.mean():.0%}"
-                                              for m in mean) + " |")
-    (out / "recall.md").write_text("\n".join(lines) + "\n")
+        lines.append(f"| {v} | " + " | ".join(cell_text(acc[:, j]) for j in range(len(factors))) + " |")
+    write_text_atomic(out / "recall.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     plt = pyplot()
     written = []
@@ -286,8 +311,7 @@ def reach_table(rows, windowed: dict[str, tuple[int, int]], chance: float, out: 
                    and lo < r["distance"] <= hi]
             parts.append(f"{sum(hit) / len(hit):.0%} ({len(hit)})" if hit else "-")
         lines.append(f"| {name} | {w} | {layers} | {far} | " + " | ".join(parts) + " |")
-    with open(out / "recall.md", "a") as f:
-        f.write("\n".join(lines) + "\n")
+    write_text_atomic(out / "recall.md", (out / "recall.md").read_text() + "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -324,8 +348,8 @@ def distance_plot(rows, windowed: dict[str, tuple[int, int]], chance: float, out
 
 def main(argv=None) -> int:
     parser = Parser("python -m attnlab.recall", __doc__)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="NAME",
-                        help="variants to train: " + ", ".join(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=None, metavar="NAME",
+                        help="variants to train (default: all): " + ", ".join(VARIANTS))
     add_run_options(parser, "test this model instead of training: a run directory or name, "
                     "checkpoint or transformers folder (its tokenizer encodes the task)",
                     aliases=("--model",), without="train the variants")
@@ -334,57 +358,115 @@ def main(argv=None) -> int:
     parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8],
                         help="lengths to test, as multiples of the context")
     parser.add_argument("--steps", type=int, default=500, help="training steps per variant")
-    parser.add_argument("--digits", type=int, default=2, help="digits of the answer (chance 10^-digits)")
+    parser.add_argument("--digits", type=int, default=2, help="digits of the answer, at least 1 "
+                        "(chance 10^-digits)")
     parser.add_argument("--examples", type=int, default=24, help="examples per grid cell")
     parser.add_argument("--depths", type=int, default=11, help="depths from 0 to 100%%")
-    parser.add_argument("--out", default="runs/recall", help="folder for the figures and tables")
+    parser.add_argument("--out", default="runs/recall", help="folder for the figures and tables; "
+                        "one used before keeps its other variants' rows, and the variants run "
+                        "now replace theirs")
     parser.add_argument("--merge", nargs="+", default=[], metavar="DIR", help="train nothing: "
                         "draw the figures and table again from these runs' recall.csv, together")
     args = parser.parse_args(argv)
     if any(f < 1 for f in args.factors) or args.steps < 1 or args.examples < 1 or args.depths < 2:
         raise AttnlabError("--factors, --steps and --examples must be at least 1, --depths at least 2")
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown and not args.run:
+    if args.digits < 1:
+        raise AttnlabError(f"--digits {args.digits}: the answer needs at least 1 digit")
+    if args.variants is not None and (args.run or args.merge):
+        raise AttnlabError(f"--variants names models to train; {'--model' if args.run else '--merge'} "
+                           "trains nothing: give one or the other")
+    if args.run and args.merge:
+        raise AttnlabError("--merge draws runs already made and --model makes one: give one or the other")
+    variants = args.variants or list(VARIANTS)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
         raise AttnlabError(f"unknown variant {unknown[0]!r}; valid: {', '.join(VARIANTS)}")
     depths = [i / (args.depths - 1) for i in range(args.depths)]
-    out = Path(args.out)
-    rows = []
+    # Checked now, not after the training: a folder that cannot be written would lose it all.
+    out = writable_folder(args.out)
     if args.merge:
         rows = [r for folder in args.merge for r in read_rows(Path(folder))]
+        context, digits = run_facts(rows, args.merge)
         report(rows, sorted({r["factor"] for r in rows}), sorted({r["depth"] for r in rows}),
-               rows[0]["length"] // rows[0]["factor"], 10.0 ** -args.digits, out)
+               context, 10.0 ** -(digits or args.digits), out)
         return 0
     if args.run:
         model, cfg, tokenizer, ckpt = load(args)
         task = TokenTask(tokenizer, filler_text(), args.digits)
         context = args.context or cfg.model.block_size
+        from model.positions import POSITION_ENCODINGS
+        if POSITION_ENCODINGS[cfg.model.position].has_length_limit and context > cfg.model.block_size:
+            raise AttnlabError(f"--context {context} is past {ckpt}'s {cfg.model.position} positions: "
+                               f"give --context at most {cfg.model.block_size}")
         name = Path(args.run).name or "model"
+        earlier = earlier_rows(out, [name], context, args.digits)
         print(f"{ckpt}: {cfg.model.position} positions, context {context} tokens")
         rows = evaluate(name, model, task, context, args.factors, depths, args.examples)
-    else:
-        tasks = {short: char_task(args.digits, short=short)
-                 for short in sorted({VARIANTS[name].short for name in args.variants})}
-        context = args.context or 96
-        need = max(t.overhead() for t in tasks.values()) + 8
-        if context < need:
-            raise AttnlabError(f"--context {context} leaves no room for filler: give at least {need}")
-        for name in args.variants:
-            v = VARIANTS[name]
-            task = tasks[v.short]
-            print(f"{name}: {v.about}" + (" (the short task: ' K is V.' in letters)" if v.short else ""))
-            model = train_variant(task, v, context, args.steps)
-            found = evaluate(name, model, task, context, args.factors, depths, args.examples)
-            for r in found:
-                r.update(window=model.config.sliding_window, layers=model.config.n_layer,
-                         **{"global": model.config.n_global},
-                         about=v.about if r["variant"] == name else
-                         f"{v.about}, {r['variant'].split(' + ')[-1]}")
-            rows += found
-            # Everything so far, after each variant: a stopped run keeps what it measured.
-            written = report(rows, args.factors, depths, context, task.chance, out)
+        for r in rows:
+            r.update(context=context, digits=args.digits)
+        report(earlier + rows, *grid_of(earlier + rows), context, task.chance, out)
         return 0
-    written = report(rows, args.factors, depths, context, task.chance, out)
+    tasks = {short: char_task(args.digits, short=short)
+             for short in sorted({VARIANTS[name].short for name in variants})}
+    context = args.context or 96
+    need = max(t.overhead() for t in tasks.values()) + 8
+    if context < need:
+        raise AttnlabError(f"--context {context} leaves no room for filler: give at least {need}")
+    rows = earlier_rows(out, variants, context, args.digits)
+    for name in variants:
+        v = VARIANTS[name]
+        task = tasks[v.short]
+        print(f"{name}: {v.about}" + (" (the short task: ' K is V.' in letters)" if v.short else ""))
+        model = train_variant(task, v, context, args.steps)
+        found = evaluate(name, model, task, context, args.factors, depths, args.examples)
+        for r in found:
+            r.update(window=model.config.sliding_window, layers=model.config.n_layer,
+                     **{"global": model.config.n_global}, context=context, digits=args.digits,
+                     about=v.about if r["variant"] == name else
+                     f"{v.about}, {r['variant'].split(' + ')[-1]}")
+        rows += found
+        # Everything so far, after each variant: a stopped run keeps what it measured.
+        report(rows, *grid_of(rows), context, task.chance, out)
     return 0
+
+
+def grid_of(rows):
+    """The factors and depths that any of the rows were measured at."""
+    return sorted({r["factor"] for r in rows}), sorted({r["depth"] for r in rows})
+
+
+def of_variant(label: str, names) -> bool:
+    """Whether a row's label is one of these variants, as trained or scaled."""
+    return label in names or label.split(" + ")[0] in names
+
+
+def earlier_rows(out: Path, names, context: int, digits: int) -> list[dict]:
+    """The rows an earlier run left in `out`, less those of the variants about to be run
+    again; refused if they were measured at another context or digits (one figure, one
+    scale and one chance line)."""
+    if not (out / "recall.csv").exists():
+        return []
+    rows = [r for r in read_rows(out) if not of_variant(r["variant"], names)]
+    if rows:
+        was = run_facts(rows, [out])
+        if was[0] != context or (was[1] or digits) != digits:
+            raise AttnlabError(f"{out} holds runs at context {was[0]} with {was[1] or '?'} digits; "
+                               f"this one is at {context} with {digits}: give another --out "
+                               "(or the same --context and --digits)")
+    return rows
+
+
+def run_facts(rows, folders) -> tuple[int, int | None]:
+    """The one trained context and answer digits of these rows (digits None for a csv
+    written before the lab recorded them), or an error when they differ: one figure
+    has one length axis and one chance line."""
+    contexts = {r["context"] or r["length"] // r["factor"] for r in rows}
+    digits = {r["digits"] for r in rows if r["digits"]}
+    if len(contexts) > 1 or len(digits) > 1:
+        raise AttnlabError(f"{', '.join(map(str, folders))} hold runs at contexts "
+                           f"{sorted(contexts)} and digits {sorted(digits)}: merge only runs of "
+                           "one context and one number of digits")
+    return contexts.pop(), (digits.pop() if digits else None)
 
 
 def report(rows, factors, depths, context: int, chance: float, out: Path):
@@ -403,15 +485,29 @@ def report(rows, factors, depths, context: int, chance: float, out: Path):
 
 
 def read_rows(folder: Path) -> list[dict]:
-    """The rows a run wrote to recall.csv, typed again."""
+    """The rows a run wrote to recall.csv, typed again; a damaged file is refused with
+    its path."""
+    path = folder / "recall.csv"
     rows = []
-    with open(folder / "recall.csv", newline="") as f:
-        for r in csv.DictReader(f):
-            r["factor"], r["length"] = int(r["factor"]), int(r["length"])
-            r["depth"] = float(r["depth"])
-            r["distance"] = int(r["distance"]) if r["distance"] else None
-            r["correct"] = None if r["correct"] == "" else r["correct"] == "True"
-            rows.append(r)
+    with open(path, newline="") as f:
+        try:
+            for r in csv.DictReader(f):
+                r["factor"], r["length"] = int(r["factor"]), int(r["length"])
+                r["depth"] = float(r["depth"])
+                r["distance"] = int(r["distance"]) if r["distance"] else None
+                if r["correct"] not in ("", "True", "False") or r["factor"] < 1:
+                    raise ValueError(r["correct"])
+                r["correct"] = None if r["correct"] == "" else r["correct"] == "True"
+                r["context"] = int(r.get("context") or 0)       # 0: a csv from before it was kept
+                r["digits"] = int(r.get("digits") or 0)
+                if not isinstance(r["variant"], str) or not r["variant"]:
+                    raise ValueError("variant")
+                rows.append(r)
+        except (KeyError, ValueError, TypeError, IndexError, csv.Error):
+            raise AttnlabError(f"{path} is damaged (row {len(rows) + 1} cannot be read): "
+                               "run that lab again or remove the file") from None
+    if not rows:
+        raise AttnlabError(f"{path} holds no rows: run that lab again or remove the file")
     return rows
 
 

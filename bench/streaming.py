@@ -56,24 +56,33 @@ def main(argv=None) -> int:
 def run(argv=None) -> int:
     from attnlab.plotting import pyplot, save_figure
     from common.errors import ConfigError
+    from common.files import writable_folder
     from engine.cli import Parser
     from engine.inference import load_run
     p = Parser("python bench/streaming.py", __doc__)
     p.add_argument("--run", required=True, help="run directory, checkpoint or transformers folder")
-    p.add_argument("--factor", type=int, default=16, help="text length as a multiple of the context")
+    p.add_argument("--factor", type=int, default=16, help="text length as a multiple of the "
+                   "context, at least 3 (the table reports the text past 2x the context)")
     p.add_argument("--sinks", type=int, default=4, help="first tokens kept as sinks")
-    p.add_argument("--window", type=int, default=0, help="rolling window (default: (T - sinks) / 2)")
+    p.add_argument("--window", type=int, default=None, help="rolling window, at least 1 "
+                   "(default: (T - sinks) / 2)")
     p.add_argument("--bins", type=int, default=32, help="position bins in the figure")
     p.add_argument("--out", default="runs/streaming", help="folder for streaming.png and .md")
     args = p.parse_args(argv)
-    if args.factor < 2 or args.bins < 1 or args.sinks < 0 or args.window < 0:
-        raise ConfigError("--factor must be at least 2 (streaming starts past the context), "
-                          "--bins at least 1, --sinks and --window not negative")
+    if args.factor < 3 or args.bins < 1 or args.sinks < 0 or (args.window is not None and args.window < 1):
+        raise ConfigError("--factor must be at least 3 (the table scores the text past 2x the "
+                          "context), --bins and --window at least 1, --sinks not negative")
+    # Checked before the scoring, so a bad --out cannot throw the measurements away.
+    out = writable_folder(args.out)
     torch.set_num_threads(1)
     model, cfg, tokenizer, ckpt = load_run(args.run, "best")
     T = cfg.model.block_size
-    window = args.window or (T - args.sinks) // 2
-    if window < 1 or args.sinks + 2 * window > T:
+    if args.sinks + 2 > T:
+        # No window is left beside them: the sinks alone must leave room for one.
+        raise ConfigError(f"--sinks {args.sinks} leaves no room for a window in the context of "
+                          f"{T}: give --sinks at most {T - 2}")
+    window = (T - args.sinks) // 2 if args.window is None else args.window
+    if args.sinks + 2 * window > T:
         # The rolling cache holds sinks + 2·window positions; more than T would ask the
         # model for positions (and distances) it was never trained on.
         raise ConfigError(f"--sinks {args.sinks} and --window {window} need sinks + 2·window "
@@ -84,8 +93,6 @@ def run(argv=None) -> int:
     ids = torch.tensor([tokenizer.encode(text)[:args.factor * T + 1]])
     print(f"{ckpt}: context {T}, {cfg.model.position} positions; scoring {ids.shape[1] - 1} "
           f"tokens ({args.factor}x the context)")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     results = {}
     for label, kw in methods(T, args.sinks, window):
         nll, tok_s = stream_nll(model, ids, **kw)

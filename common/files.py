@@ -155,3 +155,21 @@ def lock_holder(path: Path) -> str:
         return Path(path).read_text().strip() or "?"
     except OSError:
         return "?"
+
+
+def writable_folder(path, option: str = "--out") -> Path:
+    """`path` as a folder this process can write into, created if missing, checked before
+    any long work starts so that a bad `option` cannot lose what the work measured."""
+    from common.errors import ConfigError
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{option} {path} is a file, not a folder: give a folder to write into")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"{option} {path} cannot be written ({err.strerror or err}): "
+                          "give a folder you can write into") from None
+    return path

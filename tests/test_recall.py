@@ -134,6 +134,9 @@ def test_the_lab_tests_a_transformers_folder_in_its_own_tokens(layout, chars, tm
         assert f"| {layout} | 0% | n/a |" in table
     else:                                                # RoPE: the scalings are tested too
         assert "| llama + YaRN |" in table
+    if layout == "gpt2":                                 # past its positions: refused up front
+        with pytest.raises(recall.AttnlabError, match="give --context at most 64"):
+            recall.main(["--model", str(folder), "--context", "128", "--out", str(out)])
 
 
 def test_the_short_task_fits_a_small_window_and_batches_keep_the_fact_near_when_asked():
@@ -178,3 +181,74 @@ def test_a_window_stack_reaches_exactly_as_far_back_as_the_lab_says(window, laye
     far = recall.reach(window, layers)
     assert all(moved == (d <= far) for d, moved in reached), (far, reached)
     assert any(d <= far for d, _ in reached) and any(d > far for d, _ in reached)
+
+
+def rows_csv(folder, variant, factors, digits=None, context=96, na=()):
+    """A recall.csv as a run writes it (digits None: from before the lab recorded them)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    head = "variant,factor,length,depth,distance,correct,window,layers,global,about,context,digits"
+    lines = [head if digits else head.rsplit(",", 2)[0]]
+    for f in factors:
+        for d in (0.0, 1.0):
+            fact = "" if f in na else "True"
+            cells = [variant, f, f * context, d, "" if f in na else 10, fact, 0, 2, 0, variant]
+            lines.append(",".join(map(str, cells + ([context, digits] if digits else []))))
+    (folder / "recall.csv").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--digits", "0"], "at least 1 digit"), (["--digits", "-1"], "at least 1 digit"),
+    (["--variants", "rope", "--merge", "x"], "give one or the other"),
+    (["--variants", "rope", "--model", "x"], "give one or the other")])
+def test_the_lab_refuses_bad_options_before_training(argv, says, tmp_path):
+    with pytest.raises(recall.AttnlabError, match=says):
+        recall.main([*argv, "--out", str(tmp_path / "out")])
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_any_training(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(recall, "train_variant", lambda *a, **k: pytest.fail("trained first"))
+    with pytest.raises(recall.AttnlabError, match="is a file, not a folder"):
+        recall.main(["--variants", "rope", "--out", str(tmp_path / "file")])
+    with pytest.raises(recall.AttnlabError, match="cannot be written"):
+        recall.main(["--variants", "rope", "--out", str(tmp_path / "file" / "below")])
+
+
+@pytest.mark.parametrize("damage", ["variant,factor\nrope", "variant,factor,length,depth,distance,"
+                                    "correct\nrope,abc,96,0.0,1,True", ""])
+def test_a_damaged_csv_is_refused_with_its_path(damage, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "recall.csv").write_text(damage)
+    with pytest.raises(recall.AttnlabError, match=re.escape(str(tmp_path / "run" / "recall.csv"))):
+        recall.main(["--merge", str(tmp_path / "run"), "--out", str(tmp_path / "out")])
+
+
+def test_a_merge_takes_chance_and_context_from_the_runs_and_marks_cells_never_run(tmp_path):
+    a = rows_csv(tmp_path / "a", "learned", [1, 2], digits=1, na=(2,))
+    b = rows_csv(tmp_path / "b", "rope", [1, 2, 4], digits=1)
+    recall.main(["--merge", str(a), str(b), "--out", str(tmp_path / "out")])
+    table = (tmp_path / "out" / "recall.md").read_text()
+    assert "chance 10%" in table and "trained context 96 tokens" in table
+    assert "| learned | 100% | n/a | - |" in table and "| rope | 100% | 100% | 100% |" in table
+    c = rows_csv(tmp_path / "c", "alibi", [1], digits=1, context=128)
+    with pytest.raises(recall.AttnlabError, match="one context"):
+        recall.main(["--merge", str(a), str(c), "--out", str(tmp_path / "out")])
+    old = rows_csv(tmp_path / "old", "rope", [1])        # no digits kept: --digits says
+    recall.main(["--merge", str(old), "--digits", "1", "--out", str(tmp_path / "out")])
+    assert "chance 10%" in (tmp_path / "out" / "recall.md").read_text()
+
+
+def test_an_out_used_before_keeps_the_other_variants_and_replaces_the_ones_run_again(tmp_path):
+    out = rows_csv(tmp_path / "out", "learned", [1], digits=2)
+    rows_csv(tmp_path / "keep", "rope", [1], digits=2)
+    (out / "recall.csv").write_text((out / "recall.csv").read_text() + "".join(
+        (tmp_path / "keep" / "recall.csv").read_text().splitlines(True)[1:]))
+    recall.main(["--variants", "learned", "--steps", "2", "--factors", "1", "--depths", "2",
+                 "--examples", "2", "--out", str(out)])
+    rows = recall.read_rows(out)
+    assert sorted({r["variant"] for r in rows}) == ["learned", "rope"]
+    assert sum(r["variant"] == "learned" for r in rows) == 2 * 2          # replaced, not added
+    assert sum(r["variant"] == "rope" for r in rows) == 2                 # kept as it was
+    with pytest.raises(recall.AttnlabError, match="give another --out"):
+        recall.main(["--variants", "learned", "--context", "128", "--out", str(out)])

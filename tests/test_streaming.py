@@ -89,9 +89,15 @@ def test_the_streaming_bench_refuses_a_window_past_the_context_in_one_line(tmp_p
     transformers.PreTrainedTokenizerFast(tokenizer_object=bpe.hf, eos_token="<|endoftext|>").save_pretrained(tmp_path)
     transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=bpe.vocab_size, n_positions=32, n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path)
-    for argv, says in [(["--factor", "1"], "--factor must be at least 2"),
-                       (["--sinks", "4", "--window", "20"], "give --window at most 14")]:
+    (tmp_path / "a-file").write_text("")
+    for argv, says in [(["--factor", "1"], "--factor must be at least 3"),
+                       (["--factor", "2"], "--factor must be at least 3"),   # nothing past 2x
+                       (["--window", "0"], "--window at least 1"),
+                       (["--sinks", "100"], "give --sinks at most 30"),
+                       (["--sinks", "4", "--window", "20"], "give --window at most 14"),
+                       (["--out", str(tmp_path / "a-file")], "is a file, not a folder")]:
         with pytest.raises(SystemExit) as exit_:
             bench.main(["--run", str(tmp_path), "--out", str(tmp_path / "out"), *argv])
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_.value.code == 2 and err[-1].startswith("error: ") and says in err[-1], err
+        assert sum(e.startswith("error") for e in err) == 1 and not (tmp_path / "out" / "streaming.md").exists()
