@@ -9,10 +9,9 @@
    sized to a few percent of the budget, and a hard time limit; the run stops on time
    with a final evaluation and checkpoint.
 Before all that, a large vocabulary whose frequent tokens are few gets the adaptive
-softmax as its output layer (choose_readout). Only the sizes, that readout, the
-schedule and, on a CPU without native bf16, Muon's rate (FP32_NEWTON_SCHULZ_MUON_LR)
-change: attention, positions, optimizer and data stay as the preset and the command line
-set them.
+softmax as its output layer (choose_readout). Only the sizes, that readout and the
+schedule change: attention, positions, optimizer and data stay as the preset and the
+command line set them.
 """
 from __future__ import annotations
 
@@ -47,13 +46,6 @@ MARGIN_S = 1.0               # the final checkpoint write and process exit (trai
 OVERPLAN = 1.2               # steps planned over what the probe measured
 MIN_STEPS = 300              # fewer, and the batch is halved (down to MIN_BATCH)
 MIN_BATCH = 8
-# Muon's rate in the cpu preset (0.013) was chosen on CPUs whose Newton-Schulz iterations
-# run in bf16. Where they run in fp32 (a CPU without native bf16, engine/optim.py) the
-# plan is also a different one, fewer steps of the same size: there, at the 1,440 steps
-# of 3 x 96 that about 132 s of two AVX2 cores afford, 0.008 reached val 1.5556 against
-# 0.013's 1.5695 (docs/benchmarks.md). So the planner scales the rate by this on such a
-# CPU; the bf16 kind, not measured at 0.008, keeps its rate.
-FP32_NEWTON_SCHULZ_MUON_LR = 0.008 / 0.013
 
 
 def parse_duration(text: str) -> float:
@@ -276,11 +268,6 @@ def plan(cfg, budget_s: float, started: float, log=print):
         train_cfg.dtype = max(rates, key=rates.get)
         log(f"precision: {train_cfg.dtype} ({', '.join(f'{p} {r:.2f} steps/s' for p, r in rates.items())})")
     steps_per_s = rates[train_cfg.dtype]
-    from engine.optim import newton_schulz_dtype
-    if train_cfg.optimizer == "muon" and device.type == "cpu" and newton_schulz_dtype(device) == torch.float32:
-        muon_lr, train_cfg.muon_lr = train_cfg.muon_lr, train_cfg.muon_lr * FP32_NEWTON_SCHULZ_MUON_LR
-        log(f"Muon's rate: {train_cfg.muon_lr:.4g} instead of {muon_lr:g}, as Newton-Schulz runs in "
-            "fp32 on this CPU (no native bf16)")
     left = budget_s - (time.perf_counter() - started)
     eval_step_s = 1 / steps_per_s / train_cfg.grad_accum / 3               # forward only: ~1/3 of a step
     # Each evaluation reads the whole validation split where the evaluations' share of the

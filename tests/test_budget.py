@@ -168,19 +168,3 @@ def test_the_probe_times_real_text_with_the_vocabulary_ranked(corpus, tmp_path, 
         assert torch.equal(x[:, 1:], y[:, :-1])                  # text, next token as target
         assert tok.decode(x[0].tolist()) in train_text
         assert {tok.decode([i]): int(n) for i, n in enumerate(counts) if n} == expected
-
-
-@pytest.mark.parametrize("native", [False, True])
-def test_where_newton_schulz_runs_in_fp32_the_plan_lowers_muons_rate(native, corpus, tmp_path, monkeypatch):
-    """A CPU without native bf16 (AVX2): Muon's rate scaled for fp32 Newton-Schulz; with
-    native bf16 the preset's rate is kept."""
-    import time
-    import engine.budget as budget
-    from model import precision
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
-    monkeypatch.setattr(budget, "measure", lambda cfg, dev, dtype, seconds, *data: 20.0)
-    cfg = cli.build("cpu", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
-                            "--train.device=cpu"])
-    preset = cfg.train.muon_lr
-    planned = budget.plan(cfg, 120.0, time.perf_counter(), log=lambda *a: None).train
-    assert planned.muon_lr == pytest.approx(preset if native else preset * 0.008 / 0.013)
