@@ -93,8 +93,8 @@ def figure(name: str, repeats: int) -> dict:
         a, b = torch.randn(2048, 128, generator=g), torch.randn(128, 512, generator=g)
         ms = best_ms(lambda: a @ b, repeats)
         return {"fp32 2048x128 @ 128x512, GFLOP/s": 2 * 2048 * 128 * 512 / ms / 1e6,
-                "fp32 1024^3 probe, GFLOP/s": max(probe_cpu_flops("float32") for _ in range(repeats)) / 1e9,
-                "bf16 1024^3 probe, GFLOP/s": max(probe_cpu_flops("bfloat16") for _ in range(repeats)) / 1e9}
+                "fp32 1024^3 probe, GFLOP/s": max(probe_cpu_flops("float32")[0] for _ in range(repeats)) / 1e9,
+                "bf16 1024^3 probe, GFLOP/s": max(probe_cpu_flops("bfloat16")[0] for _ in range(repeats)) / 1e9}
     if name == "bmm":
         g = torch.Generator().manual_seed(0)
         a, b = torch.randn(8, 128, 512, generator=g), torch.randn(8, 512, 128, generator=g)

@@ -109,7 +109,7 @@ def main():
         ratio = f"{r['wall'] / nano_s:.2f}x" if nano_s and reached else "-"
         print(f"| to 1.886, run {i + 1} | `{args.target}` | {r['steps']} | {r['wall']:.1f} s | "
               f"{r['val']:.4f}{'' if reached else ' (target not reached)'} | {ratio} |")
-    print(f"| 100 s, planned by --budget | `{args.planned}` | {planned['steps']} | "
+    print(f"| planned by train.py | `{args.planned}` | {planned['steps']} | "
           f"{planned['wall']:.1f} s | {planned['val']:.4f} | - |")
     if nano:
         print(f"| nanoGPT's CPU recipe (its own train.py) | `{' '.join(NANOGPT_CPU[1:])}` | "
@@ -118,7 +118,7 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r, label in ((fast[0], "--config speedrun-cpu"), (planned, "--budget 100s")):
+    for r, label in ((fast[0], args.target), (planned, args.planned)):
         steps, vals = zip(*r["curve"])
         ax.plot([s * r["wall"] / max(r["steps"], 1) for s in steps], vals, marker="o", label=label)
     if nano:

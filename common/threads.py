@@ -25,22 +25,31 @@ _USER_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 _pending: list[str] = []    # what wait_passively chose, said by report() when work starts
 
 
-def busy_cores(seconds: float = 0.1, stat: str = "/proc/stat") -> float | None:
-    """Cores' worth of work the machine did over `seconds` (this process sleeps through
-    them, so it is other programs' work); None where /proc/stat cannot be read."""
-    def sample():
+def cpu_ticks(stat: str = "/proc/stat") -> tuple[int, int] | None:
+    """(busy, all) clock ticks of every core since boot; None where /proc/stat cannot be
+    read (not Linux)."""
+    try:
         with open(stat) as f:
             fields = [int(x) for x in f.readline().split()[1:]]
         idle = fields[3] + (fields[4] if len(fields) > 4 else 0)       # idle + iowait
-        return sum(fields) - idle, sum(fields)
-    try:
-        busy0, total0 = sample()
-        time.sleep(seconds)
-        busy1, total1 = sample()
     except (OSError, ValueError, IndexError):
         return None
-    cores = os.cpu_count() or 1
-    return cores * (busy1 - busy0) / max(total1 - total0, 1)
+    return sum(fields) - idle, sum(fields)
+
+
+def cores_busy_between(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Cores' worth of work the whole machine did between two cpu_ticks() readings."""
+    if before is None or after is None:
+        return None
+    return (os.cpu_count() or 1) * (after[0] - before[0]) / max(after[1] - before[1], 1)
+
+
+def busy_cores(seconds: float = 0.1, stat: str = "/proc/stat") -> float | None:
+    """Cores' worth of work the machine did over `seconds` (this process sleeps through
+    them, so it is other programs' work); None where /proc/stat cannot be read."""
+    before = cpu_ticks(stat)
+    time.sleep(seconds)
+    return cores_busy_between(before, cpu_ticks(stat))
 
 
 def wait_passively(env=os.environ, busy=busy_cores, say=_pending.append) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from common import threads
 from common.errors import ConfigError
 from common.files import read_json, write_json_atomic
 from model import precision
@@ -138,9 +139,8 @@ GPU_PEAKS = {
 @functools.lru_cache(maxsize=None)
 def peak_flops(device_type: str, dtype_name: str, device_name: str = "") -> float | None:
     """The device's peak matmul FLOP/s in this precision: from the table for known
-    GPUs, measured by a matmul probe on a CPU (once per machine, thread count and torch
-    version: the probe takes 0.3 s, a noticeable share of a 20-second run, so its result
-    is kept in the user's cache folder); None when unknown (no MFU shown)."""
+    GPUs, measured by a matmul probe on a CPU (cpu_peak); None when unknown (no MFU
+    shown)."""
     if device_type == "cuda":
         for name, peaks in GPU_PEAKS.items():
             if name in device_name:
@@ -148,20 +148,54 @@ def peak_flops(device_type: str, dtype_name: str, device_name: str = "") -> floa
         return None
     if device_type != "cpu":
         return None
-    key = f"{cpu_name()} | {torch.get_num_threads()} threads | {dtype_name} | torch {torch.__version__}"
+    return cpu_peak(dtype_name)
+
+
+# A probe runs on every core torch uses, so other programs' work while it runs makes it
+# read low (a busy 2-core machine once read 8.5 GFLOP/s in fp32, a tenth of what it does
+# quiet), and every later run on the quiet machine showed an MFU of several hundred
+# percent. So only a probe during which other programs held less than half a core is
+# kept (common/threads.py's measure of a busy machine), and the kept figure only ever
+# rises: it is a peak.
+PEAKS_FILE = "cpu_peak_flops.json"
+PEAKS_FORMAT = 2                # entries {"flops", "other_cores"}; older files' bare numbers
+#                                 recorded nothing about the machine's load, so they are measured again
+
+
+def cpu_peak_key(dtype_name: str) -> str:
+    return f"{cpu_name()} | {torch.get_num_threads()} threads | {dtype_name} | torch {torch.__version__}"
+
+
+def cpu_peak(dtype_name: str, at_least: float = 0.0) -> float:
+    """This CPU's matmul peak in this precision: the highest quiet probe kept in the
+    user's cache folder (the probe takes 0.3 s, a noticeable share of a 20-second run, so
+    it runs once per machine, thread count and torch version), else a probe now. With
+    `at_least` (a rate the model itself was seen to sustain, so the kept peak is stale),
+    a probe now in any case. A probe taken while other programs were busy serves this
+    process but is not kept."""
+    key = cpu_peak_key(dtype_name)
     try:
-        path = cache_dir() / "cpu_peak_flops.json"
+        path = cache_dir() / PEAKS_FILE
     except RuntimeError:              # no home folder to keep it in: measure every time
-        return probe_cpu_flops(dtype_name)
-    known = read_json(path) or {}
-    if isinstance(known.get(key), (int, float)) and known[key] > 0:
-        return float(known[key])
-    peak = probe_cpu_flops(dtype_name)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {**known, key: peak})
-    except OSError:                   # a read-only home: measure again next time
-        pass
+        path = None
+    known = (read_json(path) if path else None) or {}
+    if known.get("format") != PEAKS_FORMAT:
+        known = {"format": PEAKS_FORMAT}
+    entry = known.get(key)
+    kept = entry.get("flops") if isinstance(entry, dict) else None
+    kept = float(kept) if isinstance(kept, (int, float)) and kept > 0 else 0.0
+    if kept and kept >= at_least:
+        return kept
+    flops, other = probe_cpu_flops(dtype_name)
+    peak = max(flops, kept)
+    quiet = other is None or other < threads.BUSY_CORES   # no /proc/stat (macOS): trusted, as before
+    if path is not None and quiet and flops > kept:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, {**known, key: {"flops": peak, "other_cores": None if other is None
+                                                    else round(other, 2)}})
+        except OSError:               # a read-only home: measure again next time
+            pass
     return peak
 
 
@@ -183,8 +217,10 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def probe_cpu_flops(dtype_name: str) -> float:
-    """FLOP/s of a 1024 x 1024 matmul in this precision, over 0.3 s."""
+def probe_cpu_flops(dtype_name: str) -> tuple[float, float | None]:
+    """(FLOP/s of a 1024 x 1024 matmul in this precision over 0.3 s, cores' worth of other
+    programs' work meanwhile: the machine's work less this process's; None where the
+    machine's cannot be read)."""
     dtype = DTYPES[dtype_name]
     n = 1024
     # A private generator: drawing from the global one would shift a resumed run's
@@ -192,14 +228,39 @@ def probe_cpu_flops(dtype_name: str) -> float:
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
     a @ b                                                  # warm-up
+    ticks, cpu = threads.cpu_ticks(), time.process_time()
     runs, start = 0, time.perf_counter()
     while time.perf_counter() - start < 0.3:
         a @ b
         runs += 1
-    return 2 * n ** 3 * runs / (time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    machine = threads.cores_busy_between(ticks, threads.cpu_ticks())
+    other = None if machine is None else max(0.0, machine - (time.process_time() - cpu) / seconds)
+    return 2 * n ** 3 * runs / seconds, other
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak: float | None) -> float | None:
     """Model FLOPs utilisation: the share of the device's peak the model's own
     arithmetic uses (PaLM, arXiv:2204.02311, appendix B)."""
     return None if not peak else flops_per_token * tokens_per_s / peak
+
+
+class Utilisation:
+    """MFU against the peak of the precision the run computes in. A model cannot outrun
+    the device's matmul peak, so a rate above a CPU's kept peak means the peak is stale
+    (measured while the machine was busier, or on other hardware): it is measured again,
+    once, and an MFU above 100% is never shown."""
+
+    def __init__(self, device_type: str, dtype_name: str, device_name: str = ""):
+        self.device_type, self.dtype_name = device_type, dtype_name
+        self.peak = peak_flops(device_type, dtype_name, device_name)
+        self.reprobed = False
+
+    def __call__(self, flops_per_token: float, tokens_per_s: float) -> float | None:
+        rate = flops_per_token * tokens_per_s
+        if self.peak and rate > self.peak and self.device_type == "cpu" and not self.reprobed:
+            self.reprobed = True
+            self.peak = cpu_peak(self.dtype_name, at_least=rate)
+            peak_flops.cache_clear()
+        share = mfu(flops_per_token, tokens_per_s, self.peak)
+        return None if share is None or share > 1 else share

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from common.errors import AttnlabError
 from common.files import write_json_atomic
 from engine import checkpoint
-from engine.device import dtype_name, mfu, peak_flops, synchronize
+from engine.device import Utilisation, dtype_name, synchronize
 from engine.objectives import masked_accuracy
 from engine.optim import LR_SCHEDULES
 from engine.run import EVAL_DRAWS, Run, save
@@ -220,7 +220,7 @@ class Speedometer:
         self.run = run
         self.tokens_per_sequence = train_cfg.grad_accum * run.cfg.model.block_size
         name = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else ""
-        self.peak = peak_flops(run.device.type, dtype_name(run.dtype), name)
+        self.utilisation = Utilisation(run.device.type, dtype_name(run.dtype), name)
         self.flops_per_token = run.model.flops_per_token()
         self.restart()
 
@@ -236,7 +236,7 @@ class Speedometer:
         now = time.perf_counter()
         seconds = now - self.since
         tok_s = self.tokens / max(seconds, 1e-9)
-        utilisation = mfu(self.flops_per_token, tok_s / self.run.dist.world, self.peak)
+        utilisation = self.utilisation(self.flops_per_token, tok_s / self.run.dist.world)
         self.since, self.tokens = now, 0
         return tok_s, utilisation, seconds
 

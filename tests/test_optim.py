@@ -131,10 +131,10 @@ def test_without_native_bf16_a_training_step_runs_no_bf16_matmul(native, corpus,
     autocasts to bf16), evaluation included, run no op in bf16 at all, matmuls above all:
     the layers, attention and Muon's Newton-Schulz iterations are fp32. With native bf16
     forced on, the same recorder sees bf16 matmuls in the layers and in Newton-Schulz."""
-    import engine.loop
+    import engine.device
     from model import precision
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
-    monkeypatch.setattr(engine.loop, "peak_flops", lambda *a: None)     # no matmul probe
+    monkeypatch.setattr(engine.device, "peak_flops", lambda *a: None)   # no matmul probe
     cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
                              f"--train.out_dir={tmp_path / 'r'}", "--train.run_name=bf16",
                              "--train.optimizer=muon", "--train.max_iters=2", "--train.eval_iters=1",
