@@ -13,7 +13,6 @@ by side on the CPU, in one run:
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -21,25 +20,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+from import_speed import timed_import  # noqa: E402  (bench/ is the script's own folder)
 
-CHILD = r"""
-import json, resource, sys, time
-sys.path.insert(0, sys.argv[1])
-import torch
-import transformers
-from engine.interop import load_hf_folder
-transformers.logging.set_verbosity_error()
-torch.set_num_threads(2)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-start = time.perf_counter()
-if sys.argv[3] == "attnlab":
-    model, cfg, tok = load_hf_folder(sys.argv[2])
-else:
-    model = transformers.BertModel.from_pretrained(sys.argv[2])
-took = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"seconds": took, "extra_mb": (peak - base) / 1024}))
-"""
 
 
 def best_of(fn, n=3) -> float:
@@ -71,9 +53,7 @@ def main() -> None:
     print("|---|---|---|---|")
     rows = {}
     for loader in ("attnlab", "transformers"):
-        proc = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), str(folder), loader],
-                              capture_output=True, text=True, check=True)
-        rows[loader] = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows[loader] = timed_import(folder, loader, "BertModel")
     a, t = rows["attnlab"], rows["transformers"]
     print(f"| import time | {a['seconds']:.2f} s | {t['seconds']:.2f} s | {t['seconds'] / a['seconds']:.2f}x |")
     print(f"| import peak memory | {a['extra_mb']:,.0f} MiB | {t['extra_mb']:,.0f} MiB | "

@@ -33,12 +33,20 @@ if sys.argv[3] == "attnlab":
     model, cfg, tok = load_hf_folder(sys.argv[2])
     n = model.num_params()
 else:
-    model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[2])
+    model = getattr(transformers, sys.argv[4]).from_pretrained(sys.argv[2])
     n = model.num_parameters()
 took = time.perf_counter() - start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"seconds": took, "extra_mb": (peak - base) / 1024, "params": n}))
 """
+
+
+def timed_import(folder, loader: str, hf_class: str) -> dict:
+    """Load the folder in a fresh process, with attnlab's reader or `transformers.<hf_class>`:
+    seconds, memory above the imports (MiB) and parameters."""
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), str(folder), loader, hf_class],
+                          capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -57,9 +65,7 @@ def main() -> None:
         print("| loader | load time | peak memory above imports | / weights |")
         print("|---|---|---|---|")
         for loader in ("attnlab", "transformers"):
-            proc = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), str(folder), loader],
-                                  capture_output=True, text=True, check=True)
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            r = timed_import(folder, loader, "AutoModelForCausalLM")
             print(f"| {loader} ({r['params'] / 1e6:.1f}M) | {r['seconds']:.2f} s | "
                   f"{r['extra_mb']:,.0f} MiB | {r['extra_mb'] / weights_mb:.2f}x |")
 
