@@ -76,3 +76,20 @@ def _project_registries_only():
         if registry != entries:
             registry.clear()
             registry.update(entries)
+
+
+def small_model(**kw):
+    """A 2-layer, 32-wide model of config `kw`, its weights nudged off their initial values
+    so that QK-norm's and value embeddings' effects are visible (the capture and lens tests)."""
+    import torch
+    from model import GPT, REGISTRIES, ModelConfig
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=30, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    cfg.update(kw)
+    if REGISTRIES["attention"][cfg.get("attention", "sdpa")].needs_window:
+        cfg.setdefault("sliding_window", 6)
+    model = GPT(ModelConfig(**cfg)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model

@@ -5,20 +5,9 @@ import pytest
 import torch
 
 from attnlab.lens import ablate, patch, run_with_cache
-from model import GPT, REGISTRIES, ModelConfig
+from conftest import small_model as model_for
 
 
-def model_for(**kw):
-    torch.manual_seed(0)
-    cfg = dict(vocab_size=30, block_size=16, n_layer=2, n_head=4, n_embd=32)
-    cfg.update(kw)
-    if REGISTRIES["attention"][cfg.get("attention", "sdpa")].needs_window:
-        cfg.setdefault("sliding_window", 6)
-    model = GPT(ModelConfig(**cfg)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
 
 
 TOKENS = torch.randint(0, 30, (2, 12), generator=torch.Generator().manual_seed(1))
