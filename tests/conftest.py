@@ -1,3 +1,4 @@
+import contextlib
 import os
 import subprocess
 import tempfile
@@ -62,21 +63,29 @@ def minilm(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.fixture(autouse=True)
-def _project_registries_only():
-    """sample.py and train.py register the learner's `yours` entries when they run in this
-    process; each test leaves the registries as it found them, so that a later test sees
-    the project's own variants only (train.py's --help lists them)."""
+@contextlib.contextmanager
+def registries_kept():
+    """train.py and sample.py register the learner's `yours` entries when they run in this
+    process; the registries go back as they were, so that later code sees the project's
+    own variants only (train.py's --help lists them)."""
     from attnlab.exercises import plug
     registries = [r for r in (getattr(plug, "ATTENTION_BACKENDS", None),
                               getattr(plug, "POSITION_ENCODINGS", None)) if r is not None]
     saved = [dict(r) for r in registries]
-    yield
-    for registry, entries in zip(registries, saved):
-        if registry != entries:
-            registry.clear()
-            registry.update(entries)
+    try:
+        yield
+    finally:
+        for registry, entries in zip(registries, saved):
+            if registry != entries:
+                registry.clear()
+                registry.update(entries)
 
+
+@pytest.fixture(autouse=True)
+def _project_registries_only():
+    """Each test leaves the registries as it found them."""
+    with registries_kept():
+        yield
 
 def small_model(**kw):
     """A 2-layer, 32-wide model of config `kw`, its weights nudged off their initial values

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_script
+from conftest import ROOT, registries_kept, run_script
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL = {"bash", "sh", "shell", "console"}
@@ -186,23 +186,6 @@ def entry_point(target: str):
             os.environ.update(env)                   # what train.py's wait_passively() set
             _modules[target] = module
     return _modules[target]
-
-
-@contextlib.contextmanager
-def registries_kept():
-    """train.py and sample.py register the learner's `yours` entries before they parse;
-    the registries go back as they were, so that later tests in this process see the
-    project's own variants only."""
-    from attnlab.exercises import plug
-    registries = [r for r in (getattr(plug, "ATTENTION_BACKENDS", None),
-                              getattr(plug, "POSITION_ENCODINGS", None)) if r is not None]
-    saved = [dict(r) for r in registries]
-    try:
-        yield
-    finally:
-        for registry, entries in zip(registries, saved):
-            registry.clear()
-            registry.update(entries)
 
 
 def dry_parse(command: Command) -> argparse.Namespace:
