@@ -27,7 +27,9 @@ figure (recall_heatmaps.png), accuracy against distance for the windowed variant
 windows by distance: within W, to the reach, beyond; recall.csv: every example, with
 the trained context and the answer's digits). An --out folder used before keeps the
 rows of the variants not run again: only the variants run now replace their rows, so
-the lab can be run a few variants at a time into one folder. In the tables and
+the lab can be run a few variants at a time into one folder; with --resume, the variants
+it already holds with the same options are kept, so a stopped run goes on where it
+stopped. In the tables and
 figures, "n/a" is a cell the model cannot reach (learned positions stop there) and
 "-" one that was never run.
 """
@@ -90,7 +92,7 @@ VARIANTS = {
 }
 BASE = dict(n_layer=2, n_head=4, n_embd=64, mlp="gelu", position="rope")
 COLUMNS = ["variant", "factor", "length", "depth", "distance", "correct", "window", "layers",
-           "global", "about", "context", "digits"]
+           "global", "about", "context", "digits", "steps"]
 
 
 def train_variant(task: TokenTask, variant: Variant, context: int, steps: int, batch: int = 32,
@@ -367,6 +369,10 @@ def main(argv=None) -> int:
                         "now replace theirs")
     parser.add_argument("--merge", nargs="+", default=[], metavar="DIR", help="train nothing: "
                         "draw the figures and table again from these runs' recall.csv, together")
+    parser.add_argument("--resume", action="store_true", help="go on with a stopped run: the "
+                        "variants --out already holds, measured with the same --steps, "
+                        "--examples, --factors, --depths, --context and --digits, are kept, "
+                        "not trained again")
     args = parser.parse_args(argv)
     if any(f < 1 for f in args.factors) or args.steps < 1 or args.examples < 1 or args.depths < 2:
         raise AttnlabError("--factors, --steps and --examples must be at least 1, --depths at least 2")
@@ -375,6 +381,9 @@ def main(argv=None) -> int:
     if args.variants is not None and (args.run or args.merge):
         raise AttnlabError(f"--variants names models to train; {'--model' if args.run else '--merge'} "
                            "trains nothing: give one or the other")
+    if args.resume and (args.run or args.merge):
+        raise AttnlabError(f"--resume goes on training the lab's variants; {'--model' if args.run else '--merge'} "
+                           "trains nothing: leave --resume out")
     if args.run and args.merge:
         raise AttnlabError("--merge draws runs already made and --model makes one: give one or the other")
     variants = args.variants or list(VARIANTS)
@@ -412,8 +421,12 @@ def main(argv=None) -> int:
     need = max(t.overhead() for t in tasks.values()) + 8
     if context < need:
         raise AttnlabError(f"--context {context} leaves no room for filler: give at least {need}")
-    rows = earlier_rows(out, variants, context, args.digits)
+    kept = finished(out, variants, args, context, depths) if args.resume else set()
+    rows = earlier_rows(out, [v for v in variants if v not in kept], context, args.digits)
     for name in variants:
+        if name in kept:
+            print(f"{name}: kept from {out / 'recall.csv'} (measured with these options)")
+            continue
         v = VARIANTS[name]
         task = tasks[v.short]
         print(f"{name}: {v.about}" + (" (the short task: ' K is V.' in letters)" if v.short else ""))
@@ -422,6 +435,7 @@ def main(argv=None) -> int:
         for r in found:
             r.update(window=model.config.sliding_window, layers=model.config.n_layer,
                      **{"global": model.config.n_global}, context=context, digits=args.digits,
+                     steps=args.steps,
                      about=v.about if r["variant"] == name else
                      f"{v.about}, {r['variant'].split(' + ')[-1]}")
         rows += found
@@ -454,6 +468,29 @@ def earlier_rows(out: Path, names, context: int, digits: int) -> list[dict]:
                                f"this one is at {context} with {digits}: give another --out "
                                "(or the same --context and --digits)")
     return rows
+
+
+def finished(out: Path, names, args, context: int, depths) -> set[str]:
+    """The variants among `names` whose whole grid `out` already holds, measured with
+    these options: a run stopped part-way writes each variant's rows when it is done, so
+    these are the ones a resumed run need not train again."""
+    if not (out / "recall.csv").exists():
+        return set()
+    done, every = set(), read_rows(out)
+    for name in names:
+        mine = [r for r in every if r["variant"] == name]
+        if not mine or any((r["steps"], r["context"], r["digits"]) != (args.steps, context, args.digits)
+                           for r in mine):
+            continue
+        per_cell = {}
+        for r in mine:
+            per_cell.setdefault((r["factor"], round(r["depth"], 9)), []).append(r)
+        want = {(f, round(d, 9)) for f in args.factors for d in depths}
+        if set(per_cell) == want and all(
+                len(c) == args.examples or all(r["correct"] is None for r in c)   # n/a: one row a depth
+                for c in per_cell.values()):
+            done.add(name)
+    return done
 
 
 def run_facts(rows, folders) -> tuple[int, int | None]:
@@ -500,6 +537,7 @@ def read_rows(folder: Path) -> list[dict]:
                 r["correct"] = None if r["correct"] == "" else r["correct"] == "True"
                 r["context"] = int(r.get("context") or 0)       # 0: a csv from before it was kept
                 r["digits"] = int(r.get("digits") or 0)
+                r["steps"] = int(r.get("steps") or 0)                # 0: not kept, so not resumable
                 if not isinstance(r["variant"], str) or not r["variant"]:
                     raise ValueError("variant")
                 rows.append(r)

@@ -252,3 +252,35 @@ def test_an_out_used_before_keeps_the_other_variants_and_replaces_the_ones_run_a
     assert sum(r["variant"] == "rope" for r in rows) == 2                 # kept as it was
     with pytest.raises(recall.AttnlabError, match="give another --out"):
         recall.main(["--variants", "learned", "--context", "128", "--out", str(out)])
+
+
+def test_a_stopped_run_resumes_without_training_the_variants_it_finished(tmp_path, monkeypatch):
+    out, trained = tmp_path / "out", []
+    real = recall.train_variant
+
+    def stopped_at_alibi(task, variant, *a, **k):
+        if variant is recall.VARIANTS["alibi"]:
+            raise KeyboardInterrupt                  # Ctrl-C while the second variant trains
+        trained.append(variant)
+        return real(task, variant, *a, **k)
+
+    monkeypatch.setattr(recall, "train_variant", stopped_at_alibi)
+    argv = ["--variants", "learned", "alibi", "--steps", "2", "--factors", "1", "--depths", "2",
+            "--examples", "2", "--out", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        recall.main(argv)
+    before = recall.read_rows(out)
+    assert {r["variant"] for r in before} == {"learned"}
+    monkeypatch.setattr(recall, "train_variant", lambda task, variant, *a, **k: (
+        trained.append(variant), real(task, variant, *a, **k))[1])
+    recall.main(argv + ["--resume"])
+    assert trained == [recall.VARIANTS["learned"], recall.VARIANTS["alibi"]]   # learned once only
+    after = recall.read_rows(out)
+    assert [r for r in after if r["variant"] == "learned"] == [r for r in before if r["variant"] == "learned"]
+    assert sum(r["variant"] == "alibi" for r in after) == 2 * 2
+    # Other options than the ones it was measured with: trained again, not kept.
+    trained.clear()
+    recall.main([*argv[:4], "3", *argv[5:], "--resume"])
+    assert trained == [recall.VARIANTS["learned"], recall.VARIANTS["alibi"]]
+    with pytest.raises(recall.AttnlabError, match="leave --resume out"):
+        recall.main(["--merge", str(out), "--resume", "--out", str(tmp_path / "m")])
