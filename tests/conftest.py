@@ -82,6 +82,17 @@ def minilm(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for a test that trains a tiny model in this process: such models
+    spend their time in dispatch, not arithmetic, and a second thread only adds waiting
+    for it (several times slower on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @contextlib.contextmanager
 def registries_kept():
     """train.py and sample.py register the learner's `yours` entries when they run in this
