@@ -38,6 +38,17 @@ def pytest_cmdline_main(config):
             config.option.dist = "loadfile"
 
 
+# The files whose single tests take longest go first under xdist (files are handed out
+# in this order), so that no worker is left with one of them while the others are done.
+LONGEST_FIRST = ("test_lens.py", "test_seq2seq.py", "test_distributed.py", "test_notebook.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        items.sort(key=lambda item: LONGEST_FIRST.index(item.path.name)
+                   if item.path.name in LONGEST_FIRST else len(LONGEST_FIRST))
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     """A small text corpus (about 60 kB) cut from the bundled plays."""
