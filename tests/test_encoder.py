@@ -89,6 +89,7 @@ def test_bert_masking_chooses_15_percent_and_splits_them_80_10_10():
     assert abs(as_mask - 0.8) < 0.01 and abs(kept - 0.1) < 0.01     # and ~0.1 random
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_a_small_encoder_learns_to_fill_masked_characters(corpus):
     """The objective end to end: a 2-layer bidirectional model on the bundled plays, its
     masked-token loss falling below the uniform guess (ln V) within 80 steps (3.24

@@ -68,6 +68,7 @@ def test_patching_a_prompt_into_itself_changes_nothing_and_into_another_moves_it
         assert (model(corrupt).logits - clean_logits)[:, 3:].abs().max() > 1e-3
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_the_induction_detector_finds_the_circuit_a_short_training_grows():
     """A seeded 2-layer attention-only model, trained here (about 15 s), copies the
     repeated half; the detector names a previous-token head in layer 0 and an

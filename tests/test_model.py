@@ -84,6 +84,7 @@ def test_loss_at_initialisation_is_about_ln_vocab():
     assert model(x, y).loss.item() == pytest.approx(math.log(500), abs=0.1)
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_a_tiny_model_overfits_one_batch():
     torch.manual_seed(0)
     model = GPT(tiny())

@@ -13,14 +13,7 @@ from attnlab.recall_task import FACT, KEYS, TokenTask, char_task
 from data.tokenizer import BPETokenizer, CharTokenizer
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Models this small spend their time in dispatch, not arithmetic: a second thread
-    # only adds synchronisation (and stalls badly on a busy machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")       # tiny models, trained here
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,7 @@ def test_padded_inputs_get_exactly_zero_weight_and_change_nothing():
         torch.testing.assert_close(alone, out[1:2])
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_the_reversal_demo_learns_to_reverse_held_out_strings():
     from attnlab.seq2seq import accuracy, batch, held_out, random_words, train
     # 300 steps reach 100% on these strings (200 reach 87%): a fixed count of updates,
