@@ -33,7 +33,7 @@ import torch
 from common.errors import AttnlabError, CheckpointError, TokenizerError
 from common.files import read_json, remove_stale, umask_mode
 from data.tokenizer import Tokenizer
-from engine.checkpoint import CKPT_DIR, load_weights
+from engine.checkpoint import CKPT_DIR, load_weights, refuse_non_finite
 from engine.hf_files import (CONFIG_LIMIT, INDEX, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS,
                              MAX_VOCAB, MAX_WIDTH, TOKENIZER_LIMIT, Field, WeightFiles,
                              checked_config, count, read_folder_bytes, read_folder_json,
@@ -545,9 +545,8 @@ def open_hf_folder(folder: str | Path) -> HFFolder:
         refuse_too_large(cfg.n_layer * block_weights(cfg) + cfg.block_size * cfg.n_embd
                          + (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.n_embd,
                          config_path, available_bytes(torch.device("cpu")))
-        with torch.device("meta"):                # shapes only: no memory, no values
-            expected = {name: tuple(t.shape)
-                        for name, t in arch.to_hf_weights(GPT(cfg).state_dict(), cfg).items()}
+        expected = {name: tuple(t.shape)          # shapes only: no memory, no values
+                    for name, t in arch.to_hf_weights(GPT.skeleton(cfg).state_dict(), cfg).items()}
     except (ModelError, CheckpointError) as err:
         raise CheckpointError(f"{config_path}: {err}") from None
     tokenizer = _read_tokenizer(folder, cfg)
@@ -593,8 +592,10 @@ def load_hf_folder(folder: str | Path, device="cpu", dtype=torch.float32):
         raise CheckpointError(f"{hf.files.source} holds an output layer {hf.tied_head} that "
                               "differs from the token embedding, but config.json ties them "
                               "(tie_word_embeddings): set it to false if they are separate")
-    model = GPT(hf.cfg)
-    load_weights(model, weights, hf.path)
+    # The read tensors become the model's own: no random init to overwrite, no second copy.
+    refuse_non_finite(weights, hf.path)
+    model = GPT.unfilled(hf.cfg)
+    load_weights(model, weights, hf.path, assign=True, finite_checked=True)
     return model.to(device=device, dtype=dtype).eval(), hf.cfg, hf.tokenizer
 
 
