@@ -250,7 +250,9 @@ def _gpt2_from_hf(get, cfg):
                                ("attn.c_proj", "attn.w_o", True), ("ln_2", "norm_mlp", False),
                                ("mlp.c_fc", "mlp.fc", True), ("mlp.c_proj", "mlp.proj", True)]:
             w = get(theirs + hf + ".weight")
-            out[ours + name + ".weight"] = w.t().contiguous() if conv else w
+            # GPT-2's Conv1D stores (in, out): its transpose is the (out, in) matrix as a view
+            # of the mapped file, not a copy (a matmul reads either layout at the same speed).
+            out[ours + name + ".weight"] = w.t() if conv else w
             out[ours + name + ".bias"] = get(theirs + hf + ".bias")
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = get("lm_head.weight")
