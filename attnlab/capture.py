@@ -28,6 +28,7 @@ off and swaps them between prompts with the same hooks.
 """
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from typing import Iterable
 
@@ -132,14 +133,27 @@ def attention(model, tokens: torch.Tensor, **inputs) -> tuple[torch.Tensor, list
     return logits, [cache[n] for n in wanted]
 
 
+def check_context(model, n_tokens: int) -> None:
+    """A text longer than the context the model was trained with: refused where its
+    positions end there (a learned table has no row past it), one warning line where
+    they go on (RoPE, ALiBi, sinusoidal or none) to lengths it never saw."""
+    limit = model.config.block_size
+    if n_tokens <= limit:
+        return
+    if model.positions.has_length_limit:
+        raise AttnlabError(f"the text is {n_tokens} tokens; this model reads at most {limit} "
+                           "(its learned positions end there): give a shorter --text")
+    print(f"warning: the text is {n_tokens} tokens, past the {limit} this model was trained on; "
+          f"its {model.config.position} positions go on, but it never saw such lengths",
+          file=sys.stderr)
+
+
 def attention_maps(model, tokenizer, text: str):
     """(token strings, [layer] -> (heads, T, T) weights on the CPU) for one text."""
     if not text:
         raise AttnlabError("give some text to look at with --text")
     ids = tokenizer.encode(text)
-    if len(ids) > model.config.block_size and model.positions.has_length_limit:
-        raise AttnlabError(f"the text is {len(ids)} tokens; this model reads at most "
-                           f"{model.config.block_size}")
+    check_context(model, len(ids))
     idx = torch.tensor([ids], device=next(model.parameters()).device)
     _, maps = attention(model, idx)
     return tokenizer.token_strings(ids), [m[0].float().cpu() for m in maps]

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from common.errors import AttnlabError
+from attnlab.capture import check_context
 from attnlab.options import add_run_options, load
 from engine.cli import Parser, errors_as_lines
 from model.readout import READOUTS
@@ -32,6 +33,7 @@ def fill(model, tokenizer, text: str, top: int = 5) -> list[tuple[int, list[tupl
     if mask_id is None:
         raise AttnlabError("this tokenizer has no mask token ([MASK] or <mask>)")
     ids = tokenizer.encode(text)
+    check_context(model, len(ids))
     where = [i for i, t in enumerate(ids) if t == mask_id]
     if not where:
         raise AttnlabError(f"the text has no {tokenizer.token_strings([mask_id])[0]} to fill in")

@@ -204,10 +204,12 @@ def main(argv=None) -> int:
     if argv and argv[0] in FORWARDED:
         return forward(argv[0], argv[1:])
     args = parser().parse_args(argv)
-    if args.what != "html":
+    # Only grid, head and html write a file; search and stats print.
+    writes = args.what in ("grid", "head", "html")
+    if args.what in ("grid", "head"):
         check_figure_out(args.out)
     model, _, tokenizer, ckpt = load(args)
-    if not args.out:
+    if writes and not args.out:
         args.out = str(figures_folder(ckpt))
     tokens, maps = attention_maps(model, tokenizer, args.text)
     if args.what == "html":
@@ -232,6 +234,8 @@ def main(argv=None) -> int:
             print(f"  layer {layer + 1}, head {head + 1}: {args.source} → {args.target} = "
                   f"{weight:.2f}   (--layer {layer} --head {head}, weight {weight:.3f})")
     else:
+        print("layers and heads counted from 0, as --layer/--head take them (the article counts "
+              "from 1: add 1 to each)")
         print(f"{'layer':>5} {'head':>4} {'entropy':>8} {'distance':>8} {'prev':>6} {'next':>6} "
               f"{'first':>6}  pattern")
         for layer, weights in enumerate(maps):

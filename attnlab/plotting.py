@@ -50,10 +50,12 @@ def out_path(given: str, default: str) -> Path:
 
 def check_figure_out(given: str) -> None:
     """Refuse, before any work, an --out whose suffix matplotlib cannot write."""
-    from matplotlib.backend_bases import FigureCanvasBase
     suffix = Path(given).suffix.lower().lstrip(".")
+    if not given or not suffix or Path(given).is_dir():
+        return                            # a folder or a bare name: nothing to ask matplotlib
+    from matplotlib.backend_bases import FigureCanvasBase
     formats = FigureCanvasBase.get_supported_filetypes()
-    if given and not Path(given).is_dir() and suffix and suffix not in formats:
+    if suffix not in formats:
         raise AttnlabError(f"--out {given}: a figure cannot be saved as .{suffix}; use .png "
                            f"(or {', '.join('.' + f for f in sorted(formats) if f != 'png')})")
 

@@ -4,10 +4,11 @@
 
 Builds a randomly initialised GPT2LMHeadModel of GPT-2 small's shape, saves it with
 save_pretrained (safetensors) and a tokenizer, then loads it in fresh processes:
-through attnlab (engine.interop.load_hf_folder, which reads safetensors one tensor at
-a time into the model) and through transformers' own from_pretrained, the peer. Each
+through attnlab (engine.interop.load_hf_folder, which maps the safetensors and makes
+their tensors the model's own) and through transformers' own from_pretrained, the peer. Each
 row gives the wall time of the load alone and the process's peak memory above what
-it held after its imports, against the size of the weights on disk.
+it held after its imports, once every weight has been read (a loader that maps the
+file reads it only when the weights are used), against the size of the weights on disk.
 """
 from __future__ import annotations
 
@@ -20,14 +21,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 sys.path.insert(0, sys.argv[1])
+
+
+def peak_mib():
+    # This process's own peak resident memory. Not getrusage's ru_maxrss: Linux carries
+    # the parent's peak into it across fork and exec, so a child started by a parent
+    # that held more than the child ever uses reports the parent's figure.
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+
+
 import torch
 import transformers
 from engine.interop import load_hf_folder
 transformers.logging.set_verbosity_error()
 torch.set_num_threads(2)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = peak_mib()
 start = time.perf_counter()
 if sys.argv[3] == "attnlab":
     model, cfg, tok = load_hf_folder(sys.argv[2])
@@ -36,8 +48,12 @@ else:
     model = getattr(transformers, sys.argv[4]).from_pretrained(sys.argv[2])
     n = model.num_parameters()
 took = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"seconds": took, "extra_mb": (peak - base) / 1024, "params": n}))
+# A loader may map the file and leave its pages unread until a forward pass needs them
+# (transformers does): read every weight once, so the peak counts the weights in memory.
+with torch.no_grad():
+    for t in model.state_dict().values():
+        t.float().sum()
+print(json.dumps({"seconds": took, "extra_mb": peak_mib() - base, "params": n}))
 """
 
 

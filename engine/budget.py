@@ -123,11 +123,10 @@ def sized(model_cfg, n_layer: int, n_embd: int):
 def candidates(model_cfg) -> list[Candidate]:
     from model import GPT
     out = []
-    with torch.device("meta"):                      # sizes only: no memory, no init time
-        for n_layer, n_embd in LADDER:
-            m = GPT(sized(model_cfg, n_layer, n_embd))
-            out.append(Candidate(n_layer, n_embd, m.num_params(non_embedding=True),
-                                 m.flops_per_token()))
+    for n_layer, n_embd in LADDER:                  # sizes only: no memory, no init time
+        m = GPT.skeleton(sized(model_cfg, n_layer, n_embd))
+        out.append(Candidate(n_layer, n_embd, m.num_params(non_embedding=True),
+                             m.flops_per_token()))
     return out
 
 
@@ -225,8 +224,7 @@ def plan(cfg, budget_s: float, started: float, log=print):
         dtype = pick_dtype(precision, device, model_cfg.n_embd)
         rate = measure(replace(cfg, model=model_cfg), device, dtype, probe_s, batch, counts)
         from model import GPT
-        with torch.device("meta"):
-            fpt = GPT(model_cfg).flops_per_token()
+        fpt = GPT.skeleton(model_cfg).flops_per_token()
         return rate, rate * tokens_per_step * fpt
 
     # On a CPU with native bf16 the chosen model is timed in both precisions (below).

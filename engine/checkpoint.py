@@ -272,18 +272,35 @@ def load(ckpt: Path) -> tuple[dict, dict, dict]:
     return weights, train_state, state
 
 
-def load_weights(model: torch.nn.Module, weights: dict, origin: Path) -> None:
-    """Load weights, allowing only tied tensors to be absent; refuse shape mismatches."""
-    own = model.state_dict()
-    tied = {n for n in own if n not in weights and any(
-        storage_ptr(own[n]) == storage_ptr(own[m]) for m in weights if m in own)}
-    missing = set(own) - set(weights) - tied
-    unexpected = set(weights) - set(own)
-    wrong = [n for n in weights if n in own and weights[n].shape != own[n].shape]
-    bad = [n for n, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+def _finite(t: torch.Tensor) -> bool:
+    # The extremes are NaN or infinite when any value is: no mask the size of the tensor.
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    low, high = torch.aminmax(t.detach())
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
+def refuse_non_finite(weights: dict, origin: Path) -> None:
+    bad = [n for n, t in weights.items() if not _finite(t)]
     if bad:
         raise CheckpointError(f"checkpoint {origin} holds NaN or infinite weights ({', '.join(bad[:3])}); "
                               "use an earlier checkpoint")
+
+
+def load_weights(model: torch.nn.Module, weights: dict, origin: Path, assign: bool = False,
+                 finite_checked: bool = False) -> None:
+    """Load weights, allowing only tied tensors to be absent; refuse shape mismatches
+    and (unless refuse_non_finite already did) NaN or infinite values. assign=True makes
+    the given tensors the model's own instead of copying them in (a model built with
+    GPT.unfilled, whose weights were never written), and ties again what was tied."""
+    if not finite_checked:
+        refuse_non_finite(weights, origin)
+    own = model.state_dict()
+    tied = {n: m for n in own if n not in weights for m in weights
+            if m in own and storage_ptr(own[n]) == storage_ptr(own[m])}
+    missing = set(own) - set(weights) - set(tied)
+    unexpected = set(weights) - set(own)
+    wrong = [n for n in weights if n in own and weights[n].shape != own[n].shape]
     if missing or unexpected or wrong:
         detail = "; ".join(filter(None, [
             f"missing {sorted(missing)[:4]}" if missing else "",
@@ -291,7 +308,11 @@ def load_weights(model: torch.nn.Module, weights: dict, origin: Path) -> None:
             "shape differs for " + ", ".join(f"{n} {tuple(weights[n].shape)} vs {tuple(own[n].shape)}"
                                              for n in wrong[:3]) if wrong else ""]))
         raise CheckpointError(f"checkpoint {origin} does not fit this model config: {detail}")
-    model.load_state_dict(weights, strict=False)
+    model.load_state_dict(weights, strict=False, assign=assign)
+    if assign:
+        for name, source in tied.items():        # assign= replaced the shared tensor on one side
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, model.get_parameter(source))
 
 
 def latest_run(out_dir: str | Path = "runs", log=None) -> Path:

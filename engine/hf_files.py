@@ -170,9 +170,10 @@ def checked_config(config: dict, schema: dict[str, Field], path: Path) -> dict:
 
 
 def refuse_too_large(params: int, path: Path, memory: int | None) -> None:
-    """Before anything is allocated: a model of `params` parameters is read into
-    float32 tensors and copied into the model, 8 bytes a parameter at the peak; refuse
-    it when that is more than the `memory` free (None: unknown, then 64 GiB)."""
+    """Before anything is allocated: a model of `params` parameters is mapped and used
+    as float32, 4 bytes a parameter, with room for a file of another precision converted
+    beside its mapping and the tensors the mapping rebuilds: 8 bytes a parameter at
+    most. Refuse it when that is more than the `memory` free (None: unknown, then 64 GiB)."""
     need, have = 8 * params, memory if memory is not None else 64 << 30
     if need > have:
         raise CheckpointError(

@@ -33,7 +33,7 @@ import torch
 from common.errors import AttnlabError, CheckpointError, TokenizerError
 from common.files import read_json, remove_stale, umask_mode
 from data.tokenizer import Tokenizer
-from engine.checkpoint import CKPT_DIR, load_weights
+from engine.checkpoint import CKPT_DIR, load_weights, refuse_non_finite
 from engine.hf_files import (CONFIG_LIMIT, INDEX, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS,
                              MAX_VOCAB, MAX_WIDTH, TOKENIZER_LIMIT, Field, WeightFiles,
                              checked_config, count, read_folder_bytes, read_folder_json,
@@ -250,7 +250,9 @@ def _gpt2_from_hf(get, cfg):
                                ("attn.c_proj", "attn.w_o", True), ("ln_2", "norm_mlp", False),
                                ("mlp.c_fc", "mlp.fc", True), ("mlp.c_proj", "mlp.proj", True)]:
             w = get(theirs + hf + ".weight")
-            out[ours + name + ".weight"] = w.t().contiguous() if conv else w
+            # GPT-2's Conv1D stores (in, out): its transpose is the (out, in) matrix as a view
+            # of the mapped file, not a copy (a matmul reads either layout at the same speed).
+            out[ours + name + ".weight"] = w.t() if conv else w
             out[ours + name + ".bias"] = get(theirs + hf + ".bias")
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = get("lm_head.weight")
@@ -545,9 +547,8 @@ def open_hf_folder(folder: str | Path) -> HFFolder:
         refuse_too_large(cfg.n_layer * block_weights(cfg) + cfg.block_size * cfg.n_embd
                          + (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.n_embd,
                          config_path, available_bytes(torch.device("cpu")))
-        with torch.device("meta"):                # shapes only: no memory, no values
-            expected = {name: tuple(t.shape)
-                        for name, t in arch.to_hf_weights(GPT(cfg).state_dict(), cfg).items()}
+        expected = {name: tuple(t.shape)          # shapes only: no memory, no values
+                    for name, t in arch.to_hf_weights(GPT.skeleton(cfg).state_dict(), cfg).items()}
     except (ModelError, CheckpointError) as err:
         raise CheckpointError(f"{config_path}: {err}") from None
     tokenizer = _read_tokenizer(folder, cfg)
@@ -593,8 +594,10 @@ def load_hf_folder(folder: str | Path, device="cpu", dtype=torch.float32):
         raise CheckpointError(f"{hf.files.source} holds an output layer {hf.tied_head} that "
                               "differs from the token embedding, but config.json ties them "
                               "(tie_word_embeddings): set it to false if they are separate")
-    model = GPT(hf.cfg)
-    load_weights(model, weights, hf.path)
+    # The read tensors become the model's own: no random init to overwrite, no second copy.
+    refuse_non_finite(weights, hf.path)
+    model = GPT.unfilled(hf.cfg)
+    load_weights(model, weights, hf.path, assign=True, finite_checked=True)
     return model.to(device=device, dtype=dtype).eval(), hf.cfg, hf.tokenizer
 
 

@@ -297,8 +297,7 @@ def _load(family_name: str, arch: Architecture):
             refuse_too_large(cfg.n_layer * 12 * cfg.n_embd ** 2 + cfg.block_size * cfg.n_embd
                              + 2 * cfg.vocab_size * cfg.n_embd, config_path,
                              available_bytes(torch.device("cpu")))
-            with torch.device("meta"):
-                GPT(cfg)                      # every size and variant checked, no memory
+            GPT.skeleton(cfg)                 # every size and variant checked, no memory
         except (KeyError, TypeError, ValueError, ModelError, CheckpointError) as err:
             raise CheckpointError(f"{config_path}: {err}") from None
         files = WeightFiles(folder, family.prefix)
@@ -309,9 +308,8 @@ def _load(family_name: str, arch: Architecture):
         # quantised weight is refused, not cast): everything
         # the config needs, nothing else but the buffers transformers skips too, and a
         # tied output layer stored anyway (checked equal to the embedding below).
-        with torch.device("meta"):
-            expected = {name: tuple(t.shape)
-                        for name, t in _to_hf_weights(family, GPT(cfg).state_dict(), cfg).items()}
+        expected = {name: tuple(t.shape)
+                    for name, t in _to_hf_weights(family, GPT.skeleton(cfg).state_dict(), cfg).items()}
         p = family.prefix
         aliases = {n: (n[len(p):],) if n.startswith(p) else (p + n,) for n in expected}
         tied = family.head["lm_head.weight"] if _has_head(cfg) and cfg.tie_embeddings else None
@@ -319,22 +317,6 @@ def _load(family_name: str, arch: Architecture):
                     allowed={tied: (cfg.vocab_size, cfg.n_embd)} if tied else None,
                     n_layer=cfg.n_layer)
 
-        weights = _from_hf_weights(family, files.get, cfg)
-        if tied and files.find(tied) and not torch.equal(files.get(tied).float(),
-                                                         weights["wte.weight"].float()):
-            raise CheckpointError(f"{files.source} holds an output layer {tied} that differs "
-                                  "from the token embedding, but config.json ties them "
-                                  "(tie_word_embeddings): set it to false if they are separate")
-        from engine.checkpoint import load_weights
-        # Checked against a model of the same shapes on the meta device (no memory, no
-        # random init: drawing 30k x 384 normal numbers to overwrite them costs more than
-        # reading the file), then the read tensors become the model's own.
-        with torch.device("meta"):
-            model = GPT(cfg)
-        load_weights(_shapes_only(model), weights, folder)
-        model.load_state_dict(weights, strict=False, assign=True)
-        if _has_head(cfg) and cfg.tie_embeddings:
-            model.lm_head.weight = model.wte.weight          # assign= replaced the shared one
         try:
             data = read_folder_bytes(folder, "tokenizer.json", TOKENIZER_LIMIT)
             tokenizer = WordPieceTokenizer.from_json(data.decode("utf-8", errors="strict"),
@@ -346,24 +328,20 @@ def _load(family_name: str, arch: Architecture):
         if tokenizer.vocab_size > cfg.vocab_size:
             raise CheckpointError(f"{folder}/tokenizer.json has {tokenizer.vocab_size} tokens but "
                                   f"the model only {cfg.vocab_size}: they do not belong together")
+        weights = _from_hf_weights(family, files.get, cfg)
+        if tied and files.find(tied) and not torch.equal(files.get(tied).float(),
+                                                         weights["wte.weight"].float()):
+            raise CheckpointError(f"{files.source} holds an output layer {tied} that differs "
+                                  "from the token embedding, but config.json ties them "
+                                  "(tie_word_embeddings): set it to false if they are separate")
+        from engine.checkpoint import load_weights, refuse_non_finite
+        refuse_non_finite(weights, folder)
+        # No random init (drawing 30k x 384 normal numbers to overwrite them costs more
+        # than reading the file): the read tensors become the model's own.
+        model = GPT.unfilled(cfg)
+        load_weights(model, weights, folder, assign=True, finite_checked=True)
         return model.to(device=device, dtype=dtype).eval(), cfg, tokenizer
     return load
-
-
-def _shapes_only(model: GPT) -> torch.nn.Module:
-    """A stand-in whose state_dict has model's names and shapes, tied weights kept
-    tied (meta tensors have no storage to compare)."""
-    class Shapes(torch.nn.Module):
-        def state_dict(self):
-            out, seen = {}, {}
-            for name, t in model.state_dict(keep_vars=True).items():
-                first = seen.setdefault(id(t), name)
-                out[name] = out[first] if first != name else torch.empty(t.shape, dtype=t.dtype)
-            return out
-
-        def load_state_dict(self, *a, **k):
-            pass
-    return Shapes()
 
 
 # Special tokens under the names the BERT family gives them, for transformers' tokenizer.

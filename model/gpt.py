@@ -17,6 +17,7 @@ from model.mask import Mask
 from model.positions import POSITION_ENCODINGS
 from model.readout import READOUTS, AdaptiveReadout, MaskedLMTransform, NoOutputLayer, head_macs
 from model.sampling import sample_next
+from torch.overrides import TorchFunctionMode
 
 
 # How generate keeps earlier tokens: none, a growing cache, a static one, a CUDA graph.
@@ -30,7 +31,47 @@ class Output(NamedTuple):
     hidden: torch.Tensor | None = None       # (B, T, C) the last hidden states, normalised
 
 
+# What torch.nn's initialisers do: random draws, and (skipped only on the meta device,
+# where tensors hold no values) constant fills. A mode sees nn.init's functions
+# themselves, and a tensor's own methods.
+_DRAWS = {nn.init.normal_, nn.init.uniform_, nn.init.trunc_normal_, nn.init.kaiming_uniform_,
+          nn.init.kaiming_normal_, nn.init.xavier_uniform_, nn.init.xavier_normal_,
+          nn.init.orthogonal_, torch.Tensor.normal_, torch.Tensor.uniform_}
+_FILLS = _DRAWS | {nn.init.zeros_, nn.init.ones_, nn.init.constant_, torch.Tensor.fill_,
+                   torch.Tensor.zero_}
+
+
+class _Unfilled(TorchFunctionMode):
+    """Build modules without their initial values: weights that are about to be replaced
+    by a checkpoint's are left as allocated (never written, so the pages are never
+    touched), and on the meta device nothing runs at all. On meta, torch routes normal_
+    through its Python reference, whose first call imports torch._dynamo: seconds and
+    ~70 MB for a model that has no values anyway."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")      # nn.init passes it by name
+        if isinstance(target, torch.Tensor) and (func in _DRAWS or (func in _FILLS and target.is_meta)):
+            return target
+        return func(*args, **kwargs)
+
+
 class GPT(nn.Module):
+    @classmethod
+    def skeleton(cls, config: ModelConfig) -> "GPT":
+        """The model's modules, names and shapes on the meta device: no memory, no values
+        and no initialiser run (for sizes, and to check a checkpoint against)."""
+        with torch.device("meta"), _Unfilled():
+            return cls(config)
+
+    @classmethod
+    def unfilled(cls, config: ModelConfig, device="cpu") -> "GPT":
+        """The model with its weights allocated but not initialised (the random draws are
+        skipped, so their memory is not touched) and every buffer computed: for weights
+        that load_state_dict(..., assign=True) is about to replace."""
+        with torch.device(device), _Unfilled():
+            return cls(config)
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         check_config(config)

@@ -238,3 +238,29 @@ def test_the_head_tools_open_an_encoder_run(encoder20, tmp_path, capsys):
     capsys.readouterr()
     assert heads.main(["search", "--run", run_dir, "--text", "To be, or not", "--from", "or", "--to", "be"]) == 0
     assert "or → be" in capsys.readouterr().out
+
+
+def test_fill_past_the_trained_context_warns_or_refuses_as_the_head_tools_do(tmp_path, capsys):
+    """Learned positions end at their table: refused in one line. RoPE goes on past the
+    trained context: one warning line, and the guesses still come."""
+    from test_interop_bert import _tiny
+
+    from attnlab.fill import fill
+    from common.errors import AttnlabError
+    from engine.interop import load_hf_folder
+    _tiny("bert", tmp_path / "hf")                            # 40 learned positions
+    learned, _, tokenizer = load_hf_folder(tmp_path / "hf")
+    long_text = "the cat sat on the mat " * 8 + "[MASK]"
+    assert len(tokenizer.encode(long_text)) > learned.config.block_size
+    with pytest.raises(AttnlabError, match="reads at most 40"):
+        fill(learned, tokenizer, long_text)
+    torch.manual_seed(0)
+    rope = GPT(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16,
+                           position="rope", causal=False, readout="mlm", bias=True)).eval()
+    capsys.readouterr()
+    (position, guesses), = fill(rope, tokenizer, long_text, top=2)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: the text is 51 tokens, past the 16")
+    assert len(guesses) == 2
+    fill(rope, tokenizer, "the cat [MASK]")                 # within the context: nothing said
+    assert capsys.readouterr().err == ""

@@ -130,7 +130,7 @@ def test_every_attention_tool_reads_minilm_and_the_rest_say_why_not(minilm, tmp_
     assert all((tmp_path / n).stat().st_size > 1000 for n in ("grid.png", "head.png", "view.html"))
     capsys.readouterr()
     main(["stats", *run])
-    rows = capsys.readouterr().out.splitlines()[1:]
+    rows = capsys.readouterr().out.splitlines()[2:]         # the numbering note, the header
     assert len(rows) == 6 * 12
     assert any(r.endswith("previous-token head") for r in rows)     # a neighbour head
     assert any(r.endswith("next-token head") for r in rows)         # it looks ahead: an encoder
@@ -139,3 +139,14 @@ def test_every_attention_tool_reads_minilm_and_the_rest_say_why_not(minilm, tmp_
             main([tool, *run, "--clean", ARTICLE, "--corrupt", ARTICLE])
     with pytest.raises(AttnlabError, match="encoder"):
         main(["induction", "--run", str(minilm)])
+
+
+def test_stats_says_its_layers_and_heads_are_counted_from_0(tmp_path, capsys):
+    from test_interop_bert import _tiny
+
+    from attnlab.heads import main
+    _tiny("bert", tmp_path / "hf")
+    main(["stats", "--run", str(tmp_path / "hf"), "--text", "the cat sat"])
+    note, header, *rows = capsys.readouterr().out.splitlines()
+    assert "counted from 0" in note and "--layer/--head" in note
+    assert header.split()[:2] == ["layer", "head"] and rows[0].split()[:2] == ["0", "0"]

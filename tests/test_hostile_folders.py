@@ -216,14 +216,23 @@ CONFIG_MATCH = {"config: a 10^13-parameter model within every cap": "too large f
                 "config: n_head=0": "n_head=0 is outside 1..4,096"}
 
 
+def builds(monkeypatch) -> list:
+    """The default device of every model built from now on (GPT.skeleton's are "meta")."""
+    built, real = [], GPT.__init__
+
+    def init(self, cfg):
+        built.append(torch.get_default_device())
+        real(self, cfg)
+    monkeypatch.setattr(GPT, "__init__", init)
+    return built
+
+
 @pytest.mark.parametrize("case", CONFIG_CASES)
 def test_a_broken_or_hostile_config_is_refused_before_the_model_is_built(case, tmp_path, tok_json,
                                                                           monkeypatch):
     write_folder(tmp_path, "gpt2", tok_json)
     CONFIG_CASES[case](tmp_path)
-    built = []
-    real = interop.GPT
-    monkeypatch.setattr(interop, "GPT", lambda cfg: built.append(torch.get_default_device()) or real(cfg))
+    built = builds(monkeypatch)
     refused(tmp_path, CONFIG_MATCH.get(case))
     assert all(d.type == "meta" for d in built), "a model was built before the refusal"
 
@@ -234,9 +243,7 @@ def test_a_large_vocabulary_in_a_small_folder_is_refused_from_the_headers(tmp_pa
     a 30-row embedding: the safetensors headers say so before a byte is allocated."""
     write_folder(tmp_path, "gpt_neox", tok_json)
     edit_config(tmp_path, vocab_size=3_000_000)
-    built = []
-    real = interop.GPT
-    monkeypatch.setattr(interop, "GPT", lambda cfg: built.append(torch.get_default_device()) or real(cfg))
+    built = builds(monkeypatch)
     refused(tmp_path, "shape differs: gpt_neox.embed_in.weight [30, 16] where "
                                 "config.json gives [3000000, 16]")
     assert all(d.type == "meta" for d in built)
@@ -693,9 +700,7 @@ def test_a_hostile_bert_family_folder_is_refused_naming_its_file(kind, case, tmp
     write_encoder(folder, kind)
     make_encoder_case(kind, case, folder)
     import engine.interop_bert as interop_bert
-    built = []
-    real = interop_bert.GPT
-    monkeypatch.setattr(interop_bert, "GPT", lambda cfg: built.append(torch.get_default_device()) or real(cfg))
+    built = builds(monkeypatch)
     message = refused(folder, ENCODER_MATCH.get(case))
     assert all(d.type == "meta" for d in built), "a model was built before the refusal"
     group, name = case.split(": ", 1)
