@@ -86,3 +86,16 @@ def test_a_loaded_folder_holds_its_weights_about_once(folder):
     # are rebuilt (a sixth of these files), everything else is used as mapped.
     print(f"{folder.name}: {extra / size:.2f}x")
     assert extra <= 1.3 * size + (4 << 20), f"{extra / 2**20:.1f} MiB for {size / 2**20:.1f} MiB of weights"
+
+
+def test_training_a_loaded_folder_never_writes_into_its_file(folder):
+    """The weights are the file's mapped pages, privately: a step that changes them in
+    place (an optimizer's, a fine-tune's) must copy the pages, not change the download."""
+    path = folder / "model.safetensors"
+    before = path.read_bytes()
+    model, _, _ = load_hf_folder(folder)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5).add_(1.0)
+    del model
+    assert path.read_bytes() == before
