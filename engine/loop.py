@@ -77,7 +77,8 @@ def train(run: Run) -> dict:
                 out_of_time = bool(train_cfg.time_limit) and elapsed >= train_cfg.time_limit
                 if evaluation_due(run, out_of_time) and p.step != p.last_eval:
                     watch.check(run)                  # a diverged step, before it is evaluated
-                    val = evaluate_and_save(run, metrics, bar)
+                    last = out_of_time or p.step >= train_cfg.max_iters
+                    val = evaluate_and_save(run, metrics, bar, last)
                     speed.restart()
                     if train_cfg.target_val_loss and val <= train_cfg.target_val_loss:
                         run.log(f"reached val loss {val:.4f} <= {train_cfg.target_val_loss} at step "
@@ -182,12 +183,14 @@ def evaluate(model, tokens, batch_size: int, block_size: int, iters: int, device
     return (total / iters).item()
 
 
-def evaluate_and_save(run: Run, metrics: Metrics, bar) -> float:
-    """Val loss, a checkpoint, and best.json when it is the best so far."""
+def evaluate_and_save(run: Run, metrics: Metrics, bar, last: bool = False) -> float:
+    """Val loss, a checkpoint, and best.json when it is the best so far. The `last`
+    evaluation of a run reads train.final_eval_iters batches where that is set."""
     train_cfg, p, objective = run.cfg.train, run.progress, run.objective
     counts = [0, 0] if objective.reports_accuracy else None
+    iters = train_cfg.final_eval_iters if last and train_cfg.final_eval_iters else train_cfg.eval_iters
     val = evaluate(run.eval_forward, run.data.val, train_cfg.batch_size, run.cfg.model.block_size,
-                   train_cfg.eval_iters, run.device, run.autocast(),
+                   iters, run.device, run.autocast(),
                    prepare=lambda x, y, i: run.objective_batch(x, y, EVAL_DRAWS + i), counts=counts)
     if not math.isfinite(val):
         raise diverged(run, "the validation loss", val)
