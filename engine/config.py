@@ -77,6 +77,8 @@ class TrainConfig:
     beta2: float = opt(0.99, "AdamW beta2")
     muon_lr: float = opt(0.02, "peak learning rate of Muon's matrices (same schedule)")
     muon_momentum: float = opt(0.95, "Muon momentum")
+    muon_momentum_warmup: int = opt(0, "steps over which Muon's momentum rises linearly from "
+                                       "0.85 to muon_momentum (the modded-nanogpt speedruns); 0 = off")
     parallel: str = opt("ddp", "under torchrun: ddp (a whole model per process) or fsdp "
                                "(FSDP2: weights, gradients and optimizer state split across them)",
                         choices=("ddp", "fsdp"))
@@ -158,6 +160,8 @@ class RunConfig:
             raise ConfigError(f"train.final_eval_iters must not be negative, got {train.final_eval_iters}")
         if train.warmup_iters < 0:
             raise ConfigError(f"train.warmup_iters must not be negative, got {train.warmup_iters}")
+        if train.muon_momentum_warmup < 0:
+            raise ConfigError(f"train.muon_momentum_warmup must not be negative, got {train.muon_momentum_warmup}")
         if not (train.lr > 0 and train.muon_lr > 0):
             raise ConfigError(f"train.lr and train.muon_lr must be positive, got {train.lr}, {train.muon_lr}")
         if not 0 <= train.batch_ramp < 1:

@@ -36,6 +36,18 @@ def lr_at(step: int, train_cfg) -> float:
     return train_cfg.min_lr + factor * (train_cfg.lr - train_cfg.min_lr)
 
 
+MUON_MOMENTUM_START = 0.85
+
+
+def muon_momentum_at(step: int, train_cfg) -> float:
+    """Muon's momentum, rising from 0.85 to muon_momentum over muon_momentum_warmup steps:
+    early gradients change fast, and a long average of them points at stale directions."""
+    if step >= train_cfg.muon_momentum_warmup:
+        return train_cfg.muon_momentum
+    frac = step / train_cfg.muon_momentum_warmup
+    return MUON_MOMENTUM_START + frac * (train_cfg.muon_momentum - MUON_MOMENTUM_START)
+
+
 def schedule_step(step: int, time_used: float, train_cfg) -> int:
     """Where the schedules stand. With a time limit they follow steps or time (the share
     of the limit spent), whichever is further along, so the decay ends on time even if
@@ -125,6 +137,7 @@ def train_step(run: Run, time_used: float = 0.0) -> tuple[torch.Tensor, torch.Te
     at = schedule_step(run.progress.step, time_used, train_cfg)
     lr, batch = lr_at(at, train_cfg), batch_at(at, train_cfg)
     run.optimizer.set_lr(lr / train_cfg.lr)
+    run.optimizer.set_muon_momentum(muon_momentum_at(at, train_cfg))
     run.progress.last_lr = run.optimizer.param_groups[0]["lr"]     # logged: the rate used
     total = torch.zeros((), device=run.device)
     mine = [m for m in range(train_cfg.grad_accum) if m % dist.world == dist.rank]
