@@ -37,6 +37,7 @@ LADDER = [  # (n_layer, n_embd): depth grows with width, as in GPT-2's and nanoG
 ]
 EVAL_SHARE = 0.06            # of the budget, for all evaluations together
 EVALS = 4                    # evaluations in a budget run (the last one at the end)
+BETWEEN_SHARE = 1 / 8        # of the last evaluation's batches, for each one before it
 MARGIN_S = 1.0               # the final checkpoint write and process exit (train.py skips teardown)
 OVERPLAN = 1.2               # steps planned over what the probe measured
 MIN_STEPS = 300              # fewer, and the batch is halved (down to MIN_BATCH)
@@ -261,12 +262,15 @@ def plan(cfg, budget_s: float, started: float, log=print):
     steps_per_s = rates[train_cfg.dtype]
     left = budget_s - (time.perf_counter() - started)
     eval_step_s = 1 / steps_per_s / train_cfg.grad_accum / 3               # forward only: ~1/3 of a step
-    # Each evaluation reads the whole validation split where the evaluations' share of the
-    # budget affords it: a sample misjudges the loss by a few hundredths either way (of one
-    # run on tiny Shakespeare, 20 spaced batches of 16 x 128 said 1.517, the whole 1.497).
+    # The last evaluation, the run's result, reads the whole validation split where half the
+    # evaluations' share of the budget affords it: a sample misjudges the loss by a few
+    # hundredths either way (of one run on tiny Shakespeare, 20 spaced batches of 16 x 128
+    # said 1.517, the whole 1.497). The ones before only show the way and write
+    # checkpoints: a sample of BETWEEN_SHARE of those batches, the time saved trains.
     whole = math.ceil(len(data.val) / (train_cfg.batch_size * cfg.model.block_size))
-    train_cfg.eval_iters = int(max(2, min(whole, EVAL_SHARE * budget_s / EVALS / eval_step_s)))
-    eval_s = EVALS * train_cfg.eval_iters * eval_step_s
+    train_cfg.final_eval_iters = int(max(2, min(whole, EVAL_SHARE * budget_s / 2 / eval_step_s)))
+    train_cfg.eval_iters = max(2, int(train_cfg.final_eval_iters * BETWEEN_SHARE))
+    eval_s = (train_cfg.final_eval_iters + (EVALS - 1) * train_cfg.eval_iters) * eval_step_s
     train_s = left - eval_s - MARGIN_S
     # The schedule also follows the clock under a time limit (engine.loop.scheduled_lr), so
     # planning more steps than the probe promises costs nothing if they do not come
@@ -279,18 +283,20 @@ def plan(cfg, budget_s: float, started: float, log=print):
         train_cfg.batch_size //= 2
         train_cfg.max_iters *= 2
         train_cfg.eval_iters *= 2            # the same tokens per evaluation, in the same time
+        train_cfg.final_eval_iters *= 2
         eval_step_s /= 2
         batch_note = f"batch halved to {train_cfg.batch_size} for at least {MIN_STEPS} steps"
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * cfg.model.block_size
     train_cfg.warmup_iters = min(train_cfg.warmup_iters, max(1, train_cfg.max_iters // 10))
     train_cfg.eval_interval = max(1, math.ceil(train_cfg.max_iters / (EVALS - 1)))
     train_cfg.log_interval = max(1, min(train_cfg.log_interval, train_cfg.max_iters // 20))
-    train_cfg.time_limit = max(1.0, left - train_cfg.eval_iters * eval_step_s - MARGIN_S)
+    train_cfg.time_limit = max(1.0, left - train_cfg.final_eval_iters * eval_step_s - MARGIN_S)
     epochs = train_cfg.max_iters * tokens_per_step / max(len(data.train), 1)
     log(f"chosen: {pick.n_layer} layers, {cfg.model.n_head} heads, {pick.n_embd} wide "
         f"({pick.params / 1e6:.2f}M non-embedding parameters); measured {steps_per_s:.2f} "
         f"steps/s -> {train_cfg.max_iters} steps of {tokens_per_step:,} tokens ({batch_note}, "
         f"{train_cfg.max_iters * tokens_per_step / pick.params:.1f} tokens/param, {epochs:.1f} epochs "
-        f"of the training split), {train_cfg.eval_iters} batches per evaluation, training stops by "
+        f"of the training split), {train_cfg.final_eval_iters} validation batches at the end "
+        f"({train_cfg.eval_iters} before), training stops by "
         f"{train_cfg.time_limit:.0f} s from now")
     return cfg

@@ -77,12 +77,17 @@ class TrainConfig:
     beta2: float = opt(0.99, "AdamW beta2")
     muon_lr: float = opt(0.02, "peak learning rate of Muon's matrices (same schedule)")
     muon_momentum: float = opt(0.95, "Muon momentum")
+    muon_momentum_warmup: int = opt(0, "steps over which Muon's momentum rises linearly from "
+                                       "0.85 to muon_momentum (the modded-nanogpt speedruns); 0 = off")
     parallel: str = opt("ddp", "under torchrun: ddp (a whole model per process) or fsdp "
                                "(FSDP2: weights, gradients and optimizer state split across them)",
                         choices=("ddp", "fsdp"))
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = off")
     eval_interval: int = opt(250, "evaluate and write a checkpoint every N steps")
     eval_iters: int = opt(100, "validation batches per evaluation")
+    final_eval_iters: int = opt(0, "validation batches of the last evaluation (at max_iters or "
+                                   "the time limit); 0 = eval_iters (train.py --budget reads the "
+                                   "whole split there and a sample before)")
     target_val_loss: float = opt(0.0, "stop (with a checkpoint) once val loss reaches this; 0 = off")
     time_limit: float = opt(0.0, "stop with a final evaluation and checkpoint after this many "
                                  "seconds of training, the lr schedule following steps or time, "
@@ -151,8 +156,12 @@ class RunConfig:
                      "eval_iters", "log_interval", "keep_last"):
             if getattr(train, name) <= 0:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(train, name)}")
+        if train.final_eval_iters < 0:
+            raise ConfigError(f"train.final_eval_iters must not be negative, got {train.final_eval_iters}")
         if train.warmup_iters < 0:
             raise ConfigError(f"train.warmup_iters must not be negative, got {train.warmup_iters}")
+        if train.muon_momentum_warmup < 0:
+            raise ConfigError(f"train.muon_momentum_warmup must not be negative, got {train.muon_momentum_warmup}")
         if not (train.lr > 0 and train.muon_lr > 0):
             raise ConfigError(f"train.lr and train.muon_lr must be positive, got {train.lr}, {train.muon_lr}")
         if not 0 <= train.batch_ramp < 1:

@@ -36,6 +36,18 @@ def lr_at(step: int, train_cfg) -> float:
     return train_cfg.min_lr + factor * (train_cfg.lr - train_cfg.min_lr)
 
 
+MUON_MOMENTUM_START = 0.85
+
+
+def muon_momentum_at(step: int, train_cfg) -> float:
+    """Muon's momentum, rising from 0.85 to muon_momentum over muon_momentum_warmup steps:
+    early gradients change fast, and a long average of them points at stale directions."""
+    if step >= train_cfg.muon_momentum_warmup:
+        return train_cfg.muon_momentum
+    frac = step / train_cfg.muon_momentum_warmup
+    return MUON_MOMENTUM_START + frac * (train_cfg.muon_momentum - MUON_MOMENTUM_START)
+
+
 def schedule_step(step: int, time_used: float, train_cfg) -> int:
     """Where the schedules stand. With a time limit they follow steps or time (the share
     of the limit spent), whichever is further along, so the decay ends on time even if
@@ -77,7 +89,8 @@ def train(run: Run) -> dict:
                 out_of_time = bool(train_cfg.time_limit) and elapsed >= train_cfg.time_limit
                 if evaluation_due(run, out_of_time) and p.step != p.last_eval:
                     watch.check(run)                  # a diverged step, before it is evaluated
-                    val = evaluate_and_save(run, metrics, bar)
+                    last = out_of_time or p.step >= train_cfg.max_iters
+                    val = evaluate_and_save(run, metrics, bar, last)
                     speed.restart()
                     if train_cfg.target_val_loss and val <= train_cfg.target_val_loss:
                         run.log(f"reached val loss {val:.4f} <= {train_cfg.target_val_loss} at step "
@@ -124,6 +137,7 @@ def train_step(run: Run, time_used: float = 0.0) -> tuple[torch.Tensor, torch.Te
     at = schedule_step(run.progress.step, time_used, train_cfg)
     lr, batch = lr_at(at, train_cfg), batch_at(at, train_cfg)
     run.optimizer.set_lr(lr / train_cfg.lr)
+    run.optimizer.set_muon_momentum(muon_momentum_at(at, train_cfg))
     run.progress.last_lr = run.optimizer.param_groups[0]["lr"]     # logged: the rate used
     total = torch.zeros((), device=run.device)
     mine = [m for m in range(train_cfg.grad_accum) if m % dist.world == dist.rank]
@@ -182,12 +196,14 @@ def evaluate(model, tokens, batch_size: int, block_size: int, iters: int, device
     return (total / iters).item()
 
 
-def evaluate_and_save(run: Run, metrics: Metrics, bar) -> float:
-    """Val loss, a checkpoint, and best.json when it is the best so far."""
+def evaluate_and_save(run: Run, metrics: Metrics, bar, last: bool = False) -> float:
+    """Val loss, a checkpoint, and best.json when it is the best so far. The `last`
+    evaluation of a run reads train.final_eval_iters batches where that is set."""
     train_cfg, p, objective = run.cfg.train, run.progress, run.objective
     counts = [0, 0] if objective.reports_accuracy else None
+    iters = train_cfg.final_eval_iters if last and train_cfg.final_eval_iters else train_cfg.eval_iters
     val = evaluate(run.eval_forward, run.data.val, train_cfg.batch_size, run.cfg.model.block_size,
-                   train_cfg.eval_iters, run.device, run.autocast(),
+                   iters, run.device, run.autocast(),
                    prepare=lambda x, y, i: run.objective_batch(x, y, EVAL_DRAWS + i), counts=counts)
     if not math.isfinite(val):
         raise diverged(run, "the validation loss", val)

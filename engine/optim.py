@@ -28,6 +28,10 @@ class Optimizers:
         for group in self.param_groups:
             group["lr"] = group["base_lr"] * scale
 
+    def set_muon_momentum(self, momentum: float) -> None:
+        for group in self.named["muon"].param_groups if "muon" in self.named else ():
+            group["momentum"] = momentum
+
     def step(self, scaler) -> None:
         for opt in self.named.values():
             scaler.step(opt)

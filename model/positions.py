@@ -159,9 +159,9 @@ class RoPE(PositionEncoding):
             angle = pos[:, None] * self.inv_freq
             cos, sin = angle.cos() * self.mscale, angle.sin() * self.mscale
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        # Each pair (x1[i], x2[i]) turns by its angle: a 2-D rotation matrix, written out.
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        # Each pair (x1[i], x2[i]) turns by its angle: a 2-D rotation matrix, written out
+        # (turn, below), with its own backward.
+        return Turn.apply(x, torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1))
 
     def shift(self, k, delta):
         # Rotations compose: turning a key at p by delta·θ_i more puts it at p + delta.
@@ -170,6 +170,32 @@ class RoPE(PositionEncoding):
         cos, sin = angle.cos().to(k.dtype), angle.sin().to(k.dtype)
         k1, k2 = k.chunk(2, dim=-1)
         return torch.cat((k1 * cos - k2 * sin, k2 * cos + k1 * sin), dim=-1)
+
+
+def turn(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """(x1·cos - x2·sin, x2·cos + x1·sin) for the halves x1, x2 of x's last dimension,
+    given cos2 = (cos, cos) and sin2 = (-sin, sin): x·cos2 + (x2, x1)·sin2, the same
+    numbers as the rotation written out, in four passes over x instead of seven."""
+    x1, x2 = x.chunk(2, dim=-1)
+    out = x * cos2
+    return out.add_(torch.cat((x2, x1), dim=-1).mul_(sin2))
+
+
+class Turn(torch.autograd.Function):
+    """RoPE's rotation with its backward written out: the gradient turns back by the
+    opposite angle (a rotation's transpose is its inverse), four passes again, where
+    autograd's backward of the written-out rotation takes about a dozen and keeps x's
+    halves. For 3 x 96 at context 128 on a CPU that was about a tenth of a training step."""
+
+    @staticmethod
+    def forward(ctx, x, cos2, sin2):
+        ctx.save_for_backward(cos2, sin2)
+        return turn(x, cos2, sin2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos2, sin2 = ctx.saved_tensors
+        return turn(grad, cos2, -sin2), None, None
 
 
 class ALiBi(PositionEncoding):

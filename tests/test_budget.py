@@ -87,6 +87,23 @@ def test_a_run_under_a_time_limit_passes_the_share_of_time_used(corpus, tmp_path
     assert len(seen) == 3 and 0 < seen[0] <= seen[1] <= seen[2] < 0.5
 
 
+@pytest.mark.parametrize("limit", [0.0, 1e-6])
+def test_only_the_last_evaluation_reads_final_eval_iters(limit, corpus, tmp_path, monkeypatch):
+    """At max_iters, or when the time limit stops the run, the evaluation reads
+    train.final_eval_iters batches; the ones before, train.eval_iters."""
+    import engine.loop as loop
+    from engine.run import setup_run
+    cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                             f"--train.out_dir={tmp_path / 'runs'}", "--train.max_iters=4",
+                             "--train.eval_interval=2", "--train.eval_iters=2",
+                             "--train.final_eval_iters=3", f"--train.time_limit={limit}",
+                             "--train.run_name=t"])
+    seen, real = [], loop.evaluate
+    monkeypatch.setattr(loop, "evaluate", lambda *a, **k: seen.append(a[4]) or real(*a, **k))
+    loop.train(setup_run(cfg, log=lambda *a: None))
+    assert seen == ([2, 2, 3] if not limit else [3])
+
+
 def test_a_slow_machine_halves_the_batch_and_evaluation_keeps_to_its_share(corpus, tmp_path, monkeypatch):
     """With the machine measured at 1 step/s, a 2-minute budget fits too few steps for
     warm-up and decay: the batch halves until at least MIN_STEPS fit, and all the
@@ -100,15 +117,17 @@ def test_a_slow_machine_halves_the_batch_and_evaluation_keeps_to_its_share(corpu
     assert planned.batch_size < 64 and planned.max_iters >= budget.MIN_STEPS
     assert planned.batch_size >= budget.MIN_BATCH
     eval_step_s = 1.0 / planned.grad_accum / 3 * planned.batch_size / 64   # a smaller batch, a cheaper one
-    assert budget.EVALS * planned.eval_iters * eval_step_s <= budget.EVAL_SHARE * 120.0
+    batches = planned.final_eval_iters + (budget.EVALS - 1) * planned.eval_iters
+    assert batches * eval_step_s <= budget.EVAL_SHARE * 120.0
+    assert 2 <= planned.eval_iters <= planned.final_eval_iters
     assert planned.eval_interval * (budget.EVALS - 1) >= planned.max_iters
-    # Halving the batch keeps the sequences each evaluation reads: the whole split, or
-    # what the share afforded at the batch of 64.
+    # Halving the batch keeps the sequences the last evaluation reads: the whole split, or
+    # what half the share afforded at the batch of 64.
     from data.tokens import load_tokens
     n_val = len(load_tokens(str(corpus), "char", cache_dir=str(tmp_path / "c"), log=lambda *a: None).val)
     at_64 = min(math.ceil(n_val / (64 * cfg.model.block_size)),
-                int(budget.EVAL_SHARE * 120.0 / budget.EVALS * 3))
-    assert planned.eval_iters * planned.batch_size == max(2, at_64) * 64
+                int(budget.EVAL_SHARE * 120.0 / 2 * 3))
+    assert planned.final_eval_iters * planned.batch_size == max(2, at_64) * 64
 
 
 def test_where_it_is_affordable_each_evaluation_reads_the_whole_validation_split(corpus, tmp_path,
@@ -123,7 +142,10 @@ def test_where_it_is_affordable_each_evaluation_reads_the_whole_validation_split
     n_val = len(load_tokens(str(corpus), "char", cache_dir=str(tmp_path / "c"), log=lambda *a: None).val)
     per_batch = planned.train.batch_size * planned.model.block_size
     assert n_val > 2 * per_batch                       # more than the preset's 2 batches read
-    assert n_val <= planned.train.eval_iters * per_batch < n_val + per_batch
+    assert n_val <= planned.train.final_eval_iters * per_batch < n_val + per_batch
+    # The evaluations before it read a sample: their time goes to training.
+    assert planned.train.eval_iters == max(2, int(planned.train.final_eval_iters * budget.BETWEEN_SHARE))
+    assert planned.train.eval_iters < planned.train.final_eval_iters
 
 
 @pytest.mark.parametrize("faster", ["float32", "bfloat16"])

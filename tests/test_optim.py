@@ -210,6 +210,24 @@ def test_warmup_stable_decay_holds_the_peak_then_falls_in_a_straight_line():
         cli.build("tiny", ["--train.decay_frac=0"])
 
 
+def test_muons_momentum_warms_up_from_085_in_a_straight_line(corpus, tmp_path):
+    """muon_momentum_warmup 4 to 0.95: 0.85 + 0.025 s at step s < 4 (by hand), then 0.95,
+    in the group Muon steps with; AdamW's betas stay as they were."""
+    cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                             f"--train.out_dir={tmp_path / 'r'}", "--train.run_name=m",
+                             "--train.optimizer=muon", "--train.max_iters=6",
+                             "--train.muon_momentum_warmup=4"])
+    run = setup_run(cfg, log=lambda *a, **k: None)
+    seen, forward = [], run.train_forward
+    muon, adamw = run.optimizer.named["muon"], run.optimizer.named["adamw"]
+    run.train_forward = lambda x, y: seen.append(muon.param_groups[0]["momentum"]) or forward(x, y)
+    train(run)
+    assert seen == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95])
+    assert adamw.param_groups[0]["betas"] == (cfg.train.beta1, cfg.train.beta2)
+    with pytest.raises(ConfigError, match="muon_momentum_warmup"):
+        cli.build("tiny", ["--train.muon_momentum_warmup=-1"])
+
+
 def test_a_stop_at_an_evaluation_step_is_evaluated_on_resume(corpus, tmp_path):
     """Ctrl-C during the step that makes an evaluation due: the run saves and stops
     before evaluating, and the resumed run evaluates that step first."""

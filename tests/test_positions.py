@@ -31,6 +31,29 @@ def test_rope_keeps_vector_length():
     assert torch.allclose(qr.norm(dim=-1), q.norm(dim=-1), atol=1e-5)
 
 
+def test_rope_forward_and_backward_match_a_float64_numpy_rotation():
+    """RoPE's rotation and its hand-written backward against the formula in NumPy: pair
+    (x[i], x[i + d/2]) at position p turns by p·θ^(-2i/d); the gradient of Σ w·out is w
+    turned back by the same angle."""
+    import numpy as np
+    d, T, start = 16, 12, 5
+    rope = RoPE(ModelConfig(vocab_size=8, n_head=2, n_embd=2 * d, block_size=64))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, T, d, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 2, T, d, generator=g, dtype=torch.float64)
+    out = rope.rotate(x, start)
+    (out * w).sum().backward()
+    angle = (start + np.arange(T))[:, None] * 10000.0 ** (-np.arange(0, d, 2) / d)
+    cos, sin = np.cos(angle), np.sin(angle)
+
+    def turn(a, sign):
+        a1, a2 = a[..., : d // 2], a[..., d // 2:]
+        return np.concatenate([a1 * cos - sign * a2 * sin, a2 * cos + sign * a1 * sin], axis=-1)
+    # The table is float32, hence the tolerance.
+    np.testing.assert_allclose(out.detach().numpy(), turn(x.detach().numpy(), 1), atol=1e-6)
+    np.testing.assert_allclose(x.grad.numpy(), turn(w.numpy(), -1), atol=1e-6)
+
+
 def test_learned_positions_refuse_sequences_past_their_table():
     model = GPT(ModelConfig(vocab_size=8, n_layer=1, n_head=2, n_embd=16, block_size=8,
                             position="learned"))
