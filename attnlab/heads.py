@@ -38,32 +38,50 @@ def token_spans(tokenizer, text: str) -> list[tuple[int, int]]:
     return tokenizer.spans(text)
 
 
-def _find(text: str, needle: str, after: int) -> int:
-    """The first occurrence of needle at or after `after` as a whole word ("it" in
-    "because it was", not in "fit"), else as any substring; -1 if none."""
-    word = re.compile(rf"(?<!\w){re.escape(needle)}(?!\w)")
-    found = word.search(text, after)
-    return found.start() if found else text.find(needle, after)
+# A word is a run of letters: "it" is one in "because it was" and "it's", not in "fit".
+# Matching the text's characters keeps the rule the same for every tokenizer (GPT-2's
+# leading-space tokens, WordPiece's ## pieces and character models alike).
+def _word_at(text: str, word: str, after: int = 0) -> int:
+    """Where `word` first occurs at or after `after` as a whole word; -1 if nowhere."""
+    found = re.compile(rf"(?<![^\W\d_]){re.escape(word)}(?![^\W\d_])").search(text, after)
+    return found.start() if found else -1
 
 
-def find_span(text: str, needle: str, spans, after: int = 0) -> list[int]:
-    """Indices of the tokens covering the first occurrence of needle at or after
-    character `after` (a whole word where there is one)."""
-    start = _find(text, needle, after)
-    if start < 0 and after and needle in text:
-        raise AttnlabError(f"{needle!r} occurs only before the word it should look at; the "
+def _words(text: str, limit: int = 30) -> str:
+    """The text's words, as the error line that names a missing one lists them."""
+    words = list(dict.fromkeys(re.findall(r"[^\W\d_]+", text)))
+    return " ".join(map(repr, words[:limit])) + (" ..." if len(words) > limit else "")
+
+
+def find_word(text: str, word: str, spans, after: int = 0) -> list[int]:
+    """Indices of the tokens that make up the first whole-word occurrence of `word` at
+    or after character `after` (several where the tokenizer splits it). A word found
+    only inside another, or inside a token holding more letters, is refused, as the
+    ranking would otherwise be of some other token than the one named."""
+    where = f"; the text's words are {_words(text)}"
+    start = _word_at(text, word, after)
+    if start < 0 and after and _word_at(text, word) >= 0:
+        raise AttnlabError(f"{word!r} occurs only before the word it should look at; the "
                            "causal mask lets a token look back only, so put --from after --to")
     if start < 0:
-        raise AttnlabError(f"{needle!r} does not occur in the text")
-    end = start + len(needle)
-    return [i for i, (a, b) in enumerate(spans) if a < end and b > start]
+        inside = " (only inside another word)" if word in text else ""
+        raise AttnlabError(f"{word!r} does not occur in the text as a whole word{inside}: "
+                           f"give --from and --to words of the text{where}")
+    end = start + len(word)
+    found = [i for i, (a, b) in enumerate(spans) if a < end and b > start]
+    a, b = spans[found[0]][0], spans[found[-1]][1]
+    if re.search(r"[^\W\d_]", text[a:start] + text[end:b]):
+        raise AttnlabError(f"{word!r} is part of the token(s) {text[a:b]!r}, which hold more "
+                           f"letters; give --from and --to words the tokenizer keeps apart{where}")
+    return found
 
 
 def search(maps, text: str, spans, source: str, target: str):
     """Rank every (layer, head) by how much the last token of `source` attends to the
-    tokens of `target` (the article's "it -> trophy"). `target` must come first."""
-    target_tokens = find_span(text, target, spans)
-    source_tokens = find_span(text, source, spans, after=_find(text, target, 0) + len(target))
+    tokens of `target` (the article's "it -> trophy"). `target` must come first; both
+    are whole words of the text (find_word)."""
+    target_tokens = find_word(text, target, spans)
+    source_tokens = find_word(text, source, spans, after=_word_at(text, target) + len(target))
     query = source_tokens[-1]
     ranking = []
     for layer, weights in enumerate(maps):

@@ -150,3 +150,47 @@ def test_stats_says_its_layers_and_heads_are_counted_from_0(tmp_path, capsys):
     note, header, *rows = capsys.readouterr().out.splitlines()
     assert "counted from 0" in note and "--layer/--head" in note
     assert header.split()[:2] == ["layer", "head"] and rows[0].split()[:2] == ["0", "0"]
+
+
+# -- words are whole words; every tool says the same about the context; numbering ---
+
+def test_search_refuses_a_word_found_only_inside_another():
+    from common.errors import AttnlabError
+    text = "The trophy didn't fit"
+    spans = [(i, i + 1) for i in range(len(text))]                 # one token per character
+    maps = [torch.zeros(1, len(text), len(text))]
+    with pytest.raises(AttnlabError, match=r"'it' does not occur in the text as a whole word "
+                       r"\(only inside another word\).*words are 'The' 'trophy' 'didn' 't' 'fit'"):
+        search(maps, text, spans, "it", "trophy")
+    # Where the whole word comes after a word holding it, the whole word is taken.
+    text = "The trophy didn't fit because it was big"
+    spans = [(i, i + 1) for i in range(len(text))]
+    _, query, targets = search([torch.zeros(1, len(text), len(text))], text, spans, "it", "trophy")
+    assert query == text.index(" it ") + 2 and targets == list(range(4, 10))
+
+
+def test_search_respects_leading_space_tokens_and_tokens_holding_more_letters():
+    from common.errors import AttnlabError
+    from attnlab.heads import find_word
+    text = "The king said she was tired"
+    words = text.split(" ")
+    spans, at = [], 0                       # GPT-2's way: a token carries the space before it
+    for i, w in enumerate(words):
+        start = at - (i > 0)
+        spans.append((start, at + len(w)))
+        at += len(w) + 1
+    assert find_word(text, "she", spans) == [3] and find_word(text, "The king", spans) == [0, 1]
+    with pytest.raises(AttnlabError, match="'he' does not occur in the text as a whole word"):
+        find_word(text, "he", spans)
+    merged = spans[:3] + [(spans[3][0], spans[4][1]), spans[5]]       # one token " she was"
+    with pytest.raises(AttnlabError, match="'she' is part of the token.*' she was'"):
+        find_word(text, "she", merged)
+
+
+def test_search_on_minilm_refuses_it_inside_fit(minilm):
+    from attnlab.heads import main
+    from common.errors import AttnlabError
+    with pytest.raises(AttnlabError, match="'it' does not occur in the text as a whole word"):
+        main(["search", "--run", str(minilm), "--text", "The trophy didn't fit",
+              "--from", "it", "--to", "trophy"])
+
