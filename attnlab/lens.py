@@ -25,7 +25,7 @@ from typing import Iterable
 
 import torch
 
-from attnlab.capture import installed, names, run_with_cache  # noqa: F401  (lens users read and edit)
+from attnlab.capture import check_context, installed, names, run_with_cache  # noqa: F401  (lens users read and edit)
 from attnlab.options import add_run_options, load, positive
 from attnlab.plotting import check_figure_out, figures_folder, out_path, save_layer_map
 from common.errors import AttnlabError
@@ -125,14 +125,18 @@ def patch(model, source: dict, names: Iterable[str], positions: Iterable[int] | 
 
 # -- the three studies, as the command line runs them ---------------------------------
 
-def token_ids(tokenizer, text: str, device, at_least: int = 1) -> torch.Tensor:
+def token_ids(model, tokenizer, text: str, at_least: int = 1, check: bool = True) -> torch.Tensor:
+    """The text's ids, (1, T), on the model's device. A text past the trained context
+    gets the same warning or refusal as the attention tools give (check_context)."""
     if not text:
         raise AttnlabError("give some text with --text")
     ids = tokenizer.encode(text)
     if len(ids) < at_least:
         raise AttnlabError(f"{text!r} is {len(ids)} token(s); this needs at least {at_least} "
                            "(each token is scored on predicting the next): give a longer --text")
-    return torch.tensor([ids], device=device)
+    if check:
+        check_context(model, len(ids))
+    return torch.tensor([ids], device=next(model.parameters()).device)
 
 
 @torch.no_grad()
@@ -194,7 +198,7 @@ def activation_patching(model, clean: torch.Tensor, corrupt: torch.Tensor):
 
 
 def show_logit_lens(args, model, tokenizer, show) -> None:
-    ids = token_ids(tokenizer, args.text, next(model.parameters()).device, at_least=2)
+    ids = token_ids(model, tokenizer, args.text, at_least=2)
     labels = [show(i) for i in ids[0]]
     top, p_next = logit_lens(model, ids)
     print("layer " + " ".join(f"{l:>8}" for l in labels))
@@ -209,7 +213,7 @@ def show_logit_lens(args, model, tokenizer, show) -> None:
 
 
 def show_ablation(args, model, tokenizer, show) -> None:
-    ids = token_ids(tokenizer, args.text, next(model.parameters()).device, at_least=2)
+    ids = token_ids(model, tokenizer, args.text, at_least=2)
     base, delta = head_ablation(model, ids)
     ranked = sorted(((delta[l, h].item(), l, h) for l in range(delta.shape[0])
                      for h in range(delta.shape[1])), reverse=True)
@@ -222,8 +226,10 @@ def show_ablation(args, model, tokenizer, show) -> None:
 
 
 def show_patching(args, model, tokenizer, show) -> None:
-    device = next(model.parameters()).device
-    clean, corrupt = token_ids(tokenizer, args.clean, device), token_ids(tokenizer, args.corrupt, device)
+    # Only the clean text is checked: the corrupt one must be as long (activation_patching
+    # says so), and one warning line is enough.
+    clean = token_ids(model, tokenizer, args.clean)
+    corrupt = token_ids(model, tokenizer, args.corrupt, check=False)
     answer, share = activation_patching(model, clean, corrupt)
     labels = [show(i) for i in clean[0]]
     print(f"answer (the clean run's top next token): {show(answer)!r}; share of its logit "

@@ -194,3 +194,36 @@ def test_search_on_minilm_refuses_it_inside_fit(minilm):
         main(["search", "--run", str(minilm), "--text", "The trophy didn't fit",
               "--from", "it", "--to", "trophy"])
 
+
+def _loaded(monkeypatch, module, model, tok, tmp_path):
+    monkeypatch.setattr(module, "load", lambda args: (model, None, tok, tmp_path))
+
+
+@pytest.mark.parametrize("position", ["rope", "learned"])
+def test_every_tool_warns_or_refuses_past_the_context_in_the_same_words(
+        position, monkeypatch, tmp_path, capsys):
+    from conftest import small_model
+
+    from attnlab import heads, lens
+    from common.errors import AttnlabError
+    text = "the trophy did not fit because it was big"               # 41 > 16 characters
+    tok = CharTokenizer(set(text))
+    model = small_model(vocab_size=tok.vocab_size, position=position)
+    for module in (heads, lens):
+        _loaded(monkeypatch, module, model, tok, tmp_path)
+    runs = [(heads.main, ["grid", "--text", text]), (heads.main, ["head", "--text", text]),
+            (heads.main, ["html", "--text", text]), (lens.main, ["logit", "--text", text]),
+            (lens.main, ["ablate", "--text", text]),
+            (lens.main, ["patch", "--clean", text, "--corrupt", text])]
+    for run, argv in runs:
+        capsys.readouterr()
+        if position == "learned":
+            with pytest.raises(AttnlabError, match=r"^the text is 41 tokens; this model reads at "
+                               r"most 16 \(its learned positions end there\)"):
+                run([*argv, "--run", "x", "--out", str(tmp_path)])
+            continue
+        run([*argv, "--run", "x", "--out", str(tmp_path)])
+        err = capsys.readouterr().err.splitlines()
+        assert err == ["warning: the text is 41 tokens, past the 16 this model was trained on; "
+                       "its rope positions go on, but it never saw such lengths"], argv
+
