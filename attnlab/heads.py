@@ -114,6 +114,11 @@ def head_stats(weights: torch.Tensor) -> dict:
             "next": following, "first": first, "label": label}
 
 
+# What every plot and table of layers and heads says about its numbering: the article
+# counts from 1, this project's options and plots from 0.
+FROM_0 = "layers and heads counted from 0, as --layer/--head take them"
+
+
 def _plot_one(ax, weights, tokens, title, labels=True):
     ax.imshow(weights.numpy(), cmap="viridis", vmin=0, vmax=1)
     ax.set_title(title, fontsize=8)
@@ -134,6 +139,7 @@ def save_grid(path, tokens, maps) -> Path:
         for head in range(H):
             _plot_one(axes[layer][head], maps[layer][head], tokens, f"layer {layer}, head {head}",
                       labels=len(tokens) <= 16)
+    fig.suptitle(FROM_0)
     fig.supxlabel("token looked at (key)")
     fig.supylabel("token looking (query)")
     return save_figure(fig, path, dpi=100)
@@ -142,7 +148,7 @@ def save_grid(path, tokens, maps) -> Path:
 def save_head(path, tokens, weights, layer, head) -> Path:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 7))
-    _plot_one(ax, weights, tokens, f"layer {layer}, head {head}")
+    _plot_one(ax, weights, tokens, f"layer {layer}, head {head} (from 0, as --layer/--head)")
     ax.set_xlabel("token looked at (key)")
     ax.set_ylabel("token looking (query)")
     return save_figure(fig, path, dpi=110)
@@ -252,8 +258,7 @@ def main(argv=None) -> int:
             print(f"  layer {layer + 1}, head {head + 1}: {args.source} → {args.target} = "
                   f"{weight:.2f}   (--layer {layer} --head {head}, weight {weight:.3f})")
     else:
-        print("layers and heads counted from 0, as --layer/--head take them (the article counts "
-              "from 1: add 1 to each)")
+        print(f"{FROM_0} (the article counts from 1: add 1 to each)")
         print(f"{'layer':>5} {'head':>4} {'entropy':>8} {'distance':>8} {'prev':>6} {'next':>6} "
               f"{'first':>6}  pattern")
         for layer, weights in enumerate(maps):

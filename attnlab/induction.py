@@ -123,7 +123,7 @@ def plot_heads(model, span: int, heads: dict[str, tuple[int, int]], path: Path,
     fig, axes = plt.subplots(1, len(heads), figsize=(4.2 * len(heads), 4))
     for ax, (title, (layer, head)) in zip(list(axes) if len(heads) > 1 else [axes], heads.items()):
         ax.imshow(maps[layer][0, head].float().cpu(), cmap="viridis", vmin=0, vmax=1)
-        ax.set_title(f"{title}\nlayer {layer}, head {head}", fontsize=10)
+        ax.set_title(f"{title}\nlayer {layer}, head {head} (from 0)", fontsize=10)
         ax.set_xlabel("key position (looked at)")
         ax.set_ylabel("query position (looking)")
     return save_figure(fig, path)

@@ -217,12 +217,14 @@ def show_ablation(args, model, tokenizer, show) -> None:
     base, delta = head_ablation(model, ids)
     ranked = sorted(((delta[l, h].item(), l, h) for l in range(delta.shape[0])
                      for h in range(delta.shape[1])), reverse=True)
-    print(f"loss of the text {base:.4f}; change when one head is zero-ablated, largest first:")
+    print(f"loss of the text {base:.4f}; change when one head is zero-ablated, largest first "
+          "(layers and heads counted from 0, as --layer/--head take them):")
     for change, layer, head in ranked[:args.top]:
         print(f"  layer {layer}, head {head}: {change:+.4f}")
     print(save_layer_map(out_path(args.out, "head_ablation.png"), delta,
                          [str(h) for h in range(delta.shape[1])],
-                         f"loss change when a head is zero-ablated (base {base:.3f})"))
+                         f"loss change when a head is zero-ablated (base {base:.3f}; "
+                         "layers and heads from 0)"))
 
 
 def show_patching(args, model, tokenizer, show) -> None:

@@ -227,3 +227,14 @@ def test_every_tool_warns_or_refuses_past_the_context_in_the_same_words(
         assert err == ["warning: the text is 41 tokens, past the 16 this model was trained on; "
                        "its rope positions go on, but it never saw such lengths"], argv
 
+
+def test_plot_titles_say_layers_and_heads_count_from_0(monkeypatch, tmp_path):
+    from attnlab import heads
+    figures = []
+    monkeypatch.setattr(heads, "save_figure", lambda fig, path, dpi: figures.append(fig) or path)
+    maps = [torch.rand(2, 3, 3)]
+    heads.save_head(tmp_path / "h.png", list("abc"), maps[0][1], 3, 1)
+    heads.save_grid(tmp_path / "g.png", list("abc"), maps)
+    head_fig, grid_fig = figures
+    assert head_fig.axes[0].get_title().startswith("layer 3, head 1 (from 0")
+    assert "counted from 0" in grid_fig._suptitle.get_text()
