@@ -238,3 +238,15 @@ def test_plot_titles_say_layers_and_heads_count_from_0(monkeypatch, tmp_path):
     head_fig, grid_fig = figures
     assert head_fig.axes[0].get_title().startswith("layer 3, head 1 (from 0")
     assert "counted from 0" in grid_fig._suptitle.get_text()
+
+
+def test_the_docs_quote_the_lens_refusal_as_it_is_printed(minilm):
+    from conftest import ROOT
+
+    from attnlab.heads import main
+    from common.errors import AttnlabError
+    with pytest.raises(AttnlabError) as refused:
+        main(["lens", "--run", str(minilm), "--text", ARTICLE])
+    quoted = [line.strip() for line in (ROOT / "docs" / "article_model.md").read_text().splitlines()
+              if "reads the model's token scores" in line]
+    assert quoted == [f"error: {refused.value}"]
