@@ -571,11 +571,17 @@ def _read_tokenizer(folder: Path, cfg: ModelConfig) -> Tokenizer:
         tokenizer = Tokenizer.parse(data.decode("utf-8"), path)
     except UnicodeDecodeError:
         raise TokenizerError(f"tokenizer file {path} is not UTF-8 text") from None
+    refuse_ids_past_vocab(tokenizer, cfg, path)
+    return tokenizer
+
+
+def refuse_ids_past_vocab(tokenizer: Tokenizer, cfg: ModelConfig, path: Path) -> None:
+    """A tokenizer whose ids reach past the embedding table would index out of range at
+    the first such token: refused here, with the file named, before a model is built."""
     if tokenizer.highest_id >= cfg.vocab_size:
         raise TokenizerError(f"{path} has token ids up to {tokenizer.highest_id:,} but "
                              f"config.json's vocab_size is {cfg.vocab_size:,}: the model has no "
                              "row for the ids past it (the tokenizer is not this model's)")
-    return tokenizer
 
 
 def load_hf_folder(folder: str | Path, device="cpu", dtype=torch.float32):

@@ -35,7 +35,7 @@ import torch
 from common.errors import CheckpointError, TokenizerError
 from data.tokenizer import WordPieceTokenizer
 from engine.interop import (ARCHITECTURES, Architecture, ExportError, WeightFiles, _common_refusals,
-                            _needs, _refuse_unless)
+                            _needs, _refuse_unless, refuse_ids_past_vocab)
 from engine.hf_files import (MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB,
                              MAX_WIDTH, TOKENIZER_LIMIT, Field, count, read_folder_bytes,
                              refuse_too_large)
@@ -321,13 +321,11 @@ def _load(family_name: str, arch: Architecture):
             data = read_folder_bytes(folder, "tokenizer.json", TOKENIZER_LIMIT)
             tokenizer = WordPieceTokenizer.from_json(data.decode("utf-8", errors="strict"),
                                                      folder / "tokenizer.json")
+            refuse_ids_past_vocab(tokenizer, cfg, folder / "tokenizer.json")
         except UnicodeDecodeError:
             raise CheckpointError(f"{folder}/tokenizer.json is not UTF-8 text") from None
         except TokenizerError as err:
             raise CheckpointError(str(err)) from None
-        if tokenizer.vocab_size > cfg.vocab_size:
-            raise CheckpointError(f"{folder}/tokenizer.json has {tokenizer.vocab_size} tokens but "
-                                  f"the model only {cfg.vocab_size}: they do not belong together")
         weights = _from_hf_weights(family, files.get, cfg)
         if tied and files.find(tied) and not torch.equal(files.get(tied).float(),
                                                          weights["wte.weight"].float()):

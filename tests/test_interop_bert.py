@@ -156,3 +156,16 @@ def test_a_bert_folder_with_integer_weights_is_refused_with_the_tensor_named(tmp
     from engine.interop import load_hf_folder
     with pytest.raises(CheckpointError, match=rf"not floating point: {name} \(I32\)"):
         load_hf_folder(tmp_path)
+
+
+def test_a_bert_tokenizer_with_ids_past_the_vocabulary_is_refused_with_its_path(tmp_path):
+    """An id past the embedding table would be an IndexError at the first such word."""
+    import json
+    _tiny("bert", tmp_path)
+    path = tmp_path / "tokenizer.json"
+    data = json.loads(path.read_text())
+    data["model"]["vocab"]["cat"] = 1_000_000_000
+    path.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=r"tokenizer.json has token ids up to 1,000,000,000 "
+                                              r"but config.json's vocab_size is 64"):
+        load_hf_folder(tmp_path)
