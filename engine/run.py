@@ -21,7 +21,7 @@ from engine.device import autocast, dtype_name, pick_device, pick_dtype, precisi
 from engine.distributed import Dist
 from engine.objectives import OBJECTIVES, draw_generator
 from engine.optim import Optimizers, configure_optimizer
-from data.tokenizer import Tokenizer
+from data.tokenizer import TOKENIZERS, Tokenizer
 from data.tokens import Batches, TokenData, load_tokens
 from model import GPT
 from model.readout import READOUTS, SHORTLIST_COVERAGE, shortlist_for
@@ -135,6 +135,12 @@ def adopt_source(cfg: RunConfig, model_overrides: dict[str, str],
     from engine.interop import describe_parent
     src = cfg.train.init_from
     model, source_cfg, tokenizer, _ = load_run(src, "best")
+    if tokenizer.kind not in TOKENIZERS:
+        # The data pipeline encodes a corpus with the tokenizers it can build (char, BPE);
+        # a BERT-family folder's WordPiece is read for the tools, not for training.
+        raise ConfigError(f"{src} is a BERT-family encoder with a {tokenizer.kind} tokenizer; "
+                          "train.py fine-tunes GPT-2/Llama-family folders and runs trained "
+                          "here, encoders included (see docs/interop.md)")
     wanted = replace(source_cfg.model)                 # a copy the overrides go into
     apply_to(wanted, "model", model_overrides, "the command line")
     conflicts = [f"model.{k}={getattr(wanted, k)!r} (the source has {getattr(source_cfg.model, k)!r})"

@@ -169,3 +169,16 @@ def test_a_bert_tokenizer_with_ids_past_the_vocabulary_is_refused_with_its_path(
     with pytest.raises(CheckpointError, match=r"tokenizer.json has token ids up to 1,000,000,000 "
                                               r"but config.json's vocab_size is 64"):
         load_hf_folder(tmp_path)
+
+
+def test_fine_tuning_a_bert_folder_is_refused_in_one_line_naming_it(tmp_path):
+    from conftest import run_script
+    _tiny("bert", tmp_path / "hf")
+    text = tmp_path / "new.txt"
+    text.write_text("the cat sat on the mat . " * 50)
+    proc = run_script("train.py", "--config", "finetune", f"--train.init_from={tmp_path / 'hf'}",
+                      f"--data.path={text}", "--train.max_iters=1", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line, = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert f"{tmp_path / 'hf'} is a BERT-family encoder with a wordpiece tokenizer" in line
+    assert "data.tokenizer" not in line
