@@ -35,12 +35,13 @@ import torch
 from common.errors import CheckpointError, TokenizerError
 from data.tokenizer import WordPieceTokenizer
 from engine.interop import (ARCHITECTURES, Architecture, ExportError, WeightFiles, _common_refusals,
-                            _needs, _refuse_unless, refuse_ids_past_vocab)
+                            _needs, _refuse_unless, _with_mlp_width,
+                            refuse_ids_past_vocab)
 from engine.hf_files import (MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB,
                              MAX_WIDTH, TOKENIZER_LIMIT, Field, count, read_folder_bytes,
                              refuse_too_large)
 from model import GPT, ModelConfig, ModelError
-from model.layers import BLOCKS
+from model.layers import BLOCKS, MLPS, block_weights
 from model.readout import READOUTS
 
 # The one LayerNorm epsilon DistilBERT uses everywhere (it is not in its config).
@@ -129,22 +130,14 @@ def _encoder(**kw) -> ModelConfig:
                        mlp="gelu", bias=True, attention="auto", dropout=0.0, **kw)
 
 
-def _check_width(inner: int, width: int, key: str) -> None:
-    if inner != 4 * width:
-        raise CheckpointError(f"config.json has {key}={inner}: attnlab's feed-forward layer is "
-                              f"4 x the width ({4 * width}) wide")
-
-
 def _bert_from_config(c: dict, offset: int = 0) -> ModelConfig:
     _refuse_unless(c, {"hidden_act": ("gelu",), "position_embedding_type": ("absolute",),
                        "is_decoder": (False,), "add_cross_attention": (False,)})
-    _check_width(c.get("intermediate_size", 4 * c["hidden_size"]), c["hidden_size"],
-                 "intermediate_size")
-    return _encoder(vocab_size=c["vocab_size"], n_layer=c["num_hidden_layers"],
+    return _with_mlp_width(_encoder(vocab_size=c["vocab_size"], n_layer=c["num_hidden_layers"],
                     n_head=c["num_attention_heads"], n_embd=c["hidden_size"],
                     block_size=c["max_position_embeddings"] - offset, position_offset=offset,
                     n_token_types=c.get("type_vocab_size", 2), norm_eps=c.get("layer_norm_eps", 1e-12),
-                    tie_embeddings=c.get("tie_word_embeddings", True))
+                    tie_embeddings=c.get("tie_word_embeddings", True)), c.get("intermediate_size"))
 
 
 def _roberta_from_config(c: dict) -> ModelConfig:
@@ -155,16 +148,16 @@ def _roberta_from_config(c: dict) -> ModelConfig:
 
 def _distilbert_from_config(c: dict) -> ModelConfig:
     _refuse_unless(c, {"activation": ("gelu",), "sinusoidal_pos_embds": (False,)})
-    _check_width(c.get("hidden_dim", 4 * c["dim"]), c["dim"], "hidden_dim")
-    return _encoder(vocab_size=c["vocab_size"], n_layer=c["n_layers"], n_head=c["n_heads"],
-                    n_embd=c["dim"], block_size=c["max_position_embeddings"],
-                    norm_eps=DISTILBERT_EPS, tie_embeddings=c.get("tie_word_embeddings", True))
+    return _with_mlp_width(_encoder(
+        vocab_size=c["vocab_size"], n_layer=c["n_layers"], n_head=c["n_heads"], n_embd=c["dim"],
+        block_size=c["max_position_embeddings"], norm_eps=DISTILBERT_EPS,
+        tie_embeddings=c.get("tie_word_embeddings", True)), c.get("hidden_dim"))
 
 
 def _bert_to_config(cfg: ModelConfig) -> dict:
     return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd,
             "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
-            "intermediate_size": 4 * cfg.n_embd, "hidden_act": "gelu",
+            "intermediate_size": MLPS[cfg.mlp].width(cfg), "hidden_act": "gelu",
             "max_position_embeddings": cfg.block_size + cfg.position_offset,
             # No token types here: one all-zero type row, which adds nothing.
             "type_vocab_size": max(cfg.n_token_types, 1), "layer_norm_eps": cfg.norm_eps,
@@ -178,7 +171,7 @@ def _roberta_to_config(cfg: ModelConfig) -> dict:
 
 def _distilbert_to_config(cfg: ModelConfig) -> dict:
     return {"vocab_size": cfg.vocab_size, "dim": cfg.n_embd, "n_layers": cfg.n_layer,
-            "n_heads": cfg.n_head, "hidden_dim": 4 * cfg.n_embd, "activation": "gelu",
+            "n_heads": cfg.n_head, "hidden_dim": MLPS[cfg.mlp].width(cfg), "activation": "gelu",
             "max_position_embeddings": cfg.block_size, "sinusoidal_pos_embds": False,
             "dropout": 0.0, "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings}
 
@@ -294,7 +287,7 @@ def _load(family_name: str, arch: Architecture):
         try:
             cfg = arch.from_hf_config(config)
             # The size the config describes, refused before anything is read or built.
-            refuse_too_large(cfg.n_layer * 12 * cfg.n_embd ** 2 + cfg.block_size * cfg.n_embd
+            refuse_too_large(cfg.n_layer * block_weights(cfg) + cfg.block_size * cfg.n_embd
                              + 2 * cfg.vocab_size * cfg.n_embd, config_path,
                              available_bytes(torch.device("cpu")))
             GPT.skeleton(cfg)                 # every size and variant checked, no memory

@@ -70,7 +70,7 @@ def test_minilm_import_export_import_is_bit_identical(minilm, tmp_path):
 
 # -- tiny random masked LMs saved by save_pretrained ---------------------------------
 
-def _tiny(kind, folder):
+def _tiny(kind, folder, inner=128):
     import transformers as T
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat",
@@ -86,13 +86,13 @@ def _tiny(kind, folder):
     torch.manual_seed(0)
     sizes = dict(vocab_size=64, max_position_embeddings=40)
     if kind == "distilbert":
-        config = T.DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=128, **sizes)
+        config = T.DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=inner, **sizes)
         model = T.DistilBertForMaskedLM(config)
     else:
         Config, Model = {"bert": (T.BertConfig, T.BertForMaskedLM),
                          "roberta": (T.RobertaConfig, T.RobertaForMaskedLM)}[kind]
         config = Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128, pad_token_id=0, **sizes)   # [PAD] is 0
+                        intermediate_size=inner, pad_token_id=0, **sizes)   # [PAD] is 0
         model = Model(config)
     with torch.no_grad():       # every weight away from its initial value, LayerNorms included
         for p in model.parameters():
@@ -182,3 +182,23 @@ def test_fine_tuning_a_bert_folder_is_refused_in_one_line_naming_it(tmp_path):
     line, = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
     assert f"{tmp_path / 'hf'} is a BERT-family encoder with a wordpiece tokenizer" in line
     assert "data.tokenizer" not in line
+
+
+@pytest.mark.parametrize("kind", ["bert", "distilbert"])
+def test_a_feed_forward_width_other_than_4x_maps_to_mlp_hidden(kind, tmp_path):
+    """A BERT-family folder with a 48-wide feed-forward layer (not 4 x 32): equal
+    outputs, and an export transformers reads back with the same width."""
+    import json
+    theirs = _tiny(kind, tmp_path / "hf", inner=48)
+    model, cfg, tokenizer = load_hf_folder(tmp_path / "hf")
+    assert cfg.mlp_hidden == 48
+    ids = torch.tensor([tokenizer.encode("the cat sat on the mat .")])
+    with torch.no_grad():
+        expected = theirs(input_ids=ids).logits
+        torch.testing.assert_close(model(ids).logits, expected, atol=1e-5, rtol=0)
+    export(model, cfg, tokenizer, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["intermediate_size" if kind == "bert" else "hidden_dim"] == 48
+    reread = type(theirs).from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reread(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
