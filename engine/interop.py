@@ -542,11 +542,14 @@ def open_hf_folder(folder: str | Path) -> HFFolder:
     checked_config(config, arch.schema, config_path)
     try:
         cfg = arch.from_hf_config(config)
-        # The size of what the config describes, before anything is built: blocks,
-        # embeddings (and an untied output layer), positions.
-        refuse_too_large(cfg.n_layer * block_weights(cfg) + cfg.block_size * cfg.n_embd
-                         + (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.n_embd,
-                         config_path, available_bytes(torch.device("cpu")))
+    except (ModelError, CheckpointError) as err:
+        raise CheckpointError(f"{config_path}: {err}") from None
+    # The size of what the config describes, before anything is built: blocks,
+    # embeddings (and an untied output layer), positions. Its message names the file.
+    refuse_too_large(cfg.n_layer * block_weights(cfg) + cfg.block_size * cfg.n_embd
+                     + (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.n_embd,
+                     config_path, available_bytes(torch.device("cpu")))
+    try:
         expected = {name: tuple(t.shape)          # shapes only: no memory, no values
                     for name, t in arch.to_hf_weights(GPT.skeleton(cfg).state_dict(), cfg).items()}
     except (ModelError, CheckpointError) as err:

@@ -286,10 +286,14 @@ def _load(family_name: str, arch: Architecture):
         config_path = folder / "config.json"
         try:
             cfg = arch.from_hf_config(config)
-            # The size the config describes, refused before anything is read or built.
-            refuse_too_large(cfg.n_layer * block_weights(cfg) + cfg.block_size * cfg.n_embd
-                             + 2 * cfg.vocab_size * cfg.n_embd, config_path,
-                             available_bytes(torch.device("cpu")))
+        except (KeyError, TypeError, ValueError, ModelError, CheckpointError) as err:
+            raise CheckpointError(f"{config_path}: {err}") from None
+        # The size the config describes, refused before anything is read or built (its
+        # message names the file).
+        refuse_too_large(cfg.n_layer * block_weights(cfg) + cfg.block_size * cfg.n_embd
+                         + 2 * cfg.vocab_size * cfg.n_embd, config_path,
+                         available_bytes(torch.device("cpu")))
+        try:
             GPT.skeleton(cfg)                 # every size and variant checked, no memory
         except (KeyError, TypeError, ValueError, ModelError, CheckpointError) as err:
             raise CheckpointError(f"{config_path}: {err}") from None
