@@ -109,7 +109,8 @@ _BERT_SCHEMA = {
     "type_vocab_size": count(MAX_TOKEN_TYPES, low=0, required=False),
     "layer_norm_eps": Field(float, 0.0, 1.0), "position_embedding_type": Field(str),
     "is_decoder": Field(bool), "add_cross_attention": Field(bool),
-    "tie_word_embeddings": Field(bool),
+    "tie_word_embeddings": Field(bool), "hidden_dropout_prob": Field(float, 0.0, 1.0),
+    "attention_probs_dropout_prob": Field(float, 0.0, 1.0),
 }
 _ROBERTA_SCHEMA = {**_BERT_SCHEMA, "pad_token_id": count(MAX_POSITIONS, low=0, required=False)}
 _DISTILBERT_SCHEMA = {
@@ -117,6 +118,7 @@ _DISTILBERT_SCHEMA = {
     "n_heads": count(MAX_HEADS), "hidden_dim": count(4 * MAX_WIDTH, required=False, null=True),
     "activation": Field(str), "max_position_embeddings": count(MAX_POSITIONS),
     "sinusoidal_pos_embds": Field(bool), "tie_word_embeddings": Field(bool),
+    "dropout": Field(float, 0.0, 1.0), "attention_dropout": Field(float, 0.0, 1.0),
 }
 # What a BERT-family file may hold that the model does not read: the position-id
 # buffer, BertModel's pooler, the next-sentence head of BertForPreTraining, and the
@@ -127,7 +129,15 @@ _IGNORED = (r"(^|\.)embeddings\.(position_ids|token_type_ids)$", r"(^|\.)pooler\
 def _encoder(**kw) -> ModelConfig:
     """The variants every BERT-family model is made of, and its sizes."""
     return ModelConfig(causal=False, block="postnorm", position="learned", norm="layernorm",
-                       mlp="gelu", bias=True, attention="auto", dropout=0.0, **kw)
+                       mlp="gelu", bias=True, attention="auto", **kw)
+
+
+def _dropout(c: dict, hidden: str, attention: str) -> float:
+    """The config's dropout, kept so an export says what the source said: attnlab has
+    one model.dropout for both of the config's, so it is kept when they are equal (it
+    changes nothing in eval mode)."""
+    p = c.get(hidden, 0.0)
+    return float(p) if c.get(attention, p) == p else 0.0
 
 
 def _bert_from_config(c: dict, offset: int = 0) -> ModelConfig:
@@ -137,6 +147,7 @@ def _bert_from_config(c: dict, offset: int = 0) -> ModelConfig:
                     n_head=c["num_attention_heads"], n_embd=c["hidden_size"],
                     block_size=c["max_position_embeddings"] - offset, position_offset=offset,
                     n_token_types=c.get("type_vocab_size", 2), norm_eps=c.get("layer_norm_eps", 1e-12),
+                    dropout=_dropout(c, "hidden_dropout_prob", "attention_probs_dropout_prob"),
                     tie_embeddings=c.get("tie_word_embeddings", True)), c.get("intermediate_size"))
 
 
@@ -151,6 +162,7 @@ def _distilbert_from_config(c: dict) -> ModelConfig:
     return _with_mlp_width(_encoder(
         vocab_size=c["vocab_size"], n_layer=c["n_layers"], n_head=c["n_heads"], n_embd=c["dim"],
         block_size=c["max_position_embeddings"], norm_eps=DISTILBERT_EPS,
+        dropout=_dropout(c, "dropout", "attention_dropout"),
         tie_embeddings=c.get("tie_word_embeddings", True)), c.get("hidden_dim"))
 
 
@@ -161,8 +173,8 @@ def _bert_to_config(cfg: ModelConfig) -> dict:
             "max_position_embeddings": cfg.block_size + cfg.position_offset,
             # No token types here: one all-zero type row, which adds nothing.
             "type_vocab_size": max(cfg.n_token_types, 1), "layer_norm_eps": cfg.norm_eps,
-            "position_embedding_type": "absolute", "hidden_dropout_prob": 0.0,
-            "attention_probs_dropout_prob": 0.0, "tie_word_embeddings": cfg.tie_embeddings}
+            "position_embedding_type": "absolute", "hidden_dropout_prob": cfg.dropout,
+            "attention_probs_dropout_prob": cfg.dropout, "tie_word_embeddings": cfg.tie_embeddings}
 
 
 def _roberta_to_config(cfg: ModelConfig) -> dict:
@@ -173,7 +185,7 @@ def _distilbert_to_config(cfg: ModelConfig) -> dict:
     return {"vocab_size": cfg.vocab_size, "dim": cfg.n_embd, "n_layers": cfg.n_layer,
             "n_heads": cfg.n_head, "hidden_dim": MLPS[cfg.mlp].width(cfg), "activation": "gelu",
             "max_position_embeddings": cfg.block_size, "sinusoidal_pos_embds": False,
-            "dropout": 0.0, "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings}
+            "dropout": cfg.dropout, "attention_dropout": cfg.dropout, "tie_word_embeddings": cfg.tie_embeddings}
 
 
 def _encoder_refusals(cfg: ModelConfig) -> list[str]:
@@ -345,14 +357,15 @@ _SPECIAL = {"cls_token": ("[CLS]", "<s>"), "sep_token": ("[SEP]", "</s>"),
             "unk_token": ("[UNK]", "<unk>")}
 
 
-def _hf_tokenizer(tokenizer):
+def _hf_tokenizer(tokenizer, max_length: int):
     from tokenizers import Tokenizer as Backend
     from transformers import PreTrainedTokenizerFast
     backend = Backend.from_str(tokenizer.to_json())
     special = {role: next(n for n in names if backend.token_to_id(n) is not None)
                for role, names in _SPECIAL.items()
                if any(backend.token_to_id(n) is not None for n in names)}
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **special)
+    # The longest input the model reads, as the source's tokenizer_config.json says it.
+    return PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=max_length, **special)
 
 
 def _write(family_name: str, arch: Architecture):
@@ -377,7 +390,7 @@ def _write(family_name: str, arch: Architecture):
                 arch.model_type, **arch.to_hf_config(cfg), architectures=[hf_class],
                 torch_dtype="float32").save_pretrained(tmp)
             save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-            _hf_tokenizer(tokenizer).save_pretrained(tmp)
+            _hf_tokenizer(tokenizer, cfg.block_size).save_pretrained(tmp)
             if out.exists():
                 out.rmdir()
             os.replace(tmp, out)

@@ -66,6 +66,14 @@ def test_minilm_import_export_import_is_bit_identical(minilm, tmp_path):
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert tokenizer2.encode(ARTICLE) == tokenizer.encode(ARTICLE)
+    # What the source said and the weights do not carry is written back as it was.
+    import json
+    source, out = (json.loads((d / "config.json").read_text()) for d in (minilm, tmp_path / "out"))
+    for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings"):
+        assert out[key] == source[key], key
+    limits = [json.loads((d / "tokenizer_config.json").read_text())["model_max_length"]
+              for d in (minilm, tmp_path / "out")]
+    assert limits == [512, 512]
 
 
 # -- tiny random masked LMs saved by save_pretrained ---------------------------------
