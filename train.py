@@ -80,7 +80,8 @@ def main(argv: list[str]) -> int:
             if args.budget is not None:
                 raise ConfigError("--budget picks a model size, and --train.init_from brings "
                                   "its own model; use one or the other")
-            source = adopt_source(cfg, overrides_of(args).get("model", {}))
+            source = adopt_source(cfg, overrides_of(args).get("model", {}),
+                                  overrides_of(args).get("train", {}))
         if args.budget is not None:
             from engine.budget import parse_duration, plan
             cfg = plan(cfg, parse_duration(args.budget), started)

@@ -96,7 +96,10 @@ def overrides_of(args: argparse.Namespace) -> dict[str, dict[str, str]]:
 def apply_overrides(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
     for section, values in overrides_of(args).items():
         config.apply(cfg, section, values, "the command line")
-    cfg.validate()
+    # With train.init_from the model, and with it what the objective may be, comes from
+    # the source: the whole config is checked once it is read (engine/run.adopt_source).
+    if not cfg.train.init_from:
+        cfg.validate()
     return cfg
 
 

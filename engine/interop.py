@@ -542,11 +542,14 @@ def open_hf_folder(folder: str | Path) -> HFFolder:
     checked_config(config, arch.schema, config_path)
     try:
         cfg = arch.from_hf_config(config)
-        # The size of what the config describes, before anything is built: blocks,
-        # embeddings (and an untied output layer), positions.
-        refuse_too_large(cfg.n_layer * block_weights(cfg) + cfg.block_size * cfg.n_embd
-                         + (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.n_embd,
-                         config_path, available_bytes(torch.device("cpu")))
+    except (ModelError, CheckpointError) as err:
+        raise CheckpointError(f"{config_path}: {err}") from None
+    # The size of what the config describes, before anything is built: blocks,
+    # embeddings (and an untied output layer), positions. Its message names the file.
+    refuse_too_large(cfg.n_layer * block_weights(cfg) + cfg.block_size * cfg.n_embd
+                     + (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.n_embd,
+                     config_path, available_bytes(torch.device("cpu")))
+    try:
         expected = {name: tuple(t.shape)          # shapes only: no memory, no values
                     for name, t in arch.to_hf_weights(GPT.skeleton(cfg).state_dict(), cfg).items()}
     except (ModelError, CheckpointError) as err:
@@ -571,11 +574,17 @@ def _read_tokenizer(folder: Path, cfg: ModelConfig) -> Tokenizer:
         tokenizer = Tokenizer.parse(data.decode("utf-8"), path)
     except UnicodeDecodeError:
         raise TokenizerError(f"tokenizer file {path} is not UTF-8 text") from None
+    refuse_ids_past_vocab(tokenizer, cfg, path)
+    return tokenizer
+
+
+def refuse_ids_past_vocab(tokenizer: Tokenizer, cfg: ModelConfig, path: Path) -> None:
+    """A tokenizer whose ids reach past the embedding table would index out of range at
+    the first such token: refused here, with the file named, before a model is built."""
     if tokenizer.highest_id >= cfg.vocab_size:
         raise TokenizerError(f"{path} has token ids up to {tokenizer.highest_id:,} but "
                              f"config.json's vocab_size is {cfg.vocab_size:,}: the model has no "
                              "row for the ids past it (the tokenizer is not this model's)")
-    return tokenizer
 
 
 def load_hf_folder(folder: str | Path, device="cpu", dtype=torch.float32):

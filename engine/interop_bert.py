@@ -35,12 +35,13 @@ import torch
 from common.errors import CheckpointError, TokenizerError
 from data.tokenizer import WordPieceTokenizer
 from engine.interop import (ARCHITECTURES, Architecture, ExportError, WeightFiles, _common_refusals,
-                            _needs, _refuse_unless)
+                            _needs, _refuse_unless, _with_mlp_width,
+                            refuse_ids_past_vocab)
 from engine.hf_files import (MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB,
                              MAX_WIDTH, TOKENIZER_LIMIT, Field, count, read_folder_bytes,
                              refuse_too_large)
 from model import GPT, ModelConfig, ModelError
-from model.layers import BLOCKS
+from model.layers import BLOCKS, MLPS, block_weights
 from model.readout import READOUTS
 
 # The one LayerNorm epsilon DistilBERT uses everywhere (it is not in its config).
@@ -108,7 +109,8 @@ _BERT_SCHEMA = {
     "type_vocab_size": count(MAX_TOKEN_TYPES, low=0, required=False),
     "layer_norm_eps": Field(float, 0.0, 1.0), "position_embedding_type": Field(str),
     "is_decoder": Field(bool), "add_cross_attention": Field(bool),
-    "tie_word_embeddings": Field(bool),
+    "tie_word_embeddings": Field(bool), "hidden_dropout_prob": Field(float, 0.0, 1.0),
+    "attention_probs_dropout_prob": Field(float, 0.0, 1.0),
 }
 _ROBERTA_SCHEMA = {**_BERT_SCHEMA, "pad_token_id": count(MAX_POSITIONS, low=0, required=False)}
 _DISTILBERT_SCHEMA = {
@@ -116,6 +118,7 @@ _DISTILBERT_SCHEMA = {
     "n_heads": count(MAX_HEADS), "hidden_dim": count(4 * MAX_WIDTH, required=False, null=True),
     "activation": Field(str), "max_position_embeddings": count(MAX_POSITIONS),
     "sinusoidal_pos_embds": Field(bool), "tie_word_embeddings": Field(bool),
+    "dropout": Field(float, 0.0, 1.0), "attention_dropout": Field(float, 0.0, 1.0),
 }
 # What a BERT-family file may hold that the model does not read: the position-id
 # buffer, BertModel's pooler, the next-sentence head of BertForPreTraining, and the
@@ -126,25 +129,26 @@ _IGNORED = (r"(^|\.)embeddings\.(position_ids|token_type_ids)$", r"(^|\.)pooler\
 def _encoder(**kw) -> ModelConfig:
     """The variants every BERT-family model is made of, and its sizes."""
     return ModelConfig(causal=False, block="postnorm", position="learned", norm="layernorm",
-                       mlp="gelu", bias=True, attention="auto", dropout=0.0, **kw)
+                       mlp="gelu", bias=True, attention="auto", **kw)
 
 
-def _check_width(inner: int, width: int, key: str) -> None:
-    if inner != 4 * width:
-        raise CheckpointError(f"config.json has {key}={inner}: attnlab's feed-forward layer is "
-                              f"4 x the width ({4 * width}) wide")
+def _dropout(c: dict, hidden: str, attention: str) -> float:
+    """The config's dropout, kept so an export says what the source said: attnlab has
+    one model.dropout for both of the config's, so it is kept when they are equal (it
+    changes nothing in eval mode)."""
+    p = c.get(hidden, 0.0)
+    return float(p) if c.get(attention, p) == p else 0.0
 
 
 def _bert_from_config(c: dict, offset: int = 0) -> ModelConfig:
     _refuse_unless(c, {"hidden_act": ("gelu",), "position_embedding_type": ("absolute",),
                        "is_decoder": (False,), "add_cross_attention": (False,)})
-    _check_width(c.get("intermediate_size", 4 * c["hidden_size"]), c["hidden_size"],
-                 "intermediate_size")
-    return _encoder(vocab_size=c["vocab_size"], n_layer=c["num_hidden_layers"],
+    return _with_mlp_width(_encoder(vocab_size=c["vocab_size"], n_layer=c["num_hidden_layers"],
                     n_head=c["num_attention_heads"], n_embd=c["hidden_size"],
                     block_size=c["max_position_embeddings"] - offset, position_offset=offset,
                     n_token_types=c.get("type_vocab_size", 2), norm_eps=c.get("layer_norm_eps", 1e-12),
-                    tie_embeddings=c.get("tie_word_embeddings", True))
+                    dropout=_dropout(c, "hidden_dropout_prob", "attention_probs_dropout_prob"),
+                    tie_embeddings=c.get("tie_word_embeddings", True)), c.get("intermediate_size"))
 
 
 def _roberta_from_config(c: dict) -> ModelConfig:
@@ -155,21 +159,22 @@ def _roberta_from_config(c: dict) -> ModelConfig:
 
 def _distilbert_from_config(c: dict) -> ModelConfig:
     _refuse_unless(c, {"activation": ("gelu",), "sinusoidal_pos_embds": (False,)})
-    _check_width(c.get("hidden_dim", 4 * c["dim"]), c["dim"], "hidden_dim")
-    return _encoder(vocab_size=c["vocab_size"], n_layer=c["n_layers"], n_head=c["n_heads"],
-                    n_embd=c["dim"], block_size=c["max_position_embeddings"],
-                    norm_eps=DISTILBERT_EPS, tie_embeddings=c.get("tie_word_embeddings", True))
+    return _with_mlp_width(_encoder(
+        vocab_size=c["vocab_size"], n_layer=c["n_layers"], n_head=c["n_heads"], n_embd=c["dim"],
+        block_size=c["max_position_embeddings"], norm_eps=DISTILBERT_EPS,
+        dropout=_dropout(c, "dropout", "attention_dropout"),
+        tie_embeddings=c.get("tie_word_embeddings", True)), c.get("hidden_dim"))
 
 
 def _bert_to_config(cfg: ModelConfig) -> dict:
     return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd,
             "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
-            "intermediate_size": 4 * cfg.n_embd, "hidden_act": "gelu",
+            "intermediate_size": MLPS[cfg.mlp].width(cfg), "hidden_act": "gelu",
             "max_position_embeddings": cfg.block_size + cfg.position_offset,
             # No token types here: one all-zero type row, which adds nothing.
             "type_vocab_size": max(cfg.n_token_types, 1), "layer_norm_eps": cfg.norm_eps,
-            "position_embedding_type": "absolute", "hidden_dropout_prob": 0.0,
-            "attention_probs_dropout_prob": 0.0, "tie_word_embeddings": cfg.tie_embeddings}
+            "position_embedding_type": "absolute", "hidden_dropout_prob": cfg.dropout,
+            "attention_probs_dropout_prob": cfg.dropout, "tie_word_embeddings": cfg.tie_embeddings}
 
 
 def _roberta_to_config(cfg: ModelConfig) -> dict:
@@ -178,9 +183,9 @@ def _roberta_to_config(cfg: ModelConfig) -> dict:
 
 def _distilbert_to_config(cfg: ModelConfig) -> dict:
     return {"vocab_size": cfg.vocab_size, "dim": cfg.n_embd, "n_layers": cfg.n_layer,
-            "n_heads": cfg.n_head, "hidden_dim": 4 * cfg.n_embd, "activation": "gelu",
+            "n_heads": cfg.n_head, "hidden_dim": MLPS[cfg.mlp].width(cfg), "activation": "gelu",
             "max_position_embeddings": cfg.block_size, "sinusoidal_pos_embds": False,
-            "dropout": 0.0, "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings}
+            "dropout": cfg.dropout, "attention_dropout": cfg.dropout, "tie_word_embeddings": cfg.tie_embeddings}
 
 
 def _encoder_refusals(cfg: ModelConfig) -> list[str]:
@@ -293,10 +298,14 @@ def _load(family_name: str, arch: Architecture):
         config_path = folder / "config.json"
         try:
             cfg = arch.from_hf_config(config)
-            # The size the config describes, refused before anything is read or built.
-            refuse_too_large(cfg.n_layer * 12 * cfg.n_embd ** 2 + cfg.block_size * cfg.n_embd
-                             + 2 * cfg.vocab_size * cfg.n_embd, config_path,
-                             available_bytes(torch.device("cpu")))
+        except (KeyError, TypeError, ValueError, ModelError, CheckpointError) as err:
+            raise CheckpointError(f"{config_path}: {err}") from None
+        # The size the config describes, refused before anything is read or built (its
+        # message names the file).
+        refuse_too_large(cfg.n_layer * block_weights(cfg) + cfg.block_size * cfg.n_embd
+                         + 2 * cfg.vocab_size * cfg.n_embd, config_path,
+                         available_bytes(torch.device("cpu")))
+        try:
             GPT.skeleton(cfg)                 # every size and variant checked, no memory
         except (KeyError, TypeError, ValueError, ModelError, CheckpointError) as err:
             raise CheckpointError(f"{config_path}: {err}") from None
@@ -321,13 +330,11 @@ def _load(family_name: str, arch: Architecture):
             data = read_folder_bytes(folder, "tokenizer.json", TOKENIZER_LIMIT)
             tokenizer = WordPieceTokenizer.from_json(data.decode("utf-8", errors="strict"),
                                                      folder / "tokenizer.json")
+            refuse_ids_past_vocab(tokenizer, cfg, folder / "tokenizer.json")
         except UnicodeDecodeError:
             raise CheckpointError(f"{folder}/tokenizer.json is not UTF-8 text") from None
         except TokenizerError as err:
             raise CheckpointError(str(err)) from None
-        if tokenizer.vocab_size > cfg.vocab_size:
-            raise CheckpointError(f"{folder}/tokenizer.json has {tokenizer.vocab_size} tokens but "
-                                  f"the model only {cfg.vocab_size}: they do not belong together")
         weights = _from_hf_weights(family, files.get, cfg)
         if tied and files.find(tied) and not torch.equal(files.get(tied).float(),
                                                          weights["wte.weight"].float()):
@@ -350,14 +357,15 @@ _SPECIAL = {"cls_token": ("[CLS]", "<s>"), "sep_token": ("[SEP]", "</s>"),
             "unk_token": ("[UNK]", "<unk>")}
 
 
-def _hf_tokenizer(tokenizer):
+def _hf_tokenizer(tokenizer, max_length: int):
     from tokenizers import Tokenizer as Backend
     from transformers import PreTrainedTokenizerFast
     backend = Backend.from_str(tokenizer.to_json())
     special = {role: next(n for n in names if backend.token_to_id(n) is not None)
                for role, names in _SPECIAL.items()
                if any(backend.token_to_id(n) is not None for n in names)}
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **special)
+    # The longest input the model reads, as the source's tokenizer_config.json says it.
+    return PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=max_length, **special)
 
 
 def _write(family_name: str, arch: Architecture):
@@ -382,7 +390,7 @@ def _write(family_name: str, arch: Architecture):
                 arch.model_type, **arch.to_hf_config(cfg), architectures=[hf_class],
                 torch_dtype="float32").save_pretrained(tmp)
             save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-            _hf_tokenizer(tokenizer).save_pretrained(tmp)
+            _hf_tokenizer(tokenizer, cfg.block_size).save_pretrained(tmp)
             if out.exists():
                 out.rmdir()
             os.replace(tmp, out)

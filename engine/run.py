@@ -21,13 +21,14 @@ from engine.device import autocast, dtype_name, pick_device, pick_dtype, precisi
 from engine.distributed import Dist
 from engine.objectives import OBJECTIVES, draw_generator
 from engine.optim import Optimizers, configure_optimizer
-from data.tokenizer import Tokenizer
+from data.tokenizer import TOKENIZERS, Tokenizer
 from data.tokens import Batches, TokenData, load_tokens
 from model import GPT
 from model.readout import READOUTS, SHORTLIST_COVERAGE, shortlist_for
 
-# Model fields a fine-tuning run may change: the same weights compute the same function.
-SWAPPABLE_MODEL_FIELDS = ("attention", "dropout")
+# Model fields a fine-tuning run may change: the same weights fit (causal only changes
+# which positions a query sees).
+SWAPPABLE_MODEL_FIELDS = ("attention", "dropout", "causal")
 
 # Training options a resume cannot change, and why: a new value would be recorded and
 # never used. Every other one (rates, betas, weight decay, the schedule, max_iters, ...)
@@ -124,13 +125,22 @@ class Pretrained:
     tokenizer: Tokenizer
 
 
-def adopt_source(cfg: RunConfig, model_overrides: dict[str, str]) -> Pretrained:
+def adopt_source(cfg: RunConfig, model_overrides: dict[str, str],
+                 train_overrides: dict[str, str] | None = None) -> Pretrained:
     """Load train.init_from and make cfg's model its model: the architecture comes from
-    the source, and a command-line override that would change it is refused. The run
-    records its parent (path and a hash of its weights)."""
+    the source, and a command-line override that would change it is refused. An encoder
+    (model.causal=false) keeps its bidirectional objective unless the command line names
+    one. The run records its parent (path and a hash of its weights)."""
     from engine.inference import load_run
     from engine.interop import describe_parent
-    model, source_cfg, tokenizer, _ = load_run(cfg.train.init_from, "best")
+    src = cfg.train.init_from
+    model, source_cfg, tokenizer, _ = load_run(src, "best")
+    if tokenizer.kind not in TOKENIZERS:
+        # The data pipeline encodes a corpus with the tokenizers it can build (char, BPE);
+        # a BERT-family folder's WordPiece is read for the tools, not for training.
+        raise ConfigError(f"{src} is a BERT-family encoder with a {tokenizer.kind} tokenizer; "
+                          "train.py fine-tunes GPT-2/Llama-family folders and runs trained "
+                          "here, encoders included (see docs/interop.md)")
     wanted = replace(source_cfg.model)                 # a copy the overrides go into
     apply_to(wanted, "model", model_overrides, "the command line")
     conflicts = [f"model.{k}={getattr(wanted, k)!r} (the source has {getattr(source_cfg.model, k)!r})"
@@ -141,6 +151,18 @@ def adopt_source(cfg: RunConfig, model_overrides: dict[str, str]) -> Pretrained:
                           f"overrides would change it: {'; '.join(conflicts)}; drop them (only "
                           f"{', '.join(SWAPPABLE_MODEL_FIELDS)} may change), or train a new model")
     cfg.model = wanted
+    if "objective" not in (train_overrides or {}) and not wanted.causal:
+        # The preset's next-token objective would let every position see the token it
+        # is asked for; an encoder goes on with what it was trained on (a folder: the
+        # bidirectional objective, the only one its head fits).
+        own = source_cfg.train.objective
+        cfg.train.objective = own if OBJECTIVES[own].bidirectional else next(
+            name for name, o in OBJECTIVES.items() if o.bidirectional)
+    if not OBJECTIVES[cfg.train.objective].bidirectional and not wanted.causal:
+        raise ConfigError(f"{src} is an encoder (model.causal=false), and "
+                          f"train.objective={cfg.train.objective} would let every position see "
+                          "the token it is asked to predict; drop --train.objective (the "
+                          "encoder's own is kept) or add --model.causal=true")
     cfg.data.tokenizer = tokenizer.kind
     cfg.parent = describe_parent(cfg.train.init_from, model)
     cfg.validate()

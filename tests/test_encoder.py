@@ -264,3 +264,42 @@ def test_fill_past_the_trained_context_warns_or_refuses_as_the_head_tools_do(tmp
     assert len(guesses) == 2
     fill(rope, tokenizer, "the cat [MASK]")                 # within the context: nothing said
     assert capsys.readouterr().err == ""
+
+
+def adopted(argv):
+    """The config train.py --config finetune trains with, for these options."""
+    from engine import cli
+    from engine.run import adopt_source
+    parser = cli.Parser("python train.py", add_help=False)
+    cli.add_config_options(parser)
+    given = cli.overrides_of(parser.parse_args(argv))
+    cfg = cli.build("finetune", argv)
+    adopt_source(cfg, given.get("model", {}), given.get("train", {}))
+    return cfg
+
+
+def test_fine_tuning_an_encoder_keeps_its_objective_and_refuses_the_leak(encoder20, corpus, tmp_path):
+    from common.errors import ConfigError
+    from engine import cli
+    from engine.loop import train
+    from engine.run import setup_run
+    src = f"--train.init_from={encoder20.run_dir}"
+    cfg = adopted([src])
+    assert (cfg.train.objective, cfg.model.causal) == ("mlm", False)
+    assert adopted([src, "--train.objective=mlm"]).train.objective == "mlm"
+    with pytest.raises(ConfigError, match="is an encoder .*model.causal=false.*train.objective=next"):
+        adopted([src, "--train.objective=next"])
+    cfg = adopted([src, "--train.objective=next", "--model.causal=true"])
+    assert (cfg.train.objective, cfg.model.causal) == ("next", True)
+    # A decoder source is as before: the preset's next-token objective, causal.
+    out = tmp_path
+    decoder = setup_run(cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={out / 'cache'}",
+                                           f"--train.out_dir={out / 'runs'}", "--train.run_name=dec",
+                                           "--model.n_layer=1", "--model.n_embd=16", "--model.n_head=2",
+                                           "--model.block_size=16", "--train.max_iters=1",
+                                           "--train.eval_iters=1"]), log=lambda *a, **k: None)
+    train(decoder)
+    cfg = adopted([f"--train.init_from={decoder.run_dir}"])
+    assert (cfg.train.objective, cfg.model.causal) == ("next", True)
+    with pytest.raises(ConfigError, match="model.causal=true hides"):
+        adopted([f"--train.init_from={decoder.run_dir}", "--train.objective=mlm"])

@@ -233,8 +233,10 @@ def test_a_broken_or_hostile_config_is_refused_before_the_model_is_built(case, t
     write_folder(tmp_path, "gpt2", tok_json)
     CONFIG_CASES[case](tmp_path)
     built = builds(monkeypatch)
-    refused(tmp_path, CONFIG_MATCH.get(case))
+    message = refused(tmp_path, CONFIG_MATCH.get(case))
     assert all(d.type == "meta" for d in built), "a model was built before the refusal"
+    if "10^13" in case:                       # the file named once, not "X: X describes"
+        assert message.count(str(tmp_path / "config.json")) == 1, message
 
 
 def test_a_large_vocabulary_in_a_small_folder_is_refused_from_the_headers(tmp_path, tok_json,
@@ -703,6 +705,8 @@ def test_a_hostile_bert_family_folder_is_refused_naming_its_file(kind, case, tmp
     built = builds(monkeypatch)
     message = refused(folder, ENCODER_MATCH.get(case))
     assert all(d.type == "meta" for d in built), "a model was built before the refusal"
+    if "10^13" in case:                       # the file named once, not "X: X describes"
+        assert message.count(str(folder / "config.json")) == 1, message
     group, name = case.split(": ", 1)
     if group == "tensor":
         assert _encoder_tensor_cases(kind)[name][1] in message, message

@@ -66,11 +66,19 @@ def test_minilm_import_export_import_is_bit_identical(minilm, tmp_path):
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert tokenizer2.encode(ARTICLE) == tokenizer.encode(ARTICLE)
+    # What the source said and the weights do not carry is written back as it was.
+    import json
+    source, out = (json.loads((d / "config.json").read_text()) for d in (minilm, tmp_path / "out"))
+    for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings"):
+        assert out[key] == source[key], key
+    limits = [json.loads((d / "tokenizer_config.json").read_text())["model_max_length"]
+              for d in (minilm, tmp_path / "out")]
+    assert limits == [512, 512]
 
 
 # -- tiny random masked LMs saved by save_pretrained ---------------------------------
 
-def _tiny(kind, folder):
+def _tiny(kind, folder, inner=128):
     import transformers as T
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat",
@@ -86,13 +94,13 @@ def _tiny(kind, folder):
     torch.manual_seed(0)
     sizes = dict(vocab_size=64, max_position_embeddings=40)
     if kind == "distilbert":
-        config = T.DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=128, **sizes)
+        config = T.DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=inner, **sizes)
         model = T.DistilBertForMaskedLM(config)
     else:
         Config, Model = {"bert": (T.BertConfig, T.BertForMaskedLM),
                          "roberta": (T.RobertaConfig, T.RobertaForMaskedLM)}[kind]
         config = Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128, pad_token_id=0, **sizes)   # [PAD] is 0
+                        intermediate_size=inner, pad_token_id=0, **sizes)   # [PAD] is 0
         model = Model(config)
     with torch.no_grad():       # every weight away from its initial value, LayerNorms included
         for p in model.parameters():
@@ -156,3 +164,49 @@ def test_a_bert_folder_with_integer_weights_is_refused_with_the_tensor_named(tmp
     from engine.interop import load_hf_folder
     with pytest.raises(CheckpointError, match=rf"not floating point: {name} \(I32\)"):
         load_hf_folder(tmp_path)
+
+
+def test_a_bert_tokenizer_with_ids_past_the_vocabulary_is_refused_with_its_path(tmp_path):
+    """An id past the embedding table would be an IndexError at the first such word."""
+    import json
+    _tiny("bert", tmp_path)
+    path = tmp_path / "tokenizer.json"
+    data = json.loads(path.read_text())
+    data["model"]["vocab"]["cat"] = 1_000_000_000
+    path.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=r"tokenizer.json has token ids up to 1,000,000,000 "
+                                              r"but config.json's vocab_size is 64"):
+        load_hf_folder(tmp_path)
+
+
+def test_fine_tuning_a_bert_folder_is_refused_in_one_line_naming_it(tmp_path):
+    from conftest import run_script
+    _tiny("bert", tmp_path / "hf")
+    text = tmp_path / "new.txt"
+    text.write_text("the cat sat on the mat . " * 50)
+    proc = run_script("train.py", "--config", "finetune", f"--train.init_from={tmp_path / 'hf'}",
+                      f"--data.path={text}", "--train.max_iters=1", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line, = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert f"{tmp_path / 'hf'} is a BERT-family encoder with a wordpiece tokenizer" in line
+    assert "data.tokenizer" not in line
+
+
+@pytest.mark.parametrize("kind", ["bert", "distilbert"])
+def test_a_feed_forward_width_other_than_4x_maps_to_mlp_hidden(kind, tmp_path):
+    """A BERT-family folder with a 48-wide feed-forward layer (not 4 x 32): equal
+    outputs, and an export transformers reads back with the same width."""
+    import json
+    theirs = _tiny(kind, tmp_path / "hf", inner=48)
+    model, cfg, tokenizer = load_hf_folder(tmp_path / "hf")
+    assert cfg.mlp_hidden == 48
+    ids = torch.tensor([tokenizer.encode("the cat sat on the mat .")])
+    with torch.no_grad():
+        expected = theirs(input_ids=ids).logits
+        torch.testing.assert_close(model(ids).logits, expected, atol=1e-5, rtol=0)
+    export(model, cfg, tokenizer, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["intermediate_size" if kind == "bert" else "hidden_dim"] == 48
+    reread = type(theirs).from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reread(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
