@@ -168,8 +168,7 @@ class RoPE(PositionEncoding):
         # (YaRN's mscale is a length, not an angle: already in k, it stays.)
         angle = delta * self.inv_freq
         cos, sin = angle.cos().to(k.dtype), angle.sin().to(k.dtype)
-        k1, k2 = k.chunk(2, dim=-1)
-        return torch.cat((k1 * cos - k2 * sin, k2 * cos + k1 * sin), dim=-1)
+        return turn(k, torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1))
 
 
 def turn(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
@@ -185,7 +184,7 @@ class Turn(torch.autograd.Function):
     """RoPE's rotation with its backward written out: the gradient turns back by the
     opposite angle (a rotation's transpose is its inverse), four passes again, where
     autograd's backward of the written-out rotation takes about a dozen and keeps x's
-    halves. For 3 x 96 at context 128 on a CPU that was about a tenth of a training step."""
+    halves (the time saved on a CPU: docs/benchmarks.md, "--budget on AVX2")."""
 
     @staticmethod
     def forward(ctx, x, cos2, sin2):
