@@ -14,6 +14,12 @@ checkout) runs its README's CPU recipe there, in this sitting, and stamps each l
 its output with the seconds since start (saved as bench/out/nanogpt_cpu.log);
 `--nanogpt-log FILE` reads such a log again, or a plain nanoGPT log, whose times then
 come from its per-iteration timings (evaluations not counted).
+
+The target for `--budget` is stated at nanoGPT's wall time in the same sitting, so
+`{nanogpt}` in `--planned` becomes those seconds, and `--planned-seeds` repeats the
+planned run once per seed (a seed moves it by about as much as the target's margin):
+
+    python bench/cpu_speedrun.py --nanogpt DIR --repeats 1 --planned "--budget {nanogpt}s" --planned-seeds 1337 1
 """
 from __future__ import annotations
 
@@ -82,6 +88,8 @@ def main():
     parser.add_argument("--target", default=TARGET_RECIPE, help="train.py arguments for the 1.886 run")
     parser.add_argument("--repeats", type=int, default=3, help="runs of the target recipe")
     parser.add_argument("--planned", default=PLANNED_RECIPE, help="train.py arguments for the --budget run")
+    parser.add_argument("--planned-seeds", type=int, nargs="+", default=[],
+                        help="run the planned recipe once per seed (train.seed)")
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     parser.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout: run its CPU recipe beside ours")
     parser.add_argument("--nanogpt-log", type=Path, help="a nanoGPT log to draw instead of running it")
@@ -98,19 +106,26 @@ def main():
         nano = nanogpt_curve(args.nanogpt_log)
         print(f"nanoGPT: val {nano[-1][2]:.4f} at step {nano[-1][1]}, {nano[-1][0]:.1f} s; curve "
               + " ".join(f"{s}:{v:.3f}@{t:.0f}s" for t, s, v in nano))
+    nano_s = nano[-1][0] if nano else None
+    if "{nanogpt}" in args.planned:
+        if nano_s is None:
+            raise SystemExit("error: --planned names {nanogpt}: give --nanogpt DIR or --nanogpt-log FILE")
+        args.planned = args.planned.replace("{nanogpt}", f"{nano_s:.0f}")
+    recipes = [f"{args.planned} --train.seed={seed}" for seed in args.planned_seeds] or [args.planned]
     with tempfile.TemporaryDirectory() as tmp:
         fast = [run(f"to-1.886-{i + 1}", args.target, args.corpus, Path(tmp)) for i in range(args.repeats)]
-        planned = run("planned", args.planned, args.corpus, Path(tmp))
+        plans = [(recipe, run(f"planned-{i + 1}", recipe, args.corpus, Path(tmp)))
+                 for i, recipe in enumerate(recipes)]
     print("| run | train.py arguments | steps | wall time | val loss | vs nanoGPT's time |")
     print("|---|---|---|---|---|---|")
-    nano_s = nano[-1][0] if nano else None
     for i, r in enumerate(fast):
         reached = any(v <= 1.886 for _, v in r["curve"])
         ratio = f"{r['wall'] / nano_s:.2f}x" if nano_s and reached else "-"
         print(f"| to 1.886, run {i + 1} | `{args.target}` | {r['steps']} | {r['wall']:.1f} s | "
               f"{r['val']:.4f}{'' if reached else ' (target not reached)'} | {ratio} |")
-    print(f"| planned by train.py | `{args.planned}` | {planned['steps']} | "
-          f"{planned['wall']:.1f} s | {planned['val']:.4f} | - |")
+    for recipe, planned in plans:
+        print(f"| planned by train.py | `{recipe}` | {planned['steps']} | "
+              f"{planned['wall']:.1f} s | {planned['val']:.4f} | - |")
     if nano:
         print(f"| nanoGPT's CPU recipe (its own train.py) | `{' '.join(NANOGPT_CPU[1:])}` | "
               f"{nano[-1][1]} | {nano_s:.1f} s | {nano[-1][2]:.4f} | 1.00x |")
@@ -118,7 +133,7 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r, label in ((fast[0], args.target), (planned, args.planned)):
+    for r, label in ((fast[0], args.target), (plans[0][1], plans[0][0])):
         steps, vals = zip(*r["curve"])
         ax.plot([s * r["wall"] / max(r["steps"], 1) for s in steps], vals, marker="o", label=label)
     if nano:
