@@ -128,6 +128,31 @@ def _project_registries_only():
     with registries_kept():
         yield
 
+
+CHECKOUT_CACHE = ROOT / "data" / "cache"
+
+
+def _cache_entries() -> dict[str, int]:
+    try:
+        return {p.name: p.stat().st_mtime_ns for p in CHECKOUT_CACHE.iterdir()}
+    except FileNotFoundError:
+        return {}
+
+
+@pytest.fixture(autouse=True)
+def _checkout_cache_untouched():
+    """No test writes token files into the checkout's data/cache (the user's own cache):
+    each gives data.cache_dir a temporary folder. Checked by file times, so a script the
+    test ran is caught too."""
+    before = _cache_entries()
+    yield
+    after = _cache_entries()
+    changed = sorted(name for name, mtime in after.items() if before.get(name) != mtime)
+    assert not changed, (f"{', '.join(changed)} in {CHECKOUT_CACHE} written during this test "
+                         "(or one beside it under xdist): give it --data.cache_dir= in a "
+                         "temporary folder")
+
+
 def small_model(**kw):
     """A 2-layer, 32-wide model of config `kw`, its weights nudged off their initial values
     so that QK-norm's and value embeddings' effects are visible (the capture and lens tests)."""
