@@ -168,3 +168,21 @@ def small_model(**kw):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return model
+
+
+def wordpiece_tokenizer(vocab_size: int = 64):
+    """A BERT-style WordPiece tokenizer (lower-cased, [CLS] text [SEP]) for the small
+    encoder folders the tests write: ids 0-4 are [PAD] [UNK] [CLS] [SEP] [MASK], then a
+    few words, then fillers up to `vocab_size`; a tokenizers.Tokenizer."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat",
+             "a", "dog", "ran", "##s", "."]
+    vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(vocab_size - len(words))])}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.add_special_tokens(words[:5])
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    return tok
