@@ -133,16 +133,17 @@ def attention(model, tokens: torch.Tensor, **inputs) -> tuple[torch.Tensor, list
     return logits, [cache[n] for n in wanted]
 
 
-def check_context(model, n_tokens: int) -> None:
+def check_context(model, n_tokens: int, option: str = "--text") -> None:
     """A text longer than the context the model was trained with: refused where its
     positions end there (a learned table has no row past it), one warning line where
-    they go on (RoPE, ALiBi, sinusoidal or none) to lengths it never saw."""
+    they go on (RoPE, ALiBi, sinusoidal or none) to lengths it never saw. The refusal
+    names `option`, the command-line option the text came from."""
     limit = model.config.block_size
     if n_tokens <= limit:
         return
     if model.positions.has_length_limit:
         raise AttnlabError(f"the text is {n_tokens} tokens; this model reads at most {limit} "
-                           "(its learned positions end there): give a shorter --text")
+                           f"(its learned positions end there): give a shorter {option}")
     print(f"warning: the text is {n_tokens} tokens, past the {limit} this model was trained on; "
           f"its {model.config.position} positions go on, but it never saw such lengths",
           file=sys.stderr)

@@ -53,35 +53,42 @@ def _words(text: str, limit: int = 30) -> str:
     return " ".join(map(repr, words[:limit])) + (" ..." if len(words) > limit else "")
 
 
-def find_word(text: str, word: str, spans, after: int = 0) -> list[int]:
+# What a refusal calls the two words: this command's options; the page has its own fields.
+SEARCH_FIELDS = ("--from", "--to")
+
+
+def find_word(text: str, word: str, spans, after: int = 0, fields=SEARCH_FIELDS) -> list[int]:
     """Indices of the tokens that make up the first whole-word occurrence of `word` at
     or after character `after` (several where the tokenizer splits it). A word found
     only inside another, or inside a token holding more letters, is refused, as the
-    ranking would otherwise be of some other token than the one named."""
+    ranking would otherwise be of some other token than the one named; the refusal
+    calls the two words by `fields` (looking, looked at)."""
+    source, target = fields
     where = f"; the text's words are {_words(text)}"
     start = _word_at(text, word, after)
     if start < 0 and after and _word_at(text, word) >= 0:
         raise AttnlabError(f"{word!r} occurs only before the word it should look at; the "
-                           "causal mask lets a token look back only, so put --from after --to")
+                           f"causal mask lets a token look back only, so put {source} after {target}")
     if start < 0:
         inside = " (only inside another word)" if word in text else ""
         raise AttnlabError(f"{word!r} does not occur in the text as a whole word{inside}: "
-                           f"give --from and --to words of the text{where}")
+                           f"give {source} and {target} words of the text{where}")
     end = start + len(word)
     found = [i for i, (a, b) in enumerate(spans) if a < end and b > start]
     a, b = spans[found[0]][0], spans[found[-1]][1]
     if re.search(r"[^\W\d_]", text[a:start] + text[end:b]):
         raise AttnlabError(f"{word!r} is part of the token(s) {text[a:b]!r}, which hold more "
-                           f"letters; give --from and --to words the tokenizer keeps apart{where}")
+                           f"letters; give {source} and {target} words the tokenizer keeps apart{where}")
     return found
 
 
-def search(maps, text: str, spans, source: str, target: str):
+def search(maps, text: str, spans, source: str, target: str, fields=SEARCH_FIELDS):
     """Rank every (layer, head) by how much the last token of `source` attends to the
     tokens of `target` (the article's "it -> trophy"). `target` must come first; both
-    are whole words of the text (find_word)."""
-    target_tokens = find_word(text, target, spans)
-    source_tokens = find_word(text, source, spans, after=_word_at(text, target) + len(target))
+    are whole words of the text (find_word, whose refusals name `fields`)."""
+    target_tokens = find_word(text, target, spans, fields=fields)
+    source_tokens = find_word(text, source, spans, after=_word_at(text, target) + len(target),
+                              fields=fields)
     query = source_tokens[-1]
     ranking = []
     for layer, weights in enumerate(maps):

@@ -125,17 +125,19 @@ def patch(model, source: dict, names: Iterable[str], positions: Iterable[int] | 
 
 # -- the three studies, as the command line runs them ---------------------------------
 
-def token_ids(model, tokenizer, text: str, at_least: int = 1, check: bool = True) -> torch.Tensor:
-    """The text's ids, (1, T), on the model's device. A text past the trained context
-    gets the same warning or refusal as the attention tools give (check_context)."""
+def token_ids(model, tokenizer, text: str, at_least: int = 1, check: bool = True,
+              option: str = "--text") -> torch.Tensor:
+    """The text's ids, (1, T), on the model's device; a refusal names `option`, the
+    command-line option the text came from. A text past the trained context gets the
+    same warning or refusal as the attention tools give (check_context)."""
     if not text:
-        raise AttnlabError("give some text with --text")
+        raise AttnlabError(f"give some text with {option}")
     ids = tokenizer.encode(text)
     if len(ids) < at_least:
         raise AttnlabError(f"{text!r} is {len(ids)} token(s); this needs at least {at_least} "
-                           "(each token is scored on predicting the next): give a longer --text")
+                           f"(each token is scored on predicting the next): give a longer {option}")
     if check:
-        check_context(model, len(ids))
+        check_context(model, len(ids), option)
     return torch.tensor([ids], device=next(model.parameters()).device)
 
 
@@ -228,10 +230,13 @@ def show_ablation(args, model, tokenizer, show) -> None:
 
 
 def show_patching(args, model, tokenizer, show) -> None:
+    if not (args.clean and args.corrupt):
+        raise AttnlabError("patch needs --clean TEXT and --corrupt TEXT (the same text with "
+                           "one word changed)")
     # Only the clean text is checked: the corrupt one must be as long (activation_patching
     # says so), and one warning line is enough.
-    clean = token_ids(model, tokenizer, args.clean)
-    corrupt = token_ids(model, tokenizer, args.corrupt, check=False)
+    clean = token_ids(model, tokenizer, args.clean, option="--clean")
+    corrupt = token_ids(model, tokenizer, args.corrupt, check=False, option="--corrupt")
     answer, share = activation_patching(model, clean, corrupt)
     labels = [show(i) for i in clean[0]]
     print(f"answer (the clean run's top next token): {show(answer)!r}; share of its logit "

@@ -58,6 +58,7 @@ MAX_TEXT = 10_000              # characters of a prompt or a searched text
 MAX_SEARCH_TOKENS = 512        # a search keeps every head's (T, T) map: T^2 memory and time
 MAX_IDS = 50_000               # token ids sent back to /api/step (a long prompt + MAX_NEW_TOKENS)
 MAX_WORD = 200                 # characters of search's "from" and "to"
+PAGE_SEARCH_FIELDS = ('"from"', '"to"')   # a refusal names the page's fields, not --from/--to
 MAX_BODY = 512 * 1024          # bytes of a POST body; MAX_IDS ids fit in about 350 KB
 TOP = 8                        # candidates shown per step
 LOOPBACK_HOSTS = ["localhost", "127.0.0.1", "[::1]"]
@@ -325,7 +326,8 @@ class Service:
             raise BadRequest(f"the text is {n} tokens; this page searches at most {limit} (a "
                              "search keeps every head's attention over the whole text)", 413)
         tokens, maps = attention_maps(self.model, self.tokenizer, text)
-        ranking, query, targets = search(maps, text, token_spans(self.tokenizer, text), source, target)
+        ranking, query, targets = search(maps, text, token_spans(self.tokenizer, text), source, target,
+                                         fields=PAGE_SEARCH_FIELDS)
         return {"query": tokens[query], "targets": "".join(tokens[t] for t in targets),
                 "ranking": [{"layer": l, "head": h, "weight": round(w, 4)} for w, l, h in ranking[:10]]}
 

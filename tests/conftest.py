@@ -128,6 +128,31 @@ def _project_registries_only():
     with registries_kept():
         yield
 
+
+CHECKOUT_CACHE = ROOT / "data" / "cache"
+
+
+def _cache_entries() -> dict[str, int]:
+    try:
+        return {p.name: p.stat().st_mtime_ns for p in CHECKOUT_CACHE.iterdir()}
+    except FileNotFoundError:
+        return {}
+
+
+@pytest.fixture(autouse=True)
+def _checkout_cache_untouched():
+    """No test writes token files into the checkout's data/cache (the user's own cache):
+    each gives data.cache_dir a temporary folder. Checked by file times, so a script the
+    test ran is caught too."""
+    before = _cache_entries()
+    yield
+    after = _cache_entries()
+    changed = sorted(name for name, mtime in after.items() if before.get(name) != mtime)
+    assert not changed, (f"{', '.join(changed)} in {CHECKOUT_CACHE} written during this test "
+                         "(or one beside it under xdist): give it --data.cache_dir= in a "
+                         "temporary folder")
+
+
 def small_model(**kw):
     """A 2-layer, 32-wide model of config `kw`, its weights nudged off their initial values
     so that QK-norm's and value embeddings' effects are visible (the capture and lens tests)."""
@@ -143,3 +168,21 @@ def small_model(**kw):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return model
+
+
+def wordpiece_tokenizer(vocab_size: int = 64):
+    """A BERT-style WordPiece tokenizer (lower-cased, [CLS] text [SEP]) for the small
+    encoder folders the tests write: ids 0-4 are [PAD] [UNK] [CLS] [SEP] [MASK], then a
+    few words, then fillers up to `vocab_size`; a tokenizers.Tokenizer."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat",
+             "a", "dog", "ran", "##s", "."]
+    vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(vocab_size - len(words))])}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.add_special_tokens(words[:5])
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    return tok

@@ -213,7 +213,8 @@ def test_the_leak_demo_shows_the_loss_collapse_the_look_ahead_and_the_last_posit
     causal model, since there was never a next token there to copy."""
     from attnlab.article import leak, leak_figure
     honest, leaked = leak(120, tmp_path / "runs", str(corpus), sample_tokens=30,
-                          extra=("--model.n_layer=1", "--model.n_head=1"))
+                          extra=("--model.n_layer=1", "--model.n_head=1",
+                                 f"--data.cache_dir={tmp_path / 'cache'}"))
     assert honest.causal and not leaked.causal
     assert honest.train_loss > 2.0 and leaked.train_loss < 0.5 * honest.train_loss
     assert honest.next_mass == 0 and leaked.next_mass > 0.6

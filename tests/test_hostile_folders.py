@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.errors import CheckpointError
+from conftest import wordpiece_tokenizer
 
 import engine.interop as interop
 from common.errors import AttnlabError
@@ -521,7 +522,7 @@ def test_a_folder_of_weights_without_config_json_is_named_as_such(tmp_path):
 # -- the BERT family: its own reader, the same cases ----------------------------------
 # BERT, RoBERTa and DistilBERT folders written here by hand as transformers lays them
 # out (a masked-LM class: the base model under its prefix, the head beside it), with a
-# WordPiece tokenizer.json.
+# WordPiece tokenizer.json (conftest's wordpiece_tokenizer).
 
 from engine.interop_bert import ENCODERS, FAMILIES  # noqa: E402
 
@@ -545,19 +546,6 @@ ENCODER_KEYS = {
 ENCODER_KEYS["roberta"] = ENCODER_KEYS["bert"]
 
 
-def wordpiece_json() -> str:
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "##s", "."]
-    vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(64 - len(words))])}
-    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
-    tok.add_special_tokens(words[:5])
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
-    return tok.to_str()
-
-
 def write_encoder(folder, kind):
     """A small valid masked-LM folder of `kind` (copied from one written once); its model."""
     key = f"encoder-{kind}"
@@ -572,7 +560,7 @@ def write_encoder(folder, kind):
         weights = arch.to_hf_weights({k: v.detach() for k, v in model.state_dict().items()}, cfg)
         save_file({k: v.contiguous().clone() for k, v in weights.items()}, template / "model.safetensors")
         (template / "config.json").write_text(json.dumps(config))
-        (template / "tokenizer.json").write_text(wordpiece_json())
+        (template / "tokenizer.json").write_text(wordpiece_tokenizer().to_str())
         _TEMPLATES[key] = (template, model)
     template, model = _TEMPLATES[key]
     shutil.copytree(template, folder, dirs_exist_ok=True)
@@ -656,14 +644,15 @@ ENCODER_CASES = (
 ENCODER_TOKENIZER_CASES = {
     "tokenizer: not UTF-8": lambda f: (f / "tokenizer.json").write_bytes(b'{"model": "\xff"}'),
     "tokenizer: a WordPiece whose vocab is a list": lambda f: (f / "tokenizer.json").write_text(
-        json.dumps({**json.loads(wordpiece_json()), "model": {"type": "WordPiece", "vocab": [1, 2]}})),
+        json.dumps({**json.loads(wordpiece_tokenizer().to_str()),
+                    "model": {"type": "WordPiece", "vocab": [1, 2]}})),
     "tokenizer: more tokens than the model has rows": lambda f: (f / "tokenizer.json").write_text(
         json.dumps(_grown_wordpiece(80))),
 }
 
 
 def _grown_wordpiece(n):
-    data = json.loads(wordpiece_json())
+    data = json.loads(wordpiece_tokenizer().to_str())
     data["model"]["vocab"].update({f"x{i}": 64 + i for i in range(n - 64)})
     return data
 

@@ -5,6 +5,7 @@ import torch
 
 from attnlab.capture import run_with_cache
 from common.errors import CheckpointError
+from conftest import wordpiece_tokenizer
 from engine.inference import load_run
 from engine.interop import export, load_hf_folder
 
@@ -80,17 +81,6 @@ def test_minilm_import_export_import_is_bit_identical(minilm, tmp_path):
 
 def _tiny(kind, folder, inner=128):
     import transformers as T
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat",
-             "a", "dog", "ran", "##s", "."]
-    vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(64 - len(words))])}
-    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
-    tok.add_special_tokens(words[:5])
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     torch.manual_seed(0)
     sizes = dict(vocab_size=64, max_position_embeddings=40)
     if kind == "distilbert":
@@ -106,7 +96,7 @@ def _tiny(kind, folder, inner=128):
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
     model.eval().save_pretrained(folder)
-    tok.save(str(folder / "tokenizer.json"))
+    wordpiece_tokenizer().save(str(folder / "tokenizer.json"))
     return model
 
 

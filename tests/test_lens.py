@@ -86,6 +86,30 @@ def test_the_induction_detector_finds_the_circuit_a_short_training_grows():
     assert second < 0.5 < first - 2 and without > first - 1
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["logit"], "give some text with --text"),
+    (["ablate"], "give some text with --text"),
+    (["patch"], "patch needs --clean TEXT and --corrupt TEXT"),
+    (["patch", "--clean", "abc"], "patch needs --clean TEXT and --corrupt TEXT"),
+    (["patch", "--text", "abc"], "patch needs --clean TEXT and --corrupt TEXT"),
+    (["patch", "--clean", "abcdefgh abcdefgh", "--corrupt", "abcdefgh abcdefga"],
+     "give a shorter --clean"),
+])
+def test_each_study_asks_for_the_options_it_takes(argv, says, tmp_path):
+    """patch reads --clean and --corrupt, never --text: its refusals name its own options."""
+    from attnlab import lens
+    from common.errors import AttnlabError
+    from data.tokenizer import CharTokenizer
+    from engine.interop import export
+    tok = CharTokenizer("abcdefgh ")
+    model = model_for(vocab_size=tok.vocab_size, position="learned")      # 16 positions
+    export(model, model.config, tok, tmp_path / "m")
+    with pytest.raises(AttnlabError) as caught:
+        lens.main([*argv, "--run", str(tmp_path / "m"), "--out", str(tmp_path), "--device", "cpu"])
+    assert says in str(caught.value)
+    assert ("--text" in str(caught.value)) == (argv[0] != "patch"), caught.value
+
+
 def test_lens_ablate_patch_and_induction_commands(tmp_path, capsys):
     from attnlab import induction, lens
     from common.errors import AttnlabError

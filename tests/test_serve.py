@@ -158,6 +158,24 @@ def test_every_input_has_a_cap_and_a_type(client, path, body, status, message):
     assert response.status_code == status and message in response.json()["error"], response.text
 
 
+@pytest.mark.parametrize("source, target, page, command", [
+    ("it", "queen", 'give "from" and "to" words of the text', "give --from and --to words"),
+    ("king", "it", 'so put "from" after "to"', "so put --from after --to"),
+])
+def test_a_search_refusal_names_the_page_s_fields_and_the_command_its_flags(client, source,
+                                                                             target, page, command):
+    import torch
+    from attnlab.heads import search
+    from common.errors import AttnlabError
+    text = "the king and it"
+    response = client.post("/api/search", json={"text": text, "from": source, "to": target})
+    error = response.json()["error"]
+    assert response.status_code == 400 and page in error and "--" not in error, error
+    spans = [(i, i + 1) for i in range(len(text))]                 # one token per character
+    with pytest.raises(AttnlabError, match=command):
+        search([torch.zeros(1, len(text), len(text))], text, spans, source, target)
+
+
 @pytest.mark.parametrize("path", ["/api/step", "/api/search"])
 @pytest.mark.parametrize("body,status,message", [
     (b'{"text": "' + b"x" * 1_000_000 + b'"}', 413, "over 512 KB"),

@@ -2,12 +2,17 @@
 import csv
 import json
 
-from conftest import run_script
+from conftest import ROOT, run_script
 
 
 def test_compare_then_extrapolate(corpus, tmp_path):
     out = tmp_path / "cmp"
-    proc = run_script("-m", "attnlab.compare", "--base", "tiny", "--steps", "12", "--out", out,
+    # The tiny preset with its token files in this test's folder (compare has no option
+    # for the cache; the preset carries it to every variant and to extrapolate).
+    base = tmp_path / "tiny.toml"
+    base.write_text((ROOT / "configs" / "tiny.toml").read_text()
+                    + f'\n[data]\ncache_dir = "{tmp_path / "cache"}"\n')
+    proc = run_script("-m", "attnlab.compare", "--base", base, "--steps", "12", "--out", out,
                       "--data", corpus, "--variant", "rope=", "--variant",
                       "learned=--model.position=learned", "--variant", "alibi=--model.position=alibi")
     assert "results.md" in proc.stdout
