@@ -143,14 +143,37 @@ def _cache_entries() -> dict[str, int]:
 def _checkout_cache_untouched():
     """No test writes token files into the checkout's data/cache (the user's own cache):
     each gives data.cache_dir a temporary folder. Checked by file times, so a script the
-    test ran is caught too."""
+    test ran is caught too. Under xdist a test beside the culprit would be blamed, so
+    there only the whole session is checked (pytest_sessionfinish below)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
     before = _cache_entries()
     yield
-    after = _cache_entries()
-    changed = sorted(name for name, mtime in after.items() if before.get(name) != mtime)
-    assert not changed, (f"{', '.join(changed)} in {CHECKOUT_CACHE} written during this test "
-                         "(or one beside it under xdist): give it --data.cache_dir= in a "
-                         "temporary folder")
+    changed = _changed(before)
+    assert not changed, (f"{', '.join(changed)} in {CHECKOUT_CACHE} written during this test: "
+                         "give it --data.cache_dir= in a temporary folder")
+
+
+def _changed(before: dict[str, int]) -> list[str]:
+    return sorted(name for name, mtime in _cache_entries().items() if before.get(name) != mtime)
+
+
+def pytest_sessionstart(session):
+    session.config._cache_before = _cache_entries()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before = getattr(session.config, "_cache_before", None)
+    if before is None or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    changed = _changed(before)
+    if changed:
+        session.config.get_terminal_writer().line(
+            f"error: {', '.join(changed)} in {CHECKOUT_CACHE} written during the tests; run the "
+            "file alone with -p no:xdist to see which test, and give it --data.cache_dir= in a "
+            "temporary folder", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def small_model(**kw):
