@@ -1,6 +1,7 @@
 """train.py --budget: measure, choose a size by tokens per parameter, stop on time."""
 import json
 import math
+import re
 import time
 
 import pytest
@@ -190,3 +191,111 @@ def test_the_probe_times_real_text_with_the_vocabulary_ranked(corpus, tmp_path, 
         assert torch.equal(x[:, 1:], y[:, :-1])                  # text, next token as target
         assert tok.decode(x[0].tolist()) in train_text
         assert {tok.decode([i]): int(n) for i, n in enumerate(counts) if n} == expected
+
+
+class FakeClock:
+    """A clock that moves only when a training step runs: `step_s` per step."""
+
+    def __init__(self, start=0.0, step_s=1.0):
+        self.t, self.step_s = start, step_s
+
+    def __call__(self):
+        return self.t
+
+
+def timed_steps(monkeypatch, clock, stop_after=None, fake=False):
+    """engine.loop.train_step advancing `clock` by its step_s; the shares of the time
+    limit it is given, in `used`; after `stop_after` steps, a Ctrl-C."""
+    import engine.loop as loop
+    real, used = loop.train_step, []
+
+    def step(run, share):
+        used.append(share)
+        clock.t += clock.step_s
+        if stop_after is not None and len(used) == stop_after:
+            run.stop_signal = 2
+        if fake:
+            return torch.tensor(1.0), torch.tensor(1.0), run.cfg.train.batch_size
+        return real(run, share)
+    monkeypatch.setattr(loop, "train_step", step)
+    return used
+
+
+def evaluated_steps(run_dir):
+    return [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "val_loss" in r]
+
+
+def limited_cfg(corpus, tmp_path, *extra):
+    return cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                              f"--train.out_dir={tmp_path / 'runs'}", "--train.run_name=t",
+                              "--train.eval_iters=2", "--train.warmup_iters=2", *extra])
+
+
+def test_a_resumed_run_continues_its_time_limit(corpus, tmp_path, monkeypatch):
+    """Stopped after 4 of its 10 seconds, a resumed run trains the 6 left, with the
+    schedule and the evaluations where they were; a checkpoint from before the clock was
+    saved still resumes, with the whole limit again."""
+    import shutil
+    import engine.loop as loop
+    from engine.run import resume_config, setup_run
+    cfg = limited_cfg(corpus, tmp_path, "--train.time_limit=10", "--train.max_iters=1000",
+                      "--train.eval_interval=500")
+    clock = FakeClock()
+    timed_steps(monkeypatch, clock, stop_after=4)
+    run = setup_run(cfg, log=lambda *a: None)
+    assert loop.train(run, now=clock)["interrupted"] and run.progress.step == 4
+    old = tmp_path / "old"
+    shutil.copytree(run.run_dir, old / "runs" / "t")
+    clock = FakeClock(start=500.0)            # another process: its clock starts anywhere
+    used = timed_steps(monkeypatch, clock)
+    cfg, run_dir, ckpt = resume_config(str(run.run_dir), str(tmp_path / "runs"), {})
+    result = loop.train(setup_run(cfg, run_dir=run_dir, resume=ckpt, log=lambda *a: None), now=clock)
+    assert result["out_of_time"] and result["step"] == 10
+    assert used == pytest.approx([0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    assert evaluated_steps(run.run_dir) == [0, 5, 10]         # half the limit, and the end
+    # A checkpoint without the clock's seconds (older code wrote none) starts it again.
+    state_file = sorted((old / "runs" / "t" / "checkpoints").glob("step_*"))[-1] / "state.json"
+    state = json.loads(state_file.read_text())
+    del state["limit_s"], state["last_eval_s"]
+    state_file.write_text(json.dumps(state))
+    clock = FakeClock()
+    used = timed_steps(monkeypatch, clock)
+    cfg, run_dir, ckpt = resume_config(str(old / "runs" / "t"), str(old / "runs"), {})
+    result = loop.train(setup_run(cfg, run_dir=run_dir, resume=ckpt, log=lambda *a: None),
+                        now=clock)
+    assert result["out_of_time"] and result["step"] == 14 and used[0] == 0.0
+
+
+def test_a_corrupt_clock_in_a_checkpoint_is_refused_with_its_path(corpus, tmp_path, monkeypatch):
+    import engine.loop as loop
+    from common.errors import CheckpointError
+    from engine.run import resume_config, setup_run
+    cfg = limited_cfg(corpus, tmp_path, "--train.max_iters=2", "--train.eval_interval=2")
+    run = setup_run(cfg, log=lambda *a: None)
+    loop.train(run)
+    state_file = next((run.run_dir / "checkpoints").glob("step_*2")) / "state.json"
+    state = json.loads(state_file.read_text())
+    state["limit_s"] = "soon"
+    state_file.write_text(json.dumps(state))
+    cfg, run_dir, ckpt = resume_config(str(run.run_dir), str(tmp_path / "runs"), {"train": {"max_iters": "3"}})
+    with pytest.raises(CheckpointError, match=re.escape(f"{state_file.parent} records limit_s='soon'")):
+        setup_run(cfg, run_dir=run_dir, resume=ckpt, log=lambda *a: None)
+
+
+@pytest.mark.parametrize("limit", [0, 10])
+def test_under_a_time_limit_evaluations_fall_at_even_shares_of_it(limit, corpus, tmp_path, monkeypatch):
+    """With max_iters a ceiling far off, 10 one-second steps under a 10 s limit are
+    evaluated at a third and two thirds of the time (eval_interval is a third of the
+    schedule's steps) and at the end; without a limit, every eval_interval steps."""
+    import engine.loop as loop
+    from engine.run import setup_run
+    steps = "1000" if limit else "6"
+    interval = "334" if limit else "2"
+    cfg = limited_cfg(corpus, tmp_path, f"--train.time_limit={limit}", f"--train.max_iters={steps}",
+                      f"--train.eval_interval={interval}")
+    clock = FakeClock()
+    timed_steps(monkeypatch, clock)
+    run = setup_run(cfg, log=lambda *a: None)
+    loop.train(run, now=clock)
+    assert evaluated_steps(run.run_dir) == ([0, 4, 7, 10] if limit else [0, 2, 4, 6])
