@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -51,7 +52,7 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     from attnlab.exercises import plug
     plug.install()                        # `yours`: the learner's code, as a registry entry
-    args = parser().parse_args(argv)
+    args = parser().parse_args(budget_joined(argv))
     from common.errors import ConfigError
     from engine import config, distributed
     from engine.cli import apply_overrides, overrides_of
@@ -65,6 +66,9 @@ def main(argv: list[str]) -> int:
     if args.budget is not None and (resuming or distributed.world_size() > 1):
         raise ConfigError("--budget plans a new single-process run; it cannot be combined "
                           "with --resume or torchrun")
+    if args.budget is not None:               # refused before any work where it cannot plan
+        from engine.budget import READOUT_OPTIONS, budget_seconds, plan
+        budget_s = budget_seconds(args.budget, overrides_of(args))
     if resuming:
         out_dir = overrides_of(args).get("train", {}).get("out_dir", "runs")
         cfg, run_dir, resuming = resume_config(args.resume, out_dir, overrides_of(args))
@@ -83,8 +87,9 @@ def main(argv: list[str]) -> int:
             source = adopt_source(cfg, overrides_of(args).get("model", {}),
                                   overrides_of(args).get("train", {}))
         if args.budget is not None:
-            from engine.budget import parse_duration, plan
-            cfg = plan(cfg, parse_duration(args.budget), started)
+            named = overrides_of(args).get("model", {})
+            cfg = plan(cfg, budget_s, started,
+                       readout_given=any(k in named for k in READOUT_OPTIONS))
     # --exercises, else the folder recorded by the run of the checkpoint resumed (or the
     # run started from); a resume may branch into a new run, which has no record yet.
     exercises = plug.folder_for(args.exercises, resuming or cfg.train.init_from or None)
@@ -119,6 +124,17 @@ def main(argv: list[str]) -> int:
               f"{result['best_val']:.4f}; fill in blanks with: python -m attnlab.fill "
               f"--run {run.run_dir} --text \"To be, or not to [MASK]\"")
     return 0
+
+
+def budget_joined(argv: list[str]) -> list[str]:
+    """`--budget -5s` as `--budget=-5s`: argparse takes a value that starts with a minus
+    for an option, and would say --budget has none instead of that it is no duration."""
+    out = list(argv)
+    for i in range(len(out) - 1):
+        if out[i] == "--budget" and re.match(r"-[\d.]", out[i + 1]):
+            out[i:i + 2] = [f"--budget={out[i + 1]}"]
+            break
+    return out
 
 
 def default_preset(args) -> str:

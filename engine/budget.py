@@ -40,19 +40,66 @@ EVALS = 4                    # evaluations in a budget run (the last one at the 
 BETWEEN_SHARE = 1 / 8        # of the last evaluation's batches, for each one before it
 MARGIN_S = 1.0               # the final checkpoint write and process exit (train.py skips teardown)
 OVERPLAN = 1.2               # steps planned over what the probe measured
+CEILING = 8                  # max_iters, this many times the steps planned: see plan()
 MIN_STEPS = 300              # fewer, and the batch is halved (down to MIN_BATCH)
 MIN_BATCH = 8
+MIN_TRAIN_S = 5.0            # of training, or the plan is refused
+SHORTEST_PROBE_S = 0.5
+LONGEST_S = 7 * 24 * 3600    # a week: beyond, a typo more likely than a plan
+# The sizes and the schedule the plan sets itself: given next to --budget they would be
+# overridden, so they are refused. The plan honours the rest; batch_size, warmup_iters and
+# log_interval as upper bounds, dtype unless it is auto, the readout when one is named.
+PLANNED = ("model.n_layer", "model.n_embd", "model.n_head", "model.n_kv_head",
+           "train.max_iters", "train.time_limit", "train.eval_interval", "train.eval_iters",
+           "train.final_eval_iters")
+READOUT_OPTIONS = ("readout", "readout_shortlist", "tie_embeddings")
+
+
+def shortest_budget() -> float:
+    """The budget below which no machine leaves MIN_TRAIN_S to train, as plan() counts:
+    the first probe at its shortest, then the evaluations' share, the margin and one more
+    probe (of the chosen size, in one precision)."""
+    return SHORTEST_PROBE_S + (MIN_TRAIN_S + MARGIN_S + 1.5 * SHORTEST_PROBE_S) / (1 - EVAL_SHARE)
+
+
+def seconds(s: float) -> str:
+    """'0.5 s' below ten seconds, '90 s' above."""
+    return (f"{s:.1f}".rstrip("0").rstrip(".") if s < 10 else f"{s:.0f}") + " s"
 
 
 def parse_duration(text: str) -> float:
-    """'5m', '90s', '1h30m', '300' (seconds) -> seconds."""
+    """'5m', '90s', '1h30m', '300' (seconds) -> seconds; more than a week is refused."""
     t = text.strip().lower()
-    if re.fullmatch(r"\d+(\.\d+)?", t):
-        return float(t)
     parts = re.findall(r"(\d+(?:\.\d+)?)\s*(h|m|s)", t)
-    if not parts or "".join(n + u for n, u in parts) != t.replace(" ", ""):
-        raise ConfigError(f"--budget {text!r} is not a duration; examples: 90s, 5m, 1h30m, 300")
-    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+    refused = ConfigError(f"--budget {text!r} is not a duration of at most a week; examples: "
+                          "90s, 5m, 1h30m, 300")
+    if re.fullmatch(r"\d+(\.\d+)?", t):
+        total = float(t)
+    elif parts and "".join(n + u for n, u in parts) == t.replace(" ", ""):
+        total = sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+    else:
+        raise refused
+    if total > LONGEST_S:
+        raise refused
+    return total
+
+
+def budget_seconds(text: str, overrides: dict[str, dict[str, str]]) -> float:
+    """The seconds of --budget TEXT, refused with what to do, before any work, when no
+    plan can come of it: not a duration, too short, or next to an option the plan sets."""
+    budget_s = parse_duration(text)
+    if budget_s < shortest_budget():
+        raise ConfigError(f"a budget of {seconds(budget_s)} is too short to measure this "
+                          f"machine and train (at least {seconds(shortest_budget())} are needed); "
+                          "give at least a minute")
+    given = [name for name in PLANNED if name.partition(".")[2] in overrides.get(name.partition(".")[0], {})]
+    if given:
+        named = " and ".join(", ".join(f"--{n}" for n in given).rsplit(", ", 1))
+        raise ConfigError(f"--budget chooses the model's size and the schedule itself, so "
+                          f"{named} cannot be given with it; drop "
+                          f"{'it' if len(given) == 1 else 'them'}, or train without --budget "
+                          "(--train.time_limit=SECONDS stops any run on time)")
+    return budget_s
 
 
 def training_bytes(cfg) -> tuple[int, int]:
@@ -200,9 +247,10 @@ def measure(cfg, device, dtype, seconds: float, batch=None, counts=None) -> floa
     return steps / (time.perf_counter() - start)
 
 
-def plan(cfg, budget_s: float, started: float, log=print):
+def plan(cfg, budget_s: float, started: float, log=print, readout_given: bool = False):
     """Set cfg's model size and schedule for a run that ends `budget_s` seconds after
-    `started` (a time.perf_counter() value). Returns cfg."""
+    `started` (a time.perf_counter() value); the readout stays as it is where
+    `readout_given` (the command line named it). Returns cfg."""
     from engine.device import pick_device, pick_dtype
     from model import precision
     from data.tokens import Batches, load_tokens
@@ -211,13 +259,14 @@ def plan(cfg, budget_s: float, started: float, log=print):
     data = load_tokens(data_cfg.path, data_cfg.tokenizer, data_cfg.vocab_size, data_cfg.val_fraction, data_cfg.cache_dir, log=log)
     cfg.model.vocab_size = data.tokenizer.vocab_size
     counts = torch.from_numpy(data.train.counts(cfg.model.vocab_size))
-    choose_readout(cfg.model, counts, log)
+    if not readout_given:
+        choose_readout(cfg.model, counts, log)
     device = pick_device(train_cfg.device)
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * cfg.model.block_size
     # Each probe: 0.5% of the budget. Half a second already times a step closely enough
     # to choose the size (the rungs are 2-10x apart) and the precision, and the schedule
     # follows the clock anyway (docs/benchmarks.md, "The --budget probe").
-    probe_s = min(10.0, max(0.5, 0.005 * budget_s))
+    probe_s = min(10.0, max(SHORTEST_PROBE_S, 0.005 * budget_s))
 
     batch = Batches(data.train, train_cfg.batch_size, cfg.model.block_size, seed=0).next()
 
@@ -235,12 +284,12 @@ def plan(cfg, budget_s: float, started: float, log=print):
     _, flops_per_s = step_rate(cfg.model)
     left = budget_s - (time.perf_counter() - started)
     train_s = left * (1 - EVAL_SHARE) - MARGIN_S - probe_s * 1.5 * len(precisions)   # the probes below
-    if train_s < 5:
-        raise ConfigError(f"a budget of {budget_s:.0f} s leaves {max(train_s, 0):.0f} s to train "
-                          "after measuring this machine; give at least a minute")
+    if train_s < MIN_TRAIN_S:
+        raise ConfigError(f"a budget of {seconds(budget_s)} leaves {seconds(max(train_s, 0))} to "
+                          "train after measuring this machine; give at least a minute")
     cands = candidates(cfg.model)
     pick = choose(cands, flops_per_s, train_s)
-    log(f"budget {budget_s:.0f} s: this {device.type} sustains {flops_per_s / 1e12:.3f} TFLOP/s "
+    log(f"budget {seconds(budget_s)}: this {device.type} sustains {flops_per_s / 1e12:.3f} TFLOP/s "
         f"on the preset's model; {train_s:.0f} s left to train. Sizes (non-embedding "
         f"parameters, tokens in that time, tokens per parameter; the target is "
         f"{TOKENS_PER_PARAM:.0f}, half Chinchilla's compute-optimal 20 at these small sizes):")
@@ -272,31 +321,38 @@ def plan(cfg, budget_s: float, started: float, log=print):
     train_cfg.eval_iters = max(2, int(train_cfg.final_eval_iters * BETWEEN_SHARE))
     eval_s = (train_cfg.final_eval_iters + (EVALS - 1) * train_cfg.eval_iters) * eval_step_s
     train_s = left - eval_s - MARGIN_S
-    # The schedule also follows the clock under a time limit (engine.loop.scheduled_lr), so
-    # planning more steps than the probe promises costs nothing if they do not come
-    # (the decay still ends on time), and leaves no time unused if they do.
-    train_cfg.max_iters = max(1, int(train_s * steps_per_s * OVERPLAN))
+    steps = max(1, int(train_s * steps_per_s * OVERPLAN))
     # Too few optimizer steps leave no room for warm-up and decay: trade batch for steps
     # (a step on half the batch takes about half the time).
     batch_note = "the preset's batch"
-    while train_cfg.max_iters < MIN_STEPS and train_cfg.batch_size >= 2 * MIN_BATCH:
+    while steps < MIN_STEPS and train_cfg.batch_size >= 2 * MIN_BATCH:
         train_cfg.batch_size //= 2
-        train_cfg.max_iters *= 2
+        steps *= 2
         train_cfg.eval_iters *= 2            # the same tokens per evaluation, in the same time
         train_cfg.final_eval_iters *= 2
         eval_step_s /= 2
         batch_note = f"batch halved to {train_cfg.batch_size} for at least {MIN_STEPS} steps"
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * cfg.model.block_size
-    train_cfg.warmup_iters = min(train_cfg.warmup_iters, max(1, train_cfg.max_iters // 10))
+    # Under a time limit the schedule follows the clock (engine.loop.schedule_step: the
+    # share of the limit spent times max_iters), and so do the evaluations, so max_iters
+    # is only a ceiling: CEILING times the steps planned, the run still uses its whole
+    # time when the probe, on a busy machine, underestimates the speed several times over.
+    # The step counts of the schedule are in the same units, scaled alike, so that the
+    # warm-up and Muon's momentum take the share of the time they would over the steps
+    # planned.
+    train_cfg.max_iters = steps * CEILING
+    train_cfg.warmup_iters = min(train_cfg.warmup_iters, max(1, steps // 10)) * CEILING
+    train_cfg.muon_momentum_warmup *= CEILING
     train_cfg.eval_interval = max(1, math.ceil(train_cfg.max_iters / (EVALS - 1)))
-    train_cfg.log_interval = max(1, min(train_cfg.log_interval, train_cfg.max_iters // 20))
+    train_cfg.log_interval = max(1, min(train_cfg.log_interval, steps // 20))     # real steps
     train_cfg.time_limit = max(1.0, left - train_cfg.final_eval_iters * eval_step_s - MARGIN_S)
-    epochs = train_cfg.max_iters * tokens_per_step / max(len(data.train), 1)
+    epochs = steps * tokens_per_step / max(len(data.train), 1)
     log(f"chosen: {pick.n_layer} layers, {cfg.model.n_head} heads, {pick.n_embd} wide "
         f"({pick.params / 1e6:.2f}M non-embedding parameters); measured {steps_per_s:.2f} "
-        f"steps/s -> {train_cfg.max_iters} steps of {tokens_per_step:,} tokens ({batch_note}, "
-        f"{train_cfg.max_iters * tokens_per_step / pick.params:.1f} tokens/param, {epochs:.1f} epochs "
-        f"of the training split), {train_cfg.final_eval_iters} validation batches at the end "
+        f"steps/s -> about {steps} steps of {tokens_per_step:,} tokens ({batch_note}, "
+        f"{steps * tokens_per_step / pick.params:.1f} tokens/param, {epochs:.1f} epochs "
+        f"of the training split; as many more as come in the time, up to {train_cfg.max_iters}), "
+        f"{train_cfg.final_eval_iters} validation batches at the end "
         f"({train_cfg.eval_iters} before), training stops by "
-        f"{train_cfg.time_limit:.0f} s from now")
+        f"{seconds(train_cfg.time_limit)} from now")
     return cfg

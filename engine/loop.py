@@ -8,6 +8,7 @@ import contextlib
 import math
 import signal
 import time
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -71,49 +72,67 @@ def batch_at(step: int, train_cfg) -> int:
     return max(1, min(full, round(full * (0.25 + 0.75 * step / ramp))))
 
 
-def train(run: Run) -> dict:
-    """Train until max_iters, a target, the time limit or a signal; return what ended it."""
+class LimitClock:
+    """Seconds on train.time_limit's clock, continuing from those a resumed checkpoint
+    recorded (Progress.limit_s), so that the limit, the schedule that follows it and the
+    evaluations timed by it go on where they were; each reading is kept in the progress
+    that the next checkpoint saves."""
+
+    def __init__(self, progress, now: Callable[[], float] = time.perf_counter):
+        self.progress, self.now = progress, now
+        self.origin = now() - progress.limit_s
+
+    def read(self) -> float:
+        self.progress.limit_s = self.now() - self.origin
+        return self.progress.limit_s
+
+
+def train(run: Run, now: Callable[[], float] = time.perf_counter) -> dict:
+    """Train until max_iters, a target, the time limit or a signal; return what ended it.
+    `now` is the clock the time limit reads."""
     train_cfg, p = run.cfg.train, run.progress
     metrics = Metrics(run.run_dir, train_cfg.wandb if run.dist.is_main else "disabled", train_cfg.wandb_project,
                       run.cfg.to_dict(), run.run_dir.name, p.wandb_id, run.log, write=run.dist.is_main)
     p.wandb_id = metrics.wandb_id
     metrics.truncate_after(p.step + (1 if p.step else 0))
     speed, watch = Speedometer(run), DivergenceWatch()
-    bar = tqdm(total=train_cfg.max_iters, initial=p.step, unit="step", dynamic_ncols=True,
+    clock = LimitClock(p, now)
+    bar = tqdm(total=bar_total(p, train_cfg), initial=p.step, unit="step", dynamic_ncols=True,
                mininterval=0.5, desc="train", disable=not run.dist.is_main)
-    started, result = time.perf_counter(), {"run_dir": str(run.run_dir)}
+    result = {"run_dir": str(run.run_dir)}
     with stop_signals(run):
         try:
             while True:
-                elapsed = time.perf_counter() - started
+                elapsed = clock.read()
                 out_of_time = bool(train_cfg.time_limit) and elapsed >= train_cfg.time_limit
                 if evaluation_due(run, out_of_time) and p.step != p.last_eval:
                     watch.check(run)                  # a diverged step, before it is evaluated
                     last = out_of_time or p.step >= train_cfg.max_iters
-                    val = evaluate_and_save(run, metrics, bar, last)
+                    val = evaluate_and_save(run, metrics, bar, last, clock)
                     speed.restart()
                     if train_cfg.target_val_loss and val <= train_cfg.target_val_loss:
                         run.log(f"reached val loss {val:.4f} <= {train_cfg.target_val_loss} at step "
-                                f"{p.step}, {time.perf_counter() - started:.1f} s after the start")
+                                f"{p.step}, {clock.read():.1f} s after the start")
                         result["reached_target"] = {"step": p.step, "val_loss": val}
                         break
                 if p.step >= train_cfg.max_iters:
                     break
                 if out_of_time:
-                    run.log(f"time limit of {train_cfg.time_limit:.0f} s reached at step {p.step} of "
-                            f"{train_cfg.max_iters}; stopped with a final evaluation and checkpoint")
+                    run.log(f"time limit of {train_cfg.time_limit:.0f} s reached at step {p.step}; "
+                            "stopped with a final evaluation and checkpoint")
                     result["out_of_time"] = True
                     break
                 loss, norm, batch = train_step(run, elapsed / train_cfg.time_limit if train_cfg.time_limit else 0.0)
                 p.step += 1
                 watch.see(loss, p.step)
+                bar.total = bar_total(p, train_cfg)
                 bar.update(1)
                 speed.count_step(batch)
                 if p.step % train_cfg.log_interval == 0 or p.step == train_cfg.max_iters:
                     watch.check(run)
                     log_step(run, metrics, bar, speed, loss, norm)
                 if run.stop_signal is not None:
-                    stop_on_signal(run, bar)
+                    stop_on_signal(run, bar, clock)
                     result["interrupted"] = True
                     break
         finally:
@@ -124,9 +143,33 @@ def train(run: Run) -> dict:
     return result
 
 
+def bar_total(p, train_cfg) -> int:
+    """The steps the progress bar counts to: max_iters; under a time limit, where
+    max_iters is a ceiling, the steps the run makes by the limit at its pace so far."""
+    share = p.limit_s / train_cfg.time_limit if train_cfg.time_limit else 0.0
+    if not p.step or share <= 0:
+        return train_cfg.max_iters
+    return max(p.step, min(train_cfg.max_iters, round(p.step / share)))
+
+
+def evaluation_mark(step: int, limit_s: float, train_cfg) -> int:
+    """How many eval_intervals of the schedule (schedule_step) lie behind a run at this step
+    and this many seconds of its time limit."""
+    return schedule_step(step, limit_s / train_cfg.time_limit, train_cfg) // train_cfg.eval_interval
+
+
 def evaluation_due(run: Run, out_of_time: bool) -> bool:
-    train_cfg = run.cfg.train
-    return run.progress.step % train_cfg.eval_interval == 0 or run.progress.step >= train_cfg.max_iters or out_of_time
+    """Every eval_interval steps, at max_iters and when the time is up. Under a time limit
+    max_iters is a ceiling and the schedule follows the clock, so evaluations come each
+    time the schedule passes another eval_interval, at even shares of the limit even when
+    fewer steps come than max_iters allows."""
+    train_cfg, p = run.cfg.train, run.progress
+    if p.step >= train_cfg.max_iters or out_of_time:
+        return True
+    if not train_cfg.time_limit:
+        return p.step % train_cfg.eval_interval == 0
+    return p.last_eval is None or (evaluation_mark(p.step, p.limit_s, train_cfg)
+                                   > evaluation_mark(p.last_eval, p.last_eval_s, train_cfg))
 
 
 def train_step(run: Run, time_used: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -196,9 +239,11 @@ def evaluate(model, tokens, batch_size: int, block_size: int, iters: int, device
     return (total / iters).item()
 
 
-def evaluate_and_save(run: Run, metrics: Metrics, bar, last: bool = False) -> float:
+def evaluate_and_save(run: Run, metrics: Metrics, bar, last: bool = False,
+                      clock: LimitClock | None = None) -> float:
     """Val loss, a checkpoint, and best.json when it is the best so far. The `last`
-    evaluation of a run reads train.final_eval_iters batches where that is set."""
+    evaluation of a run reads train.final_eval_iters batches where that is set; the
+    checkpoint records the time limit's `clock` read after the evaluation."""
     train_cfg, p, objective = run.cfg.train, run.progress, run.objective
     counts = [0, 0] if objective.reports_accuracy else None
     iters = train_cfg.final_eval_iters if last and train_cfg.final_eval_iters else train_cfg.eval_iters
@@ -209,7 +254,7 @@ def evaluate_and_save(run: Run, metrics: Metrics, bar, last: bool = False) -> fl
         raise diverged(run, "the validation loss", val)
     best = val < p.best_val
     p.best_val = min(p.best_val, val)
-    p.last_eval = p.step                      # recorded in the checkpoint written below
+    p.last_eval, p.last_eval_s = p.step, p.limit_s    # recorded in the checkpoint written below
     unit, record, shown = run.data.bits_unit, {"step": p.step, "val_loss": val}, ""
     if objective.per_byte:
         record[f"val_{unit}"] = run.data.bits(val)
@@ -221,6 +266,8 @@ def evaluate_and_save(run: Run, metrics: Metrics, bar, last: bool = False) -> fl
     if run.dist.is_main:                      # tqdm.write prints even for a disabled bar
         bar.write(f"step {p.step:>6}: {objective.loss_name} {val:.4f}{shown}"
                   + (" (best)" if best else ""))
+    if clock is not None:
+        clock.read()
     path = save(run)
     if best and run.dist.is_main:
         write_json_atomic(run.run_dir / "best.json",
@@ -325,7 +372,9 @@ def stop_signals(run: Run):
             signal.signal(s, h)
 
 
-def stop_on_signal(run: Run, bar) -> None:
+def stop_on_signal(run: Run, bar, clock: LimitClock | None = None) -> None:
+    if clock is not None:                     # the checkpoint counts the time spent so far
+        clock.read()
     path = save(run)
     bar.close()
     run.log(f"stopped by signal {run.stop_signal} at step {run.progress.step}; saved {path}; "

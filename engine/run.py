@@ -52,6 +52,8 @@ class Progress:
     elapsed_s: float = 0.0              # training time, summed over resumes
     wandb_id: str | None = None
     last_eval: int | None = None        # the last step evaluated (a stop can save between)
+    limit_s: float = 0.0                # seconds on train.time_limit's clock, summed over resumes
+    last_eval_s: float = 0.0            # limit_s when the last evaluation was due
     last_lr: float = 0.0                # of the last step (logged; not saved)
 
 
@@ -390,7 +392,7 @@ def save(run: Run) -> Path | None:
     p = run.progress
     tensors = {"data.generator": run.batches.generator.get_state(), **rng_tensors(run.device)}
     state = {"best_val": p.best_val, "elapsed_s": p.elapsed_s, "wandb_id": p.wandb_id,
-             "last_eval": p.last_eval,
+             "last_eval": p.last_eval, "limit_s": p.limit_s, "last_eval_s": p.last_eval_s,
              "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None}
     state = {k: v for k, v in state.items() if v is not None}
     files = {"config.json": run.cfg.to_json(), "tokenizer.json": run.data.tokenizer.to_json()}
@@ -428,11 +430,21 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
     if "scaler" in state:
         run.scaler.load_state_dict(state["scaler"])
     # A checkpoint from before last_eval was recorded was always written right after
-    # an evaluation of its own step.
+    # an evaluation of its own step; one from before limit_s was recorded starts the time
+    # limit's clock again.
     run.progress = Progress(state["step"], state.get("best_val", math.inf),
                             state.get("elapsed_s", 0.0), state.get("wandb_id"),
-                            state.get("last_eval", state["step"]))
+                            state.get("last_eval", state["step"]),
+                            _seconds(state, "limit_s", ckpt), _seconds(state, "last_eval_s", ckpt))
     run.log(f"resuming {run.run_dir} from {ckpt.name} (step {run.progress.step})")
+
+
+def _seconds(state: dict, key: str, ckpt: Path) -> float:
+    value = state.get(key, 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise CheckpointError(f"checkpoint {ckpt} records {key}={value!r} in its state.json, "
+                              "not a number of seconds; it is corrupt: use an earlier checkpoint")
+    return float(value)
 
 
 def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]]

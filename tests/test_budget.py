@@ -1,13 +1,14 @@
 """train.py --budget: measure, choose a size by tokens per parameter, stop on time."""
 import json
 import math
+import re
 import time
 
 import pytest
 import torch
 
 from engine import cli
-from engine.budget import TOKENS_PER_PARAM, candidates, choose, parse_duration
+from engine.budget import TOKENS_PER_PARAM, budget_seconds, candidates, choose, parse_duration
 from common.errors import ConfigError
 from conftest import run_script
 from test_train import tiny_args
@@ -190,3 +191,208 @@ def test_the_probe_times_real_text_with_the_vocabulary_ranked(corpus, tmp_path, 
         assert torch.equal(x[:, 1:], y[:, :-1])                  # text, next token as target
         assert tok.decode(x[0].tolist()) in train_text
         assert {tok.decode([i]): int(n) for i, n in enumerate(counts) if n} == expected
+
+
+class Reached(Exception):
+    """Raised where the work begins: what came before it refused nothing."""
+
+
+def budget_main(monkeypatch, *argv) -> list:
+    """train.py's main in this process, stopped where the plan would begin (by tokenizing
+    the data); the readout_given of each call of it."""
+    import engine.budget as budget
+    import train
+    seen = []
+
+    def plan(cfg, budget_s, started, readout_given=False):
+        seen.append(readout_given)
+        raise Reached
+    monkeypatch.setattr(budget, "plan", plan)
+    with pytest.raises(Reached):
+        train.main(["--config", "tiny", *argv])
+    return seen
+
+
+@pytest.mark.parametrize("value, says", [
+    ("-5s", "'-5s' is not a duration"), ("999999h", "'999999h' is not a duration"),
+    ("1e9s", "'1e9s' is not a duration"), ("8d", "'8d' is not a duration"),
+    ("0s", "a budget of 0 s is too short"), ("5", "a budget of 5 s is too short"),
+    ("0.5s", "a budget of 0.5 s is too short")])
+def test_a_budget_no_plan_can_come_of_is_refused_before_any_work(value, says, monkeypatch):
+    with pytest.raises(ConfigError, match=says):
+        budget_main(monkeypatch, "--budget", value)
+    budget_main(monkeypatch, "--budget", "1m")
+    assert parse_duration("168h") == 7 * 24 * 3600          # a week is the longest
+
+
+def test_options_the_plan_sets_are_refused_next_to_budget_and_the_rest_are_kept(monkeypatch):
+    with pytest.raises(ConfigError) as refused:
+        budget_main(monkeypatch, "--budget", "1m", "--train.max_iters=5", "--model.n_layer=7",
+                    "--train.batch_size=4")
+    message = str(refused.value)
+    assert "--model.n_layer and --train.max_iters cannot be given with it" in message
+    assert "batch_size" not in message and "\n" not in message
+    import engine.budget as budget
+    for name in budget.PLANNED:
+        section, _, key = name.partition(".")
+        with pytest.raises(ConfigError, match=f"--{name} cannot be given"):
+            budget_seconds("1m", {section: {key: "3"}})
+    # What the plan honours reaches the plan: the batch and warm-up as upper bounds, the
+    # precision, and a readout named on the command line, which the plan then keeps.
+    assert budget_main(monkeypatch, "--budget", "1m", "--train.batch_size=4", "--train.warmup_iters=3",
+                       "--train.dtype=float32", "--train.log_interval=5",
+                       "--model.block_size=32") == [False]
+    assert budget_main(monkeypatch, "--budget", "1m", "--model.readout=full") == [True]
+
+
+def test_a_named_readout_is_kept_by_the_plan(corpus, tmp_path, monkeypatch):
+    """The plan chooses the output layer only where the command line named none."""
+    import engine.budget as budget
+    monkeypatch.setattr(budget, "measure", lambda cfg, device, dtype, seconds, *data: 20.0)
+    chose = []
+    monkeypatch.setattr(budget, "choose_readout", lambda model_cfg, counts, log: chose.append(1))
+    for given in (False, True):
+        cfg = cli.build("cpu", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}"])
+        budget.plan(cfg, 120.0, time.perf_counter(), log=lambda *a: None, readout_given=given)
+    assert chose == [1]
+
+
+class FakeClock:
+    """A clock that moves only when a training step runs: `step_s` per step."""
+
+    def __init__(self, start=0.0, step_s=1.0):
+        self.t, self.step_s = start, step_s
+
+    def __call__(self):
+        return self.t
+
+
+def timed_steps(monkeypatch, clock, stop_after=None, fake=False):
+    """engine.loop.train_step advancing `clock` by its step_s; the shares of the time
+    limit it is given, in `used`; after `stop_after` steps, a Ctrl-C."""
+    import engine.loop as loop
+    real, used = loop.train_step, []
+
+    def step(run, share):
+        used.append(share)
+        clock.t += clock.step_s
+        if stop_after is not None and len(used) == stop_after:
+            run.stop_signal = 2
+        if fake:
+            return torch.tensor(1.0), torch.tensor(1.0), run.cfg.train.batch_size
+        return real(run, share)
+    monkeypatch.setattr(loop, "train_step", step)
+    return used
+
+
+def evaluated_steps(run_dir):
+    return [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "val_loss" in r]
+
+
+def limited_cfg(corpus, tmp_path, *extra):
+    return cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                              f"--train.out_dir={tmp_path / 'runs'}", "--train.run_name=t",
+                              "--train.eval_iters=2", "--train.warmup_iters=2", *extra])
+
+
+def test_a_resumed_run_continues_its_time_limit(corpus, tmp_path, monkeypatch):
+    """Stopped after 4 of its 10 seconds, a resumed run trains the 6 left, with the
+    schedule and the evaluations where they were; a checkpoint from before the clock was
+    saved still resumes, with the whole limit again."""
+    import shutil
+    import engine.loop as loop
+    from engine.run import resume_config, setup_run
+    cfg = limited_cfg(corpus, tmp_path, "--train.time_limit=10", "--train.max_iters=1000",
+                      "--train.eval_interval=500")
+    clock = FakeClock()
+    timed_steps(monkeypatch, clock, stop_after=4)
+    run = setup_run(cfg, log=lambda *a: None)
+    assert loop.train(run, now=clock)["interrupted"] and run.progress.step == 4
+    old = tmp_path / "old"
+    shutil.copytree(run.run_dir, old / "runs" / "t")
+    clock = FakeClock(start=500.0)            # another process: its clock starts anywhere
+    used = timed_steps(monkeypatch, clock)
+    cfg, run_dir, ckpt = resume_config(str(run.run_dir), str(tmp_path / "runs"), {})
+    result = loop.train(setup_run(cfg, run_dir=run_dir, resume=ckpt, log=lambda *a: None), now=clock)
+    assert result["out_of_time"] and result["step"] == 10
+    assert used == pytest.approx([0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    assert evaluated_steps(run.run_dir) == [0, 5, 10]         # half the limit, and the end
+    # A checkpoint without the clock's seconds (older code wrote none) starts it again.
+    state_file = sorted((old / "runs" / "t" / "checkpoints").glob("step_*"))[-1] / "state.json"
+    state = json.loads(state_file.read_text())
+    del state["limit_s"], state["last_eval_s"]
+    state_file.write_text(json.dumps(state))
+    clock = FakeClock()
+    used = timed_steps(monkeypatch, clock)
+    cfg, run_dir, ckpt = resume_config(str(old / "runs" / "t"), str(old / "runs"), {})
+    result = loop.train(setup_run(cfg, run_dir=run_dir, resume=ckpt, log=lambda *a: None),
+                        now=clock)
+    assert result["out_of_time"] and result["step"] == 14 and used[0] == 0.0
+
+
+def test_a_corrupt_clock_in_a_checkpoint_is_refused_with_its_path(corpus, tmp_path, monkeypatch):
+    import engine.loop as loop
+    from common.errors import CheckpointError
+    from engine.run import resume_config, setup_run
+    cfg = limited_cfg(corpus, tmp_path, "--train.max_iters=2", "--train.eval_interval=2")
+    run = setup_run(cfg, log=lambda *a: None)
+    loop.train(run)
+    state_file = next((run.run_dir / "checkpoints").glob("step_*2")) / "state.json"
+    state = json.loads(state_file.read_text())
+    state["limit_s"] = "soon"
+    state_file.write_text(json.dumps(state))
+    cfg, run_dir, ckpt = resume_config(str(run.run_dir), str(tmp_path / "runs"), {"train": {"max_iters": "3"}})
+    with pytest.raises(CheckpointError, match=re.escape(f"{state_file.parent} records limit_s='soon'")):
+        setup_run(cfg, run_dir=run_dir, resume=ckpt, log=lambda *a: None)
+
+
+@pytest.mark.parametrize("limit", [0, 10])
+def test_under_a_time_limit_evaluations_fall_at_even_shares_of_it(limit, corpus, tmp_path, monkeypatch):
+    """With max_iters a ceiling far off, 10 one-second steps under a 10 s limit are
+    evaluated at a third and two thirds of the time (eval_interval is a third of the
+    schedule's steps) and at the end; without a limit, every eval_interval steps."""
+    import engine.loop as loop
+    from engine.run import setup_run
+    steps = "1000" if limit else "6"
+    interval = "334" if limit else "2"
+    cfg = limited_cfg(corpus, tmp_path, f"--train.time_limit={limit}", f"--train.max_iters={steps}",
+                      f"--train.eval_interval={interval}")
+    clock = FakeClock()
+    timed_steps(monkeypatch, clock)
+    run = setup_run(cfg, log=lambda *a: None)
+    loop.train(run, now=clock)
+    assert evaluated_steps(run.run_dir) == ([0, 4, 7, 10] if limit else [0, 2, 4, 6])
+
+
+def test_a_budget_run_uses_its_time_when_the_probe_is_several_times_too_slow(corpus, tmp_path,
+                                                                             monkeypatch):
+    """The probe says 4 steps/s and the steps come at 20/s: the run trains to the time
+    limit, not to a max_iters the probe set, with the evaluations spread over the time
+    and the schedule's warm-up the share of it that it was planned to be."""
+    import engine.budget as budget
+    import engine.loop as loop
+    from engine.run import setup_run
+    monkeypatch.setattr(budget, "measure", lambda cfg, device, dtype, seconds, *data: 4.0)
+    cfg = cli.build("cpu", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                            f"--train.out_dir={tmp_path / 'runs'}", "--train.run_name=b"])
+    lines = []
+    cfg = budget.plan(cfg, 120.0, time.perf_counter(), log=lines.append)
+    t = cfg.train
+    planned = int(re.search(r"about (\d+) steps", lines[-1]).group(1))
+    assert t.max_iters == planned * budget.CEILING and f"up to {t.max_iters}" in lines[-1]
+    assert t.warmup_iters == max(1, min(50, planned // 10)) * budget.CEILING   # cpu's 50: a bound
+    assert t.log_interval == max(1, min(10, planned // 20))
+    monkeypatch.setattr(loop, "evaluate", lambda *a, **k: 1.0)
+    clock = FakeClock(step_s=0.05)
+    used = timed_steps(monkeypatch, clock, fake=True)
+    run = setup_run(cfg, log=lambda *a: None)
+    result = loop.train(run, now=clock)
+    assert t.batch_size == 16                                # not halved: 4 steps/s is enough
+    assert result["out_of_time"] and abs(result["step"] - t.time_limit / 0.05) <= 1
+    assert result["step"] > 3 * planned                      # planned: 1.2 times what was measured
+    evals = evaluated_steps(run.run_dir)
+    assert len(evals) == budget.EVALS
+    assert [round(s / result["step"], 2) for s in evals] == pytest.approx([0, 1 / 3, 2 / 3, 1], abs=0.02)
+    warm = next(i for i, share in enumerate(used) if loop.schedule_step(i, share, t) >= t.warmup_iters)
+    assert warm / len(used) == pytest.approx(t.warmup_iters / t.max_iters, abs=0.01)
