@@ -91,12 +91,12 @@ def pick_dtype(name: str, device: torch.device, n_embd: int = 0,
     return torch.float32
 
 
-def precision_note(device: torch.device, dtype: torch.dtype) -> str:
-    """A warning for the run's set-up line where bf16 was asked for on a CPU that would
-    emulate it; empty otherwise."""
+def precision_note(device: torch.device, dtype: torch.dtype, option: str = "train.dtype") -> str:
+    """A warning where bf16 was asked for (by `option`) on a CPU that would emulate it,
+    the same words for training's set-up line and sample.py's; empty otherwise."""
     if device.type == "cpu" and precision.cpu_compute_dtype(dtype) != dtype:
         return (" (emulated: this CPU has no native bf16, so its bf16 matmuls run many times "
-                "slower than fp32; train.dtype=auto uses float32 here)")
+                f"slower than fp32; {option}=auto uses float32 here)")
     return ""
 
 
