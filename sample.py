@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     from engine.checkpoint import latest_run
     from common.errors import ConfigError
     from engine.config import RunConfig, apply
-    from engine.device import dtype_name, pick_device, pick_dtype
+    from engine.device import dtype_name, pick_device, pick_dtype, precision_note
     from engine.inference import StepExplainer, encode_prompt, load_run, pick_decode, stream_text
 
     apply_overrides(RunConfig(), args)            # a bad option fails before any loading
@@ -75,7 +75,8 @@ def main(argv: list[str]) -> int:
     prompt_ids = encode_prompt(tokenizer, s.prompt)
     decode = pick_decode(s.decode, device) if s.use_cache else "full"
     print(f"[{ckpt}: {cfg.model.position} positions, {model.num_params() / 1e6:.2f}M parameters, "
-          f"{dtype_name(dtype)} weights, decode {decode}; "
+          f"{dtype_name(dtype)} weights{precision_note(device, dtype, 'sample.dtype')}, "
+          f"decode {decode}; "
           f"temperature {s.temperature}, top-k {s.top_k}, top-p {s.top_p}, seed {s.seed}]",
           file=sys.stderr)
     for n in range(s.num_samples):

@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
     from engine.loop import train
     from engine.run import adopt_source, resume_changes, resume_config, setup_run
 
-    resuming, source = args.resume is not None, None
+    resuming, source, changes = args.resume is not None, None, []
     if args.preset == "":
         raise ConfigError("--config needs a preset name or a .toml path (see configs/)")
     if args.budget is not None and (resuming or distributed.world_size() > 1):
@@ -73,9 +73,6 @@ def main(argv: list[str]) -> int:
         out_dir = overrides_of(args).get("train", {}).get("out_dir", "runs")
         cfg, run_dir, resuming = resume_config(args.resume, out_dir, overrides_of(args))
         changes = resume_changes(cfg, resuming)
-        if changes and os.environ.get("RANK", "0") == "0":
-            print(f"resume changes {'; '.join(changes)} (from the first step after "
-                  f"{resuming.name}; recorded in the run's config.json)")
     else:
         cfg, run_dir = config.RunConfig(), None
         config.load_preset(cfg, args.preset or default_preset(args))
@@ -99,6 +96,11 @@ def main(argv: list[str]) -> int:
     try:
         run = setup_run(cfg, run_dir=run_dir, resume=resuming, dist=dist,
                         source=source)
+        # Said only now that the checkpoint has loaded and config.json holds the changes:
+        # a checkpoint refused above leaves the run as it was.
+        if changes and dist.is_main:
+            print(f"resume changes {'; '.join(changes)} (from the first step after "
+                  f"{resuming.name}; recorded in the run's config.json)")
         if dist.is_main:
             plug.remember(cfg.model, run.run_dir, exercises)
         if dist.is_main:

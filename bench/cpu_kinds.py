@@ -204,14 +204,17 @@ def train_runs(kind: str, corpus: Path, tmp: Path, budget: str = BUDGET) -> dict
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS),
+                        help="native (this CPU as it is), avx2 (torch, oneDNN and MKL held to AVX2)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds per micro-figure (best counts)")
     parser.add_argument("--busy", action="store_true", help="also time a step with the other cores busy")
     parser.add_argument("--runs", action="store_true", help="also the train.py runs of docs/benchmarks.md")
     parser.add_argument("--nanogpt", type=Path, help="with --runs: a nanoGPT checkout, its CPU recipe too")
     parser.add_argument("--corpus", type=Path,
-                        default=ROOT.parent / "shared" / "data" / "tinyshakespeare.txt")
+                        default=ROOT.parent / "shared" / "data" / "tinyshakespeare.txt",
+                        help="with --runs: the text they and nanoGPT train on (default: tiny "
+                             "Shakespeare in ../shared/data beside the checkout)")
     parser.add_argument("--figure", help=argparse.SUPPRESS)       # the worker's entry
     args = parser.parse_args()
     if args.figure:

@@ -52,14 +52,16 @@ LEVERS = [
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=45.0, help="training time per lever")
     parser.add_argument("--steps", type=int, default=0,
                         help="equal steps instead of equal time: quality per step alone, with "
                              "no say for speed (for a machine whose speed drifts between runs)")
-    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--seed", type=int, default=1337, help="train.seed of every run")
     parser.add_argument("--only", nargs="+", help="lever names (the base always runs)")
-    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
+                        help="the text every run trains on (default: tiny Shakespeare in "
+                             "../shared/data beside the checkout)")
     args = parser.parse_args()
     levers = [lv for lv in LEVERS if lv[0] == "base" or not args.only or lv[0] in args.only]
     rows = []

@@ -45,10 +45,12 @@ def run(name: str, args: str, corpus: Path, workdir: Path) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", action="append", default=[],
                         help="NAME=ARGS for train.py; default: the cpu-quick and cpu presets")
-    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
+                        help="the text every recipe trains on (default: tiny Shakespeare in "
+                             "../shared/data beside the checkout)")
     args = parser.parse_args()
     recipes = dict(r.split("=", 1) for r in args.recipe) or RECIPES
     if not args.corpus.is_file():

@@ -84,13 +84,15 @@ def nanogpt_curve(log: Path) -> list[tuple[float, int, float]]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=TARGET_RECIPE, help="train.py arguments for the 1.886 run")
     parser.add_argument("--repeats", type=int, default=3, help="runs of the target recipe")
     parser.add_argument("--planned", default=PLANNED_RECIPE, help="train.py arguments for the --budget run")
     parser.add_argument("--planned-seeds", type=int, nargs="+", default=[],
                         help="run the planned recipe once per seed (train.seed)")
-    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
+                        help="the text both projects train on (default: tiny Shakespeare in "
+                             "../shared/data beside the checkout)")
     parser.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout: run its CPU recipe beside ours")
     parser.add_argument("--nanogpt-log", type=Path, help="a nanoGPT log to draw instead of running it")
     args = parser.parse_args()

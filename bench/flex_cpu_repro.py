@@ -41,10 +41,11 @@ def poison_allocator():
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dk", type=int, nargs="+", default=[8, 16, 32])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dk", type=int, nargs="+", default=[8, 16, 32], help="head widths d_k to test")
     p.add_argument("--lengths", type=int, nargs="+",
-                   default=[7, 8, 9, 15, 16, 17, 24, 32, 40, 48, 56, 64, 72, 128, 136])
+                   default=[7, 8, 9, 15, 16, 17, 24, 32, 40, 48, 56, 64, 72, 128, 136],
+                   help="sequence lengths to test (by default on both sides of multiples of 8)")
     p.add_argument("--inputs", type=int, default=4, help="random inputs per length")
     args = p.parse_args()
     from torch._inductor.cpu_vec_isa import pick_vec_isa

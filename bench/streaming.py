@@ -1,7 +1,8 @@
 """Streaming past the context: a model trained with full attention reads a text many
 times longer than its context, three ways, scoring every token (teacher forcing through
-GPT.generate's `forced`, the same decoding code sample.py runs):
+GPT.generate's `forced`, the same decoding code sample.py runs).
 
+The three ways:
   re-prefill  the default: when the context fills, drop the oldest half and re-read the
               rest in one pass (positions restart), so each token sees T/2 to T tokens;
   window      a rolling cache of the newest W tokens alone, renumbered as it rolls;

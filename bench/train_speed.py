@@ -104,10 +104,12 @@ def run_size(name, steps, rounds, compiled):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES),
+                        help="models to time: small (4 x 128, context 64), baby (6 x 384, context 256)")
     parser.add_argument("--steps", type=int, default=0, help="steps per round (default per size)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds per contender (the best counts)")
     parser.add_argument("--no-compile", action="store_true",
                         help="skip the torch.compile row (compiling takes about half a minute)")
     args = parser.parse_args()

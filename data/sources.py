@@ -24,6 +24,7 @@ import glob
 import gzip
 import os
 import socket
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -67,11 +68,23 @@ def suffix_of(path: Path) -> str:
     return path.suffix.lower()
 
 
+# What a path that exists may be besides a file or a folder (stat's file types), so that
+# /dev/null or a pipe is named for what it is rather than reported missing.
+OTHER_KINDS = {stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device",
+               stat.S_ISFIFO: "a named pipe", stat.S_ISSOCK: "a socket"}
+
+
 def local_files(source: str) -> list[Path] | None:
     """The files a local source names, or None when it names nothing on disk."""
     path = Path(source).expanduser()
     if path.is_file():
         return [path]
+    if path.exists() and not path.is_dir():
+        mode = path.stat().st_mode
+        kind = next((name for test, name in OTHER_KINDS.items() if test(mode)), "a special file")
+        raise DataError(f"{path} is not a file or folder of text ({kind}); give a UTF-8 text "
+                        "file (.gz allowed), a folder or glob of them, JSONL/CSV/Parquet files, "
+                        "or a prepared folder")
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and suffix_of(p) in
                        (*TEXT_SUFFIXES, *RECORD_BUILDERS))

@@ -91,12 +91,12 @@ def pick_dtype(name: str, device: torch.device, n_embd: int = 0,
     return torch.float32
 
 
-def precision_note(device: torch.device, dtype: torch.dtype) -> str:
-    """A warning for the run's set-up line where bf16 was asked for on a CPU that would
-    emulate it; empty otherwise."""
+def precision_note(device: torch.device, dtype: torch.dtype, option: str = "train.dtype") -> str:
+    """A warning where bf16 was asked for (by `option`) on a CPU that would emulate it,
+    the same words for training's set-up line and sample.py's; empty otherwise."""
     if device.type == "cpu" and precision.cpu_compute_dtype(dtype) != dtype:
         return (" (emulated: this CPU has no native bf16, so its bf16 matmuls run many times "
-                "slower than fp32; train.dtype=auto uses float32 here)")
+                f"slower than fp32; {option}=auto uses float32 here)")
     return ""
 
 
@@ -162,16 +162,27 @@ PEAKS_FORMAT = 2                # entries {"flops", "other_cores"}; older files'
 #                                 recorded nothing about the machine's load, so they are measured again
 
 
+# The settings that hold torch's kernels, oneDNN and MKL below what the CPU can do
+# (bench/cpu_kinds.py's "avx2" kind): a peak measured under them is not the CPU's own.
+ISA_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+                "MKL_ENABLE_INSTRUCTIONS")
+
+
 def cpu_peak_key(dtype_name: str) -> str:
-    return f"{cpu_name()} | {torch.get_num_threads()} threads | {dtype_name} | torch {torch.__version__}"
+    """What a kept peak is a peak of: the CPU, the instruction set torch runs its kernels
+    at and the settings that lower it, threads, precision and torch."""
+    held = " ".join(f"{name}={os.environ[name]}" for name in ISA_SETTINGS if os.environ.get(name))
+    return (f"{cpu_name()} | {torch.backends.cpu.get_cpu_capability()}"
+            f"{' ' + held if held else ''} | {torch.get_num_threads()} threads | {dtype_name} | "
+            f"torch {torch.__version__}")
 
 
 def cpu_peak(dtype_name: str, at_least: float = 0.0) -> float:
     """This CPU's matmul peak in this precision: the highest quiet probe kept in the
     user's cache folder (the probe takes 0.3 s, a noticeable share of a 20-second run, so
-    it runs once per machine, thread count and torch version), else a probe now. With
-    `at_least` (a rate the model itself was seen to sustain, so the kept peak is stale),
-    a probe now in any case. A probe taken while other programs were busy serves this
+    it runs once per cpu_peak_key: machine, instruction set, threads and torch), else a
+    probe now. With `at_least` (a rate the model itself was seen to sustain, so the kept
+    peak is stale), a probe now in any case. A probe taken while other programs were busy serves this
     process but is not kept."""
     key = cpu_peak_key(dtype_name)
     try:

@@ -1,5 +1,7 @@
 """The token cache and batches (data/tokens.py)."""
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -72,6 +74,17 @@ def test_missing_and_empty_corpora_are_explained(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00abc")
     with pytest.raises(DataError, match="UTF-8"):
         load_tokens(str(binary), cache_dir=str(tmp_path))
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no device files or named pipes here")
+def test_a_path_that_is_neither_file_nor_folder_is_named_for_what_it_is(tmp_path):
+    """/dev/null exists, so "not found" would send the user looking for a typo."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    for path, kind in [(Path(os.devnull), "a character device"), (pipe, "a named pipe")]:
+        with pytest.raises(DataError) as err:
+            load_tokens(str(path), cache_dir=str(tmp_path / "cache"))
+        assert str(err.value).startswith(f"{path} is not a file or folder of text ({kind})")
 
 
 def test_too_short_for_one_window():

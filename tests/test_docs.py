@@ -326,6 +326,25 @@ def test_a_renamed_option_is_caught():
             dry_parse(command)
 
 
+def test_the_speedrun_command_names_the_corpus_its_ratio_is_measured_on():
+    """The README's ratio to nanoGPT's time is measured on tiny Shakespeare (the file
+    bench/cpu_speedrun.py trains on); the preset alone reads the bundled plays, where it
+    gets to 1.886 only at its last step. So each speedrun command the README, training.md
+    and the preset's own comment show names that file."""
+    DEFAULT_CORPUS = entry_point("bench/cpu_recipe.py").DEFAULT_CORPUS
+    shown = [(c.doc, c.text) for c in ALL if c.target == "train.py" and "speedrun-cpu" in
+             " ".join(c.argv).replace("=", " ").split()]
+    assert {"README.md", "docs/training.md"} <= {doc.split(":")[0] for doc, _ in shown}, shown
+    preset = ROOT / "configs" / "speedrun-cpu.toml"
+    comments = [line.lstrip("# ").strip() for line in preset.read_text().splitlines()
+                if line.startswith("#") and "python train.py" in line]
+    assert comments, f"{preset} no longer shows its command"
+    for doc, text in shown + [("configs/speedrun-cpu.toml", c) for c in comments]:
+        paths = [w.split("=", 1)[1] for w in shlex.split(text) if w.startswith("--data.path=")]
+        assert paths and (ROOT / paths[0]).resolve() == DEFAULT_CORPUS.resolve(), \
+            f"{doc}: {text!r} does not train on {DEFAULT_CORPUS.name}, the ratio's corpus"
+
+
 def heading_anchors(path: Path) -> set[str]:
     anchors, fenced = set(), False
     for line in path.read_text(encoding="utf-8").splitlines():

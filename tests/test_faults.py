@@ -81,6 +81,28 @@ def test_the_cpu_probe_runs_once_per_machine_and_a_bad_cache_is_measured_again(t
     device.peak_flops.cache_clear()
 
 
+def test_a_peak_kept_at_one_instruction_set_is_not_used_at_another(tmp_path, monkeypatch):
+    """A run held to AVX2 on an AVX-512 machine (bench/cpu_kinds.py's avx2 kind) measures
+    its own peak instead of reusing the native one, and the native peak stays kept."""
+    from engine import device
+
+    def process(capability, **env):                           # a new process under env
+        for name in device.ISA_SETTINGS:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        device.peak_flops.cache_clear()
+        return device.peak_flops("cpu", "float32")
+
+    taken = fake_probes(monkeypatch, tmp_path, (2e11, 0.0), (5e10, 0.0), (4e10, 0.0))
+    assert process("AVX512") == 2e11
+    assert process("AVX512", ONEDNN_MAX_CPU_ISA="AVX2", MKL_ENABLE_INSTRUCTIONS="AVX2") == 5e10
+    assert process("AVX2", ATEN_CPU_CAPABILITY="avx2") == 4e10 and len(taken) == 3
+    assert process("AVX512") == 2e11 and len(taken) == 3      # the native peak, from the file
+    device.peak_flops.cache_clear()
+
+
 def fake_probes(monkeypatch, tmp_path, *results):
     """Probes that return (FLOP/s, other programs' cores) from `results` in turn; the
     probes taken are counted in the returned list."""
@@ -135,8 +157,7 @@ def test_a_run_shows_no_mfu_over_100_percent_from_a_peak_cached_under_load(corpu
     from engine import device
     monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
     (tmp_path / "cache").mkdir()
-    keys = (f"{device.cpu_name()} | {torch.get_num_threads()} threads | {dtype} | torch {torch.__version__}"
-            for dtype in ("float32", "bfloat16"))
+    keys = (device.cpu_peak_key(dtype) for dtype in ("float32", "bfloat16"))
     (tmp_path / "cache" / "cpu_peak_flops.json").write_text(json.dumps({key: 1e6 for key in keys}))
     device.peak_flops.cache_clear()
     trainer = make_trainer(corpus, tmp_path, "--train.max_iters=4", "--train.log_interval=1")

@@ -91,6 +91,26 @@ def test_a_resume_names_each_option_it_changes(run20, tmp_path):
     assert resume_changes(cfg, ckpt) == []
 
 
+def test_a_resume_says_what_it_changes_only_once_the_checkpoint_is_accepted(run20, tmp_path):
+    """A corrupt checkpoint is refused and config.json stays as it was, so the line saying
+    the changes are recorded there would be false; after a good load it is true."""
+    copy = copy_of(run20, tmp_path)
+    latest = checkpoint.list_checkpoints(copy)[-1]
+    weights = latest / "model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[:-100])                             # truncated
+    kept = lambda: {name: data for name, data in files_of(copy).items() if name != ".lock"}
+    before = kept()                                              # the lock names its last holder
+    change = ["--train.max_iters=22", f"--train.out_dir={tmp_path / 'runs'}"]
+    proc = run_script("train.py", "--resume", copy, *change, check=False)
+    assert proc.returncode == 2 and str(weights) in proc.stderr
+    assert "resume changes" not in proc.stdout and kept() == before
+    weights.write_bytes(good)
+    proc = run_script("train.py", "--resume", copy, *change)
+    assert "resume changes train.max_iters: 20 -> 22" in proc.stdout
+    assert json.loads((copy / "config.json").read_text())["train"]["max_iters"] == 22
+
+
 def test_betas_weight_decay_and_momentum_given_to_a_resume_are_the_optimizers(run20, corpus, tmp_path):
     copy = copy_of(run20, tmp_path)
     cfg, run_dir, ckpt = resume_config(str(copy), str(copy), {"train": {
