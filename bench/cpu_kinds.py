@@ -212,7 +212,7 @@ def main():
     parser.add_argument("--runs", action="store_true", help="also the train.py runs of docs/benchmarks.md")
     parser.add_argument("--nanogpt", type=Path, help="with --runs: a nanoGPT checkout, its CPU recipe too")
     parser.add_argument("--corpus", type=Path,
-                        default=ROOT.parent / "shared" / "data" / "tinyshakespeare.txt",
+                        default=ROOT / "data" / "tinyshakespeare" / "input.txt.gz",
                         help="with --runs: the text they and nanoGPT train on (default: tiny "
                              "Shakespeare in ../shared/data beside the checkout)")
     parser.add_argument("--figure", help=argparse.SUPPRESS)       # the worker's entry

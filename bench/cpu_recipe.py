@@ -12,6 +12,7 @@ lr 1e-3) reaches val loss 1.886 in 102 s on the 2-core machine this was written 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import shlex
@@ -23,8 +24,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+# nanoGPT's benchmark text (its shakespeare_char input.txt), shipped with the project.
+DEFAULT_CORPUS = ROOT / "data" / "tinyshakespeare" / "input.txt.gz"
 RECIPES = {"cpu-quick": "--config cpu-quick", "cpu": "--config cpu"}
+
+
+def text_of(corpus: Path) -> str:
+    """The corpus's text, gzipped or not (train.py reads both; nanoGPT only plain text)."""
+    opener = gzip.open if corpus.suffix == ".gz" else open
+    with opener(corpus, "rt", encoding="utf-8") as f:
+        return f.read()
 
 
 def run(name: str, args: str, corpus: Path, workdir: Path) -> dict:
@@ -49,8 +58,8 @@ def main():
     parser.add_argument("--recipe", action="append", default=[],
                         help="NAME=ARGS for train.py; default: the cpu-quick and cpu presets")
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
-                        help="the text every recipe trains on (default: tiny Shakespeare in "
-                             "../shared/data beside the checkout)")
+                        help="the text every recipe trains on (default: tiny Shakespeare, "
+                             "data/tinyshakespeare/input.txt.gz)")
     args = parser.parse_args()
     recipes = dict(r.split("=", 1) for r in args.recipe) or RECIPES
     if not args.corpus.is_file():

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cpu_recipe import DEFAULT_CORPUS, run  # noqa: E402
+from cpu_recipe import DEFAULT_CORPUS, run, text_of  # noqa: E402
 
 # The preset reads 8 validation batches of 32 × 64 tokens per evaluation: 16,384 tokens,
 # more than the 20 × 12 × 64 = 15,360 of nanoGPT's CPU recipe it is compared with.
@@ -54,7 +53,7 @@ def run_nanogpt(checkout: Path, corpus: Path, log: Path, extra: tuple[str, ...] 
     """nanoGPT's CPU recipe in its own checkout, every output line time-stamped;
     `extra` adds its own command-line settings."""
     data = checkout / "data" / "shakespeare_char"
-    shutil.copy(corpus, data / "input.txt")                      # its prepare.py would download it
+    (data / "input.txt").write_text(text_of(corpus), encoding="utf-8")   # its prepare.py would download it
     subprocess.run([sys.executable, "prepare.py"], cwd=data, check=True, capture_output=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

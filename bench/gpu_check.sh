@@ -15,7 +15,7 @@
 # Dry run on a CPU with tiny settings (checks the script, not the GPU): DRY=1 bash bench/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CORPUS="${1:-../shared/data/tinyshakespeare.txt}"
+CORPUS="${1:-data/tinyshakespeare/input.txt.gz}"
 OUT="${OUT:-bench/out}/gpu_check"
 mkdir -p "$OUT"
 export WANDB_MODE=disabled PYTHONUNBUFFERED=1

@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -62,7 +61,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_recipe import DEFAULT_CORPUS, run  # noqa: E402
+from cpu_recipe import DEFAULT_CORPUS, run, text_of  # noqa: E402
 from cpu_speedrun import nanogpt_curve, run_nanogpt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,7 +121,7 @@ def score_nanogpt(checkout: Path, chars: int) -> dict:
 
 
 def shakespeare(path: Path) -> Path:
-    shutil.copy(DEFAULT_CORPUS, path)
+    path.write_text(text_of(DEFAULT_CORPUS), encoding="utf-8")
     return path
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from data.tokenizer import TOKENIZERS  # noqa: E402
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = ROOT / "data" / "tinyshakespeare" / "input.txt.gz"
 BUNDLED = ROOT / "data" / "shakespeare" / "plays.txt.gz"
 
 CHILD = r"""
@@ -64,7 +64,7 @@ print(json.dumps({"mb": mb, "n_tokens": tokens, "wall": wall, **meta["seconds"],
 
 
 def make_corpus(folder: Path, megabytes: int) -> Path:
-    text = SHAKESPEARE.read_text() if SHAKESPEARE.is_file() else ""
+    text = gzip.open(SHAKESPEARE, "rt", encoding="utf-8").read()
     text += gzip.open(BUNDLED, "rt", encoding="utf-8").read()
     path = folder / f"corpus{megabytes}.txt"
     target = megabytes * 1_000_000

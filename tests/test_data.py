@@ -19,6 +19,19 @@ def test_bundled_corpus_is_large_public_domain_text():
     assert "gutenberg" not in text.lower()
 
 
+def test_shipped_tiny_shakespeare_is_nanogpts_benchmark_text():
+    """The speedrun's ratio to nanoGPT holds only on nanoGPT's own input.txt, byte for byte
+    (docs/corpora.md names its sha256)."""
+    import gzip
+    import hashlib
+    path = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare" / "input.txt.gz"
+    raw = gzip.open(path).read()
+    assert len(raw) == 1_115_394
+    assert hashlib.sha256(raw).hexdigest() == \
+        "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+    assert raw.startswith(b"First Citizen:")
+
+
 def test_cache_is_built_once_reused_and_rebuilt_on_change(corpus, tmp_path):
     logs = []
     first = load_tokens(str(corpus), "char", cache_dir=str(tmp_path), log=logs.append)
