@@ -90,8 +90,8 @@ def report(say=lambda line: print(line, file=sys.stderr)) -> None:
 # --- Watching the machine while training ---------------------------------------------
 LOOK_EVERY = 2.0        # seconds of wall time between looks, checked at a step's end
 HELD = 0.4              # other work, in cores, that holds a core (docs/benchmarks.md,
-#                         "Threads on a busy machine": a spinner beside 2 spinning threads
-#                         reads about 0.6, a quiet machine under 0.1)
+#                         "Threads on a busy machine": a process beside 2 spinning threads
+#                         gets a third of 2 cores and reads about 0.7, a quiet machine 0.1)
 FREE = 0.2              # and below which the machine counts as free again
 FREE_LOOKS = 3          # free looks in a row before the threads come back; doubled at each
 #                         return, so load that comes and goes keeps the run on fewer threads
@@ -107,7 +107,8 @@ class Reading(NamedTuple):
 
 
 def read_machine(stat: str = "/proc/stat") -> Reading | None:
-    """A Reading now (about 50 us); None where /proc/stat cannot be read."""
+    """A Reading now (one line of /proc/stat: cheap enough for every few steps); None
+    where /proc/stat cannot be read."""
     ticks = cpu_ticks(stat)
     return None if ticks is None else Reading(time.perf_counter(), *ticks, time.process_time())
 
