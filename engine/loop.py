@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from common import threads
 from common.errors import AttnlabError
 from common.files import write_json_atomic
 from engine import checkpoint
@@ -100,6 +101,9 @@ def train(run: Run, now: Callable[[], float] = time.perf_counter) -> dict:
     bar = tqdm(total=bar_total(p, train_cfg), initial=p.step, unit="step", dynamic_ncols=True,
                mininterval=0.5, desc="train", disable=not run.dist.is_main)
     result = {"run_dir": str(run.run_dir)}
+    # Other programs' load that starts mid-run: fewer threads, not spinning ones against it.
+    thread_watch = threads.watch(run.device.type == "cpu", run.dist.world, torch.get_num_threads,
+                                 torch.set_num_threads, bar.write)
     with stop_signals(run):
         try:
             while True:
@@ -128,6 +132,7 @@ def train(run: Run, now: Callable[[], float] = time.perf_counter) -> dict:
                 bar.total = bar_total(p, train_cfg)
                 bar.update(1)
                 speed.count_step(batch)
+                thread_watch.step()
                 if p.step % train_cfg.log_interval == 0 or p.step == train_cfg.max_iters:
                     watch.check(run)
                     log_step(run, metrics, bar, speed, loss, norm)

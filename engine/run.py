@@ -23,7 +23,7 @@ from engine.objectives import OBJECTIVES, draw_generator
 from engine.optim import Optimizers, configure_optimizer
 from data.tokenizer import TOKENIZERS, Tokenizer
 from data.tokens import Batches, TokenData, load_tokens
-from model import GPT
+from model import GPT, precision
 from model.readout import READOUTS, SHORTLIST_COVERAGE, shortlist_for
 
 # Model fields a fine-tuning run may change: the same weights fit (causal only changes
@@ -112,11 +112,19 @@ class Run:
     def describe_setup(self) -> str:
         tok = self.data.tokenizer
         world = f", {self.dist.world} processes" if self.dist.world > 1 else ""
-        return (f"device: {self.device}, autocast {dtype_name(self.dtype)}"
+        return (f"device: {self.device}{cpu_facts(self.device)}, autocast {dtype_name(self.dtype)}"
                 f"{precision_note(self.device, self.dtype)}{world}; data: "
                 f"{self.cfg.data.path or 'the bundled Shakespeare'} ({tok.kind} tokenizer, "
                 f"vocabulary {tok.vocab_size}, {len(self.data.train):,} train / "
                 f"{len(self.data.val):,} val tokens)")
+
+
+def cpu_facts(device: torch.device) -> str:
+    """What decides a CPU's speed, for the set-up line: ' (AVX2, no native bf16; 2 threads)'."""
+    if device.type != "cpu":
+        return ""
+    n = torch.get_num_threads()
+    return f" ({precision.cpu_kind()}; {n} thread{'s' if n > 1 else ''})"
 
 
 @dataclass

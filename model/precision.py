@@ -22,7 +22,7 @@ ONEDNN_BELOW_AVX512 = ("sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2")
 
 def held_below_avx512(env=os.environ) -> bool:
     """Whether the environment holds torch's CPU kernels to AVX2 or less."""
-    aten = env.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    aten = env.get("ATEN_CPU_CAPABILITY", "")        # torch reads it exactly: "AVX2" is ignored
     onednn = (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "").strip().lower()
     return aten in ATEN_BELOW_AVX512 or onednn in ONEDNN_BELOW_AVX512
 
@@ -40,6 +40,13 @@ def cpu_has_native_bf16() -> bool:
         return bool(torch.backends.mkldnn.is_available() and check is not None and check())
     except RuntimeError:              # a build without oneDNN's ops
         return False
+
+
+def cpu_kind() -> str:
+    """The kernels torch runs on this CPU and its bf16, for the set-up line: "AVX2, no
+    native bf16"."""
+    native = "native bf16" if cpu_has_native_bf16() else "no native bf16"
+    return f"{torch.backends.cpu.get_cpu_capability()}, {native}"
 
 
 def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -9,6 +9,8 @@ from model import precision
 @pytest.mark.parametrize("env,held", [
     ({}, False), ({"ATEN_CPU_CAPABILITY": "avx2"}, True), ({"ATEN_CPU_CAPABILITY": "default"}, True),
     ({"ATEN_CPU_CAPABILITY": "avx512"}, False), ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, True),
+    # torch compares the value exactly and ignores any other, with a warning
+    ({"ATEN_CPU_CAPABILITY": "AVX2"}, False), ({"ATEN_CPU_CAPABILITY": " avx2"}, False),
     ({"DNNL_MAX_CPU_ISA": "avx2"}, True), ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, False),
     ({"ONEDNN_MAX_CPU_ISA": "ALL", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}, False)])
 def test_the_avx2_settings_hold_torch_below_avx512(env, held):
@@ -33,3 +35,12 @@ def test_native_bf16_is_onednns_answer_unless_torch_is_held_to_avx2(onednn, env,
         assert precision.cpu_compute_dtype(torch.float32) == torch.float32
     finally:
         precision.cpu_has_native_bf16.cache_clear()
+
+
+def test_the_cpu_kind_names_torchs_kernels_and_bf16(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    assert precision.cpu_kind() == "AVX2, no native bf16"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    assert precision.cpu_kind() == "AVX512, native bf16"

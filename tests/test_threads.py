@@ -1,10 +1,15 @@
 """common/threads.py: torch's OpenMP threads wait passively unless told otherwise, set
-by the scripts before torch loads (OpenMP reads the setting only then)."""
+by the scripts before torch loads (OpenMP reads the setting only then); and while a run
+trains, fewer threads where other work holds a core."""
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
-from common.threads import busy_cores, wait_passively
+from common import threads
+from common.threads import (Reading, ThreadState, busy_cores, choose_threads, other_cores,
+                            wait_passively)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,6 +25,10 @@ def test_threads_wait_asleep_only_when_other_work_holds_the_cpu():
     env = {}
     wait_passively(env, busy=lambda: None, say=said.append)    # no /proc/stat: leave it
     assert env == {}
+    for one in ({"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "1,2"}):   # no thread waits
+        env = dict(one)
+        wait_passively(env, busy=lambda: 1.5, say=said.append)
+        assert env == one and len(said) == 1
     for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):         # the user's choice wins
         env = {name: "ACTIVE" if name == "OMP_WAIT_POLICY" else "1000"}
         wait_passively(env, busy=lambda: 2.0, say=said.append)
@@ -74,3 +83,87 @@ def test_the_choice_is_said_when_work_starts_not_before_an_error_line(capsys):
 def test_the_scripts_report_it_after_they_parse(script):
     text = (ROOT / script).read_text()
     assert text.index("parse_args(") < text.index("report_threads()")
+
+
+def test_other_work_is_the_machines_less_this_processs_own():
+    """2 cores, 2 s: the machine busy 300 of 400 ticks (1.5 cores), this process 2 CPU
+    seconds (1 core): other programs held 0.5."""
+    before, after = Reading(10.0, 1000, 4000, 5.0), Reading(12.0, 1300, 4400, 7.0)
+    assert other_cores(before, after, cores=2) == pytest.approx(0.5)
+    assert other_cores(before, Reading(12.0, 1300, 4400, 9.0), cores=2) == 0.0  # never below 0
+    assert other_cores(None, after, 2) is None and other_cores(before, None, 2) is None
+    assert other_cores(after, after, 2) is None                                  # no time passed
+
+
+def test_fewer_threads_while_other_work_holds_a_core_and_back_when_free():
+    """The readings of docs/benchmarks.md: a spinner beside 2 spinning threads reads about
+    0.6, beside 1 thread 1.0, a quiet machine under 0.1."""
+    def run(readings, full=2, cores=2, state=None):
+        state, seen = state or ThreadState(full), []
+        for other in readings:
+            state = choose_threads(state, other, full, cores)
+            seen.append(state.threads)
+        return state, seen
+    assert run([0.05, 0.0, None, 0.3])[1] == [2, 2, 2, 2]          # quiet, or too little
+    state, seen = run([0.6, 1.0, 1.0, 0.05, 0.05, 0.05, 0.05])
+    assert seen == [1, 1, 1, 1, 1, 2, 2]                           # back after FREE_LOOKS free looks
+    # Load that comes and goes: each return asks for twice as many free looks.
+    state, seen = run([0.7] + [0.05] * 6, state=state)
+    assert seen == [1] * 6 + [2]
+    # Work between FREE and HELD neither drops the threads nor counts as free.
+    assert run([1.0, 0.05, 0.05, 0.3, 0.05, 0.05, 0.3, 0.05])[1] == [1] * 8
+    # More cores: the threads fit beside the cores the other work holds.
+    assert run([0.9, 3.5, 0.9], full=16, cores=16)[1] == [15, 12, 12]
+    assert run([1.5], full=4, cores=8)[1] == [4]                   # free cores enough already
+
+
+def _fake_readings(other: float):
+    """Readings in which other programs hold `other` cores beside this process's one."""
+    cores, k = os.cpu_count() or 1, iter(range(1, 10_000))
+
+    def read():
+        t = next(k)
+        return Reading(float(t), int(100 * t * (1 + other)), 100 * t * cores, float(t))
+    return read
+
+
+def test_a_run_that_meets_other_work_goes_on_with_fewer_threads_and_says_so_once(
+        corpus, tmp_path, monkeypatch, capsys):
+    from engine import cli
+    from engine.loop import train
+    from engine.run import setup_run
+    cores = os.cpu_count() or 1
+    if cores < 2:
+        pytest.skip("one core: torch uses one thread")
+    for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(threads, "LOOK_EVERY", 0.0)              # a look at every step's end
+    monkeypatch.setattr(threads, "read_machine", _fake_readings(cores - 1.0))
+    cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                             f"--train.out_dir={tmp_path / 'runs'}", "--train.max_iters=4",
+                             "--train.run_name=t"])
+    run = setup_run(cfg, log=lambda *a: None)
+    was = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        train(run)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(was)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("threads:")]
+    assert after == 1
+    assert said == [f"threads: other work now holds {cores - 1:.1f} of {cores} cores: torch goes on "
+                    "with 1 thread, spinning threads would fight it (set OMP_NUM_THREADS to choose)"]
+
+
+@pytest.mark.parametrize("on_cpu,processes,threads_now,env", [
+    (False, 1, 2, {}), (True, 2, 2, {}), (True, 1, 1, {}), (True, 1, 2, {"OMP_NUM_THREADS": "2"}),
+    (True, 1, 2, {"OMP_WAIT_POLICY": "PASSIVE"}), (True, 1, 2, {"GOMP_SPINCOUNT": "1000"})])
+def test_no_watch_where_threads_do_not_spin_or_the_user_chose(on_cpu, processes, threads_now, env):
+    """A GPU run, torchrun, one thread, the user's thread count or wait policy, or threads
+    that wait_passively already made wait asleep: nothing to watch."""
+    chosen = threads.watch(on_cpu, processes, lambda: threads_now, lambda n: None, print, env=env)
+    assert not isinstance(chosen, threads.ThreadWatch)
+    if os.path.exists("/proc/stat"):
+        assert isinstance(threads.watch(True, 1, lambda: 2, lambda n: None, print, env={}),
+                          threads.ThreadWatch)

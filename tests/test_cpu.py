@@ -1,0 +1,63 @@
+"""common/cpu.py: an ATEN_CPU_CAPABILITY the CPU cannot run is refused with one line
+before torch loads (torch itself would die of SIGILL at its first such kernel)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.cpu import NEEDS, capability_problem, cpu_flags
+
+ROOT = Path(__file__).resolve().parent.parent
+AVX2_FLAGS = "fpu sse sse2 ssse3 sse4_1 sse4_2 fma avx avx2 bmi2"        # Zen 3
+AVX512_FLAGS = AVX2_FLAGS + " avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16"
+
+
+def cpuinfo(tmp_path, flags: str | None) -> str:
+    path = tmp_path / "cpuinfo"
+    path.write_text("processor\t: 0\nmodel name\t: a CPU\n" + (f"flags\t\t: {flags}\n" if flags else ""))
+    return str(path)
+
+
+def test_avx512_asked_of_an_avx2_cpu_is_refused_saying_what_to_do(tmp_path):
+    problem = capability_problem({"ATEN_CPU_CAPABILITY": "avx512"}, cpuinfo(tmp_path, AVX2_FLAGS))
+    assert "avx512f, avx512bw, avx512vl, avx512dq" in problem
+    assert problem.endswith("unset ATEN_CPU_CAPABILITY, or set it to avx2")
+    older = capability_problem({"ATEN_CPU_CAPABILITY": "avx2"}, cpuinfo(tmp_path, "fpu sse sse2 avx"))
+    assert "avx2, fma" in older and older.endswith("set it to default")
+
+
+@pytest.mark.parametrize("value,flags", [
+    ("avx512", AVX512_FLAGS), ("avx2", AVX2_FLAGS), ("default", "fpu sse"), (None, "fpu sse"),
+    ("AVX512", AVX2_FLAGS),             # not a value torch takes: it warns and ignores it
+    ("avx512", None)])                  # no flags line (an ARM CPU): nothing to check
+def test_what_the_cpu_runs_or_torch_ignores_passes(tmp_path, value, flags):
+    env = {} if value is None else {"ATEN_CPU_CAPABILITY": value}
+    assert capability_problem(env, cpuinfo(tmp_path, flags)) is None
+
+
+def test_no_cpuinfo_no_check(tmp_path):
+    """macOS has no /proc/cpuinfo: torch decides there, as before."""
+    assert cpu_flags(str(tmp_path / "missing")) is None
+    assert capability_problem({"ATEN_CPU_CAPABILITY": "avx512"}, str(tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+def test_the_scripts_check_before_torch_loads(script):
+    lines = (ROOT / script).read_text().splitlines()
+    first = min(i for i, line in enumerate(lines)
+                if line.startswith(("from engine", "from model", "from data", "from attnlab", "import torch")))
+    assert any(line.startswith("refuse_unrunnable_capability()") for line in lines[:first])
+
+
+@pytest.mark.skipif(cpu_flags() is None or cpu_flags().issuperset(NEEDS["avx512"]),
+                    reason="needs an x86 CPU without AVX-512")
+def test_train_py_refuses_it_with_one_line_on_this_cpu(tmp_path):
+    """Without the check, this dies with exit status 132 and prints nothing."""
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", "tiny",
+                           f"--train.out_dir={tmp_path}"], cwd=tmp_path, capture_output=True,
+                          text=True, env={"PATH": "/usr/bin:/bin", "ATEN_CPU_CAPABILITY": "avx512",
+                                          "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(
+        "error: ATEN_CPU_CAPABILITY=avx512 asks torch for kernels this CPU cannot run")
