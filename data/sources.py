@@ -115,7 +115,14 @@ def open_source(spec: SourceSpec) -> "Source":
     builders = {RECORD_BUILDERS.get(suffix_of(f)) for f in files}
     if len(builders) == 1 and None not in builders:
         return RecordSource(spec, files, builders.pop())
-    raise DataError(f"{spec.source} mixes file types ({', '.join(sorted({suffix_of(f) for f in files}))}); "
+    suffixes = sorted({suffix_of(f) or "(no suffix)" for f in files})
+    known = (*TEXT_SUFFIXES, *RECORD_BUILDERS)
+    unknown = [x for x in suffixes if x not in known]
+    if unknown:
+        raise DataError(f"{spec.source}: {', '.join(unknown)} is not a kind of file the project "
+                        f"reads; give text ({', '.join(TEXT_SUFFIXES)}) or record files "
+                        f"({', '.join(RECORD_BUILDERS)}), renaming a text file to .txt if it is one")
+    raise DataError(f"{spec.source} mixes file types ({', '.join(suffixes)}); "
                     "give text files or one kind of record file (.jsonl, .csv or .parquet)")
 
 

@@ -20,7 +20,7 @@ from common.errors import DataError
 from common.files import file_sha256, lock_file, lock_holder
 from data.build import clear_build, prepare, prepare_key, read_meta
 from data.shards import Shards
-from data.sources import SourceSpec, local_files
+from data.sources import SourceSpec, local_files, open_source
 from data.tokenizer import TOKENIZERS, Tokenizer
 
 DATA_DIR = Path(__file__).resolve().parent
@@ -100,7 +100,10 @@ def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
                         "them, JSONL/CSV/Parquet files, or a prepared folder; leave it empty "
                         "for the bundled Shakespeare")
     spec = SourceSpec(source, val_fraction=val_fraction)
+    open_source(spec)                 # a kind of file it cannot read: refused before any work
     size = sum(f.stat().st_size for f in files)
+    if size == 0:
+        raise DataError(f"{source} is empty; give data.path a file with text in it")
     # One file is hashed (a few ms per MB); a folder is keyed by names, sizes and times.
     fingerprint = ([file_sha256(f) for f in files] if len(files) == 1 else
                    [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files])

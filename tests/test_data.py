@@ -100,6 +100,21 @@ def test_a_path_that_is_neither_file_nor_folder_is_named_for_what_it_is(tmp_path
         assert str(err.value).startswith(f"{path} is not a file or folder of text ({kind})")
 
 
+def test_unreadable_kinds_and_empty_files_are_refused_before_any_work(tmp_path):
+    """One error line and nothing written: no 'tokenizing' line, no cache folder. A lone
+    file of an unknown kind is named as such, not said to mix file types."""
+    odd, empty = tmp_path / "notes.dat", tmp_path / "empty.txt"
+    odd.write_text("plain text, but a suffix nobody reads")
+    empty.write_bytes(b"")
+    for path, words in [(odd, ".dat is not a kind of file the project reads"), (empty, "is empty")]:
+        logs = []
+        with pytest.raises(DataError) as err:
+            load_tokens(str(path), cache_dir=str(tmp_path / "cache"), log=logs.append)
+        assert words in str(err.value) and "mixes" not in str(err.value)
+        assert logs == []
+        assert not any((tmp_path / "cache").glob("*-char"))
+
+
 def test_too_short_for_one_window():
     with pytest.raises(DataError, match="too few.*block_size"):
         Batches(np.zeros(50, dtype=np.uint16), 4, 64, split="val")
