@@ -214,7 +214,7 @@ def main():
     parser.add_argument("--corpus", type=Path,
                         default=ROOT / "data" / "tinyshakespeare" / "input.txt.gz",
                         help="with --runs: the text they and nanoGPT train on (default: tiny "
-                             "Shakespeare in ../shared/data beside the checkout)")
+                             "Shakespeare, data/tinyshakespeare/input.txt.gz)")
     parser.add_argument("--figure", help=argparse.SUPPRESS)       # the worker's entry
     args = parser.parse_args()
     if args.figure:

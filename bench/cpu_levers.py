@@ -60,8 +60,8 @@ def main():
     parser.add_argument("--seed", type=int, default=1337, help="train.seed of every run")
     parser.add_argument("--only", nargs="+", help="lever names (the base always runs)")
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
-                        help="the text every run trains on (default: tiny Shakespeare in "
-                             "../shared/data beside the checkout)")
+                        help="the text every run trains on (default: tiny Shakespeare, "
+                             "data/tinyshakespeare/input.txt.gz)")
     args = parser.parse_args()
     levers = [lv for lv in LEVERS if lv[0] == "base" or not args.only or lv[0] in args.only]
     rows = []

@@ -90,8 +90,8 @@ def main():
     parser.add_argument("--planned-seeds", type=int, nargs="+", default=[],
                         help="run the planned recipe once per seed (train.seed)")
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
-                        help="the text both projects train on (default: tiny Shakespeare in "
-                             "../shared/data beside the checkout)")
+                        help="the text both projects train on (default: tiny Shakespeare, "
+                             "data/tinyshakespeare/input.txt.gz)")
     parser.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout: run its CPU recipe beside ours")
     parser.add_argument("--nanogpt-log", type=Path, help="a nanoGPT log to draw instead of running it")
     args = parser.parse_args()

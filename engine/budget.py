@@ -90,7 +90,7 @@ def budget_seconds(text: str, overrides: dict[str, dict[str, str]]) -> float:
     budget_s = parse_duration(text)
     if budget_s < shortest_budget():
         raise ConfigError(f"a budget of {seconds(budget_s)} is too short to measure this "
-                          f"machine and train (at least {seconds(shortest_budget())} are needed); "
+                          "machine and train; "
                           "give at least a minute")
     given = [name for name in PLANNED if name.partition(".")[2] in overrides.get(name.partition(".")[0], {})]
     if given:
@@ -324,7 +324,7 @@ def plan(cfg, budget_s: float, started: float, log=print, readout_given: bool = 
     steps = max(1, int(train_s * steps_per_s * OVERPLAN))
     # Too few optimizer steps leave no room for warm-up and decay: trade batch for steps
     # (a step on half the batch takes about half the time).
-    batch_note = "the preset's batch"
+    batch_note = f"batch {train_cfg.batch_size}"
     while steps < MIN_STEPS and train_cfg.batch_size >= 2 * MIN_BATCH:
         train_cfg.batch_size //= 2
         steps *= 2
