@@ -48,18 +48,6 @@ MICRO = ["capability", "matmul", "bmm", "step", "cputime"]
 BUDGET = "145s"              # nanoGPT's CPU recipe's wall time on a 2-core AVX2 CPU
 
 
-def cpu_flags() -> str:
-    """The vector and bf16 flags /proc/cpuinfo lists (what decides the kind)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-                return " ".join(f for f in flags if f.startswith(("avx", "amx", "fma")) or "bf16" in f)
-    except OSError:
-        pass
-    return "?"
-
-
 # --- the worker: one figure in this process, printed as one JSON line ----------------
 
 def best_ms(fn, repeats: int, min_s: float = 0.3) -> float:
@@ -224,8 +212,9 @@ def main():
     wait_passively()                    # nanoGPT's runs wait as train.py's do
     import platform
     import torch
+    from common.cpu import vector_flags
     from engine.device import cpu_name
-    print(f"cpu: {cpu_name()}, {os.cpu_count()} logical cores; flags: {cpu_flags()}")
+    print(f"cpu: {cpu_name()}, {os.cpu_count()} logical cores; flags: {vector_flags()}")
     print(f"torch {torch.__version__}, python {platform.python_version()}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.2f} at start")
     table: dict[str, dict[str, object]] = {}

@@ -27,6 +27,15 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str] | None:
     return None
 
 
+def vector_flags(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The flags that decide a CPU's kind (vector, FMA, AMX and bf16 ones), for the bench
+    scripts' headers; "?" where they cannot be read."""
+    flags = cpu_flags(cpuinfo)
+    if flags is None:
+        return "?"
+    return " ".join(sorted(f for f in flags if f.startswith(("avx", "amx", "fma")) or "bf16" in f))
+
+
 def capability_problem(env=os.environ, cpuinfo: str = "/proc/cpuinfo") -> str | None:
     """What is wrong with ATEN_CPU_CAPABILITY on this CPU, with what to do; None where
     nothing is (or the CPU's flags cannot be read)."""

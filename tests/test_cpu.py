@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from common.cpu import NEEDS, capability_problem, cpu_flags
+from common.cpu import NEEDS, capability_problem, cpu_flags, vector_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 AVX2_FLAGS = "fpu sse sse2 ssse3 sse4_1 sse4_2 fma avx avx2 bmi2"        # Zen 3
@@ -61,3 +61,9 @@ def test_train_py_refuses_it_with_one_line_on_this_cpu(tmp_path):
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(
         "error: ATEN_CPU_CAPABILITY=avx512 asks torch for kernels this CPU cannot run")
+
+
+def test_the_kind_deciding_flags_are_the_vector_fma_amx_and_bf16_ones(tmp_path):
+    path = cpuinfo(tmp_path, "fpu sse2 avx2 fma avx512f avx512_bf16 amx_tile sha_ni")
+    assert vector_flags(path) == "amx_tile avx2 avx512_bf16 avx512f fma"
+    assert vector_flags(cpuinfo(tmp_path, None)) == "?"
