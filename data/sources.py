@@ -36,6 +36,7 @@ TEXT_SUFFIXES = (".txt", ".md", ".text", ".txt.gz", ".md.gz")
 RECORD_BUILDERS = {".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".json.gz": "json",
                    ".csv": "csv", ".parquet": "parquet"}
 PIECE_CHARS = 1 << 20
+SNIFFED_FILES, SNIFF_BYTES = 16, 1 << 16   # checked for text before the build starts
 HUB_TIMEOUT_S = 3.0
 
 Piece = tuple[str, str, bool]            # (split, text, last piece of its document)
@@ -187,6 +188,9 @@ class TextSource(Source):
             total = min(total, spec.max_bytes)
         if total == 0:
             raise DataError(f"{spec.source} is empty; give data.path a file with text in it")
+        for path in self.files[:SNIFFED_FILES]:     # the usual faults, before any work
+            with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as f:
+                self._decode(path, codecs.getincrementaldecoder("utf-8")(), f.read(SNIFF_BYTES))
         self.total_bytes = total
         self.cut = int(total * (1.0 - spec.val_fraction))
         self.val_rule = f"the last {spec.val_fraction:.0%} of the bytes (from byte {self.cut:,})"
@@ -248,9 +252,13 @@ class TextSource(Source):
 
     def _decode(self, path, decoder, data: bytes, final: bool = False) -> str:
         try:
-            return decoder.decode(data, final)
+            text = decoder.decode(data, final)
         except UnicodeDecodeError as err:
             raise DataError(f"corpus file {path} is not readable UTF-8 text ({err})") from None
+        if "\0" in text:       # valid UTF-8, but text has no NUL: a binary file, or UTF-16
+            raise DataError(f"corpus file {path} holds NUL bytes, so it is not text (a binary "
+                            "file, or text saved as UTF-16); give a UTF-8 text file")
+        return text
 
     def _flush(self, path, decoder, carry, split):
         # A --max-bytes slice may end inside a character: drop its first bytes then.

@@ -89,6 +89,21 @@ def test_missing_and_empty_corpora_are_explained(tmp_path):
         load_tokens(str(binary), cache_dir=str(tmp_path))
 
 
+def test_text_with_nul_bytes_is_refused_as_not_text(tmp_path):
+    """UTF-16 text and binary files with ASCII in them decode as UTF-8 without an error,
+    and would be trained on as characters; NUL never occurs in text, so its path is named."""
+    utf16 = tmp_path / "notes.txt"
+    utf16.write_bytes("To be, or not to be\n".encode("utf-16-le") * 50)
+    late = tmp_path / "late.txt"
+    late.write_bytes(b"plain text\n" * 20_000 + b"\x00\x01\x02")
+    for path in (utf16, late):
+        with pytest.raises(DataError, match=f"{path} holds NUL bytes.*UTF-8"):
+            load_tokens(str(path), cache_dir=str(tmp_path / "cache"))
+        assert not list((tmp_path / "cache").glob("*/meta.json"))
+    # The first 64 KiB of a file are read before the build starts: no cache folder yet.
+    assert not (tmp_path / "cache" / "notes-char").exists()
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no device files or named pipes here")
 def test_a_path_that_is_neither_file_nor_folder_is_named_for_what_it_is(tmp_path):
     """/dev/null exists, so "not found" would send the user looking for a typo."""
