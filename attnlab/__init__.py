@@ -1,3 +1,16 @@
-"""attnlab: the shared machinery behind train.py and sample.py (config, devices,
-checkpoints, the training loop). The Transformer itself lives in model/, the corpus,
-tokenizers and token files in data/."""
+"""attnlab: the tools that look inside a model and study attention (heatmaps, the lens,
+heads, the article's figures, the exercises, the local page), each run as
+`python -m attnlab.NAME`. They build on engine/ (training, checkpoints, devices), which
+builds on model/ and data/.
+
+An ATEN_CPU_CAPABILITY this CPU cannot run is refused here, before any tool loads torch,
+which would die of it at its first kernel (common/cpu.py): one line for `python -m`, an
+ImportError naming it in a notebook."""
+import sys as _sys
+
+from common.cpu import capability_problem as _problem, refuse_unrunnable_capability as _refuse
+
+if _sys.argv[:1] == ["-m"]:      # `python -m attnlab.NAME` is importing its package
+    _refuse()
+elif _problem():
+    raise ImportError(_problem())

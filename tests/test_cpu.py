@@ -63,6 +63,24 @@ def test_train_py_refuses_it_with_one_line_on_this_cpu(tmp_path):
         "error: ATEN_CPU_CAPABILITY=avx512 asks torch for kernels this CPU cannot run")
 
 
+@pytest.mark.skipif(cpu_flags() is None or cpu_flags().issuperset(NEEDS["avx512"]),
+                    reason="needs an x86 CPU without AVX-512")
+def test_the_tools_refuse_it_too(tmp_path):
+    """`python -m attnlab.NAME` says it in one line; a notebook's import raises, naming it."""
+    env = {"PATH": "/usr/bin:/bin", "ATEN_CPU_CAPABILITY": "avx512", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT)}
+    tool = subprocess.run([sys.executable, "-m", "attnlab.heads", "grid", "--text", "ROMEO."],
+                          cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert tool.returncode == 2 and tool.stdout == ""
+    assert tool.stderr.splitlines() == [tool.stderr.strip()] and tool.stderr.startswith(
+        "error: ATEN_CPU_CAPABILITY=avx512 asks torch for kernels this CPU cannot run")
+    notebook = subprocess.run([sys.executable, "-c", "import attnlab.lens"], cwd=tmp_path,
+                              capture_output=True, text=True, env=env, timeout=120)
+    assert notebook.returncode == 1
+    assert notebook.stderr.strip().splitlines()[-1].startswith(
+        "ImportError: ATEN_CPU_CAPABILITY=avx512 asks torch for kernels")
+
+
 def test_the_kind_deciding_flags_are_the_vector_fma_amx_and_bf16_ones(tmp_path):
     path = cpuinfo(tmp_path, "fpu sse2 avx2 fma avx512f avx512_bf16 amx_tile sha_ni")
     assert vector_flags(path) == "amx_tile avx2 avx512_bf16 avx512f fma"
