@@ -16,6 +16,7 @@ command line set them.
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 from dataclasses import dataclass, replace
@@ -23,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.errors import ConfigError
+from common.threads import HELD, other_cores, read_machine
 from model.readout import READOUTS, SHORTLIST_COVERAGE, head_macs, shortlist_for
 
 # Chinchilla's compute-optimal ratio is about 20 (Hoffmann et al., arXiv:2203.15556),
@@ -247,6 +249,27 @@ def measure(cfg, device, dtype, seconds: float, batch=None, counts=None) -> floa
     return steps / (time.perf_counter() - start)
 
 
+def probe_again_if_busy(probe, log, read=read_machine, cores: int | None = None):
+    """probe()'s (steps/s, FLOP/s), taken a second time where other programs held a core
+    while it ran, and the faster kept: the size it chooses is for the whole run, and a
+    burst of load (a browser tab, a build finishing) would choose a smaller model than
+    the run itself, which gets its threads back once the load is gone (common/threads.py),
+    can train. Load through both probes is said, with what it costs."""
+    cores = cores or os.cpu_count() or 1
+    results = []
+    for _ in range(2):
+        before = read()
+        results.append(probe())
+        other = other_cores(before, read(), cores)
+        if other is None or other < HELD:
+            break
+    else:
+        log(f"budget: other programs held {other:.1f} of {cores} cores while this machine was "
+            "measured, twice: the size below fits a machine this busy; with nothing else "
+            "running, the same time trains a larger model")
+    return max(results)
+
+
 def plan(cfg, budget_s: float, started: float, log=print, readout_given: bool = False):
     """Set cfg's model size and schedule for a run that ends `budget_s` seconds after
     `started` (a time.perf_counter() value); the readout stays as it is where
@@ -281,7 +304,10 @@ def plan(cfg, budget_s: float, started: float, log=print, readout_given: bool = 
     precisions = [train_cfg.dtype]
     if train_cfg.dtype == "auto" and device.type == "cpu" and precision.cpu_has_native_bf16():
         precisions = ["float32", "bfloat16"]
-    _, flops_per_s = step_rate(cfg.model)
+    if device.type == "cpu":
+        _, flops_per_s = probe_again_if_busy(lambda: step_rate(cfg.model), log)
+    else:
+        _, flops_per_s = step_rate(cfg.model)
     left = budget_s - (time.perf_counter() - started)
     train_s = left * (1 - EVAL_SHARE) - MARGIN_S - probe_s * 1.5 * len(precisions)   # the probes below
     if train_s < MIN_TRAIN_S:

@@ -37,6 +37,35 @@ def test_the_choice_is_the_size_nearest_the_compute_optimal_ratio():
     assert chosen == sorted(chosen) and chosen[0] < chosen[-1]   # more time, larger model
 
 
+def test_a_probe_under_load_is_taken_again_and_the_faster_kept():
+    """Other programs' load while the machine is measured would choose a smaller model
+    for the whole run: the probe is taken again once, and load through both is said."""
+    from common.threads import Reading
+    from engine.budget import probe_again_if_busy
+
+    def machine(loads):
+        """Readings 1 s apart on 2 cores, this process using one core, others `loads`."""
+        busy, total, own, t = 0, 0, 0.0, 0.0
+        yield Reading(t, busy, total, own)
+        for load in loads:
+            t, own, total, busy = t + 1, own + 1, total + 200, busy + int(100 * (1 + load))
+            yield Reading(t, busy, total, own)
+            yield Reading(t, busy, total, own)       # the next probe starts where this ended
+
+    for loads, rates, kept, probes, said in [
+            ([0.0], [5.0, 9.0], 5.0, 1, False),        # quiet: one probe
+            ([1.0, 0.0], [2.0, 5.0], 5.0, 2, False),   # a burst: again, the faster kept
+            ([1.0, 1.0], [2.0, 1.5], 2.0, 2, True)]:   # busy throughout: said
+        read, said_lines, taken = machine(loads).__next__, [], []
+
+        def probe():
+            taken.append(rates[len(taken)])
+            return taken[-1], 0.0
+        assert probe_again_if_busy(probe, said_lines.append, read, cores=2)[0] == kept
+        assert len(taken) == probes and bool(said_lines) == said
+    assert said_lines[0].startswith("budget: other programs held 1.0 of 2 cores")
+
+
 def test_a_budget_run_plans_explains_and_stops_on_time(corpus, tmp_path):
     budget = 25
     # The clock starts in train.py's main; the interpreter's start-up comes on top, and on
