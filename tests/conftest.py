@@ -24,7 +24,7 @@ torch.set_num_threads(_threads)
 
 # Measurements about the machine (the CPU's matmul peak) go to a folder of this session,
 # shared with the scripts the tests run, not to the user's cache.
-# The process that makes the folder removes it at exit (under xdist, each worker's own).
+# The process that makes the folder removes it at exit; xdist workers inherit it.
 if "ATTNLAB_CACHE" not in os.environ:
     os.environ["ATTNLAB_CACHE"] = tempfile.mkdtemp(prefix="attnlab-cache-")
     atexit.register(shutil.rmtree, os.environ["ATTNLAB_CACHE"], ignore_errors=True)
