@@ -40,9 +40,16 @@ def capability_problem(env=os.environ, cpuinfo: str = "/proc/cpuinfo") -> str | 
     """What is wrong with ATEN_CPU_CAPABILITY on this CPU, with what to do; None where
     nothing is (or the CPU's flags cannot be read)."""
     asked = env.get("ATEN_CPU_CAPABILITY")
-    if asked not in NEEDS:
+    if asked is None or asked == "default":
         return None
     flags = cpu_flags(cpuinfo)
+    if asked not in NEEDS:
+        if flags is None:       # not x86: its values (vsx, zvector, sve256) are torch's to judge
+            return None
+        # torch would warn in two lines and pick for itself: a typo, said once
+        return (f"ATEN_CPU_CAPABILITY={asked} is not a value torch knows on this CPU, so it "
+                f"would be ignored; set it to {', '.join(NEEDS)} or default (lower case), or "
+                "unset it")
     lacking = [flag for flag in NEEDS[asked] if flags is not None and flag not in flags]
     if not lacking:
         return None

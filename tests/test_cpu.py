@@ -29,11 +29,20 @@ def test_avx512_asked_of_an_avx2_cpu_is_refused_saying_what_to_do(tmp_path):
 
 @pytest.mark.parametrize("value,flags", [
     ("avx512", AVX512_FLAGS), ("avx2", AVX2_FLAGS), ("default", "fpu sse"), (None, "fpu sse"),
-    ("AVX512", AVX2_FLAGS),             # not a value torch takes: it warns and ignores it
-    ("avx512", None)])                  # no flags line (an ARM CPU): nothing to check
-def test_what_the_cpu_runs_or_torch_ignores_passes(tmp_path, value, flags):
+    ("avx512", None), ("sve256", None)])   # no flags line (an ARM CPU): torch's to judge
+def test_what_the_cpu_runs_passes(tmp_path, value, flags):
     env = {} if value is None else {"ATEN_CPU_CAPABILITY": value}
     assert capability_problem(env, cpuinfo(tmp_path, flags)) is None
+
+
+@pytest.mark.parametrize("value", ["AVX2", "AVX512", "avx512_vnni", "garbage", ""])
+def test_a_value_torch_would_ignore_is_named_as_a_typo(tmp_path, value):
+    """torch compares the value case-sensitively and ignores any other with a two-line
+    warning; the scripts say it in one line, with the values it takes."""
+    problem = capability_problem({"ATEN_CPU_CAPABILITY": value}, cpuinfo(tmp_path, AVX2_FLAGS))
+    assert problem == (f"ATEN_CPU_CAPABILITY={value} is not a value torch knows on this CPU, "
+                       "so it would be ignored; set it to avx512, avx2 or default (lower case), "
+                       "or unset it")
 
 
 def test_no_cpuinfo_no_check(tmp_path):
