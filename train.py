@@ -18,10 +18,11 @@ import sys
 import time
 
 from common.cpu import refuse_unrunnable_capability
-from common.threads import report as report_threads, wait_passively
+from common import threads
+from common.threads import report as report_threads, start_on_free_cores
 
 refuse_unrunnable_capability()      # before torch loads, which would die of it: common/cpu.py
-wait_passively()                    # before torch loads: see common/threads.py
+start_on_free_cores()               # before torch loads: see common/threads.py
 from engine.cli import Parser, add_config_options, errors_as_lines  # noqa: E402
 
 
@@ -61,6 +62,8 @@ def main(argv: list[str]) -> int:
     from engine.config import describe
     from engine.loop import train
     from engine.run import adopt_source, resume_changes, resume_config, setup_run
+    import torch
+    threads.apply_start(torch.get_num_threads, torch.set_num_threads)
 
     resuming, source, changes = args.resume is not None, None, []
     if args.preset == "":

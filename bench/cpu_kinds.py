@@ -209,7 +209,7 @@ def main():
         print(json.dumps(figure(args.figure, args.repeats)))
         return
     from common.threads import wait_passively
-    wait_passively()                    # nanoGPT's runs wait as train.py's do
+    wait_passively()                    # on a busy machine nanoGPT's runs and ours wait alike
     import platform
     import torch
     from common.cpu import vector_flags

@@ -95,8 +95,9 @@ def main():
     parser.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout: run its CPU recipe beside ours")
     parser.add_argument("--nanogpt-log", type=Path, help="a nanoGPT log to draw instead of running it")
     args = parser.parse_args()
-    # nanoGPT's process gets the thread waiting train.py would choose for itself, so that
-    # on a busy machine both wait alike (common/threads.py).
+    # On a busy machine nanoGPT's process, which nothing watches, waits asleep, and so do
+    # our runs started from here (they inherit the setting): both wait alike
+    # (common/threads.py).
     from common.threads import wait_passively
     wait_passively()
     nano = None

@@ -1,5 +1,5 @@
-"""How torch's CPU threads wait for each other, set before torch loads (OpenMP reads it
-once, when the library is loaded).
+"""How many threads torch uses and how they wait, looked at before torch loads (OpenMP
+reads its wait policy once, when the library is loaded) and again while a run trains.
 
 By default OpenMP threads spin for a while at the end of each parallel piece of work,
 waiting for the others. On a quiet machine that is what makes a small model's many short
@@ -7,17 +7,19 @@ operations fast. On a machine whose other cores are busy (a laptop with a browse
 working, a shared server) the thread they wait for may not be running at all, and the
 spinning takes the core it needs: a training step then costs several times what it does
 on one thread. So the scripts look at what the CPU is doing for a tenth of a second
-before torch loads, and only where other work holds at least half a core do they make the
-threads wait asleep (OMP_WAIT_POLICY=PASSIVE), and say so once the run has started (a
-mistyped option still gets its one error line). docs/benchmarks.md has the
-measurements both ways; `python bench/cpu_kinds.py --busy` measures them. A wait policy
+before torch loads. Where other work holds a core, train.py starts on the cores it leaves
+free (start_on_free_cores), and sample.py, which does not watch, makes the threads wait
+asleep (wait_passively, OMP_WAIT_POLICY=PASSIVE); each says so once the run has started (a
+mistyped option still gets its one error line). docs/benchmarks.md has the measurements
+both ways; `python bench/cpu_kinds.py --busy` measures them. A thread count, wait policy
 or spin count set by the user always wins.
 
 That first look misses load that comes and goes, or starts once training runs, and the
 wait policy cannot change after torch loads; the number of threads torch uses can. So
 while a run trains on a CPU, ThreadWatch looks again every LOOK_EVERY seconds and, where
 other work holds a core, goes on with the cores left free (on 2 cores, 1 thread, which
-has no one to spin against), and back to the full count once the machine is free again.
+has no one to spin against), and back to the full count once the machine is free again:
+a burst at the start costs seconds, not the whole run.
 """
 from __future__ import annotations
 
@@ -79,6 +81,58 @@ def wait_passively(env=os.environ, busy=busy_cores, say=_pending.append) -> None
         say(f"threads: other work holds {load:.1f} of {os.cpu_count()} cores, so torch's "
             "threads wait asleep instead of spinning (OMP_WAIT_POLICY=PASSIVE; set "
             "OMP_WAIT_POLICY=ACTIVE to keep them spinning)")
+
+
+_start: dict[str, int] = {}   # {"threads": n} where start_on_free_cores chose fewer threads
+
+
+def start_on_free_cores(env=os.environ, busy=busy_cores, say=_pending.append) -> None:
+    """For train.py, whose ThreadWatch changes the thread count while it trains: where other
+    work holds a core at the start, torch starts on the cores it leaves free (on 2 cores, 1
+    thread, which has no one to spin against) and the watch gives the rest back once the
+    machine is free. The wait policy is left as it is, so a burst of load at the start no
+    longer makes the whole run wait asleep (2.7x slower once the machine is quiet).
+    Several processes (torchrun), which the watch does not look after, wait passively."""
+    if env.get("WORLD_SIZE", "").strip() not in ("", "1"):
+        return wait_passively(env, busy, say)
+    if any(env.get(name, "").strip() for name in ("OMP_NUM_THREADS", *_USER_SETTINGS)):
+        return
+    cores = os.cpu_count() or 1
+    load = busy() if cores > 1 else None
+    fewer = choose_threads(ThreadState(cores), load, cores, cores).threads
+    if load is not None and fewer < cores:
+        _start["threads"] = fewer
+        say(f"threads: other work holds {load:.1f} of {cores} cores, so torch starts on "
+            f"{fewer} thread{'s' if fewer > 1 else ''} and takes the others back once the "
+            "machine is free (set OMP_NUM_THREADS to choose)")
+
+
+def started_on_fewer() -> bool:
+    return bool(_start)
+
+
+def apply_start(get_threads: Callable[[], int], set_threads: Callable[[int], None]) -> None:
+    """Once torch has loaded: the thread count start_on_free_cores chose, the full count
+    kept for the watch (or free_again) to give back."""
+    if _start and "full" not in _start:
+        _start["full"] = get_threads()
+        set_threads(min(_start["threads"], _start["full"]))
+
+
+def free_again(set_threads: Callable[[int], None], busy=busy_cores) -> bool:
+    """Back to the full thread count where the load seen at the start has gone (a look of
+    a tenth of a second, this process idle): before --budget measures the machine, so that
+    a burst at the start does not size the whole run. Whether it went back."""
+    if "full" not in _start:
+        return False
+    load = busy()
+    if load is None or load >= HELD:
+        return False
+    full = _start.pop("full")
+    set_threads(full)
+    _start.clear()
+    _pending.append(f"threads: the machine is free again: torch goes back to {full} threads")
+    return True
 
 
 def report(say=lambda line: print(line, file=sys.stderr)) -> None:
@@ -154,8 +208,8 @@ class ThreadWatch:
     def __init__(self, get_threads: Callable[[], int], set_threads: Callable[[int], None],
                  say: Callable[[str], None], read: Callable[[], Reading | None] | None = None,
                  clock: Callable[[], float] = time.perf_counter, cores: int | None = None):
-        self.full = get_threads()
-        self.state = ThreadState(self.full)
+        self.full = _start.get("full") or get_threads()     # the count a start under load lowered
+        self.state = ThreadState(get_threads())
         self.set_threads, self.say, self.clock = set_threads, say, clock
         self.read = read or read_machine
         self.cores = cores or os.cpu_count() or 1
@@ -194,6 +248,10 @@ def watch(on_cpu: bool, processes: int, get_threads: Callable[[], int],
     threads spin (the user set neither the thread count nor how they wait, and
     wait_passively did not make them wait asleep); else a watch that does nothing."""
     chosen = any(env.get(name, "").strip() for name in ("OMP_NUM_THREADS", *_USER_SETTINGS))
-    if not on_cpu or processes > 1 or chosen or get_threads() < 2 or read_machine() is None:
+    full = _start.get("full") or get_threads()
+    if not on_cpu or processes > 1 or chosen or full < 2 or read_machine() is None:
+        if "full" in _start:                  # nothing will give them back: now, then
+            set_threads(_start.pop("full"))
+            _start.clear()
         return _NoWatch()
     return ThreadWatch(get_threads, set_threads, say)

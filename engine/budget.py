@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.errors import ConfigError
+from common import threads
 from common.threads import HELD, other_cores, read_machine
 from model.readout import READOUTS, SHORTLIST_COVERAGE, head_macs, shortlist_for
 
@@ -305,6 +306,7 @@ def plan(cfg, budget_s: float, started: float, log=print, readout_given: bool = 
     if train_cfg.dtype == "auto" and device.type == "cpu" and precision.cpu_has_native_bf16():
         precisions = ["float32", "bfloat16"]
     if device.type == "cpu":
+        threads.free_again(torch.set_num_threads)       # a burst at the start is over
         _, flops_per_s = probe_again_if_busy(lambda: step_rate(cfg.model), log)
     else:
         _, flops_per_s = step_rate(cfg.model)

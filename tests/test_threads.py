@@ -56,13 +56,70 @@ def test_busy_cores_reads_the_work_done_between_two_samples(tmp_path):
     assert busy_cores(0, str(tmp_path / "missing")) is None
 
 
-@pytest.mark.parametrize("script", ["train.py", "sample.py"])
-def test_the_scripts_set_it_before_they_import_the_project(script):
+@pytest.mark.parametrize("script,call", [("train.py", "start_on_free_cores()"),
+                                         ("sample.py", "wait_passively()")])
+def test_the_scripts_set_it_before_they_import_the_project(script, call):
     """The project's first import (engine/, which loads torch) comes after the setting."""
     lines = (ROOT / script).read_text().splitlines()
     first = min(i for i, line in enumerate(lines)
                 if line.startswith(("from engine", "from model", "from data", "import torch")))
-    assert any(line.startswith("wait_passively()") for line in lines[:first])
+    assert any(line.startswith(call) for line in lines[:first])
+
+
+@pytest.fixture
+def fresh_start():
+    threads._start.clear()
+    threads._pending.clear()
+    yield
+    threads._start.clear()
+    threads._pending.clear()
+
+
+def test_a_training_run_started_under_load_starts_on_the_free_cores_and_takes_them_back(
+        fresh_start, monkeypatch):
+    """A burst at the start no longer fixes how the threads wait for the whole run: the wait
+    policy stays, torch starts on the cores left free, and the watch (or, before --budget
+    measures, free_again) gives the others back once the machine is free."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    env, said, count = {}, [], [2]
+    threads.start_on_free_cores(env, busy=lambda: 1.1, say=said.append)
+    assert env == {} and said == ["threads: other work holds 1.1 of 2 cores, so torch starts on "
+                                  "1 thread and takes the others back once the machine is free "
+                                  "(set OMP_NUM_THREADS to choose)"]
+    threads.apply_start(lambda: count[0], lambda n: count.__setitem__(0, n))
+    assert count == [1]
+    assert not threads.free_again(lambda n: count.__setitem__(0, n), busy=lambda: 1.0)
+    assert count == [1]                                        # still busy: stays
+    watch = threads.watch(True, 1, lambda: count[0], lambda n: count.__setitem__(0, n), said.append,
+                          env=env)
+    assert isinstance(watch, threads.ThreadWatch) and watch.full == 2 and watch.state.threads == 1
+    assert threads.free_again(lambda n: count.__setitem__(0, n), busy=lambda: 0.1)
+    assert count == [2] and not threads.started_on_fewer()
+    assert threads._pending[-1] == "threads: the machine is free again: torch goes back to 2 threads"
+
+
+def test_a_start_under_load_without_a_watch_gets_its_threads_back_at_once(fresh_start, monkeypatch):
+    """A GPU run or torchrun has no watch: the threads come back when that is known."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    threads.start_on_free_cores({}, busy=lambda: 1.5, say=lambda line: None)
+    count = [2]
+    threads.apply_start(lambda: count[0], lambda n: count.__setitem__(0, n))
+    assert count == [1]
+    threads.watch(False, 1, lambda: count[0], lambda n: count.__setitem__(0, n), print, env={})
+    assert count == [2]
+
+
+@pytest.mark.parametrize("env,busy,passive", [
+    ({}, 0.1, False),                                  # quiet: nothing changes
+    ({"OMP_NUM_THREADS": "2"}, 1.5, False),             # the user's count
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, 1.5, False),        # the user's policy
+    ({"WORLD_SIZE": "2"}, 1.5, True)])                 # torchrun: no watch, so passive
+def test_a_start_under_load_is_left_alone_where_the_user_chose(fresh_start, monkeypatch, env,
+                                                                busy, passive):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    threads.start_on_free_cores(env, busy=lambda: busy, say=lambda line: None)
+    assert not threads.started_on_fewer()
+    assert (env.get("OMP_WAIT_POLICY") == "PASSIVE") == passive
 
 
 def test_the_choice_is_said_when_work_starts_not_before_an_error_line(capsys):
