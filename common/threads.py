@@ -107,10 +107,6 @@ def start_on_free_cores(env=os.environ, busy=busy_cores, say=_pending.append) ->
             "machine is free (set OMP_NUM_THREADS to choose)")
 
 
-def started_on_fewer() -> bool:
-    return bool(_start)
-
-
 def apply_start(get_threads: Callable[[], int], set_threads: Callable[[int], None]) -> None:
     """Once torch has loaded: the thread count start_on_free_cores chose, the full count
     kept for the watch (or free_again) to give back."""

@@ -183,7 +183,7 @@ def entry_point(target: str):
             env = dict(os.environ)
             spec.loader.exec_module(module)          # not as __main__: main() is not run
             os.environ.clear()
-            os.environ.update(env)                   # what train.py's wait_passively() set
+            os.environ.update(env)                   # whatever importing train.py set
             _modules[target] = module
     return _modules[target]
 

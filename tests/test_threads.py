@@ -94,7 +94,7 @@ def test_a_training_run_started_under_load_starts_on_the_free_cores_and_takes_th
                           env=env)
     assert isinstance(watch, threads.ThreadWatch) and watch.full == 2 and watch.state.threads == 1
     assert threads.free_again(lambda n: count.__setitem__(0, n), busy=lambda: 0.1)
-    assert count == [2] and not threads.started_on_fewer()
+    assert count == [2] and not threads._start
     assert threads._pending[-1] == "threads: the machine is free again: torch goes back to 2 threads"
 
 
@@ -118,7 +118,7 @@ def test_a_start_under_load_is_left_alone_where_the_user_chose(fresh_start, monk
                                                                 busy, passive):
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     threads.start_on_free_cores(env, busy=lambda: busy, say=lambda line: None)
-    assert not threads.started_on_fewer()
+    assert not threads._start
     assert (env.get("OMP_WAIT_POLICY") == "PASSIVE") == passive
 
 
