@@ -253,8 +253,10 @@ class TextSource(Source):
     def _decode(self, path, decoder, data: bytes, final: bool = False) -> str:
         try:
             text = decoder.decode(data, final)
-        except UnicodeDecodeError as err:
-            raise DataError(f"corpus file {path} is not readable UTF-8 text ({err})") from None
+        except UnicodeDecodeError as err:     # its position counts from the block read, not the file
+            raise DataError(f"corpus file {path} is not readable UTF-8 text (byte "
+                            f"0x{err.object[err.start]:02x}: {err.reason}); give a UTF-8 text "
+                            "file (iconv -f LATIN1 -t UTF-8 converts one saved as Latin-1)") from None
         if "\0" in text:       # valid UTF-8, but text has no NUL: a binary file, or UTF-16
             raise DataError(f"corpus file {path} holds NUL bytes, so it is not text (a binary "
                             "file, or text saved as UTF-16); give a UTF-8 text file")

@@ -87,6 +87,14 @@ def test_missing_and_empty_corpora_are_explained(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00abc")
     with pytest.raises(DataError, match="UTF-8"):
         load_tokens(str(binary), cache_dir=str(tmp_path))
+    # A bad byte far into a file: its value and what to do, not a position within a block.
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"plain text\n" * 300_000 + "caf\xe9\n".encode("latin-1"))
+    with pytest.raises(DataError) as err:
+        load_tokens(str(latin), cache_dir=str(tmp_path))
+    assert str(err.value) == (f"corpus file {latin} is not readable UTF-8 text (byte 0xe9: "
+                              "invalid continuation byte); give a UTF-8 text file (iconv -f "
+                              "LATIN1 -t UTF-8 converts one saved as Latin-1)")
 
 
 def test_text_with_nul_bytes_is_refused_as_not_text(tmp_path):
