@@ -137,11 +137,17 @@ def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
         elif meta is not None:
             log(f"{Path(source).name} or the tokenizer settings changed; rebuilding {folder}")
         log(f"tokenizing {source} with the {tokenizer} tokenizer into {folder} (once; cached after)")
-        meta = prepare(spec, folder, tokenizer, vocab_size, tokenizer_sample=CACHE_BPE_SAMPLE,
-                       shard_tokens=CACHE_SHARD_TOKENS,
-                       num_proc=0 if size > PARALLEL_FROM_BYTES else 1, overwrite=True,
-                       key_extra=key_extra, log=lambda *a: None,
-                       progress=size > PARALLEL_FROM_BYTES, given=given)
+        try:
+            meta = prepare(spec, folder, tokenizer, vocab_size, tokenizer_sample=CACHE_BPE_SAMPLE,
+                           shard_tokens=CACHE_SHARD_TOKENS,
+                           num_proc=0 if size > PARALLEL_FROM_BYTES else 1, overwrite=True,
+                           key_extra=key_extra, log=lambda *a: None,
+                           progress=size > PARALLEL_FROM_BYTES, given=given)
+        except DataError:                  # text it cannot read: nothing worth resuming
+            clear_build(folder)
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+            raise
         s = meta["splits"]
         log(f"  {s['train']['tokens']:,} train and {s['val']['tokens']:,} val tokens, "
             f"vocabulary {meta['vocab_size']}")

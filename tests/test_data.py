@@ -108,6 +108,7 @@ def test_text_with_nul_bytes_is_refused_as_not_text(tmp_path):
         with pytest.raises(DataError, match=f"{path} holds NUL bytes.*UTF-8"):
             load_tokens(str(path), cache_dir=str(tmp_path / "cache"))
         assert not list((tmp_path / "cache").glob("*/meta.json"))
+        assert not list((tmp_path / "cache").glob("*-char"))      # no empty folder left
     # The first 64 KiB of a file are read before the build starts: no cache folder yet.
     assert not (tmp_path / "cache" / "notes-char").exists()
 
