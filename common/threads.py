@@ -132,7 +132,8 @@ def free_again(set_threads: Callable[[int], None], busy=busy_cores) -> bool:
 
 
 def report(say=lambda line: print(line, file=sys.stderr)) -> None:
-    """Say what wait_passively chose, once: called when the run's work begins."""
+    """Say what the first look chose (wait_passively, start_on_free_cores, free_again), once:
+    called when the run's work begins."""
     while _pending:
         say(_pending.pop(0))
 
