@@ -9,6 +9,7 @@ Either way, training memory-maps the shards and never holds the corpus in memory
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +119,11 @@ def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
         name = first + f"-{tokenizer}" + (f"{vocab_size}" if sized else "")
     key = prepare_key(key_extra, tokenizer, vocab_size, CACHE_BPE_SAMPLE, CACHE_SHARD_TOKENS)
     folder = Path(cache_dir or DATA_DIR / "cache") / name
+    held = read_meta(folder)
+    if held is not None and held["key"] != key and held["source"].get("source") != source:
+        # Another corpus of the same name (a/notes.txt, b/notes.txt) built this folder: a
+        # folder of this path's own, rather than a rebuild over the other one's.
+        folder = folder.with_name(f"{name}-{hashlib.sha256(str(Path(source).resolve()).encode()).hexdigest()[:8]}")
     folder.parent.mkdir(parents=True, exist_ok=True)
     # One build per cache folder at a time: a second training started meanwhile waits,
     # then finds the folder built.

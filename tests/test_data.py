@@ -41,10 +41,14 @@ def test_cache_is_built_once_reused_and_rebuilt_on_change(corpus, tmp_path):
     logs.clear()
     again = load_tokens(str(corpus), "char", cache_dir=str(tmp_path), log=logs.append)
     assert logs == [] and np.array_equal(again.train, first.train)
-    # Changing the text rebuilds ...
-    changed = tmp_path / "small.txt"
-    changed.write_text(corpus.read_text() + "\nZounds!\n")
-    load_tokens(str(changed), "char", cache_dir=str(tmp_path), log=logs.append)
+    # Changing a file's text rebuilds its cache ...
+    own = tmp_path / "own" / "small.txt"
+    own.parent.mkdir()
+    own.write_text(corpus.read_text() + "\nAlas!\n")
+    load_tokens(str(own), "char", cache_dir=str(tmp_path), log=logs.append)
+    logs.clear()
+    own.write_text(corpus.read_text() + "\nZounds!\n")
+    load_tokens(str(own), "char", cache_dir=str(tmp_path), log=logs.append)
     assert any("changed" in line for line in logs)
     # ... and so does a different tokenizer, in a cache of its own.
     logs.clear()
@@ -111,6 +115,24 @@ def test_text_with_nul_bytes_is_refused_as_not_text(tmp_path):
         assert not list((tmp_path / "cache").glob("*-char"))      # no empty folder left
     # The first 64 KiB of a file are read before the build starts: no cache folder yet.
     assert not (tmp_path / "cache" / "notes-char").exists()
+
+
+def test_two_corpora_of_one_name_keep_their_own_caches(tmp_path):
+    """a/notes.txt and b/notes.txt would share the folder notes-char: the second no longer
+    rebuilds over the first, and each loads again without a build."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, second = tmp_path / "a" / "notes.txt", tmp_path / "b" / "notes.txt"
+    first.write_text("the first corpus, about kings and crowns\n" * 400)
+    second.write_text("another corpus, about ships at sea\n" * 400)
+    cache = str(tmp_path / "cache")
+    for path, builds in ((first, True), (second, True), (first, False), (second, False)):
+        logs = []
+        data = load_tokens(str(path), cache_dir=cache, log=logs.append)
+        assert len(data.train) + len(data.val) == len(path.read_text())      # its own text
+        assert any(line.startswith("tokenizing") for line in logs) == builds
+        assert not any("rebuilding" in line for line in logs)
+    assert len(list((tmp_path / "cache").glob("notes-char*"))) == 2
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no device files or named pipes here")
