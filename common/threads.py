@@ -91,7 +91,8 @@ def start_on_free_cores(env=os.environ, busy=busy_cores, say=_pending.append) ->
     work holds a core at the start, torch starts on the cores it leaves free (on 2 cores, 1
     thread, which has no one to spin against) and the watch gives the rest back once the
     machine is free. The wait policy is left as it is, so a burst of load at the start no
-    longer makes the whole run wait asleep (2.7x slower once the machine is quiet).
+    longer makes the whole run wait asleep (slower once the machine is quiet:
+    docs/benchmarks.md, "Threads on a busy machine").
     Several processes (torchrun), which the watch does not look after, wait passively."""
     if env.get("WORLD_SIZE", "").strip() not in ("", "1"):
         return wait_passively(env, busy, say)

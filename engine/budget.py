@@ -25,7 +25,6 @@ import torch
 
 from common.errors import ConfigError
 from common import threads
-from common.threads import HELD, other_cores, read_machine
 from model.readout import READOUTS, SHORTLIST_COVERAGE, head_macs, shortlist_for
 
 # Chinchilla's compute-optimal ratio is about 20 (Hoffmann et al., arXiv:2203.15556),
@@ -250,7 +249,7 @@ def measure(cfg, device, dtype, seconds: float, batch=None, counts=None) -> floa
     return steps / (time.perf_counter() - start)
 
 
-def probe_again_if_busy(probe, log, read=read_machine, cores: int | None = None):
+def probe_again_if_busy(probe, log, read=threads.read_machine, cores: int | None = None):
     """probe()'s (steps/s, FLOP/s), taken a second time where other programs held a core
     while it ran, and the faster kept: the size it chooses is for the whole run, and a
     burst of load (a browser tab, a build finishing) would choose a smaller model than
@@ -261,8 +260,8 @@ def probe_again_if_busy(probe, log, read=read_machine, cores: int | None = None)
     for _ in range(2):
         before = read()
         results.append(probe())
-        other = other_cores(before, read(), cores)
-        if other is None or other < HELD:
+        other = threads.other_cores(before, read(), cores)
+        if other is None or other < threads.HELD:
             break
     else:
         log(f"budget: other programs held {other:.1f} of {cores} cores while this machine was "

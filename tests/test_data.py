@@ -108,13 +108,14 @@ def test_text_with_nul_bytes_is_refused_as_not_text(tmp_path):
     utf16.write_bytes("To be, or not to be\n".encode("utf-16-le") * 50)
     late = tmp_path / "late.txt"
     late.write_bytes(b"plain text\n" * 20_000 + b"\x00\x01\x02")
-    for path in (utf16, late):
+    for path, early in ((utf16, True), (late, False)):
+        logs = []
         with pytest.raises(DataError, match=f"{path} holds NUL bytes.*UTF-8"):
-            load_tokens(str(path), cache_dir=str(tmp_path / "cache"))
+            load_tokens(str(path), cache_dir=str(tmp_path / "cache"), log=logs.append)
+        # Within its first 64 KiB, refused before the build starts; later, during it.
+        assert any(line.startswith("tokenizing") for line in logs) != early
         assert not list((tmp_path / "cache").glob("*/meta.json"))
         assert not list((tmp_path / "cache").glob("*-char"))      # no empty folder left
-    # The first 64 KiB of a file are read before the build starts: no cache folder yet.
-    assert not (tmp_path / "cache" / "notes-char").exists()
 
 
 def test_two_corpora_of_one_name_keep_their_own_caches(tmp_path):
