@@ -12,6 +12,7 @@ directory, so `python -m attnlab.extrapolate --from <out>` can evaluate them fur
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import shlex
@@ -22,6 +23,7 @@ from datetime import datetime
 from pathlib import Path
 
 from common.errors import AttnlabError
+from common.files import write_text_atomic
 from attnlab.plotting import pyplot, save_figure
 from engine.cli import Parser, errors_as_lines
 
@@ -80,19 +82,20 @@ def write_results(rows: list[dict], out: Path) -> None:
     unit = rows[0]["unit"]
     columns = ["variant", "args", "params", "val_loss", f"val_{unit}", "tokens_per_s",
                "peak_memory_mb", "wall_s"]
-    with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(columns)
-        for r in rows:
-            writer.writerow([r[c] for c in columns])
+    table = io.StringIO(newline="")
+    writer = csv.writer(table)
+    writer.writerow(columns)
+    for r in rows:
+        writer.writerow([r[c] for c in columns])
+    write_text_atomic(out / "results.csv", table.getvalue())
     lines = [f"| variant | arguments | params | best val loss | {unit} | tokens/s | peak memory | wall time |",
              "|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["val_loss"]):
         lines.append(f"| {r['variant']} | `{r['args']}` | {r['params'] / 1e6:.2f}M | {r['val_loss']:.4f} "
                      f"| {r[f'val_{unit}']:.3f} | {r['tokens_per_s']:,.0f} | "
                      f"{r['peak_memory_mb']:,.0f} MB | {r['wall_s']:.0f} s |")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    write_text_atomic(out / "results.md", "\n".join(lines) + "\n")
+    write_text_atomic(out / "results.json", json.dumps(rows, indent=1))
     print("\n".join(lines))
 
     plt = pyplot()

@@ -11,6 +11,7 @@ applicable there, not run. Writes extrapolation.md, .csv and .png.
 from __future__ import annotations
 
 import csv
+import io
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from common.errors import AttnlabError
+from common.files import write_text_atomic
 from attnlab.options import add_run_options, find_run
 from attnlab.plotting import pyplot, save_figure
 from engine.cli import Parser, errors_as_lines
@@ -79,11 +81,12 @@ def evaluate_run(run: Path, factors, batches: int, batch_size: int, which: str =
 
 
 def write(rows: list[dict], out: Path, factors) -> None:
-    with open(out / "extrapolation.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["run", "scheme", "factor", "length", "val_loss"])
-        for r in rows:
-            w.writerow([r["run"], r["scheme"], r["factor"], r["length"], r["val_loss"]])
+    table = io.StringIO(newline="")
+    w = csv.writer(table)
+    w.writerow(["run", "scheme", "factor", "length", "val_loss"])
+    for r in rows:
+        w.writerow([r["run"], r["scheme"], r["factor"], r["length"], r["val_loss"]])
+    write_text_atomic(out / "extrapolation.csv", table.getvalue())
     keys = list(dict.fromkeys((r["run"], r["scheme"]) for r in rows))
     lines = ["| run | scheme | " + " | ".join(f"{f}x" for f in factors) + " |",
              "|---|---|" + "---|" * len(factors)]
@@ -94,7 +97,7 @@ def write(rows: list[dict], out: Path, factors) -> None:
             value = hit[0]["val_loss"] if hit else None
             cells.append("n/a" if value is None else f"{value:.3f}")
         lines.append(f"| {run} | {scheme} | " + " | ".join(cells) + " |")
-    (out / "extrapolation.md").write_text("\n".join(lines) + "\n")
+    write_text_atomic(out / "extrapolation.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
     plt = pyplot()

@@ -30,6 +30,7 @@ from attnlab.capture import attention_maps
 from attnlab.options import add_run_options, load, positive
 from attnlab.plotting import check_figure_out, figures_folder, out_path, pyplot, save_figure
 from common.errors import AttnlabError
+from common.files import write_text_atomic
 from engine.cli import Parser, errors_as_lines
 
 
@@ -194,7 +195,7 @@ def export_head_view(path, tokens, maps, inline_js: str | Path | None = None) ->
         body = "".join(libs) + DEFINE_INLINE + body.replace(CDN_REQUIRE, "")
     html = ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>attention head view"
             f"</title></head><body>\n{body}\n</body></html>\n")
-    Path(path).write_text(html, encoding="utf-8")
+    write_text_atomic(Path(path), html)
     return Path(path)
 
 

@@ -3,9 +3,11 @@ where a figure goes, and saving it. (Their argument parser is engine.cli.Parser,
 one every command line uses; the options naming a model are attnlab.options.)"""
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from common.errors import AttnlabError
+from common.files import write_bytes_atomic
 
 
 def pyplot():
@@ -22,8 +24,12 @@ def save_figure(fig, path, dpi: int = 110) -> Path:
     if not path.suffix:
         path = path.with_suffix(".png")
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    pyplot().close(fig)
+    buf = io.BytesIO()                   # drawn whole first, so a killed run leaves the old file
+    try:
+        fig.savefig(buf, dpi=dpi, format=path.suffix[1:].lower())
+    finally:
+        pyplot().close(fig)
+    write_bytes_atomic(path, buf.getvalue())
     return path
 
 

@@ -82,17 +82,23 @@ def read_json(path: Path, limit: int = JSON_LIMIT) -> dict | None:
         return None
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write `data` so that `path` holds either its old contents or all of the new: a
+    process killed part-way, or a full disk, never leaves half a file behind."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        tmp.write_bytes(data)
         fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):  # a full disk leaves no half-written file behind
             tmp.unlink(missing_ok=True)
         raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def write_json_atomic(path: Path, data) -> None:

@@ -75,7 +75,9 @@ def main() -> None:
     buf = io.BytesIO()
     with gzip.GzipFile(fileobj=buf, mode="wb", compresslevel=9, mtime=0) as gz:
         gz.write(corpus.encode("utf-8"))
-    args.out.write_bytes(buf.getvalue())
+    tmp = args.out.with_name(f".{args.out.name}.tmp")    # renamed whole: never half a corpus
+    tmp.write_bytes(buf.getvalue())
+    tmp.replace(args.out)
     print(f"{len(works)} works, {len(corpus):,} characters -> {args.out} "
           f"({len(buf.getvalue()):,} bytes compressed)")
 

@@ -364,7 +364,7 @@ def _fresh_name(cfg: RunConfig) -> str:
 
 def _write_run_files(run: Run) -> None:
     run.run_dir.mkdir(parents=True, exist_ok=True)
-    (run.run_dir / "config.json").write_text(run.cfg.to_json())
+    write_text_atomic(run.run_dir / "config.json", run.cfg.to_json())
     run.data.tokenizer.save(run.run_dir)
 
 

@@ -233,3 +233,69 @@ def test_no_variant_name_is_compared_with_a_string_outside_its_registry():
 ])
 def test_the_string_compare_check_sees_each_form(code, caught):
     assert bool(string_compares(code, variant_fields())) is caught
+
+
+# A file is written whole or not at all (common/files.py's atomic writes: a temporary
+# file renamed over the target), so a run killed part-way never leaves half a config,
+# figure or table behind. The files allowed to write otherwise, each with why:
+WRITES_ALLOWED = {
+    "common/files.py": "the atomic writes themselves, and the writable-folder probe",
+    "engine/checkpoint.py": "writes inside a temporary folder that is renamed whole",
+    "engine/tracking.py": "a temporary file renamed over the metrics log",
+    "engine/cli.py": "opens os.devnull",
+    "data/shards.py": "token shards that an interrupted build resumes from, checked on load",
+    "data/build_corpus.py": "a temporary file renamed over the corpus (run without common/)",
+}
+
+
+def partial_writes(code: str) -> list[int]:
+    """Lines of `code` that write a file in place: Path.write_text/write_bytes,
+    savefig to a path (not to an in-memory buffer named buf) and open(..., "w"/"a"/"x")."""
+    lines = []
+    for node in ast.walk(ast.parse(code)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        if name in ("write_text", "write_bytes"):
+            lines.append(node.lineno)
+        elif name == "savefig" and not (node.args and getattr(node.args[0], "id", "") == "buf"):
+            lines.append(node.lineno)
+        elif name == "open":
+            # open(path, mode), where a mode that is not a constant may write; or
+            # path.open(mode) with a constant mode (other classes' open take other arguments)
+            method = isinstance(func, ast.Attribute)
+            modes = node.args[0 if method else 1:][:1] + [k.value for k in node.keywords if k.arg == "mode"]
+            if any(set(str(m.value)) & set("wax") if isinstance(m, ast.Constant) else not method
+                   for m in modes):
+                lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize("code, caught", [
+    ('Path("a").write_text("x")', True),
+    ('p.write_bytes(b"")', True),
+    ('fig.savefig(path, dpi=1)', True),
+    ('fig.savefig(buf, format="png")', False),
+    ('open(p, "w", newline="")', True),
+    ('open(p, mode="ab")', True),
+    ('open(p, "r+b" if t else "wb")', True),
+    ('open(p)', False),
+    ('open(p, "rb")', False),
+    ('Path(p).open("w")', True),
+    ('Shards.open(folder, names)', False),
+    ('write_text_atomic(p, "x")', False),
+])
+def test_the_partial_write_check_sees_each_form(code, caught):
+    assert bool(partial_writes(code)) == caught
+
+
+def test_files_are_written_whole():
+    paths = [p for package in PACKAGES for p in (ROOT / package).rglob("*.py")]
+    paths += [ROOT / "train.py", ROOT / "sample.py"]
+    found = []
+    for path in sorted(paths):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel not in WRITES_ALLOWED:
+            found += [f"{rel}:{n}" for n in partial_writes(path.read_text(encoding="utf-8"))]
+    assert not found, f"files written in place, not through common/files.py: {found}"

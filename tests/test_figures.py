@@ -1,4 +1,8 @@
 """The mask-pattern figure (attnlab/figures.py)."""
+from pathlib import Path
+
+import pytest
+
 from attnlab.figures import mask_patterns, save_mask_patterns
 
 
@@ -32,3 +36,29 @@ def test_every_article_figure_is_written(tmp_path, capsys, monkeypatch):
     assert "= 6.1" in printed and "d_k =  512" in printed
     for name in FIGURES:
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_figure_that_fails_part_way_leaves_the_old_file_whole(tmp_path):
+    """save_figure draws into memory and renames the whole file over the old one: a
+    savefig that dies half-way (a killed run, a full disk) leaves the old figure, not
+    half of a new one, and no temporary file beside it."""
+    from attnlab.plotting import pyplot, save_figure
+    path = tmp_path / "attention.png"
+    path.write_bytes(b"the old figure")
+    fig = pyplot().figure()
+
+    def dies_half_way(target, **kwargs):
+        if hasattr(target, "write"):
+            target.write(b"\x89PNG half")
+        else:
+            Path(target).write_bytes(b"\x89PNG half")
+        raise OSError("No space left on device")
+
+    fig.savefig = dies_half_way
+    with pytest.raises(OSError):
+        save_figure(fig, path)
+    assert path.read_bytes() == b"the old figure"
+    assert [p.name for p in tmp_path.iterdir()] == ["attention.png"]
+    # and a figure that is saved replaces it, as a PNG of the suffix asked for
+    fig = pyplot().figure()
+    assert save_figure(fig, tmp_path / "attention.PNG").read_bytes()[:4] == b"\x89PNG"
