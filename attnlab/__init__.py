@@ -6,11 +6,6 @@ builds on model/ and data/.
 An ATEN_CPU_CAPABILITY this CPU cannot run is refused here, before any tool loads torch,
 which would die of it at its first kernel (common/cpu.py): one line for `python -m`, an
 ImportError naming it in a notebook."""
-import sys as _sys
+from common.cpu import refuse_on_import as _refuse_on_import
 
-from common.cpu import capability_problem as _problem, refuse_unrunnable_capability as _refuse
-
-if _sys.argv[:1] == ["-m"]:      # `python -m attnlab.NAME` is importing its package
-    _refuse()
-elif _problem():
-    raise ImportError(_problem())
+_refuse_on_import()

@@ -17,6 +17,8 @@ end to end.
 """
 from __future__ import annotations
 
+import capability  # noqa: F401  (first: refuses an ATEN_CPU_CAPABILITY this CPU cannot run)
+
 import argparse
 import subprocess
 import sys

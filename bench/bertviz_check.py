@@ -9,6 +9,8 @@ and RequireJS once, so the page carries its own copies and opens offline).
 """
 from __future__ import annotations
 
+import capability  # noqa: F401  (first: refuses an ATEN_CPU_CAPABILITY this CPU cannot run)
+
 import argparse
 import re
 import shutil

@@ -10,6 +10,8 @@ that is faster without --train.compile.
 """
 from __future__ import annotations
 
+import capability  # noqa: F401  (first: refuses an ATEN_CPU_CAPABILITY this CPU cannot run)
+
 import argparse
 import sys
 import time

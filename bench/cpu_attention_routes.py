@@ -12,6 +12,8 @@ bf16 (AVX2) every bf16 column is emulated and the fp32 route is taken at any len
 """
 from __future__ import annotations
 
+import capability  # noqa: F401  (first: refuses an ATEN_CPU_CAPABILITY this CPU cannot run)
+
 import argparse
 import sys
 import time

@@ -27,6 +27,8 @@ recipe first, and `--budget` then gets its wall time under the same kind.
 """
 from __future__ import annotations
 
+import capability  # noqa: F401  (first: refuses an ATEN_CPU_CAPABILITY this CPU cannot run)
+
 import argparse
 import json
 import os

@@ -15,6 +15,8 @@ config field the presets use.
 """
 from __future__ import annotations
 
+import capability  # noqa: F401  (first: refuses an ATEN_CPU_CAPABILITY this CPU cannot run)
+
 import argparse
 import sys
 import tempfile

@@ -11,6 +11,8 @@ lr 1e-3) reaches val loss 1.886 in 102 s on the 2-core machine this was written 
 """
 from __future__ import annotations
 
+import capability  # noqa: F401  (first: refuses an ATEN_CPU_CAPABILITY this CPU cannot run)
+
 import argparse
 import gzip
 import json

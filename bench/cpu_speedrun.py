@@ -23,6 +23,8 @@ planned run once per seed (a seed moves it by about as much as the target's marg
 """
 from __future__ import annotations
 
+import capability  # noqa: F401  (first: refuses an ATEN_CPU_CAPABILITY this CPU cannot run)
+
 import argparse
 import re
 import subprocess

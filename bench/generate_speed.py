@@ -9,6 +9,8 @@ process. Also the KV-cache memory for multi-head, GQA and MQA.
 """
 from __future__ import annotations
 
+import capability  # noqa: F401  (first: refuses an ATEN_CPU_CAPABILITY this CPU cannot run)
+
 import argparse
 import sys
 import time

@@ -12,6 +12,8 @@ file reads it only when the weights are used), against the size of the weights o
 """
 from __future__ import annotations
 
+import capability  # noqa: F401  (first: refuses an ATEN_CPU_CAPABILITY this CPU cannot run)
+
 import json
 import subprocess
 import sys

@@ -12,6 +12,8 @@ it prints goes in docs/testing.md.
 """
 from __future__ import annotations
 
+import capability  # noqa: F401  (first: refuses an ATEN_CPU_CAPABILITY this CPU cannot run)
+
 import argparse
 import os
 import shlex

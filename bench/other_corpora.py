@@ -50,6 +50,8 @@ code; ours by `python -m attnlab.evaluate`'s scorer. The margins use these score
 """
 from __future__ import annotations
 
+import capability  # noqa: F401  (first: refuses an ATEN_CPU_CAPABILITY this CPU cannot run)
+
 import argparse
 import json
 import random

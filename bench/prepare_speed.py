@@ -11,6 +11,8 @@ bundled corpus unrepeated, where few words repeat and the piece cache helps leas
 """
 from __future__ import annotations
 
+import capability  # noqa: F401  (first: refuses an ATEN_CPU_CAPABILITY this CPU cannot run)
+
 import argparse
 import gzip
 import json

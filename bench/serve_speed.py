@@ -19,6 +19,8 @@ after "ROMEO:", clicks the 30th and saves the page.
 """
 from __future__ import annotations
 
+import capability  # noqa: F401  (first: refuses an ATEN_CPU_CAPABILITY this CPU cannot run)
+
 import argparse
 import json
 import os

@@ -16,6 +16,8 @@ Perplexity against position (in bins) and tokens/s for each, a figure and a tabl
 """
 from __future__ import annotations
 
+import capability  # noqa: F401  (first: refuses an ATEN_CPU_CAPABILITY this CPU cannot run)
+
 import math
 import sys
 import time

@@ -9,6 +9,8 @@ the best round of each counts, which filters out noise from other processes.
 """
 from __future__ import annotations
 
+import capability  # noqa: F401  (first: refuses an ATEN_CPU_CAPABILITY this CPU cannot run)
+
 import argparse
 import sys
 import time

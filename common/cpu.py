@@ -65,3 +65,13 @@ def refuse_unrunnable_capability(env=os.environ, cpuinfo: str = "/proc/cpuinfo")
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
+
+
+def refuse_on_import(env=os.environ, cpuinfo: str = "/proc/cpuinfo") -> None:
+    """For a package's __init__ (attnlab, engine, data), before anything of it loads torch:
+    under `python -m PACKAGE.TOOL` one error line and exit status 2; imported from other
+    code (a notebook's cell), an ImportError that says the same."""
+    if sys.argv[:1] == ["-m"]:      # `python -m PACKAGE.TOOL` is importing its package
+        refuse_unrunnable_capability(env, cpuinfo)
+    elif problem := capability_problem(env, cpuinfo):
+        raise ImportError(problem)

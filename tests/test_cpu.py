@@ -94,3 +94,51 @@ def test_the_kind_deciding_flags_are_the_vector_fma_amx_and_bf16_ones(tmp_path):
     path = cpuinfo(tmp_path, "fpu sse2 avx2 fma avx512f avx512_bf16 amx_tile sha_ni")
     assert vector_flags(path) == "amx_tile avx2 avx512_bf16 avx512f fma"
     assert vector_flags(cpuinfo(tmp_path, None)) == "?"
+
+
+X86 = pytest.mark.skipif(cpu_flags() is None, reason="needs an x86 CPU (its flags in /proc/cpuinfo)")
+# A value torch ignores is refused on any x86 CPU, with AVX-512 or without: the checks
+# below run on both kinds. (`avx512` on an AVX2 CPU, which dies of SIGILL, is above.)
+IGNORED = {"PATH": "/usr/bin:/bin", "ATEN_CPU_CAPABILITY": "AVX2", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT)}
+REFUSED = ("error: ATEN_CPU_CAPABILITY=AVX2 is not a value torch knows on this CPU, so it "
+           "would be ignored; set it to avx512, avx2 or default (lower case), or unset it\n")
+# Only a repro meant for torch's own tracker stays torch alone.
+BENCH_WITHOUT_THE_CHECK = {"capability.py", "flex_cpu_repro.py"}
+
+
+@X86
+@pytest.mark.parametrize("code", ["import engine.run", "from data.tokens import load_tokens",
+                                  "import attnlab.lens"])
+def test_importing_the_packages_from_a_notebook_raises_naming_it(tmp_path, code):
+    """A notebook that imports engine/ or data/ before attnlab/ is told too, before torch
+    runs a kernel (model/ stays torch alone: it is checked by whoever imports it)."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, env=IGNORED, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == "ImportError: " + REFUSED[len("error: "):].strip()
+
+
+@X86
+@pytest.mark.parametrize("module", ["data.prepare", "attnlab.heads"])
+def test_the_package_tools_refuse_it_in_one_line(tmp_path, module):
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, env=IGNORED, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", REFUSED)
+
+
+def test_every_bench_script_checks_before_anything_else():
+    """bench/capability.py is each script's first import, before torch and the project."""
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        if path.name in BENCH_WITHOUT_THE_CHECK:
+            continue
+        imports = [line for line in path.read_text().splitlines()
+                   if line.startswith(("import ", "from ")) and not line.startswith("from __future__")]
+        assert imports[0].startswith("import capability"), f"{path.name} imports {imports[0]!r} first"
+
+
+@X86
+def test_a_bench_script_refuses_it_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "train_speed.py"), "--help"],
+                          cwd=tmp_path, capture_output=True, text=True, env=IGNORED, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", REFUSED)

@@ -1,0 +1,11 @@
+"""Imported first by every bench script, before torch: an ATEN_CPU_CAPABILITY this CPU
+cannot run is refused in one line (common/cpu.py), where torch would die of SIGILL at its
+first kernel with nothing said, and one torch would ignore is refused where it would
+measure another kind than the one asked for."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common.cpu import refuse_unrunnable_capability  # noqa: E402
+
+refuse_unrunnable_capability()
