@@ -28,7 +28,7 @@ import torch
 
 from attnlab.capture import attention_maps
 from attnlab.options import add_run_options, load, positive
-from attnlab.plotting import check_figure_out, figures_folder, out_path, pyplot, save_figure
+from attnlab.plotting import check_figure_out, default_out, out_path, pyplot, save_figure
 from common.errors import AttnlabError
 from common.files import write_text_atomic
 from engine.cli import Parser, errors_as_lines
@@ -195,6 +195,7 @@ def export_head_view(path, tokens, maps, inline_js: str | Path | None = None) ->
         body = "".join(libs) + DEFINE_INLINE + body.replace(CDN_REQUIRE, "")
     html = ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>attention head view"
             f"</title></head><body>\n{body}\n</body></html>\n")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(Path(path), html)
     return Path(path)
 
@@ -242,7 +243,7 @@ def main(argv=None) -> int:
         check_figure_out(args.out)
     model, _, tokenizer, ckpt = load(args)
     if writes and not args.out:
-        args.out = str(figures_folder(ckpt))
+        args.out = default_out(ckpt)
     tokens, maps = attention_maps(model, tokenizer, args.text)
     if args.what == "html":
         print(export_head_view(out_path(args.out, "head_view.html"), tokens, maps, args.inline_js or None))

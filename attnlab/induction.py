@@ -30,7 +30,7 @@ import torch
 from attnlab.capture import attention
 from attnlab.lens import ablate
 from attnlab.options import add_run_options, load
-from attnlab.plotting import check_figure_out, figures_folder, out_path, pyplot, save_figure
+from attnlab.plotting import check_figure_out, default_out, out_path, pyplot, save_figure
 from common.errors import AttnlabError
 from engine.cli import Parser, errors_as_lines
 
@@ -139,7 +139,7 @@ def detect(args) -> int:
                            "(model.causal=false): look at it with python -m attnlab.heads")
     _, _, prev, induct = report(model, span=min(20, model.config.block_size // 2))
     print(plot_heads(model, 12, {"previous-token head": prev, "induction head": induct},
-                     out_path(args.out or str(figures_folder(ckpt)), "induction_heads.png")))
+                     out_path(args.out or default_out(ckpt), "induction_heads.png")))
     return 0
 
 

@@ -27,7 +27,7 @@ import torch
 
 from attnlab.capture import check_context, installed, names, run_with_cache  # noqa: F401  (lens users read and edit)
 from attnlab.options import add_run_options, load, positive
-from attnlab.plotting import check_figure_out, figures_folder, out_path, save_layer_map
+from attnlab.plotting import check_figure_out, default_out, out_path, save_layer_map
 from common.errors import AttnlabError
 from engine.cli import Parser, errors_as_lines
 
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
                            "output layer (a sentence encoder keeps only hidden states); look at "
                            "its attention with python -m attnlab.heads, or give a folder with a "
                            "masked-LM head (BertForMaskedLM)")
-    args.out = args.out or str(figures_folder(ckpt))
+    args.out = args.out or default_out(ckpt)
     show = lambda i: repr(tokenizer.token_strings([int(i)])[0])[1:-1][:8]
     STUDIES[args.what][1](args, model, tokenizer, show)
     return 0

@@ -4,6 +4,7 @@ one every command line uses; the options naming a model are attnlab.options.)"""
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 from common.errors import AttnlabError
@@ -24,6 +25,7 @@ def save_figure(fig, path, dpi: int = 110) -> Path:
     if not path.suffix:
         path = path.with_suffix(".png")
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()                   # drawn whole first, so a killed run leaves the old file
     try:
         fig.savefig(buf, dpi=dpi, format=path.suffix[1:].lower())
@@ -36,22 +38,30 @@ def save_figure(fig, path, dpi: int = 110) -> Path:
 def figures_folder(source: Path | None = None) -> Path:
     """Where a tool writes its figures when --out is not given: the run's own figures/
     for a checkpoint of a run (runs/ is not tracked), else figures/ in the working
-    directory (ignored by git in the repository), never loose files beside the code."""
+    directory (ignored by git in the repository), never loose files beside the code. The
+    folder is made when the first figure is written into it, so a tool that refuses its
+    input leaves none behind."""
     folder = Path("figures")
     if source is not None:
         source = Path(source)
         run = source.parent.parent
         if source.parent.name == "checkpoints" and (run / "config.json").is_file():
             folder = run / "figures"
-    folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
 def out_path(given: str, default: str) -> Path:
-    """--out as given; inside it when it is a folder; the default name when empty."""
+    """--out as given; inside it when it is a folder or ends in a slash (a folder to be
+    made); the default name when empty."""
     if not given:
         return Path(default)
-    return Path(given) / default if Path(given).is_dir() else Path(given)
+    folder = Path(given).is_dir() or given.endswith(("/", os.sep))
+    return Path(given) / default if folder else Path(given)
+
+
+def default_out(source: Path | None = None) -> str:
+    """--out's value when none is given: figures_folder(source), as a folder to be made."""
+    return f"{figures_folder(source)}{os.sep}"
 
 
 def check_figure_out(given: str) -> None:

@@ -275,7 +275,7 @@ def test_figures_go_to_the_run_or_an_ignored_folder(run20, tmp_path, monkeypatch
     from attnlab.plotting import figures_folder
     monkeypatch.chdir(tmp_path)
     ckpt = checkpoint.resolve(run20)
-    assert figures_folder(ckpt) == run20 / "figures" and (run20 / "figures").is_dir()
+    assert figures_folder(ckpt) == run20 / "figures"
     assert figures_folder() == Path("figures")
     ignored = subprocess_check_ignore("figures/attention_grid.png")
     assert ignored and not subprocess_check_ignore("docs/figures/x.png")
@@ -283,3 +283,25 @@ def test_figures_go_to_the_run_or_an_ignored_folder(run20, tmp_path, monkeypatch
 
 def subprocess_check_ignore(path):
     return subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0
+
+
+def test_a_tool_that_refuses_its_input_leaves_no_figures_folder(run20, tmp_path, monkeypatch):
+    """The run's figures/ is made by the first figure written into it, not before the
+    tool has looked at what it was asked; the same calls with good input write there."""
+    from attnlab import heads, induction, lens
+    from common.errors import AttnlabError
+    run = copy_of(run20, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(AttnlabError, match="this model has layers 0-"):
+        heads.main(["head", "--run", str(run), "--text", "ROMEO:", "--layer", "9"])
+    with pytest.raises(AttnlabError, match="give some text with --text"):
+        lens.main(["logit", "--run", str(run)])
+    with pytest.raises(AttnlabError, match="patch needs --clean"):
+        lens.main(["patch", "--run", str(run)])
+    assert not (run / "figures").exists() and not (tmp_path / "figures").exists()
+    heads.main(["head", "--run", str(run), "--text", "ROMEO:", "--layer", "0"])
+    lens.main(["logit", "--run", str(run), "--text", "ROMEO: and"])
+    induction.main(["--run", str(run)])
+    assert sorted(p.name for p in (run / "figures").iterdir()) == [
+        "attention_l0_h0.png", "induction_heads.png", "logit_lens.png"]
+    assert not (tmp_path / "figures").exists()
