@@ -2,6 +2,7 @@ import atexit
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import sys
@@ -28,6 +29,10 @@ torch.set_num_threads(_threads)
 if "ATTNLAB_CACHE" not in os.environ:
     os.environ["ATTNLAB_CACHE"] = tempfile.mkdtemp(prefix="attnlab-cache-")
     atexit.register(shutil.rmtree, os.environ["ATTNLAB_CACHE"], ignore_errors=True)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        # A plain SIGTERM (a CI's timeout, `kill`) ends Python without atexit; ended as
+        # Ctrl-C is, pytest stops, says so, and the folder goes.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -425,3 +425,35 @@ def test_evaluate_scores_the_validation_windows_as_training_does(run20):
     with torch.no_grad():
         training = model(windows[:, :-1], windows[:, 1:]).loss.item()
     assert count == 4 * T and nats / count == pytest.approx(training, rel=1e-5)
+
+
+@pytest.mark.parametrize("stop", ["ends", "SIGTERM"])
+def test_the_suite_removes_its_cache_folder_however_it_stops(tmp_path, stop):
+    """tests/conftest.py gives a session a cache folder in the temporary directory; the
+    session removes it whether it ends or is stopped by SIGTERM (a CI's time limit), so
+    that runs do not pile them up there."""
+    import signal
+    import time
+    flag = tmp_path / "running"
+    (tmp_path / "test_wait.py").write_text(
+        "import pathlib, time\n"
+        f"def test_wait():\n    pathlib.Path({str(flag)!r}).touch()\n"
+        f"    time.sleep({60 if stop == 'SIGTERM' else 0})\n")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("ATTNLAB_CACHE", "PYTEST_XDIST_WORKER",
+                                                             "PYTEST_XDIST_WORKER_COUNT")}
+    env.update(TMPDIR=str(temp), PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}")
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:xdist",
+                             "-p", "no:cacheprovider", str(tmp_path / "test_wait.py")],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not flag.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert flag.exists()
+    assert len([p for p in temp.iterdir() if p.name.startswith("attnlab-cache-")]) == 1
+    if stop == "SIGTERM":
+        proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=60)[0].decode()
+    assert proc.returncode == (0 if stop == "ends" else 2), out
+    assert not [p for p in temp.iterdir() if p.name.startswith("attnlab-cache-")], out
