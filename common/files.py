@@ -86,14 +86,19 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write `data` so that `path` holds either its old contents or all of the new: a
     process killed part-way, or a full disk, never leaves half a file behind."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    prefix = f".{path.name}.tmp-"
+    remove_stale(path.parent, prefix)     # what a killed write of this file left behind
+    tmp = path.with_name(f"{prefix}{os.getpid()}")
     try:
         tmp.write_bytes(data)
         fsync(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as failed:
         with contextlib.suppress(OSError):  # a full disk leaves no half-written file behind
             tmp.unlink(missing_ok=True)
+        if isinstance(failed, OSError) and failed.filename == str(tmp):
+            # say the file the user asked for, not the temporary name they never gave
+            raise OSError(failed.errno, failed.strerror, str(path)) from None
         raise
 
 
