@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
 
 from model.attention import eager_attention
 from model.mask import Mask, visible
-from attnlab.plotting import figures_folder, pyplot, save_figure
+from common.errors import AttnlabError
+from attnlab.plotting import check_figure_out, default_out, out_path, pyplot, save_figure
 from engine.cli import Parser, errors_as_lines
 
 COST_JSON = Path(__file__).resolve().parent.parent / "bench" / "out" / "attention_cost.json"
@@ -43,8 +45,7 @@ def softmax_saturation(out: Path) -> Path:
         for i, v in enumerate(p.tolist()):
             ax.text(i, v + 0.02, f"{v:.2f}", ha="center")
     axes[0].set_ylabel("attention weight")
-    save_figure(fig, out, dpi=110)
-    return out
+    return save_figure(fig, out, dpi=110)
 
 
 def sqrt_dk_growth(out: Path) -> Path:
@@ -68,8 +69,7 @@ def sqrt_dk_growth(out: Path) -> Path:
     ax.set_ylabel("standard deviation")
     ax.legend()
     ax.grid(alpha=0.3)
-    save_figure(fig, out, dpi=110)
-    return out
+    return save_figure(fig, out, dpi=110)
 
 
 def movie_night_blend(out: Path) -> Path:
@@ -87,8 +87,7 @@ def movie_night_blend(out: Path) -> Path:
     ax.axhline(result.item(), color="black", linestyle="--", label=f"blend = {result.item():.1f}")
     ax.legend()
     ax.set_title("The output is a weighted average of the values")
-    save_figure(fig, out, dpi=110)
-    return out
+    return save_figure(fig, out, dpi=110)
 
 
 def mask_patterns(length: int, window: int, n_global: int) -> dict[str, torch.Tensor]:
@@ -110,8 +109,7 @@ def save_mask_patterns(path: str | Path, length: int = 24, window: int = 6, n_gl
         ax.set_title(f"{title}\n{int(mask.sum())} of {length * length} scores computed", fontsize=9)
         ax.set_xlabel("key position (looked at)")
         ax.set_ylabel("query position (looking)")
-    save_figure(fig, path, dpi=110)
-    return Path(path)
+    return save_figure(fig, path, dpi=110)
 
 
 def cost_curve(out: Path, window: int = 256) -> Path:
@@ -140,7 +138,7 @@ def cost_curve(out: Path, window: int = 256) -> Path:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    save_figure(fig, out, dpi=110)
+    out = save_figure(fig, out, dpi=110)
     print(f"at T = 8192: causal computes {8192 * 8193 // 2:,} scores, a window of {window} "
           f"about {8192 * window:,} ({8192 * window / (8192 * 8193 / 2):.2f}x)")
     return out
@@ -170,17 +168,19 @@ FIGURES = {"softmax": softmax_saturation, "sqrt_dk": sqrt_dk_growth, "blend": mo
 def main(argv=None):
     parser = Parser("python -m attnlab.figures", __doc__)
     parser.add_argument("figure", choices=["all", *FIGURES])
-    parser.add_argument("--out", default="", help="a PNG path, or a folder for `all` "
-                        "(default: figures/, which git ignores)")
+    parser.add_argument("--out", default="", help="a PNG path or a folder (for `all`, a "
+                        "folder; default: figures/, which git ignores)")
     args = parser.parse_args(argv)
+    out = args.out or default_out()
     if args.figure == "all":
-        folder = Path(args.out) if args.out else figures_folder()
-        folder.mkdir(parents=True, exist_ok=True)
+        if Path(out).suffix and not Path(out).is_dir():
+            raise AttnlabError(f"--out {out}: `all` writes a figure each into a folder; give a "
+                               "folder, or name one figure to write it to a file")
         for name, make in FIGURES.items():
-            print(f"wrote {make(folder / f'{name}.png')}")
+            print(f"wrote {make(out_path(out.rstrip('/' + os.sep) + os.sep, f'{name}.png'))}")
     else:
-        out = Path(args.out) if args.out else figures_folder() / f"{args.figure}.png"
-        print(f"wrote {FIGURES[args.figure](out)}")
+        check_figure_out(out)
+        print(f"wrote {FIGURES[args.figure](out_path(out, f'{args.figure}.png'))}")
 
 
 if __name__ == "__main__":

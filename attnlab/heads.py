@@ -28,7 +28,7 @@ import torch
 
 from attnlab.capture import attention_maps
 from attnlab.options import add_run_options, load, positive
-from attnlab.plotting import check_figure_out, default_out, out_path, pyplot, save_figure
+from attnlab.plotting import check_figure_out, default_out, make_folder_for, out_path, pyplot, save_figure
 from common.errors import AttnlabError
 from common.files import write_text_atomic
 from engine.cli import Parser, errors_as_lines
@@ -195,7 +195,7 @@ def export_head_view(path, tokens, maps, inline_js: str | Path | None = None) ->
         body = "".join(libs) + DEFINE_INLINE + body.replace(CDN_REQUIRE, "")
     html = ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>attention head view"
             f"</title></head><body>\n{body}\n</body></html>\n")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    make_folder_for(Path(path))
     write_text_atomic(Path(path), html)
     return Path(path)
 
@@ -241,6 +241,9 @@ def main(argv=None) -> int:
     writes = args.what in ("grid", "head", "html")
     if args.what in ("grid", "head"):
         check_figure_out(args.out)
+    elif args.what == "html" and Path(args.out).suffix.lower() not in ("", ".html", ".htm") \
+            and not Path(args.out).is_dir():
+        raise AttnlabError(f"--out {args.out}: the head view is a web page; name it .html")
     model, _, tokenizer, ckpt = load(args)
     if writes and not args.out:
         args.out = default_out(ckpt)

@@ -25,7 +25,7 @@ def save_figure(fig, path, dpi: int = 110) -> Path:
     if not path.suffix:
         path = path.with_suffix(".png")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folder_for(path)
     buf = io.BytesIO()                   # drawn whole first, so a killed run leaves the old file
     try:
         fig.savefig(buf, dpi=dpi, format=path.suffix[1:].lower())
@@ -33,6 +33,17 @@ def save_figure(fig, path, dpi: int = 110) -> Path:
         pyplot().close(fig)
     write_bytes_atomic(path, buf.getvalue())
     return path
+
+
+def make_folder_for(path: Path) -> None:
+    """Make the folders a figure or page goes into, refusing a path that runs through a
+    file (mkdir's own words would name only the file)."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        file = next(p for p in Path(path).parents if p.exists() and not p.is_dir())
+        raise AttnlabError(f"--out {path}: {file} is a file, not a folder; give a path "
+                           "in a folder") from None
 
 
 def figures_folder(source: Path | None = None) -> Path:

@@ -62,3 +62,32 @@ def test_a_figure_that_fails_part_way_leaves_the_old_file_whole(tmp_path):
     # and a figure that is saved replaces it, as a PNG of the suffix asked for
     fig = pyplot().figure()
     assert save_figure(fig, tmp_path / "attention.PNG").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_one_figure_goes_where_out_says(tmp_path, capsys):
+    """--out an existing folder, a new folder ending in a slash, or a file in a folder
+    not made yet; the `wrote` line names the file written."""
+    from attnlab.figures import main
+    from common.errors import AttnlabError
+    (tmp_path / "old").mkdir()
+    for out, written in [(tmp_path / "old", tmp_path / "old" / "masks.png"),
+                         (f"{tmp_path / 'new'}/", tmp_path / "new" / "masks.png"),
+                         (tmp_path / "a" / "b" / "m.png", tmp_path / "a" / "b" / "m.png")]:
+        main(["masks", "--out", str(out)])
+        assert capsys.readouterr().out == f"wrote {written}\n"
+        assert written.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(AttnlabError, match=r"--out .*x\.xyz: a figure cannot be saved as \.xyz"):
+        main(["masks", "--out", str(tmp_path / "x.xyz")])
+    with pytest.raises(AttnlabError, match="`all` writes a figure each into a folder"):
+        main(["all", "--out", str(tmp_path / "f.png")])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(AttnlabError, match=r"--out .*file/m\.png: .*file is a file, not a folder"):
+        main(["masks", "--out", str(tmp_path / "file" / "m.png")])
+    assert not (tmp_path / "f.png").exists() and not (tmp_path / "x.xyz").exists()
+
+
+def test_the_head_view_is_refused_a_name_that_is_not_a_page(tmp_path):
+    from attnlab.heads import main
+    from common.errors import AttnlabError
+    with pytest.raises(AttnlabError, match=r"the head view is a web page; name it \.html"):
+        main(["html", "--text", "ROMEO.", "--out", str(tmp_path / "view.png")])
