@@ -46,10 +46,12 @@ def capability_problem(env=os.environ, cpuinfo: str = "/proc/cpuinfo") -> str | 
     if asked not in NEEDS:
         if flags is None:       # not x86: its values (vsx, zvector, sve256) are torch's to judge
             return None
-        # torch would warn in two lines and pick for itself: a typo, said once
+        # torch would warn in two lines and pick for itself: a typo, said once, with the
+        # values this CPU can run
+        runnable = [name for name, needs in NEEDS.items() if flags.issuperset(needs)]
         return (f"ATEN_CPU_CAPABILITY={asked} is not a value torch knows on this CPU, so it "
-                f"would be ignored; set it to {', '.join(NEEDS)} or default (lower case), or "
-                "unset it")
+                f"would be ignored; set it to {', '.join(runnable)}"
+                f"{' or ' if runnable else ''}default (lower case), or unset it")
     lacking = [flag for flag in NEEDS[asked] if flags is not None and flag not in flags]
     if not lacking:
         return None

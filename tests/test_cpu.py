@@ -39,10 +39,15 @@ def test_what_the_cpu_runs_passes(tmp_path, value, flags):
 def test_a_value_torch_would_ignore_is_named_as_a_typo(tmp_path, value):
     """torch compares the value case-sensitively and ignores any other with a two-line
     warning; the scripts say it in one line, with the values it takes."""
-    problem = capability_problem({"ATEN_CPU_CAPABILITY": value}, cpuinfo(tmp_path, AVX2_FLAGS))
+    problem = capability_problem({"ATEN_CPU_CAPABILITY": value}, cpuinfo(tmp_path, AVX512_FLAGS))
     assert problem == (f"ATEN_CPU_CAPABILITY={value} is not a value torch knows on this CPU, "
                        "so it would be ignored; set it to avx512, avx2 or default (lower case), "
                        "or unset it")
+    # only what this CPU can run is offered
+    assert "set it to avx2 or default (lower case)" in capability_problem(
+        {"ATEN_CPU_CAPABILITY": value}, cpuinfo(tmp_path, AVX2_FLAGS))
+    assert "set it to default (lower case)" in capability_problem(
+        {"ATEN_CPU_CAPABILITY": value}, cpuinfo(tmp_path, "fpu sse sse2 avx"))
 
 
 def test_no_cpuinfo_no_check(tmp_path):
@@ -101,8 +106,9 @@ X86 = pytest.mark.skipif(cpu_flags() is None, reason="needs an x86 CPU (its flag
 # below run on both kinds. (`avx512` on an AVX2 CPU, which dies of SIGILL, is above.)
 IGNORED = {"PATH": "/usr/bin:/bin", "ATEN_CPU_CAPABILITY": "AVX2", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT)}
+RUNNABLE = [name for name, needs in NEEDS.items() if (cpu_flags() or set()).issuperset(needs)]
 REFUSED = ("error: ATEN_CPU_CAPABILITY=AVX2 is not a value torch knows on this CPU, so it "
-           "would be ignored; set it to avx512, avx2 or default (lower case), or unset it\n")
+           f"would be ignored; set it to {', '.join(RUNNABLE)} or default (lower case), or unset it\n")
 # Only a repro meant for torch's own tracker stays torch alone.
 BENCH_WITHOUT_THE_CHECK = {"capability.py", "flex_cpu_repro.py"}
 
