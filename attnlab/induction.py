@@ -29,7 +29,7 @@ import torch
 
 from attnlab.capture import attention
 from attnlab.lens import ablate
-from attnlab.options import add_run_options, load
+from attnlab.options import add_run_options, load, positive
 from attnlab.plotting import check_figure_out, default_out, out_path, pyplot, save_figure
 from common.errors import AttnlabError
 from engine.cli import Parser, errors_as_lines
@@ -106,9 +106,13 @@ def report(model, span: int, vocab: int | None = None, log=print):
             log(f"{layer:>5} {head:>4} {prev[layer, head]:15.3f} {induct[layer, head]:10.3f}")
     best_prev = divmod(int(prev.argmax()), prev.shape[1])
     best_induct = divmod(int(induct.argmax()), induct.shape[1])
+    if induct.max() >= INDUCTION_THRESHOLD:
+        found = f"induction head: layer {best_induct[0]}, head {best_induct[1]} (score {induct.max():.3f})"
+    else:                 # the best of heads that do not copy is not an induction head
+        found = (f"no induction head (none scores {INDUCTION_THRESHOLD} or more; the best, layer "
+                 f"{best_induct[0]}, head {best_induct[1]}, scores {induct.max():.3f})")
     log(f"previous-token head: layer {best_prev[0]}, head {best_prev[1]} "
-        f"(score {prev.max():.3f}); induction head: layer {best_induct[0]}, head "
-        f"{best_induct[1]} (score {induct.max():.3f})")
+        f"(score {prev.max():.3f}); {found}")
     return prev, induct, best_prev, best_induct
 
 
@@ -149,11 +153,14 @@ def main(argv=None) -> int:
                     "checkpoint folder, or transformers folder",
                     without="train a 2-layer model and detect them in it")
     parser.set_defaults(run=None)
-    parser.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
-    parser.add_argument("--span", type=int, default=16, help="length of the repeated span")
+    parser.add_argument("--steps", type=positive, default=3000, help="training steps (default 3000)")
+    parser.add_argument("--span", type=positive, default=16, help="length of the repeated span "
+                        "(at least 4; default 16)")
     parser.add_argument("--out", default=None, help="folder for the figures (default: "
                         "figures/induction, which git ignores; with --run, the run's figures/)")
     args = parser.parse_args(argv)
+    if args.span < 4:            # spans of span/2..span tokens, tested at 3/4 of it: 2 at least
+        raise AttnlabError(f"--span must be at least 4, got {args.span}")
     if args.run is not None:
         return detect(args)
     args.out = args.out or "figures/induction"

@@ -1,6 +1,7 @@
 """Editing the forward pass (attnlab/lens.py): ablation against editing the weights,
 patching against its identity case, and the lens, ablate, patch and induction commands.
 What is read from a model is tested in tests/test_capture.py."""
+import re
 import pytest
 import torch
 
@@ -73,7 +74,7 @@ def test_the_induction_detector_finds_the_circuit_a_short_training_grows():
     """A seeded 2-layer attention-only model, trained here (about 15 s), copies the
     repeated half; the detector names a previous-token head in layer 0 and an
     induction head in layer 1, and switching the induction heads off undoes the copying."""
-    from attnlab.induction import (INDUCTION_THRESHOLD, half_losses, head_scores,
+    from attnlab.induction import (INDUCTION_THRESHOLD, half_losses, head_scores, report,
                                    repeated_sequences, train_attention_only)
     model = train_attention_only(steps=3000, log=lambda *a: None)
     prev, induct = head_scores(model, span=12)
@@ -84,6 +85,30 @@ def test_the_induction_detector_finds_the_circuit_a_short_training_grows():
     heads = [(1, h) for h in range(4) if induct[1, h] >= INDUCTION_THRESHOLD]
     _, without = half_losses(model, x, 12, heads=heads)
     assert second < 0.5 < first - 2 and without > first - 1
+    said = []
+    report(model, 12, log=said.append)
+    assert re.fullmatch(r"previous-token head: layer 0, head \d \(score 0\.\d+\); induction "
+                        r"head: layer 1, head \d \(score 0\.\d+\)", said[-1])
+
+
+def test_the_detector_names_no_induction_head_where_none_copies():
+    """An untrained model's best induction score is far under the threshold: it is
+    reported as no induction head, not as the head that happens to score highest."""
+    from attnlab.induction import report
+    torch.manual_seed(0)
+    said = []
+    _, induct, _, _ = report(model_for(vocab_size=64, block_size=32), 12, vocab=64, log=said.append)
+    assert induct.max() < 0.5
+    assert re.search(r"; no induction head \(none scores 0\.5 or more; the best, layer \d, "
+                     r"head \d, scores 0\.\d+\)$", said[-1])
+
+
+@pytest.mark.parametrize("span", ["0", "-5", "3"])
+def test_the_induction_experiment_refuses_a_span_it_cannot_repeat(span):
+    from attnlab.induction import main
+    from common.errors import AttnlabError
+    with pytest.raises((AttnlabError, SystemExit)):
+        main(["--span", span, "--steps", "1"])
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -129,7 +154,7 @@ def test_lens_ablate_patch_and_induction_commands(tmp_path, capsys):
     with pytest.raises(AttnlabError, match="equal length"):
         lens.main(["patch", "--clean", "abc", "--corrupt", "ab", *run])
     induction.main(run)
-    assert "induction head: layer" in capsys.readouterr().out
+    assert re.search(r"previous-token head: layer \d, head \d .*induction head", capsys.readouterr().out)
     assert (tmp_path / "induction_heads.png").is_file()
     # The spelling these had as subcommands of heads still runs them, with the same options.
     (tmp_path / "logit_lens.png").unlink()
