@@ -180,10 +180,14 @@ def entry_point(target: str):
             assert path.is_file(), f"no script {target}"
             spec = importlib.util.spec_from_file_location(f"docs_{path.stem}", path)
             module = importlib.util.module_from_spec(spec)
-            env = dict(os.environ)
-            spec.loader.exec_module(module)          # not as __main__: main() is not run
-            os.environ.clear()
-            os.environ.update(env)                   # whatever importing train.py set
+            env, sys_path = dict(os.environ), list(sys.path)
+            sys.path.insert(0, str(path.parent))     # the script's own folder, as python runs it
+            try:
+                spec.loader.exec_module(module)      # not as __main__: main() is not run
+            finally:
+                sys.path[:] = sys_path
+                os.environ.clear()
+                os.environ.update(env)               # whatever importing train.py set
             _modules[target] = module
     return _modules[target]
 
