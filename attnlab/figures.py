@@ -176,6 +176,7 @@ def main(argv=None):
         if Path(out).suffix and not Path(out).is_dir():
             raise AttnlabError(f"--out {out}: `all` writes a figure each into a folder; give a "
                                "folder, or name one figure to write it to a file")
+        check_figure_out(os.path.join(out, "softmax.png"))
         for name, make in FIGURES.items():
             print(f"wrote {make(out_path(out.rstrip('/' + os.sep) + os.sep, f'{name}.png'))}")
     else:

@@ -28,7 +28,8 @@ import torch
 
 from attnlab.capture import attention_maps
 from attnlab.options import add_run_options, load, positive
-from attnlab.plotting import check_figure_out, default_out, make_folder_for, out_path, pyplot, save_figure
+from attnlab.plotting import (check_figure_out, default_out, make_folder_for, out_path, pyplot,
+                              refuse_a_path_through_a_file, save_figure)
 from common.errors import AttnlabError
 from common.files import write_text_atomic
 from engine.cli import Parser, errors_as_lines
@@ -244,6 +245,8 @@ def main(argv=None) -> int:
     elif args.what == "html" and Path(args.out).suffix.lower() not in ("", ".html", ".htm") \
             and not Path(args.out).is_dir():
         raise AttnlabError(f"--out {args.out}: the head view is a web page; name it .html")
+    if args.what == "html":
+        refuse_a_path_through_a_file(args.out or ".")
     model, _, tokenizer, ckpt = load(args)
     if writes and not args.out:
         args.out = default_out(ckpt)

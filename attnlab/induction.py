@@ -154,7 +154,7 @@ def main(argv=None) -> int:
                     without="train a 2-layer model and detect them in it")
     parser.set_defaults(run=None)
     parser.add_argument("--steps", type=positive, default=3000, help="training steps (default 3000)")
-    parser.add_argument("--span", type=positive, default=16, help="length of the repeated span "
+    parser.add_argument("--span", type=int, default=16, help="length of the repeated span "
                         "(at least 4; default 16)")
     parser.add_argument("--out", default=None, help="folder for the figures (default: "
                         "figures/induction, which git ignores; with --run, the run's figures/)")
@@ -163,6 +163,7 @@ def main(argv=None) -> int:
         raise AttnlabError(f"--span must be at least 4, got {args.span}")
     if args.run is not None:
         return detect(args)
+    check_figure_out(args.out or "")
     args.out = args.out or "figures/induction"
     vocab = 64
     model = train_attention_only(vocab, args.span, args.steps)

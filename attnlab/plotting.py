@@ -41,9 +41,16 @@ def make_folder_for(path: Path) -> None:
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        file = next(p for p in Path(path).parents if p.exists() and not p.is_dir())
-        raise AttnlabError(f"--out {path}: {file} is a file, not a folder; give a path "
-                           "in a folder") from None
+        refuse_a_path_through_a_file(str(path))
+        raise
+
+
+def refuse_a_path_through_a_file(given: str) -> None:
+    """Refuse an --out one of whose folders is a file (README.md/x.png)."""
+    file = next((p for p in Path(given).parents if p.exists() and not p.is_dir()), None)
+    if file is not None:
+        raise AttnlabError(f"--out {given}: {file} is a file, not a folder; give a path "
+                           "in a folder")
 
 
 def figures_folder(source: Path | None = None) -> Path:
@@ -76,7 +83,9 @@ def default_out(source: Path | None = None) -> str:
 
 
 def check_figure_out(given: str) -> None:
-    """Refuse, before any work, an --out whose suffix matplotlib cannot write."""
+    """Refuse, before any work, an --out whose suffix matplotlib cannot write, or that
+    runs through a file."""
+    refuse_a_path_through_a_file(given or ".")
     suffix = Path(given).suffix.lower().lstrip(".")
     if not given or not suffix or Path(given).is_dir():
         return                            # a folder or a bare name: nothing to ask matplotlib

@@ -91,3 +91,19 @@ def test_the_head_view_is_refused_a_name_that_is_not_a_page(tmp_path):
     from common.errors import AttnlabError
     with pytest.raises(AttnlabError, match=r"the head view is a web page; name it \.html"):
         main(["html", "--text", "ROMEO.", "--out", str(tmp_path / "view.png")])
+
+
+def test_an_out_through_a_file_is_refused_before_any_work(tmp_path, capsys):
+    """Checked before the model is loaded or a figure drawn: nothing is printed first."""
+    from attnlab import figures, heads, induction, lens
+    from common.errors import AttnlabError
+    (tmp_path / "notes.md").write_text("")
+    through = str(tmp_path / "notes.md" / "x.png")
+    for call in (lambda: figures.main(["all", "--out", str(tmp_path / "notes.md" / "x")]),
+                 lambda: heads.main(["html", "--text", "ROMEO.", "--out", str(tmp_path / "notes.md" / "v.html")]),
+                 lambda: heads.main(["grid", "--text", "ROMEO.", "--out", through]),
+                 lambda: lens.main(["logit", "--text", "ROMEO.", "--out", through]),
+                 lambda: induction.main(["--out", str(tmp_path / "notes.md" / "f")])):
+        with pytest.raises(AttnlabError, match=r"notes\.md is a file, not a folder"):
+            call()
+        assert capsys.readouterr().out == ""
