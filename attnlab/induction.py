@@ -36,6 +36,9 @@ from engine.cli import Parser, errors_as_lines
 
 
 INDUCTION_THRESHOLD = 0.5          # a head scoring this on random repeats copies by content
+# Spread evenly over a causal prefix of 20-40 tokens, a head gives the token just before
+# about a tenth of its weight; one that gives it 0.3 or more is looking for it.
+PREVIOUS_THRESHOLD = 0.3
 
 
 def repeated_sequences(n: int, span: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -97,6 +100,15 @@ def train_attention_only(vocab: int = 64, span: int = 16, steps: int = 3000, see
     return model.eval()
 
 
+def found_head(kind: str, scores: torch.Tensor, best: tuple[int, int], threshold: float) -> str:
+    """The best head of a kind, or none where even the best scores under the threshold
+    (the best of heads that do not do the job is not a head that does it)."""
+    if scores.max() >= threshold:
+        return f"{kind} head: layer {best[0]}, head {best[1]} (score {scores.max():.3f})"
+    return (f"no {kind} head (none scores {threshold} or more; the best, layer {best[0]}, "
+            f"head {best[1]}, scores {scores.max():.3f})")
+
+
 def report(model, span: int, vocab: int | None = None, log=print):
     """The score table, and the best previous-token and induction heads."""
     prev, induct = head_scores(model, span=span, vocab=vocab)
@@ -106,13 +118,8 @@ def report(model, span: int, vocab: int | None = None, log=print):
             log(f"{layer:>5} {head:>4} {prev[layer, head]:15.3f} {induct[layer, head]:10.3f}")
     best_prev = divmod(int(prev.argmax()), prev.shape[1])
     best_induct = divmod(int(induct.argmax()), induct.shape[1])
-    if induct.max() >= INDUCTION_THRESHOLD:
-        found = f"induction head: layer {best_induct[0]}, head {best_induct[1]} (score {induct.max():.3f})"
-    else:                 # the best of heads that do not copy is not an induction head
-        found = (f"no induction head (none scores {INDUCTION_THRESHOLD} or more; the best, layer "
-                 f"{best_induct[0]}, head {best_induct[1]}, scores {induct.max():.3f})")
-    log(f"previous-token head: layer {best_prev[0]}, head {best_prev[1]} "
-        f"(score {prev.max():.3f}); {found}")
+    log(f"{found_head('previous-token', prev, best_prev, PREVIOUS_THRESHOLD)}; "
+        f"{found_head('induction', induct, best_induct, INDUCTION_THRESHOLD)}")
     return prev, induct, best_prev, best_induct
 
 

@@ -97,10 +97,11 @@ def test_the_detector_names_no_induction_head_where_none_copies():
     from attnlab.induction import report
     torch.manual_seed(0)
     said = []
-    _, induct, _, _ = report(model_for(vocab_size=64, block_size=32), 12, vocab=64, log=said.append)
-    assert induct.max() < 0.5
-    assert re.search(r"; no induction head \(none scores 0\.5 or more; the best, layer \d, "
-                     r"head \d, scores 0\.\d+\)$", said[-1])
+    prev, induct, _, _ = report(model_for(vocab_size=64, block_size=32), 12, vocab=64, log=said.append)
+    assert induct.max() < 0.5 and prev.max() < 0.3
+    assert re.fullmatch(r"no previous-token head \(none scores 0\.3 or more; the best, layer \d, "
+                        r"head \d, scores 0\.\d+\); no induction head \(none scores 0\.5 or "
+                        r"more; the best, layer \d, head \d, scores 0\.\d+\)", said[-1])
 
 
 @pytest.mark.parametrize("span", ["0", "-5", "3"])
@@ -154,7 +155,7 @@ def test_lens_ablate_patch_and_induction_commands(tmp_path, capsys):
     with pytest.raises(AttnlabError, match="equal length"):
         lens.main(["patch", "--clean", "abc", "--corrupt", "ab", *run])
     induction.main(run)
-    assert re.search(r"previous-token head: layer \d, head \d .*induction head", capsys.readouterr().out)
+    assert re.search(r"previous-token head.*; (no )?induction head", capsys.readouterr().out)
     assert (tmp_path / "induction_heads.png").is_file()
     # The spelling these had as subcommands of heads still runs them, with the same options.
     (tmp_path / "logit_lens.png").unlink()
