@@ -18,8 +18,7 @@ import sys
 import time
 
 from common.cpu import refuse_unrunnable_capability
-from common import threads
-from common.threads import report as report_threads, start_on_free_cores
+from common.threads import apply_start, report as report_threads, start_on_free_cores
 
 refuse_unrunnable_capability()      # before torch loads, which would die of it: common/cpu.py
 start_on_free_cores()               # before torch loads: see common/threads.py
@@ -63,7 +62,7 @@ def main(argv: list[str]) -> int:
     from engine.loop import train
     from engine.run import adopt_source, resume_changes, resume_config, setup_run
     import torch
-    threads.apply_start(torch.get_num_threads, torch.set_num_threads)
+    apply_start(torch.get_num_threads, torch.set_num_threads)
 
     resuming, source, changes = args.resume is not None, None, []
     if args.preset == "":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -26,7 +25,8 @@ import torch
 from model.attention import eager_attention
 from model.mask import Mask, visible
 from common.errors import AttnlabError
-from attnlab.plotting import check_figure_out, default_out, out_path, pyplot, save_figure
+from attnlab.plotting import (check_figure_out, default_out, out_path, pyplot,
+                              refuse_a_path_through_a_file, save_figure)
 from engine.cli import Parser, errors_as_lines
 
 COST_JSON = Path(__file__).resolve().parent.parent / "bench" / "out" / "attention_cost.json"
@@ -176,9 +176,9 @@ def main(argv=None):
         if Path(out).suffix and not Path(out).is_dir():
             raise AttnlabError(f"--out {out}: `all` writes a figure each into a folder; give a "
                                "folder, or name one figure to write it to a file")
-        check_figure_out(os.path.join(out, "softmax.png"))
+        refuse_a_path_through_a_file(str(Path(out) / "softmax.png"))
         for name, make in FIGURES.items():
-            print(f"wrote {make(out_path(out.rstrip('/' + os.sep) + os.sep, f'{name}.png'))}")
+            print(f"wrote {make(Path(out) / f'{name}.png')}")
     else:
         check_figure_out(out)
         print(f"wrote {FIGURES[args.figure](out_path(out, f'{args.figure}.png'))}")

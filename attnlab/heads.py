@@ -242,11 +242,10 @@ def main(argv=None) -> int:
     writes = args.what in ("grid", "head", "html")
     if args.what in ("grid", "head"):
         check_figure_out(args.out)
-    elif args.what == "html" and Path(args.out).suffix.lower() not in ("", ".html", ".htm") \
-            and not Path(args.out).is_dir():
-        raise AttnlabError(f"--out {args.out}: the head view is a web page; name it .html")
-    if args.what == "html":
+    elif args.what == "html":
         refuse_a_path_through_a_file(args.out or ".")
+        if Path(args.out).suffix.lower() not in ("", ".html", ".htm") and not Path(args.out).is_dir():
+            raise AttnlabError(f"--out {args.out}: the head view is a web page; name it .html")
     model, _, tokenizer, ckpt = load(args)
     if writes and not args.out:
         args.out = default_out(ckpt)
