@@ -251,14 +251,14 @@ def main(argv=None) -> int:
         args.out = default_out(ckpt)
     tokens, maps = attention_maps(model, tokenizer, args.text)
     if args.what == "html":
-        print(export_head_view(out_path(args.out, "head_view.html"), tokens, maps, args.inline_js or None))
+        print("wrote", export_head_view(out_path(args.out, "head_view.html"), tokens, maps, args.inline_js or None))
     elif args.what == "grid":
-        print(save_grid(out_path(args.out, "attention_grid.png"), tokens, maps))
+        print("wrote", save_grid(out_path(args.out, "attention_grid.png"), tokens, maps))
     elif args.what == "head":
         if not (0 <= args.layer < len(maps) and 0 <= args.head < maps[0].shape[0]):
             raise AttnlabError(f"this model has layers 0-{len(maps) - 1} and heads "
                                f"0-{maps[0].shape[0] - 1}")
-        print(save_head(out_path(args.out, f"attention_l{args.layer}_h{args.head}.png"), tokens,
+        print("wrote", save_head(out_path(args.out, f"attention_l{args.layer}_h{args.head}.png"), tokens,
                         maps[args.layer][args.head], args.layer, args.head))
     elif args.what == "search":
         if not (args.source and args.target):

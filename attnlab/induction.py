@@ -149,7 +149,7 @@ def detect(args) -> int:
                            "current token, a decoder's trick; this model is an encoder "
                            "(model.causal=false): look at it with python -m attnlab.heads")
     _, _, prev, induct = report(model, span=min(20, model.config.block_size // 2))
-    print(plot_heads(model, 12, {"previous-token head": prev, "induction head": induct},
+    print("wrote", plot_heads(model, 12, {"previous-token head": prev, "induction head": induct},
                      out_path(args.out or default_out(ckpt), "induction_heads.png")))
     return 0
 
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
           f"head off {prev_off:.3f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(plot_heads(model, test_span, {"previous-token head": best_prev,
+    print("wrote", plot_heads(model, test_span, {"previous-token head": best_prev,
                                         "induction head": best_induct}, out / "induction_heads.png"))
     return 0
 

@@ -206,7 +206,7 @@ def show_logit_lens(args, model, tokenizer, show) -> None:
     print("layer " + " ".join(f"{l:>8}" for l in labels))
     for layer, row in enumerate(top):
         print(f"{layer:>5} " + " ".join(f"{show(i):>8}" for i in row))
-    print(save_layer_map(out_path(args.out, "logit_lens.png"), p_next,
+    print("wrote", save_layer_map(out_path(args.out, "logit_lens.png"), p_next,
                          labels[int(model.config.causal):],
                          "logit lens: probability of the actual next token after each layer"
                          if model.config.causal else
@@ -223,7 +223,7 @@ def show_ablation(args, model, tokenizer, show) -> None:
           "(layers and heads counted from 0, as --layer/--head take them):")
     for change, layer, head in ranked[:args.top]:
         print(f"  layer {layer}, head {head}: {change:+.4f}")
-    print(save_layer_map(out_path(args.out, "head_ablation.png"), delta,
+    print("wrote", save_layer_map(out_path(args.out, "head_ablation.png"), delta,
                          [str(h) for h in range(delta.shape[1])],
                          f"loss change when a head is zero-ablated (base {base:.3f}; "
                          "layers and heads from 0)"))
@@ -244,7 +244,7 @@ def show_patching(args, model, tokenizer, show) -> None:
     print("layer " + " ".join(f"{l:>8}" for l in labels))
     for layer, row in enumerate(share):
         print(f"{layer:>5} " + " ".join(f"{v:8.2f}" for v in row))
-    print(save_layer_map(out_path(args.out, "patching.png"), share, labels,
+    print("wrote", save_layer_map(out_path(args.out, "patching.png"), share, labels,
                          f"activation patching: recovered share of logit({show(answer)})"))
 
 

@@ -128,7 +128,9 @@ def test_every_attention_tool_reads_minilm_and_the_rest_say_why_not(minilm, tmp_
     main(["head", *run, "--layer", "3", "--head", "1", "--out", str(tmp_path / "head.png")])
     main(["html", *run, "--out", str(tmp_path / "view.html")])
     assert all((tmp_path / n).stat().st_size > 1000 for n in ("grid.png", "head.png", "view.html"))
-    capsys.readouterr()
+    # Each names what it wrote as attnlab.figures does, not as a bare path.
+    assert capsys.readouterr().out.splitlines() == [f"wrote {tmp_path / n}"
+                                                    for n in ("grid.png", "head.png", "view.html")]
     main(["stats", *run])
     rows = capsys.readouterr().out.splitlines()[2:]         # the numbering note, the header
     assert len(rows) == 6 * 12

@@ -146,16 +146,25 @@ def test_lens_ablate_patch_and_induction_commands(tmp_path, capsys):
     model = model_for(vocab_size=tok.vocab_size, position="learned")
     export(model, model.config, tok, tmp_path / "m")          # any loadable model will do
     run = ["--run", str(tmp_path / "m"), "--out", str(tmp_path), "--device", "cpu"]
+    # Each names the figure it wrote as attnlab.figures does: "wrote PATH", not a bare path.
     lens.main(["logit", "--text", "abc defg", *run])
-    assert capsys.readouterr().out.count("\n") >= 3 and (tmp_path / "logit_lens.png").is_file()
+    out = capsys.readouterr().out
+    assert out.count("\n") >= 3 and (tmp_path / "logit_lens.png").is_file()
+    assert f"wrote {tmp_path / 'logit_lens.png'}\n" in out
     lens.main(["ablate", "--text", "abc defg", *run])
-    assert "layer 1, head" in capsys.readouterr().out and (tmp_path / "head_ablation.png").is_file()
+    out = capsys.readouterr().out
+    assert "layer 1, head" in out and (tmp_path / "head_ablation.png").is_file()
+    assert f"wrote {tmp_path / 'head_ablation.png'}\n" in out
     lens.main(["patch", "--clean", "abc defg", "--corrupt", "abd defg", *run])
-    assert "recovered" in capsys.readouterr().out and (tmp_path / "patching.png").is_file()
+    out = capsys.readouterr().out
+    assert "recovered" in out and (tmp_path / "patching.png").is_file()
+    assert f"wrote {tmp_path / 'patching.png'}\n" in out
     with pytest.raises(AttnlabError, match="equal length"):
         lens.main(["patch", "--clean", "abc", "--corrupt", "ab", *run])
     induction.main(run)
-    assert re.search(r"previous-token head.*; (no )?induction head", capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert re.search(r"previous-token head.*; (no )?induction head", out)
+    assert f"wrote {tmp_path / 'induction_heads.png'}\n" in out
     assert (tmp_path / "induction_heads.png").is_file()
     # The spelling these had as subcommands of heads still runs them, with the same options.
     (tmp_path / "logit_lens.png").unlink()
