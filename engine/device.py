@@ -48,7 +48,7 @@ def pick_device(name: str = "auto") -> torch.device:
 # "bf16 autocast on a CPU").
 CPU_BF16_MIN_WIDTH = 256        # bf16 from here on any CPU with native bf16
 CPU_FAST_BF16_MIN_WIDTH = 64    # and from here where bf16 matmuls run at least ...
-CPU_FAST_BF16 = 3.0             # ... this many times as fast as fp32 (cached probes)
+CPU_FAST_BF16 = 2.5             # ... this many times as fast as fp32 (cached probes)
 
 
 def cpu_bf16_pays(n_embd: int) -> bool:
