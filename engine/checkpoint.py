@@ -238,8 +238,7 @@ def _last_eval(ckpt: Path) -> int | None:
 
 def verified_json(ckpt: Path, name: str) -> dict:
     """One JSON file of a checkpoint, checked against the hash its state.json records."""
-    state = read_json(ckpt / "state.json")
-    digest = (state or {}).get("files", {}).get(name) if isinstance(state, dict) else None
+    digest = readable_state(ckpt)["files"].get(name)
     path = ckpt / name
     if not isinstance(digest, str) or not path.is_file() or file_sha256(path) != digest:
         raise CheckpointError(f"checkpoint file {path} is missing or corrupt (its hash does not "
@@ -250,8 +249,9 @@ def verified_json(ckpt: Path, name: str) -> dict:
     return data
 
 
-def load(ckpt: Path) -> tuple[dict, dict, dict]:
-    """(model tensors, train-state tensors, state.json), every file checked first."""
+def readable_state(ckpt: Path) -> dict:
+    """A checkpoint's state.json with its step and file hashes, or the error that names
+    it (not the file whose hash it would have given)."""
     state = read_json(ckpt / "state.json")
     manifest = (state or {}).get("files")
     if (not isinstance(manifest, dict) or not all(isinstance(v, str) for v in manifest.values())
@@ -259,6 +259,13 @@ def load(ckpt: Path) -> tuple[dict, dict, dict]:
         raise CheckpointError(f"checkpoint {ckpt} has no readable state.json (missing, not "
                               "JSON, or without its step and file hashes); it is incomplete "
                               "or corrupt: use an earlier checkpoint")
+    return state
+
+
+def load(ckpt: Path) -> tuple[dict, dict, dict]:
+    """(model tensors, train-state tensors, state.json), every file checked first."""
+    state = readable_state(ckpt)
+    manifest = state["files"]
     for name, digest in manifest.items():
         file = ckpt / name
         if not file.is_file() or file_sha256(file) != digest:

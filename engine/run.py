@@ -481,8 +481,12 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
         raise CheckpointError(f"cannot resume: {path} is not a run directory (no config.json)")
     saved = migrate(checkpoint.verified_json(ckpt, "config.json"), str(ckpt / "config.json"))
     cfg = from_dict(saved, str(ckpt / "config.json"))
-    run_level = read_json(run_dir / "config.json") or {}
-    run_level = migrate(run_level, str(run_dir / "config.json")) if isinstance(run_level, dict) else {}
+    run_level = read_json(run_dir / "config.json")
+    if run_level is None:                 # else rewritten over without a word
+        raise CheckpointError(f"{run_dir / 'config.json'} is not a readable JSON object "
+                              "(corrupt or edited); put it back as it was, or copy the "
+                              f"checkpoint's own: cp {ckpt / 'config.json'} {run_dir / 'config.json'}")
+    run_level = migrate(run_level, str(run_dir / "config.json"))
     _refuse_changes(saved, run_level, f"{run_dir / 'config.json'} disagrees with the config "
                     f"{ckpt.name} was trained with", "put config.json back as it was")
     for section, values in overrides.items():
@@ -490,7 +494,7 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     cfg.validate()
     _refuse_changes(saved, cfg.to_dict(), f"the checkpoint {ckpt} was trained with a "
                     "different model or data config", "resume without those overrides, or "
-                    "start a new run")
+                    f"start a new run (from these weights: --train.init_from={ckpt})")
     fixed = [f"train.{k}: {saved.get('train', {}).get(k)!r} -> {getattr(cfg.train, k)!r} ({why})"
              for k, why in FIXED_ON_RESUME.items()
              if k in saved.get("train", {}) and saved["train"][k] != getattr(cfg.train, k)]

@@ -54,6 +54,35 @@ def test_the_checkpoints_own_config_wins_over_an_edited_run_config(run20, tmp_pa
     assert "put config.json back" in proc.stderr
 
 
+def test_a_resume_refuses_a_garbled_run_config_a_broken_state_and_a_preset_naming_each(run20, tmp_path):
+    """Each was taken in silence or named the wrong file: a run-level config.json that is not
+    JSON was written over, a broken state.json was reported as config.json's bad hash, and
+    --config (even a preset that does not exist) was dropped for the checkpoint's config."""
+    _, run = run20
+    copy = tmp_path / "r"
+    shutil.copytree(run, copy)
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.name != ".lock"}
+    ckpt = copy / "checkpoints" / "step_0000020"
+    for preset in ("tiny", "nonexistent"):
+        proc = run_script("train.py", "--resume", copy, "--config", preset, "--train.max_iters=25",
+                          check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith(f"error: --config {preset} chooses a new run's preset")
+    (copy / "config.json").write_text("garbage{{{")
+    proc = run_script("train.py", "--resume", copy, "--train.max_iters=25", check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"{copy / 'config.json'} is not a readable JSON object" in proc.stderr
+    assert f"cp {ckpt / 'config.json'} {copy / 'config.json'}" in proc.stderr
+    assert (copy / "config.json").read_text() == "garbage{{{"           # not written over
+    (copy / "config.json").write_bytes(before[copy / "config.json"])
+    (ckpt / "state.json").write_text("[1,2")
+    proc = run_script("train.py", "--resume", copy, "--train.max_iters=25", check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"checkpoint {ckpt} has no readable state.json" in proc.stderr
+    (ckpt / "state.json").write_bytes(before[ckpt / "state.json"])
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.name != ".lock"} == before
+
+
 def test_a_second_process_on_the_same_run_is_refused(corpus, tmp_path):
     from engine.run import setup_run
     cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",

@@ -119,6 +119,7 @@ def test_resume_refuses_a_different_model(trained):
     _, run_dir, _ = trained
     proc = run_script("train.py", "--resume", run_dir, "--model.n_layer=3", check=False)
     assert proc.returncode == 2 and "model.n_layer: 2 -> 3" in proc.stderr
+    assert "--train.init_from=" in proc.stderr        # the way on from these weights, as safety.md says
 
 
 def _start(args, env=None):
