@@ -163,6 +163,13 @@ def cross_attention(out: Path) -> Path:
 FIGURES = {"softmax": softmax_saturation, "sqrt_dk": sqrt_dk_growth, "blend": movie_night_blend,
            "masks": save_mask_patterns, "cost": cost_curve, "induction": induction_heads,
            "cross_attention": cross_attention}
+# The file each figure is written to, where not NAME.png: the name the README and the docs
+# show it under, so that `all --out docs/figures` renews theirs instead of adding another.
+FILES = {"induction": "induction_heads.png"}
+
+
+def file_of(name: str) -> str:
+    return FILES.get(name, f"{name}.png")
 
 
 def main(argv=None):
@@ -178,10 +185,10 @@ def main(argv=None):
                                "folder, or name one figure to write it to a file")
         refuse_a_path_through_a_file(str(Path(out) / "softmax.png"))
         for name, make in FIGURES.items():
-            print(f"wrote {make(Path(out) / f'{name}.png')}")
+            print(f"wrote {make(Path(out) / file_of(name))}")
     else:
         check_figure_out(out)
-        print(f"wrote {FIGURES[args.figure](out_path(out, f'{args.figure}.png'))}")
+        print(f"wrote {FIGURES[args.figure](out_path(out, file_of(args.figure)))}")
 
 
 if __name__ == "__main__":

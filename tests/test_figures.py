@@ -34,8 +34,14 @@ def test_every_article_figure_is_written(tmp_path, capsys, monkeypatch):
     assert "softmax(scores 1, 2, 3) = (0.09, 0.24, 0.67)" in printed
     assert "softmax(same scores x8) = (0.00, 0.00, 1.00)" in printed
     assert "= 6.1" in printed and "d_k =  512" in printed
-    for name in FIGURES:
-        assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from attnlab.figures import file_of
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == sorted(file_of(name) for name in FIGURES)
+    for name in written:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Each under the name the docs show it by, so `all --out docs/figures` renews them.
+    docs = Path(__file__).resolve().parent.parent / "docs" / "figures"
+    assert set(written) <= {p.name for p in docs.iterdir()}
 
 
 def test_a_figure_that_fails_part_way_leaves_the_old_file_whole(tmp_path):
