@@ -17,7 +17,8 @@ from common.files import lock_file, lock_holder, read_json, write_json_atomic, w
 from engine import checkpoint
 from engine.budget import refuse_what_cannot_fit
 from engine.config import RunConfig, apply, apply_to, from_dict, migrate
-from engine.device import autocast, dtype_name, pick_device, pick_dtype, precision_note, setup_backends
+from engine.device import (DTYPES, autocast, dtype_name, pick_device, pick_dtype, precision_note,
+                           setup_backends)
 from engine.distributed import Dist
 from engine.objectives import OBJECTIVES, draw_generator
 from engine.optim import Optimizers, configure_optimizer
@@ -221,6 +222,9 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
         distributed_model = DistributedDataParallel(
             model, device_ids=[dist.local_rank] if device.type == "cuda" else None)
     dtype = pick_dtype(train_cfg.dtype, device, cfg.model.n_embd)
+    if resume and train_cfg.dtype == "auto":
+        dtype = _trained_dtype(resume if isinstance(resume, Path) else
+                               run_dir or Path(train_cfg.out_dir) / train_cfg.run_name, device, dtype)
     run = Run(cfg, dist, device, dtype, data,
               batches=Batches(data.train, train_cfg.batch_size, cfg.model.block_size, device, seed=train_cfg.seed),
               model=model, distributed_model=distributed_model,
@@ -242,6 +246,26 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
     if dist.is_main:
         _write_run_files(run)
     return run
+
+
+def _trained_dtype(resume: Path, device: torch.device, picked: torch.dtype) -> torch.dtype:
+    """The precision `auto` chose for the checkpoint resumed (a checkpoint folder, or a
+    run's latest), where this device computes it natively; else `picked`. On a CPU `auto`
+    weighs a timed probe, and one taken beside other work can tip it the other way: a
+    resume in another precision would not go on with the same run."""
+    ckpt = resume if (resume / "state.json").is_file() else None
+    if ckpt is None:
+        try:
+            ckpt = checkpoint.resolve(resume, "latest")
+        except CheckpointError:
+            return picked                 # refused, with its path, when restore() loads it
+    name = (read_json(ckpt / "state.json") or {}).get("autocast")
+    trained = DTYPES.get(name) if isinstance(name, str) else None
+    native = {torch.float32} | ({torch.bfloat16} if device.type == "cpu" and precision.cpu_has_native_bf16()
+                                else set()) | (
+        {torch.float16} | ({torch.bfloat16} if torch.cuda.is_bf16_supported() else set())
+        if device.type == "cuda" else set())
+    return trained if trained in native else picked
 
 
 def _branch(run: Run, ckpt: Path) -> None:
@@ -401,7 +425,8 @@ def save(run: Run) -> Path | None:
     tensors = {"data.generator": run.batches.generator.get_state(), **rng_tensors(run.device)}
     state = {"best_val": p.best_val, "elapsed_s": p.elapsed_s, "wandb_id": p.wandb_id,
              "last_eval": p.last_eval, "limit_s": p.limit_s, "last_eval_s": p.last_eval_s,
-             "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None}
+             "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
+             "autocast": dtype_name(run.dtype)}        # what a resume of `auto` keeps
     state = {k: v for k, v in state.items() if v is not None}
     files = {"config.json": run.cfg.to_json(), "tokenizer.json": run.data.tokenizer.to_json()}
     path = checkpoint.save(run.run_dir, p.step, model, optimizer, tensors, state, files,
