@@ -240,6 +240,9 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     # Only grid, head and html write a file; search and stats print.
     writes = args.what in ("grid", "head", "html")
+    if args.out and not writes:                # else taken and ignored, as if written there
+        raise AttnlabError(f"--out {args.out}: heads {args.what} prints its answer and writes "
+                           "no file; drop --out (grid, head and html write one)")
     if args.what in ("grid", "head"):
         check_figure_out(args.out)
     elif args.what == "html":

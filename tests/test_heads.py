@@ -136,6 +136,10 @@ def test_every_attention_tool_reads_minilm_and_the_rest_say_why_not(minilm, tmp_
     assert len(rows) == 6 * 12
     assert any(r.endswith("previous-token head") for r in rows)     # a neighbour head
     assert any(r.endswith("next-token head") for r in rows)         # it looks ahead: an encoder
+    for what in ("stats", "search"):                  # they print: an --out was taken and ignored
+        with pytest.raises(AttnlabError, match=f"heads {what} prints its answer and writes no file"):
+            main([what, *run, "--from", "it", "--to", "trophy", "--out", str(tmp_path / "s.png")])
+    assert not (tmp_path / "s.png").exists()
     for tool in ("lens", "ablate", "patch"):          # forwarded to python -m attnlab.lens
         with pytest.raises(AttnlabError, match="reads the model's token scores.*no output layer"):
             main([tool, *run, "--clean", ARTICLE, "--corrupt", ARTICLE])
