@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--config {args.preset} chooses a new run's preset, and a resumed run "
                           "keeps the config it was trained with; resume with only the options "
                           "to change (e.g. --train.max_iters=N), or start a new run from its "
-                          "weights with --config PRESET --train.init_from=RUN")
+                          f"weights with --config PRESET --train.init_from={args.resume or 'RUN'}")
     if args.budget is not None and (resuming or distributed.world_size() > 1):
         raise ConfigError("--budget plans a new single-process run; it cannot be combined "
                           "with --resume or torchrun")

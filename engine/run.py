@@ -441,7 +441,13 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
     checkpoint.remove_partial(run.run_dir)
     ckpt = ckpt or checkpoint.resolve(run.run_dir, "latest")
     weights, tensors, state = checkpoint.load(ckpt)
-    opt_state = checkpoint.optimizer_join(tensors, state["optimizer"])
+    _check_state(state, ckpt)
+    try:
+        opt_state = checkpoint.optimizer_join(tensors, state["optimizer"])
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {ckpt / 'state.json'} describes an optimizer state "
+                              f"that cannot be read ({err}); it is corrupt or edited: use an "
+                              "earlier checkpoint") from None
     if run.sharded:                           # each process keeps its own shard of each
         from engine.sharding import shard_optimizer_state, shard_weights
         weights = shard_weights(run.model, weights)
@@ -470,6 +476,22 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
                             state.get("last_eval", state["step"]),
                             _seconds(state, "limit_s", ckpt), _seconds(state, "last_eval_s", ckpt))
     run.log(f"resuming {run.run_dir} from {ckpt.name} (step {run.progress.step})")
+
+
+# The kinds state.json's own fields must be, checked before any is used: valid JSON of the
+# wrong kind (a hand edit) would otherwise fail mid-run, after the run wrote to its folder.
+STATE_KINDS = {"best_val": (int, float), "elapsed_s": (int, float), "last_eval": (int,),
+               "wandb_id": (str,), "scaler": (dict,), "optimizer": (dict,), "autocast": (str,)}
+
+
+def _check_state(state: dict, ckpt: Path) -> None:
+    wrong = [k for k, kinds in STATE_KINDS.items()
+             if k in state and (isinstance(state[k], bool) or not isinstance(state[k], kinds))]
+    if isinstance(state.get("autocast"), str) and state["autocast"] not in DTYPES:
+        wrong.append("autocast")
+    if wrong:
+        raise CheckpointError(f"checkpoint {ckpt / 'state.json'} holds {', '.join(wrong)} of the "
+                              "wrong kind; it is corrupt or edited: use an earlier checkpoint")
 
 
 def _seconds(state: dict, key: str, ckpt: Path) -> float:
@@ -502,18 +524,24 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     elif (path / "config.json").is_file():
         run_dir = path                   # partial writes are cleared by restore(), under the lock
         ckpt = checkpoint.resolve(run_dir, "latest")
+    elif checkpoint.list_checkpoints(path):
+        latest = checkpoint.list_checkpoints(path)[-1]
+        raise CheckpointError(f"cannot resume: {path / 'config.json'} is missing; copy its latest "
+                              f"checkpoint's: cp {latest / 'config.json'} {path / 'config.json'}")
     else:
         raise CheckpointError(f"cannot resume: {path} is not a run directory (no config.json)")
     saved = migrate(checkpoint.verified_json(ckpt, "config.json"), str(ckpt / "config.json"))
     cfg = from_dict(saved, str(ckpt / "config.json"))
     run_level = read_json(run_dir / "config.json")
-    if run_level is None:                 # else rewritten over without a word
-        raise CheckpointError(f"{run_dir / 'config.json'} is not a readable JSON object "
+    restore_it = f"cp {ckpt / 'config.json'} {run_dir / 'config.json'}"
+    if run_level is None or any(not isinstance(run_level.get(s, {}), dict)
+                                for s in ("model", "data", "train")):     # else written over
+        raise CheckpointError(f"{run_dir / 'config.json'} is not a readable run config "
                               "(corrupt or edited); put it back as it was, or copy the "
-                              f"checkpoint's own: cp {ckpt / 'config.json'} {run_dir / 'config.json'}")
+                              f"checkpoint's own: {restore_it}")
     run_level = migrate(run_level, str(run_dir / "config.json"))
     _refuse_changes(saved, run_level, f"{run_dir / 'config.json'} disagrees with the config "
-                    f"{ckpt.name} was trained with", "put config.json back as it was")
+                    f"{ckpt.name} was trained with", f"put config.json back as it was ({restore_it})")
     for section, values in overrides.items():
         apply(cfg, section, values, "the command line")
     cfg.validate()

@@ -68,17 +68,31 @@ def test_a_resume_refuses_a_garbled_run_config_a_broken_state_and_a_preset_namin
                           check=False)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert proc.stderr.startswith(f"error: --config {preset} chooses a new run's preset")
-    (copy / "config.json").write_text("garbage{{{")
+    restore_it = f"cp {ckpt / 'config.json'} {copy / 'config.json'}"
+    for garbled in ("garbage{{{", '{"model": 5}'):       # the second was a traceback
+        (copy / "config.json").write_text(garbled)
+        proc = run_script("train.py", "--resume", copy, "--train.max_iters=25", check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"{copy / 'config.json'} is not a readable run config" in proc.stderr
+        assert restore_it in proc.stderr
+        assert (copy / "config.json").read_text() == garbled           # not written over
+    (copy / "config.json").unlink()                        # was "not a run directory", no way back
     proc = run_script("train.py", "--resume", copy, "--train.max_iters=25", check=False)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert f"{copy / 'config.json'} is not a readable JSON object" in proc.stderr
-    assert f"cp {ckpt / 'config.json'} {copy / 'config.json'}" in proc.stderr
-    assert (copy / "config.json").read_text() == "garbage{{{"           # not written over
+    assert proc.returncode == 2 and f"{copy / 'config.json'} is missing" in proc.stderr
+    assert restore_it in proc.stderr
     (copy / "config.json").write_bytes(before[copy / "config.json"])
     (ckpt / "state.json").write_text("[1,2")
     proc = run_script("train.py", "--resume", copy, "--train.max_iters=25", check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"checkpoint {ckpt} has no readable state.json" in proc.stderr
+    # Valid JSON of the wrong kind: each was a traceback after the run had begun writing.
+    state = json.loads(before[ckpt / "state.json"])
+    for field, value in [("best_val", "x"), ("elapsed_s", None), ("optimizer", 5),
+                         ("autocast", "bogus")]:
+        (ckpt / "state.json").write_text(json.dumps({**state, field: value}))
+        proc = run_script("train.py", "--resume", copy, "--train.max_iters=25", check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"{ckpt / 'state.json'} holds {field} of the wrong kind" in proc.stderr
     (ckpt / "state.json").write_bytes(before[ckpt / "state.json"])
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.name != ".lock"} == before
 
