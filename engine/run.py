@@ -222,9 +222,6 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
         distributed_model = DistributedDataParallel(
             model, device_ids=[dist.local_rank] if device.type == "cuda" else None)
     dtype = pick_dtype(train_cfg.dtype, device, cfg.model.n_embd)
-    if resume and train_cfg.dtype == "auto":
-        dtype = _trained_dtype(resume if isinstance(resume, Path) else
-                               run_dir or Path(train_cfg.out_dir) / train_cfg.run_name, device, dtype)
     run = Run(cfg, dist, device, dtype, data,
               batches=Batches(data.train, train_cfg.batch_size, cfg.model.block_size, device, seed=train_cfg.seed),
               model=model, distributed_model=distributed_model,
@@ -246,26 +243,6 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
     if dist.is_main:
         _write_run_files(run)
     return run
-
-
-def _trained_dtype(resume: Path, device: torch.device, picked: torch.dtype) -> torch.dtype:
-    """The precision `auto` chose for the checkpoint resumed (a checkpoint folder, or a
-    run's latest), where this device computes it natively; else `picked`. On a CPU `auto`
-    weighs a timed probe, and one taken beside other work can tip it the other way: a
-    resume in another precision would not go on with the same run."""
-    ckpt = resume if (resume / "state.json").is_file() else None
-    if ckpt is None:
-        try:
-            ckpt = checkpoint.resolve(resume, "latest")
-        except CheckpointError:
-            return picked                 # refused, with its path, when restore() loads it
-    name = (read_json(ckpt / "state.json") or {}).get("autocast")
-    trained = DTYPES.get(name) if isinstance(name, str) else None
-    native = {torch.float32} | ({torch.bfloat16} if device.type == "cpu" and precision.cpu_has_native_bf16()
-                                else set()) | (
-        {torch.float16} | ({torch.bfloat16} if torch.cuda.is_bf16_supported() else set())
-        if device.type == "cuda" else set())
-    return trained if trained in native else picked
 
 
 def _branch(run: Run, ckpt: Path) -> None:
@@ -442,6 +419,8 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
     ckpt = ckpt or checkpoint.resolve(run.run_dir, "latest")
     weights, tensors, state = checkpoint.load(ckpt)
     _check_state(state, ckpt)
+    if run.cfg.train.dtype == "auto":
+        run.dtype = _kept_dtype(state, run.device, run.dtype)
     try:
         opt_state = checkpoint.optimizer_join(tensors, state["optimizer"])
     except (AttributeError, KeyError, TypeError, ValueError) as err:
@@ -494,6 +473,18 @@ def _check_state(state: dict, ckpt: Path) -> None:
                               "wrong kind; it is corrupt or edited: use an earlier checkpoint")
 
 
+def _kept_dtype(state: dict, device: torch.device, picked: torch.dtype) -> torch.dtype:
+    """The precision `auto` chose for the checkpoint resumed, where this CPU computes it
+    natively; else `picked`. On a CPU `auto` weighs a timed probe, and one taken beside
+    other work can tip it the other way: a resume in another precision would not go on
+    with the same run. A GPU's choice depends on the GPU alone."""
+    trained = DTYPES.get(state.get("autocast"))
+    if device.type == "cpu" and trained in (torch.float32, torch.bfloat16) \
+            and precision.cpu_compute_dtype(trained) == trained:
+        return trained
+    return picked
+
+
 def _seconds(state: dict, key: str, ckpt: Path) -> float:
     value = state.get(key, 0.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
@@ -524,10 +515,9 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     elif (path / "config.json").is_file():
         run_dir = path                   # partial writes are cleared by restore(), under the lock
         ckpt = checkpoint.resolve(run_dir, "latest")
-    elif checkpoint.list_checkpoints(path):
-        latest = checkpoint.list_checkpoints(path)[-1]
+    elif found := checkpoint.list_checkpoints(path):
         raise CheckpointError(f"cannot resume: {path / 'config.json'} is missing; copy its latest "
-                              f"checkpoint's: cp {latest / 'config.json'} {path / 'config.json'}")
+                              f"checkpoint's: cp {found[-1] / 'config.json'} {path / 'config.json'}")
     else:
         raise CheckpointError(f"cannot resume: {path} is not a run directory (no config.json)")
     saved = migrate(checkpoint.verified_json(ckpt, "config.json"), str(ckpt / "config.json"))
