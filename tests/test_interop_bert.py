@@ -35,7 +35,8 @@ def test_minilm_tokens_and_sizes_are_the_articles(minilm):
 
 def test_minilm_equals_transformers_at_every_layer_with_padding(minilm):
     """Every layer's hidden states and attention weights, for two sentences of different
-    lengths in one padded batch, equal BertModel's eager attention within 1e-5 (fp32)."""
+    lengths in one padded batch, equal BertModel's eager attention within 1e-5 (fp32) at
+    every real token, and within fp32 rounding of the stream's size at the padding."""
     from transformers import BertModel
     model, _, tokenizer, _ = load_run(minilm)
     hf = BertModel.from_pretrained(minilm, attn_implementation="eager").eval()
@@ -46,11 +47,17 @@ def test_minilm_equals_transformers_at_every_layer_with_padding(minilm):
                     output_hidden_states=True)
     names = [f"blocks.{l}.{n}" for l in range(6) for n in ("resid_pre", "resid_post", "pattern")]
     _, cache = run_with_cache(model, ids, only=names, attention_mask=mask)
+    real = mask.bool()
     for layer in range(6):
         torch.testing.assert_close(cache[f"blocks.{layer}.pattern"], theirs.attentions[layer],
                                    atol=1e-5, rtol=0)
-        torch.testing.assert_close(cache[f"blocks.{layer}.resid_post"],
-                                   theirs.hidden_states[layer + 1], atol=1e-5, rtol=0)
+        ours, hf_h = cache[f"blocks.{layer}.resid_post"], theirs.hidden_states[layer + 1]
+        torch.testing.assert_close(ours[real], hf_h[real], atol=1e-5, rtol=0)
+        # Padding rows (queries no token attends from) carry values up to about 10 whose
+        # fp32 rounding differs by kernel: on an AMX Xeon ours and BertModel's differ by
+        # 1.6e-5 there, each within 1.7e-5 of BertModel in float64. A mask or scale bug
+        # moves them by far more than a few millionths of the stream's size.
+        torch.testing.assert_close(ours, hf_h, atol=4e-6 * hf_h.abs().max().item(), rtol=0)
     # The first block's input is the normalised embedding sum, hidden_states[0].
     torch.testing.assert_close(cache["blocks.0.resid_pre"], theirs.hidden_states[0], atol=1e-5, rtol=0)
     # Padding gets no weight from any query.
