@@ -20,7 +20,7 @@ import torch
 
 from common.errors import AttnlabError
 from common.files import write_text_atomic
-from attnlab.options import add_run_options, find_run
+from attnlab.options import add_run_options, find_run, out_option
 from attnlab.plotting import pyplot, save_figure
 from engine.cli import Parser, errors_as_lines
 
@@ -59,7 +59,7 @@ def evaluate_run(run: Path, factors, batches: int, batch_size: int, which: str =
     from model import GPT
     from model.positions import POSITION_ENCODINGS
     model, cfg, _, ckpt = load_run(run, which, device)
-    weights, _, _ = checkpoint.load(ckpt)
+    weights, _, _ = checkpoint.load(ckpt, train_state=False)
     data_cfg = cfg.data
     data = load_tokens(data_cfg.path, data_cfg.tokenizer, data_cfg.vocab_size, data_cfg.val_fraction, data_cfg.cache_dir, log=lambda *a: None)
     T = cfg.model.block_size
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--batches", type=int, default=10, help="validation batches per point")
     parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--out", default="", help="output folder (default: --from, or "
+    parser.add_argument("--out", type=out_option, default=None, help="output folder (default: --from, or "
                         "figures/, which git ignores)")
     args = parser.parse_args(argv)
     runs = [find_run(r) for r in args.runs if r] + (find_runs(Path(args.folder)) if args.folder else [])

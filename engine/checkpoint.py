@@ -25,6 +25,7 @@ from common.files import file_sha256, fsync, read_json, write_json_atomic
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
+TRAIN_STATE = "train_state.safetensors"
 
 
 def storage_ptr(tensor: torch.Tensor) -> int:
@@ -116,10 +117,10 @@ def _write(tmp: Path, weights: dict, optimizer, tensors: dict, state: dict,
            files: dict[str, str], step: int) -> None:
     save_file(weights, tmp / "model.safetensors")
     opt_tensors, opt_info = optimizer_split(optimizer)
-    save_file({**opt_tensors, **tensors}, tmp / "train_state.safetensors")
+    save_file({**opt_tensors, **tensors}, tmp / TRAIN_STATE)
     for name, text in files.items():
         (tmp / name).write_text(text, encoding="utf-8")
-    names = ["model.safetensors", "train_state.safetensors", *files]
+    names = ["model.safetensors", TRAIN_STATE, *files]
     manifest = {}
     for name in names:
         fsync(tmp / name)
@@ -262,21 +263,26 @@ def readable_state(ckpt: Path) -> dict:
     return state
 
 
-def load(ckpt: Path) -> tuple[dict, dict, dict]:
-    """(model tensors, train-state tensors, state.json), every file checked first."""
+def load(ckpt: Path, train_state: bool = True) -> tuple[dict, dict, dict]:
+    """(model tensors, train-state tensors, state.json), every file checked first.
+    Without `train_state` (sampling, looking inside: only the weights are needed) the
+    optimizer's file is neither checked nor read, so a damaged one blocks a resume alone,
+    and the train-state tensors come back empty."""
     state = readable_state(ckpt)
     manifest = state["files"]
     for name, digest in manifest.items():
+        if name == TRAIN_STATE and not train_state:
+            continue
         file = ckpt / name
         if not file.is_file() or file_sha256(file) != digest:
             raise CheckpointError(f"checkpoint file {file} is missing or corrupt (its hash does "
                                   "not match state.json); use an earlier checkpoint")
     try:
         weights = load_file(ckpt / "model.safetensors")
-        train_state = load_file(ckpt / "train_state.safetensors")
+        tensors = load_file(ckpt / TRAIN_STATE) if train_state else {}
     except (SafetensorError, OSError, ValueError) as err:
         raise CheckpointError(f"checkpoint {ckpt} cannot be read as safetensors ({err})") from None
-    return weights, train_state, state
+    return weights, tensors, state
 
 
 def _finite(t: torch.Tensor) -> bool:

@@ -38,7 +38,7 @@ def load_run(path: str | Path, which: str = "best", device: str | torch.device =
     ckpt, why, departs = checkpoint.choose(path, which)
     if log is not None or departs:
         (log or (lambda line: print(line, file=sys.stderr)))(f"checkpoint: {ckpt} ({why})")
-    weights, _, state = checkpoint.load(ckpt)
+    weights, _, state = checkpoint.load(ckpt, train_state=False)
     try:
         cfg: RunConfig = from_dict(json.loads((ckpt / "config.json").read_text()),
                                    str(ckpt / "config.json"))

@@ -111,6 +111,26 @@ def test_a_resume_says_what_it_changes_only_once_the_checkpoint_is_accepted(run2
     assert json.loads((copy / "config.json").read_text())["train"]["max_iters"] == 22
 
 
+def test_a_damaged_optimizer_file_blocks_the_resume_but_not_sampling_or_looking_inside(run20, tmp_path):
+    """Sampling and the study tools need the weights alone: a corrupt train_state file
+    still stops a resume, naming it, while the weights load and are the same."""
+    copy = copy_of(run20, tmp_path)
+    latest = checkpoint.list_checkpoints(copy)[-1]
+    good = load_run(copy, "latest")[0].state_dict()
+    state = latest / checkpoint.TRAIN_STATE
+    state.write_bytes(state.read_bytes()[:-50])
+    model = load_run(copy, "latest")[0]
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in good.items())
+    proc = run_script("sample.py", "--run", copy, "--max_new_tokens", "5", "--checkpoint", "latest",
+                      check=False)
+    assert proc.returncode == 0, proc.stderr
+    with pytest.raises(CheckpointError, match=str(state)):
+        checkpoint.load(latest)
+    (latest / "model.safetensors").write_bytes(b"\0" * 64)       # the weights are still checked
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_run(copy, "latest")
+
+
 def test_betas_weight_decay_and_momentum_given_to_a_resume_are_the_optimizers(run20, corpus, tmp_path):
     copy = copy_of(run20, tmp_path)
     cfg, run_dir, ckpt = resume_config(str(copy), str(copy), {"train": {
