@@ -34,7 +34,7 @@ import torch
 
 from common.errors import AttnlabError
 from attnlab.capture import attention_maps, run_with_cache
-from attnlab.options import add_run_options, load
+from attnlab.options import add_run_options, load, out_option
 from engine.cli import Parser, errors_as_lines
 
 BANK = ("the river bank eroded", "the savings bank collapsed")
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     parser.add_argument("--data", default="", help="leak: corpus (default: the bundled plays)")
     parser.add_argument("--runs", default=None, help="leak: keep the two runs in this folder "
                                                      "(default: a temporary one)")
-    parser.add_argument("--out", default=None, help="leak: the figure (default: figures/leak.png)")
+    parser.add_argument("--out", type=out_option, default=None, help="leak: the figure (default: figures/leak.png)")
     args = parser.parse_args(argv)
     if args.what == "leak":
         if args.steps < 1:

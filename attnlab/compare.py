@@ -25,6 +25,7 @@ from pathlib import Path
 from common.errors import AttnlabError
 from common.files import write_text_atomic
 from attnlab.plotting import pyplot, save_figure
+from attnlab.options import out_option
 from engine.cli import Parser, errors_as_lines
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
                         help="NAME=ARGS (train.py overrides); replaces --variants when given")
     parser.add_argument("--steps", type=int, default=0, help="steps per variant (default: the preset's)")
     parser.add_argument("--data", default="", help="corpus for every variant (data.path)")
-    parser.add_argument("--out", default="", help="output folder (default runs/compare-<time>)")
+    parser.add_argument("--out", type=out_option, default=None, help="output folder (default runs/compare-<time>)")
     args = parser.parse_args(argv)
     variants = dict(v.split("=", 1) if "=" in v else (v, "") for v in args.variant) \
         or MATRICES[args.variants]

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import sys
 
-from attnlab.options import add_run_options, load
+from attnlab.options import add_run_options, load, out_option
 from engine.cli import Parser, errors_as_lines
 
 
 def main(argv=None) -> int:
     parser = Parser("python -m attnlab.export", __doc__)
     add_run_options(parser)
-    parser.add_argument("--out", required=True, help="the folder to write (new or empty)")
+    parser.add_argument("--out", type=out_option, required=True, help="the folder to write (new or empty)")
     args = parser.parse_args(argv)
     from engine.interop import export
     model, cfg, tokenizer, ckpt = load(args, log=print)

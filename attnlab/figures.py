@@ -27,6 +27,7 @@ from model.mask import Mask, visible
 from common.errors import AttnlabError
 from attnlab.plotting import (check_figure_out, default_out, out_path, pyplot,
                               refuse_a_path_through_a_file, save_figure)
+from attnlab.options import out_option
 from engine.cli import Parser, errors_as_lines
 
 COST_JSON = Path(__file__).resolve().parent.parent / "bench" / "out" / "attention_cost.json"
@@ -175,7 +176,7 @@ def file_of(name: str) -> str:
 def main(argv=None):
     parser = Parser("python -m attnlab.figures", __doc__)
     parser.add_argument("figure", choices=["all", *FIGURES])
-    parser.add_argument("--out", default="", help="a PNG path or a folder (for `all`, a "
+    parser.add_argument("--out", type=out_option, default=None, help="a PNG path or a folder (for `all`, a "
                         "folder; default: figures/, which git ignores)")
     args = parser.parse_args(argv)
     out = args.out or default_out()

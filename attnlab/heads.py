@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from attnlab.capture import attention_maps
-from attnlab.options import add_run_options, load, positive
+from attnlab.options import add_run_options, load, positive, out_option
 from attnlab.plotting import (check_figure_out, default_out, make_folder_for, out_path, pyplot,
                               refuse_a_path_through_a_file, save_figure)
 from common.errors import AttnlabError
@@ -220,7 +220,7 @@ def parser() -> Parser:
     p.add_argument("what", choices=["grid", "head", "search", "stats", "html"])
     add_run_options(p)
     p.add_argument("--text", default="", help="the sentence to look at")
-    p.add_argument("--out", default="", help="output path (PNG for grid and head, HTML for "
+    p.add_argument("--out", type=out_option, default=None, help="output path (PNG for grid and head, HTML for "
                    "html) or folder; default: the run's figures/ folder")
     p.add_argument("--layer", type=int, default=0)
     p.add_argument("--head", type=int, default=0)
@@ -247,7 +247,7 @@ def main(argv=None) -> int:
         check_figure_out(args.out)
     elif args.what == "html":
         refuse_a_path_through_a_file(args.out or ".")
-        if Path(args.out).suffix.lower() not in ("", ".html", ".htm") and not Path(args.out).is_dir():
+        if Path(args.out or "").suffix.lower() not in ("", ".html", ".htm") and not Path(args.out or ".").is_dir():
             raise AttnlabError(f"--out {args.out}: the head view is a web page; name it .html")
     model, _, tokenizer, ckpt = load(args)
     if writes and not args.out:

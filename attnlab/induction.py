@@ -29,7 +29,7 @@ import torch
 
 from attnlab.capture import attention
 from attnlab.lens import ablate
-from attnlab.options import add_run_options, load, positive
+from attnlab.options import add_run_options, load, positive, out_option
 from attnlab.plotting import check_figure_out, default_out, out_path, pyplot, save_figure
 from common.errors import AttnlabError
 from engine.cli import Parser, errors_as_lines
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=positive, default=3000, help="training steps (default 3000)")
     parser.add_argument("--span", type=int, default=16, help="length of the repeated span "
                         "(at least 4; default 16)")
-    parser.add_argument("--out", default=None, help="folder for the figures (default: "
+    parser.add_argument("--out", type=out_option, default=None, help="folder for the figures (default: "
                         "figures/induction, which git ignores; with --run, the run's figures/)")
     args = parser.parse_args(argv)
     if args.span < 4:            # spans of span/2..span tokens, tested at 3/4 of it: 2 at least

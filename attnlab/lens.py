@@ -26,7 +26,7 @@ from typing import Iterable
 import torch
 
 from attnlab.capture import check_context, installed, names, run_with_cache  # noqa: F401  (lens users read and edit)
-from attnlab.options import add_run_options, load, positive
+from attnlab.options import add_run_options, load, positive, out_option
 from attnlab.plotting import check_figure_out, default_out, out_path, save_layer_map
 from common.errors import AttnlabError
 from engine.cli import Parser, errors_as_lines
@@ -261,7 +261,7 @@ def parser() -> Parser:
     p.add_argument("--clean", default="", help="patch: the text whose activations are patched in")
     p.add_argument("--corrupt", default="", help="patch: the same text with one word changed")
     p.add_argument("--top", type=positive, default=5, help="ablate: how many heads to list (default 5)")
-    p.add_argument("--out", default="", help="a PNG path or a folder (default: the run's "
+    p.add_argument("--out", type=out_option, default=None, help="a PNG path or a folder (default: the run's "
                    "figures/ folder)")
     return p
 

@@ -60,6 +60,15 @@ def positive(text: str) -> int:
     return value
 
 
+def out_option(text: str) -> str:
+    """An --out path; an empty one is refused rather than read as 'not given', which
+    would write to the default place the user meant to avoid."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path names no file or folder; give one, "
+                                         "or leave --out out for the default")
+    return text
+
+
 def add_run_options(parser: argparse.ArgumentParser, what: str = "run directory or name, "
                     "checkpoint folder, or transformers folder", run: bool = True,
                     aliases: tuple[str, ...] = (), without: str = f"the latest run in {RUNS}/") -> None:

@@ -68,7 +68,7 @@ def figures_folder(source: Path | None = None) -> Path:
     return folder
 
 
-def out_path(given: str, default: str) -> Path:
+def out_path(given: str | None, default: str) -> Path:
     """--out as given; inside it when it is a folder or ends in a slash (a folder to be
     made); the default name when empty."""
     if not given:
@@ -82,9 +82,10 @@ def default_out(source: Path | None = None) -> str:
     return f"{figures_folder(source)}{os.sep}"
 
 
-def check_figure_out(given: str) -> None:
+def check_figure_out(given: str | None) -> None:
     """Refuse, before any work, an --out whose suffix matplotlib cannot write, or that
-    runs through a file."""
+    runs through a file (None: not given)."""
+    given = given or ""
     refuse_a_path_through_a_file(given or ".")
     suffix = Path(given).suffix.lower().lstrip(".")
     if not given or not suffix or Path(given).is_dir():

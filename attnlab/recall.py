@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from attnlab.options import add_run_options, load
+from attnlab.options import add_run_options, load, out_option
 from attnlab.plotting import pyplot, save_figure
 from attnlab.recall_task import TokenTask, char_task, filler_text
 from common.errors import AttnlabError
@@ -364,7 +364,7 @@ def main(argv=None) -> int:
                         "(chance 10^-digits)")
     parser.add_argument("--examples", type=int, default=24, help="examples per grid cell")
     parser.add_argument("--depths", type=int, default=11, help="depths from 0 to 100%%")
-    parser.add_argument("--out", default="runs/recall", help="folder for the figures and tables; "
+    parser.add_argument("--out", type=out_option, default="runs/recall", help="folder for the figures and tables; "
                         "one used before keeps its other variants' rows, and the variants run "
                         "now replace theirs")
     parser.add_argument("--merge", nargs="+", default=[], metavar="DIR", help="train nothing: "

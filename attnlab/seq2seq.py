@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from attnlab.plotting import pyplot, save_figure
+from attnlab.options import out_option
 from engine.cli import Parser, errors_as_lines
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -110,7 +111,7 @@ def plot_cross_attention(model, word: str, path: Path) -> Path:
 def main(argv=None) -> int:
     parser = Parser("python -m attnlab.seq2seq", __doc__)
     parser.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
-    parser.add_argument("--out", default="figures", help="folder for the figure (default: "
+    parser.add_argument("--out", type=out_option, default="figures", help="folder for the figure (default: "
                         "figures/, which git ignores)")
     args = parser.parse_args(argv)
     started = time.perf_counter()

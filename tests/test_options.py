@@ -68,6 +68,22 @@ def test_a_bad_checkpoint_or_device_is_refused_while_parsing(given, message):
         main_of("lens")(["logit", *given])
 
 
+OUT_TOOLS = {"heads": ["grid", "--text", "abc"], "lens": ["logit", "--text", "abc"],
+             "induction": [], "article": ["leak"], "export": [], "recall": [],
+             "figures": ["masks"], "compare": [], "extrapolate": [], "seq2seq": []}
+
+
+@pytest.mark.parametrize("given", ["", "  "])
+@pytest.mark.parametrize("tool", OUT_TOOLS)
+def test_an_empty_out_is_refused_while_parsing_not_read_as_the_default(tool, given, tmp_path,
+                                                                        monkeypatch):
+    """`--out ""` (an unset shell variable) used to write to the default place."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="argument --out: an empty path names no file or folder"):
+        main_of(tool)([*OUT_TOOLS[tool], "--out", given])
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.fixture(scope="module")
 def run_with_steps(corpus, tmp_path_factory):
     """A tiny run with checkpoints at steps 0, 2, 4 and 6, its best by validation loss
