@@ -535,9 +535,14 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     for section, values in overrides.items():
         apply(cfg, section, values, "the command line")
     cfg.validate()
+    reshaped = [k for s, k in _changed_fields(saved, cfg.to_dict())
+                if s == "model" and k not in SWAPPABLE_MODEL_FIELDS]
+    # init_from keeps its source's shape, so it is the way on only for what it can change.
+    way_on = (f"a model of another {', '.join(reshaped)} starts from scratch: a new run with "
+              "--config PRESET and those options" if reshaped else
+              f"start a new run from these weights with them: --train.init_from={ckpt}")
     _refuse_changes(saved, cfg.to_dict(), f"the checkpoint {ckpt} was trained with a "
-                    "different model or data config", "resume without those overrides, or "
-                    f"start a new run (from these weights: --train.init_from={ckpt})")
+                    "different model or data config", f"resume without those overrides, or {way_on}")
     fixed = [f"train.{k}: {saved.get('train', {}).get(k)!r} -> {getattr(cfg.train, k)!r} ({why})"
              for k, why in FIXED_ON_RESUME.items()
              if k in saved.get("train", {}) and saved["train"][k] != getattr(cfg.train, k)]
@@ -588,9 +593,14 @@ def resume_changes(cfg: RunConfig, ckpt: Path) -> list[str]:
             if k in now and now[k] != v]
 
 
+def _changed_fields(trained: dict, other: dict) -> list[tuple[str, str]]:
+    """(section, field) of each model or data field `other` gives another value."""
+    return [(s, k) for s in ("model", "data") for k, v in trained.get(s, {}).items()
+            if k in other.get(s, {}) and other[s][k] != v]
+
+
 def _refuse_changes(trained: dict, other: dict, what: str, fix: str) -> None:
-    changed = [f"{s}.{k}: {v!r} -> {other.get(s, {}).get(k)!r}"
-               for s in ("model", "data") for k, v in trained.get(s, {}).items()
-               if k in other.get(s, {}) and other[s][k] != v]
+    changed = [f"{s}.{k}: {trained[s][k]!r} -> {other[s][k]!r}"
+               for s, k in _changed_fields(trained, other)]
     if changed:
         raise CheckpointError(f"{what} ({'; '.join(changed)}); {fix}")

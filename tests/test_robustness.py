@@ -68,6 +68,10 @@ def test_a_resume_refuses_a_garbled_run_config_a_broken_state_and_a_preset_namin
                           check=False)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert proc.stderr.startswith(f"error: --config {preset} chooses a new run's preset")
+    # A run that is not there is the first thing to fix, before the --config refusal.
+    proc = run_script("train.py", "--resume", tmp_path / "nope", "--config", "tiny", check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: cannot resume: {tmp_path / 'nope'} does not exist")
     restore_it = f"cp {ckpt / 'config.json'} {copy / 'config.json'}"
     for garbled in ("garbage{{{", '{"model": 5}'):       # the second was a traceback
         (copy / "config.json").write_text(garbled)

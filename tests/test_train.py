@@ -119,6 +119,10 @@ def test_resume_refuses_a_different_model(trained):
     _, run_dir, _ = trained
     proc = run_script("train.py", "--resume", run_dir, "--model.n_layer=3", check=False)
     assert proc.returncode == 2 and "model.n_layer: 2 -> 3" in proc.stderr
+    # init_from keeps the source's shape, so for a size it is no way on; a new run is.
+    assert "--train.init_from=" not in proc.stderr and "a model of another n_layer starts from scratch" in proc.stderr
+    proc = run_script("train.py", "--resume", run_dir, "--model.attention=eager", check=False)
+    assert proc.returncode == 2 and "model.attention: " in proc.stderr
     assert "--train.init_from=" in proc.stderr        # the way on from these weights, as safety.md says
 
 
@@ -268,7 +272,7 @@ def test_missing_run_and_corpus_get_one_clear_line(tmp_path):
     assert proc.returncode == 2 and "none.txt not found" in proc.stderr
     assert "Traceback" not in proc.stderr
     proc = run_script("train.py", "--resume", tmp_path / "norun", check=False)
-    assert proc.returncode == 2 and "not a run directory" in proc.stderr
+    assert proc.returncode == 2 and "norun does not exist; give a run directory" in proc.stderr
     short = tmp_path / "short.txt"
     short.write_text("To be, or not to be.\n")
     proc = run_script("train.py", "--config", "tiny", f"--data.path={short}",
