@@ -61,9 +61,42 @@ def cpu_bf16_pays(n_embd: int) -> bool:
 
 
 # Decoding at batch 1 is another matter: each token is a row of matrix-vector products,
-# and bf16 weights only pay where reading the weights dominates (docs/benchmarks.md,
-# "bf16 weights to sample").
+# and bf16 weights only pay where reading the weights dominates, and only on a CPU whose
+# bf16 matrix-vector products are faster than its fp32 ones, which not every CPU with
+# native bf16 has: an AMX Xeon's run several times slower up to 512 wide
+# (docs/benchmarks.md, "bf16 weights to sample"). So from this width, where the CPU's own
+# products at the model's width gain at least CPU_DECODE_BF16_GAIN.
 CPU_DECODE_BF16_MIN_WIDTH = 384
+CPU_DECODE_BF16_GAIN = 1.1
+
+
+@functools.cache
+def decode_matvec_speedup(n_embd: int) -> float:
+    """How many times faster this CPU multiplies one token's row (1 x C) by an MLP's up
+    projection (C x 4C, a block's largest) with bf16 weights than with fp32 ones: the best
+    of five interleaved rounds each, so other work slows both alike; a small fraction of a
+    second, once per width in a process."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(0)
+    x32, w32 = torch.randn(1, n_embd, generator=g), torch.randn(4 * n_embd, n_embd, generator=g)
+    pairs = {"float32": (x32, w32), "bfloat16": (x32.bfloat16(), w32.bfloat16())}
+    best = dict.fromkeys(pairs, float("inf"))
+    with torch.no_grad():
+        for x, w in pairs.values():
+            F.linear(x, w)                                # warm-up
+        for _ in range(5):
+            for name, (x, w) in pairs.items():
+                start, reps = time.perf_counter(), 0
+                while reps < 3 or time.perf_counter() - start < 0.005:
+                    F.linear(x, w)
+                    reps += 1
+                best[name] = min(best[name], (time.perf_counter() - start) / reps)
+    return best["float32"] / best["bfloat16"]
+
+
+def cpu_bf16_decode_pays(n_embd: int) -> bool:
+    return (precision.cpu_has_native_bf16() and n_embd >= CPU_DECODE_BF16_MIN_WIDTH
+            and decode_matvec_speedup(n_embd) >= CPU_DECODE_BF16_GAIN)
 
 
 def pick_dtype(name: str, device: torch.device, n_embd: int = 0,
@@ -71,7 +104,7 @@ def pick_dtype(name: str, device: torch.device, n_embd: int = 0,
     """The autocast precision (or, for `decoding`, the precision weights are held in
     to sample). auto: bf16 on GPUs that have it (fp16 on older ones); on a CPU, bf16
     where the CPU has native bf16 (model/precision.py) and the model is wide enough for
-    it to pay (cpu_bf16_pays; to decode, from CPU_DECODE_BF16_MIN_WIDTH), else fp32;
+    it to pay (cpu_bf16_pays; to decode, cpu_bf16_decode_pays), else fp32;
     fp32 on MPS. bfloat16 asked for by name is kept even where it is emulated (to study
     its rounding), and precision_note says what it costs."""
     if name != "auto":
@@ -84,8 +117,7 @@ def pick_dtype(name: str, device: torch.device, n_embd: int = 0,
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device.type == "cpu" and decoding:
-        return torch.bfloat16 if precision.cpu_has_native_bf16() and n_embd >= CPU_DECODE_BF16_MIN_WIDTH \
-            else torch.float32
+        return torch.bfloat16 if cpu_bf16_decode_pays(n_embd) else torch.float32
     if device.type == "cpu" and cpu_bf16_pays(n_embd):
         return torch.bfloat16
     return torch.float32

@@ -262,20 +262,47 @@ def test_cpu_autocast_is_bf16_where_the_cpus_bf16_matmuls_make_it_pay(width, bf1
     assert device.pick_dtype("auto", torch.device("cpu"), width) == torch.float32
 
 
-@pytest.mark.parametrize("width,native,expected", [
-    (384, True, "bfloat16"), (256, True, "float32"), (64, True, "float32"), (768, False, "float32")])
-def test_cpu_sampling_holds_bf16_weights_only_where_decoding_gains(width, native, expected,
+@pytest.mark.parametrize("width,native,speedup,expected", [
+    (384, True, 1.5, "bfloat16"), (384, True, 0.37, "float32"), (384, True, 1.05, "float32"),
+    (256, True, 1.5, "float32"), (64, True, 1.5, "float32"), (768, False, 1.5, "float32")])
+def test_cpu_sampling_holds_bf16_weights_only_where_decoding_gains(width, native, speedup, expected,
                                                                    monkeypatch):
     """Decoding one token at a time gains from bf16 weights from 384 wide only (measured:
-    4 x 128 decodes 1.7x faster in fp32), whatever training autocasts to; an explicit
-    precision is kept as asked."""
+    4 x 128 decodes 1.7x faster in fp32), and only where the CPU's bf16 matrix-vector
+    products at that width are faster (an AMX Xeon's were 0.37x at 384), whatever
+    training autocasts to and however fast bf16 matmuls are; an explicit precision is
+    kept as asked."""
     from engine import device
     from model import precision
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
     monkeypatch.setattr(device, "peak_flops", lambda kind, name, *a: 2e11 * (4.1 if name == "bfloat16" else 1.0))
+    asked = []
+    monkeypatch.setattr(device, "decode_matvec_speedup", lambda w: asked.append(w) or speedup)
     cpu = torch.device("cpu")
     assert device.pick_dtype("auto", cpu, width, decoding=True) == device.DTYPES[expected]
+    assert asked in ([], [width])                         # the model's own width is timed
     assert device.pick_dtype("bfloat16", cpu, 64, decoding=True) == torch.bfloat16
+
+
+def test_the_decode_probe_times_a_rows_product_at_the_models_width(monkeypatch):
+    """decode_matvec_speedup times (1, C) @ (C, 4C) in both precisions and says how much
+    faster bf16 is: a stand-in product twice as slow in bf16 reads 0.5x, one four times
+    as fast 4x, whatever the order they are timed in."""
+    import time
+    from engine import device
+    for slow_bf16, expected in ((2.0, 0.5), (0.25, 4.0)):
+        shapes = set()
+
+        def linear(x, w, slow=slow_bf16):
+            shapes.add((tuple(x.shape), tuple(w.shape), w.dtype))
+            end = time.perf_counter() + 2e-4 * (slow if w.dtype == torch.bfloat16 else 1.0)
+            while time.perf_counter() < end:
+                pass
+        monkeypatch.setattr(torch.nn.functional, "linear", linear)
+        device.decode_matvec_speedup.cache_clear()
+        assert device.decode_matvec_speedup(96) == pytest.approx(expected, rel=0.2)
+        assert shapes == {((1, 96), (384, 96), torch.float32), ((1, 96), (384, 96), torch.bfloat16)}
+    device.decode_matvec_speedup.cache_clear()
 
 
 def test_sample_py_decodes_a_small_model_with_fp32_weights(corpus, tmp_path):
