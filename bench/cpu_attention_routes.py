@@ -4,6 +4,12 @@ and torch's kernel in bf16 ("fused"), forward + backward, and one-query decoding
 
     python bench/cpu_attention_routes.py                 # the shapes behind the thresholds
     python bench/cpu_attention_routes.py --repeats 5 --shapes 16,3,128,32
+    python bench/cpu_attention_routes.py --steps         # and whole training steps
+
+A kernel timed alone can mislead (its inputs hot in cache, no casts around it), so
+`--steps` also times training steps of the --budget rungs and presets under bf16
+autocast with the training route held to each of matmul and fp32, and in fp32 as the
+reference, the three interleaved round by round.
 
 The thresholds in model/cpu_kernels.py (CPU_MATMUL_MAX_SCORES, CPU_FP32_MAX_DECODE_KEYS,
 CPU_FP32_MAX_QUERIES) come from these figures on a CPU with native bf16; docs/benchmarks.md
@@ -65,12 +71,65 @@ def time_route(route, shape, repeats):
         return best_of(call, repeats)
 
 
+# (layers, width, context, batch): the speedrun, the --budget rung it mostly picks, the cpu preset
+STEP_SHAPES = [(3, 64, 64, 32), (3, 96, 128, 16), (4, 128, 128, 16)]
+
+
+def step_times(shapes, rounds: int = 3, steps: int = 20) -> None:
+    """ms a training step (Muon, the cpu preset's optimizer) for each shape: bf16
+    autocast with the training route held to matmul, then to fp32, and fp32 throughout."""
+    from dataclasses import replace
+    import model.cpu_kernels as kernels
+    from engine import cli
+    from engine.budget import sized
+    from engine.device import autocast
+    from engine.optim import configure_optimizer
+    from model import GPT
+    natural = kernels.cpu_route
+    cpu = torch.device("cpu")
+    print(f"\ntraining steps, ms (best of {rounds} rounds of {steps}, interleaved):")
+    print("| layers x width, context, batch | bf16, matmul route | bf16, fp32 route | fp32 |")
+    print("|---|---|---|---|")
+    for L, W, T, B in shapes:
+        cfg = cli.build("cpu", [])
+        cfg.model = sized(replace(cfg.model, vocab_size=65, block_size=T), L, W)
+        cfg.train.batch_size = B
+        g = torch.Generator().manual_seed(0)
+        x, y = (torch.randint(0, 65, (B, T), generator=g) for _ in range(2))
+        runs = {}
+        for name, route, dtype in (("matmul", "matmul", torch.bfloat16),
+                                   ("fp32 route", "fp32", torch.bfloat16), ("fp32", None, torch.float32)):
+            torch.manual_seed(0)
+            model = GPT(cfg.model)
+            runs[name] = (model, configure_optimizer(model, cfg.train, cpu), route, dtype)
+        best = dict.fromkeys(runs, float("inf"))
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        for r in range(rounds + 1):                      # round 0 warms up
+            for name, (model, opt, route, dtype) in runs.items():
+                kernels.cpu_route = (natural if route is None else
+                                     lambda q, k, route=route: route if q.shape[-2] > 1 and q.dtype == torch.bfloat16
+                                     else natural(q, k))
+                start = time.perf_counter()
+                for _ in range(steps):
+                    with autocast(cpu, dtype):
+                        loss = model(x, y).loss
+                    loss.backward()
+                    opt.step(scaler)
+                    opt.zero_grad()
+                if r:
+                    best[name] = min(best[name], (time.perf_counter() - start) / steps)
+        kernels.cpu_route = natural
+        print(f"| {L} x {W}, {T}, {B} | " + " | ".join(f"{best[n] * 1e3:.1f}" for n in runs) + " |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed calls per route and shape (the best counts)")
     parser.add_argument("--shapes", nargs="*", default=None,
                         help="B,H,T,d_k (training) or B,H,1,Tk,d_k (a decoding step)")
+    parser.add_argument("--steps", action="store_true",
+                        help="also time training steps with each training route (a few minutes)")
     args = parser.parse_args()
     shapes = TRAINING + DECODING
     if args.shapes:
@@ -85,6 +144,8 @@ def main():
         unit, scale = ("us", 1e6) if shape[2] == 1 else ("ms", 1e3)
         cells = [f"{time_route(r, shape, args.repeats) * scale:.1f} {unit}" for r in ROUTES]
         print(f"| {', '.join(map(str, shape))} | " + " | ".join(cells) + " |")
+    if args.steps:
+        step_times(STEP_SHAPES)
 
 
 if __name__ == "__main__":
