@@ -256,9 +256,9 @@ def readable_state(ckpt: Path) -> dict:
     state = read_json(ckpt / "state.json")
     manifest = (state or {}).get("files")
     if (not isinstance(manifest, dict) or not all(isinstance(v, str) for v in manifest.values())
-            or not isinstance(state.get("step"), int)):
+            or type(state.get("step")) is not int or state["step"] < 0):   # True is an int too
         raise CheckpointError(f"checkpoint {ckpt} has no readable state.json (missing, not "
-                              "JSON, or without its step and file hashes); it is incomplete "
+                              "JSON, or without its step, a whole number from 0, and file hashes); it is incomplete "
                               "or corrupt: use an earlier checkpoint")
     return state
 

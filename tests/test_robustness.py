@@ -89,6 +89,13 @@ def test_a_resume_refuses_a_garbled_run_config_a_broken_state_and_a_preset_namin
     proc = run_script("train.py", "--resume", copy, "--train.max_iters=25", check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"checkpoint {ckpt} has no readable state.json" in proc.stderr
+    # A step of -5 divided by zero in the momentum warm-up; true retrained from step 1.
+    for step in (-5, True):
+        (ckpt / "state.json").write_text(json.dumps({**json.loads(before[ckpt / "state.json"]),
+                                                     "step": step}))
+        proc = run_script("train.py", "--resume", copy, "--train.max_iters=25", check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"checkpoint {ckpt} has no readable state.json" in proc.stderr
     # Valid JSON of the wrong kind: each was a traceback after the run had begun writing.
     state = json.loads(before[ckpt / "state.json"])
     for field, value in [("best_val", "x"), ("elapsed_s", None), ("optimizer", 5),
