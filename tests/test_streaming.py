@@ -78,10 +78,12 @@ def test_the_streaming_bench_refuses_a_window_past_the_context_in_one_line(tmp_p
     # ask the model for positions it never saw; the check needs the model, so a tiny
     # transformers folder stands in for a run.
     import importlib.util
+    import sys
     from pathlib import Path
     transformers = pytest.importorskip("transformers")
     from data.tokenizer import BPETokenizer
     root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "bench"))       # as python runs it: bench/capability.py is found
     spec = importlib.util.spec_from_file_location("streaming_bench", root / "bench" / "streaming.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
