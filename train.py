@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
     from attnlab.exercises import plug
     plug.install()                        # `yours`: the learner's code, as a registry entry
     args = parser().parse_args(budget_joined(argv))
-    from common.errors import CheckpointError, ConfigError
+    from common.errors import ConfigError
     from engine import config, distributed
     from engine.cli import apply_overrides, overrides_of
     from engine.config import describe
@@ -67,11 +67,9 @@ def main(argv: list[str]) -> int:
     resuming, source, changes = args.resume is not None, None, []
     if args.preset == "":
         raise ConfigError("--config needs a preset name or a .toml path (see configs/)")
-    if resuming and args.resume and not os.path.exists(args.resume):    # said before any other refusal
-        raise CheckpointError(f"cannot resume: {args.resume} does not exist; give a run directory "
-                              "(runs/NAME) or one of its checkpoint folders, or --resume alone "
-                              "for the latest run")
     if resuming and args.preset is not None:  # else silently dropped: the checkpoint's config rules
+        if args.resume:
+            resume_config(args.resume, "runs", {})    # a run that is not there is said first
         raise ConfigError(f"--config {args.preset} chooses a new run's preset, and a resumed run "
                           "keeps the config it was trained with; resume with only the options "
                           "to change (e.g. --train.max_iters=N), or start a new run from its "

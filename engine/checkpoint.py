@@ -258,8 +258,8 @@ def readable_state(ckpt: Path) -> dict:
     if (not isinstance(manifest, dict) or not all(isinstance(v, str) for v in manifest.values())
             or type(state.get("step")) is not int or state["step"] < 0):   # True is an int too
         raise CheckpointError(f"checkpoint {ckpt} has no readable state.json (missing, not "
-                              "JSON, or without its step, a whole number from 0, and file hashes); it is incomplete "
-                              "or corrupt: use an earlier checkpoint")
+                              "JSON, or without its step, a whole number from 0, and file "
+                              "hashes); it is incomplete or corrupt: use an earlier checkpoint")
     return state
 
 

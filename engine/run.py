@@ -518,6 +518,10 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     elif found := checkpoint.list_checkpoints(path):
         raise CheckpointError(f"cannot resume: {path / 'config.json'} is missing; copy its latest "
                               f"checkpoint's: cp {found[-1] / 'config.json'} {path / 'config.json'}")
+    elif not path.exists():
+        raise CheckpointError(f"cannot resume: {path} does not exist; give a run directory "
+                              "(runs/NAME) or one of its checkpoint folders, or --resume alone "
+                              "for the latest run")
     else:
         raise CheckpointError(f"cannot resume: {path} is not a run directory (no config.json)")
     saved = migrate(checkpoint.verified_json(ckpt, "config.json"), str(ckpt / "config.json"))
@@ -535,13 +539,14 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     for section, values in overrides.items():
         apply(cfg, section, values, "the command line")
     cfg.validate()
-    reshaped = [k for s, k in _changed_fields(saved, cfg.to_dict())
+    asked = cfg.to_dict()
+    reshaped = [k for s, k in _changed_fields(saved, asked)
                 if s == "model" and k not in SWAPPABLE_MODEL_FIELDS]
     # init_from keeps its source's shape, so it is the way on only for what it can change.
     way_on = (f"a model of another {', '.join(reshaped)} starts from scratch: a new run with "
               "--config PRESET and those options" if reshaped else
               f"start a new run from these weights with them: --train.init_from={ckpt}")
-    _refuse_changes(saved, cfg.to_dict(), f"the checkpoint {ckpt} was trained with a "
+    _refuse_changes(saved, asked, f"the checkpoint {ckpt} was trained with a "
                     "different model or data config", f"resume without those overrides, or {way_on}")
     fixed = [f"train.{k}: {saved.get('train', {}).get(k)!r} -> {getattr(cfg.train, k)!r} ({why})"
              for k, why in FIXED_ON_RESUME.items()
