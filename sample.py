@@ -19,7 +19,7 @@ from common.threads import report as report_threads, wait_passively
 
 refuse_unrunnable_capability()      # before torch loads, which would die of it: common/cpu.py
 wait_passively()                    # before torch loads: see common/threads.py
-from attnlab.options import add_run_options  # noqa: E402
+from attnlab.options import add_run_options, find_run  # noqa: E402
 from engine.cli import Parser, add_config_options, errors_as_lines  # noqa: E402
 
 
@@ -42,7 +42,6 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     from dataclasses import replace
     from engine.cli import apply_overrides, overrides_of
-    from engine.checkpoint import latest_run
     from common.errors import ConfigError
     from engine.config import RunConfig, apply
     from engine.device import dtype_name, pick_device, pick_dtype, precision_note
@@ -51,7 +50,7 @@ def main(argv: list[str]) -> int:
     apply_overrides(RunConfig(), args)            # a bad option fails before any loading
     device = pick_device(args.device)
 
-    run = args.run or latest_run()
+    run = find_run(args.run)          # a folder, or a run's name in runs/
 
     def bind_yours(cfg):
         for note in plug.prepare(cfg.model, plug.folder_for(args.exercises, run)):

@@ -3,6 +3,7 @@
 each --checkpoint picks."""
 import importlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -134,3 +135,17 @@ def test_best_falls_back_to_the_latest_and_says_so(run_with_steps, tmp_path, cap
     (run / "best.json").unlink()
     assert loaded(["--run", str(run)]) == run / "checkpoints" / "step_0000006"
     assert "the latest checkpoint: no best.json names an evaluated checkpoint" in capsys.readouterr().err
+
+
+def test_sample_finds_a_run_by_its_name_and_refuses_a_missing_one_in_the_shared_line(
+        run_with_steps, monkeypatch, capsys):
+    """sample.py's --run help says "run directory or name": a name alone used to be refused
+    as a missing directory."""
+    import sample
+    monkeypatch.chdir(run_with_steps.parent.parent)
+    assert sample.main(["--run", "r", "--checkpoint", "latest", "--device", "cpu",
+                        "--max_new_tokens", "3"]) == 0
+    assert f"\n[{Path('runs', 'r', 'checkpoints', 'step_0000006')}:" in capsys.readouterr().err
+    with pytest.raises(AttnlabError, match="^--run nosuch: no run, checkpoint or transformers "
+                                           "folder there, nor a run of that name in runs/"):
+        sample.main(["--run", "nosuch", "--device", "cpu"])
