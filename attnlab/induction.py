@@ -30,7 +30,7 @@ import torch
 from attnlab.capture import attention
 from attnlab.lens import ablate
 from attnlab.options import add_run_options, load, positive, out_option
-from attnlab.plotting import check_figure_out, default_out, out_path, pyplot, save_figure
+from attnlab.plotting import check_figure_out, default_out, pyplot, save_figure
 from common.errors import AttnlabError
 from engine.cli import Parser, errors_as_lines
 
@@ -140,6 +140,14 @@ def plot_heads(model, span: int, heads: dict[str, tuple[int, int]], path: Path,
     return save_figure(fig, path)
 
 
+def figure_path(given: str | None, folder: str) -> Path:
+    """--out as a folder for induction_heads.png (made where missing), or as the figure's
+    own name where it ends in an image suffix (check_figure_out has vetted that suffix)."""
+    if given and Path(given).suffix and not Path(given).is_dir():
+        return Path(given)
+    return Path(given or folder) / "induction_heads.png"
+
+
 def detect(args) -> int:
     """Scores and the two heads' patterns in a model of the user's (--run)."""
     check_figure_out(args.out or "")
@@ -150,7 +158,7 @@ def detect(args) -> int:
                            "(model.causal=false): look at it with python -m attnlab.heads")
     _, _, prev, induct = report(model, span=min(20, model.config.block_size // 2))
     print("wrote", plot_heads(model, 12, {"previous-token head": prev, "induction head": induct},
-                     out_path(args.out or default_out(ckpt), "induction_heads.png")))
+                              figure_path(args.out, default_out(ckpt))))
     return 0
 
 
@@ -163,15 +171,16 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=positive, default=3000, help="training steps (default 3000)")
     parser.add_argument("--span", type=int, default=16, help="length of the repeated span "
                         "(at least 4; default 16)")
-    parser.add_argument("--out", type=out_option, default=None, help="folder for the figures (default: "
-                        "figures/induction, which git ignores; with --run, the run's figures/)")
+    parser.add_argument("--out", type=out_option, default=None, help="folder for the figure "
+                        "(induction_heads.png), or its own file name ending in .png, .svg or "
+                        ".pdf (default: figures/induction, which git ignores; with --run, the "
+                        "run's figures/)")
     args = parser.parse_args(argv)
     if args.span < 4:            # spans of span/2..span tokens, tested at 3/4 of it: 2 at least
         raise AttnlabError(f"--span must be at least 4, got {args.span}")
     if args.run is not None:
         return detect(args)
     check_figure_out(args.out or "")
-    args.out = args.out or "figures/induction"
     vocab = 64
     model = train_attention_only(vocab, args.span, args.steps)
     test_span = args.span * 3 // 4                  # a length it was trained on, not the longest
@@ -187,10 +196,9 @@ def main(argv=None) -> int:
           f"with the best induction head off {one_off:.3f}, with all {len(inductions)} induction "
           f"heads (score >= {INDUCTION_THRESHOLD}) off {all_off:.3f}, with the previous-token "
           f"head off {prev_off:.3f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     print("wrote", plot_heads(model, test_span, {"previous-token head": best_prev,
-                                        "induction head": best_induct}, out / "induction_heads.png"))
+                                        "induction head": best_induct},
+                              figure_path(args.out, "figures/induction")))
     return 0
 
 

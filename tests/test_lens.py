@@ -166,6 +166,13 @@ def test_lens_ablate_patch_and_induction_commands(tmp_path, capsys):
     assert re.search(r"previous-token head.*; (no )?induction head", out)
     assert f"wrote {tmp_path / 'induction_heads.png'}\n" in out
     assert (tmp_path / "induction_heads.png").is_file()
+    # --out is a folder for the figure, made where missing, as its help says (a folder not
+    # there yet used to become the figure's own name, new.png), or the figure's own name.
+    induction.main([*run[:2], "--out", str(tmp_path / "new"), "--device", "cpu"])
+    assert f"wrote {tmp_path / 'new' / 'induction_heads.png'}\n" in capsys.readouterr().out
+    induction.main([*run[:2], "--out", str(tmp_path / "mine.svg"), "--device", "cpu"])
+    assert f"wrote {tmp_path / 'mine.svg'}\n" in capsys.readouterr().out
+    assert (tmp_path / "mine.svg").read_text().lstrip().startswith("<?xml")
     # The spelling these had as subcommands of heads still runs them, with the same options.
     (tmp_path / "logit_lens.png").unlink()
     lens_again = run_script("-m", "attnlab.heads", "lens", "--text", "abc defg", *run)
