@@ -170,6 +170,23 @@ def prune(run_dir: Path, keep_last: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def use_another(ckpt: Path) -> str:
+    """What to do about a damaged checkpoint: the other steps its run keeps, and the
+    options that read one (sampling, looking inside) or train on from one."""
+    ckpt = Path(ckpt)
+    if ckpt.parent.name != CKPT_DIR:
+        return "use another checkpoint"
+    run = ckpt.parent.parent
+    others = [c for c in list_checkpoints(run)
+              if c.name != ckpt.name and c.name.removeprefix(PREFIX).isdigit()]
+    if not others:
+        return f"{run} keeps no other checkpoint: train it again"
+    steps = ", ".join(str(int(c.name.removeprefix(PREFIX))) for c in others)
+    return (f"use another checkpoint: {run} also keeps step{'s' if len(others) > 1 else ''} "
+            f"{steps} (--checkpoint STEP samples or looks inside one; --resume {others[-1]} "
+            "trains on from it in a new run)")
+
+
 def remove_partial(run_dir: Path) -> None:
     """Temporary folders left by a write that was killed."""
     root = Path(run_dir) / CKPT_DIR
@@ -243,7 +260,7 @@ def verified_json(ckpt: Path, name: str) -> dict:
     path = ckpt / name
     if not isinstance(digest, str) or not path.is_file() or file_sha256(path) != digest:
         raise CheckpointError(f"checkpoint file {path} is missing or corrupt (its hash does not "
-                              "match state.json); use an earlier checkpoint")
+                              f"match state.json); {use_another(ckpt)}")
     data = read_json(path)
     if data is None:
         raise CheckpointError(f"checkpoint file {path} is not a JSON object")
@@ -259,7 +276,7 @@ def readable_state(ckpt: Path) -> dict:
             or type(state.get("step")) is not int or state["step"] < 0):   # True is an int too
         raise CheckpointError(f"checkpoint {ckpt} has no readable state.json (missing, not "
                               "JSON, or without its step, a whole number from 0, and file "
-                              "hashes); it is incomplete or corrupt: use an earlier checkpoint")
+                              f"hashes); it is incomplete or corrupt: {use_another(ckpt)}")
     return state
 
 
@@ -276,7 +293,7 @@ def load(ckpt: Path, train_state: bool = True) -> tuple[dict, dict, dict]:
         file = ckpt / name
         if not file.is_file() or file_sha256(file) != digest:
             raise CheckpointError(f"checkpoint file {file} is missing or corrupt (its hash does "
-                                  "not match state.json); use an earlier checkpoint")
+                                  f"not match state.json); {use_another(ckpt)}")
     try:
         weights = load_file(ckpt / "model.safetensors")
         tensors = load_file(ckpt / TRAIN_STATE) if train_state else {}
@@ -297,7 +314,7 @@ def refuse_non_finite(weights: dict, origin: Path) -> None:
     bad = [n for n, t in weights.items() if not _finite(t)]
     if bad:
         raise CheckpointError(f"checkpoint {origin} holds NaN or infinite weights ({', '.join(bad[:3])}); "
-                              "use an earlier checkpoint")
+                              f"{use_another(origin)}")
 
 
 def load_weights(model: torch.nn.Module, weights: dict, origin: Path, assign: bool = False,

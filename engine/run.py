@@ -425,8 +425,8 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
         opt_state = checkpoint.optimizer_join(tensors, state["optimizer"])
     except (AttributeError, KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"checkpoint {ckpt / 'state.json'} describes an optimizer state "
-                              f"that cannot be read ({err}); it is corrupt or edited: use an "
-                              "earlier checkpoint") from None
+                              f"that cannot be read ({err}); it is corrupt or edited: "
+                              f"{checkpoint.use_another(ckpt)}") from None
     if run.sharded:                           # each process keeps its own shard of each
         from engine.sharding import shard_optimizer_state, shard_weights
         weights = shard_weights(run.model, weights)
@@ -470,7 +470,7 @@ def _check_state(state: dict, ckpt: Path) -> None:
         wrong.append("autocast")
     if wrong:
         raise CheckpointError(f"checkpoint {ckpt / 'state.json'} holds {', '.join(wrong)} of the "
-                              "wrong kind; it is corrupt or edited: use an earlier checkpoint")
+                              f"wrong kind; it is corrupt or edited: {checkpoint.use_another(ckpt)}")
 
 
 def _kept_dtype(state: dict, device: torch.device, picked: torch.dtype) -> torch.dtype:
@@ -489,7 +489,7 @@ def _seconds(state: dict, key: str, ckpt: Path) -> float:
     value = state.get(key, 0.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
         raise CheckpointError(f"checkpoint {ckpt} records {key}={value!r} in its state.json, "
-                              "not a number of seconds; it is corrupt: use an earlier checkpoint")
+                              f"not a number of seconds; it is corrupt: {checkpoint.use_another(ckpt)}")
     return float(value)
 
 

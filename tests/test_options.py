@@ -149,3 +149,30 @@ def test_sample_finds_a_run_by_its_name_and_refuses_a_missing_one_in_the_shared_
     with pytest.raises(AttnlabError, match="^--run nosuch: no run, checkpoint or transformers "
                                            "folder there, nor a run of that name in runs/"):
         sample.main(["--run", "nosuch", "--device", "cpu"])
+
+
+def test_a_damaged_checkpoint_names_the_others_its_run_keeps_and_how_to_read_them(
+        run_with_steps, tmp_path):
+    """"use an earlier checkpoint" said neither which ones there are nor how to pick one."""
+    import shutil
+    from engine.checkpoint import use_another
+    run = tmp_path / "r"
+    shutil.copytree(run_with_steps, run)
+    latest = run / "checkpoints" / "step_0000006"
+    with open(latest / "model.safetensors", "r+b") as f:        # one byte flipped
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(AttnlabError) as err:
+        loaded(["--run", str(run), "--checkpoint", "latest"])
+    assert str(err.value) == (
+        f"checkpoint file {latest / 'model.safetensors'} is missing or corrupt (its hash does "
+        f"not match state.json); use another checkpoint: {run} also keeps steps 0, 2, 4 "
+        "(--checkpoint STEP samples or looks inside one; --resume "
+        f"{run / 'checkpoints' / 'step_0000004'} trains on from it in a new run)")
+    assert loaded(["--run", str(run), "--checkpoint", "4"]) == run / "checkpoints" / "step_0000004"
+    for other in ("step_0000000", "step_0000002", "step_0000004"):
+        shutil.rmtree(run / "checkpoints" / other)
+    assert use_another(latest) == f"{run} keeps no other checkpoint: train it again"
+    assert use_another(tmp_path / "loose") == "use another checkpoint"
