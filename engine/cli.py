@@ -136,8 +136,9 @@ def errors_as_lines(interrupted: str = "nothing half-written was kept; run the s
               "written whole or not at all): fix that and run the same command again",
               file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         if debug:
             raise
-        print(f"error: interrupted; {interrupted}", file=sys.stderr)
+        # A KeyboardInterrupt of ours carries what to do next (engine.loop.stop_signals).
+        print(f"error: interrupted; {err.args[0] if err.args else interrupted}", file=sys.stderr)
         sys.exit(130)

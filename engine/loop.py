@@ -366,7 +366,7 @@ def stop_signals(run: Run):
     stops them all, so the handshake is for a single process."""
     def on_signal(signum, frame):
         if run.stop_signal is not None:
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt(stopped_at_once(run))
         run.stop_signal = signum
     signals = (signal.SIGINT, signal.SIGTERM) if run.dist.world == 1 else ()
     handlers = {s: signal.signal(s, on_signal) for s in signals}
@@ -375,6 +375,17 @@ def stop_signals(run: Run):
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
+
+
+def stopped_at_once(run: Run) -> str:
+    """What a second Ctrl-C leaves, said by errors_as_lines: the save it cut short was
+    dropped whole (writes are atomic), so the run goes on from its last checkpoint."""
+    last = checkpoint.list_checkpoints(run.run_dir)
+    if not last:
+        return (f"stopped before {run.run_dir} had a checkpoint, nothing half-written was kept; "
+                "run the same command again")
+    return (f"stopped at once, nothing half-written was kept; python train.py --resume "
+            f"{run.run_dir} continues from its last checkpoint, {last[-1].name}")
 
 
 def stop_on_signal(run: Run, bar, clock: LimitClock | None = None) -> None:

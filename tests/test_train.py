@@ -183,6 +183,38 @@ def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(corpus, tmp_path):
     assert step >= 20 and step % 15 != 0      # saved where it stopped, not at an eval
 
 
+def test_a_second_ctrl_c_during_the_save_keeps_the_last_checkpoint_and_names_the_run(corpus, tmp_path):
+    """The second Ctrl-C stops at once, in the middle of the save the first one began: the
+    half-written checkpoint is dropped and the line says which run to resume from where
+    (it used to be the generic "run the same command again")."""
+    script = (
+        "import os, signal, sys\n"
+        "import engine.checkpoint as c, engine.loop as loop\n"
+        "real_stop, real_write, saving = loop.stop_on_signal, c.save_file, []\n"
+        "def stop(*a, **k):\n"
+        "    saving.append(1)\n"
+        "    return real_stop(*a, **k)\n"
+        "def write(tensors, path, *a, **k):\n"
+        "    real_write(tensors, path, *a, **k)\n"
+        "    if saving: os.kill(os.getpid(), signal.SIGINT)\n"
+        "loop.stop_on_signal, c.save_file = stop, write\n"
+        "sys.argv = ['train.py'] + sys.argv[1:]\n"
+        "import runpy; runpy.run_path('train.py', run_name='__main__')\n")
+    run_dir = tmp_path / "runs" / "twice"
+    proc = _start(["-c", script, *tiny_args(corpus, tmp_path, "twice", *SLOW)[1:]])
+    assert _wait_for_step(run_dir, 20, proc)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    kept = checkpoint.list_checkpoints(run_dir)
+    assert kept and int(kept[-1].name.split("_")[1]) % 15 == 0      # an evaluation's, not the cut one
+    assert stderr.splitlines()[-1] == (
+        f"error: interrupted; stopped at once, nothing half-written was kept; python train.py "
+        f"--resume {run_dir} continues from its last checkpoint, {kept[-1].name}")
+    checkpoint.load(kept[-1])
+    assert "resuming" in run_script("train.py", "--resume", run_dir).stdout
+
+
 def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(corpus, tmp_path):
     # Kill the process (SIGKILL, no clean-up) half way through writing its second checkpoint.
     script = (
