@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     from engine import config, distributed
     from engine.cli import apply_overrides, overrides_of
     from engine.config import describe
-    from engine.loop import train
+    from engine.loop import nothing_left, train
     from engine.run import adopt_source, resume_changes, resume_config, setup_run
     import torch
     apply_start(torch.get_num_threads, torch.set_num_threads)
@@ -120,6 +120,7 @@ def main(argv: list[str]) -> int:
         run.log(run.describe_setup())
         run.log(run.summary())
         run.log(f"run directory: {run.run_dir}")
+        start = run.progress.step
         result = train(run)
     finally:
         distributed.cleanup(dist)
@@ -127,6 +128,9 @@ def main(argv: list[str]) -> int:
         return 0
     if result.get("interrupted"):
         return 130
+    if resuming and result["step"] == start:
+        print(nothing_left(run, result))
+        return 0
     objective = run.objective
     if objective.writes:
         print(f"done at step {result['step']}: best val loss {result['best_val']:.4f} "

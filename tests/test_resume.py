@@ -351,3 +351,16 @@ def test_a_resume_of_auto_keeps_the_precision_its_checkpoint_trained_in(run20, t
     run = setup_run(cfg, run_dir=run_dir, resume=True, log=quiet)       # the run's latest
     run.release()
     assert run.dtype == (torch.bfloat16 if native else torch.float32)
+
+
+def test_resuming_a_finished_run_says_nothing_was_trained_and_which_limit_to_raise(run20, tmp_path):
+    """It used to print "done at step 20", as if it had trained, with no word of the limit."""
+    copy = copy_of(run20, tmp_path)
+    before = files_of(copy)
+    out = run_script("train.py", "--resume", copy).stdout.splitlines()[-1]
+    assert out == (f"nothing to train: {copy} had already reached its last step "
+                   f"(train.max_iters=20) at step 20; to train on, give a higher one: python "
+                   f"train.py --resume {copy} --train.max_iters=40")
+    same = lambda files: {k: v for k, v in files.items() if k != ".lock"}     # the pid in it
+    assert same(files_of(copy)) == same(before)
+    assert "done at step 22" in run_script("train.py", "--resume", copy, "--train.max_iters=22").stdout
