@@ -32,11 +32,27 @@ class TokenizerError(AttnlabError, ValueError):
     """Text the tokenizer cannot encode, or a tokenizer file it cannot read."""
 
 
+def _in_order(letters: str, word: str) -> bool:
+    rest = iter(word)
+    return all(c in rest for c in letters)
+
+
+def closest(name: str, valid) -> str | None:
+    """The valid name a misspelling most likely meant: one it abbreviates (its letters in
+    order from the first: attn, attention), else one difflib rates at least 0.7 alike (its
+    own cutoff, 0.6, matched 'bogus' to 'yours': three letters of five). model/registry.py
+    keeps the same rule, as model/ imports nothing of the project's."""
+    short = [v for v in valid if len(name) >= 3 and v[:1] == name[:1] and _in_order(name, v)]
+    close = difflib.get_close_matches(name, short, n=1, cutoff=0) or \
+        difflib.get_close_matches(name, list(valid), n=1, cutoff=0.7)
+    return close[0] if close else None
+
+
 def choices_hint(name: str, valid) -> str:
     """'did you mean' text listing the valid choices for a misspelt name."""
     valid = sorted(valid)
-    close = difflib.get_close_matches(name, valid, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    close = closest(str(name), valid)
+    hint = f" (did you mean {close!r}?)" if close else ""
     return f"{hint}; valid choices: {', '.join(valid)}"
 
 

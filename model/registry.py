@@ -24,8 +24,17 @@ REGISTRIES = {
 }
 
 
+def _in_order(letters: str, word: str) -> bool:
+    rest = iter(word)
+    return all(c in rest for c in letters)
+
+
 def unknown_name(key: str, name, valid) -> ModelError:
-    close = difflib.get_close_matches(str(name), list(valid), n=1)
+    # The rule of common/errors.py's closest(), kept here: model/ lifts out with torch alone.
+    name = str(name)
+    short = [v for v in valid if len(name) >= 3 and v[:1] == name[:1] and _in_order(name, v)]
+    close = difflib.get_close_matches(name, short, n=1, cutoff=0) or \
+        difflib.get_close_matches(name, list(valid), n=1, cutoff=0.7)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return ModelError(f"unknown {key} {name!r}{hint}; valid choices: {', '.join(sorted(valid))}")
 

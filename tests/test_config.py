@@ -187,3 +187,20 @@ def test_old_configs_are_migrated_to_todays_names(saved, mlp):
 def test_a_config_of_an_unknown_version_is_refused_saying_why(version, message):
     with pytest.raises(ConfigError, match=message):
         config.from_dict({"version": version, "model": {}}, "run/config.json")
+
+
+NAMES = ["alibi", "learned", "none", "rope", "sinusoidal", "yours", "attention", "lr"]
+
+
+@pytest.mark.parametrize("given,suggested", [("bogus", None), ("rpoe", "rope"), ("sinusoid", "sinusoidal"),
+                                             ("attn", "attention"), ("l", None), ("xyz", None)])
+def test_a_misspelt_name_is_matched_only_to_a_name_close_to_it(given, suggested):
+    """'bogus' used to be answered with "did you mean 'yours'?" (three letters of five).
+    The model's registries and the config's keys keep the same rule (model/ imports
+    nothing of the project's), so both are asked."""
+    from common.errors import choices_hint
+    from model.registry import unknown_name
+    for text in (str(unknown_name("model.position", given, NAMES)), choices_hint(given, NAMES)):
+        assert ("did you mean" in text) is (suggested is not None)
+        if suggested:
+            assert f"(did you mean {suggested!r}?)" in text

@@ -100,7 +100,7 @@ def test_sample_explains_bad_prompts_and_options(trained):
     bad = run_script("sample.py", "--run", run_dir, "--prompt", "€uro", check=False)
     assert bad.returncode == 2 and "'€'" in bad.stderr and "Traceback" not in bad.stderr
     for args, text in [(["--top_p", "0"], "top_p"), (["--temperature", "-1"], "temperature"),
-                       (["--run", run_dir / "nope"], "does not exist")] + \
+                       (["--run", run_dir / "nope"], "nope: no run, checkpoint or transformers folder there")] + \
             ([] if torch.cuda.is_available() else [(["--decode", "graph"], "CUDA device")]):
         proc = run_script("sample.py", "--run", run_dir, *map(str, args), check=False)
         assert proc.returncode == 2 and text in proc.stderr and "Traceback" not in proc.stderr
