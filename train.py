@@ -97,7 +97,8 @@ def main(argv: list[str]) -> int:
         if args.budget is not None:
             named = overrides_of(args).get("model", {})
             cfg = plan(cfg, budget_s, started,
-                       readout_given=any(k in named for k in READOUT_OPTIONS))
+                       readout_given=any(k in named for k in READOUT_OPTIONS),
+                       sampling_given="sampling" in overrides_of(args).get("data", {}))
     # --exercises, else the folder recorded by the run of the checkpoint resumed (or the
     # run started from); a resume may branch into a new run, which has no record yet.
     exercises = plug.folder_for(args.exercises, resuming or cfg.train.init_from or None)

@@ -9,9 +9,9 @@
    sized to a few percent of the budget, and a hard time limit; the run stops on time
    with a final evaluation and checkpoint.
 Before all that, a large vocabulary whose frequent tokens are few gets the adaptive
-softmax as its output layer (choose_readout). Only the sizes, that readout and the
-schedule change: attention, positions, optimizer and data stay as the preset and the
-command line set them.
+softmax as its output layer (choose_readout), and the training text is read in passes
+(SAMPLING). Only the sizes, that readout, the sampling and the schedule change: attention,
+positions, optimizer and data stay as the preset and the command line set them.
 """
 from __future__ import annotations
 
@@ -55,6 +55,10 @@ PLANNED = ("model.n_layer", "model.n_embd", "model.n_head", "model.n_kv_head",
            "train.max_iters", "train.time_limit", "train.eval_interval", "train.eval_iters",
            "train.final_eval_iters")
 READOUT_OPTIONS = ("readout", "readout_shortlist", "tie_embeddings")
+# A budget run on a CPU reads a small corpus a few times over, where reading it in passes
+# beat drawing windows at random (data/tokens.py, Batches; docs/benchmarks.md, "Reading
+# in passes"); data.sampling on the command line is honoured.
+SAMPLING = "epochs"
 
 
 def shortest_budget() -> float:
@@ -270,10 +274,14 @@ def probe_again_if_busy(probe, log, read=threads.read_machine, cores: int | None
     return max(results)
 
 
-def plan(cfg, budget_s: float, started: float, log=print, readout_given: bool = False):
+def plan(cfg, budget_s: float, started: float, log=print, readout_given: bool = False,
+         sampling_given: bool = False):
     """Set cfg's model size and schedule for a run that ends `budget_s` seconds after
     `started` (a time.perf_counter() value); the readout stays as it is where
-    `readout_given` (the command line named it). Returns cfg."""
+    `readout_given`, and the sampling where `sampling_given` (the command line named
+    them). Returns cfg."""
+    if not sampling_given:
+        cfg.data.sampling = SAMPLING
     from engine.device import pick_device, pick_dtype
     from model import precision
     from data.tokens import Batches, load_tokens
@@ -378,7 +386,9 @@ def plan(cfg, budget_s: float, started: float, log=print, readout_given: bool = 
         f"({pick.params / 1e6:.2f}M non-embedding parameters); measured {steps_per_s:.2f} "
         f"steps/s -> about {steps} steps of {tokens_per_step:,} tokens ({batch_note}, "
         f"{steps * tokens_per_step / pick.params:.1f} tokens/param, {epochs:.1f} epochs "
-        f"of the training split; as many more as come in the time, up to {train_cfg.max_iters}), "
+        f"of the training split, {'in passes' if cfg.data.sampling == 'epochs' else 'at random'}; "
+        f"as many more as come in the "
+        f"time, up to {train_cfg.max_iters}), "
         f"{train_cfg.final_eval_iters} validation batches at the end "
         f"({train_cfg.eval_iters} before), training stops by "
         f"{seconds(train_cfg.time_limit)} from now")

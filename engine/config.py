@@ -20,6 +20,7 @@ from pathlib import Path
 from common.errors import ConfigError, choices_hint
 from common.fields import opt
 from data.tokenizer import TOKENIZERS
+from data.tokens import SAMPLINGS
 from engine.objectives import OBJECTIVES
 from engine.optim import LR_SCHEDULES
 from model import REGISTRIES, ModelConfig, ModelError
@@ -47,6 +48,9 @@ class DataConfig:
     vocab_size: int = opt(2048, "BPE vocabulary size (ignored by the char tokenizer)")
     val_fraction: float = opt(0.1, "share of the text, from its end, held out for validation")
     cache_dir: str = opt("", "where token files are cached; empty = data/cache")
+    sampling: str = opt("random", "how training windows are drawn: " + "; ".join(
+        f"{name}, {what}" for name, what in SAMPLINGS.items()) + " (--budget reads in "
+        "epochs unless this is given)", choices=tuple(SAMPLINGS))
 
 
 @dataclass

@@ -223,7 +223,8 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
             model, device_ids=[dist.local_rank] if device.type == "cuda" else None)
     dtype = pick_dtype(train_cfg.dtype, device, cfg.model.n_embd)
     run = Run(cfg, dist, device, dtype, data,
-              batches=Batches(data.train, train_cfg.batch_size, cfg.model.block_size, device, seed=train_cfg.seed),
+              batches=Batches(data.train, train_cfg.batch_size, cfg.model.block_size, device,
+                              seed=train_cfg.seed, sampling=cfg.data.sampling),
               model=model, distributed_model=distributed_model,
               train_forward=torch.compile(distributed_model) if train_cfg.compile else distributed_model,
               eval_forward=torch.compile(model) if train_cfg.compile else model,
@@ -399,8 +400,10 @@ def save(run: Run) -> Path | None:
         run.dist.barrier()
         return None
     p = run.progress
-    tensors = {"data.generator": run.batches.generator.get_state(), **rng_tensors(run.device)}
+    batches = run.batches.state_dict()
+    tensors = {"data.generator": batches["generator"], **rng_tensors(run.device)}
     state = {"best_val": p.best_val, "elapsed_s": p.elapsed_s, "wandb_id": p.wandb_id,
+             "data_position": batches["position"],
              "last_eval": p.last_eval, "limit_s": p.limit_s, "last_eval_s": p.last_eval_s,
              "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
              "autocast": dtype_name(run.dtype)}        # what a resume of `auto` keeps
@@ -443,7 +446,8 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
         raise CheckpointError(f"optimizer state in {ckpt} does not fit this model ({err})") from None
     for group, hyper in zip(run.optimizer.param_groups, wanted):
         group.update(hyper)
-    run.batches.load_state_dict({"generator": tensors["data.generator"]})
+    run.batches.load_state_dict({"generator": tensors["data.generator"],
+                                 "position": state.get("data_position", -1)})
     restore_rng(tensors, run.device)
     if "scaler" in state:
         run.scaler.load_state_dict(state["scaler"])
@@ -460,6 +464,7 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
 # The kinds state.json's own fields must be, checked before any is used: valid JSON of the
 # wrong kind (a hand edit) would otherwise fail mid-run, after the run wrote to its folder.
 STATE_KINDS = {"best_val": (int, float), "elapsed_s": (int, float), "last_eval": (int,),
+               "data_position": (int,),
                "wandb_id": (str,), "scaler": (dict,), "optimizer": (dict,), "autocast": (str,)}
 
 

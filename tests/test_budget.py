@@ -233,7 +233,7 @@ def budget_main(monkeypatch, *argv) -> list:
     import train
     seen = []
 
-    def plan(cfg, budget_s, started, readout_given=False):
+    def plan(cfg, budget_s, started, readout_given=False, sampling_given=False):
         seen.append(readout_given)
         raise Reached
     monkeypatch.setattr(budget, "plan", plan)
@@ -425,3 +425,19 @@ def test_a_budget_run_uses_its_time_when_the_probe_is_several_times_too_slow(cor
     assert [round(s / result["step"], 2) for s in evals] == pytest.approx([0, 1 / 3, 2 / 3, 1], abs=0.02)
     warm = next(i for i, share in enumerate(used) if loop.schedule_step(i, share, t) >= t.warmup_iters)
     assert warm / len(used) == pytest.approx(t.warmup_iters / t.max_iters, abs=0.01)
+
+
+def test_a_budget_reads_the_text_in_passes_unless_the_command_line_says_otherwise(corpus, tmp_path,
+                                                                                    monkeypatch):
+    import time
+    import engine.budget as budget
+    monkeypatch.setattr(budget, "measure", lambda cfg, device, dtype, seconds, *data: 50.0)
+    for given, expected in (([], "epochs"), (["--data.sampling=random"], "random")):
+        cfg = cli.build("cpu", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}", *given])
+        lines = []
+        planned = budget.plan(cfg, 120.0, time.perf_counter(), log=lines.append,
+                              sampling_given=bool(given))
+        assert planned.data.sampling == expected
+        chosen = next(line for line in lines if line.startswith("chosen:"))
+        assert ("in passes" if expected == "epochs" else "at random") in chosen
+    assert cli.build("cpu", []).data.sampling == "random"      # without --budget: as nanoGPT reads

@@ -222,3 +222,54 @@ def test_batches_are_shifted_by_one_and_resumable():
     b2 = Batches(tokens, 4, 16, seed=99)
     b2.load_state_dict(state)
     assert all(torch.equal(p[0], q[0]) for p, q in zip(after, [b2.next() for _ in range(3)]))
+
+
+def test_epochs_read_every_target_once_a_pass_in_a_new_order_and_offset_each_pass():
+    """data.sampling=epochs against a count made here: token values are their positions,
+    so a window's targets say which stretch it read. Planted bugs this catches: windows
+    a block apart overlapping (stride block_size + 1 skips a token, block_size - 1 reads
+    one twice), the same order or offset every pass, a pass cut short at a batch's end."""
+    n, block = 1000, 16
+    tokens = np.arange(n, dtype=np.uint16)
+    one = Batches(tokens, 1, block, seed=0, sampling="epochs")    # a window at a time
+    passes = []
+    for _ in range(3):
+        one.next()
+        windows = [one.order[0]] + [int(one.next()[0][0, 0]) for _ in range(len(one.order) - 1)]
+        passes.append(windows)
+    for windows in passes:
+        offset = min(windows)
+        targets = sorted(t for s in windows for t in range(s + 1, s + block + 1))
+        assert targets == list(range(offset + 1, offset + 1 + len(targets)))   # each once
+        assert offset < block and n - 1 - targets[-1] < block     # from near one end to the other
+    assert len({tuple(np.argsort(w)) for w in passes}) == 3      # a new order each pass,
+    assert len({min(w) for w in passes}) > 1                      # and a new offset
+    # Four windows a batch read the same windows in the same order, across passes' ends.
+    four = Batches(tokens, 4, block, seed=0, sampling="epochs")
+    stream = np.concatenate([four.next()[0][:, 0].numpy() for _ in range(sum(map(len, passes)) // 4)])
+    assert stream.tolist() == [s for w in passes for s in w][:len(stream)]
+    # Random draws over as many windows leave some of the text unread.
+    rand = Batches(tokens, 4, block, seed=0)
+    drawn = np.concatenate([rand.next()[1].flatten().numpy() for _ in range(len(stream) // 4)])
+    assert (np.bincount(drawn, minlength=n)[block + 1:n - block] == 0).any()
+
+
+@pytest.mark.parametrize("read", [0, 1, 30, 61, 62, 100])
+def test_epochs_resume_mid_pass_and_at_its_end_with_the_same_batches(read):
+    """state_dict keeps the generator at the pass's start and the windows read of it,
+    so a resume draws the pass again and goes on where it was (62 batches: a pass of
+    about 62 and a half)."""
+    tokens = np.arange(4000, dtype=np.uint16)
+    b = Batches(tokens, 4, 16, seed=7, sampling="epochs")
+    for _ in range(read):
+        b.next()
+    state = b.state_dict()
+    after = [b.next()[0] for _ in range(70)]
+    again = Batches(tokens, 4, 16, seed=99, sampling="epochs")
+    again.load_state_dict(state)
+    assert all(torch.equal(p, again.next()[0]) for p in after)
+
+
+def test_an_unknown_sampling_is_refused():
+    with pytest.raises(DataError, match="unknown data.sampling 'shuffle'; valid choices: random, epochs"):
+        Batches(np.arange(100, dtype=np.uint16), 2, 8, sampling="shuffle")
