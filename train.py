@@ -32,7 +32,8 @@ def parser() -> Parser:
                    help="a preset from configs/ (cpu, gpu, mps, ...) or a .toml file; default: "
                         "chosen from the device found (cuda -> gpu, mps -> mps, else cpu)")
     p.add_argument("--resume", nargs="?", const="", metavar="RUN_DIR",
-                   help="continue a run from its latest checkpoint (default: the latest run, "
+                   help="continue a run (its directory, or its name in runs/) from its latest "
+                        "checkpoint (default: the latest run, "
                         "the one in runs/ whose newest checkpoint was written last); from an "
                         "older checkpoint, or with a new --train.run_name, training goes on in a "
                         "new run that records it as its parent, and the old run stays as it was")
@@ -59,8 +60,8 @@ def main(argv: list[str]) -> int:
     from engine import config, distributed
     from engine.cli import apply_overrides, overrides_of
     from engine.config import describe
-    from engine.loop import nothing_left, train
-    from engine.run import adopt_source, resume_changes, resume_config, setup_run
+    from engine.loop import train
+    from engine.run import adopt_source, nothing_to_train, resume_changes, resume_config, setup_run
     import torch
     apply_start(torch.get_num_threads, torch.set_num_threads)
 
@@ -83,6 +84,10 @@ def main(argv: list[str]) -> int:
     if resuming:
         out_dir = overrides_of(args).get("train", {}).get("out_dir", "runs")
         cfg, run_dir, resuming = resume_config(args.resume, out_dir, overrides_of(args))
+        finished = nothing_to_train(cfg, resuming, args.resume or str(resuming.parent.parent))
+        if finished:                      # said before set-up, which would rewrite its files
+            print(finished)
+            return 0
         changes = resume_changes(cfg, resuming)
     else:
         cfg, run_dir = config.RunConfig(), None
@@ -121,7 +126,6 @@ def main(argv: list[str]) -> int:
         run.log(run.describe_setup())
         run.log(run.summary())
         run.log(f"run directory: {run.run_dir}")
-        start = run.progress.step
         result = train(run)
     finally:
         distributed.cleanup(dist)
@@ -129,9 +133,6 @@ def main(argv: list[str]) -> int:
         return 0
     if result.get("interrupted"):
         return 130
-    if resuming and result["step"] == start:
-        print(nothing_left(run, result))
-        return 0
     objective = run.objective
     if objective.writes:
         print(f"done at step {result['step']}: best val loss {result['best_val']:.4f} "

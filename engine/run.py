@@ -498,6 +498,25 @@ def _seconds(state: dict, key: str, ckpt: Path) -> float:
     return float(value)
 
 
+def nothing_to_train(cfg: RunConfig, ckpt: Path, given: str) -> str | None:
+    """What a resume of `ckpt` with `cfg` says instead of training, where the checkpoint
+    has already reached cfg's last step or time limit: that limit, and the option to give
+    beside `--resume GIVEN` to go further. Said before the run is set up, so its folder
+    is left untouched."""
+    state = checkpoint.readable_state(ckpt)
+    t, step = cfg.train, state["step"]
+    if t.time_limit and _seconds(state, "limit_s", ckpt) >= t.time_limit:
+        limit = f"its time limit (train.time_limit={t.time_limit:g} s)"
+        more = f"--train.time_limit={2 * t.time_limit:g}"
+    elif step >= t.max_iters:
+        limit = f"its last step (train.max_iters={t.max_iters})"
+        more = f"--train.max_iters={2 * max(t.max_iters, 1)}"
+    else:
+        return None
+    return (f"nothing to train: {ckpt} had already reached {limit} at step {step}; to "
+            f"train on, give a higher one: python train.py --resume {given} {more}")
+
+
 def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]]
                   ) -> tuple[RunConfig, Path, Path]:
     """(config, run directory, checkpoint) to resume: RESUME is a run directory (its
@@ -510,6 +529,8 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     when --train.run_name names another run) a new run that records it as its parent,
     so a run's history is never rewritten."""
     path = Path(resume) if resume else checkpoint.latest_run(out_dir)
+    if resume and not path.exists() and not path.is_absolute() and (Path(out_dir) / path).is_dir():
+        path = Path(out_dir) / path                       # a run's name, as --run takes it
     if (path / "state.json").is_file():                   # a checkpoint folder
         run_dir = path.parent.parent
         if path.parent.name != checkpoint.CKPT_DIR or not (run_dir / "config.json").is_file():
@@ -524,9 +545,9 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
         raise CheckpointError(f"cannot resume: {path / 'config.json'} is missing; copy its latest "
                               f"checkpoint's: cp {found[-1] / 'config.json'} {path / 'config.json'}")
     elif not path.exists():
-        raise CheckpointError(f"cannot resume: {path} does not exist; give a run directory "
-                              "(runs/NAME) or one of its checkpoint folders, or --resume alone "
-                              "for the latest run")
+        raise CheckpointError(f"cannot resume: {path} does not exist, nor a run of that name "
+                              f"in {out_dir}/; give a run directory or its name, or one of its "
+                              "checkpoint folders, or --resume alone for the latest run")
     else:
         raise CheckpointError(f"cannot resume: {path} is not a run directory (no config.json)")
     saved = migrate(checkpoint.verified_json(ckpt, "config.json"), str(ckpt / "config.json"))
@@ -599,8 +620,10 @@ def resume_changes(cfg: RunConfig, ckpt: Path) -> list[str]:
     `train.lr: 0.001 -> 1e-09`, so the run says what it now does differently."""
     trained = checkpoint.verified_json(ckpt, "config.json").get("train", {})
     now = cfg.to_dict()["train"]
+    # Where the run goes on is not a change to its training: a branch names its new run
+    # itself (_branch_dir), and the "run directory:" line says where it is.
     return [f"train.{k}: {v!r} -> {now[k]!r}" for k, v in trained.items()
-            if k in now and now[k] != v]
+            if k in now and now[k] != v and k not in ("run_name", "out_dir")]
 
 
 def _changed_fields(trained: dict, other: dict) -> list[tuple[str, str]]:

@@ -89,6 +89,11 @@ def test_a_resume_names_each_option_it_changes(run20, tmp_path):
     assert any(c.startswith("train.max_iters: 20 -> 30") for c in changes)
     cfg, _, ckpt = resume_config(str(copy), str(copy), {})
     assert resume_changes(cfg, ckpt) == []
+    # An older checkpoint branches into a new run, which names itself: no change of the
+    # user's to announce (it read "train.run_name: '' -> 'r-from-10'").
+    older = copy / "checkpoints" / "step_0000010"
+    cfg, run_dir, ckpt = resume_config(str(older), str(copy.parent), {})
+    assert run_dir.name == "r-from-10" and resume_changes(cfg, ckpt) == []
 
 
 def test_a_resume_says_what_it_changes_only_once_the_checkpoint_is_accepted(run20, tmp_path):
@@ -358,11 +363,15 @@ def test_resuming_a_finished_run_says_nothing_was_trained_and_which_limit_to_rai
     copy = copy_of(run20, tmp_path)
     before = files_of(copy)
     out = run_script("train.py", "--resume", copy).stdout.splitlines()[-1]
-    assert out == (f"nothing to train: {copy} had already reached its last step "
+    latest = copy / "checkpoints" / "step_0000020"
+    assert out == (f"nothing to train: {latest} had already reached its last step "
                    f"(train.max_iters=20) at step 20; to train on, give a higher one: python "
                    f"train.py --resume {copy} --train.max_iters=40")
-    same = lambda files: {k: v for k, v in files.items() if k != ".lock"}     # the pid in it
-    assert same(files_of(copy)) == same(before)
+    mtimes = lambda: {p: p.stat().st_mtime_ns for p in copy.rglob("*")}
+    assert files_of(copy) == before                  # not a byte of the run rewritten,
+    stamped = mtimes()
+    run_script("train.py", "--resume", copy)
+    assert mtimes() == stamped                       # nor a file touched
     assert "done at step 22" in run_script("train.py", "--resume", copy, "--train.max_iters=22").stdout
 
 
@@ -396,3 +405,12 @@ def test_a_run_reading_in_passes_resumes_with_exactly_the_losses_of_one_straight
     # 60 kB: a pass is about 26 steps. Two runs in one process add up their threads'
     # partial sums in different orders (1e-7 apart); other windows differ by 1e-2.
     assert losses(run.run_dir) == pytest.approx(losses(straight), rel=1e-5, abs=0)
+
+
+def test_a_resume_takes_a_runs_name_as_sample_py_does(run20, tmp_path, monkeypatch):
+    """--resume NAME was refused as "NAME does not exist" beside runs/NAME."""
+    monkeypatch.chdir(tmp_path)
+    assert resume_config("r", str(run20.parent), {})[1] == run20.parent / "r"
+    with pytest.raises(CheckpointError, match=r"cannot resume: nosuch does not exist, nor a run "
+                                              r"of that name in .*runs/; give a run directory or its name"):
+        resume_config("nosuch", str(run20.parent), {})

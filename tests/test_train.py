@@ -304,7 +304,7 @@ def test_missing_run_and_corpus_get_one_clear_line(tmp_path):
     assert proc.returncode == 2 and "none.txt not found" in proc.stderr
     assert "Traceback" not in proc.stderr
     proc = run_script("train.py", "--resume", tmp_path / "norun", check=False)
-    assert proc.returncode == 2 and "norun does not exist; give a run directory" in proc.stderr
+    assert proc.returncode == 2 and "norun does not exist, nor a run of that name in runs/; give a run directory or its name" in proc.stderr
     short = tmp_path / "short.txt"
     short.write_text("To be, or not to be.\n")
     proc = run_script("train.py", "--config", "tiny", f"--data.path={short}",
@@ -323,3 +323,14 @@ def test_help_lists_options():
     assert "--model.position" in proc.stdout and "--resume" in proc.stdout
     proc = run_script("sample.py", "--help")
     assert "--sample.temperature" in proc.stdout and "--sample.explain" in proc.stdout
+
+
+def test_ctrl_c_while_sampling_ends_the_text_line_and_says_so_with_status_130(trained):
+    _, run_dir, _ = trained
+    proc = _start(["sample.py", "--run", str(run_dir), "--max_new_tokens", "100000"])
+    assert proc.stdout.read(1)                       # the text has begun to stream
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert stdout.endswith("\n") and stderr.splitlines()[-1] == (
+        "error: interrupted; sampling stopped; run the same command again for the whole text")
