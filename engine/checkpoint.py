@@ -277,6 +277,13 @@ def readable_state(ckpt: Path) -> dict:
         raise CheckpointError(f"checkpoint {ckpt} has no readable state.json (missing, not "
                               "JSON, or without its step, a whole number from 0, and file "
                               f"hashes); it is incomplete or corrupt: {use_another(ckpt)}")
+    named = ckpt.name.removeprefix(PREFIX)
+    if ckpt.name.startswith(PREFIX) and named.isdigit() and int(named) != state["step"]:
+        # state.json is not covered by its own hashes: an edited step would resume the
+        # schedule, the data and the checkpoint names from somewhere else.
+        raise CheckpointError(f"checkpoint {ckpt} is named for step {int(named)} but its "
+                              f"state.json says step {state['step']}; it is corrupt or "
+                              f"edited: {use_another(ckpt)}")
     return state
 
 

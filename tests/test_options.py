@@ -176,3 +176,19 @@ def test_a_damaged_checkpoint_names_the_others_its_run_keeps_and_how_to_read_the
         shutil.rmtree(run / "checkpoints" / other)
     assert use_another(latest) == f"{run} keeps no other checkpoint: train it again"
     assert use_another(tmp_path / "loose") == "use another checkpoint"
+
+
+def test_a_state_json_whose_step_disagrees_with_its_folder_is_refused(run_with_steps, tmp_path):
+    """state.json carries the hashes of the other files but none of its own: a step edited
+    from 4 to 5 was read as step 5 by sampling and by a resume."""
+    import shutil
+    run = tmp_path / "r"
+    shutil.copytree(run_with_steps, run)
+    ckpt = run / "checkpoints" / "step_0000004"
+    state = json.loads((ckpt / "state.json").read_text())
+    state["step"] = 5
+    (ckpt / "state.json").write_text(json.dumps(state))
+    with pytest.raises(AttnlabError, match=r"step_0000004 is named for step 4 but its state.json "
+                                           r"says step 5; it is corrupt or edited: use another "
+                                           r"checkpoint: .* also keeps steps 0, 2, 6"):
+        loaded(["--run", str(run), "--checkpoint", "4"])
