@@ -96,8 +96,8 @@ def budget_seconds(text: str, overrides: dict[str, dict[str, str]]) -> float:
     budget_s = parse_duration(text)
     if budget_s < shortest_budget():
         raise ConfigError(f"a budget of {seconds(budget_s)} is too short to measure this "
-                          "machine and train; "
-                          "give at least a minute")
+                          f"machine and train; give at least {seconds(math.ceil(shortest_budget()))} "
+                          "(a minute or more trains a model worth sampling)")
     given = [name for name in PLANNED if name.partition(".")[2] in overrides.get(name.partition(".")[0], {})]
     if given:
         named = " and ".join(", ".join(f"--{n}" for n in given).rsplit(", ", 1))
@@ -321,7 +321,8 @@ def plan(cfg, budget_s: float, started: float, log=print, readout_given: bool = 
     train_s = left * (1 - EVAL_SHARE) - MARGIN_S - probe_s * 1.5 * len(precisions)   # the probes below
     if train_s < MIN_TRAIN_S:
         raise ConfigError(f"a budget of {seconds(budget_s)} leaves {seconds(max(train_s, 0))} to "
-                          "train after measuring this machine; give at least a minute")
+                          "train after measuring this machine; give more (a minute or more "
+                          "trains a model worth sampling)")
     cands = candidates(cfg.model)
     pick = choose(cands, flops_per_s, train_s)
     log(f"budget {seconds(budget_s)}: this {device.type} sustains {flops_per_s / 1e12:.3f} TFLOP/s "

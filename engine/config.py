@@ -190,8 +190,9 @@ class RunConfig:
             raise ConfigError(f"train.seed must be between 0 and 2**63 - 1, got {train.seed}")
         if train.time_limit < 0:
             raise ConfigError(f"train.time_limit must be 0 (off) or positive, got {train.time_limit}")
-        if train.weight_decay < 0 or train.grad_clip < 0:
-            raise ConfigError("train.weight_decay and train.grad_clip must not be negative")
+        for name in ("weight_decay", "grad_clip"):
+            if getattr(train, name) < 0:
+                raise ConfigError(f"train.{name} must not be negative, got {getattr(train, name)}")
         if OBJECTIVES[train.objective].bidirectional and self.model.causal:
             raise ConfigError(f"train.objective={train.objective} guesses a hidden token from "
                               "the words on both sides of it, and model.causal=true hides the "
@@ -210,9 +211,11 @@ class RunConfig:
             raise ConfigError(f"sample.temperature must be 0 (greedy) or positive, got {sample.temperature}")
         if not 0.0 < sample.top_p <= 1.0:
             raise ConfigError(f"sample.top_p must be in (0, 1], got {sample.top_p}")
-        if sample.top_k < 0 or sample.max_new_tokens < 0 or sample.num_samples <= 0:
-            raise ConfigError("sample.top_k and sample.max_new_tokens must not be negative, "
-                              "and sample.num_samples must be positive")
+        for name in ("top_k", "max_new_tokens"):
+            if getattr(sample, name) < 0:
+                raise ConfigError(f"sample.{name} must not be negative, got {getattr(sample, name)}")
+        if sample.num_samples <= 0:
+            raise ConfigError(f"sample.num_samples must be at least 1, got {sample.num_samples}")
         if sample.max_new_tokens > MAX_NEW_TOKENS:
             raise ConfigError(f"sample.max_new_tokens={sample.max_new_tokens:,} is more than "
                               f"{MAX_NEW_TOKENS:,} tokens in one go; sample in several runs "

@@ -245,12 +245,13 @@ def budget_main(monkeypatch, *argv) -> list:
 @pytest.mark.parametrize("value, says", [
     ("-5s", "'-5s' is not a duration"), ("999999h", "'999999h' is not a duration"),
     ("1e9s", "'1e9s' is not a duration"), ("8d", "'8d' is not a duration"),
-    ("0s", "a budget of 0 s is too short"), ("5", "a budget of 5 s is too short"),
+    ("0s", "a budget of 0 s is too short"), ("5", "a budget of 5 s is too short to measure this machine and train; give at least 8 s "),
     ("0.5s", "a budget of 0.5 s is too short")])
 def test_a_budget_no_plan_can_come_of_is_refused_before_any_work(value, says, monkeypatch):
     with pytest.raises(ConfigError, match=says):
         budget_main(monkeypatch, "--budget", value)
     budget_main(monkeypatch, "--budget", "1m")
+    budget_main(monkeypatch, "--budget", "8s")             # the least it says it takes
     assert parse_duration("168h") == 7 * 24 * 3600          # a week is the longest
 
 

@@ -54,6 +54,10 @@ def test_overrides_beat_presets_and_are_typed():
     (["--train.batch_size=0"], "must be positive"),
     (["--sample.top_p=1.5"], "top_p"),
     (["--sample.temperature=-1"], "temperature"),
+    (["--sample.top_k=-5"], r"^sample.top_k must not be negative, got -5$"),
+    (["--sample.max_new_tokens=-3"], r"^sample.max_new_tokens must not be negative, got -3$"),
+    (["--sample.num_samples=0"], r"^sample.num_samples must be at least 1, got 0$"),
+    (["--train.grad_clip=-1"], r"^train.grad_clip must not be negative, got -1.0$"),
     (["--model.n_layer"], "needs a value"),
     (["n_layer=4"], "unexpected argument"),
 ])
