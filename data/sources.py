@@ -300,7 +300,7 @@ class _DocumentSource(Source):
         for batch in _checked(dataset.iter(batch_size=256), spec.source):
             if column not in batch:
                 raise DataError(f"{spec.source} has no column {column!r}; its columns are "
-                                f"{', '.join(batch)}; choose one with --text-column")
+                                f"{', '.join(batch)}; {_choose_column(spec.source)}")
             for text in batch[column]:
                 if not isinstance(text, str) or not text:   # missing, empty or not text
                     kind = "empty" if text == "" else "null" if text is None else type(text).__name__
@@ -320,7 +320,14 @@ class _DocumentSource(Source):
         if not n_docs and not_text:
             raise DataError(f"column {column!r} of {spec.source} holds "
                             f"{', '.join(f'{n:,} {k}' for k, n in not_text.items())} values, "
-                            "not text; choose the column with the text (--text-column)")
+                            f"not text; {_choose_column(spec.source)}")
+
+
+def _choose_column(source: str) -> str:
+    """How to name the column with the text: data.prepare's --text-column (train.py reads
+    a file's `text` column, and has no option of its own for another)."""
+    return (f"name the column with the text: python -m data.prepare {source} --text-column "
+            "NAME --out data/mine, then train with --data.path=data/mine")
 
 
 def _checked(batches, source: str):
@@ -348,6 +355,9 @@ class RecordSource(_DocumentSource):
 
     def _dataset(self, split: str):
         import datasets
+        # Its builders log a file they cannot parse ("Failed to load JSON from file ...")
+        # before raising; the DataError below says it in the one line a refusal gets.
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)
         try:
             return datasets.load_dataset(self.builder, data_files=[str(f) for f in self.files],
                                          split="train", streaming=True)

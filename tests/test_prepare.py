@@ -439,3 +439,25 @@ def test_a_build_killed_at_random_moments_resumes_to_identical_shards(num_proc, 
     for name in names:
         assert (out / name).read_bytes() == (reference / name).read_bytes(), name
     assert not list(out.glob("*.partial")) and not (out / "progress.json").exists()
+
+
+def test_a_column_of_numbers_read_by_train_py_says_how_to_name_the_text_column(tmp_path):
+    """train.py has no --text-column: the refusal said to use one it does not take."""
+    from data.tokens import load_tokens
+    path = tmp_path / "j.jsonl"
+    path.write_text('{"text": 5, "body": "words"}\n' * 20)
+    with pytest.raises(DataError) as err:
+        load_tokens(str(path), "char", cache_dir=str(tmp_path / "c"), log=lambda *a: None)
+    assert str(err.value) == (f"column 'text' of {path} holds 20 int values, not text; name the "
+                              f"column with the text: python -m data.prepare {path} --text-column "
+                              "NAME --out data/mine, then train with --data.path=data/mine")
+
+
+def test_a_malformed_jsonl_is_refused_in_one_line_with_no_log_line_before_it(tmp_path, capfd):
+    from data.tokens import load_tokens
+    path = tmp_path / "bad.jsonl"
+    path.write_text("not json\n" * 5)
+    with pytest.raises(DataError, match=f"reading {path} failed"):
+        load_tokens(str(path), "char", cache_dir=str(tmp_path / "c"), log=lambda *a: None)
+    captured = capfd.readouterr()
+    assert "Failed to load JSON" not in captured.err + captured.out
