@@ -123,5 +123,9 @@ def refuse_what_cannot_write(cfg, run) -> None:
 
 
 if __name__ == "__main__":
-    with errors_as_lines():
-        sys.exit(main(sys.argv[1:]))
+    with errors_as_lines("sampling stopped; run the same command again for the whole text"):
+        try:
+            sys.exit(main(sys.argv[1:]))
+        except KeyboardInterrupt:
+            print(flush=True)             # end the text's line before the one saying so
+            raise

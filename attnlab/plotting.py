@@ -49,7 +49,8 @@ def refuse_a_path_through_a_file(given: str) -> None:
     """Refuse an --out one of whose folders is a file (README.md/x.png)."""
     file = next((p for p in Path(given).parents if p.exists() and not p.is_dir()), None)
     if file is not None:
-        raise AttnlabError(f"--out {given}: {file} is a file, not a folder; give a path "
+        kind = "a file" if file.is_file() else "a device or a pipe"
+        raise AttnlabError(f"--out {given}: {file} is {kind}, not a folder; give a path "
                            "in a folder")
 
 
@@ -87,6 +88,10 @@ def check_figure_out(given: str | None) -> None:
     runs through a file (None: not given)."""
     given = given or ""
     refuse_a_path_through_a_file(given or ".")
+    if given and Path(given).exists() and not (Path(given).is_file() or Path(given).is_dir()):
+        # /dev/null became /dev/null.png: a figure needs a file of its own.
+        raise AttnlabError(f"--out {given} is neither a file nor a folder (a device or a "
+                           "pipe); give a path for the figure, or leave --out out")
     suffix = Path(given).suffix.lower().lstrip(".")
     if not given or not suffix or Path(given).is_dir():
         return                            # a folder or a bare name: nothing to ask matplotlib

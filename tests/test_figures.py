@@ -113,3 +113,19 @@ def test_an_out_through_a_file_is_refused_before_any_work(tmp_path, capsys):
         with pytest.raises(AttnlabError, match=r"notes\.md is a file, not a folder"):
             call()
         assert capsys.readouterr().out == ""
+
+
+def test_an_out_that_is_a_device_is_refused_before_any_work(capsys):
+    """--out /dev/null (to throw the figure away) wrote /dev/null.png."""
+    from attnlab import figures, heads, induction, lens
+    from common.errors import AttnlabError
+    for call in (lambda: figures.main(["all", "--out", "/dev/null"]),
+                 lambda: heads.main(["grid", "--text", "ROMEO.", "--out", "/dev/null"]),
+                 lambda: lens.main(["logit", "--text", "ROMEO.", "--out", "/dev/null"]),
+                 lambda: induction.main(["--out", "/dev/null"])):
+        with pytest.raises(AttnlabError, match=r"^--out /dev/null(/softmax.png: /dev/null is a "
+                                               r"device or a pipe, not a folder| is neither a file "
+                                               r"nor a folder)"):
+            call()
+        assert capsys.readouterr().out == ""
+    assert not __import__("pathlib").Path("/dev/null.png").exists()
