@@ -148,20 +148,6 @@ def train(run: Run, now: Callable[[], float] = time.perf_counter) -> dict:
     return result
 
 
-def nothing_left(run: Run, result: dict) -> str:
-    """What a resume that trained no step says instead of "done": the limit the run had
-    already reached, and the option that takes it further."""
-    t, step = run.cfg.train, run.progress.step
-    if result.get("out_of_time"):
-        limit = f"its time limit (train.time_limit={t.time_limit:g} s)"
-        more = f"--train.time_limit={2 * t.time_limit:g}"
-    else:
-        limit = f"its last step (train.max_iters={t.max_iters})"
-        more = f"--train.max_iters={2 * max(t.max_iters, 1)}"
-    return (f"nothing to train: {run.run_dir} had already reached {limit} at step {step}; to "
-            f"train on, give a higher one: python train.py --resume {run.run_dir} {more}")
-
-
 def bar_total(p, train_cfg) -> int:
     """The steps the progress bar counts to: max_iters; under a time limit, where
     max_iters is a ceiling, the steps the run makes by the limit at its pace so far."""
