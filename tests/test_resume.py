@@ -31,6 +31,23 @@ def tiny_run(corpus, out, name="r", *extra):
     return run.run_dir
 
 
+def stopped_run(corpus, out, name, step, *extra):
+    """A tiny run stopped after `step` steps as Ctrl-C stops one: it saves a checkpoint there."""
+    cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={out / 'cache'}",
+                             f"--train.out_dir={out / 'runs'}", f"--train.run_name={name}", *extra])
+    run = setup_run(cfg, log=quiet)
+    forward, calls = run.train_forward, []
+
+    def stop_there(x, y):
+        calls.append(1)
+        if len(calls) == step:
+            run.stop_signal = signal.SIGINT
+        return forward(x, y)
+    run.train_forward = stop_there
+    train(run)
+    return run
+
+
 def resume(path, overrides=None, log=quiet, spy=None):
     cfg, run_dir, ckpt = resume_config(str(path), str(path), overrides or {})
     run = setup_run(cfg, run_dir=run_dir, resume=ckpt, log=log)
@@ -212,18 +229,7 @@ def test_a_new_run_name_on_resume_forks_the_latest_checkpoint(run20, tmp_path):
 
 def test_sampling_after_a_ctrl_c_before_any_evaluation_uses_the_trained_weights(corpus, tmp_path):
     """Stopped at step 3, best.json still names step 0 (random weights)."""
-    cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'cache'}",
-                             f"--train.out_dir={tmp_path / 'runs'}", "--train.run_name=stop"])
-    run = setup_run(cfg, log=quiet)
-    forward, calls = run.train_forward, []
-
-    def stop_at_third(x, y):
-        calls.append(1)
-        if len(calls) == 3:
-            run.stop_signal = signal.SIGINT
-        return forward(x, y)
-    run.train_forward = stop_at_third
-    train(run)
+    run = stopped_run(corpus, tmp_path, "stop", 3)
     assert checkpoint.best_step(run.run_dir) == 0
     lines = []
     _, _, _, ckpt = load_run(run.run_dir, "best", log=lines.append)
@@ -385,20 +391,7 @@ def test_a_run_reading_in_passes_resumes_with_exactly_the_losses_of_one_straight
     extra = ["--data.sampling=epochs", "--train.log_interval=1", "--train.eval_interval=1000",
              "--model.block_size=64", "--train.batch_size=32"]
     straight = tiny_run(corpus, tmp_path / "a", "s", "--train.max_iters=40", *extra)
-    out = tmp_path / "b"
-    cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={out / 'cache'}",
-                             f"--train.out_dir={out / 'runs'}", "--train.run_name=s",
-                             "--train.max_iters=40", *extra])
-    run = setup_run(cfg, log=quiet)
-    forward, calls = run.train_forward, []
-
-    def stop_at_13(x, y):                      # as Ctrl-C does: saved after this step
-        calls.append(1)
-        if len(calls) == 13:
-            run.stop_signal = signal.SIGINT
-        return forward(x, y)
-    run.train_forward = stop_at_13
-    train(run)
+    run = stopped_run(corpus, tmp_path / "b", "s", 13, "--train.max_iters=40", *extra)
     state = json.loads((run.run_dir / "checkpoints" / "step_0000013" / "state.json").read_text())
     assert state["data_position"] > 0
     resume(run.run_dir)
