@@ -112,7 +112,9 @@ class TrainConfig:
 class SampleConfig:
     prompt: str = opt("", "text to continue; empty = start of a new line (or document)")
     max_new_tokens: int = opt(500, "tokens to generate per sample")
-    temperature: float = opt(0.8, "divide logits by this; 0 = greedy")
+    temperature: float = opt(0.8, "divide logits by this; 0 = greedy (always the likeliest "
+                                  "token, which can loop: from an empty prompt a character "
+                                  "model may write newline after newline; give a prompt)")
     top_k: int = opt(200, "keep only the k most likely tokens; 0 = all")
     top_p: float = opt(1.0, "keep the smallest set of tokens whose probability reaches p")
     seed: int = opt(1337, "random seed for sampling")
