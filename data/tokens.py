@@ -265,6 +265,10 @@ class Batches:
         self.generator.set_state(state["generator"])
         self.pass_state, self.order, self.position = None, None, 0
         position = state.get("position", -1)
+        if position < -1:
+            raise ValueError(f"a position in a pass of {position} windows read")
         if self.sampling == "epochs" and position >= 0:
             self._begin_pass()                  # the same draws again, from the same state
-            self.position = min(position, len(self.order))
+            if position > len(self.order):
+                raise ValueError(f"{position} windows read of a pass of {len(self.order)}")
+            self.position = position

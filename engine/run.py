@@ -446,8 +446,15 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
         raise CheckpointError(f"optimizer state in {ckpt} does not fit this model ({err})") from None
     for group, hyper in zip(run.optimizer.param_groups, wanted):
         group.update(hyper)
-    run.batches.load_state_dict({"generator": tensors["data.generator"],
-                                 "position": state.get("data_position", -1)})
+    position = state.get("data_position", -1)
+    try:
+        if position == -1 and "data_position" in state and state["step"] > 0 \
+                and run.batches.sampling == "epochs":
+            raise ValueError("no pass begun after training steps")     # every step reads one
+        run.batches.load_state_dict({"generator": tensors["data.generator"], "position": position})
+    except (ValueError, RuntimeError) as err:
+        raise CheckpointError(f"checkpoint {ckpt / 'state.json'} records data_position={position}: "
+                              f"{err}; it is corrupt or edited: {checkpoint.use_another(ckpt)}") from None
     restore_rng(tensors, run.device)
     if "scaler" in state:
         run.scaler.load_state_dict(state["scaler"])

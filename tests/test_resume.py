@@ -407,3 +407,20 @@ def test_a_resume_takes_a_runs_name_as_sample_py_does(run20, tmp_path, monkeypat
     with pytest.raises(CheckpointError, match=r"cannot resume: nosuch does not exist, nor a run "
                                               r"of that name in .*runs/; give a run directory or its name"):
         resume_config("nosuch", str(run20.parent), {})
+
+
+@pytest.mark.parametrize("position", [-5, -1, 10 ** 15])
+def test_a_data_position_out_of_its_pass_is_refused(corpus, tmp_path, position):
+    """Within a pass's windows, or the resume would read some other order of the text
+    without a word (the kinds, a string or true, are refused with the other fields')."""
+    run = stopped_run(corpus, tmp_path, "s", 5, "--data.sampling=epochs", "--train.max_iters=20",
+                      "--train.eval_interval=1000")
+    ckpt = run.run_dir / "checkpoints" / "step_0000005"
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["data_position"] > 0
+    state["data_position"] = position
+    (ckpt / "state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {ckpt / 'state.json'} records "
+                                              rf"data_position={position}: .*; it is corrupt or "
+                                              r"edited: use another checkpoint: .* also keeps step 0"):
+        resume(run.run_dir)
