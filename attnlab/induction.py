@@ -22,6 +22,7 @@ Zero-ablating the induction head makes the second half as hard as the first agai
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import torch
 from attnlab.capture import attention
 from attnlab.lens import ablate
 from attnlab.options import add_run_options, load, positive, out_option
-from attnlab.plotting import check_figure_out, default_out, pyplot, save_figure
+from attnlab.plotting import check_figure_out, default_out, out_path, pyplot, save_figure
 from common.errors import AttnlabError
 from engine.cli import Parser, errors_as_lines
 
@@ -142,10 +143,10 @@ def plot_heads(model, span: int, heads: dict[str, tuple[int, int]], path: Path,
 
 def figure_path(given: str | None, folder: str) -> Path:
     """--out as a folder for induction_heads.png (made where missing), or as the figure's
-    own name where it ends in an image suffix (check_figure_out has vetted that suffix)."""
-    if given and Path(given).suffix and not Path(given).is_dir():
-        return Path(given)
-    return Path(given or folder) / "induction_heads.png"
+    own name where it ends in an image suffix (check_figure_out has vetted that suffix):
+    out_path's rule, with a name without a suffix taken as a folder to be made."""
+    given = given or folder
+    return out_path(given if Path(given).suffix else given + os.sep, "induction_heads.png")
 
 
 def detect(args) -> int:
