@@ -75,9 +75,14 @@ def main(argv: list[str]) -> int:
                           "keeps the config it was trained with; resume with only the options "
                           "to change (e.g. --train.max_iters=N), or start a new run from its "
                           f"weights with --config PRESET --train.init_from={args.resume or 'RUN'}")
-    if args.budget is not None and (resuming or distributed.world_size() > 1):
-        raise ConfigError("--budget plans a new single-process run; it cannot be combined "
-                          "with --resume or torchrun")
+    if args.budget is not None and resuming:
+        raise ConfigError("--budget plans a new run, and a resumed run keeps its model; to "
+                          "stop it on time give --train.time_limit=SECONDS instead (the "
+                          "seconds trained in all, counted over resumes)")
+    if args.budget is not None and distributed.world_size() > 1:
+        raise ConfigError("--budget plans a single-process run from a measure of this "
+                          "machine; under torchrun give the model and train.max_iters "
+                          "yourself (python train.py --help lists them)")
     if args.budget is not None:               # refused before any work where it cannot plan
         from engine.budget import READOUT_OPTIONS, budget_seconds, plan
         budget_s = budget_seconds(args.budget, overrides_of(args))
@@ -132,7 +137,10 @@ def main(argv: list[str]) -> int:
     if not dist.is_main:
         return 0
     if result.get("interrupted"):
-        return 130
+        # The shell's convention, 128 + the signal: 130 for Ctrl-C, 143 for a SIGTERM
+        # (a scheduler's or a CI's stop), so a caller can tell the two apart.
+        signum = run.stop_signal
+        return 128 + signum if isinstance(signum, int) else 130
     objective = run.objective
     if objective.writes:
         print(f"done at step {result['step']}: best val loss {result['best_val']:.4f} "

@@ -171,20 +171,28 @@ def prune(run_dir: Path, keep_last: int) -> None:
 
 
 def use_another(ckpt: Path) -> str:
-    """What to do about a damaged checkpoint: the other steps its run keeps, and the
-    options that read one (sampling, looking inside) or train on from one."""
+    """What to do about a damaged checkpoint: the other steps its run keeps that are
+    whole (one damaged too is named as such, not offered), and the options that read
+    one (sampling, looking inside) or train on from one."""
     ckpt = Path(ckpt)
     if ckpt.parent.name != CKPT_DIR:
         return "use another checkpoint"
     run = ckpt.parent.parent
     others = [c for c in list_checkpoints(run)
               if c.name != ckpt.name and c.name.removeprefix(PREFIX).isdigit()]
-    if not others:
-        return f"{run} keeps no other checkpoint: train it again"
-    steps = ", ".join(str(int(c.name.removeprefix(PREFIX))) for c in others)
-    return (f"use another checkpoint: {run} also keeps step{'s' if len(others) > 1 else ''} "
-            f"{steps} (--checkpoint STEP samples or looks inside one; --resume {others[-1]} "
-            "trains on from it in a new run)")
+    whole = [c for c in others if _intact(c)]
+    damaged = [c for c in others if c not in whole]
+    also = (f" (step{'s' if len(damaged) > 1 else ''} {_steps(damaged)} "
+            f"{'are' if len(damaged) > 1 else 'is'} damaged too)") if damaged else ""
+    if not whole:
+        return f"{run} keeps no other whole checkpoint{also}: train it again"
+    return (f"use another checkpoint: {run} also keeps step{'s' if len(whole) > 1 else ''} "
+            f"{_steps(whole)}{also} (--checkpoint STEP samples or looks inside one; "
+            f"--resume {whole[-1]} trains on from it in a new run)")
+
+
+def _steps(ckpts: list[Path]) -> str:
+    return ", ".join(str(int(c.name.removeprefix(PREFIX))) for c in ckpts)
 
 
 def remove_partial(run_dir: Path) -> None:
@@ -226,8 +234,7 @@ def choose(path: str | Path, which: str = "latest") -> tuple[Path, str, bool]:
         for ckpt in ckpts:
             if ckpt.name == f"{PREFIX}{step:07d}":
                 return ckpt, f"the checkpoint at step {step}", False
-        kept = ", ".join(str(int(c.name.removeprefix(PREFIX))) for c in ckpts
-                         if c.name.removeprefix(PREFIX).isdigit())
+        kept = _steps([c for c in ckpts if c.name.removeprefix(PREFIX).isdigit()])
         raise CheckpointError(f"{path} has no checkpoint at step {step}; it keeps steps "
                               f"{kept}: give one of those, or --checkpoint best or latest")
     if which != "best":
@@ -270,21 +277,58 @@ def verified_json(ckpt: Path, name: str) -> dict:
 def readable_state(ckpt: Path) -> dict:
     """A checkpoint's state.json with its step and file hashes, or the error that names
     it (not the file whose hash it would have given)."""
+    state, wrong = _read_state(ckpt)
+    if wrong:
+        raise CheckpointError(f"{wrong} {use_another(ckpt)}")
+    return state
+
+
+def verify(ckpt: Path, train_state: bool = True) -> dict:
+    """state.json, once it and every file it lists (but the optimizer's, without
+    `train_state`) are checked against its hashes; else the error naming the file."""
+    state = readable_state(ckpt)
+    wrong = _damaged_file(ckpt, state, train_state)
+    if wrong:
+        raise CheckpointError(f"{wrong} {use_another(ckpt)}")
+    return state
+
+
+def _read_state(ckpt: Path) -> tuple[dict, str]:
+    """(state.json, "") or ({}, what is wrong with it), without the remedy, which looks
+    at the run's other checkpoints through here."""
     state = read_json(ckpt / "state.json")
     manifest = (state or {}).get("files")
     if (not isinstance(manifest, dict) or not all(isinstance(v, str) for v in manifest.values())
             or type(state.get("step")) is not int or state["step"] < 0):   # True is an int too
-        raise CheckpointError(f"checkpoint {ckpt} has no readable state.json (missing, not "
-                              "JSON, or without its step, a whole number from 0, and file "
-                              f"hashes); it is incomplete or corrupt: {use_another(ckpt)}")
+        return {}, (f"checkpoint {ckpt} has no readable state.json (missing, not JSON, or "
+                    "without its step, a whole number from 0, and file hashes); it is "
+                    "incomplete or corrupt:")
     named = ckpt.name.removeprefix(PREFIX)
     if ckpt.name.startswith(PREFIX) and named.isdigit() and int(named) != state["step"]:
         # state.json is not covered by its own hashes: an edited step would resume the
         # schedule, the data and the checkpoint names from somewhere else.
-        raise CheckpointError(f"checkpoint {ckpt} is named for step {int(named)} but its "
-                              f"state.json says step {state['step']}; it is corrupt or "
-                              f"edited: {use_another(ckpt)}")
-    return state
+        return {}, (f"checkpoint {ckpt} is named for step {int(named)} but its state.json "
+                    f"says step {state['step']}; it is corrupt or edited:")
+    return state, ""
+
+
+def _damaged_file(ckpt: Path, state: dict, train_state: bool = True) -> str:
+    """The first file of `ckpt` that is missing or does not match its hash, said as a
+    refusal without the remedy; "" where all match."""
+    for name, digest in state["files"].items():
+        if name == TRAIN_STATE and not train_state:
+            continue
+        file = ckpt / name
+        if not file.is_file() or file_sha256(file) != digest:
+            return f"checkpoint file {file} is missing or corrupt (its hash does not match state.json);"
+    return ""
+
+
+def _intact(ckpt: Path) -> bool:
+    """Whether a checkpoint passes the checks a load makes of its files: the refusal of
+    another checkpoint offers only those that would load."""
+    state, wrong = _read_state(ckpt)
+    return not wrong and not _damaged_file(ckpt, state)
 
 
 def load(ckpt: Path, train_state: bool = True) -> tuple[dict, dict, dict]:
@@ -292,15 +336,7 @@ def load(ckpt: Path, train_state: bool = True) -> tuple[dict, dict, dict]:
     Without `train_state` (sampling, looking inside: only the weights are needed) the
     optimizer's file is neither checked nor read, so a damaged one blocks a resume alone,
     and the train-state tensors come back empty."""
-    state = readable_state(ckpt)
-    manifest = state["files"]
-    for name, digest in manifest.items():
-        if name == TRAIN_STATE and not train_state:
-            continue
-        file = ckpt / name
-        if not file.is_file() or file_sha256(file) != digest:
-            raise CheckpointError(f"checkpoint file {file} is missing or corrupt (its hash does "
-                                  f"not match state.json); {use_another(ckpt)}")
+    state = verify(ckpt, train_state)
     try:
         weights = load_file(ckpt / "model.safetensors")
         tensors = load_file(ckpt / TRAIN_STATE) if train_state else {}

@@ -507,21 +507,35 @@ def _seconds(state: dict, key: str, ckpt: Path) -> float:
 
 def nothing_to_train(cfg: RunConfig, ckpt: Path, given: str) -> str | None:
     """What a resume of `ckpt` with `cfg` says instead of training, where the checkpoint
-    has already reached cfg's last step or time limit: that limit, and the option to give
-    beside `--resume GIVEN` to go further. Said before the run is set up, so its folder
-    is left untouched."""
+    has already reached cfg's target loss, last step or time limit: that, and the option
+    to give beside `--resume GIVEN` to go further. Said before the run is set up, so its
+    folder is left untouched, and only of a checkpoint whose files are whole: one that
+    is damaged is refused as such, naming the file."""
     state = checkpoint.readable_state(ckpt)
     t, step = cfg.train, state["step"]
-    if t.time_limit and _seconds(state, "limit_s", ckpt) >= t.time_limit:
-        limit = f"its time limit (train.time_limit={t.time_limit:g} s)"
-        more = f"--train.time_limit={2 * t.time_limit:g}"
-    elif step >= t.max_iters:
-        limit = f"its last step (train.max_iters={t.max_iters})"
-        more = f"--train.max_iters={2 * max(t.max_iters, 1)}"
-    else:
+    used, best = _seconds(state, "limit_s", ckpt), state.get("best_val")
+    reached = []                       # (what it reached, what to give, the option)
+    if t.target_val_loss and type(best) in (int, float) and best <= t.target_val_loss:
+        reached.append((f"its target (val loss {best:.4f} <= train.target_val_loss="
+                        f"{t.target_val_loss:g})", "a lower target (0 for none)",
+                        "--train.target_val_loss=0"))
+    if t.time_limit and used >= t.time_limit:
+        # The clock is the run's own, summed over resumes: a higher limit trains only for
+        # the seconds it gives beyond those already trained, so the advice adds them.
+        more = math.ceil(t.time_limit)
+        reached.append((f"its time limit ({used:.1f} s trained, train.time_limit={t.time_limit:g} s)",
+                        f"a limit past the {used:.1f} s trained (here {more} s more)",
+                        f"--train.time_limit={math.ceil(used) + more}"))
+    if step >= t.max_iters:
+        reached.append((f"its last step (train.max_iters={t.max_iters})", "more steps",
+                        f"--train.max_iters={2 * max(t.max_iters, 1)}"))
+    if not reached:
         return None
-    return (f"nothing to train: {ckpt} had already reached {limit} at step {step}; to "
-            f"train on, give a higher one: python train.py --resume {given} {more}")
+    checkpoint.verify(ckpt)
+    what, give, options = zip(*reached)
+    return (f"nothing to train: {ckpt} had already reached {' and '.join(what)} at step "
+            f"{step}; to train on, give {' and '.join(give)}: python train.py --resume "
+            f"{given} {' '.join(options)}")
 
 
 def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]]

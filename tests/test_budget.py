@@ -88,9 +88,15 @@ def test_a_budget_run_plans_explains_and_stops_on_time(corpus, tmp_path):
     assert saved["train"]["time_limit"] > 0 and saved["train"]["max_iters"] >= last_step
 
 
-def test_budget_cannot_resume():
+def test_budget_cannot_resume_and_says_what_stops_a_resume_on_time():
+    """It said only that the two cannot be combined, not what does the job instead."""
     proc = run_script("train.py", "--budget", "5m", "--resume", check=False)
-    assert proc.returncode == 2 and "--budget plans a new single-process run" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: --budget plans a new run, and a resumed run keeps its model; to stop it on "
+        "time give --train.time_limit=SECONDS instead (the seconds trained in all, counted "
+        "over resumes)")
+    proc = run_script("train.py", "--budget", "5m", check=False, env={"WORLD_SIZE": "2"})
+    assert proc.returncode == 2 and "under torchrun give the model and train.max_iters" in proc.stderr
 
 
 def test_under_a_time_limit_the_schedule_follows_the_clock():

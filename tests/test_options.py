@@ -174,7 +174,7 @@ def test_a_damaged_checkpoint_names_the_others_its_run_keeps_and_how_to_read_the
     assert loaded(["--run", str(run), "--checkpoint", "4"]) == run / "checkpoints" / "step_0000004"
     for other in ("step_0000000", "step_0000002", "step_0000004"):
         shutil.rmtree(run / "checkpoints" / other)
-    assert use_another(latest) == f"{run} keeps no other checkpoint: train it again"
+    assert use_another(latest) == f"{run} keeps no other whole checkpoint: train it again"
     assert use_another(tmp_path / "loose") == "use another checkpoint"
 
 

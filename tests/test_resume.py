@@ -2,7 +2,9 @@
 refused), an older checkpoint branches into a new run instead of rewriting history,
 and the tools pick a trained checkpoint and the run trained last, saying which."""
 import json
+import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,7 +18,7 @@ from conftest import ROOT, run_script
 from engine import checkpoint, cli
 from engine.inference import load_run
 from engine.loop import train
-from engine.run import resume_changes, resume_config, setup_run
+from engine.run import nothing_to_train, resume_changes, resume_config, setup_run
 
 
 def quiet(*a, **k):
@@ -371,7 +373,7 @@ def test_resuming_a_finished_run_says_nothing_was_trained_and_which_limit_to_rai
     out = run_script("train.py", "--resume", copy).stdout.splitlines()[-1]
     latest = copy / "checkpoints" / "step_0000020"
     assert out == (f"nothing to train: {latest} had already reached its last step "
-                   f"(train.max_iters=20) at step 20; to train on, give a higher one: python "
+                   f"(train.max_iters=20) at step 20; to train on, give more steps: python "
                    f"train.py --resume {copy} --train.max_iters=40")
     mtimes = lambda: {p: p.stat().st_mtime_ns for p in copy.rglob("*")}
     assert files_of(copy) == before                  # not a byte of the run rewritten,
@@ -379,6 +381,64 @@ def test_resuming_a_finished_run_says_nothing_was_trained_and_which_limit_to_rai
     run_script("train.py", "--resume", copy)
     assert mtimes() == stamped                       # nor a file touched
     assert "done at step 22" in run_script("train.py", "--resume", copy, "--train.max_iters=22").stdout
+
+
+def test_a_finished_run_is_told_each_limit_it_reached_and_options_that_go_past_them(run20, tmp_path):
+    """A resume given a time limit below the seconds already trained was told to give
+    twice the limit given, which could still be below them, so the advice failed again;
+    one given a target the run had already reached trained on to its next evaluation.
+    Following the advice now leaves nothing reached."""
+    copy = copy_of(run20, tmp_path)
+    ckpt = checkpoint.list_checkpoints(copy)[-1]
+    state = json.loads((ckpt / "state.json").read_text())
+    used, best = state["limit_s"], state["best_val"]
+    assert used > 0 and math.isfinite(best)
+
+    def said(**train):
+        cfg = resume_config(str(copy), str(copy), {"train": {k: str(v) for k, v in train.items()}})[0]
+        return nothing_to_train(cfg, ckpt, "R")
+    out = said(max_iters=40, time_limit=used / 2)
+    assert out == (f"nothing to train: {ckpt} had already reached its time limit ({used:.1f} s "
+                   f"trained, train.time_limit={used / 2:g} s) at step 20; to train on, give a "
+                   f"limit past the {used:.1f} s trained (here {math.ceil(used / 2)} s more): "
+                   f"python train.py --resume R --train.time_limit={math.ceil(used) + math.ceil(used / 2)}")
+    assert said(max_iters=40, time_limit=out.rpartition("=")[2]) is None
+    out = said(target_val_loss=best + 0.01)              # and max_iters=20, its last step
+    assert out == (f"nothing to train: {ckpt} had already reached its target (val loss {best:.4f} "
+                   f"<= train.target_val_loss={best + 0.01:g}) and its last step "
+                   f"(train.max_iters=20) at step 20; to train on, give a lower target (0 for "
+                   f"none) and more steps: python train.py --resume R --train.target_val_loss=0 "
+                   f"--train.max_iters=40")
+    assert said(target_val_loss=0, max_iters=40) is None
+    assert said(target_val_loss=best - 0.01, max_iters=40) is None
+
+
+def test_a_finished_run_whose_newest_checkpoint_is_damaged_is_refused_as_damaged(run20, tmp_path):
+    """It said "nothing to train", as if the run were whole, and the damage came out only
+    at the next resume that trained. The refusal offers only the checkpoints that would
+    load: it used to offer one it had just found corrupt."""
+    copy = copy_of(run20, tmp_path)
+    step0, step10, step20 = checkpoint.list_checkpoints(copy)
+    with open(step20 / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    proc = run_script("train.py", "--resume", copy, check=False)
+    assert proc.returncode == 2 and "nothing to train" not in proc.stdout
+    assert proc.stderr.strip() == (
+        f"error: checkpoint file {step20 / 'model.safetensors'} is missing or corrupt (its hash "
+        f"does not match state.json); use another checkpoint: {copy} also keeps steps 0, 10 "
+        f"(--checkpoint STEP samples or looks inside one; --resume {step10} trains on from it "
+        "in a new run)")
+    (step10 / "state.json").write_text("{")
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.load(step20)
+    assert str(err.value).endswith(
+        f"use another checkpoint: {copy} also keeps step 0 (step 10 is damaged too) "
+        f"(--checkpoint STEP samples or looks inside one; --resume {step0} trains on from it "
+        "in a new run)")
+    shutil.rmtree(step0)
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{copy} keeps no other whole checkpoint (step 10 is damaged too): train it again")):
+        checkpoint.load(step20)
 
 
 def test_a_run_reading_in_passes_resumes_with_exactly_the_losses_of_one_straight_through(corpus, tmp_path):

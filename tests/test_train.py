@@ -171,13 +171,16 @@ def test_killed_run_resumes_with_exactly_the_same_losses(corpus, tmp_path):
     assert losses(run_dir) == reference          # bitwise: loss, gradient norm, learning rate
 
 
-def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(corpus, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(corpus, tmp_path, signum):
+    """Ctrl-C or a SIGTERM (a scheduler's stop) saves where it stopped, and the exit
+    status is the shell's 128 + the signal: 130 and 143."""
     proc = _start(tiny_args(corpus, tmp_path, "int", *SLOW))
     run_dir = tmp_path / "runs" / "int"
     assert _wait_for_step(run_dir, 20, proc)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == 128 + signum, stderr
     assert "--resume" in stdout
     step = int(checkpoint.list_checkpoints(run_dir)[-1].name.split("_")[1])
     assert step >= 20 and step % 15 != 0      # saved where it stopped, not at an eval
