@@ -35,6 +35,10 @@ CONFIG_LIMIT = 4 << 20         # bytes of config.json (real ones are a few KB)
 INDEX_LIMIT = 64 << 20         # of the shard index (one line per tensor: well under 1 MB)
 TOKENIZER_LIMIT = 256 << 20    # of tokenizer.json (the largest vocabularies' are ~35 MB)
 INDEX = "model.safetensors.index.json"
+# What to do about a folder whose files are cut short, garbled or not of one model: a
+# download that stopped part-way is the usual cause, and a fresh copy the cure.
+FETCH_AGAIN = ("download the folder again (a transfer cut short leaves such files), or "
+               "write it anew with save_pretrained (python -m attnlab.export for a run)")
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")     # safetensors' names; others are refused
 
 # Caps no real model of these architectures comes near (the largest have ~256k tokens,
@@ -85,7 +89,7 @@ def read_folder_bytes(folder: Path, name: str, limit: int) -> bytes:
     try:
         return read_bounded(path, limit)
     except FileNotFoundError:
-        raise CheckpointError(f"{folder / name} is missing") from None
+        raise CheckpointError(f"{folder / name} is missing; {FETCH_AGAIN}") from None
     except ValueError as err:
         raise CheckpointError(f"{folder / name} {err}; it cannot be this folder's {name}") from None
     except OSError as err:
@@ -98,7 +102,7 @@ def read_folder_json(folder: Path, name: str, limit: int = CONFIG_LIMIT) -> dict
     try:
         return parse_json_object(data)
     except ValueError as err:
-        raise CheckpointError(f"{folder / name} {err}") from None
+        raise CheckpointError(f"{folder / name} {err}; {FETCH_AGAIN}") from None
 
 
 # -- config.json against a schema -----------------------------------------------------
@@ -165,7 +169,8 @@ def checked_config(config: dict, schema: dict[str, Field], path: Path) -> dict:
     if problems:
         more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
         raise CheckpointError(f"{path} cannot describe a model attnlab reads: "
-                              + "; ".join(problems[:4]) + more)
+                              + "; ".join(problems[:4]) + more + "; fix those values, or "
+                              + FETCH_AGAIN)
     return config
 
 
@@ -201,10 +206,11 @@ class WeightFiles:
             weight_map = index.get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"{index_path} names no tensors (its weight_map is "
-                                      "missing, empty or not an object)")
+                                      f"missing, empty or not an object); {FETCH_AGAIN}")
             odd = [k for k, v in weight_map.items() if not isinstance(v, str)]
             if odd:
-                raise CheckpointError(f"{index_path} gives no file name for {odd[0][:100]!r}")
+                raise CheckpointError(f"{index_path} gives no file name for {odd[0][:100]!r}; "
+                                      + FETCH_AGAIN)
             files, self.source = sorted(set(weight_map.values())), index_path
         elif os.path.lexists(folder / "model.safetensors"):
             files, self.source = ["model.safetensors"], folder / "model.safetensors"
@@ -217,31 +223,33 @@ class WeightFiles:
         for name in files:
             path = folder_file(folder, name, index_path if weight_map is not None else None)
             if not path.is_file():
-                raise CheckpointError(f"{self.source} names {name!r}, which is not a file in {folder}")
+                raise CheckpointError(f"{self.source} names {name!r}, which is not a file in "
+                                      f"{folder}; {FETCH_AGAIN}")
             try:
                 handle = safe_open(str(path), framework="pt")
                 for key in handle.keys():
                     if key in self.where:
                         raise CheckpointError(f"{folder / name} and {folder / self.where[key]} "
-                                              f"both hold {key}")
+                                              f"both hold {key}; {FETCH_AGAIN}")
                     part = handle.get_slice(key)
                     self.header[key] = (part.get_dtype(), tuple(part.get_shape()))
                     self.where[key] = name
             except CheckpointError:
                 raise
             except Exception as err:        # safetensors raises its own error types
-                raise CheckpointError(f"{folder / name} cannot be read as safetensors ({err})") from None
+                raise CheckpointError(f"{folder / name} cannot be read as safetensors ({err}); "
+                                      + FETCH_AGAIN) from None
             self.handles[name] = handle
         if weight_map is not None:
             elsewhere = [k for k, v in weight_map.items() if self.where.get(k) != v]
             if elsewhere:
                 k = elsewhere[0]
                 raise CheckpointError(f"{index_path} puts {k[:100]} in {weight_map[k][:100]}, "
-                                      "which does not hold it")
+                                      f"which does not hold it; {FETCH_AGAIN}")
             unlisted = [k for k in self.where if k not in weight_map]
             if unlisted:
                 raise CheckpointError(f"{folder / self.where[unlisted[0]]} holds {unlisted[0]}, "
-                                      f"which {INDEX} does not list")
+                                      f"which {INDEX} does not list; {FETCH_AGAIN}")
 
     def find(self, *names: str) -> str | None:
         """The name under which the files hold the first of `names` that they hold
@@ -289,14 +297,16 @@ class WeightFiles:
                  f"not floating point: {listed(dtypes)} (attnlab reads float16, bfloat16, "
                  "float32 and float64 weights, not quantised or integer ones)" if dtypes else ""]
         raise CheckpointError(f"{self.source} does not hold the weights its config.json "
-                              "describes: " + "; ".join(p for p in parts if p))
+                              "describes: " + "; ".join(p for p in parts if p) + "; "
+                              + FETCH_AGAIN)
 
     def get(self, *names: str) -> torch.Tensor:
         """The first of `names` the files hold (also without the base-model prefix)."""
         key = self.find(*names)
         if key is None:
-            raise CheckpointError(f"weight {names[0]} is missing from {self.source}")
+            raise CheckpointError(f"weight {names[0]} is missing from {self.source}; {FETCH_AGAIN}")
         try:
             return self.handles[self.where[key]].get_tensor(key)
         except Exception as err:
-            raise CheckpointError(f"{self.folder / self.where[key]} cannot be read ({err})") from None
+            raise CheckpointError(f"{self.folder / self.where[key]} cannot be read ({err}); "
+                                  + FETCH_AGAIN) from None

@@ -34,8 +34,8 @@ from common.errors import AttnlabError, CheckpointError, TokenizerError
 from common.files import read_json, remove_stale, umask_mode
 from data.tokenizer import Tokenizer
 from engine.checkpoint import CKPT_DIR, load_weights, refuse_non_finite
-from engine.hf_files import (CONFIG_LIMIT, INDEX, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS,
-                             MAX_VOCAB, MAX_WIDTH, TOKENIZER_LIMIT, Field, WeightFiles,
+from engine.hf_files import (CONFIG_LIMIT, FETCH_AGAIN, INDEX, MAX_HEADS, MAX_LAYERS,
+                             MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, TOKENIZER_LIMIT, Field, WeightFiles,
                              checked_config, count, read_folder_bytes, read_folder_json,
                              refuse_too_large)
 from model import GPT, ModelConfig, ModelError
@@ -573,7 +573,9 @@ def _read_tokenizer(folder: Path, cfg: ModelConfig) -> Tokenizer:
     try:
         tokenizer = Tokenizer.parse(data.decode("utf-8"), path)
     except UnicodeDecodeError:
-        raise TokenizerError(f"tokenizer file {path} is not UTF-8 text") from None
+        raise TokenizerError(f"tokenizer file {path} is not UTF-8 text; {FETCH_AGAIN}") from None
+    except TokenizerError as err:
+        raise TokenizerError(f"{err}; {FETCH_AGAIN}") from None
     refuse_ids_past_vocab(tokenizer, cfg, path)
     return tokenizer
 

@@ -37,7 +37,7 @@ from data.tokenizer import WordPieceTokenizer
 from engine.interop import (ARCHITECTURES, Architecture, ExportError, WeightFiles, _common_refusals,
                             _needs, _refuse_unless, _with_mlp_width,
                             refuse_ids_past_vocab)
-from engine.hf_files import (MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB,
+from engine.hf_files import (FETCH_AGAIN, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB,
                              MAX_WIDTH, TOKENIZER_LIMIT, Field, count, read_folder_bytes,
                              refuse_too_large)
 from model import GPT, ModelConfig, ModelError
@@ -326,13 +326,16 @@ def _load(family_name: str, arch: Architecture):
                     allowed={tied: (cfg.vocab_size, cfg.n_embd)} if tied else None,
                     n_layer=cfg.n_layer)
 
+        data = read_folder_bytes(folder, "tokenizer.json", TOKENIZER_LIMIT)
         try:
-            data = read_folder_bytes(folder, "tokenizer.json", TOKENIZER_LIMIT)
             tokenizer = WordPieceTokenizer.from_json(data.decode("utf-8", errors="strict"),
                                                      folder / "tokenizer.json")
-            refuse_ids_past_vocab(tokenizer, cfg, folder / "tokenizer.json")
         except UnicodeDecodeError:
-            raise CheckpointError(f"{folder}/tokenizer.json is not UTF-8 text") from None
+            raise CheckpointError(f"{folder}/tokenizer.json is not UTF-8 text; {FETCH_AGAIN}") from None
+        except TokenizerError as err:
+            raise CheckpointError(f"{err}; {FETCH_AGAIN}") from None
+        try:
+            refuse_ids_past_vocab(tokenizer, cfg, folder / "tokenizer.json")
         except TokenizerError as err:
             raise CheckpointError(str(err)) from None
         weights = _from_hf_weights(family, files.get, cfg)

@@ -779,3 +779,16 @@ def test_a_folder_with_its_own_mlp_width_loads_and_a_mismatched_one_is_refused(t
         # the config says one width, the weights hold another: refused by name
         edit_config(tmp_path / arch, **{"intermediate_size" if arch == "llama" else "n_inner": 48})
         assert "model.safetensors" in refused(tmp_path / arch)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "tokenizer.json"])
+@pytest.mark.parametrize("kind", ["gpt2", *ENCODER_KINDS[:1]])
+def test_a_folder_cut_short_is_refused_with_the_way_to_a_whole_one(kind, name, tmp_path):
+    """A download that stopped part-way leaves a file cut short. Its refusal named the
+    file but left the user there: it now says to fetch the folder again or write it anew."""
+    folder = tmp_path / "model"
+    write_encoder(folder, kind) if kind in ENCODER_KINDS else write_folder(folder, kind)
+    data = (folder / name).read_bytes()
+    (folder / name).write_bytes(data[:len(data) // 2])
+    message = refused(folder, str(folder / name))
+    assert message.endswith(f"; {interop.FETCH_AGAIN}"), message
