@@ -209,8 +209,9 @@ def choose_readout(model_cfg, counts: torch.Tensor, log=print) -> None:
     model_cfg.readout, model_cfg.readout_shortlist, model_cfg.tie_embeddings = adaptive, shortlist, False
     log(f"readout: adaptive softmax, the {shortlist:,} most frequent of {vocab:,} tokens "
         f"({SHORTLIST_COVERAGE:.0%} of the training text) in its shortlist: "
-        f"{head_macs(d, vocab, shortlist) / head_macs(d, vocab):.0%} of the full output layer's "
-        "work; no transformers architecture has one, so to export the run give --model.readout=full")
+        f"{head_macs(d, vocab, shortlist) / head_macs(d, vocab):.0%} of the full output "
+        "layer's work; no transformers architecture has one, so to export the run give "
+        "--model.readout=full")
 
 
 def measure(cfg, device, dtype, seconds: float, batch=None, counts=None) -> float:

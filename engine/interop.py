@@ -35,9 +35,9 @@ from common.files import read_json, remove_stale, umask_mode
 from data.tokenizer import Tokenizer
 from engine.checkpoint import CKPT_DIR, load_weights, refuse_non_finite
 from engine.hf_files import (CONFIG_LIMIT, FETCH_AGAIN, INDEX, MAX_HEADS, MAX_LAYERS,
-                             MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, TOKENIZER_LIMIT, Field, WeightFiles,
-                             checked_config, count, read_folder_bytes, read_folder_json,
-                             refuse_too_large)
+                             MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, TOKENIZER_LIMIT, Field,
+                             WeightFiles, checked_config, count, read_folder_bytes,
+                             read_folder_json, refuse_too_large)
 from model import GPT, ModelConfig, ModelError
 from model.layers import BLOCKS, MLPS, NORMS, block_weights
 from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
