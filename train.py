@@ -89,7 +89,8 @@ def main(argv: list[str]) -> int:
     if resuming:
         out_dir = overrides_of(args).get("train", {}).get("out_dir", "runs")
         cfg, run_dir, resuming = resume_config(args.resume, out_dir, overrides_of(args))
-        finished = nothing_to_train(cfg, resuming, args.resume or str(resuming.parent.parent))
+        finished = nothing_to_train(cfg, resuming, args.resume or str(resuming.parent.parent),
+                                    overrides_of(args))
         if finished:                      # said before set-up, which would rewrite its files
             print(finished)
             return 0

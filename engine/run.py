@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -505,12 +506,14 @@ def _seconds(state: dict, key: str, ckpt: Path) -> float:
     return float(value)
 
 
-def nothing_to_train(cfg: RunConfig, ckpt: Path, given: str) -> str | None:
+def nothing_to_train(cfg: RunConfig, ckpt: Path, given: str,
+                     overrides: dict[str, dict[str, str]] | None = None) -> str | None:
     """What a resume of `ckpt` with `cfg` says instead of training, where the checkpoint
-    has already reached cfg's target loss, last step or time limit: that, and the option
-    to give beside `--resume GIVEN` to go further. Said before the run is set up, so its
-    folder is left untouched, and only of a checkpoint whose files are whole: one that
-    is damaged is refused as such, naming the file."""
+    has already reached cfg's target loss, last step or time limit: that, and the
+    command that goes further, `--resume GIVEN` with the `overrides` given (the command
+    line's) and the options to add. Said before the run is set up, so its folder is
+    left untouched, and only of a checkpoint whose files are whole: one that is damaged
+    is refused as such, naming the file."""
     state = checkpoint.readable_state(ckpt)
     t, step = cfg.train, state["step"]
     used, best = _seconds(state, "limit_s", ckpt), state.get("best_val")
@@ -533,9 +536,12 @@ def nothing_to_train(cfg: RunConfig, ckpt: Path, given: str) -> str | None:
         return None
     checkpoint.verify(ckpt)
     what, give, options = zip(*reached)
+    named = {o.partition("=")[0] for o in options}
+    kept = [shlex.quote(f"--{s}.{k}={v}") for s, values in (overrides or {}).items() for k, v in values.items()
+            if f"--{s}.{k}" not in named]           # the options given, so the command is whole
     return (f"nothing to train: {ckpt} had already reached {' and '.join(what)} at step "
             f"{step}; to train on, give {' and '.join(give)}: python train.py --resume "
-            f"{given} {' '.join(options)}")
+            f"{' '.join([given, *kept, *options])}")
 
 
 def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]]

@@ -410,6 +410,11 @@ def test_a_finished_run_is_told_each_limit_it_reached_and_options_that_go_past_t
                    f"none) and more steps: python train.py --resume R --train.target_val_loss=0 "
                    f"--train.max_iters=40")
     assert said(target_val_loss=0, max_iters=40) is None
+    # The options given stay in the command, or following it would drop them.
+    cfg = resume_config(str(copy), str(copy), {"train": {"max_iters": "40", "target_val_loss": "9"}})[0]
+    assert nothing_to_train(cfg, ckpt, "R", {"train": {"max_iters": "40", "target_val_loss": "9"}}
+                            ).endswith("python train.py --resume R --train.max_iters=40 "
+                                       "--train.target_val_loss=0")
     assert said(target_val_loss=best - 0.01, max_iters=40) is None
 
 
