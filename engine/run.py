@@ -541,7 +541,7 @@ def nothing_to_train(cfg: RunConfig, ckpt: Path, given: str,
             if f"--{s}.{k}" not in named]           # the options given, so the command is whole
     return (f"nothing to train: {ckpt} had already reached {' and '.join(what)} at step "
             f"{step}; to train on, give {' and '.join(give)}: python train.py --resume "
-            f"{' '.join([given, *kept, *options])}")
+            f"{' '.join([shlex.quote(given), *kept, *options])}")
 
 
 def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]]
