@@ -68,7 +68,9 @@ def parse_json_object(data: bytes) -> dict:
     except ValueError as err:
         raise ValueError(f"is not JSON ({err})") from None
     if not isinstance(value, dict):
-        raise ValueError(f"holds a JSON {type(value).__name__}, not an object")
+        kind = {type(None): "null", bool: "true or false", list: "list", str: "string",
+                int: "number", float: "number"}.get(type(value), type(value).__name__)
+        raise ValueError(f"holds a JSON {kind}, not an object")
     return value
 
 

@@ -154,7 +154,10 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / CKPT_DIR
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+    # Only the names save() writes: a stray step_old/ or step_copy/ a user left there
+    # would otherwise sort after every real step and stand as the run's latest.
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
+                  and p.name.removeprefix(PREFIX).isdigit())
 
 
 def best_step(run_dir: Path) -> int | None:
@@ -178,8 +181,7 @@ def use_another(ckpt: Path) -> str:
     if ckpt.parent.name != CKPT_DIR:
         return "use another checkpoint"
     run = ckpt.parent.parent
-    others = [c for c in list_checkpoints(run)
-              if c.name != ckpt.name and c.name.removeprefix(PREFIX).isdigit()]
+    others = [c for c in list_checkpoints(run) if c.name != ckpt.name]
     whole = [c for c in others if _intact(c)]
     damaged = [c for c in others if c not in whole]
     also = (f" (step{'s' if len(damaged) > 1 else ''} {_steps(damaged)} "
@@ -222,6 +224,10 @@ def choose(path: str | Path, which: str = "latest") -> tuple[Path, str, bool]:
                               "`python train.py`, or pass the folder printed by train.py")
     ckpts = list_checkpoints(path)
     if not ckpts:
+        if (path / "config.json").is_file():
+            raise CheckpointError(f"run {path} holds no checkpoint (its {CKPT_DIR}/ has no "
+                                  f"{PREFIX}*/ folder): it stopped before its first one, or they "
+                                  "were removed; train it again, or point at another run")
         if any(path.glob("*.safetensors")) or (path / "tokenizer.json").exists():
             raise CheckpointError(f"{path} has weights but no config.json: a transformers "
                                   "folder needs the config.json save_pretrained writes beside "
@@ -234,7 +240,7 @@ def choose(path: str | Path, which: str = "latest") -> tuple[Path, str, bool]:
         for ckpt in ckpts:
             if ckpt.name == f"{PREFIX}{step:07d}":
                 return ckpt, f"the checkpoint at step {step}", False
-        kept = _steps([c for c in ckpts if c.name.removeprefix(PREFIX).isdigit()])
+        kept = _steps(ckpts)
         raise CheckpointError(f"{path} has no checkpoint at step {step}; it keeps steps "
                               f"{kept}: give one of those, or --checkpoint best or latest")
     if which != "best":
@@ -388,11 +394,11 @@ def load_weights(model: torch.nn.Module, weights: dict, origin: Path, assign: bo
             setattr(model.get_submodule(owner), attr, model.get_parameter(source))
 
 
-def latest_run(out_dir: str | Path = "runs", log=None) -> Path:
+def latest_run(out_dir: str | Path = "runs", log=None, other: str = "--run DIR") -> Path:
     """The run in OUT_DIR whose newest checkpoint was written last: the one trained
     most recently, not the one created last (a short trial started while a long run
     trains) nor one that stopped before its first checkpoint. `log` gets one line
-    naming it."""
+    naming it and `other`, the option that names another (train.py's is --resume DIR)."""
     out_dir = Path(out_dir)
     newest: tuple[float, str] | None = None
     for run in (out_dir.iterdir() if out_dir.is_dir() else ()):
@@ -409,5 +415,5 @@ def latest_run(out_dir: str | Path = "runs", log=None) -> Path:
                               "a run directory")
     run = out_dir / newest[1]
     (log or (lambda line: print(line, file=sys.stderr)))(
-        f"run: {run} (the one whose checkpoint was written last; --run DIR for another)")
+        f"run: {run} (the one whose checkpoint was written last; {other} for another)")
     return run

@@ -463,7 +463,7 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
     # an evaluation of its own step; one from before limit_s was recorded starts the time
     # limit's clock again.
     run.progress = Progress(state["step"], state.get("best_val", math.inf),
-                            state.get("elapsed_s", 0.0), state.get("wandb_id"),
+                            _seconds(state, "elapsed_s", ckpt), state.get("wandb_id"),
                             state.get("last_eval", state["step"]),
                             _seconds(state, "limit_s", ckpt), _seconds(state, "last_eval_s", ckpt))
     run.log(f"resuming {run.run_dir} from {ckpt.name} (step {run.progress.step})")
@@ -481,6 +481,11 @@ def _check_state(state: dict, ckpt: Path) -> None:
              if k in state and (isinstance(state[k], bool) or not isinstance(state[k], kinds))]
     if isinstance(state.get("autocast"), str) and state["autocast"] not in DTYPES:
         wrong.append("autocast")
+    # A cross-entropy is never below 0 (inf: not evaluated yet); NaN would make every
+    # later evaluation look no better, and best.json stop following the best.
+    best = state.get("best_val")
+    if "best_val" not in wrong and best is not None and not (best >= 0):
+        wrong.append("best_val")
     if wrong:
         raise CheckpointError(f"checkpoint {ckpt / 'state.json'} holds {', '.join(wrong)} of the "
                               f"wrong kind; it is corrupt or edited: {checkpoint.use_another(ckpt)}")
@@ -498,9 +503,14 @@ def _kept_dtype(state: dict, device: torch.device, picked: torch.dtype) -> torch
     return picked
 
 
+# More seconds than any run trains (about 30 years): a larger count is an edit, and
+# would be printed, and added to, as a number hundreds of digits long.
+MAX_SECONDS = 1e9
+
+
 def _seconds(state: dict, key: str, ckpt: Path) -> float:
     value = state.get(key, 0.0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < MAX_SECONDS:
         raise CheckpointError(f"checkpoint {ckpt} records {key}={value!r} in its state.json, "
                               f"not a number of seconds; it is corrupt: {checkpoint.use_another(ckpt)}")
     return float(value)
@@ -555,7 +565,7 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     inside a checkpoint: the checkpoint's own run when it is that run's latest, else (or
     when --train.run_name names another run) a new run that records it as its parent,
     so a run's history is never rewritten."""
-    path = Path(resume) if resume else checkpoint.latest_run(out_dir)
+    path = Path(resume) if resume else checkpoint.latest_run(out_dir, other="--resume DIR")
     if resume and not path.exists() and not path.is_absolute() and (Path(out_dir) / path).is_dir():
         path = Path(out_dir) / path                       # a run's name, as --run takes it
     if (path / "state.json").is_file():                   # a checkpoint folder

@@ -35,3 +35,12 @@ def test_a_failed_write_names_the_file_asked_for_not_its_temporary_name(tmp_path
         write_text_atomic(tmp_path / where, "text")
     assert failed.value.filename == str(tmp_path / where)
     assert ".tmp-" not in str(failed.value)
+
+
+@pytest.mark.parametrize("text,kind", [("null", "null"), ("[1]", "list"), ('"x"', "string"),
+                                       ("3", "number"), ("true", "true or false")])
+def test_json_that_is_not_an_object_is_named_in_json_words(text, kind):
+    """It said "a JSON NoneType": Python's word for what the file calls null."""
+    from common.files import parse_json_object
+    with pytest.raises(ValueError, match=f"^holds a JSON {kind}, not an object$"):
+        parse_json_object(text.encode())

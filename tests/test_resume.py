@@ -446,6 +446,28 @@ def test_a_finished_run_whose_newest_checkpoint_is_damaged_is_refused_as_damaged
         checkpoint.load(step20)
 
 
+def test_a_runs_odd_checkpoint_folders_are_named_for_what_they_are(run20, tmp_path):
+    """A stray checkpoints/step_abc/ sorted after every step and stood as the latest, so
+    an intact run was refused as damaged; a run whose checkpoints are gone was said to
+    have "weights but no config.json", both untrue. And train.py's line naming the
+    latest run pointed to --run, an option train.py does not have."""
+    copy = copy_of(run20, tmp_path)
+    (copy / "checkpoints" / "step_abc").mkdir()
+    proc = run_script("train.py", "--resume", f"--train.out_dir={copy.parent}")
+    assert proc.stdout.splitlines()[-1].startswith(
+        f"nothing to train: {copy / 'checkpoints' / 'step_0000020'} had already reached")
+    assert f"run: {copy} (the one whose checkpoint was written last; --resume DIR for another)" \
+        in proc.stderr
+    for ckpt in checkpoint.list_checkpoints(copy):
+        shutil.rmtree(ckpt)
+    for cmd in (["train.py", "--resume", copy], ["sample.py", "--run", copy]):
+        proc = run_script(*cmd, check=False)
+        assert proc.returncode == 2 and proc.stderr.strip() == (
+            f"error: run {copy} holds no checkpoint (its checkpoints/ has no step_*/ folder): "
+            "it stopped before its first one, or they were removed; train it again, or point "
+            "at another run"), proc.stderr
+
+
 def test_a_run_reading_in_passes_resumes_with_exactly_the_losses_of_one_straight_through(corpus, tmp_path):
     """data.sampling=epochs: the checkpoint holds the pass's start and the windows read
     of it (data_position), so the resumed steps read the same windows. The stop falls

@@ -104,6 +104,16 @@ def test_a_resume_refuses_a_garbled_run_config_a_broken_state_and_a_preset_namin
         proc = run_script("train.py", "--resume", copy, "--train.max_iters=25", check=False)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert f"{ckpt / 'state.json'} holds {field} of the wrong kind" in proc.stderr
+    # Numbers out of their range: a NaN or negative best loss trained on with best.json
+    # no longer following the best; 1e300 seconds printed 300 digits.
+    for field, value, said in [("best_val", float("nan"), "holds best_val of the wrong kind"),
+                               ("best_val", -1e9, "holds best_val of the wrong kind"),
+                               ("limit_s", 1e300, "records limit_s=1e+300"),
+                               ("elapsed_s", -100, "records elapsed_s=-100")]:
+        (ckpt / "state.json").write_text(json.dumps({**state, field: value}))
+        proc = run_script("train.py", "--resume", copy, "--train.max_iters=25", check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert said in proc.stderr, proc.stderr
     (ckpt / "state.json").write_bytes(before[ckpt / "state.json"])
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.name != ".lock"} == before
 
