@@ -10,8 +10,12 @@ readout.py (the output layer, and the adaptive softmax for large vocabularies), 
 sampling.py (logits to tokens), seq2seq.py (an encoder-decoder, through cross-attention);
 registry.py lists every variant and checks a config.
 The folder imports torch and itself only: copy it out and it runs."""
+from model import precision
 from model.config import ModelConfig, ModelError
 from model.gpt import GPT, KVCache, Output
 from model.registry import REGISTRIES
+
+# Before anything is compiled: one compile cache per ATEN_CPU_CAPABILITY (precision.py).
+precision.separate_compile_cache()
 
 __all__ = ["GPT", "KVCache", "ModelConfig", "ModelError", "Output", "REGISTRIES"]

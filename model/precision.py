@@ -27,6 +27,38 @@ def held_below_avx512(env=os.environ) -> bool:
     return aten in ATEN_BELOW_AVX512 or onednn in ONEDNN_BELOW_AVX512
 
 
+# The tail given to torch.compile's cache folder under ATEN_CPU_CAPABILITY=VALUE.
+CACHE_TAIL = "-aten-"
+
+
+def separate_compile_cache(env=os.environ) -> str:
+    """Point torch.compile's cache (TORCHINDUCTOR_CACHE_DIR) at a folder of its own for each
+    ATEN_CPU_CAPABILITY, and return it. The compiler writes its CPU kernels for the
+    vector width that setting asks for, but its cache does not tell them apart: a kernel
+    built under `avx2` (bench/cpu_kinds.py's second kind) and then loaded by a run without
+    it corrupted memory and killed that run ("double free or corruption"). A folder given
+    in TORCHINDUCTOR_CACHE_DIR keeps its place, with the capability's tail added
+    (`-aten-auto` without the setting)."""
+    import getpass
+    import re
+    import tempfile
+    base = env.get("TORCHINDUCTOR_CACHE_DIR")
+    if not base:
+        # torch's own default (torch._inductor.runtime.cache_dir_utils.default_cache_dir),
+        # written out: importing that module costs a second.
+        try:
+            user = getpass.getuser()
+        except (KeyError, ModuleNotFoundError, OSError):
+            user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+        base = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    base = re.sub(re.escape(CACHE_TAIL) + r"[A-Za-z0-9_]+$", "", base)   # a parent's tail
+    asked = env.get("ATEN_CPU_CAPABILITY")
+    # A tail without the setting too: a cache shared before this was done may hold
+    # kernels built under avx2, and is not read again.
+    env["TORCHINDUCTOR_CACHE_DIR"] = f"{base}{CACHE_TAIL}{asked or 'auto'}"
+    return env["TORCHINDUCTOR_CACHE_DIR"]
+
+
 @functools.cache
 def cpu_has_native_bf16() -> bool:
     """True where torch sends bf16 matmuls to oneDNN's bf16 kernels: the test ATen

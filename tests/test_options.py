@@ -128,6 +128,26 @@ def test_checkpoint_best_latest_and_a_step(run_with_steps, monkeypatch):
     assert loaded(["--checkpoint", "latest"]).resolve() == step(6)    # and the latest run
 
 
+def test_checkpoint_beside_a_folder_of_one_set_of_weights_is_refused_not_ignored(run_with_steps,
+                                                                                   tmp_path):
+    """--run CHECKPOINT_FOLDER --checkpoint 6 sampled the folder given, step 2, and said
+    only in passing; beside a transformers folder it was ignored without a word."""
+    from attnlab.export import main as export
+    run = run_with_steps
+    folder = run / "checkpoints" / "step_0000002"
+    assert loaded(["--run", str(folder)]) == folder                 # without it: that folder
+    with pytest.raises(AttnlabError) as err:
+        loaded(["--run", str(folder), "--checkpoint", "6"])
+    assert str(err.value) == (f"--checkpoint 6 picks one of a run's checkpoints, and {folder} is "
+                              "one checkpoint folder, with one set of weights; leave --checkpoint "
+                              f"out, or give its run: --run {run} --checkpoint 6")
+    assert export(["--run", str(run), "--out", str(tmp_path / "hf")]) == 0
+    with pytest.raises(AttnlabError, match=r"is a transformers folder, with one set of weights; "
+                                           r"leave --checkpoint out$"):
+        loaded(["--run", str(tmp_path / "hf"), "--checkpoint", "latest"])
+    assert loaded(["--run", str(tmp_path / "hf")]) == tmp_path / "hf"
+
+
 def test_best_falls_back_to_the_latest_and_says_so(run_with_steps, tmp_path, capsys):
     import shutil
     run = tmp_path / "r"

@@ -1,5 +1,8 @@
 """model/precision.py: whether this CPU computes in bf16 natively, from torch's own test,
 and the settings that make any CPU stand in for an AVX2 one."""
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -44,3 +47,34 @@ def test_the_cpu_kind_names_torchs_kernels_and_bf16(monkeypatch):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     assert precision.cpu_kind() == "AVX512, native bf16"
+
+
+def test_each_cpu_capability_compiles_into_a_cache_of_its_own(tmp_path):
+    """torch.compile's cache does not tell kernels built for AVX2 from AVX-512 ones: a
+    compiled FlexAttention built under ATEN_CPU_CAPABILITY=avx2 (bench/cpu_kinds.py), loaded
+    by a run without it, died of "double free or corruption". Each capability gets a
+    folder of its own, the one torch's own cache_dir() then uses."""
+    import subprocess
+    import sys
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    # torch's default, written out alike; a tail even without the setting, so a cache
+    # shared before, which may hold avx2 kernels, is not read again
+    assert precision.separate_compile_cache({}) == default_cache_dir() + "-aten-auto"
+    assert precision.separate_compile_cache({"ATEN_CPU_CAPABILITY": "avx2"}) == \
+        default_cache_dir() + "-aten-avx2"
+    given = str(tmp_path / "c")
+    for env, expected in [({"TORCHINDUCTOR_CACHE_DIR": given}, given + "-aten-auto"),
+                          ({"TORCHINDUCTOR_CACHE_DIR": given, "ATEN_CPU_CAPABILITY": "avx2"}, given + "-aten-avx2"),
+                          # a run started from one held to AVX2 inherits its folder
+                          ({"TORCHINDUCTOR_CACHE_DIR": given + "-aten-avx2"}, given + "-aten-auto"),
+                          ({"TORCHINDUCTOR_CACHE_DIR": given + "-aten-avx2",
+                            "ATEN_CPU_CAPABILITY": "avx512"}, given + "-aten-avx512")]:
+        assert precision.separate_compile_cache(dict(env)) == expected, env
+    # Importing the model is enough, before anything compiles.
+    code = ("import model\nfrom torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+            "print(cache_dir())")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**env, "TORCHINDUCTOR_CACHE_DIR": given, "ATEN_CPU_CAPABILITY": "avx2"},
+                         cwd=Path(__file__).resolve().parent.parent).stdout.strip()
+    assert out == given + "-aten-avx2"
