@@ -547,8 +547,9 @@ def nothing_to_train(cfg: RunConfig, ckpt: Path, given: str,
     checkpoint.verify(ckpt)
     what, give, options = zip(*reached)
     named = {o.partition("=")[0] for o in options}
-    kept = [shlex.quote(f"--{s}.{k}={v}") for s, values in (overrides or {}).items() for k, v in values.items()
-            if f"--{s}.{k}" not in named]           # the options given, so the command is whole
+    # The options given stay in the command, so following it drops none of them.
+    kept = [shlex.quote(f"--{s}.{k}={v}") for s, values in (overrides or {}).items()
+            for k, v in values.items() if f"--{s}.{k}" not in named]
     return (f"nothing to train: {ckpt} had already reached {' and '.join(what)} at step "
             f"{step}; to train on, give {' and '.join(give)}: python train.py --resume "
             f"{' '.join([shlex.quote(given), *kept, *options])}")

@@ -5,6 +5,8 @@ the CPU attention routes (model/cpu_kernels.py), sampling and the --budget probe
 Without native bf16 (AVX2 CPUs: most laptops' Intel Core chips, AMD Zen 2 and 3) torch
 emulates a bf16 matmul element by element, some 30 times slower than in fp32, so there
 nothing is computed in bf16 at all. docs/benchmarks.md has the figures.
+The same settings that stand an AVX-512 machine in for an AVX2 one decide the vector
+width of what torch.compile builds, so each gets a compile cache of its own here.
 """
 from __future__ import annotations
 
