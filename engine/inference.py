@@ -34,7 +34,7 @@ def load_run(path: str | Path, which: str | None = None, device: str | torch.dev
                               "or a transformers folder")
     single = ("a transformers folder" if is_hf_folder(path) else
               "one checkpoint folder" if (Path(path) / "state.json").is_file() else None)
-    if which is not None and single:
+    if which not in (None, "best") and single:          # best: what such a folder holds
         run = Path(path).parent.parent if Path(path).parent.name == checkpoint.CKPT_DIR else None
         raise CheckpointError(f"--checkpoint {which} picks one of a run's checkpoints, and {path} "
                               f"is {single}, with one set of weights; leave --checkpoint out"
