@@ -79,9 +79,7 @@ def add_run_options(parser: argparse.ArgumentParser, what: str = "run directory 
     if run:
         group.add_argument("--run", *aliases, dest="run", default="", metavar="DIR",
                            help=f"{what} (default: {without})")
-    # None, not "best": a folder of one checkpoint refuses a --checkpoint given, which
-    # it would otherwise ignore (engine.inference.load_run).
-    group.add_argument("--checkpoint", type=checkpoint_choice, default=None,
+    group.add_argument("--checkpoint", type=checkpoint_choice, default=DEFAULT_CHECKPOINT,
                        metavar="WHICH", help="best (lowest validation loss; the latest where "
                        "nothing after step 0 was evaluated), latest, or a step number "
                        f"(default: {DEFAULT_CHECKPOINT})")

@@ -17,7 +17,7 @@ from model import GPT
 from model.sampling import next_token_distribution
 
 
-def load_run(path: str | Path, which: str | None = None, device: str | torch.device = "cpu",
+def load_run(path: str | Path, which: str = "best", device: str | torch.device = "cpu",
              before_build=None, log=None):
     """(model in eval mode, its RunConfig, its tokenizer, the checkpoint folder) from a
     run directory, a checkpoint folder, or a transformers folder (GPT-2, Llama,
@@ -26,15 +26,15 @@ def load_run(path: str | Path, which: str | None = None, device: str | torch.dev
     its own, such as the exercises' `yours`). `log` gets one line saying which
     checkpoint of a run is used and why; without it, that line goes to stderr only when
     the choice is not the one asked for (checkpoint.choose). `which` (best, latest or a
-    step; None: best, not asked for) picks among a run's checkpoints, so it is refused
-    beside a folder that holds one set of weights, where it would be ignored."""
+    step) picks among a run's checkpoints: beside a folder that holds one set of
+    weights, `best` reads them, and latest or a step is refused rather than ignored."""
     from engine.interop import is_hf_folder, load_hf_folder
     if Path(path).is_file():
         raise CheckpointError(f"{path} is a file; give a run directory, a checkpoint folder "
                               "or a transformers folder")
     single = ("a transformers folder" if is_hf_folder(path) else
               "one checkpoint folder" if (Path(path) / "state.json").is_file() else None)
-    if which not in (None, "best") and single:          # best: what such a folder holds
+    if which != "best" and single:
         run = Path(path).parent.parent if Path(path).parent.name == checkpoint.CKPT_DIR else None
         raise CheckpointError(f"--checkpoint {which} picks one of a run's checkpoints, and {path} "
                               f"is {single}, with one set of weights; leave --checkpoint out"
@@ -44,7 +44,7 @@ def load_run(path: str | Path, which: str | None = None, device: str | torch.dev
         cfg = RunConfig(model=model_cfg)
         cfg.data.tokenizer = tokenizer.kind
         return model, cfg, tokenizer, Path(path)
-    ckpt, why, departs = checkpoint.choose(path, which or "best")
+    ckpt, why, departs = checkpoint.choose(path, which)
     if log is not None or departs:
         (log or (lambda line: print(line, file=sys.stderr)))(f"checkpoint: {ckpt} ({why})")
     weights, _, state = checkpoint.load(ckpt, train_state=False)
