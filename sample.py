@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 
 from common.cpu import refuse_unrunnable_capability
+from common.shell import word
 from common.threads import report as report_threads, wait_passively
 
 refuse_unrunnable_capability()      # before torch loads, which would die of it: common/cpu.py
@@ -109,7 +110,7 @@ def refuse_what_cannot_write(cfg, run) -> None:
     if not OBJECTIVES[cfg.train.objective].writes:
         raise ConfigError(f"this run is an encoder trained to fill in blanks "
                           f"(train.objective={cfg.train.objective}), not to write text left to "
-                          f"right; fill one in: python -m attnlab.fill --run {run} "
+                          f"right; fill one in: python -m attnlab.fill --run {word(run)} "
                           "--text \"To be, or not to [MASK]\"")
     from model.readout import READOUTS
     # A decoder's plain output layer trained with no mask is the leak; an encoder (BERT and

@@ -16,8 +16,10 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 from common.cpu import refuse_unrunnable_capability
+from common.shell import word
 from common.threads import apply_start, report as report_threads, start_on_free_cores
 
 refuse_unrunnable_capability()      # before torch loads, which would die of it: common/cpu.py
@@ -66,15 +68,18 @@ def main(argv: list[str]) -> int:
     apply_start(torch.get_num_threads, torch.set_num_threads)
 
     resuming, source, changes = args.resume is not None, None, []
+    out_dir = overrides_of(args).get("train", {}).get("out_dir", "runs")
     if args.preset == "":
         raise ConfigError("--config needs a preset name or a .toml path (see configs/)")
     if resuming and args.preset is not None:  # else silently dropped: the checkpoint's config rules
-        if args.resume:
-            resume_config(args.resume, "runs", {})    # a run that is not there is said first
+        # The run meant is found first: one that is not there is said as such, and the
+        # way on names the run, or the checkpoint given, found.
+        _, run_dir, ckpt = resume_config(args.resume, out_dir, {})
+        weights = ckpt if args.resume and (Path(args.resume) / "state.json").is_file() else run_dir
         raise ConfigError(f"--config {args.preset} chooses a new run's preset, and a resumed run "
                           "keeps the config it was trained with; resume with only the options "
                           "to change (e.g. --train.max_iters=N), or start a new run from its "
-                          f"weights with --config PRESET --train.init_from={args.resume or 'RUN'}")
+                          f"weights with --config PRESET {word(f'--train.init_from={weights}')}")
     if args.budget is not None and resuming:
         raise ConfigError("--budget plans a new run, and a resumed run keeps its model; to "
                           "stop it on time give --train.time_limit=SECONDS instead (the "
@@ -87,7 +92,6 @@ def main(argv: list[str]) -> int:
         from engine.budget import READOUT_OPTIONS, budget_seconds, plan
         budget_s = budget_seconds(args.budget, overrides_of(args))
     if resuming:
-        out_dir = overrides_of(args).get("train", {}).get("out_dir", "runs")
         cfg, run_dir, resuming = resume_config(args.resume, out_dir, overrides_of(args))
         finished = nothing_to_train(cfg, resuming, args.resume or str(resuming.parent.parent),
                                     overrides_of(args))
@@ -146,11 +150,11 @@ def main(argv: list[str]) -> int:
     if objective.writes:
         print(f"done at step {result['step']}: best val loss {result['best_val']:.4f} "
               f"({run.data.bits(result['best_val']):.3f} {run.data.bits_unit}); "
-              f"sample with: python sample.py --run {run.run_dir}")
+              f"sample with: python sample.py --run {word(run.run_dir)}")
     else:
         print(f"done at step {result['step']}: best {objective.loss_name} "
               f"{result['best_val']:.4f}; fill in blanks with: python -m attnlab.fill "
-              f"--run {run.run_dir} --text \"To be, or not to [MASK]\"")
+              f"--run {word(run.run_dir)} --text \"To be, or not to [MASK]\"")
     return 0
 
 

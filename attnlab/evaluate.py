@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from common.errors import AttnlabError
+from common.shell import word
 from attnlab.options import add_run_options, load
 from engine.cli import Parser, errors_as_lines
 
@@ -73,7 +74,7 @@ def load_for_comparison(folder: Path, tokenizer):
         own = (folder / "state.json").is_file() or (folder / CKPT_DIR).is_dir()
         raise AttnlabError(f"--compare {folder} is not a transformers folder" + (
             f" but attnlab's own run or checkpoint: export it with python -m attnlab.export "
-            f"--run {folder} --out DIR, then compare with DIR" if own else
+            f"--run {word(folder)} --out DIR, then compare with DIR" if own else
             " (it has no config.json of one); give a folder written by python -m attnlab.export"))
     checked = open_hf_folder(folder)
     if checked.cfg.vocab_size <= tokenizer.highest_id:

@@ -23,6 +23,7 @@ if __package__ in (None, ""):       # run as a file (python data/prepare.py): fi
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.errors import DataError, friendly_errors
+from common.shell import word
 from data.build import prepare
 from data.sources import SourceSpec
 from data.tokenizer import TOKENIZERS
@@ -120,7 +121,7 @@ def run(args) -> None:
     s = meta["splits"]
     print(f"{s['train']['documents']:,} train / {s['val']['documents']:,} val documents, "
           f"{(s['train']['bytes'] + s['val']['bytes']) / 1e6:,.1f} MB in {took:.1f} s")
-    print(f"train with: python train.py --data.path={args.out}")
+    print(f"train with: python train.py {word(f'--data.path={args.out}')}")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from typing import Iterator
 from urllib.parse import urlparse
 
 from common.errors import DataError
+from common.shell import word
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".txt.gz", ".md.gz")
 RECORD_BUILDERS = {".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".json.gz": "json",
@@ -326,7 +327,7 @@ class _DocumentSource(Source):
 def _choose_column(source: str) -> str:
     """How to name the column with the text: data.prepare's --text-column (train.py reads
     a file's `text` column, and has no option of its own for another)."""
-    return (f"name the column with the text: python -m data.prepare {source} --text-column "
+    return (f"name the column with the text: python -m data.prepare {word(source)} --text-column "
             "NAME --out data/mine, then train with --data.path=data/mine")
 
 

@@ -19,6 +19,7 @@ import torch
 
 from common.errors import DataError
 from common.files import file_sha256, lock_file, lock_holder
+from common.shell import word
 from data.build import clear_build, prepare, prepare_key, read_meta
 from data.shards import Shards
 from data.sources import SourceSpec, local_files, open_source
@@ -96,7 +97,7 @@ def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
     files = local_files(source)
     if files is None:
         raise DataError(f"corpus {path} not found. To prepare a dataset there (a Hugging Face "
-                        f"name or local files): python -m data.prepare SOURCE --out {path}. "
+                        f"name or local files): python -m data.prepare SOURCE --out {word(path)}. "
                         "data.path takes a UTF-8 text file (.gz allowed), a folder or glob of "
                         "them, JSONL/CSV/Parquet files, or a prepared folder; leave it empty "
                         "for the bundled Shakespeare")

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from common.errors import CheckpointError
 from common.files import file_sha256, fsync, read_json, write_json_atomic
+from common.shell import word
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
@@ -103,7 +104,7 @@ def save(run_dir: Path, step: int, model, optimizer, tensors: dict, state: dict,
             raise CheckpointError(
                 f"checkpoint {final.name} could not be written in {root} ({reason}); the run "
                 f"is intact up to its last checkpoint: make room and continue with python "
-                f"train.py --resume {run_dir}") from None
+                f"train.py --resume {word(run_dir)}") from None
         raise
     if final.exists():                      # the same step saved again (e.g. Ctrl-C right after)
         shutil.rmtree(final)
@@ -190,7 +191,7 @@ def use_another(ckpt: Path) -> str:
         return f"{run} keeps no other whole checkpoint{also}: train it again"
     return (f"use another checkpoint: {run} also keeps step{'s' if len(whole) > 1 else ''} "
             f"{_steps(whole)}{also} (--checkpoint STEP samples or looks inside one; "
-            f"--resume {whole[-1]} trains on from it in a new run)")
+            f"--resume {word(whole[-1])} trains on from it in a new run)")
 
 
 def _steps(ckpts: list[Path]) -> str:
@@ -203,6 +204,22 @@ def remove_partial(run_dir: Path) -> None:
     if root.is_dir():
         for path in root.glob(".tmp-*"):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def misplaced(path: Path) -> str | None:
+    """What is wrong with `path` given for a run's folder where it is a file (a run's own
+    config.json, a device) or the checkpoints/ folder inside a run: the folder to give."""
+    if path.exists() and not path.is_dir():
+        holder = path.parent
+        inside = ((holder / "state.json").is_file() or (holder / "config.json").is_file()) \
+            and holder != path
+        return (f"{path} is a file, not a folder; give "
+                + (f"the folder it is in, {holder}" if inside else
+                   "a run directory, one of its checkpoint folders, or a transformers folder"))
+    if path.name == CKPT_DIR and (path.parent / "config.json").is_file():
+        return (f"{path} is the {CKPT_DIR}/ folder of run {path.parent}: give the run itself "
+                f"({path.parent}), or one of the {PREFIX}NNNNNNN folders in it")
+    return None
 
 
 def resolve(path: str | Path, which: str = "latest") -> Path:
@@ -219,20 +236,22 @@ def choose(path: str | Path, which: str = "latest") -> tuple[Path, str, bool]:
     path = Path(path)
     if (path / "state.json").is_file():
         return path, "the checkpoint folder given", False
-    if not path.is_dir():
+    if not path.exists():
         raise CheckpointError(f"run directory {path} does not exist; train one with "
                               "`python train.py`, or pass the folder printed by train.py")
+    if wrong := misplaced(path):
+        raise CheckpointError(wrong)
     ckpts = list_checkpoints(path)
     if not ckpts:
         if (path / "config.json").is_file():
             raise CheckpointError(f"run {path} holds no checkpoint (its {CKPT_DIR}/ has no "
-                                  f"{PREFIX}*/ folder): it stopped before its first one, or they "
-                                  "were removed; train it again, or point at another run")
+                                  f"{PREFIX}NNNNNNN/ folder): it stopped before its first one, or "
+                                  "they were removed; train it again, or point at another run")
         if any(path.glob("*.safetensors")) or (path / "tokenizer.json").exists():
             raise CheckpointError(f"{path} has weights but no config.json: a transformers "
                                   "folder needs the config.json save_pretrained writes beside "
                                   "them (and a run, its checkpoints/ folder)")
-        raise CheckpointError(f"{path} holds no checkpoint (no {CKPT_DIR}/{PREFIX}*/); "
+        raise CheckpointError(f"{path} holds no checkpoint (no {CKPT_DIR}/{PREFIX}NNNNNNN/); "
                               "train first, or point at another run")
     latest = ckpts[-1]
     if str(which).isdigit():

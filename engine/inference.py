@@ -12,6 +12,7 @@ import torch
 from engine import checkpoint
 from engine.config import RunConfig, from_dict
 from common.errors import CheckpointError, ConfigError, TokenizerError
+from common.shell import word
 from data.tokenizer import Tokenizer
 from model import GPT
 from model.sampling import next_token_distribution
@@ -29,16 +30,15 @@ def load_run(path: str | Path, which: str = "best", device: str | torch.device =
     step) picks among a run's checkpoints: beside a folder that holds one set of
     weights, `best` reads them, and latest or a step is refused rather than ignored."""
     from engine.interop import is_hf_folder, load_hf_folder
-    if Path(path).is_file():
-        raise CheckpointError(f"{path} is a file; give a run directory, a checkpoint folder "
-                              "or a transformers folder")
+    if wrong := checkpoint.misplaced(Path(path)):
+        raise CheckpointError(wrong)
     single = ("a transformers folder" if is_hf_folder(path) else
               "one checkpoint folder" if (Path(path) / "state.json").is_file() else None)
     if which != "best" and single:
         run = Path(path).parent.parent if Path(path).parent.name == checkpoint.CKPT_DIR else None
         raise CheckpointError(f"--checkpoint {which} picks one of a run's checkpoints, and {path} "
                               f"is {single}, with one set of weights; leave --checkpoint out"
-                              + (f", or give its run: --run {run} --checkpoint {which}" if run else ""))
+                              + (f", or give its run: --run {word(run)} --checkpoint {which}" if run else ""))
     if is_hf_folder(path):
         model, model_cfg, tokenizer = load_hf_folder(path, device)
         cfg = RunConfig(model=model_cfg)

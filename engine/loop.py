@@ -16,6 +16,7 @@ from tqdm import tqdm
 from common import threads
 from common.errors import AttnlabError
 from common.files import write_json_atomic
+from common.shell import word
 from engine import checkpoint
 from engine.device import Utilisation, dtype_name, synchronize
 from engine.objectives import masked_accuracy
@@ -385,7 +386,7 @@ def stopped_at_once(run: Run) -> str:
         return (f"stopped before {run.run_dir} had a checkpoint, nothing half-written was kept; "
                 "run the same command again")
     return (f"stopped at once, nothing half-written was kept; python train.py --resume "
-            f"{run.run_dir} continues from its last checkpoint, {last[-1].name}")
+            f"{word(run.run_dir)} continues from its last checkpoint, {last[-1].name}")
 
 
 def stop_on_signal(run: Run, bar, clock: LimitClock | None = None) -> None:
@@ -394,4 +395,4 @@ def stop_on_signal(run: Run, bar, clock: LimitClock | None = None) -> None:
     path = save(run)
     bar.close()
     run.log(f"stopped by signal {run.stop_signal} at step {run.progress.step}; saved {path}; "
-            f"continue with: python train.py --resume {run.run_dir}")
+            f"continue with: python train.py --resume {word(run.run_dir)}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import shlex
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 
 from common.errors import CheckpointError, ConfigError
 from common.files import lock_file, lock_holder, read_json, write_json_atomic, write_text_atomic
+from common.shell import word
 from engine import checkpoint
 from engine.budget import refuse_what_cannot_fit
 from engine.config import RunConfig, apply, apply_to, from_dict, migrate
@@ -241,7 +241,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
         restore(run, resume if isinstance(resume, Path) else None)
     elif checkpoint.list_checkpoints(run.run_dir):
         raise CheckpointError(f"{run.run_dir} already holds checkpoints; continue it with "
-                              f"--resume {run.run_dir}, or choose another train.run_name")
+                              f"--resume {word(run.run_dir)}, or choose another train.run_name")
     if dist.is_main:
         _write_run_files(run)
     return run
@@ -481,14 +481,20 @@ def _check_state(state: dict, ckpt: Path) -> None:
              if k in state and (isinstance(state[k], bool) or not isinstance(state[k], kinds))]
     if isinstance(state.get("autocast"), str) and state["autocast"] not in DTYPES:
         wrong.append("autocast")
+    odd = []                              # the right kind, a value no run writes
     # A cross-entropy is never below 0 (inf: not evaluated yet); NaN would make every
     # later evaluation look no better, and best.json stop following the best.
     best = state.get("best_val")
-    if "best_val" not in wrong and best is not None and not (best >= 0):
-        wrong.append("best_val")
-    if wrong:
-        raise CheckpointError(f"checkpoint {ckpt / 'state.json'} holds {', '.join(wrong)} of the "
-                              f"wrong kind; it is corrupt or edited: {checkpoint.use_another(ckpt)}")
+    if "best_val" in state and "best_val" not in wrong and not best >= 0:
+        odd.append(f"best_val={json.dumps(best)}, a loss below 0")
+    # The step last evaluated decides when the next evaluation is due.
+    last = state.get("last_eval")
+    if "last_eval" in state and "last_eval" not in wrong and not 0 <= last <= state["step"]:
+        odd.append(f"last_eval={last}, not a step from 0 to its own ({state['step']})")
+    said = ([f"{', '.join(wrong)} of the wrong kind"] if wrong else []) + odd
+    if said:
+        raise CheckpointError(f"checkpoint {ckpt / 'state.json'} holds {' and '.join(said)}; "
+                              f"it is corrupt or edited: {checkpoint.use_another(ckpt)}")
 
 
 def _kept_dtype(state: dict, device: torch.device, picked: torch.dtype) -> torch.dtype:
@@ -511,7 +517,7 @@ MAX_SECONDS = 1e9
 def _seconds(state: dict, key: str, ckpt: Path) -> float:
     value = state.get(key, 0.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < MAX_SECONDS:
-        raise CheckpointError(f"checkpoint {ckpt} records {key}={value!r} in its state.json, "
+        raise CheckpointError(f"checkpoint {ckpt} records {key}={json.dumps(value)} in its state.json, "
                               f"not a number of seconds; it is corrupt: {checkpoint.use_another(ckpt)}")
     return float(value)
 
@@ -548,11 +554,11 @@ def nothing_to_train(cfg: RunConfig, ckpt: Path, given: str,
     what, give, options = zip(*reached)
     named = {o.partition("=")[0] for o in options}
     # The options given stay in the command, so following it drops none of them.
-    kept = [shlex.quote(f"--{s}.{k}={v}") for s, values in (overrides or {}).items()
+    kept = [word(f"--{s}.{k}={v}") for s, values in (overrides or {}).items()
             for k, v in values.items() if f"--{s}.{k}" not in named]
     return (f"nothing to train: {ckpt} had already reached {' and '.join(what)} at step "
             f"{step}; to train on, give {' and '.join(give)}: python train.py --resume "
-            f"{' '.join([shlex.quote(given), *kept, *options])}")
+            f"{' '.join([word(given), *kept, *options])}")
 
 
 def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]]
@@ -569,19 +575,21 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     path = Path(resume) if resume else checkpoint.latest_run(out_dir, other="--resume DIR")
     if resume and not path.exists() and not path.is_absolute() and (Path(out_dir) / path).is_dir():
         path = Path(out_dir) / path                       # a run's name, as --run takes it
+    if wrong := checkpoint.misplaced(path):
+        raise CheckpointError(f"cannot resume: {wrong}")
     if (path / "state.json").is_file():                   # a checkpoint folder
         run_dir = path.parent.parent
         if path.parent.name != checkpoint.CKPT_DIR or not (run_dir / "config.json").is_file():
             raise CheckpointError(f"cannot resume: {path} is a checkpoint outside a run "
                                   "directory; start a new run from it with "
-                                  f"--train.init_from={path}")
+                                  f"{word(f'--train.init_from={path}')}")
         ckpt = path
     elif (path / "config.json").is_file():
         run_dir = path                   # partial writes are cleared by restore(), under the lock
         ckpt = checkpoint.resolve(run_dir, "latest")
     elif found := checkpoint.list_checkpoints(path):
         raise CheckpointError(f"cannot resume: {path / 'config.json'} is missing; copy its latest "
-                              f"checkpoint's: cp {found[-1] / 'config.json'} {path / 'config.json'}")
+                              f"checkpoint's: cp {word(found[-1] / 'config.json')} {word(path / 'config.json')}")
     elif not path.exists():
         raise CheckpointError(f"cannot resume: {path} does not exist, nor a run of that name "
                               f"in {out_dir}/; give a run directory or its name, or one of its "
@@ -591,7 +599,7 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     saved = migrate(checkpoint.verified_json(ckpt, "config.json"), str(ckpt / "config.json"))
     cfg = from_dict(saved, str(ckpt / "config.json"))
     run_level = read_json(run_dir / "config.json")
-    restore_it = f"cp {ckpt / 'config.json'} {run_dir / 'config.json'}"
+    restore_it = f"cp {word(ckpt / 'config.json')} {word(run_dir / 'config.json')}"
     if run_level is None or any(not isinstance(run_level.get(s, {}), dict)
                                 for s in ("model", "data", "train")):     # else written over
         raise CheckpointError(f"{run_dir / 'config.json'} is not a readable run config "
@@ -609,7 +617,7 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     # init_from keeps its source's shape, so it is the way on only for what it can change.
     way_on = (f"a model of another {', '.join(reshaped)} starts from scratch: a new run with "
               "--config PRESET and those options" if reshaped else
-              f"start a new run from these weights with them: --train.init_from={ckpt}")
+              f"start a new run from these weights with them: {word(f'--train.init_from={ckpt}')}")
     _refuse_changes(saved, asked, f"the checkpoint {ckpt} was trained with a "
                     "different model or data config", f"resume without those overrides, or {way_on}")
     fixed = [f"train.{k}: {saved.get('train', {}).get(k)!r} -> {getattr(cfg.train, k)!r} ({why})"
@@ -618,7 +626,7 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     if fixed:
         raise CheckpointError(f"a resume keeps these options of {ckpt}: {'; '.join(fixed)}; "
                               f"resume without them, or start a new run from its weights with "
-                              f"--train.init_from={ckpt}")
+                              f"{word(f'--train.init_from={ckpt}')}")
     step = (read_json(ckpt / "state.json") or {}).get("step", 0)
     if cfg.train.max_iters < step:
         raise ConfigError(f"train.max_iters={cfg.train.max_iters} is before step {step}, where "

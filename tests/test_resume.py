@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -463,7 +464,7 @@ def test_a_runs_odd_checkpoint_folders_are_named_for_what_they_are(run20, tmp_pa
     for cmd in (["train.py", "--resume", copy], ["sample.py", "--run", copy]):
         proc = run_script(*cmd, check=False)
         assert proc.returncode == 2 and proc.stderr.strip() == (
-            f"error: run {copy} holds no checkpoint (its checkpoints/ has no step_*/ folder): "
+            f"error: run {copy} holds no checkpoint (its checkpoints/ has no step_NNNNNNN/ folder): "
             "it stopped before its first one, or they were removed; train it again, or point "
             "at another run"), proc.stderr
 
@@ -494,6 +495,60 @@ def test_a_resume_takes_a_runs_name_as_sample_py_does(run20, tmp_path, monkeypat
     with pytest.raises(CheckpointError, match=r"cannot resume: nosuch does not exist, nor a run "
                                               r"of that name in .*runs/; give a run directory or its name"):
         resume_config("nosuch", str(run20.parent), {})
+
+
+def test_commands_printed_for_a_run_paste_as_they_read_under_any_path(run20, tmp_path):
+    """A run's folder went into the commands printed for it bare: under a folder with a
+    space, a quote or a $, pasting one ran something else. Each path is one shell word
+    now (shlex.split splits as a POSIX shell does)."""
+    copy = tmp_path / "it's a $HOME run" / "r"
+    shutil.copytree(run20, copy)
+    done = run_script("train.py", "--resume", copy, "--train.max_iters=21").stdout.splitlines()[-1]
+    assert shlex.split(done.partition("sample with: ")[2]) == ["python", "sample.py", "--run", str(copy)]
+    proc = run_script("train.py", "--resume", copy, "--config", "tiny", check=False)
+    assert shlex.split(proc.stderr.rpartition("--config PRESET ")[2]) == [f"--train.init_from={copy}"]
+    ckpts = checkpoint.list_checkpoints(copy)
+    with pytest.raises(CheckpointError) as err:
+        load_run(ckpts[-1], "latest")
+    assert shlex.split(str(err.value).rpartition("give its run: ")[2]) == [
+        "--run", str(copy), "--checkpoint", "latest"]
+    with open(ckpts[-1] / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.load(ckpts[-1])
+    assert shlex.split(re.search(r"; --resume (.*) trains on", str(err.value))[1]) == [str(ckpts[-2])]
+
+
+def test_a_resume_given_a_preset_names_the_run_it_found_in_out_dir(run20, tmp_path):
+    """--resume NAME looked for NAME in runs/ whatever --train.out_dir said, and --resume
+    alone offered --train.init_from=RUN, a placeholder, for the run it had found."""
+    out = tmp_path / "elsewhere"
+    shutil.copytree(run20, out / "r")
+    for given in (["r"], []):
+        proc = run_script("train.py", "--resume", *given, "--config", "tiny",
+                          f"--train.out_dir={out}", check=False)
+        assert proc.returncode == 2 and proc.stderr.strip().endswith(
+            f"weights with --config PRESET --train.init_from={out / 'r'}"), proc.stderr
+
+
+def test_a_file_or_a_runs_checkpoints_folder_given_for_a_run_names_the_folder_to_give(run20, tmp_path):
+    """RUN/checkpoints was said to hold no checkpoint, RUN/config.json to have no
+    config.json, and /dev/null not to exist."""
+    copy = copy_of(run20, tmp_path)
+    for cmd in (["sample.py", "--run"], ["train.py", "--resume"]):
+        proc = run_script(*cmd, copy / "checkpoints", check=False)
+        assert proc.returncode == 2 and proc.stderr.strip().endswith(
+            f"{copy / 'checkpoints'} is the checkpoints/ folder of run {copy}: give the run "
+            f"itself ({copy}), or one of the step_NNNNNNN folders in it"), proc.stderr
+    for given, said in [(copy / "config.json", f"the folder it is in, {copy}"),
+                        (copy / "checkpoints" / "step_0000010" / "state.json",
+                         f"the folder it is in, {copy / 'checkpoints' / 'step_0000010'}"),
+                        (Path(os.devnull), "a run directory, one of its checkpoint folders, or "
+                                           "a transformers folder")]:
+        with pytest.raises(CheckpointError, match=re.escape(f"{given} is a file, not a folder; give {said}")):
+            resume_config(str(given), str(tmp_path), {})
+        with pytest.raises(CheckpointError, match=re.escape(f"{given} is a file, not a folder; give {said}")):
+            load_run(given)
 
 
 @pytest.mark.parametrize("position", [-5, -1, 10 ** 15])

@@ -105,11 +105,15 @@ def test_a_resume_refuses_a_garbled_run_config_a_broken_state_and_a_preset_namin
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert f"{ckpt / 'state.json'} holds {field} of the wrong kind" in proc.stderr
     # Numbers out of their range: a NaN or negative best loss trained on with best.json
-    # no longer following the best; 1e300 seconds printed 300 digits.
-    for field, value, said in [("best_val", float("nan"), "holds best_val of the wrong kind"),
-                               ("best_val", -1e9, "holds best_val of the wrong kind"),
+    # no longer following the best; 1e300 seconds printed 300 digits; a last evaluation
+    # after the checkpoint's step, or before 0, moved when the next one fell due.
+    for field, value, said in [("best_val", float("nan"), "holds best_val=NaN, a loss below 0;"),
+                               ("best_val", -1e9, "holds best_val=-1000000000.0, a loss below 0;"),
                                ("limit_s", 1e300, "records limit_s=1e+300"),
-                               ("elapsed_s", -100, "records elapsed_s=-100")]:
+                               ("limit_s", None, "records limit_s=null in"),
+                               ("elapsed_s", -100, "records elapsed_s=-100"),
+                               ("last_eval", -3, f"holds last_eval=-3, not a step from 0 to its own ({state['step']});"),
+                               ("last_eval", state["step"] + 1, "holds last_eval=")]:
         (ckpt / "state.json").write_text(json.dumps({**state, field: value}))
         proc = run_script("train.py", "--resume", copy, "--train.max_iters=25", check=False)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr

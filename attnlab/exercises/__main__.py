@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from common.shell import word
 from engine.cli import Parser, errors_as_lines
 from attnlab.exercises.checks import EXERCISES, Result, find
 from attnlab.exercises.learner import DEFAULT_FOLDER, ExerciseError, check, start
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
         print(f"read the project's own: {ex.answer}")
         if ex.trains:
             print(f"train with yours: python train.py --config tiny {ex.trains}"
-                  f"{' --exercises ' + str(folder) if _dir_flag(folder) else ''}")
+                  f"{_dir_flag(folder)}")
     elif result.status in ("failed", "not started"):
         verb = "write" if result.status == "not started" else "fix"
         print(f"{verb} {ex.function} in {folder / ex.filename} (docs/walkthrough.md "
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
 
 
 def _dir_flag(folder: Path) -> str:
-    return "" if folder == Path(DEFAULT_FOLDER) else f" --exercises {folder}"
+    return "" if folder == Path(DEFAULT_FOLDER) else f" --exercises {word(folder)}"
 
 
 SAYS_WHY = ("failed", "missing", "empty")     # statuses whose message is shown

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from common.errors import AttnlabError
+from common.shell import word
 from attnlab.exercises.checks import EXERCISES, Exercise, Result, run_check
 
 DEFAULT_FOLDER = "my_attention"
@@ -74,7 +75,7 @@ def check(ex: Exercise, folder: Path) -> Result:
     path = folder / ex.filename
     if path.is_file() and not path.read_bytes().strip():
         return Result(ex, "empty", f"{ex.filename} is empty; write {ex.function} in it, or "
-                      f"delete it and run python -m attnlab.exercises start {folder} to get "
+                      f"delete it and run python -m attnlab.exercises start {word(folder)} to get "
                       "the stub back")
     try:
         fn = load(ex, folder)
@@ -82,7 +83,7 @@ def check(ex: Exercise, folder: Path) -> Result:
         return Result(ex, "failed", str(err))
     if fn is None:
         return Result(ex, "missing", f"{ex.filename} is missing from {folder}; python -m "
-                      f"attnlab.exercises start {folder} restores its stub without touching "
+                      f"attnlab.exercises start {word(folder)} restores its stub without touching "
                       "the other files")
     return run_check(ex, fn, folder.resolve())
 
@@ -95,5 +96,5 @@ def passed_function(ex: Exercise, folder: Path):
         why = result.message or result.status
         raise ExerciseError(f"exercise {ex.number} ({ex.name}) in {folder / ex.filename} has not "
                             f"passed ({result.status}: {why}); run python -m attnlab.exercises "
-                            f"check {ex.name} --exercises {folder}")
+                            f"check {ex.name} --exercises {word(folder)}")
     return load(ex, folder)
