@@ -89,7 +89,7 @@ def main(argv: list[str]) -> int:
                           "machine; under torchrun give the model and train.max_iters "
                           "yourself (python train.py --help lists them)")
     if args.budget is not None:               # refused before any work where it cannot plan
-        from engine.budget import READOUT_OPTIONS, budget_seconds, plan
+        from engine.budget import budget_seconds, plan
         budget_s = budget_seconds(args.budget, overrides_of(args))
     if resuming:
         cfg, run_dir, resuming = resume_config(args.resume, out_dir, overrides_of(args))
@@ -110,10 +110,7 @@ def main(argv: list[str]) -> int:
             source = adopt_source(cfg, overrides_of(args).get("model", {}),
                                   overrides_of(args).get("train", {}))
         if args.budget is not None:
-            named = overrides_of(args).get("model", {})
-            cfg = plan(cfg, budget_s, started,
-                       readout_given=any(k in named for k in READOUT_OPTIONS),
-                       sampling_given="sampling" in overrides_of(args).get("data", {}))
+            cfg = plan(cfg, budget_s, started, given=overrides_of(args))
     # --exercises, else the folder recorded by the run of the checkpoint resumed (or the
     # run started from); a resume may branch into a new run, which has no record yet.
     exercises = plug.folder_for(args.exercises, resuming or cfg.train.init_from or None)

@@ -9,9 +9,10 @@
    sized to a few percent of the budget, and a hard time limit; the run stops on time
    with a final evaluation and checkpoint.
 Before all that, a large vocabulary whose frequent tokens are few gets the adaptive
-softmax as its output layer (choose_readout), and the training text is read in passes
-(SAMPLING). Only the sizes, that readout, the sampling and the schedule change: attention,
-positions, optimizer and data stay as the preset and the command line set them.
+softmax as its output layer (choose_readout), the training text is read in passes and,
+on a CPU, a wsd schedule decays over the whole run (PLAN_DEFAULTS). Only the sizes, that
+readout, the sampling and the schedule change: attention, positions, optimizer and data
+stay as the preset and the command line set them.
 """
 from __future__ import annotations
 
@@ -55,10 +56,18 @@ PLANNED = ("model.n_layer", "model.n_embd", "model.n_head", "model.n_kv_head",
            "train.max_iters", "train.time_limit", "train.eval_interval", "train.eval_iters",
            "train.final_eval_iters")
 READOUT_OPTIONS = ("readout", "readout_shortlist", "tie_embeddings")
-# A budget run on a CPU reads a small corpus a few times over, where reading it in passes
-# beat drawing windows at random (data/tokens.py, Batches; docs/benchmarks.md, "Reading
-# in passes"); data.sampling on the command line is honoured.
-SAMPLING = "epochs"
+# Settings a budget run takes in place of the preset's, each unless the command line
+# names it: (section, key) -> (value, where it applies: "any" device or "cpu").
+PLAN_DEFAULTS = {
+    # A budget run on a CPU reads a small corpus a few times over, where reading it in
+    # passes beat drawing windows at random (data/tokens.py, Batches; docs/benchmarks.md,
+    # "Reading in passes").
+    ("data", "sampling"): ("epochs", "any"),
+    # A wsd schedule decays over all of a budget run's steps after the warm-up, straight
+    # to min_lr (as in arXiv:2502.15938): on a CPU, 0.009 lower than decaying over the
+    # last 60% over four seeds (docs/benchmarks.md, "The decay of a budget run").
+    ("train", "decay_frac"): (1.0, "cpu"),
+}
 
 
 def shortest_budget() -> float:
@@ -276,25 +285,26 @@ def probe_again_if_busy(probe, log, read=threads.read_machine, cores: int | None
     return max(results)
 
 
-def plan(cfg, budget_s: float, started: float, log=print, readout_given: bool = False,
-         sampling_given: bool = False):
+def plan(cfg, budget_s: float, started: float, log=print,
+         given: dict[str, dict[str, str]] | None = None):
     """Set cfg's model size and schedule for a run that ends `budget_s` seconds after
-    `started` (a time.perf_counter() value); the readout stays as it is where
-    `readout_given`, and the sampling where `sampling_given` (the command line named
-    them). Returns cfg."""
-    if not sampling_given:
-        cfg.data.sampling = SAMPLING
+    `started` (a time.perf_counter() value). What the command line named (`given`, its
+    options by section) stays as it is: a readout, and the PLAN_DEFAULTS. Returns cfg."""
     from engine.device import pick_device, pick_dtype
     from model import precision
     from data.tokens import Batches, load_tokens
 
+    given = given or {}
     data_cfg, train_cfg = cfg.data, cfg.train
+    device = pick_device(train_cfg.device)
+    for (section, key), (value, where) in PLAN_DEFAULTS.items():
+        if key not in given.get(section, {}) and where in ("any", device.type):
+            setattr(getattr(cfg, section), key, value)
     data = load_tokens(data_cfg.path, data_cfg.tokenizer, data_cfg.vocab_size, data_cfg.val_fraction, data_cfg.cache_dir, log=log)
     cfg.model.vocab_size = data.tokenizer.vocab_size
     counts = torch.from_numpy(data.train.counts(cfg.model.vocab_size))
-    if not readout_given:
+    if not any(k in given.get("model", {}) for k in READOUT_OPTIONS):
         choose_readout(cfg.model, counts, log)
-    device = pick_device(train_cfg.device)
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * cfg.model.block_size
     # Each probe: 0.5% of the budget. Half a second already times a step closely enough
     # to choose the size (the rungs are 2-10x apart) and the precision, and the schedule

@@ -234,13 +234,13 @@ class Reached(Exception):
 
 def budget_main(monkeypatch, *argv) -> list:
     """train.py's main in this process, stopped where the plan would begin (by tokenizing
-    the data); the readout_given of each call of it."""
+    the data); whether each call of it was given a readout."""
     import engine.budget as budget
     import train
     seen = []
 
-    def plan(cfg, budget_s, started, readout_given=False, sampling_given=False):
-        seen.append(readout_given)
+    def plan(cfg, budget_s, started, given=None):
+        seen.append(any(k in (given or {}).get("model", {}) for k in budget.READOUT_OPTIONS))
         raise Reached
     monkeypatch.setattr(budget, "plan", plan)
     with pytest.raises(Reached):
@@ -289,7 +289,8 @@ def test_a_named_readout_is_kept_by_the_plan(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(budget, "choose_readout", lambda model_cfg, counts, log: chose.append(1))
     for given in (False, True):
         cfg = cli.build("cpu", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}"])
-        budget.plan(cfg, 120.0, time.perf_counter(), log=lambda *a: None, readout_given=given)
+        budget.plan(cfg, 120.0, time.perf_counter(), log=lambda *a: None,
+                    given={"model": {"readout": "full"}} if given else None)
     assert chose == [1]
 
 
@@ -379,7 +380,7 @@ def test_a_corrupt_clock_in_a_checkpoint_is_refused_with_its_path(corpus, tmp_pa
     state["limit_s"] = "soon"
     state_file.write_text(json.dumps(state))
     cfg, run_dir, ckpt = resume_config(str(run.run_dir), str(tmp_path / "runs"), {"train": {"max_iters": "3"}})
-    with pytest.raises(CheckpointError, match=re.escape(f"{state_file.parent} records limit_s='soon'")):
+    with pytest.raises(CheckpointError, match=re.escape(f"{state_file.parent} records limit_s=\"soon\"")):
         setup_run(cfg, run_dir=run_dir, resume=ckpt, log=lambda *a: None)
 
 
@@ -434,17 +435,20 @@ def test_a_budget_run_uses_its_time_when_the_probe_is_several_times_too_slow(cor
     assert warm / len(used) == pytest.approx(t.warmup_iters / t.max_iters, abs=0.01)
 
 
-def test_a_budget_reads_the_text_in_passes_unless_the_command_line_says_otherwise(corpus, tmp_path,
-                                                                                    monkeypatch):
+def test_a_budget_reads_the_text_in_passes_and_decays_over_the_run_unless_told_otherwise(
+        corpus, tmp_path, monkeypatch):
     import time
     import engine.budget as budget
     monkeypatch.setattr(budget, "measure", lambda cfg, device, dtype, seconds, *data: 50.0)
-    for given, expected in (([], "epochs"), (["--data.sampling=random"], "random")):
+    for given, sampling, decay in (([], "epochs", 1.0),
+                                   (["--data.sampling=random", "--train.decay_frac=0.6"], "random", 0.6)):
         cfg = cli.build("cpu", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}", *given])
         lines = []
         planned = budget.plan(cfg, 120.0, time.perf_counter(), log=lines.append,
-                              sampling_given=bool(given))
-        assert planned.data.sampling == expected
+                              given={"data": {"sampling": "random"}, "train": {"decay_frac": "0.6"}}
+                              if given else None)
+        assert (planned.data.sampling, planned.train.decay_frac) == (sampling, decay)
         chosen = next(line for line in lines if line.startswith("chosen:"))
-        assert ("in passes" if expected == "epochs" else "at random") in chosen
-    assert cli.build("cpu", []).data.sampling == "random"      # without --budget: as nanoGPT reads
+        assert ("in passes" if sampling == "epochs" else "at random") in chosen
+    # Without --budget: random windows as nanoGPT reads, the preset's decay over the last 60%.
+    assert (cli.build("cpu", []).data.sampling, cli.build("cpu", []).train.decay_frac) == ("random", 0.6)
