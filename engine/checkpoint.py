@@ -211,8 +211,7 @@ def misplaced(path: Path) -> str | None:
     config.json, a device) or the checkpoints/ folder inside a run: the folder to give."""
     if path.exists() and not path.is_dir():
         holder = path.parent
-        inside = ((holder / "state.json").is_file() or (holder / "config.json").is_file()) \
-            and holder != path
+        inside = (holder / "state.json").is_file() or (holder / "config.json").is_file()
         return (f"{path} is a file, not a folder; give "
                 + (f"the folder it is in, {holder}" if inside else
                    "a run directory, one of its checkpoint folders, or a transformers folder"))
