@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from common.cpu import refuse_unrunnable_capability
-from common.shell import word
+from common.shell import options, word
 from common.threads import apply_start, report as report_threads, start_on_free_cores
 
 refuse_unrunnable_capability()      # before torch loads, which would die of it: common/cpu.py
@@ -79,7 +79,8 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--config {args.preset} chooses a new run's preset, and a resumed run "
                           "keeps the config it was trained with; resume with only the options "
                           "to change (e.g. --train.max_iters=N), or start a new run from its "
-                          f"weights with --config PRESET {word(f'--train.init_from={weights}')}")
+                          f"weights: python train.py --config {word(args.preset)} "
+                          f"{' '.join([word(f'--train.init_from={weights}'), *options(overrides_of(args))])}")
     if args.budget is not None and resuming:
         raise ConfigError("--budget plans a new run, and a resumed run keeps its model; to "
                           "stop it on time give --train.time_limit=SECONDS instead (the "
@@ -108,7 +109,8 @@ def main(argv: list[str]) -> int:
                 raise ConfigError("--budget picks a model size, and --train.init_from brings "
                                   "its own model; use one or the other")
             source = adopt_source(cfg, overrides_of(args).get("model", {}),
-                                  overrides_of(args).get("train", {}))
+                                  overrides_of(args).get("train", {}),
+                                  overrides_of(args).get("data", {}))
         if args.budget is not None:
             cfg = plan(cfg, budget_s, started, given=overrides_of(args))
     # --exercises, else the folder recorded by the run of the checkpoint resumed (or the

@@ -56,17 +56,19 @@ PLANNED = ("model.n_layer", "model.n_embd", "model.n_head", "model.n_kv_head",
            "train.max_iters", "train.time_limit", "train.eval_interval", "train.eval_iters",
            "train.final_eval_iters")
 READOUT_OPTIONS = ("readout", "readout_shortlist", "tie_embeddings")
+READOUT_SHARE = 0.2          # of a token's multiply-adds, the least the output layer must be
 # Settings a budget run takes in place of the preset's, each unless the command line
-# names it: (section, key) -> (value, where it applies: "any" device or "cpu").
+# names it: (section, key) -> (value, whether it applies to a config on a device).
 PLAN_DEFAULTS = {
     # A budget run on a CPU reads a small corpus a few times over, where reading it in
     # passes beat drawing windows at random (data/tokens.py, Batches; docs/benchmarks.md,
     # "Reading in passes").
-    ("data", "sampling"): ("epochs", "any"),
+    ("data", "sampling"): ("epochs", lambda cfg, device: True),
     # A wsd schedule decays over all of a budget run's steps after the warm-up, straight
     # to min_lr (as in arXiv:2502.15938): on a CPU, 0.009 lower than decaying over the
     # last 60% over four seeds (docs/benchmarks.md, "The decay of a budget run").
-    ("train", "decay_frac"): (1.0, "cpu"),
+    ("train", "decay_frac"): (1.0, lambda cfg, device: device.type == "cpu"
+                              and cfg.train.schedule == "wsd"),
 }
 
 
@@ -205,14 +207,18 @@ def choose(cands: list[Candidate], flops_per_s: float, train_s: float) -> Candid
 
 def choose_readout(model_cfg, counts: torch.Tensor, log=print) -> None:
     """The adaptive softmax (model/readout.py) where it at least halves the output
-    layer's work: a large vocabulary whose frequent tokens are few, such as Chinese
-    characters; an alphabet keeps the full layer (docs/benchmarks.md, "The adaptive
-    readout")."""
+    layer's work and that layer is a fifth or more of the model's (READOUT_SHARE): a
+    large vocabulary whose frequent tokens are few, such as Chinese characters. An
+    alphabet keeps the full layer: a few percent of the work, nothing worth saving, and
+    the adaptive one cannot be exported (docs/benchmarks.md, "The adaptive readout")."""
     if not READOUTS[model_cfg.readout].plain or model_cfg.zero_head or model_cfg.logit_softcap:
         return
     d, vocab = model_cfg.n_embd, model_cfg.vocab_size
     shortlist = shortlist_for(counts)
-    if shortlist >= vocab or head_macs(d, vocab, shortlist) > 0.5 * head_macs(d, vocab):
+    full = head_macs(d, vocab)
+    blocks = 12 * model_cfg.n_layer * d * d             # a block's matrices: 12·d² a token
+    if shortlist >= vocab or head_macs(d, vocab, shortlist) > 0.5 * full \
+            or full < READOUT_SHARE * (blocks + full):
         return
     adaptive = next(name for name, r in READOUTS.items() if r.shortlisted)
     model_cfg.readout, model_cfg.readout_shortlist, model_cfg.tie_embeddings = adaptive, shortlist, False
@@ -297,8 +303,8 @@ def plan(cfg, budget_s: float, started: float, log=print,
     given = given or {}
     data_cfg, train_cfg = cfg.data, cfg.train
     device = pick_device(train_cfg.device)
-    for (section, key), (value, where) in PLAN_DEFAULTS.items():
-        if key not in given.get(section, {}) and where in ("any", device.type):
+    for (section, key), (value, applies) in PLAN_DEFAULTS.items():
+        if key not in given.get(section, {}) and applies(cfg, device):
             setattr(getattr(cfg, section), key, value)
     data = load_tokens(data_cfg.path, data_cfg.tokenizer, data_cfg.vocab_size, data_cfg.val_fraction, data_cfg.cache_dir, log=log)
     cfg.model.vocab_size = data.tokenizer.vocab_size

@@ -208,7 +208,8 @@ def remove_partial(run_dir: Path) -> None:
 
 def misplaced(path: Path) -> str | None:
     """What is wrong with `path` given for a run's folder where it is a file (a run's own
-    config.json, a device) or the checkpoints/ folder inside a run: the folder to give."""
+    config.json, a device), the checkpoints/ folder inside a run, or a folder of runs
+    (an out_dir): the folder to give."""
     if path.exists() and not path.is_dir():
         holder = path.parent
         inside = (holder / "state.json").is_file() or (holder / "config.json").is_file()
@@ -218,6 +219,13 @@ def misplaced(path: Path) -> str | None:
     if path.name == CKPT_DIR and (path.parent / "config.json").is_file():
         return (f"{path} is the {CKPT_DIR}/ folder of run {path.parent}: give the run itself "
                 f"({path.parent}), or one of the {PREFIX}NNNNNNN folders in it")
+    if path.is_dir() and not (path / "config.json").exists() and not (path / "state.json").exists():
+        runs = sorted(d.name for d in path.iterdir()
+                      if (d / "config.json").is_file() and (d / CKPT_DIR).is_dir())
+        if runs:
+            shown = ", ".join(runs[:4]) + (f" and {len(runs) - 4} more" if len(runs) > 4 else "")
+            return (f"{path} is a folder of runs ({shown}), not a run: give one of them, "
+                    f"e.g. {path / runs[-1]}")
     return None
 
 
@@ -271,7 +279,7 @@ def choose(path: str | Path, which: str = "latest") -> tuple[Path, str, bool]:
     if step == 0 and latest != best and _last_eval(latest) == 0:
         return latest, ("the latest checkpoint: the best by validation loss is step 0, the "
                         "weights before training, and no later step was evaluated "
-                        "(--checkpoint best for step 0)"), True
+                        "(--checkpoint 0 for step 0)"), True
     loss = (read_json(path / "best.json") or {}).get("val_loss")
     shown = f"{loss:.4f} " if isinstance(loss, float) else ""
     return best, f"the best by validation loss: {shown}at step {step}", False

@@ -14,7 +14,7 @@ import torch
 
 from common.errors import CheckpointError, ConfigError
 from common.files import lock_file, lock_holder, read_json, write_json_atomic, write_text_atomic
-from common.shell import word
+from common.shell import options, word
 from engine import checkpoint
 from engine.budget import refuse_what_cannot_fit
 from engine.config import RunConfig, apply, apply_to, from_dict, migrate
@@ -138,7 +138,8 @@ class Pretrained:
 
 
 def adopt_source(cfg: RunConfig, model_overrides: dict[str, str],
-                 train_overrides: dict[str, str] | None = None) -> Pretrained:
+                 train_overrides: dict[str, str] | None = None,
+                 data_overrides: dict[str, str] | None = None) -> Pretrained:
     """Load train.init_from and make cfg's model its model: the architecture comes from
     the source, and a command-line override that would change it is refused. An encoder
     (model.causal=false) keeps its bidirectional objective unless the command line names
@@ -175,6 +176,14 @@ def adopt_source(cfg: RunConfig, model_overrides: dict[str, str],
                           f"train.objective={cfg.train.objective} would let every position see "
                           "the token it is asked to predict; drop --train.objective (the "
                           "encoder's own is kept) or add --model.causal=true")
+    named = (data_overrides or {}).get("tokenizer")
+    if named is not None and named != tokenizer.kind:
+        # The embedding's rows are the source's tokens: another tokenizer would read them
+        # as other tokens, so it is refused rather than dropped.
+        raise ConfigError(f"with train.init_from the tokenizer comes from its source ({src}: "
+                          f"{tokenizer.kind}, {tokenizer.vocab_size:,} tokens), and "
+                          f"--data.tokenizer={named} would give its embeddings other tokens; "
+                          "drop it, or train a new model with that tokenizer")
     cfg.data.tokenizer = tokenizer.kind
     cfg.parent = describe_parent(cfg.train.init_from, model)
     cfg.validate()
@@ -486,12 +495,13 @@ def _check_state(state: dict, ckpt: Path) -> None:
     # later evaluation look no better, and best.json stop following the best.
     best = state.get("best_val")
     if "best_val" in state and "best_val" not in wrong and not best >= 0:
-        odd.append(f"best_val={json.dumps(best)}, a loss below 0")
+        odd.append(f"best_val={json.dumps(best)}, " + ("not a number" if best != best else "a loss below 0"))
     # The step last evaluated decides when the next evaluation is due.
     last = state.get("last_eval")
     if "last_eval" in state and "last_eval" not in wrong and not 0 <= last <= state["step"]:
         odd.append(f"last_eval={last}, not a step from 0 to its own ({state['step']})")
-    said = ([f"{', '.join(wrong)} of the wrong kind"] if wrong else []) + odd
+    said = ([f"{', '.join(f'{k}={json.dumps(state[k])}' for k in wrong)} of the wrong kind"]
+            if wrong else []) + odd
     if said:
         raise CheckpointError(f"checkpoint {ckpt / 'state.json'} holds {' and '.join(said)}; "
                               f"it is corrupt or edited: {checkpoint.use_another(ckpt)}")
@@ -551,14 +561,13 @@ def nothing_to_train(cfg: RunConfig, ckpt: Path, given: str,
     if not reached:
         return None
     checkpoint.verify(ckpt)
-    what, give, options = zip(*reached)
-    named = {o.partition("=")[0] for o in options}
+    what, give, adds = zip(*reached)
+    named = {o.partition("=")[0] for o in adds}
     # The options given stay in the command, so following it drops none of them.
-    kept = [word(f"--{s}.{k}={v}") for s, values in (overrides or {}).items()
-            for k, v in values.items() if f"--{s}.{k}" not in named]
+    kept = options(overrides or {}, leave=named)
     return (f"nothing to train: {ckpt} had already reached {' and '.join(what)} at step "
             f"{step}; to train on, give {' and '.join(give)}: python train.py --resume "
-            f"{' '.join([word(given), *kept, *options])}")
+            f"{' '.join([word(given), *kept, *adds])}")
 
 
 def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]]

@@ -450,5 +450,10 @@ def test_a_budget_reads_the_text_in_passes_and_decays_over_the_run_unless_told_o
         assert (planned.data.sampling, planned.train.decay_frac) == (sampling, decay)
         chosen = next(line for line in lines if line.startswith("chosen:"))
         assert ("in passes" if sampling == "epochs" else "at random") in chosen
+    # A cosine schedule has no decay_frac to set: the config shows the preset's.
+    cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}"])
+    assert cfg.train.schedule == "cosine"
+    assert budget.plan(cfg, 120.0, time.perf_counter(), log=lambda *a: None).train.decay_frac == \
+        cli.build("tiny", []).train.decay_frac
     # Without --budget: random windows as nanoGPT reads, the preset's decay over the last 60%.
     assert (cli.build("cpu", []).data.sampling, cli.build("cpu", []).train.decay_frac) == ("random", 0.6)

@@ -269,6 +269,9 @@ def test_the_best_checkpoint_is_the_evaluated_one_unless_only_step_0_was(tmp_pat
     assert checkpoint.choose(worse_later, "best")[0].name == "step_0000000"
     unevaluated = make_run(tmp_path, "c", [0, 4], last_eval=0, best=0)
     assert checkpoint.choose(unevaluated, "best")[0].name == "step_0000004"
+    # The way to step 0 it names takes it there (best, said once, led back to step 4).
+    way = re.search(r"\((--checkpoint \S+) for step 0\)", checkpoint.choose(unevaluated, "best")[1])[1]
+    assert checkpoint.choose(unevaluated, way.split()[1])[0].name == "step_0000000"
     no_best = make_run(tmp_path, "d", [0, 4], last_eval=0)
     path, why, departs = checkpoint.choose(no_best, "best")
     assert path.name == "step_0000004" and departs and "no best.json" in why
@@ -506,7 +509,8 @@ def test_commands_printed_for_a_run_paste_as_they_read_under_any_path(run20, tmp
     done = run_script("train.py", "--resume", copy, "--train.max_iters=21").stdout.splitlines()[-1]
     assert shlex.split(done.partition("sample with: ")[2]) == ["python", "sample.py", "--run", str(copy)]
     proc = run_script("train.py", "--resume", copy, "--config", "tiny", check=False)
-    assert shlex.split(proc.stderr.rpartition("--config PRESET ")[2]) == [f"--train.init_from={copy}"]
+    assert shlex.split(proc.stderr.rpartition("weights: ")[2]) == [
+        "python", "train.py", "--config", "tiny", f"--train.init_from={copy}"]
     ckpts = checkpoint.list_checkpoints(copy)
     with pytest.raises(CheckpointError) as err:
         load_run(ckpts[-1], "latest")
@@ -521,14 +525,16 @@ def test_commands_printed_for_a_run_paste_as_they_read_under_any_path(run20, tmp
 
 def test_a_resume_given_a_preset_names_the_run_it_found_in_out_dir(run20, tmp_path):
     """--resume NAME looked for NAME in runs/ whatever --train.out_dir said, and --resume
-    alone offered --train.init_from=RUN, a placeholder, for the run it had found."""
+    alone offered --train.init_from=RUN, a placeholder, for the run it had found; the
+    command offered now is whole: the preset given, and the options given kept."""
     out = tmp_path / "elsewhere"
     shutil.copytree(run20, out / "r")
     for given in (["r"], []):
         proc = run_script("train.py", "--resume", *given, "--config", "tiny",
                           f"--train.out_dir={out}", check=False)
         assert proc.returncode == 2 and proc.stderr.strip().endswith(
-            f"weights with --config PRESET --train.init_from={out / 'r'}"), proc.stderr
+            f"weights: python train.py --config tiny --train.init_from={out / 'r'} "
+            f"--train.out_dir={out}"), proc.stderr
 
 
 def test_a_file_or_a_runs_checkpoints_folder_given_for_a_run_names_the_folder_to_give(run20, tmp_path):
@@ -549,6 +555,27 @@ def test_a_file_or_a_runs_checkpoints_folder_given_for_a_run_names_the_folder_to
             resume_config(str(given), str(tmp_path), {})
         with pytest.raises(CheckpointError, match=re.escape(f"{given} is a file, not a folder; give {said}")):
             load_run(given)
+
+
+def test_a_folder_of_runs_given_for_a_run_names_the_runs_in_it(run20, tmp_path):
+    """It was said to hold no checkpoint (sample.py) or to be no run directory (train.py)."""
+    copy = copy_of(run20, tmp_path)
+    folder = copy.parent
+    for cmd in (["sample.py", "--run"], ["train.py", "--resume"]):
+        proc = run_script(*cmd, folder, check=False)
+        assert proc.returncode == 2 and proc.stderr.strip().endswith(
+            f"{folder} is a folder of runs (r), not a run: give one of them, e.g. {copy}"), proc.stderr
+
+
+def test_a_new_run_from_weights_refuses_another_tokenizer(run20, corpus, tmp_path):
+    """--train.init_from with --data.tokenizer=bpe trained on with the source's char
+    tokenizer, the option dropped without a word."""
+    proc = run_script("train.py", "--config", "tiny", f"--train.init_from={run20}",
+                      "--data.tokenizer=bpe", f"--data.path={corpus}",
+                      f"--train.out_dir={tmp_path}", check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        f"error: with train.init_from the tokenizer comes from its source ({run20}: char,"), proc.stderr
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("position", [-5, -1, 10 ** 15])

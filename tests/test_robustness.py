@@ -103,11 +103,11 @@ def test_a_resume_refuses_a_garbled_run_config_a_broken_state_and_a_preset_namin
         (ckpt / "state.json").write_text(json.dumps({**state, field: value}))
         proc = run_script("train.py", "--resume", copy, "--train.max_iters=25", check=False)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-        assert f"{ckpt / 'state.json'} holds {field} of the wrong kind" in proc.stderr
+        assert f"{ckpt / 'state.json'} holds {field}={json.dumps(value)} of the wrong kind" in proc.stderr
     # Numbers out of their range: a NaN or negative best loss trained on with best.json
     # no longer following the best; 1e300 seconds printed 300 digits; a last evaluation
     # after the checkpoint's step, or before 0, moved when the next one fell due.
-    for field, value, said in [("best_val", float("nan"), "holds best_val=NaN, a loss below 0;"),
+    for field, value, said in [("best_val", float("nan"), "holds best_val=NaN, not a number;"),
                                ("best_val", -1e9, "holds best_val=-1000000000.0, a loss below 0;"),
                                ("limit_s", 1e300, "records limit_s=1e+300"),
                                ("limit_s", None, "records limit_s=null in"),
