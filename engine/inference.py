@@ -32,14 +32,15 @@ def load_run(path: str | Path, which: str = "best", device: str | torch.device =
     from engine.interop import is_hf_folder, load_hf_folder
     if wrong := checkpoint.misplaced(Path(path)):
         raise CheckpointError(wrong)
-    single = ("a transformers folder" if is_hf_folder(path) else
+    hf = is_hf_folder(path)
+    single = ("a transformers folder" if hf else
               "one checkpoint folder" if (Path(path) / "state.json").is_file() else None)
     if which != "best" and single:
         run = Path(path).parent.parent if Path(path).parent.name == checkpoint.CKPT_DIR else None
         raise CheckpointError(f"--checkpoint {which} picks one of a run's checkpoints, and {path} "
                               f"is {single}, with one set of weights; leave --checkpoint out"
                               + (f", or give its run: --run {word(run)} --checkpoint {which}" if run else ""))
-    if is_hf_folder(path):
+    if hf:
         model, model_cfg, tokenizer = load_hf_folder(path, device)
         cfg = RunConfig(model=model_cfg)
         cfg.data.tokenizer = tokenizer.kind
