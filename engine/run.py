@@ -579,7 +579,7 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     refused, and so is a change to either on the command line, or to an option a resume
     cannot honour (FIXED_ON_RESUME). New checkpoints always go to a run directory, never
     inside a checkpoint: the checkpoint's own run when it is that run's latest, else (or
-    when --train.run_name names another run) a new run that records it as its parent,
+    when --train.run_name or --train.out_dir names another place) a new run that records it as its parent,
     so a run's history is never rewritten."""
     path = Path(resume) if resume else checkpoint.latest_run(out_dir, other="--resume DIR")
     if resume and not path.exists() and not path.is_absolute() and (Path(out_dir) / path).is_dir():
@@ -641,9 +641,13 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
         raise ConfigError(f"train.max_iters={cfg.train.max_iters} is before step {step}, where "
                           f"{ckpt} stands; give a larger one to train on")
     name = overrides.get("train", {}).get("run_name") or ""
+    out = overrides.get("train", {}).get("out_dir")
     latest = checkpoint.list_checkpoints(run_dir)[-1]
-    if ckpt.resolve() != latest.resolve() or (name and name != run_dir.name):
-        run_dir = _branch_dir(cfg, run_dir, ckpt, step, name, overrides.get("train", {}).get("out_dir"))
+    # Another --train.out_dir is a wish to go on elsewhere: a new run there, as for another
+    # run_name, rather than the option dropped while the old folder grows.
+    elsewhere = out is not None and Path(out).resolve() != run_dir.parent.resolve()
+    if ckpt.resolve() != latest.resolve() or (name and name != run_dir.name) or elsewhere:
+        run_dir = _branch_dir(cfg, run_dir, ckpt, step, name, out)
     return cfg, run_dir, ckpt
 
 

@@ -230,6 +230,21 @@ def test_a_new_run_name_on_resume_forks_the_latest_checkpoint(run20, tmp_path):
     assert checkpoint.best_step(fork) is not None
 
 
+def test_another_out_dir_on_resume_goes_on_as_a_new_run_there(run20, tmp_path):
+    """--resume RUN --train.out_dir=OTHER once kept writing into RUN, the option dropped."""
+    copy = copy_of(run20, tmp_path)
+    before = files_of(copy)
+    other = tmp_path / "elsewhere"
+    cfg, run_dir, _ = resume_config(str(copy), str(other), {"train": {"max_iters": "22",
+                                                                      "out_dir": str(other)}})
+    assert run_dir == other / f"{copy.name}-from-20" and cfg.parent["step"] == 20
+    fork = resume(copy, {"train": {"max_iters": "22", "out_dir": str(other)}}).run_dir
+    assert fork.parent == other and files_of(copy) == before
+    assert checkpoint.list_checkpoints(fork)[-1].name == "step_0000022"
+    # The run's own folder, said again, is no other place: it goes on in place.
+    assert resume_config(str(copy), str(copy.parent), {"train": {"out_dir": str(copy.parent)}})[1] == copy
+
+
 def test_sampling_after_a_ctrl_c_before_any_evaluation_uses_the_trained_weights(corpus, tmp_path):
     """Stopped at step 3, best.json still names step 0 (random weights)."""
     run = stopped_run(corpus, tmp_path, "stop", 3)
