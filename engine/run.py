@@ -579,8 +579,8 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     refused, and so is a change to either on the command line, or to an option a resume
     cannot honour (FIXED_ON_RESUME). New checkpoints always go to a run directory, never
     inside a checkpoint: the checkpoint's own run when it is that run's latest, else (or
-    when --train.run_name or --train.out_dir names another place) a new run that records it as its parent,
-    so a run's history is never rewritten."""
+    when --train.run_name or --train.out_dir names another place) a new run that records
+    it as its parent, so a run's history is never rewritten."""
     path = Path(resume) if resume else checkpoint.latest_run(out_dir, other="--resume DIR")
     if resume and not path.exists() and not path.is_absolute() and (Path(out_dir) / path).is_dir():
         path = Path(out_dir) / path                       # a run's name, as --run takes it
