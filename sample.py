@@ -15,13 +15,15 @@ from __future__ import annotations
 import sys
 
 from common.cpu import refuse_unrunnable_capability
+from common.errors import interrupt_at_start
 from common.shell import word
 from common.threads import report as report_threads, wait_passively
 
 refuse_unrunnable_capability()      # before torch loads, which would die of it: common/cpu.py
 wait_passively()                    # before torch loads: see common/threads.py
-from attnlab.options import add_run_options, find_run  # noqa: E402
-from engine.cli import Parser, add_config_options, errors_as_lines  # noqa: E402
+with interrupt_at_start():          # torch loads here
+    from attnlab.options import add_run_options, find_run
+    from engine.cli import Parser, add_config_options, errors_as_lines
 
 
 def parser() -> Parser:

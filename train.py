@@ -19,12 +19,14 @@ import time
 from pathlib import Path
 
 from common.cpu import refuse_unrunnable_capability
+from common.errors import interrupt_at_start
 from common.shell import options, word
 from common.threads import apply_start, report as report_threads, start_on_free_cores
 
 refuse_unrunnable_capability()      # before torch loads, which would die of it: common/cpu.py
 start_on_free_cores()               # before torch loads: see common/threads.py
-from engine.cli import Parser, add_config_options, errors_as_lines  # noqa: E402
+with interrupt_at_start():          # torch loads here
+    from engine.cli import Parser, add_config_options, errors_as_lines
 
 
 def parser() -> Parser:

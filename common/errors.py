@@ -68,3 +68,18 @@ def friendly_errors(*also: type[Exception]):
             raise
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+@contextmanager
+def interrupt_at_start():
+    """Ctrl-C while a script loads its modules (torch's import takes a second or more),
+    before anything is read or written: one line, status 130, instead of the import's
+    traceback."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if os.environ.get("ATTNLAB_DEBUG"):
+            raise
+        print("error: interrupted while starting, before anything was written; run the "
+              "same command again", file=sys.stderr)
+        sys.exit(130)

@@ -435,10 +435,15 @@ def latest_run(out_dir: str | Path = "runs", log=None, other: str = "--run DIR")
             written = None
         if written is not None and (newest is None or (written, run.name) > newest):
             newest = (written, run.name)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"{out_dir} is a file, not a folder of runs; give the folder "
+                              "the runs are in, or a run directory")
     if newest is None:
+        # The way on trains into this folder, where the next look for a run will find it.
+        into = "" if out_dir == Path("runs") else " " + word(f"--train.out_dir={out_dir}")
         raise CheckpointError(f"no trained run found in {out_dir}/ (no run directory there "
-                              "holds a checkpoint); train one with `python train.py`, or pass "
-                              "a run directory")
+                              f"holds a checkpoint); train one with `python train.py{into}`, "
+                              "or pass a run directory")
     run = out_dir / newest[1]
     (log or (lambda line: print(line, file=sys.stderr)))(
         f"run: {run} (the one whose checkpoint was written last; {other} for another)")

@@ -4,6 +4,7 @@ it is engine/loop.py."""
 from __future__ import annotations
 
 import json
+import os
 import math
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -265,15 +266,18 @@ def _branch(run: Run, ckpt: Path) -> None:
         if checkpoint.list_checkpoints(run.run_dir):
             raise CheckpointError(f"{run.run_dir} already holds checkpoints; choose another "
                                   f"--train.run_name to continue {ckpt} in a new run")
+        # Its config.json first: a stop while the files are copied leaves a run that
+        # resumes as this branch, its parent recorded, not a folder of the parent's files.
+        _write_run_files(run)
         _branch_files(source, ckpt, run.run_dir)
     run.dist.barrier()
+    run.log(f"branched: {run.run_dir} is a new run from {ckpt} (recorded as its parent); "
+            f"{source} stays as it was")
     restore(run, run.run_dir / checkpoint.CKPT_DIR / ckpt.name)
     run.progress.wandb_id = None              # a run of its own in the tracker too
     if not run.sharded:                       # as fine-tuning records its source
         from engine.interop import weights_sha256
         run.cfg.parent["weights_sha256"] = weights_sha256(run.model)
-    run.log(f"branched: {run.run_dir} is a new run from {ckpt} (recorded as its parent); "
-            f"{source} stays as it was")
 
 
 def _branch_files(source: Path, ckpt: Path, run_dir: Path) -> None:
@@ -318,6 +322,10 @@ def fit_readout(model_cfg, counts: torch.Tensor, log) -> None:
 def _lock_run_dir(run_dir: Path):
     """One training process per run directory: a second one writing into the same run
     would interleave its metrics and checkpoints with the first's."""
+    blocking = next((p for p in [run_dir, *run_dir.parents] if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise ConfigError(f"{blocking} is a file, where the run {run_dir} needs a folder; give "
+                          "--train.out_dir a folder (it is made if missing)")
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = lock_file(run_dir / ".lock", wait=False)
     if lock is None:
@@ -617,6 +625,13 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     run_level = migrate(run_level, str(run_dir / "config.json"))
     _refuse_changes(saved, run_level, f"{run_dir / 'config.json'} disagrees with the config "
                     f"{ckpt.name} was trained with", f"put config.json back as it was ({restore_it})")
+    if isinstance(run_level.get("parent"), dict) and run_level["parent"] and not cfg.parent:
+        # The checkpoint a branch starts with is its parent's copy, whose config names the
+        # parent's run: where this run came from, and its own name, are in its config.json.
+        cfg.parent = run_level["parent"]
+        for key in ("run_name", "out_dir"):
+            if isinstance(run_level.get("train", {}).get(key), str):
+                setattr(cfg.train, key, run_level.get("train", {})[key])
     for section, values in overrides.items():
         apply(cfg, section, values, "the command line")
     cfg.validate()
@@ -646,6 +661,10 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     # Another --train.out_dir is a wish to go on elsewhere: a new run there, as for another
     # run_name, rather than the option dropped while the old folder grows.
     elsewhere = out is not None and Path(out).resolve() != run_dir.parent.resolve()
+    if elsewhere and Path(out).resolve().is_relative_to(run_dir.resolve()):
+        raise ConfigError(f"--train.out_dir={out} is inside the run {run_dir}, where a new run "
+                          "would mix with its files; drop it to continue the run in place, or "
+                          f"give another folder for a new run there (not {run_dir} or below)")
     if ckpt.resolve() != latest.resolve() or (name and name != run_dir.name) or elsewhere:
         run_dir = _branch_dir(cfg, run_dir, ckpt, step, name, out)
     return cfg, run_dir, ckpt
@@ -669,7 +688,8 @@ def _branch_dir(cfg: RunConfig, run_dir: Path, ckpt: Path, step: int, name: str,
             n += 1
             target = out / f"{base}-{n}"
     previous = cfg.parent
-    cfg.parent = {"path": str(ckpt), "step": step, **({"parent": previous} if previous else {})}
+    # Absolute: the record must lead back from wherever a later command runs.
+    cfg.parent = {"path": os.path.abspath(ckpt), "step": step, **({"parent": previous} if previous else {})}
     cfg.train.run_name, cfg.train.out_dir = target.name, str(out)
     return target
 

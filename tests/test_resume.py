@@ -245,6 +245,56 @@ def test_another_out_dir_on_resume_goes_on_as_a_new_run_there(run20, tmp_path):
     assert resume_config(str(copy), str(copy.parent), {"train": {"out_dir": str(copy.parent)}})[1] == copy
 
 
+def test_an_out_dir_inside_the_run_is_refused_not_a_run_nested_in_the_run(run20, tmp_path):
+    copy = copy_of(run20, tmp_path)
+    before = files_of(copy)
+    for inside in (copy, copy / "checkpoints"):
+        with pytest.raises(ConfigError, match="is inside the run .*drop it to continue the run in place"):
+            resume_config(str(copy), str(inside), {"train": {"out_dir": str(inside)}})
+    assert files_of(copy) == before
+
+
+def test_a_branch_stopped_before_its_own_checkpoint_resumes_as_the_branch(run20, tmp_path, monkeypatch):
+    """Ctrl-C after the parent's checkpoint was copied in: the folder once resumed as the
+    parent's run (parent {}, its out_dir), the record of where it came from lost."""
+    import engine.run as run_module
+    copy = copy_of(run20, tmp_path)
+    other = tmp_path / "elsewhere"
+    overrides = {"train": {"max_iters": "22", "out_dir": str(other)}}
+    cfg, run_dir, ckpt = resume_config(str(copy), str(other), overrides)
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(run_module, "restore", stop)
+    with pytest.raises(KeyboardInterrupt):
+        setup_run(cfg, run_dir=run_dir, resume=ckpt, log=quiet)
+    monkeypatch.undo()
+    again, again_dir, _ = resume_config(str(run_dir), str(other), {"train": {"max_iters": "22"}})
+    assert again_dir == run_dir
+    assert again.parent["path"] == str(ckpt) and again.parent["step"] == 20
+    assert again.train.out_dir == str(other) and again.train.run_name == run_dir.name
+
+
+def test_a_branch_records_its_parent_by_absolute_path(run20, tmp_path, monkeypatch):
+    copy = copy_of(run20, tmp_path)
+    monkeypatch.chdir(copy.parent)
+    cfg, _, _ = resume_config(copy.name, ".", {"train": {"out_dir": "elsewhere"}})
+    assert cfg.parent["path"] == str(copy / "checkpoints" / "step_0000020")
+
+
+def test_a_file_given_as_out_dir_is_named_as_a_file(run20, tmp_path):
+    copy = copy_of(run20, tmp_path)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    cfg, run_dir, ckpt = resume_config(str(copy), str(blocker), {"train": {"out_dir": str(blocker)}})
+    with pytest.raises(ConfigError, match=f"{blocker} is a file, where the run .* needs a folder"):
+        setup_run(cfg, run_dir=run_dir, resume=ckpt, log=quiet)
+    with pytest.raises(CheckpointError, match="is a file, not a folder of runs"):
+        checkpoint.latest_run(blocker)
+    with pytest.raises(CheckpointError, match=r"train one with `python train\.py --train\.out_dir="):
+        checkpoint.latest_run(tmp_path / "empty")
+
+
 def test_sampling_after_a_ctrl_c_before_any_evaluation_uses_the_trained_weights(corpus, tmp_path):
     """Stopped at step 3, best.json still names step 0 (random weights)."""
     run = stopped_run(corpus, tmp_path, "stop", 3)

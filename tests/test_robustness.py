@@ -525,3 +525,18 @@ def test_the_suite_removes_its_cache_folder_however_it_stops(tmp_path, stop):
     out = proc.communicate(timeout=60)[0].decode()
     assert proc.returncode == (0 if stop == "ends" else 2), out
     assert not [p for p in temp.iterdir() if p.name.startswith("attnlab-cache-")], out
+
+
+def test_ctrl_c_while_the_modules_load_is_one_line_and_status_130(capsys, monkeypatch):
+    """A Ctrl-C during torch's import printed the import's whole traceback."""
+    from common.errors import interrupt_at_start
+    monkeypatch.delenv("ATTNLAB_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        with interrupt_at_start():
+            raise KeyboardInterrupt
+    err = capsys.readouterr().err
+    assert stopped.value.code == 130 and err.startswith("error: interrupted while starting")
+    assert err.count("\n") == 1
+    for script in ("train.py", "sample.py"):       # both load torch inside it
+        text = (ROOT / script).read_text()
+        assert "with interrupt_at_start():" in text.split("def parser")[0]
