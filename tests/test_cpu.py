@@ -60,7 +60,7 @@ def test_no_cpuinfo_no_check(tmp_path):
 def test_the_scripts_check_before_torch_loads(script):
     lines = (ROOT / script).read_text().splitlines()
     first = min(i for i, line in enumerate(lines)
-                if line.startswith(("from engine", "from model", "from data", "from attnlab", "import torch")))
+                if line.lstrip().startswith(("from engine", "from model", "from data", "from attnlab", "import torch")))
     assert any(line.startswith("refuse_unrunnable_capability()") for line in lines[:first])
 
 

@@ -62,7 +62,7 @@ def test_the_scripts_set_it_before_they_import_the_project(script, call):
     """The project's first import (engine/, which loads torch) comes after the setting."""
     lines = (ROOT / script).read_text().splitlines()
     first = min(i for i, line in enumerate(lines)
-                if line.startswith(("from engine", "from model", "from data", "import torch")))
+                if line.lstrip().startswith(("from engine", "from model", "from data", "import torch")))
     assert any(line.startswith(call) for line in lines[:first])
 
 
