@@ -426,6 +426,9 @@ def latest_run(out_dir: str | Path = "runs", log=None, other: str = "--run DIR")
     trains) nor one that stopped before its first checkpoint. `log` gets one line
     naming it and `other`, the option that names another (train.py's is --resume DIR)."""
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"{out_dir} is a file, not a folder of runs; give the folder "
+                              "the runs are in, or a run directory")
     newest: tuple[float, str] | None = None
     for run in (out_dir.iterdir() if out_dir.is_dir() else ()):
         ckpts = list_checkpoints(run) if run.is_dir() and (run / "config.json").is_file() else []
@@ -435,9 +438,6 @@ def latest_run(out_dir: str | Path = "runs", log=None, other: str = "--run DIR")
             written = None
         if written is not None and (newest is None or (written, run.name) > newest):
             newest = (written, run.name)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise CheckpointError(f"{out_dir} is a file, not a folder of runs; give the folder "
-                              "the runs are in, or a run directory")
     if newest is None:
         # The way on trains into this folder, where the next look for a run will find it.
         into = "" if out_dir == Path("runs") else " " + word(f"--train.out_dir={out_dir}")

@@ -4,8 +4,8 @@ it is engine/loop.py."""
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -625,13 +625,14 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     run_level = migrate(run_level, str(run_dir / "config.json"))
     _refuse_changes(saved, run_level, f"{run_dir / 'config.json'} disagrees with the config "
                     f"{ckpt.name} was trained with", f"put config.json back as it was ({restore_it})")
-    if isinstance(run_level.get("parent"), dict) and run_level["parent"] and not cfg.parent:
+    recorded = run_level.get("parent")
+    if isinstance(recorded, dict) and recorded and not cfg.parent:
         # The checkpoint a branch starts with is its parent's copy, whose config names the
         # parent's run: where this run came from, and its own name, are in its config.json.
-        cfg.parent = run_level["parent"]
+        cfg.parent = recorded
         for key in ("run_name", "out_dir"):
-            if isinstance(run_level.get("train", {}).get(key), str):
-                setattr(cfg.train, key, run_level.get("train", {})[key])
+            if isinstance(value := run_level.get("train", {}).get(key), str):
+                setattr(cfg.train, key, value)
     for section, values in overrides.items():
         apply(cfg, section, values, "the command line")
     cfg.validate()
