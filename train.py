@@ -65,7 +65,8 @@ def main(argv: list[str]) -> int:
     from engine.cli import apply_overrides, overrides_of
     from engine.config import describe
     from engine.loop import train
-    from engine.run import adopt_source, nothing_to_train, resume_changes, resume_config, setup_run
+    from engine.run import (adopt_source, nothing_to_train, resume_changes, resume_config,
+                            setup_run, stopped_line)
     import torch
     apply_start(torch.get_num_threads, torch.set_num_threads)
 
@@ -129,15 +130,19 @@ def main(argv: list[str]) -> int:
         if changes and dist.is_main:
             print(f"resume changes {'; '.join(changes)} (from the first step after "
                   f"{resuming.name}; recorded in the run's config.json)")
-        if dist.is_main:
-            plug.remember(cfg.model, run.run_dir, exercises)
-        if dist.is_main:
-            report_threads()
-        run.log(f"config:\n{describe(cfg)}")
-        run.log(run.describe_setup())
-        run.log(run.summary())
-        run.log(f"run directory: {run.run_dir}")
-        result = train(run)
+        try:
+            if dist.is_main:
+                plug.remember(cfg.model, run.run_dir, exercises)
+                report_threads()
+            run.log(f"config:\n{describe(cfg)}")
+            run.log(run.describe_setup())
+            run.log(run.summary())
+            run.log(f"run directory: {run.run_dir}")
+            result = train(run)
+        except KeyboardInterrupt as err:      # before the loop's own handler: name the run
+            if err.args:
+                raise
+            raise KeyboardInterrupt(stopped_line(run.run_dir, "stopped")) from None
     finally:
         distributed.cleanup(dist)
     if not dist.is_main:

@@ -170,6 +170,15 @@ def lock_holder(path: Path) -> str:
         return "?"
 
 
+def file_in_the_way(path) -> Path | None:
+    """The file standing at `path`, or at the nearest of the folders above it that
+    exists: where a folder is to be made, that file stops it, and naming it says what to
+    move (for FILE/sub, FILE)."""
+    path = Path(path)
+    nearest = next((p for p in [path, *path.parents] if p.exists()), None)
+    return nearest if nearest is not None and not nearest.is_dir() else None
+
+
 def writable_folder(path, option: str = "--out") -> Path:
     """`path` as a folder this process can write into, created if missing, checked before
     any long work starts so that a bad `option` cannot lose what the work measured."""

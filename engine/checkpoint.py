@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from common.errors import CheckpointError
-from common.files import file_sha256, fsync, read_json, write_json_atomic
+from common.files import file_in_the_way, file_sha256, fsync, read_json, write_json_atomic
 from common.shell import word
 
 CKPT_DIR = "checkpoints"
@@ -426,8 +426,8 @@ def latest_run(out_dir: str | Path = "runs", log=None, other: str = "--run DIR")
     trains) nor one that stopped before its first checkpoint. `log` gets one line
     naming it and `other`, the option that names another (train.py's is --resume DIR)."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise CheckpointError(f"{out_dir} is a file, not a folder of runs; give the folder "
+    if blocking := file_in_the_way(out_dir):
+        raise CheckpointError(f"{blocking} is a file, not a folder of runs; give the folder "
                               "the runs are in, or a run directory")
     newest: tuple[float, str] | None = None
     for run in (out_dir.iterdir() if out_dir.is_dir() else ()):

@@ -21,7 +21,7 @@ from engine import checkpoint
 from engine.device import Utilisation, dtype_name, synchronize
 from engine.objectives import masked_accuracy
 from engine.optim import LR_SCHEDULES
-from engine.run import EVAL_DRAWS, Run, save
+from engine.run import EVAL_DRAWS, Run, save, stopped_line
 from engine.tracking import Metrics
 from data.tokens import Batches
 
@@ -381,12 +381,7 @@ def stop_signals(run: Run):
 def stopped_at_once(run: Run) -> str:
     """What a second Ctrl-C leaves, said by errors_as_lines: the save it cut short was
     dropped whole (writes are atomic), so the run goes on from its last checkpoint."""
-    last = checkpoint.list_checkpoints(run.run_dir)
-    if not last:
-        return (f"stopped before {run.run_dir} had a checkpoint, nothing half-written was kept; "
-                "run the same command again")
-    return (f"stopped at once, nothing half-written was kept; python train.py --resume "
-            f"{word(run.run_dir)} continues from its last checkpoint, {last[-1].name}")
+    return stopped_line(run.run_dir, "stopped at once")
 
 
 def stop_on_signal(run: Run, bar, clock: LimitClock | None = None) -> None:

@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 
 from common.errors import CheckpointError, ConfigError
-from common.files import lock_file, lock_holder, read_json, write_json_atomic, write_text_atomic
+from common.files import (file_in_the_way, lock_file, lock_holder, read_json, write_json_atomic,
+                          write_text_atomic)
 from common.shell import options, word
 from engine import checkpoint
 from engine.budget import refuse_what_cannot_fit
@@ -249,6 +250,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
         _branch(run, resume)
     elif resume:
         restore(run, resume if isinstance(resume, Path) else None)
+        record_parent_weights(run)
     elif checkpoint.list_checkpoints(run.run_dir):
         raise CheckpointError(f"{run.run_dir} already holds checkpoints; continue it with "
                               f"--resume {word(run.run_dir)}, or choose another train.run_name")
@@ -262,22 +264,48 @@ def _branch(run: Run, ckpt: Path) -> None:
     its parent: the checkpoint (and the best before it) are copied in, with the metrics
     up to its step, and nothing of the other run is touched."""
     source = ckpt.parent.parent
-    if run.dist.is_main:                      # under the new run's lock
-        if checkpoint.list_checkpoints(run.run_dir):
-            raise CheckpointError(f"{run.run_dir} already holds checkpoints; choose another "
-                                  f"--train.run_name to continue {ckpt} in a new run")
-        # Its config.json first: a stop while the files are copied leaves a run that
-        # resumes as this branch, its parent recorded, not a folder of the parent's files.
-        _write_run_files(run)
-        _branch_files(source, ckpt, run.run_dir)
-    run.dist.barrier()
-    run.log(f"branched: {run.run_dir} is a new run from {ckpt} (recorded as its parent); "
-            f"{source} stays as it was")
-    restore(run, run.run_dir / checkpoint.CKPT_DIR / ckpt.name)
+    try:
+        if run.dist.is_main:                  # under the new run's lock
+            if checkpoint.list_checkpoints(run.run_dir):
+                raise CheckpointError(f"{run.run_dir} already holds checkpoints; choose another "
+                                      f"--train.run_name to continue {ckpt} in a new run")
+            # Its config.json first: a stop while the files are copied leaves a run that
+            # the same command takes up again (_branch_dir), not a folder of another's files.
+            _write_run_files(run)
+            _branch_files(source, ckpt, run.run_dir)
+        run.dist.barrier()
+        run.log(f"branched: {run.run_dir} is a new run from {ckpt} (recorded as its parent); "
+                f"{source} stays as it was")
+        restore(run, run.run_dir / checkpoint.CKPT_DIR / ckpt.name)
+    except KeyboardInterrupt as err:          # before training: say which folder to go on with
+        run.release()                         # for a caller that goes on (a notebook)
+        if err.args:
+            raise
+        raise KeyboardInterrupt(stopped_line(run.run_dir, "stopped before training")) from None
     run.progress.wandb_id = None              # a run of its own in the tracker too
-    if not run.sharded:                       # as fine-tuning records its source
+    record_parent_weights(run)
+
+
+def record_parent_weights(run: Run) -> None:
+    """The checksum of the weights a branch starts from, as fine-tuning records its
+    source's; taken while the model still holds them (a branch stopped before its first
+    step of training takes it when resumed)."""
+    parent = run.cfg.parent
+    if (not run.sharded and isinstance(parent, dict) and "path" in parent
+            and "weights_sha256" not in parent and parent.get("step") == run.progress.step):
         from engine.interop import weights_sha256
-        run.cfg.parent["weights_sha256"] = weights_sha256(run.model)
+        parent["weights_sha256"] = weights_sha256(run.model)
+
+
+def stopped_line(run_dir: Path, how: str) -> str:
+    """What a stop outside the training loop's own save leaves, for errors_as_lines to
+    say: writes are atomic, so the run goes on from its last whole checkpoint."""
+    last = checkpoint.list_checkpoints(run_dir)
+    if not last:
+        return (f"{how}, before {run_dir} had a checkpoint; nothing half-written was kept: "
+                "run the same command again")
+    return (f"{how}, nothing half-written was kept; python train.py --resume "
+            f"{word(run_dir)} continues from its last checkpoint, {last[-1].name}")
 
 
 def _branch_files(source: Path, ckpt: Path, run_dir: Path) -> None:
@@ -322,8 +350,7 @@ def fit_readout(model_cfg, counts: torch.Tensor, log) -> None:
 def _lock_run_dir(run_dir: Path):
     """One training process per run directory: a second one writing into the same run
     would interleave its metrics and checkpoints with the first's."""
-    blocking = next((p for p in [run_dir, *run_dir.parents] if p.exists()), None)
-    if blocking is not None and not blocking.is_dir():
+    if blocking := file_in_the_way(run_dir):
         raise ConfigError(f"{blocking} is a file, where the run {run_dir} needs a folder; give "
                           "--train.out_dir a folder (it is made if missing)")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -662,6 +689,9 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     # Another --train.out_dir is a wish to go on elsewhere: a new run there, as for another
     # run_name, rather than the option dropped while the old folder grows.
     elsewhere = out is not None and Path(out).resolve() != run_dir.parent.resolve()
+    if elsewhere and (blocking := file_in_the_way(out)):   # before "nothing to train" offers it
+        raise ConfigError(f"{blocking} is a file, where --train.out_dir={out} needs a folder "
+                          "for the new run; give a folder (it is made if missing)")
     if elsewhere and Path(out).resolve().is_relative_to(run_dir.resolve()):
         raise ConfigError(f"--train.out_dir={out} is inside the run {run_dir}, where a new run "
                           "would mix with its files; drop it to continue the run in place, or "
@@ -685,7 +715,7 @@ def _branch_dir(cfg: RunConfig, run_dir: Path, ckpt: Path, step: int, name: str,
     else:
         base = f"{run_dir.name}-from-{step}"
         target, n = out / base, 1
-        while target.exists():
+        while target.exists() and not _unfinished_branch(target, ckpt):
             n += 1
             target = out / f"{base}-{n}"
     previous = cfg.parent
@@ -693,6 +723,14 @@ def _branch_dir(cfg: RunConfig, run_dir: Path, ckpt: Path, step: int, name: str,
     cfg.parent = {"path": os.path.abspath(ckpt), "step": step, **({"parent": previous} if previous else {})}
     cfg.train.run_name, cfg.train.out_dir = target.name, str(out)
     return target
+
+
+def _unfinished_branch(folder: Path, ckpt: Path) -> bool:
+    """Whether `folder` is a branch from `ckpt` stopped before the checkpoint was copied
+    in: the same command takes it up again rather than leave it and make another."""
+    recorded = (read_json(folder / "config.json") or {}).get("parent")
+    return (isinstance(recorded, dict) and recorded.get("path") == os.path.abspath(ckpt)
+            and not checkpoint.list_checkpoints(folder))
 
 
 def resume_changes(cfg: RunConfig, ckpt: Path) -> list[str]:

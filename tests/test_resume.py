@@ -266,13 +266,51 @@ def test_a_branch_stopped_before_its_own_checkpoint_resumes_as_the_branch(run20,
     def stop(*a, **k):
         raise KeyboardInterrupt
     monkeypatch.setattr(run_module, "restore", stop)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as stopped:
         setup_run(cfg, run_dir=run_dir, resume=ckpt, log=quiet)
     monkeypatch.undo()
-    again, again_dir, _ = resume_config(str(run_dir), str(other), {"train": {"max_iters": "22"}})
+    # The stop names the new run to go on with, not the command that makes another one.
+    assert f"--resume {run_dir} continues from its last checkpoint, step_0000020" in stopped.value.args[0]
+    again, again_dir, again_ckpt = resume_config(str(run_dir), str(other), {"train": {"max_iters": "22"}})
     assert again_dir == run_dir
     assert again.parent["path"] == str(ckpt) and again.parent["step"] == 20
     assert again.train.out_dir == str(other) and again.train.run_name == run_dir.name
+    # Resumed, it records the weights it started from, as a branch not stopped does.
+    resumed = setup_run(again, run_dir=again_dir, resume=again_ckpt, log=quiet)
+    resumed.release()
+    straight = resume_config(str(copy), str(tmp_path / "straight"),
+                             {"train": {"max_iters": "22", "out_dir": str(tmp_path / "straight")}})
+    branched = setup_run(*straight[:1], run_dir=straight[1], resume=straight[2], log=quiet)
+    branched.release()
+    assert resumed.cfg.parent["weights_sha256"] == branched.cfg.parent["weights_sha256"]
+    assert json.loads((run_dir / "config.json").read_text())["parent"]["weights_sha256"] == \
+        branched.cfg.parent["weights_sha256"]
+
+
+def test_a_branch_stopped_while_its_checkpoint_is_copied_is_taken_up_by_the_same_command(
+        run20, tmp_path, monkeypatch):
+    """Once, the same command made a second branch (-from-20-2) beside the empty first."""
+    import engine.run as run_module
+    copy = copy_of(run20, tmp_path)
+    other = tmp_path / "elsewhere"
+    overrides = {"train": {"max_iters": "22", "out_dir": str(other)}}
+    cfg, run_dir, ckpt = resume_config(str(copy), str(other), overrides)
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(run_module, "_branch_files", stop)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        setup_run(cfg, run_dir=run_dir, resume=ckpt, log=quiet)
+    monkeypatch.undo()
+    assert f"before {run_dir} had a checkpoint" in stopped.value.args[0]
+    assert "run the same command again" in stopped.value.args[0]
+    again, again_dir, again_ckpt = resume_config(str(copy), str(other), overrides)
+    assert again_dir == run_dir
+    resume(copy, overrides)
+    assert sorted(p.name for p in other.iterdir()) == [run_dir.name]
+    assert checkpoint.list_checkpoints(run_dir)[-1].name == "step_0000022"
+    # A folder that is no stopped branch of this checkpoint is left alone.
+    assert resume_config(str(copy), str(other), overrides)[1] == other / f"{run_dir.name}-2"
 
 
 def test_a_branch_records_its_parent_by_absolute_path(run20, tmp_path, monkeypatch):
@@ -282,15 +320,20 @@ def test_a_branch_records_its_parent_by_absolute_path(run20, tmp_path, monkeypat
     assert cfg.parent["path"] == str(copy / "checkpoints" / "step_0000020")
 
 
-def test_a_file_given_as_out_dir_is_named_as_a_file(run20, tmp_path):
+def test_a_file_given_as_out_dir_is_named_as_a_file(run20, corpus, tmp_path):
     copy = copy_of(run20, tmp_path)
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    cfg, run_dir, ckpt = resume_config(str(copy), str(blocker), {"train": {"out_dir": str(blocker)}})
+    # Refused before a finished run is told "nothing to train" with a command that names it.
+    for out in (blocker, blocker / "sub"):
+        with pytest.raises(ConfigError, match=f"{blocker} is a file, where --train.out_dir=.* needs a folder"):
+            resume_config(str(copy), str(out), {"train": {"out_dir": str(out)}})
+        with pytest.raises(CheckpointError, match=f"{blocker} is a file, not a folder of runs"):
+            checkpoint.latest_run(out)
+    cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'cache'}",
+                             f"--train.out_dir={blocker / 'sub'}"])
     with pytest.raises(ConfigError, match=f"{blocker} is a file, where the run .* needs a folder"):
-        setup_run(cfg, run_dir=run_dir, resume=ckpt, log=quiet)
-    with pytest.raises(CheckpointError, match="is a file, not a folder of runs"):
-        checkpoint.latest_run(blocker)
+        setup_run(cfg, log=quiet)
     with pytest.raises(CheckpointError, match=r"train one with `python train\.py --train\.out_dir="):
         checkpoint.latest_run(tmp_path / "empty")
 

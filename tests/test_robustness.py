@@ -368,6 +368,35 @@ def test_training_on_a_full_disk_stops_with_one_line_and_resumes_to_the_same_wei
         (straight / "metrics.jsonl").read_text().count('"val_loss"')
 
 
+# Runs train.py with Ctrl-C arriving after set-up and before the training loop's own
+# handler (argv: SCRIPT ARGS...).
+CTRL_C_BEFORE_THE_LOOP = """
+import runpy, sys
+import engine.loop
+def train(run, *args, **kwargs):
+    raise KeyboardInterrupt
+engine.loop.train = train
+sys.argv.pop(0)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_ctrl_c_before_the_loop_names_the_run_to_resume_a_branch_included(run20, tmp_path):
+    """It once said only "--resume RUN continues a run ... otherwise run the same command
+    again", and the same command made a second branch beside the one just made."""
+    _, run = run20
+    wrapper = tmp_path / "ctrl_c.py"
+    wrapper.write_text(CTRL_C_BEFORE_THE_LOOP)
+    other = tmp_path / "other"
+    proc = run_script(wrapper, ROOT / "train.py", "--resume", run, f"--train.out_dir={other}",
+                      "--train.max_iters=25", check=False)
+    branch = other / f"{run.name}-from-20"
+    errors = [l for l in proc.stderr.splitlines() if l.startswith(("error", "Traceback"))]
+    assert proc.returncode == 130 and errors == [
+        f"error: interrupted; stopped, nothing half-written was kept; python train.py --resume "
+        f"{branch} continues from its last checkpoint, step_0000020"], proc.stderr[-2000:]
+
+
 def _prepare(corpus, out, capsys=None):
     import data.prepare
     argv = [str(corpus), "--tokenizer", "char", "--out", str(out), "--num-proc", "1",
