@@ -111,16 +111,22 @@ def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
                    [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files])
     key_extra = {"files": fingerprint, "val_fraction": val_fraction}
     first = Path(source.rstrip("/*")).name.split(".")[0] or "corpus"
-    if given is not None:
-        tokenizer = given.kind
-        key_extra["tokenizer"] = given.fingerprint()
-        name = f"{first}-{given.kind}-{given.fingerprint()[:10]}"
-    else:
-        sized = TOKENIZERS[tokenizer].sized_by_setting
-        name = first + f"-{tokenizer}" + (f"{vocab_size}" if sized else "")
+    tokenizer = given.kind if given is not None else tokenizer
+    sized = TOKENIZERS[tokenizer].sized_by_setting
+    name = first + f"-{tokenizer}" + (f"{vocab_size}" if sized else "")
     key = prepare_key(key_extra, tokenizer, vocab_size, CACHE_BPE_SAMPLE, CACHE_SHARD_TOKENS)
     folder = Path(cache_dir or DATA_DIR / "cache") / name
     held = read_meta(folder)
+    # A run started from another's weights keeps its tokenizer. Where that is the one this
+    # corpus's own cache was built with (a fine-tune on the same text), it reads that
+    # cache; another tokenizer gets a cache of its own.
+    if given is not None and not (held is not None and held["key"] == key
+                                  and held.get("tokenizer_fingerprint") == given.fingerprint()):
+        key_extra["tokenizer"] = given.fingerprint()
+        name = f"{first}-{given.kind}-{given.fingerprint()[:10]}"
+        key = prepare_key(key_extra, tokenizer, vocab_size, CACHE_BPE_SAMPLE, CACHE_SHARD_TOKENS)
+        folder = folder.with_name(name)
+        held = read_meta(folder)
     if held is not None and held["key"] != key and held["source"].get("source") != source:
         # Another corpus of the same name (a/notes.txt, b/notes.txt) built this folder: a
         # folder of this path's own, rather than a rebuild over the other one's.

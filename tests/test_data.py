@@ -62,6 +62,24 @@ def test_cache_is_built_once_reused_and_rebuilt_on_change(corpus, tmp_path):
     assert any("rebuilding" in line for line in logs)
 
 
+def test_a_run_given_the_tokenizer_the_cache_holds_reads_that_cache_and_another_gets_its_own(
+        corpus, tmp_path):
+    """A run started from weights trained on the same text once built a second cache."""
+    from data.tokenizer import CharTokenizer
+    own = load_tokens(str(corpus), "char", cache_dir=str(tmp_path))
+    logs = []
+    again = load_tokens(str(corpus), "char", cache_dir=str(tmp_path), log=logs.append,
+                        given=own.tokenizer)
+    assert not any("tokenizing" in line for line in logs) and len(list(tmp_path.iterdir())) == 2
+    assert np.array_equal(again.train.gather(np.array([0]), 1000), own.train.gather(np.array([0]), 1000))
+    other = CharTokenizer.train("\t" + corpus.read_text())     # a character first: other ids
+    assert other.fingerprint() != own.tokenizer.fingerprint()
+    theirs = load_tokens(str(corpus), "char", cache_dir=str(tmp_path), log=logs.append, given=other)
+    assert any("tokenizing" in line for line in logs)
+    assert theirs.tokenizer.fingerprint() == other.fingerprint()
+    assert not np.array_equal(theirs.train.gather(np.array([0]), 1000), own.train.gather(np.array([0]), 1000))
+
+
 def test_bits_per_byte_for_both_tokenizers(corpus, tmp_path):
     char = load_tokens(str(corpus), "char", cache_dir=str(tmp_path))
     # The corpus is ASCII: one character is one byte, so one bit per token is one per byte.
