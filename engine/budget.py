@@ -10,9 +10,10 @@
    with a final evaluation and checkpoint.
 Before all that, a large vocabulary whose frequent tokens are few gets the adaptive
 softmax as its output layer (choose_readout), the training text is read in passes and,
-on a CPU, a wsd schedule decays over the whole run (PLAN_DEFAULTS). Only the sizes, that
-readout, the sampling and the schedule change: attention, positions, optimizer and data
-stay as the preset and the command line set them.
+on a CPU, a wsd schedule decays over the whole run and each token is mixed with its
+neighbours before attention (PLAN_DEFAULTS). Only the sizes, that readout, the sampling,
+the schedule and the mixing change: attention, positions, optimizer and data stay as the
+preset and the command line set them.
 """
 from __future__ import annotations
 
@@ -69,6 +70,10 @@ PLAN_DEFAULTS = {
     # last 60% over four seeds (docs/benchmarks.md, "The decay of a budget run").
     ("train", "decay_frac"): (1.0, lambda cfg, device: device.type == "cpu"
                               and cfg.train.schedule == "wsd"),
+    # Each token mixed with the 3 before it ahead of attention (model/layers.py, TokenMix):
+    # on a CPU's small models, lower on each of four seeds at the same steps and the same
+    # speed (docs/benchmarks.md, "Mixing neighbours before attention").
+    ("model", "token_mix"): (4, lambda cfg, device: device.type == "cpu"),
 }
 
 

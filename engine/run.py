@@ -108,8 +108,9 @@ class Run:
         c, m = self.cfg.model, self.model
         readout = (f", adaptive readout (shortlist of {c.readout_shortlist:,})"
                    if READOUTS[c.readout].shortlisted else "")
+        mix = f", each token mixed with the {c.token_mix - 1} before it" if c.token_mix else ""
         return (f"model: {c.n_layer} layers x {c.n_head} heads, {c.n_embd} wide, context "
-                f"{c.block_size}, {c.position} positions, {c.attention} attention{readout}: "
+                f"{c.block_size}, {c.position} positions{mix}, {c.attention} attention{readout}: "
                 f"{m.num_params() / 1e6:.2f}M parameters ({m.num_params(True) / 1e6:.2f}M "
                 f"non-embedding), {m.flops_per_token() / 1e6:.1f} MFLOPs per token (train)")
 

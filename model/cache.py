@@ -44,6 +44,16 @@ class KVCache:
         self.stored = 0                      # filled slots
         self.length = 0                      # tokens seen: the position of the next one
         self.first = 0                       # the smallest position still stored
+        self.tails: dict[int, torch.Tensor] = {}    # per layer, the rows a TokenMix saw last
+
+    def recent(self, layer: int, h: torch.Tensor, n: int) -> torch.Tensor:
+        """(B, n + T, C): this chunk's rows h after the n this layer's TokenMix saw before
+        it (zeros before the first token, as in training); keeps the newest n for the
+        next chunk. Rows, not positions: a renumbering cache leaves them as they are."""
+        past = self.tails.get(layer)
+        full = torch.cat((h.new_zeros(h.shape[0], n, h.shape[2]) if past is None else past, h), 1)
+        self.tails[layer] = full[:, full.shape[1] - n:]
+        return full
 
     def begin(self, T: int, device) -> tuple[torch.Tensor, int]:
         """Make room for T new tokens; return the key positions they will see and the
@@ -139,6 +149,7 @@ class StaticKVCache:
         self.slot_pos: torch.Tensor | None = None   # (capacity,) position held by each slot
         self.length: torch.Tensor | None = None     # (1,) the position of the next token
         self._slot: torch.Tensor | None = None
+        self.tails: torch.Tensor | None = None      # (n_layer, B, n, C): KVCache.recent's rows
 
     def slot_of(self, pos: torch.Tensor) -> torch.Tensor:
         if not self.window:
@@ -177,6 +188,12 @@ class StaticKVCache:
         self.k[:, :, :, slots] = k
         self.v[:, :, :, slots] = v
         self.length.fill_(cache.length)
+        if cache.tails:                           # in place too, for a recorded graph
+            tails = torch.stack([cache.tails[i] for i in range(self.n_layer)])
+            if self.tails is None:
+                self.tails = tails.clone()
+            else:
+                self.tails.copy_(tails)
 
     def begin(self, T: int, device) -> tuple[torch.Tensor, int]:
         if T != 1:
@@ -191,18 +208,27 @@ class StaticKVCache:
         self.v[layer].index_copy_(2, self._slot, v_new)
         return self.k[layer], self.v[layer]
 
+    def recent(self, layer: int, h: torch.Tensor, n: int) -> torch.Tensor:
+        """As KVCache.recent, for the one row of a step: fixed shapes, written in place."""
+        full = torch.cat((self.tails[layer], h), 1)
+        self.tails[layer].copy_(full[:, full.shape[1] - n:])
+        return full
+
     def end(self, T: int) -> None:
         self.length.add_(T)
 
     def nbytes(self) -> int:
         return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
 
-    def state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.slot_pos.clone(), self.length.clone()
+    def state(self) -> tuple:
+        return (self.slot_pos.clone(), self.length.clone(),
+                None if self.tails is None else self.tails.clone())
 
     def restore(self, state) -> None:
         self.slot_pos.copy_(state[0])
         self.length.copy_(state[1])
+        if state[2] is not None:
+            self.tails.copy_(state[2])
 
 
 class CapturedStep:

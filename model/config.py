@@ -68,6 +68,9 @@ class ModelConfig:
     skip_connections: bool = _opt(False, "U-net skips: the output of block i, for i in the first "
                                          "half, is added with a learned weight to the input of "
                                          "block n_layer-1-i")
+    token_mix: int = _opt(0, "before attention, add to each position a learned per-channel "
+                             "weighting of it and the token_mix-1 positions before it (a causal "
+                             "depthwise convolution, as Canon layers); 0 = off")
     logit_softcap: float = _opt(0.0, "squash output logits into (-c, c) by c·tanh(z/c); 0 = off")
     rope_theta: float = _opt(10000.0, "RoPE base: pair i turns by position * theta^(-2i/d_k)")
     rope_scaling: str = _opt("none", "stretch RoPE to a longer context", registry="rope_scaling")
@@ -92,7 +95,7 @@ class ModelConfig:
                 raise ModelError(f"model.{name} must be a positive integer, got {value!r}")
         for name in ("vocab_size", "n_kv_head", "sliding_window", "n_global",
                      "rope_original_context", "readout_shortlist", "position_offset",
-                     "n_token_types", "mlp_hidden"):
+                     "n_token_types", "mlp_hidden", "token_mix"):
             if getattr(self, name) < 0:
                 raise ModelError(f"model.{name} must not be negative, got {getattr(self, name)}")
         if self.sliding_window > self.block_size:

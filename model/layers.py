@@ -122,6 +122,36 @@ MLPS = {"gelu": GeluMLP, "gelu_tanh": GeluTanhMLP, "swiglu": SwiGLU, "relu2": Re
         "none": NoMLP}
 
 
+class TokenMix(nn.Module):
+    """Each position plus a learned per-channel weighting of itself and the width-1
+    positions before it: a causal depthwise convolution in front of attention (the
+    Canon layers of Allen-Zhu, "Physics of Language Models: Part 4.1"; RWKV's token
+    shift is its width-2 case). Attention can look back too, but only through its
+    scores; this hands every query, key and value its neighbours' features directly,
+    which a small model otherwise spends a head on. The weights start at zero, so a new
+    model is the plain one until training finds a use for them.
+
+    With a KV cache, the rows before a chunk come from the cache (`recent`), so decoding
+    one token at a time gives the same output as reading the whole text at once."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.width, self.layer_idx = config.token_mix, layer_idx
+        # One vector, as norm gains are: AdamW without weight decay, not Muon, which
+        # orthogonalises maps and this is none.
+        self.taps = nn.Parameter(torch.zeros(self.width * config.n_embd))
+
+    def forward(self, h: torch.Tensor, cache=None) -> torch.Tensor:
+        T, back = h.shape[1], self.width - 1
+        w = self.taps.view(self.width, -1).to(h.dtype)
+        # (B, back + T, C): the chunk after the rows before it (zeros before the first).
+        full = F.pad(h, (0, 0, back, 0)) if cache is None else cache.recent(self.layer_idx, h, back)
+        out = h + w[0] * h
+        for j in range(1, self.width):          # w[j] weighs the row j places back
+            out = out + w[j] * full[:, back - j:back - j + T]
+        return out
+
+
 class Block(nn.Module):
     """x + attention(norm(x)), then x + mlp(norm(x)): pre-norm residual (GPT-2), which
     keeps an identity path from input to output so deep stacks train stably. The
@@ -139,9 +169,14 @@ class Block(nn.Module):
         # An MLP that is not there (attention-only models) needs no norm in front of it.
         self.norm_mlp = NORMS[config.norm](config) if mlp.has_weights else nn.Identity()
         self.mlp = mlp(config)
+        self.mix = TokenMix(config, layer_idx) if config.token_mix else None
+
+    def attention_input(self, x, cache):
+        return x if self.mix is None else self.mix(x, cache)
 
     def forward(self, x, positions, mask, cache=None, need_weights=False, value_embed=None):
-        a, weights = self.attn(self.norm_attn(x), positions, mask, cache, need_weights, value_embed)
+        a, weights = self.attn(self.attention_input(self.norm_attn(x), cache), positions, mask,
+                               cache, need_weights, value_embed)
         x = x + a
         x = x + self.mlp(self.norm_mlp(x))
         return x, weights
@@ -157,7 +192,8 @@ class PostNormBlock(Block):
     final_norm = False
 
     def forward(self, x, positions, mask, cache=None, need_weights=False, value_embed=None):
-        a, weights = self.attn(x, positions, mask, cache, need_weights, value_embed)
+        a, weights = self.attn(self.attention_input(x, cache), positions, mask, cache,
+                               need_weights, value_embed)
         x = self.norm_attn(x + a)
         x = self.norm_mlp(x + self.mlp(x))
         return x, weights

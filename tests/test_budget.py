@@ -440,14 +440,16 @@ def test_a_budget_reads_the_text_in_passes_and_decays_over_the_run_unless_told_o
     import time
     import engine.budget as budget
     monkeypatch.setattr(budget, "measure", lambda cfg, device, dtype, seconds, *data: 50.0)
-    for given, sampling, decay in (([], "epochs", 1.0),
-                                   (["--data.sampling=random", "--train.decay_frac=0.6"], "random", 0.6)):
+    for given, sampling, decay, mix in (
+            ([], "epochs", 1.0, 4),
+            (["--data.sampling=random", "--train.decay_frac=0.6", "--model.token_mix=0"], "random", 0.6, 0)):
         cfg = cli.build("cpu", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}", *given])
         lines = []
         planned = budget.plan(cfg, 120.0, time.perf_counter(), log=lines.append,
-                              given={"data": {"sampling": "random"}, "train": {"decay_frac": "0.6"}}
-                              if given else None)
+                              given={"data": {"sampling": "random"}, "train": {"decay_frac": "0.6"},
+                                     "model": {"token_mix": "0"}} if given else None)
         assert (planned.data.sampling, planned.train.decay_frac) == (sampling, decay)
+        assert planned.model.token_mix == mix
         chosen = next(line for line in lines if line.startswith("chosen:"))
         assert ("in passes" if sampling == "epochs" else "at random") in chosen
     # A cosine schedule has no decay_frac to set: the config shows the preset's.
@@ -457,3 +459,4 @@ def test_a_budget_reads_the_text_in_passes_and_decays_over_the_run_unless_told_o
         cli.build("tiny", []).train.decay_frac
     # Without --budget: random windows as nanoGPT reads, the preset's decay over the last 60%.
     assert (cli.build("cpu", []).data.sampling, cli.build("cpu", []).train.decay_frac) == ("random", 0.6)
+    assert cli.build("cpu", []).model.token_mix == 0

@@ -87,6 +87,7 @@ def test_export_loads_in_transformers_with_equal_logits_and_greedy_text(name, tm
     (dict(logit_softcap=15.0), "model.logit_softcap=15.0"),
     (dict(value_embeds=True), "model.value_embeds=true"),
     (dict(skip_connections=True), "model.skip_connections=true"),
+    (dict(token_mix=4), "model.token_mix=4"),
     (dict(readout="adaptive", readout_shortlist=20, tie_embeddings=False), "model.readout=adaptive"),
     (dict(norm="rmsnorm", mlp="swiglu", bias=True, sliding_window=8), "model.bias=true"),
 ])

@@ -437,6 +437,53 @@ def test_value_embeddings_and_skip_weights_go_to_adamw_not_muon():
     assert model.num_params(non_embedding=True) == GPT(tiny(n_layer=4)).num_params(True) + 2
 
 
+def test_token_mix_adds_the_weighted_rows_before_each_position_as_defined():
+    """Against the definition in float64 NumPy: out[t] = h[t] + sum_j w[j] * h[t - j],
+    zero where t - j < 0. A shift the wrong way reads the future; one off reads the
+    wrong neighbour; a dropped w[0] leaves the row itself unweighted."""
+    import numpy as np
+    from model.layers import TokenMix
+    torch.manual_seed(0)
+    mix = TokenMix(tiny(token_mix=3), 0)
+    with torch.no_grad():
+        mix.taps.normal_()
+    h = torch.randn(2, 7, 32, dtype=torch.float64)
+    got = mix.double()(h).detach().numpy()
+    w, x = mix.taps.detach().numpy().reshape(3, 32), h.numpy()
+    expected = np.zeros_like(x)
+    for t in range(7):
+        expected[:, t] = x[:, t]
+        for j in range(3):
+            if t - j >= 0:
+                expected[:, t] += w[j] * x[:, t - j]
+    np.testing.assert_allclose(got, expected, atol=1e-12)
+
+
+def test_a_new_model_with_token_mix_is_the_plain_model_and_its_taps_go_to_adamw():
+    """Zero taps at the start (the plain model's logits to the bit), then trained as a
+    norm's gains are: AdamW without weight decay, not Muon's orthogonalised step."""
+    from engine.optim import configure_optimizer
+    from engine.config import TrainConfig
+    torch.manual_seed(0)
+    mixed = GPT(tiny(token_mix=4, n_layer=3)).eval()
+    torch.manual_seed(0)
+    plain = GPT(tiny(n_layer=3)).eval()
+    x = torch.randint(0, 40, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(mixed(x).logits, plain(x).logits)
+    opt = configure_optimizer(mixed, TrainConfig(optimizer="muon"), torch.device("cpu"))
+    taps = {id(b.mix.taps) for b in mixed.blocks}
+    muon = {id(p) for g in opt.named["muon"].param_groups for p in g["params"]}
+    no_decay = {id(p) for g in opt.named["adamw"].param_groups if g["weight_decay"] == 0
+                for p in g["params"]}
+    assert not taps & muon and taps <= no_decay
+    loss = mixed.train()(x, x).loss
+    loss.backward()
+    assert all(b.mix.taps.grad.abs().sum() > 0 for b in mixed.blocks)   # it can learn
+    with pytest.raises(Exception, match="model.token_mix must not be negative"):
+        tiny(token_mix=-1).validate()
+
+
 def test_a_zero_head_starts_every_logit_at_zero_and_learns_from_there():
     """model.zero_head: the untied output layer starts at 0, so the loss at step 0 is
     exactly ln(vocab) and the blocks get no gradient through the head until it moves."""
