@@ -40,6 +40,7 @@ LEVERS = [
     ("value_embeds", "value embeddings in every layer", "--model.value_embeds=true"),
     ("skips", "U-net skip connections", "--model.skip_connections=true"),
     ("ve_skips", "value embeddings and U-net skips", "--model.value_embeds=true --model.skip_connections=true"),
+    ("token_mix", "each token mixed with the 3 before it ahead of attention", "--model.token_mix=4"),
     ("batch_ramp", "batch grows from 4 to 16 over the first 30%", "--train.batch_ramp=0.3"),
     ("untied", "untied output layer", "--model.tie_embeddings=false"),
     ("zero_head", "untied output layer starting at zero",
