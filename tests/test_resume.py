@@ -254,9 +254,10 @@ def test_an_out_dir_inside_the_run_is_refused_not_a_run_nested_in_the_run(run20,
     assert files_of(copy) == before
 
 
-def test_a_branch_stopped_before_its_own_checkpoint_resumes_as_the_branch(run20, tmp_path, monkeypatch):
-    """Ctrl-C after the parent's checkpoint was copied in: the folder once resumed as the
-    parent's run (parent {}, its out_dir), the record of where it came from lost."""
+def branch_stopped_in(name, run20, tmp_path, monkeypatch):
+    """A branch of run20 into tmp_path/elsewhere, Ctrl-C'd inside engine.run's `name`:
+    (the command's overrides, the copied run, the branch folder, the checkpoint, the
+    KeyboardInterrupt's message)."""
     import engine.run as run_module
     copy = copy_of(run20, tmp_path)
     other = tmp_path / "elsewhere"
@@ -265,12 +266,20 @@ def test_a_branch_stopped_before_its_own_checkpoint_resumes_as_the_branch(run20,
 
     def stop(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(run_module, "restore", stop)
+    monkeypatch.setattr(run_module, name, stop)
     with pytest.raises(KeyboardInterrupt) as stopped:
         setup_run(cfg, run_dir=run_dir, resume=ckpt, log=quiet)
     monkeypatch.undo()
+    return overrides, copy, run_dir, ckpt, stopped.value.args[0]
+
+
+def test_a_branch_stopped_before_its_own_checkpoint_resumes_as_the_branch(run20, tmp_path, monkeypatch):
+    """Ctrl-C after the parent's checkpoint was copied in: the folder once resumed as the
+    parent's run (parent {}, its out_dir), the record of where it came from lost."""
+    overrides, copy, run_dir, ckpt, said = branch_stopped_in("restore", run20, tmp_path, monkeypatch)
+    other = run_dir.parent
     # The stop names the new run to go on with, not the command that makes another one.
-    assert f"--resume {run_dir} continues from its last checkpoint, step_0000020" in stopped.value.args[0]
+    assert f"--resume {run_dir} continues from its last checkpoint, step_0000020" in said
     again, again_dir, again_ckpt = resume_config(str(run_dir), str(other), {"train": {"max_iters": "22"}})
     assert again_dir == run_dir
     assert again.parent["path"] == str(ckpt) and again.parent["step"] == 20
@@ -290,22 +299,10 @@ def test_a_branch_stopped_before_its_own_checkpoint_resumes_as_the_branch(run20,
 def test_a_branch_stopped_while_its_checkpoint_is_copied_is_taken_up_by_the_same_command(
         run20, tmp_path, monkeypatch):
     """Once, the same command made a second branch (-from-20-2) beside the empty first."""
-    import engine.run as run_module
-    copy = copy_of(run20, tmp_path)
-    other = tmp_path / "elsewhere"
-    overrides = {"train": {"max_iters": "22", "out_dir": str(other)}}
-    cfg, run_dir, ckpt = resume_config(str(copy), str(other), overrides)
-
-    def stop(*a, **k):
-        raise KeyboardInterrupt
-    monkeypatch.setattr(run_module, "_branch_files", stop)
-    with pytest.raises(KeyboardInterrupt) as stopped:
-        setup_run(cfg, run_dir=run_dir, resume=ckpt, log=quiet)
-    monkeypatch.undo()
-    assert f"before {run_dir} had a checkpoint" in stopped.value.args[0]
-    assert "run the same command again" in stopped.value.args[0]
-    again, again_dir, again_ckpt = resume_config(str(copy), str(other), overrides)
-    assert again_dir == run_dir
+    overrides, copy, run_dir, _, said = branch_stopped_in("_branch_files", run20, tmp_path, monkeypatch)
+    other = run_dir.parent
+    assert f"before {run_dir} had a checkpoint" in said and "run the same command again" in said
+    assert resume_config(str(copy), str(other), overrides)[1] == run_dir
     resume(copy, overrides)
     assert sorted(p.name for p in other.iterdir()) == [run_dir.name]
     assert checkpoint.list_checkpoints(run_dir)[-1].name == "step_0000022"
