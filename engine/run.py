@@ -108,7 +108,8 @@ class Run:
         c, m = self.cfg.model, self.model
         readout = (f", adaptive readout (shortlist of {c.readout_shortlist:,})"
                    if READOUTS[c.readout].shortlisted else "")
-        mix = f", each token mixed with the {c.token_mix - 1} before it" if c.token_mix else ""
+        mix = (f", each token mixed with the {c.token_mix - 1} before it" if c.token_mix > 1 else
+               ", each token's features rescaled (token_mix=1)" if c.token_mix else "")
         return (f"model: {c.n_layer} layers x {c.n_head} heads, {c.n_embd} wide, context "
                 f"{c.block_size}, {c.position} positions{mix}, {c.attention} attention{readout}: "
                 f"{m.num_params() / 1e6:.2f}M parameters ({m.num_params(True) / 1e6:.2f}M "
@@ -247,16 +248,22 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
               sharded=sharded, log=log)
     if dist.is_main:
         run.lock = _lock_run_dir(run.run_dir)
-    if isinstance(resume, Path) and resume.parent.parent.resolve() != run.run_dir.resolve():
-        _branch(run, resume)
-    elif resume:
-        restore(run, resume if isinstance(resume, Path) else None)
-        record_parent_weights(run)
-    elif checkpoint.list_checkpoints(run.run_dir):
-        raise CheckpointError(f"{run.run_dir} already holds checkpoints; continue it with "
-                              f"--resume {word(run.run_dir)}, or choose another train.run_name")
-    if dist.is_main:
-        _write_run_files(run)
+    try:
+        if isinstance(resume, Path) and resume.parent.parent.resolve() != run.run_dir.resolve():
+            _branch(run, resume)
+        elif resume:
+            restore(run, resume if isinstance(resume, Path) else None)
+            record_parent_weights(run)
+        elif checkpoint.list_checkpoints(run.run_dir):
+            raise CheckpointError(f"{run.run_dir} already holds checkpoints; continue it with "
+                                  f"--resume {word(run.run_dir)}, or choose another train.run_name")
+        if dist.is_main:
+            _write_run_files(run)
+    except KeyboardInterrupt as err:          # before training: say which folder to go on with
+        run.release()                         # for a caller that goes on (a notebook)
+        if err.args:
+            raise
+        raise KeyboardInterrupt(stopped_line(run.run_dir, "stopped before training")) from None
     return run
 
 
@@ -265,24 +272,18 @@ def _branch(run: Run, ckpt: Path) -> None:
     its parent: the checkpoint (and the best before it) are copied in, with the metrics
     up to its step, and nothing of the other run is touched."""
     source = ckpt.parent.parent
-    try:
-        if run.dist.is_main:                  # under the new run's lock
-            if checkpoint.list_checkpoints(run.run_dir):
-                raise CheckpointError(f"{run.run_dir} already holds checkpoints; choose another "
-                                      f"--train.run_name to continue {ckpt} in a new run")
-            # Its config.json first: a stop while the files are copied leaves a run that
-            # the same command takes up again (_branch_dir), not a folder of another's files.
-            _write_run_files(run)
-            _branch_files(source, ckpt, run.run_dir)
-        run.dist.barrier()
-        run.log(f"branched: {run.run_dir} is a new run from {ckpt} (recorded as its parent); "
-                f"{source} stays as it was")
-        restore(run, run.run_dir / checkpoint.CKPT_DIR / ckpt.name)
-    except KeyboardInterrupt as err:          # before training: say which folder to go on with
-        run.release()                         # for a caller that goes on (a notebook)
-        if err.args:
-            raise
-        raise KeyboardInterrupt(stopped_line(run.run_dir, "stopped before training")) from None
+    if run.dist.is_main:                      # under the new run's lock
+        if checkpoint.list_checkpoints(run.run_dir):
+            raise CheckpointError(f"{run.run_dir} already holds checkpoints; choose another "
+                                  f"--train.run_name to continue {ckpt} in a new run")
+        # Its config.json first: a stop while the files are copied leaves a run that the
+        # same command takes up again (_branch_dir), not a folder of another's files.
+        _write_run_files(run)
+        _branch_files(source, ckpt, run.run_dir)
+    run.dist.barrier()
+    run.log(f"branched: {run.run_dir} is a new run from {ckpt} (recorded as its parent); "
+            f"{source} stays as it was")
+    restore(run, run.run_dir / checkpoint.CKPT_DIR / ckpt.name)
     run.progress.wandb_id = None              # a run of its own in the tracker too
     record_parent_weights(run)
 
@@ -656,11 +657,10 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     recorded = run_level.get("parent")
     if isinstance(recorded, dict) and recorded and not cfg.parent:
         # The checkpoint a branch starts with is its parent's copy, whose config names the
-        # parent's run: where this run came from, and its own name, are in its config.json.
-        cfg.parent = recorded
-        for key in ("run_name", "out_dir"):
-            if isinstance(value := run_level.get("train", {}).get(key), str):
-                setattr(cfg.train, key, value)
+        # parent's run: where this run came from, its own name and the options it was
+        # started with (--train.max_iters=N and the like) are in its config.json.
+        cfg = from_dict({**saved, "train": {**saved.get("train", {}), **run_level.get("train", {})},
+                         "parent": recorded}, str(run_dir / "config.json"))
     for section, values in overrides.items():
         apply(cfg, section, values, "the command line")
     cfg.validate()

@@ -98,6 +98,10 @@ class ModelConfig:
                      "n_token_types", "mlp_hidden", "token_mix"):
             if getattr(self, name) < 0:
                 raise ModelError(f"model.{name} must not be negative, got {getattr(self, name)}")
+        if self.token_mix > self.block_size:
+            raise ModelError(f"model.token_mix={self.token_mix} mixes in more positions than the "
+                             f"context model.block_size={self.block_size} holds; give at most "
+                             f"{self.block_size} (4 is usual)")
         if self.sliding_window > self.block_size:
             raise ModelError(f"model.sliding_window={self.sliding_window} is larger than the "
                              f"context model.block_size={self.block_size}; a window that wide "

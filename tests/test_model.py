@@ -482,6 +482,9 @@ def test_a_new_model_with_token_mix_is_the_plain_model_and_its_taps_go_to_adamw(
     assert all(b.mix.taps.grad.abs().sum() > 0 for b in mixed.blocks)   # it can learn
     with pytest.raises(Exception, match="model.token_mix must not be negative"):
         tiny(token_mix=-1).validate()
+    with pytest.raises(Exception, match="model.token_mix=25 mixes in more positions than the context"):
+        tiny(token_mix=25).validate()
+    tiny(token_mix=24).validate()
 
 
 def test_a_zero_head_starts_every_logit_at_zero_and_learns_from_there():

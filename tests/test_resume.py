@@ -280,8 +280,11 @@ def test_a_branch_stopped_before_its_own_checkpoint_resumes_as_the_branch(run20,
     other = run_dir.parent
     # The stop names the new run to go on with, not the command that makes another one.
     assert f"--resume {run_dir} continues from its last checkpoint, step_0000020" in said
-    again, again_dir, again_ckpt = resume_config(str(run_dir), str(other), {"train": {"max_iters": "22"}})
-    assert again_dir == run_dir
+    # The command it names: with the options the branch was started with (max_iters 22),
+    # not the parent checkpoint's (20, "nothing to train").
+    again, again_dir, again_ckpt = resume_config(str(run_dir), str(other), {})
+    assert again_dir == run_dir and again.train.max_iters == 22
+    assert nothing_to_train(again, again_ckpt, str(run_dir)) is None
     assert again.parent["path"] == str(ckpt) and again.parent["step"] == 20
     assert again.train.out_dir == str(other) and again.train.run_name == run_dir.name
     # Resumed, it records the weights it started from, as a branch not stopped does.
@@ -294,6 +297,12 @@ def test_a_branch_stopped_before_its_own_checkpoint_resumes_as_the_branch(run20,
     assert resumed.cfg.parent["weights_sha256"] == branched.cfg.parent["weights_sha256"]
     assert json.loads((run_dir / "config.json").read_text())["parent"]["weights_sha256"] == \
         branched.cfg.parent["weights_sha256"]
+
+
+def test_a_stop_once_the_branch_holds_its_checkpoint_names_the_branch(run20, tmp_path, monkeypatch):
+    """Stopped after the copy and before set-up ended, it once said only "--resume RUN"."""
+    _, _, run_dir, _, said = branch_stopped_in("record_parent_weights", run20, tmp_path, monkeypatch)
+    assert f"stopped before training, nothing half-written was kept; python train.py --resume {run_dir} " in said
 
 
 def test_a_branch_stopped_while_its_checkpoint_is_copied_is_taken_up_by_the_same_command(
