@@ -57,6 +57,13 @@ class DecoderBlock(nn.Module):
         return x + self.mlp(self.norm_mlp(x)), weights
 
 
+# Decoder-only options this model does not build; refused rather than ignored, so a
+# setting never looks as though it changed the model when it did not.
+GPT_ONLY = ("value_embeds", "token_mix", "skip_connections", "zero_head", "logit_softcap",
+            "readout", "tie_embeddings", "block", "sliding_window", "n_global",
+            "n_token_types", "position_offset")
+
+
 class EncoderDecoder(nn.Module):
     """n_layer encoder blocks and n_layer decoder blocks sharing one vocabulary, one
     embedding (tied to the output layer) and one position encoding."""
@@ -64,6 +71,12 @@ class EncoderDecoder(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         check_config(config)
+        default = ModelConfig()
+        changed = [f"model.{name}={getattr(config, name)!r}" for name in GPT_ONLY
+                   if getattr(config, name) != getattr(default, name)]
+        if changed:
+            raise ModelError(f"the encoder-decoder does not build {', '.join(changed)} (a "
+                             "decoder-only option); leave it at its default here")
         if config.vocab_size <= 0:
             raise ModelError("model.vocab_size must be set")
         if POSITION_ENCODINGS[config.position].biases_scores:

@@ -69,3 +69,15 @@ def test_the_reversal_demo_learns_to_reverse_held_out_strings():
     src, pad, dec, _ = batch(["abcdef"])                               # the anti-diagonal
     maps = model(src, dec, src_padding=pad, return_attention=True).cross_attentions[-1][0].mean(0)
     assert [int(maps[i, :6].argmax()) for i in range(6)] == [5, 4, 3, 2, 1, 0]
+
+
+@pytest.mark.parametrize("setting", [{"token_mix": 4}, {"value_embeds": True},
+                                     {"skip_connections": True}, {"logit_softcap": 30.0}])
+def test_decoder_only_options_are_refused_not_ignored(setting):
+    """The encoder-decoder builds none of these; silently dropping one would make a
+    learner believe it was trained with it."""
+    from model.config import ModelError
+    from model.seq2seq import EncoderDecoder
+    with pytest.raises(ModelError, match=f"does not build model.{next(iter(setting))}="):
+        EncoderDecoder(ModelConfig(vocab_size=29, block_size=11, n_layer=1, n_head=2,
+                                   n_embd=16, position="learned", **setting))
