@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from attnlab.capture import attention_maps
+from attnlab.capture import attention_maps, other_paths
 from attnlab.options import add_run_options, load, positive, out_option
 from attnlab.plotting import (check_figure_out, default_out, make_folder_for, out_path, pyplot,
                               refuse_a_path_through_a_file, save_figure)
@@ -253,6 +253,8 @@ def main(argv=None) -> int:
     if writes and not args.out:
         args.out = default_out(ckpt)
     tokens, maps = attention_maps(model, tokenizer, args.text)
+    if other_paths(model.config):
+        print(f"note: {other_paths(model.config)}", file=sys.stderr)
     if args.what == "html":
         print("wrote", export_head_view(out_path(args.out, "head_view.html"), tokens, maps, args.inline_js or None))
     elif args.what == "grid":

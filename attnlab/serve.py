@@ -213,6 +213,7 @@ class Service:
         return message
 
     def info(self) -> dict:
+        from attnlab.capture import other_paths
         from model.mask import visible
         c = self.cfg.model
         T = min(c.block_size, 32)
@@ -223,7 +224,8 @@ class Service:
         return {"origin": self.origin, "layers": c.n_layer, "heads": c.n_head,
                 "config": f"{c.attention} attention, {c.position} positions, {window}; "
                           f"{c.n_layer} layers x {c.n_head} heads, {c.n_embd} wide, context "
-                          f"{c.block_size}, {self.model.num_params() / 1e6:.2f}M parameters",
+                          f"{c.block_size}, {self.model.num_params() / 1e6:.2f}M parameters"
+                          + (f"; {other_paths(c)}" if other_paths(c) else ""),
                 "mask": pattern, "defaults": _sample_defaults(self.cfg)}
 
     def settings(self, query: dict):

@@ -256,3 +256,23 @@ def test_the_docs_quote_the_lens_refusal_as_it_is_printed(minilm):
     quoted = [line.strip() for line in (ROOT / "docs" / "article_model.md").read_text().splitlines()
               if "reads the model's token scores" in line]
     assert quoted == [f"error: {refused.value}"]
+
+
+def test_a_model_that_mixes_neighbours_says_the_maps_are_not_all_of_it(corpus, tmp_path, capsys):
+    """With model.token_mix a token also reads the ones just before it through the mix,
+    which no attention map shows; the terminal tools and the page say so, a plain model's
+    do not."""
+    from conftest import train_tiny
+
+    from attnlab.heads import main
+    from attnlab.serve import Service
+    from engine.inference import load_run
+    for mix, said in ((3, True), (0, False)):
+        run = train_tiny(corpus, tmp_path / str(mix), "m", "--train.max_iters=2",
+                         f"--model.token_mix={mix}")
+        capsys.readouterr()
+        main(["stats", "--run", str(run), "--text", "the cat sat"])
+        assert ("the 2 before it" in capsys.readouterr().err) == said
+        model, cfg, tokenizer, ckpt = load_run(run)
+        page = Service(model, cfg, tokenizer, str(ckpt)).info()["config"]
+        assert ("model.token_mix=3" in page) == said
