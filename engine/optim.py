@@ -59,9 +59,9 @@ class GroupedMuon(torch.optim.Muon):
     that is native, weight decay, its learning-rate adjustment), with the Newton-Schulz
     iterations of all the matrices of one shape run together as batched matmuls. A small
     model's step is dozens of tiny matmuls whose dispatch costs more than their
-    arithmetic: for 3 x 96 on a 2-core CPU, torch's loop over its 12 matrices took 4.9 ms
-    of a 32 ms bf16 training step, this one 2.3 ms (four shapes, three batches: a tall
-    matrix is orthogonalised as its transpose, as torch does).
+    arithmetic, so batching them halves the optimizer's share of a CPU step
+    (docs/benchmarks.md, beside Muon's Newton-Schulz iterations; a tall matrix is
+    orthogonalised as its transpose, as torch does).
     Same state and hyperparameters as torch's class, so checkpoints move between them."""
 
     @torch.no_grad()
