@@ -185,11 +185,12 @@ def default_preset(args) -> str:
 
 
 if __name__ == "__main__":
-    # A first Ctrl-C during training is the loop's: it saves and says how to continue.
-    # One that reaches here came before the first checkpoint, or during a save.
-    with errors_as_lines("python train.py --resume RUN continues a run from its last "
-                         "checkpoint where one was written; otherwise run the same "
-                         "command again"):
+    # A Ctrl-C during training is the loop's, and one during set-up setup_run's: each
+    # says which run to go on with. One with nothing to say came before the run's folder
+    # was locked (a plan's probes, the text read and tokenized, the model built), when
+    # nothing of the run is written yet.
+    with errors_as_lines("stopped before the run's folder was made, so nothing of it was "
+                         "written; run the same command again"):
         code = main(sys.argv[1:])
     # Checkpoints and metrics are written, fsynced and closed (wandb finished) by now:
     # skip the interpreter's teardown of torch's modules, most of a second on a 2-core

@@ -397,6 +397,37 @@ def test_ctrl_c_before_the_loop_names_the_run_to_resume_a_branch_included(run20,
         f"{branch} continues from its last checkpoint, step_0000020"], proc.stderr[-2000:]
 
 
+CTRL_C_WHILE_THE_TEXT_IS_READ = """
+import runpy, sys
+import engine.run
+def _load_data(*args, **kwargs):
+    raise KeyboardInterrupt
+engine.run._load_data = _load_data
+sys.argv.pop(0)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("branch", [False, True])
+def test_ctrl_c_before_the_run_folder_says_nothing_was_written(corpus, run20, tmp_path, branch):
+    """It once said "python train.py --resume RUN continues a run from its last checkpoint
+    where one was written; otherwise ...", leaving the user to guess which, when nothing
+    had been written: the same command again is the way on, a new run or a branch."""
+    _, run = run20
+    wrapper = tmp_path / "ctrl_c.py"
+    wrapper.write_text(CTRL_C_WHILE_THE_TEXT_IS_READ)
+    other = tmp_path / "other"
+    start = ["--resume", str(run)] if branch else ["--config", "tiny", f"--data.path={corpus}",
+                                                     "--train.run_name=new"]
+    proc = run_script(wrapper, ROOT / "train.py", *start, f"--train.out_dir={other}",
+                      "--train.max_iters=25", check=False)
+    errors = [l for l in proc.stderr.splitlines() if l.startswith(("error", "Traceback"))]
+    assert proc.returncode == 130 and errors == [
+        "error: interrupted; stopped before the run's folder was made, so nothing of it was "
+        "written; run the same command again"], proc.stderr[-2000:]
+    assert not other.exists() or not any(other.iterdir())
+
+
 def _prepare(corpus, out, capsys=None):
     import data.prepare
     argv = [str(corpus), "--tokenizer", "char", "--out", str(out), "--num-proc", "1",
