@@ -59,21 +59,25 @@ PLANNED = ("model.n_layer", "model.n_embd", "model.n_head", "model.n_kv_head",
 READOUT_OPTIONS = ("readout", "readout_shortlist", "tie_embeddings")
 READOUT_SHARE = 0.2          # of a token's multiply-adds, the least the output layer must be
 # Settings a budget run takes in place of the preset's, each unless the command line
-# names it: (section, key) -> (value, whether it applies to a config on a device).
+# names it: (section, key) -> (value, whether it applies to a config on a device, what
+# the plan says of it).
 PLAN_DEFAULTS = {
     # A budget run on a CPU reads a small corpus a few times over, where reading it in
     # passes beat drawing windows at random (data/tokens.py, Batches; docs/benchmarks.md,
     # "Reading in passes").
-    ("data", "sampling"): ("epochs", lambda cfg, device: True),
+    ("data", "sampling"): ("epochs", lambda cfg, device: True,
+                           "the text read in passes, each window once a pass"),
     # A wsd schedule decays over all of a budget run's steps after the warm-up, straight
     # to min_lr (as in arXiv:2502.15938): on a CPU, 0.009 lower than decaying over the
     # last 60% over four seeds (docs/benchmarks.md, "The decay of a budget run").
     ("train", "decay_frac"): (1.0, lambda cfg, device: device.type == "cpu"
-                              and cfg.train.schedule == "wsd"),
+                              and cfg.train.schedule == "wsd",
+                              "the rate decays over all the steps after the warm-up"),
     # Each token mixed with the 3 before it ahead of attention (model/layers.py, TokenMix):
     # on a CPU's small models, lower on each of four seeds at the same steps and the same
     # speed (docs/benchmarks.md, "Mixing neighbours before attention").
-    ("model", "token_mix"): (4, lambda cfg, device: device.type == "cpu"),
+    ("model", "token_mix"): (4, lambda cfg, device: device.type == "cpu",
+                             "each token mixed with the 3 before it ahead of attention"),
 }
 
 
@@ -308,9 +312,16 @@ def plan(cfg, budget_s: float, started: float, log=print,
     given = given or {}
     data_cfg, train_cfg = cfg.data, cfg.train
     device = pick_device(train_cfg.device)
-    for (section, key), (value, applies) in PLAN_DEFAULTS.items():
+    taken = []
+    for (section, key), (value, applies, what) in PLAN_DEFAULTS.items():
         if key not in given.get(section, {}) and applies(cfg, device):
+            if getattr(getattr(cfg, section), key) != value:
+                taken.append(f"{section}.{key}={value} ({what})")
             setattr(getattr(cfg, section), key, value)
+    if taken:
+        log(f"set for a budget run on this {device.type}, each lower in the same time on small "
+            f"corpora (docs/benchmarks.md): {'; '.join(taken)}; give one on the command line "
+            "to keep your own")
     data = load_tokens(data_cfg.path, data_cfg.tokenizer, data_cfg.vocab_size, data_cfg.val_fraction, data_cfg.cache_dir, log=log)
     cfg.model.vocab_size = data.tokenizer.vocab_size
     counts = torch.from_numpy(data.train.counts(cfg.model.vocab_size))

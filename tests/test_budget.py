@@ -452,6 +452,15 @@ def test_a_budget_reads_the_text_in_passes_and_decays_over_the_run_unless_told_o
         assert planned.model.token_mix == mix
         chosen = next(line for line in lines if line.startswith("chosen:"))
         assert ("in passes" if sampling == "epochs" else "at random") in chosen
+        # What the plan set beyond the sizes is said, with what each does; what the
+        # command line gave is not.
+        said = [line for line in lines if line.startswith("set for a budget run")]
+        if given:
+            assert said == []
+        else:
+            assert len(said) == 1 and all(f in said[0] for f in (
+                "data.sampling=epochs (the text read in passes", "train.decay_frac=1.0",
+                "model.token_mix=4 (each token mixed with the 3 before it"))
     # A cosine schedule has no decay_frac to set: the config shows the preset's.
     cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}"])
     assert cfg.train.schedule == "cosine"
