@@ -57,11 +57,12 @@ class DecoderBlock(nn.Module):
         return x + self.mlp(self.norm_mlp(x)), weights
 
 
-# Decoder-only options this model does not build; refused rather than ignored, so a
-# setting never looks as though it changed the model when it did not.
+# Decoder-only options this model does not build, and model.causal, which it sets per
+# stack (its encoder sees both ways, its decoder is masked); refused rather than ignored,
+# so a setting never looks as though it changed the model when it did not.
 GPT_ONLY = ("value_embeds", "token_mix", "skip_connections", "zero_head", "logit_softcap",
-            "readout", "tie_embeddings", "block", "sliding_window", "n_global",
-            "n_token_types", "position_offset")
+            "readout", "readout_shortlist", "tie_embeddings", "block", "sliding_window",
+            "n_global", "n_token_types", "position_offset", "causal")
 
 
 class EncoderDecoder(nn.Module):
@@ -70,13 +71,16 @@ class EncoderDecoder(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        check_config(config)
         default = ModelConfig()
         changed = [f"model.{name}={getattr(config, name)!r}" for name in GPT_ONLY
                    if getattr(config, name) != getattr(default, name)]
-        if changed:
-            raise ModelError(f"the encoder-decoder does not build {', '.join(changed)} (a "
-                             "decoder-only option); leave it at its default here")
+        if changed:                  # first: the variants' own checks would ask for more of them
+            many = len(changed) > 1
+            raise ModelError(f"the encoder-decoder does not build {', '.join(changed)} "
+                             f"({'options' if many else 'an option'} of the decoder-only GPT; "
+                             "its encoder sees both ways and its decoder is masked); leave "
+                             f"{'them' if many else 'it'} at the default here")
+        check_config(config)
         if config.vocab_size <= 0:
             raise ModelError("model.vocab_size must be set")
         if POSITION_ENCODINGS[config.position].biases_scores:
