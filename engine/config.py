@@ -318,10 +318,15 @@ def apply(cfg: RunConfig, section: str, values: dict, origin: str) -> None:
 
 def apply_to(obj, section: str, values: dict, origin: str) -> None:
     types = field_types(SECTIONS[section])
+    helps = {f.name: f.metadata.get("help", "") for f in fields(SECTIONS[section])}
     for key, raw in values.items():
         if key not in types:
             raise ConfigError(f"unknown key {section}.{key} in {origin}" + choices_hint(key, types))
-        setattr(obj, key, convert(f"{section}.{key}", raw, types[key]))
+        try:
+            value = convert(f"{section}.{key}", raw, types[key])
+        except ConfigError as err:   # a value of the wrong kind: say what the option takes
+            raise ConfigError(f"{err} ({section}.{key}: {helps[key]})" if helps[key] else str(err)) from None
+        setattr(obj, key, value)
 
 
 def preset_path(name: str) -> Path:

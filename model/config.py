@@ -8,7 +8,7 @@ folder: its error type is its own, and its fields carry their help text in plain
 dataclass metadata (the same keys as common/fields.py writes)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 class ModelError(ValueError):
@@ -93,15 +93,16 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelError(f"model.{name} must be a positive integer, got {value!r}")
-        for name in ("vocab_size", "n_kv_head", "sliding_window", "n_global",
-                     "rope_original_context", "readout_shortlist", "position_offset",
-                     "n_token_types", "mlp_hidden", "token_mix"):
-            if getattr(self, name) < 0:
-                raise ModelError(f"model.{name} must not be negative, got {getattr(self, name)}")
+        for f in fields(self):
+            if f.name in ("vocab_size", "n_kv_head", "sliding_window", "n_global",
+                          "rope_original_context", "readout_shortlist", "position_offset",
+                          "n_token_types", "mlp_hidden", "token_mix") and getattr(self, f.name) < 0:
+                raise ModelError(f"model.{f.name} must not be negative, got {getattr(self, f.name)} "
+                                 f"(model.{f.name}: {f.metadata['help']})")
         if self.token_mix > self.block_size:
             raise ModelError(f"model.token_mix={self.token_mix} mixes in more positions than the "
                              f"context model.block_size={self.block_size} holds; give at most "
-                             f"{self.block_size} (4 is usual)")
+                             f"{self.block_size}" + (" (4 is usual)" if self.block_size >= 4 else ""))
         if self.sliding_window > self.block_size:
             raise ModelError(f"model.sliding_window={self.sliding_window} is larger than the "
                              f"context model.block_size={self.block_size}; a window that wide "

@@ -50,6 +50,11 @@ def test_overrides_beat_presets_and_are_typed():
     (["--model.sliding_window=300", "--model.block_size=256"], "larger than the context"),
     (["--model.sliding_window=-1"], "must not be negative"),
     (["--model.mlp_hidden=-64"], "mlp_hidden must not be negative"),
+    # A value of the wrong kind or sign says what the option takes (its help).
+    (["--model.token_mix=abc"], r"must be an integer, got 'abc' \(model.token_mix: before attention.*0 = off\)$"),
+    (["--model.token_mix=-1"], r"must not be negative, got -1 \(model.token_mix: before attention.*0 = off\)$"),
+    (["--model.token_mix=3", "--model.block_size=2"], r"give at most 2$"),
+    (["--model.token_mix=300"], r"give at most 256 \(4 is usual\)$"),
     (["--model.mlp=none", "--model.mlp_hidden=64"], "model.mlp=none has none; leave it 0"),
     (["--train.batch_size=0"], "must be positive"),
     (["--sample.top_p=1.5"], "top_p"),
