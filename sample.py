@@ -49,6 +49,7 @@ def main(argv: list[str]) -> int:
     from engine.config import RunConfig, apply
     from engine.device import dtype_name, pick_device, pick_dtype, precision_note
     from engine.inference import StepExplainer, encode_prompt, load_run, pick_decode, stream_text
+    from engine.run import mixing
 
     apply_overrides(RunConfig(), args)            # a bad option fails before any loading
     device = pick_device(args.device)
@@ -78,7 +79,8 @@ def main(argv: list[str]) -> int:
     report_threads()
     prompt_ids = encode_prompt(tokenizer, s.prompt)
     decode = pick_decode(s.decode, device) if s.use_cache else "full"
-    print(f"[{ckpt}: {cfg.model.position} positions, {model.num_params() / 1e6:.2f}M parameters, "
+    print(f"[{ckpt}: {cfg.model.position} positions{mixing(cfg.model)}, "
+          f"{model.num_params() / 1e6:.2f}M parameters, "
           f"{dtype_name(dtype)} weights{precision_note(device, dtype, 'sample.dtype')}, "
           f"decode {decode}; "
           f"temperature {s.temperature}, top-k {s.top_k}, top-p {s.top_p}, seed {s.seed}]",

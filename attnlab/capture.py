@@ -149,14 +149,15 @@ def check_context(model, n_tokens: int, option: str = "--text") -> None:
           file=sys.stderr)
 
 
-def other_paths(config) -> str | None:
-    """What an attention map leaves out, in a sentence: with model.token_mix, each token
-    is mixed with its neighbours before attention, so a token draws on the ones just
-    before it through that mix as well as through the weights a heatmap shows."""
+def other_paths(config, so: str = "the weights show attention's share of what moves "
+                                   "between positions, not all of it") -> str | None:
+    """What looking at attention leaves out, in a sentence: with model.token_mix, each
+    token is mixed with its neighbours before attention, so a token draws on the ones just
+    before it through that mix as well as through the weights a heatmap shows. `so` says
+    what that means for the tool at hand."""
     if config.token_mix > 1:
         return (f"each token is also mixed with the {config.token_mix - 1} before it ahead of "
-                f"attention (model.token_mix={config.token_mix}): the weights show attention's "
-                "share of what moves between positions, not all of it")
+                f"attention (model.token_mix={config.token_mix}): {so}")
     return None
 
 

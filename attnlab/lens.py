@@ -25,7 +25,7 @@ from typing import Iterable
 
 import torch
 
-from attnlab.capture import check_context, installed, names, run_with_cache  # noqa: F401  (lens users read and edit)
+from attnlab.capture import check_context, installed, names, other_paths, run_with_cache  # noqa: F401  (lens users read and edit)
 from attnlab.options import add_run_options, load, positive, out_option
 from attnlab.plotting import check_figure_out, default_out, out_path, save_layer_map
 from common.errors import AttnlabError
@@ -277,6 +277,9 @@ def main(argv=None) -> int:
                            "its attention with python -m attnlab.heads, or give a folder with a "
                            "masked-LM head (BertForMaskedLM)")
     args.out = args.out or default_out(ckpt)
+    if args.what == "ablate" and other_paths(model.config):
+        print(f"note: {other_paths(model.config, 'a path between positions that switching every head off leaves open')}",
+              file=sys.stderr)
     show = lambda i: repr(tokenizer.token_strings([int(i)])[0])[1:-1][:8]
     STUDIES[args.what][1](args, model, tokenizer, show)
     return 0

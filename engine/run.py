@@ -108,8 +108,7 @@ class Run:
         c, m = self.cfg.model, self.model
         readout = (f", adaptive readout (shortlist of {c.readout_shortlist:,})"
                    if READOUTS[c.readout].shortlisted else "")
-        mix = (f", each token mixed with the {c.token_mix - 1} before it" if c.token_mix > 1 else
-               ", each token's features rescaled (token_mix=1)" if c.token_mix else "")
+        mix = mixing(c)
         return (f"model: {c.n_layer} layers x {c.n_head} heads, {c.n_embd} wide, context "
                 f"{c.block_size}, {c.position} positions{mix}, {c.attention} attention{readout}: "
                 f"{m.num_params() / 1e6:.2f}M parameters ({m.num_params(True) / 1e6:.2f}M "
@@ -297,6 +296,13 @@ def record_parent_weights(run: Run) -> None:
             and "weights_sha256" not in parent and parent.get("step") == run.progress.step):
         from engine.interop import weights_sha256
         parent["weights_sha256"] = weights_sha256(run.model)
+
+
+def mixing(c) -> str:
+    """model.token_mix in the words of a summary line: ', each token mixed with the 3
+    before it', or nothing for a model without it."""
+    return (f", each token mixed with the {c.token_mix - 1} before it" if c.token_mix > 1 else
+            ", each token's features rescaled (token_mix=1)" if c.token_mix else "")
 
 
 def stopped_line(run_dir: Path, how: str) -> str:

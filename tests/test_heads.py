@@ -260,8 +260,8 @@ def test_the_docs_quote_the_lens_refusal_as_it_is_printed(minilm):
 
 def test_a_model_that_mixes_neighbours_says_the_maps_are_not_all_of_it(corpus, tmp_path, capsys):
     """With model.token_mix a token also reads the ones just before it through the mix,
-    which no attention map shows; the terminal tools and the page say so, a plain model's
-    do not."""
+    which no attention map shows and no head's ablation closes; the terminal tools, the
+    page and sample.py's header say so, a plain model's do not."""
     from conftest import train_tiny
 
     from attnlab.heads import main
@@ -273,6 +273,12 @@ def test_a_model_that_mixes_neighbours_says_the_maps_are_not_all_of_it(corpus, t
         capsys.readouterr()
         main(["stats", "--run", str(run), "--text", "the cat sat"])
         assert ("the 2 before it" in capsys.readouterr().err) == said
+        from attnlab.lens import main as lens
+        lens(["ablate", "--run", str(run), "--text", "the cat sat", "--out", str(tmp_path / f"a{mix}.png")])
+        assert ("switching every head off leaves open" in capsys.readouterr().err) == said
+        from sample import main as sample
+        sample(["--run", str(run), "--max_new_tokens", "2"])
+        assert ("each token mixed with the 2 before it" in capsys.readouterr().err) == said
         model, cfg, tokenizer, ckpt = load_run(run)
         page = Service(model, cfg, tokenizer, str(ckpt)).info()["config"]
         assert ("model.token_mix=3" in page) == said
