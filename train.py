@@ -142,7 +142,7 @@ def main(argv: list[str]) -> int:
         except KeyboardInterrupt as err:      # before the loop's own handler: name the run
             if err.args:
                 raise
-            raise KeyboardInterrupt(stopped_line(run.run_dir, "stopped")) from None
+            raise KeyboardInterrupt(stopped_line(run, "stopped")) from None
     finally:
         distributed.cleanup(dist)
     if not dist.is_main:

@@ -381,7 +381,7 @@ def stop_signals(run: Run):
 def stopped_at_once(run: Run) -> str:
     """What a second Ctrl-C leaves, said by errors_as_lines: the save it cut short was
     dropped whole (writes are atomic), so the run goes on from its last checkpoint."""
-    return stopped_line(run.run_dir, "stopped at once")
+    return stopped_line(run, "stopped at once")
 
 
 def stop_on_signal(run: Run, bar, clock: LimitClock | None = None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -81,6 +82,7 @@ class Run:
     progress: Progress = field(default_factory=Progress)
     stop_signal: int | str | None = None
     lock: object = None                 # held while this process writes to run_dir
+    made_dir: bool = False              # this process made run_dir (a new run or branch)
 
     def autocast(self):
         return autocast(self.device, self.dtype)
@@ -245,9 +247,10 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
               scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
               run_dir=Path(run_dir or Path(train_cfg.out_dir) / (train_cfg.run_name or _fresh_name(cfg))),
               sharded=sharded, log=log)
-    if dist.is_main:
-        run.lock = _lock_run_dir(run.run_dir)
+    run.made_dir = dist.is_main and not run.run_dir.exists()
     try:
+        if dist.is_main:
+            run.lock = _lock_run_dir(run.run_dir)
         if isinstance(resume, Path) and resume.parent.parent.resolve() != run.run_dir.resolve():
             _branch(run, resume)
         elif resume:
@@ -262,7 +265,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
         run.release()                         # for a caller that goes on (a notebook)
         if err.args:
             raise
-        raise KeyboardInterrupt(stopped_line(run.run_dir, "stopped before training")) from None
+        raise KeyboardInterrupt(stopped_line(run, "stopped before training")) from None
     return run
 
 
@@ -305,10 +308,19 @@ def mixing(c) -> str:
             ", each token's features rescaled (token_mix=1)" if c.token_mix else "")
 
 
-def stopped_line(run_dir: Path, how: str) -> str:
+def stopped_line(run: Run, how: str) -> str:
     """What a stop outside the training loop's own save leaves, for errors_as_lines to
-    say: writes are atomic, so the run goes on from its last whole checkpoint."""
+    say: writes are atomic, so the run goes on from its last whole checkpoint. A folder
+    this process made and stopped before its first checkpoint holds only what set-up
+    wrote, and is removed, so that the same command again starts it afresh rather than
+    leave it beside a new one."""
+    run_dir = run.run_dir
     last = checkpoint.list_checkpoints(run_dir)
+    if not last and run.made_dir:
+        run.release()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return (f"{how}, before the run had a checkpoint; its folder {run_dir} was removed, so "
+                "nothing of it is left: run the same command again")
     if not last:
         return (f"{how}, before {run_dir} had a checkpoint; nothing half-written was kept: "
                 "run the same command again")

@@ -307,16 +307,68 @@ def test_a_stop_once_the_branch_holds_its_checkpoint_names_the_branch(run20, tmp
 
 def test_a_branch_stopped_while_its_checkpoint_is_copied_is_taken_up_by_the_same_command(
         run20, tmp_path, monkeypatch):
-    """Once, the same command made a second branch (-from-20-2) beside the empty first."""
+    """Once, the same command made a second branch (-from-20-2) beside the empty first.
+    The folder the stop leaves no checkpoint in is removed, so nothing of it stays."""
     overrides, copy, run_dir, _, said = branch_stopped_in("_branch_files", run20, tmp_path, monkeypatch)
     other = run_dir.parent
-    assert f"before {run_dir} had a checkpoint" in said and "run the same command again" in said
+    assert f"its folder {run_dir} was removed" in said and "run the same command again" in said
+    assert not run_dir.exists()
     assert resume_config(str(copy), str(other), overrides)[1] == run_dir
     resume(copy, overrides)
     assert sorted(p.name for p in other.iterdir()) == [run_dir.name]
     assert checkpoint.list_checkpoints(run_dir)[-1].name == "step_0000022"
     # A folder that is no stopped branch of this checkpoint is left alone.
     assert resume_config(str(copy), str(other), overrides)[1] == other / f"{run_dir.name}-2"
+
+
+def test_a_branch_folder_left_without_a_checkpoint_is_taken_up_by_the_same_command(
+        run20, tmp_path, monkeypatch):
+    """A branch killed (not stopped) while its checkpoint was copied keeps its folder; the
+    same command takes that folder up rather than make a second branch beside it."""
+    import engine.run as run_module
+    made = []
+    real = run_module._branch_files
+
+    def killed(source, ckpt, run_dir):
+        made.append(run_dir)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(run_module, "_branch_files", killed)
+    monkeypatch.setattr(run_module, "stopped_line", lambda run, how: how)   # as if killed: no clean-up
+    copy = copy_of(run20, tmp_path)
+    other = tmp_path / "elsewhere"
+    overrides = {"train": {"max_iters": "22", "out_dir": str(other)}}
+    cfg, run_dir, ckpt = resume_config(str(copy), str(other), overrides)
+    with pytest.raises(KeyboardInterrupt):
+        setup_run(cfg, run_dir=run_dir, resume=ckpt, log=quiet)
+    monkeypatch.setattr(run_module, "_branch_files", real)
+    assert made == [run_dir] and run_dir.is_dir()
+    assert resume_config(str(copy), str(other), overrides)[1] == run_dir
+
+
+def test_a_new_run_stopped_before_its_first_checkpoint_leaves_no_folder(corpus, tmp_path, monkeypatch):
+    """It once left config.json and tokenizer.json in a folder no command would take up:
+    the same command made a new one beside it."""
+    import engine.run as run_module
+    from engine import cli
+    written = run_module._write_run_files
+
+    def write_then_stop(run):
+        written(run)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(run_module, "_write_run_files", write_then_stop)
+    cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'cache'}",
+                             f"--train.out_dir={tmp_path / 'runs'}"])
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        setup_run(cfg, log=quiet)
+    assert "was removed, so nothing of it is left: run the same command again" in stopped.value.args[0]
+    assert list((tmp_path / "runs").iterdir()) == []
+    # A folder that was there before (a run_name given) is not this process's to remove.
+    (tmp_path / "runs" / "mine").mkdir()
+    cfg.train.run_name = "mine"
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        setup_run(cfg, log=quiet)
+    assert "nothing half-written was kept" in stopped.value.args[0]
+    assert (tmp_path / "runs" / "mine" / "config.json").is_file()
 
 
 def test_a_branch_records_its_parent_by_absolute_path(run20, tmp_path, monkeypatch):
