@@ -34,7 +34,8 @@ from model.attention import ATTENTION_BACKENDS, Mask  # noqa: E402
 # (label, backend, uses the window); eager is only run while its T×T scores fit.
 CASES = [("sdpa causal", "sdpa", False), ("eager causal", "eager", False),
          ("sdpa + window mask", "sdpa", True), ("eager + window mask", "eager", True),
-         ("banded window", "banded", True), ("flex window", "flex", True)]
+         ("banded window", "banded", True), ("flex window", "flex", True),
+         ("flex causal", "flex", False)]
 EAGER_MAX_T = 4096           # eager keeps T×T scores and weights (and their gradients)
 DENSE_MASK_MAX_T = 8192      # sdpa with a T×T mask falls back to its math path
 
@@ -184,6 +185,10 @@ def main():
                 wins = [T for T in sorted(set(ref) & set(window)) if window[T] < ref[T][0]]
                 print(f"{dev} {mode}: {label} beats sdpa causal from T={wins[0]}" if wins else
                       f"{dev} {mode}: {label} never beats sdpa causal at these lengths")
+            flex = {T: t for d, l, md, T, t, m in rows if d == dev and md == mode
+                    and l == "flex causal"}
+            for T in sorted(set(ref) & set(flex)):                 # the same T²/2 scores
+                print(f"{dev} {mode} T={T}: flex causal / sdpa causal = {flex[T] / ref[T][0]:.2f}x time")
             for T in sorted(set(ref) & set(band)):
                 if T >= 4 * args.window:
                     print(f"{dev} {mode} T={T}: banded window / sdpa causal = "
