@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from model.config import ModelConfig
 from model.cpu_kernels import kernel_dtype, sdpa as cpu_sdpa
-from model.flex import attend as flex_attend
+from model.flex import attend as flex_attend, fits as flex_fits
 from model.mask import Mask, rule
 
 
@@ -198,7 +198,8 @@ def auto_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bo
     tuned = TUNED_FOR_DEVICE.get(q.device.type)
     if tuned is not None:
         return tuned(q, k, v, mask, dropout_p, need_weights)
-    if mask.window and mask.is_whole_sequence and not need_weights and q.is_cuda and not dropout_p:
+    if (mask.window and mask.is_whole_sequence and not need_weights and q.is_cuda
+            and not dropout_p and flex_fits(q)):
         return flex_attention(q, k, v, mask)
     if band_pays(mask, need_weights):
         return banded_attention(q, k, v, mask, dropout_p)

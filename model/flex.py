@@ -53,6 +53,16 @@ def block_mask(length: int, window: int, n_global: int, device: str):
 # padded queries' rows are dropped. bench/flex_cpu_repro.py reproduces it with torch alone.
 CPU_LENGTH_MULTIPLE = 16
 
+# torch's CUDA kernel refuses heads narrower than 16 when it compiles ("NYI: embedding
+# dimension ... at least 16", torch 2.11); such heads, a tiny model's, take the dense path.
+CUDA_MIN_HEAD_DIM = 16
+
+
+def fits(q: torch.Tensor) -> bool:
+    """Whether the fused kernel takes these queries' head width on their device."""
+    return not q.is_cuda or q.shape[-1] >= CUDA_MIN_HEAD_DIM
+
+
 # Whether the kernel agreed with the rule, per call signature (shapes, dtype, device,
 # window, bias). Each signature is checked on its first call, against the rule written
 # out on float32 (`_reference`): a kernel fault that padding does not cover, on any
@@ -71,16 +81,23 @@ def attend(q, k, v, mask: Mask) -> torch.Tensor:
         return _fused(q, k, v, mask)
     if _verdicts.get(key) is False:
         return _dense(q, k, v, mask)
-    out = _fused(q, k, v, mask)
-    if key not in _verdicts:
-        _verdicts[key] = _agrees(q, k, v, mask, out)
-        if not _verdicts[key]:
-            warnings.warn(f"FlexAttention's compiled kernel disagrees with the mask rule for "
-                          f"queries {tuple(q.shape)} in {q.dtype} on {q.device} (torch "
-                          f"{torch.__version__}); that shape uses dense attention instead",
-                          RuntimeWarning, stacklevel=2)
-            return _dense(q, k, v, mask)
-    return out
+    if key in _verdicts:
+        return _fused(q, k, v, mask)
+    why = None if fits(q) else f"heads narrower than {CUDA_MIN_HEAD_DIM} on a GPU"
+    if why is None:
+        try:
+            out = _fused(q, k, v, mask)
+        except torch._dynamo.exc.TorchDynamoException as err:     # the kernel did not compile
+            why = f"it did not compile ({type(err).__name__}: {str(err).splitlines()[0][:160]})"
+    if why is None and not _agrees(q, k, v, mask, out):
+        why = "its compiled kernel disagrees with the mask rule"
+    _verdicts[key] = why is None
+    if why is None:
+        return out
+    warnings.warn(f"FlexAttention for queries {tuple(q.shape)} in {q.dtype} on {q.device} "
+                  f"(torch {torch.__version__}): {why}; that shape uses dense attention "
+                  "instead", RuntimeWarning, stacklevel=2)
+    return _dense(q, k, v, mask)
 
 
 def _fused(q, k, v, mask: Mask) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The article's claims about scaled dot-product attention, checked on the code that
 implements them (model/attention.py), and every backend against a float64 reference."""
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -140,6 +141,11 @@ def test_flex_gradients_match_the_reference_on_a_gpu(mask_name, position):
     (q64, k64, v64), bias_fn32, ref, d_out, ref_grads = _reference_case(mask_name, position)
     q_start, q_len, k_len, window, n_global = MASKS[mask_name]
     q, k, v = (t.float().cuda().requires_grad_() for t in (q64, k64, v64))
+    # The bias's tensors (ALiBi's slopes) on the GPU too, as a model's buffers are: the
+    # compiled kernel cannot read a CPU tensor.
+    cfg = ModelConfig(vocab_size=8, n_head=q.shape[1], n_embd=q.shape[1] * q.shape[-1],
+                      block_size=32, position=position, sliding_window=window, n_global=n_global)
+    bias_fn32 = POSITION_ENCODINGS[position](cfg).cuda().score_bias()
     mask32 = Mask(q_start, q_len, torch.arange(k_len, device="cuda"), window=window,
                   n_global=n_global, bias_fn=bias_fn32)
     out, _ = ATTENTION_BACKENDS["flex"](q, k, v, mask32)
@@ -343,6 +349,46 @@ def test_a_flex_kernel_that_disagrees_with_the_rule_is_never_used(monkeypatch):
     np.testing.assert_allclose(out.double().numpy(), _numpy_flex_reference(q, k, v, mask),
                                atol=1e-5, rtol=0)
     assert len(calls) == 1
+
+
+def test_a_flex_kernel_that_does_not_compile_gives_the_dense_answer_once_warned(monkeypatch):
+    """torch 2.11's CUDA lowering refused some score_mods outright (an InductorError at the
+    first call): the call answers from the dense path with one warning naming why, and
+    the kernel is not compiled again for that shape."""
+    from model import flex
+    calls = []
+
+    def broken(q, k, v, mask):
+        calls.append(q.shape)
+        raise torch._inductor.exc.InductorError(RuntimeError("LoweringException: planted"), None)
+    monkeypatch.setattr(flex, "_fused", broken)
+    monkeypatch.setattr(flex, "_verdicts", {})
+    torch.manual_seed(0)
+    T, kw = list(_flex_cases())[-1]
+    q, k, v = torch.randn(3, 1, 4, T, 8).unbind(0)
+    mask = Mask.over(0, T, T, **kw)
+    warned = []
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out = flex.attend(q, k, v, mask)
+        np.testing.assert_allclose(out.double().numpy(), _numpy_flex_reference(q, k, v, mask),
+                                   atol=1e-5, rtol=0)
+        warned.append([str(w.message) for w in seen])
+    assert len(warned[0]) == 1 and "did not compile (InductorError" in warned[0][0]
+    assert warned[1] == [] and len(calls) == 1
+
+
+def test_flex_takes_narrow_heads_on_a_gpu_to_the_dense_path():
+    """The CUDA kernel needs heads of 16 or more: `auto` keeps narrower windowed heads
+    off flex, and flex itself answers them densely."""
+    from model import flex
+    wide, narrow = torch.empty(1, 2, 8, 16, device="meta"), torch.empty(1, 2, 8, 8, device="meta")
+    assert flex.fits(wide) and flex.fits(narrow)                  # not on a GPU: any width
+    cuda = type("CudaLike", (), {"is_cuda": True, "shape": narrow.shape})()
+    assert not flex.fits(cuda)
+    cuda.shape = wide.shape
+    assert flex.fits(cuda)
 
 
 def test_a_long_flex_block_mask_is_built_without_the_t_by_t_mask():
