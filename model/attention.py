@@ -278,7 +278,8 @@ class MultiHeadAttention(nn.Module):
             # the softmax cannot saturate into the one-hot corner at a high learning rate.
             q, k = F.rms_norm(q, (D,)), F.rms_norm(k, (D,))
         # Positions: RoPE turns queries and keys by their positions (others leave them).
-        q, k = positions.rotate(q, mask.q_start), positions.rotate(k, mask.q_start)
+        q = positions.rotate_in_pass(q, mask.q_start, mask.shared)
+        k = positions.rotate_in_pass(k, mask.q_start, mask.shared)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         if cache is not None:                # keys and values of the earlier tokens too
             k, v = cache.update(self.layer_idx, k, v)

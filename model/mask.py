@@ -8,7 +8,7 @@ positions; the eager mask, SDPA's mask, the banded path and FlexAttention's `mas
 all call it, so they cannot disagree."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
 
@@ -68,6 +68,10 @@ class Mask:
     bias_fn: Callable | None = None
     causal: bool = True
     key_padding: torch.Tensor | None = None
+    # What every layer of this pass would compute alike from the positions (RoPE's
+    # angles), made by the first layer that asks: one set of kernels a pass, not one a
+    # layer, which is most of a decoding step's launches on a GPU.
+    shared: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def over(cls, q_start: int, q_len: int, k_len: int, device=None, **kw) -> "Mask":

@@ -53,6 +53,11 @@ class PositionEncoding(nn.Module):
     def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
         return x
 
+    def rotate_in_pass(self, x: torch.Tensor, start: int, shared: dict) -> torch.Tensor:
+        """`rotate` for one layer of a forward pass; `shared` (Mask.shared) keeps what the
+        pass's layers can reuse. An encoding with nothing to reuse (a learner's) rotates."""
+        return self.rotate(x, start)
+
     def score_bias(self):
         return None
 
@@ -148,6 +153,18 @@ class RoPE(PositionEncoding):
 
     def rotate(self, x, start):
         # x: (B, heads, T, D), the queries or the keys of T positions from start.
+        return Turn.apply(x, *self._turns(x, start))
+
+    def rotate_in_pass(self, x, start, shared):
+        # The queries and keys of every layer of a pass share one start, so one pair of
+        # turning tensors serves them all.
+        key = ("rope", x.shape[-2], x.dtype, x.device)
+        if key not in shared:
+            shared[key] = self._turns(x, start)
+        return Turn.apply(x, *shared[key])
+
+    def _turns(self, x, start):
+        """(cos, cos) and (-sin, sin) of the angles of x's T positions from start."""
         T = x.shape[-2]
         if isinstance(start, int) and start + T <= self.cos.shape[0]:
             cos, sin = self.cos[start:start + T], self.sin[start:start + T]
@@ -161,7 +178,7 @@ class RoPE(PositionEncoding):
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         # Each pair (x1[i], x2[i]) turns by its angle: a 2-D rotation matrix, written out
         # (turn, below), with its own backward.
-        return Turn.apply(x, torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1))
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     def shift(self, k, delta):
         # Rotations compose: turning a key at p by delta·θ_i more puts it at p + delta.
