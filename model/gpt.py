@@ -3,6 +3,7 @@ that scores every vocabulary entry as the next token, and generation from it (th
 caches it decodes with are in model/cache.py)."""
 from __future__ import annotations
 
+import weakref
 from typing import Iterator, NamedTuple
 
 import torch
@@ -329,14 +330,17 @@ class GPT(nn.Module):
             logits_of = self._decode_reprefill(idx[:, -window:], steps)
         # Each mode below is a generator: it yields the logits for the next token and is
         # sent the token chosen from them.
-        for i in range(max_new_tokens):
-            logits = next(logits_of) if i == 0 else logits_of.send(token)
-            logits = logits[:, -1].float()        # sampling maths in fp32 whatever the weights
-            token = (forced[:, i:i + 1] if forced is not None else
-                     sample_next(logits, temperature, top_k, top_p, generator))
-            if on_step is not None:
-                on_step(logits, token)
-            yield token
+        try:
+            for i in range(max_new_tokens):
+                logits = next(logits_of) if i == 0 else logits_of.send(token)
+                logits = logits[:, -1].float()    # sampling maths in fp32 whatever the weights
+                token = (forced[:, i:i + 1] if forced is not None else
+                         sample_next(logits, temperature, top_k, top_p, generator))
+                if on_step is not None:
+                    on_step(logits, token)
+                yield token
+        finally:
+            steps.release()
 
     def _decode_full(self, context):
         """No cache: every step re-reads the newest block_size tokens, sliding the context
@@ -375,25 +379,58 @@ class GPT(nn.Module):
         return self._decode_rolling(context, steps, self.new_stream_cache(window, sinks))
 
 
+# A model's static cache and recorded step, kept for its next generate call: recording a
+# step costs as much as decoding dozens of tokens. Weak keys, so a dropped model takes its
+# graph with it; outside the module, so copying a model never copies a CUDA graph.
+_KEPT_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _hooked(model: nn.Module) -> bool:
+    """Whether Python runs at a forward (a tool's hooks): a recorded graph would skip it."""
+    return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
+                or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()))
+
+
 class CachedSteps:
     """One token at a time after a prefill, as `decode` says: through the growing cache
     itself (`cache`), through a preallocated copy of it stepped by tensors alone
     (`static`), or that step replayed as a CUDA graph (`graph`). The static cache and the
-    graph are made once and reloaded after every prefill."""
+    graph are made once and reloaded after every prefill, and kept for the model's next
+    call while its weights stay where they are (same tensors, in place updates
+    included) and no hook is set."""
 
     def __init__(self, model: GPT, decode: str, batch: int):
         self.model, self.decode, self.batch = model, decode, batch
-        self.cache = self.static = self.graph = None
+        self.cache = self.static = self.graph = self.key = None
+
+    def _key(self):
+        if _hooked(self.model):
+            return None
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return (self.decode, self.batch, self.model.training,
+                tuple((t.data_ptr(), t.dtype, t.device) for t in tensors))
 
     def prefill(self, context: torch.Tensor, cache: KVCache) -> torch.Tensor:
         self.cache = cache
         logits = self.model(context, cache=cache).logits
         if self.decode != "cache":
-            self.static = self.static or self.model.new_static_cache(self.model.config.block_size)
+            if self.static is None:
+                # Taken out while in use, so a second call at the same time makes its own.
+                self.key, kept = self._key(), _KEPT_STEPS.pop(self.model, None)
+                if self.key is not None and kept is not None and kept[0] == self.key:
+                    self.static, self.graph = kept[1], kept[2]
+                else:
+                    del kept                                # its memory goes before a new one
+                    self.static = self.model.new_static_cache(self.model.config.block_size)
             self.static.load(cache)
             if self.decode == "graph" and self.graph is None:
                 self.graph = CapturedStep(self.model, self.static, self.batch)
         return logits
+
+    def release(self) -> None:
+        """Keep the static cache and the recorded step for the model's next call."""
+        if self.static is not None and self.key is not None:
+            _KEPT_STEPS[self.model] = (self.key, self.static, self.graph)
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         if self.graph is not None:

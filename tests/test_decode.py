@@ -150,3 +150,66 @@ def test_token_mix_draws_the_same_tokens_from_every_cache_and_the_full_pass():
     assert torch.equal(runs["cache"], runs["full"]) and torch.equal(runs["static"], runs["full"])
     tokens, _ = _draw(model, prompt, "static")                  # past it, through the re-read
     assert torch.equal(tokens, _draw(model, prompt, "cache")[0])
+
+
+def test_the_static_cache_is_kept_for_the_next_call_and_remade_when_the_weights_move():
+    """Recording a graph costs as much as dozens of tokens, so a model's static cache
+    (and recorded step) serves its next generate call; a model whose weights moved
+    (another dtype) gets a new one, and either way draws the growing cache's tokens."""
+    from model.gpt import _KEPT_STEPS
+    torch.manual_seed(0)
+    model = GPT(tiny(position="rope")).eval()
+    prompt = torch.randint(0, 40, (1, 5))
+    first = _draw(model, prompt, "static")[0]
+    kept = _KEPT_STEPS[model][1]
+    assert torch.equal(_draw(model, prompt, "static")[0], first)
+    assert _KEPT_STEPS[model][1] is kept
+    assert torch.equal(first, _draw(model, prompt, "cache")[0])
+    model.double()
+    assert torch.equal(_draw(model, prompt, "static")[0], _draw(model, prompt, "cache")[0])
+    assert _KEPT_STEPS[model][1] is not kept and _KEPT_STEPS[model][1].k.dtype == torch.float64
+
+
+def test_two_generate_calls_at_once_do_not_share_a_static_cache():
+    torch.manual_seed(0)
+    model = GPT(tiny(position="rope")).eval()
+    prompts = torch.randint(0, 40, (2, 1, 4))
+    list(model.generate(prompts[0], 3, decode="static"))            # one kept, to be taken
+    expected = [torch.cat(list(model.generate(p, 30, temperature=0, decode="cache")), 1)
+                for p in prompts]
+    a, b = (model.generate(p, 30, temperature=0, decode="static") for p in prompts)
+    drawn = [[], []]
+    for ta, tb in zip(a, b):                                        # interleaved, step by step
+        drawn[0].append(ta)
+        drawn[1].append(tb)
+    for got, want in zip(drawn, expected):
+        assert torch.equal(torch.cat(got, 1), want)
+
+
+def test_a_decoding_step_computes_ropes_angles_once_not_once_a_layer():
+    """On a GPU a step's time is its kernel launches: the angles of the step's position
+    are the same for every layer's queries and keys, so they are made once a pass."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.cos = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.cos += func.overloadpacket.__name__ == "cos"
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = GPT(tiny(position="rope", n_layer=3)).eval()
+    x = torch.randint(0, 40, (1, 6))
+    with torch.no_grad():
+        cache = model.new_cache(16)
+        model(x[:, :5], cache=cache)
+        static = model.new_static_cache(16)
+        static.load(cache)
+        with Count() as count:
+            step = model(x[:, 5:], cache=static).logits
+        full = model(x).logits[:, 5:]
+    assert count.cos == 1
+    torch.testing.assert_close(step, full, atol=2e-5, rtol=0)
