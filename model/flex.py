@@ -75,29 +75,42 @@ CHECK_ELEMENTS = 1 << 24
 
 def attend(q, k, v, mask: Mask) -> torch.Tensor:
     """softmax(Q·Kᵀ/√d_k + bias, masked by the rule)·V for a whole sequence."""
-    key = (tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), mask.window, mask.n_global,
-           None if mask.bias_fn is None else getattr(mask.bias_fn, "__qualname__", "bias"))
+    if not fits(q):                              # decided by shapes alone: traces as well
+        if not torch.compiler.is_compiling():
+            _warn_once(q, f"heads narrower than {CUDA_MIN_HEAD_DIM} on a GPU")
+        return _dense(q, k, v, mask)
     if torch.compiler.is_compiling():            # inside a compiled model: traced as it is
         return _fused(q, k, v, mask)
-    if _verdicts.get(key) is False:
+    bias = None if mask.bias_fn is None else getattr(mask.bias_fn, "__qualname__", "bias")
+    # A kernel that does not compile fails at every length, so that verdict leaves T out.
+    kind = (q.shape[1], q.shape[-1], q.dtype, str(q.device), mask.window, mask.n_global, bias)
+    key = (tuple(q.shape), tuple(k.shape), *kind)
+    if _verdicts.get(key) is False or _verdicts.get(kind) is False:
         return _dense(q, k, v, mask)
     if key in _verdicts:
         return _fused(q, k, v, mask)
-    why = None if fits(q) else f"heads narrower than {CUDA_MIN_HEAD_DIM} on a GPU"
-    if why is None:
-        try:
-            out = _fused(q, k, v, mask)
-        except torch._dynamo.exc.TorchDynamoException as err:     # the kernel did not compile
-            why = f"it did not compile ({type(err).__name__}: {str(err).splitlines()[0][:160]})"
-    if why is None and not _agrees(q, k, v, mask, out):
-        why = "its compiled kernel disagrees with the mask rule"
-    _verdicts[key] = why is None
-    if why is None:
+    try:
+        out = _fused(q, k, v, mask)
+    except torch._dynamo.exc.TorchDynamoException as err:     # the kernel did not compile
+        _verdicts[kind] = False
+        _warn_once(q, f"it did not compile ({type(err).__name__}: "
+                      f"{str(err).splitlines()[0][:160]})")
+        return _dense(q, k, v, mask)
+    _verdicts[key] = _agrees(q, k, v, mask, out)
+    if _verdicts[key]:
         return out
-    warnings.warn(f"FlexAttention for queries {tuple(q.shape)} in {q.dtype} on {q.device} "
-                  f"(torch {torch.__version__}): {why}; that shape uses dense attention "
-                  "instead", RuntimeWarning, stacklevel=2)
+    _warn_once(q, "its compiled kernel disagrees with the mask rule")
     return _dense(q, k, v, mask)
+
+
+def _warn_once(q, why: str) -> None:
+    said = (why, q.dtype, str(q.device), q.shape[-1])
+    if said in _verdicts:
+        return
+    _verdicts[said] = False
+    warnings.warn(f"FlexAttention for queries {tuple(q.shape)} in {q.dtype} on {q.device} "
+                  f"(torch {torch.__version__}): {why}; dense attention instead",
+                  RuntimeWarning, stacklevel=3)
 
 
 def _fused(q, k, v, mask: Mask) -> torch.Tensor:

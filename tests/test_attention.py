@@ -377,11 +377,18 @@ def test_a_flex_kernel_that_does_not_compile_gives_the_dense_answer_once_warned(
         warned.append([str(w.message) for w in seen])
     assert len(warned[0]) == 1 and "did not compile (InductorError" in warned[0][0]
     assert warned[1] == [] and len(calls) == 1
+    # Another length of the same kind: not compiled again, not warned again.
+    q2, k2, v2 = torch.randn(3, 1, 4, T + 5, 8).unbind(0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        flex.attend(q2, k2, v2, Mask.over(0, T + 5, T + 5, **kw))
+    assert seen == [] and len(calls) == 1
 
 
-def test_flex_takes_narrow_heads_on_a_gpu_to_the_dense_path():
-    """The CUDA kernel needs heads of 16 or more: `auto` keeps narrower windowed heads
-    off flex, and flex itself answers them densely."""
+def test_flex_takes_heads_its_kernel_refuses_to_the_dense_path(monkeypatch):
+    """The CUDA kernel needs heads of 16 or more: narrower ones are answered densely, with
+    one warning, without asking the kernel (which would fail to compile), also inside a
+    compiled model; the rule itself reads the device and the width."""
     from model import flex
     wide, narrow = torch.empty(1, 2, 8, 16, device="meta"), torch.empty(1, 2, 8, 8, device="meta")
     assert flex.fits(wide) and flex.fits(narrow)                  # not on a GPU: any width
@@ -389,6 +396,23 @@ def test_flex_takes_narrow_heads_on_a_gpu_to_the_dense_path():
     assert not flex.fits(cuda)
     cuda.shape = wide.shape
     assert flex.fits(cuda)
+
+    calls = []
+    monkeypatch.setattr(flex, "fits", lambda q: False)
+    monkeypatch.setattr(flex, "_fused", lambda *a: calls.append(1))
+    monkeypatch.setattr(flex, "_verdicts", {})
+    torch.manual_seed(0)
+    T, kw = list(_flex_cases())[-1]
+    q, k, v = torch.randn(3, 1, 4, T, 8).unbind(0)
+    mask = Mask.over(0, T, T, **kw)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        outs = [flex.attend(q, k, v, mask), flex.attend(q, k, v, mask),
+                torch.compile(flex.attend, fullgraph=True)(q, k, v, mask)]
+    assert len([w for w in seen if "narrower than 16" in str(w.message)]) == 1 and calls == []
+    for out in outs:
+        np.testing.assert_allclose(out.double().numpy(), _numpy_flex_reference(q, k, v, mask),
+                                   atol=1e-5, rtol=0)
 
 
 def test_a_long_flex_block_mask_is_built_without_the_t_by_t_mask():
