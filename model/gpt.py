@@ -339,8 +339,10 @@ class GPT(nn.Module):
                 if on_step is not None:
                     on_step(logits, token)
                 yield token
-        finally:
+        except GeneratorExit:                     # the caller stopped early: all is well
             steps.release()
+            raise
+        steps.release()                           # (not after an error: it may be the cache's)
 
     def _decode_full(self, context):
         """No cache: every step re-reads the newest block_size tokens, sliding the context
@@ -407,7 +409,11 @@ class CachedSteps:
         if _hooked(self.model):
             return None
         tensors = [*self.model.parameters(), *self.model.buffers()]
-        return (self.decode, self.batch, self.model.training,
+        device = tensors[0].device.type if tensors else "cpu"
+        # What decides the cache's dtype and kind of tensors beside the weights themselves.
+        precision = (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device),
+                     torch.is_inference_mode_enabled())
+        return (self.decode, self.batch, self.model.training, precision,
                 tuple((t.data_ptr(), t.dtype, t.device) for t in tensors))
 
     def prefill(self, context: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -71,7 +71,7 @@ class Mask:
     # What every layer of this pass would compute alike from the positions (RoPE's
     # angles), made by the first layer that asks: one set of kernels a pass, not one a
     # layer, which is most of a decoding step's launches on a GPU.
-    shared: dict = field(default_factory=dict, repr=False, compare=False)
+    shared: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def over(cls, q_start: int, q_len: int, k_len: int, device=None, **kw) -> "Mask":

@@ -213,3 +213,39 @@ def test_a_decoding_step_computes_ropes_angles_once_not_once_a_layer():
         full = model(x).logits[:, 5:]
     assert count.cos == 1
     torch.testing.assert_close(step, full, atol=2e-5, rtol=0)
+
+
+def test_a_kept_static_cache_serves_only_a_call_like_the_one_that_made_it():
+    """Another batch, autocast, inference mode, training mode or a hook set (which a
+    recorded graph would skip) each need a cache of their own: the kept one is not
+    taken, and every call draws the growing cache's tokens."""
+    from model.gpt import _KEPT_STEPS
+    torch.manual_seed(0)
+    model = GPT(tiny(position="rope")).eval()
+    prompt = torch.randint(0, 40, (2, 5))
+
+    def same(p, **kw):
+        got = torch.cat(list(model.generate(p, 20, temperature=0, decode="static", **kw)), 1)
+        want = torch.cat(list(model.generate(p, 20, temperature=0, decode="cache", **kw)), 1)
+        assert torch.equal(got, want)
+        return _KEPT_STEPS.get(model, (None, None))[1]
+
+    one = same(prompt[:1])
+    assert same(prompt[:1]) is one
+    assert same(prompt) is not one                                  # batch 2
+    two = same(prompt)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert same(prompt) is not two and _KEPT_STEPS[model][1].k.dtype == torch.bfloat16
+    assert same(prompt) is not None and _KEPT_STEPS[model][1].k.dtype == torch.float32
+    with torch.inference_mode():
+        kept = same(prompt)
+    assert same(prompt) is not kept
+    kept = same(prompt)
+    model.train()                                                   # (no dropout: same tokens)
+    assert same(prompt) is not kept
+    model.eval()
+    handle = model.blocks[0].register_forward_hook(lambda *a: None)
+    _KEPT_STEPS.pop(model, None)
+    same(prompt)
+    assert model not in _KEPT_STEPS                                 # a hooked model keeps none
+    handle.remove()
