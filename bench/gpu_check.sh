@@ -50,7 +50,7 @@ section() {
     echo "== $1 (at ${SECONDS} s)"
     timeout --signal=INT --kill-after=20 "$left" bash -c "$3"
     local rc=$?
-    (( rc == 0 )) || echo "  ($1 ended with status $rc${rc/124/: out of time})"
+    (( rc == 0 )) || echo "  ($1 ended with status $rc$( (( rc == 124 )) && echo ': out of time'))"
 }
 
 header() {
