@@ -383,7 +383,8 @@ class GPT(nn.Module):
 
 # A model's static cache and recorded step, kept for its next generate call: recording a
 # step costs as much as decoding dozens of tokens. Weak keys, so a dropped model takes its
-# graph with it; outside the module, so copying a model never copies a CUDA graph.
+# graph with it; outside the module, so copying a model never copies a CUDA graph. What
+# is kept holds batch x block_size keys and values a layer until then.
 _KEPT_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
