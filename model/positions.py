@@ -191,15 +191,15 @@ class RoPE(PositionEncoding):
 def turn(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
     """(x1·cos - x2·sin, x2·cos + x1·sin) for the halves x1, x2 of x's last dimension,
     given cos2 = (cos, cos) and sin2 = (-sin, sin): x·cos2 + (x2, x1)·sin2, the same
-    numbers as the rotation written out, in four passes over x instead of seven."""
+    numbers as the rotation written out, in three passes over x instead of seven (and
+    three kernels, where a GPU's decoding step is counted in kernels)."""
     x1, x2 = x.chunk(2, dim=-1)
-    out = x * cos2
-    return out.add_(torch.cat((x2, x1), dim=-1).mul_(sin2))
+    return (x * cos2).addcmul_(torch.cat((x2, x1), dim=-1), sin2)
 
 
 class Turn(torch.autograd.Function):
     """RoPE's rotation with its backward written out: the gradient turns back by the
-    opposite angle (a rotation's transpose is its inverse), four passes again, where
+    opposite angle (a rotation's transpose is its inverse), three passes again, where
     autograd's backward of the written-out rotation takes about a dozen and keeps x's
     halves (the time saved on a CPU: docs/benchmarks.md, "--budget on AVX2")."""
 
