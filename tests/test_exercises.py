@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from attnlab.exercises.checks import EXERCISES, BY_NAME, run_check
 from attnlab.exercises import __main__ as tool
@@ -361,6 +362,26 @@ def test_training_with_the_learners_code_matches_eager_and_rope(corpus, tmp_path
                          "--prompt=ROMEO:", cwd=tmp_path / "runs")
     assert f"position: yours (apply_rope in {mine.resolve()}" in sampled.stderr
     assert sampled.stdout.startswith("ROMEO:")
+
+
+@pytest.mark.parametrize("n_kv_head", [0, 2])
+def test_the_learners_rope_turns_queries_and_fewer_keys_as_the_projects_does(n_kv_head, monkeypatch):
+    """The learner's apply_rope (here the answer key) in place of the project's RoPE gives
+    the same logits, grouped key/value heads included (their keys are fewer than the
+    queries, which once made the split of a layer's heads negative)."""
+    import importlib
+    from attnlab.exercises import plug
+    from model import GPT, ModelConfig
+    from model.positions import POSITION_ENCODINGS
+    answer = importlib.import_module("attnlab.exercises.solutions.05_rope").apply_rope
+    monkeypatch.setitem(POSITION_ENCODINGS, "yours",
+                        type("YourRoPE", (plug.YourRoPE,), {"learner": staticmethod(answer)}))
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=20, n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=32, block_size=16)
+    project, learners = GPT(ModelConfig(position="rope", **sizes)), GPT(ModelConfig(position="yours", **sizes))
+    learners.load_state_dict(project.state_dict())
+    x = torch.randint(0, 20, (2, 10))
+    torch.testing.assert_close(learners(x).logits, project(x).logits, atol=1e-5, rtol=0)
 
 
 def test_a_run_remembers_its_exercises_folder_and_exercises_overrides_it(tmp_path, monkeypatch):

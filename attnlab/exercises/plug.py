@@ -58,11 +58,12 @@ class YourRoPE(YourPositions):
     learner = None             # set on the subclass prepare() makes
 
     def rotate(self, x, start):
-        # x holds the queries' heads, then the keys': (B, n_head + n_kv_head, T, d_k).
+        # x holds one layer's queries or its keys, (B, heads, T, d_k), as many heads as
+        # either has (fewer keys with GQA); apply_rope turns both alike, so x goes in as
+        # the queries, beside no keys.
         positions = start + torch.arange(x.shape[-2], device=x.device)
-        q, k = x.split([self.config.n_head, x.shape[1] - self.config.n_head], dim=1)
-        q, k = type(self).learner(q, k, positions, self.config.rope_theta)
-        return torch.cat([q, k], dim=1)
+        turned, _ = type(self).learner(x, x[:, :0], positions, self.config.rope_theta)
+        return turned
 
 
 class YourSinusoidal(YourPositions):
