@@ -23,28 +23,42 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export CORPUS="${1:-data/tinyshakespeare/input.txt.gz}"
 export RUNS="${RUNS:-bench/out/gpu_check}"
-mkdir -p "$RUNS"
 LOG="${LOG:-$RUNS/summary.txt}"
-exec > >(tee "$LOG") 2>&1
 DEADLINE="${DEADLINE:-480}"
+# Refused before any work: on a lent GPU a wrong setting would spend its time for nothing.
+if ! [[ "$DEADLINE" =~ ^[0-9]+$ ]] || (( DEADLINE == 0 )); then
+    echo "error: DEADLINE is the whole check's limit in seconds (like 480), not '$DEADLINE'" >&2
+    exit 2
+fi
+if ! mkdir -p "$RUNS" 2>/dev/null || ! [[ -w "$RUNS" ]]; then
+    echo "error: RUNS=$RUNS is not a folder this script can write; set RUNS to one" >&2
+    exit 2
+fi
+if ! touch "$LOG" 2>/dev/null; then
+    echo "error: LOG=$LOG cannot be written; set LOG to a file in a writable folder" >&2
+    exit 2
+fi
+exec > >(tee "$LOG") 2>&1
 export WANDB_MODE=disabled PYTHONUNBUFFERED=1
 if [[ "${DRY:-}" == 1 ]]; then
     GPU="--config tiny --train.max_iters=40 --train.eval_interval=20"
     BABY="--config tiny --train.max_iters=400 --train.eval_interval=20"
     SIZE="--config tiny --train.max_iters=30"
     BUDGET=20s; LENGTHS="256 512"; DEVICE=cpu; TESTS="flex_gradients or bfloat16 or draws_the_same"
+    SCALE=4                                   # a section's seconds on a GPU, over a dry run's
 else
     GPU="--config gpu"; BABY="--config baby"; SIZE="--config gpu --train.max_iters=300"
     BUDGET=30s; LENGTHS="2048 8192 32768"; DEVICE=cuda; TESTS="flex_gradients or cuda_graph or float16"
+    SCALE=1
 fi
 export GPU BABY SIZE BUDGET LENGTHS DEVICE TESTS
 
 # section NAME SECONDS_NEEDED FUNCTION: runs FUNCTION under what is left of the deadline
 # (SIGINT first, so a training run stops with a final evaluation and checkpoint).
 section() {
-    local left=$((DEADLINE - SECONDS))
-    if (( left < $2 )); then
-        echo "== $1: skipped, ${left} s left of ${DEADLINE} s"
+    local left=$((DEADLINE - SECONDS)) need=$(( ($2 + SCALE - 1) / SCALE ))
+    if (( left < need )); then
+        echo "== $1: skipped, it needs ${need} s and ${left} s are left of ${DEADLINE} s"
         return
     fi
     echo "== $1 (at ${SECONDS} s)"
@@ -103,6 +117,10 @@ preset() {   # name, options
 }
 
 generation() {
+if [[ ! -f "$RUNS/gpu/metrics.jsonl" ]]; then
+    echo "  skipped: no gpu preset run in $RUNS/gpu to decode with (its section did not run)"
+    return 0
+fi
 python - "$RUNS/gpu" "$DEVICE" <<'PY'
 import sys, time, torch, transformers
 from engine.inference import load_run
