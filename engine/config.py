@@ -226,6 +226,10 @@ class RunConfig:
             raise ConfigError(f"sample.seed must be between 0 and 2**63 - 1, got {sample.seed}")
         if sample.explain_top < 1:
             raise ConfigError(f"sample.explain_top must be at least 1, got {sample.explain_top}")
+        if not sample.use_cache and sample.decode != "auto":
+            raise ConfigError(f"sample.decode={sample.decode} says how to keep the KV cache, "
+                              "and sample.use_cache=false turns the cache off: drop one of "
+                              "the two")
         if sample.sinks:
             # Sinks live in a rolling KV cache: say so here, before generate() would raise.
             if sample.sinks < 0:

@@ -309,6 +309,17 @@ def test_attention_sinks_that_cannot_work_get_one_error_line(run20, options, say
     assert proc.stderr.strip().splitlines()[-1].startswith(says), proc.stderr
 
 
+def test_a_decode_mode_with_the_cache_turned_off_gets_one_error_line(run20):
+    """--decode names how the cache is kept; --use_cache false turns it off: asked for
+    both, the run is refused instead of quietly decoding without a cache."""
+    _, run = run20
+    proc = run_script("sample.py", "--run", run, "--max_new_tokens=3", "--decode=static",
+                      "--use_cache=false", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "error: sample.decode=static says how to keep the KV cache"), proc.stderr
+
+
 @pytest.mark.parametrize("failure", ["oserror", "safetensors"])
 def test_a_full_disk_mid_checkpoint_leaves_no_temporary_folder(failure, tmp_path, monkeypatch):
     import errno
