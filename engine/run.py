@@ -249,7 +249,9 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
               sharded=sharded, log=log)
     run.made_dir = dist.is_main and not run.run_dir.exists()
     try:
-        if dist.is_main:
+        if dist.is_main and not (run_dir or train_cfg.run_name or resume) and dist.world == 1:
+            _claim_fresh_dir(run)
+        elif dist.is_main:
             run.lock = _lock_run_dir(run.run_dir)
         if isinstance(resume, Path) and resume.parent.parent.resolve() != run.run_dir.resolve():
             _branch(run, resume)
@@ -380,6 +382,29 @@ def _lock_run_dir(run_dir: Path):
                               f"{lock_holder(run_dir / '.lock')}); wait for it to finish, or "
                               "choose another train.run_name")
     return lock
+
+
+def _claim_fresh_dir(run: Run) -> None:
+    """A run named for its preset and the second it started: a second run started in
+    the same second (two trainings at once on one laptop) takes the name with -2, -3, ...
+    instead of being refused for the first one's folder. (One process: under torchrun
+    every rank must name the same folder.)"""
+    base = run.run_dir
+    for n in range(1, 100):
+        run.run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        run.made_dir = not run.run_dir.exists()
+        if blocking := file_in_the_way(run.run_dir):
+            raise ConfigError(f"{blocking} is a file, where the run {run.run_dir} needs a "
+                              "folder; give --train.out_dir a folder (it is made if missing)")
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        lock = lock_file(run.run_dir / ".lock", wait=False)
+        if lock is not None and not checkpoint.list_checkpoints(run.run_dir):
+            run.lock = lock
+            return
+        if lock is not None:
+            lock.close()
+    raise CheckpointError(f"{base} and 98 more names after it are taken; choose a "
+                          "train.run_name")
 
 
 def _check_parallel(cfg: RunConfig, dist: Dist) -> None:

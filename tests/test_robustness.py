@@ -133,6 +133,26 @@ def test_a_second_process_on_the_same_run_is_refused(corpus, tmp_path):
     setup_run(cfg, log=lambda *a: None).lock.close()
 
 
+def test_two_runs_started_in_the_same_second_take_two_folders(corpus, tmp_path, monkeypatch):
+    """A run's own name is its preset and the second it started: two trainings started
+    together on one laptop go on side by side, the second in NAME-2, where it was
+    refused for the first one's folder; a finished run's folder is passed over too."""
+    from engine import run as engine_run
+    monkeypatch.setattr(engine_run, "_fresh_name", lambda cfg: "tiny-20261204-190550")
+    cfg = lambda: cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                                     f"--train.out_dir={tmp_path / 'runs'}"])
+    first = engine_run.setup_run(cfg(), log=lambda *a: None)
+    second = engine_run.setup_run(cfg(), log=lambda *a: None)
+    assert (first.run_dir.name, second.run_dir.name) == ("tiny-20261204-190550",
+                                                         "tiny-20261204-190550-2")
+    first.lock.close()
+    second.lock.close()
+    (first.run_dir / "checkpoints" / "step_0000004").mkdir(parents=True)   # as if finished
+    third = engine_run.setup_run(cfg(), log=lambda *a: None)
+    assert third.run_dir.name == "tiny-20261204-190550-2"
+    third.lock.close()
+
+
 def test_two_trainings_building_one_token_cache_at_once_both_succeed(corpus, tmp_path):
     procs = [subprocess.Popen([sys.executable, *tiny(corpus, tmp_path, f"p{i}", "--train.max_iters=2")],
                               cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
