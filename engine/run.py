@@ -369,14 +369,20 @@ def fit_readout(model_cfg, counts: torch.Tensor, log) -> None:
             "tokens and get the full softmax; the rest go through its tail")
 
 
-def _lock_run_dir(run_dir: Path):
-    """One training process per run directory: a second one writing into the same run
-    would interleave its metrics and checkpoints with the first's."""
+def _try_lock_run_dir(run_dir: Path):
+    """The run directory made and locked for this process, or None where another
+    training process holds it."""
     if blocking := file_in_the_way(run_dir):
         raise ConfigError(f"{blocking} is a file, where the run {run_dir} needs a folder; give "
                           "--train.out_dir a folder (it is made if missing)")
     run_dir.mkdir(parents=True, exist_ok=True)
-    lock = lock_file(run_dir / ".lock", wait=False)
+    return lock_file(run_dir / ".lock", wait=False)
+
+
+def _lock_run_dir(run_dir: Path):
+    """One training process per run directory: a second one writing into the same run
+    would interleave its metrics and checkpoints with the first's."""
+    lock = _try_lock_run_dir(run_dir)
     if lock is None:
         raise CheckpointError(f"{run_dir} is being written by another training process (pid "
                               f"{lock_holder(run_dir / '.lock')}); wait for it to finish, or "
@@ -393,11 +399,7 @@ def _claim_fresh_dir(run: Run) -> None:
     for n in range(1, 100):
         run.run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
         run.made_dir = not run.run_dir.exists()
-        if blocking := file_in_the_way(run.run_dir):
-            raise ConfigError(f"{blocking} is a file, where the run {run.run_dir} needs a "
-                              "folder; give --train.out_dir a folder (it is made if missing)")
-        run.run_dir.mkdir(parents=True, exist_ok=True)
-        lock = lock_file(run.run_dir / ".lock", wait=False)
+        lock = _try_lock_run_dir(run.run_dir)
         if lock is not None and not checkpoint.list_checkpoints(run.run_dir):
             run.lock = lock
             return

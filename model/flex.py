@@ -104,6 +104,7 @@ def attend(q, k, v, mask: Mask) -> torch.Tensor:
 
 
 def _warn_once(q, why: str) -> None:
+    # What was said is kept beside the verdicts, so clearing those clears it too.
     said = (why, q.dtype, str(q.device), q.shape[-1])
     if said in _verdicts:
         return

@@ -326,6 +326,19 @@ def test_flex_is_right_at_short_lengths_and_with_alibi_in_a_window():
                                        atol=1e-5, rtol=0, err_msg=f"T={T} {sorted(kw)}")
 
 
+def _planted_case():
+    """Inputs of the last flex case, for the tests that plant a kernel."""
+    torch.manual_seed(0)
+    T, kw = list(_flex_cases())[-1]
+    q, k, v = torch.randn(3, 1, 4, T, 8).unbind(0)
+    return q, k, v, Mask.over(0, T, T, **kw)
+
+
+def _assert_dense_answer(out, q, k, v, mask):
+    np.testing.assert_allclose(out.double().numpy(), _numpy_flex_reference(q, k, v, mask),
+                               atol=1e-5, rtol=0)
+
+
 def test_a_flex_kernel_that_disagrees_with_the_rule_is_never_used(monkeypatch):
     """A wrong compiled kernel (planted) is caught on the first call of its shape: the
     answer comes from the dense path, with one warning, and the kernel is not asked again."""
@@ -337,17 +350,10 @@ def test_a_flex_kernel_that_disagrees_with_the_rule_is_never_used(monkeypatch):
         return torch.zeros_like(q)
     monkeypatch.setattr(flex, "_fused", wrong)
     monkeypatch.setattr(flex, "_verdicts", {})
-    torch.manual_seed(0)
-    T, kw = list(_flex_cases())[-1]
-    q, k, v = torch.randn(3, 1, 4, T, 8).unbind(0)
-    mask = Mask.over(0, T, T, **kw)
+    q, k, v, mask = _planted_case()
     with pytest.warns(RuntimeWarning, match="disagrees with the mask rule"):
-        out = flex.attend(q, k, v, mask)
-    np.testing.assert_allclose(out.double().numpy(), _numpy_flex_reference(q, k, v, mask),
-                               atol=1e-5, rtol=0)
-    out = flex.attend(q, k, v, mask)
-    np.testing.assert_allclose(out.double().numpy(), _numpy_flex_reference(q, k, v, mask),
-                               atol=1e-5, rtol=0)
+        _assert_dense_answer(flex.attend(q, k, v, mask), q, k, v, mask)
+    _assert_dense_answer(flex.attend(q, k, v, mask), q, k, v, mask)
     assert len(calls) == 1
 
 
@@ -363,17 +369,13 @@ def test_a_flex_kernel_that_does_not_compile_gives_the_dense_answer_once_warned(
         raise torch._inductor.exc.InductorError(RuntimeError("LoweringException: planted"), None)
     monkeypatch.setattr(flex, "_fused", broken)
     monkeypatch.setattr(flex, "_verdicts", {})
-    torch.manual_seed(0)
-    T, kw = list(_flex_cases())[-1]
-    q, k, v = torch.randn(3, 1, 4, T, 8).unbind(0)
-    mask = Mask.over(0, T, T, **kw)
+    q, k, v, mask = _planted_case()
+    T = mask.q_len
     warned = []
     for _ in range(2):
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            out = flex.attend(q, k, v, mask)
-        np.testing.assert_allclose(out.double().numpy(), _numpy_flex_reference(q, k, v, mask),
-                                   atol=1e-5, rtol=0)
+            _assert_dense_answer(flex.attend(q, k, v, mask), q, k, v, mask)
         warned.append([str(w.message) for w in seen])
     assert len(warned[0]) == 1 and "did not compile (InductorError" in warned[0][0]
     assert warned[1] == [] and len(calls) == 1
@@ -381,7 +383,8 @@ def test_a_flex_kernel_that_does_not_compile_gives_the_dense_answer_once_warned(
     q2, k2, v2 = torch.randn(3, 1, 4, T + 5, 8).unbind(0)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        flex.attend(q2, k2, v2, Mask.over(0, T + 5, T + 5, **kw))
+        flex.attend(q2, k2, v2, Mask.over(0, T + 5, T + 5, window=mask.window,
+                                          n_global=mask.n_global, bias_fn=mask.bias_fn))
     assert seen == [] and len(calls) == 1
 
 
@@ -401,18 +404,14 @@ def test_flex_takes_heads_its_kernel_refuses_to_the_dense_path(monkeypatch):
     monkeypatch.setattr(flex, "fits", lambda q: False)
     monkeypatch.setattr(flex, "_fused", lambda *a: calls.append(1))
     monkeypatch.setattr(flex, "_verdicts", {})
-    torch.manual_seed(0)
-    T, kw = list(_flex_cases())[-1]
-    q, k, v = torch.randn(3, 1, 4, T, 8).unbind(0)
-    mask = Mask.over(0, T, T, **kw)
+    q, k, v, mask = _planted_case()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         outs = [flex.attend(q, k, v, mask), flex.attend(q, k, v, mask),
                 torch.compile(flex.attend, fullgraph=True)(q, k, v, mask)]
     assert len([w for w in seen if "narrower than 16" in str(w.message)]) == 1 and calls == []
     for out in outs:
-        np.testing.assert_allclose(out.double().numpy(), _numpy_flex_reference(q, k, v, mask),
-                                   atol=1e-5, rtol=0)
+        _assert_dense_answer(out, q, k, v, mask)
 
 
 def test_a_long_flex_block_mask_is_built_without_the_t_by_t_mask():
