@@ -17,6 +17,23 @@ from pathlib import Path
 JSON_LIMIT = 64 << 20       # bytes: the project's own JSON files are far smaller
 
 
+def inside(folder: Path, name, roots: tuple[Path, ...] | None = None) -> Path | None:
+    """The resolved path of `name`, a name read from a file, inside `folder`; None unless
+    it is a non-empty relative path that stays inside the folder (or one of `roots`)
+    with every symlink followed. The one rule for every name a file gives: a shard in
+    meta.json, a file in a checkpoint's state.json, a weight file in a transformers
+    index. Whether a path outside exists is never looked at, so a refusal cannot tell."""
+    if not isinstance(name, str) or not name or "\0" in name or os.path.isabs(name):
+        return None
+    try:
+        target = (Path(folder) / name).resolve()
+    except (OSError, RuntimeError):             # a loop of symlinks
+        return None
+    if not any(target.is_relative_to(root) for root in (roots or (Path(folder).resolve(),))):
+        return None
+    return target
+
+
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

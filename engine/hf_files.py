@@ -20,16 +20,15 @@ Each refusal is one CheckpointError naming the file. The readers of each archite
 """
 from __future__ import annotations
 
-import math
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from common.errors import CheckpointError
-from common.files import parse_json_object, read_bounded
+from common.files import inside, parse_json_object, read_bounded
+from common.schema import Field, config_problems, count, first_problems  # noqa: F401 (re-exported)
 
 CONFIG_LIMIT = 4 << 20         # bytes of config.json (real ones are a few KB)
 INDEX_LIMIT = 64 << 20         # of the shard index (one line per tensor: well under 1 MB)
@@ -65,21 +64,14 @@ def folder_roots(folder: Path) -> tuple[Path, ...]:
 
 def folder_file(folder: Path, name, named_in: Path | None = None) -> Path:
     """The resolved path of the file `name` in `folder` (a name the file `named_in`
-    gives, or one of the folder's own), refused unless it is a relative path that stays
-    inside the folder with every symlink followed. Whether a path outside exists is
-    never looked at, so the error cannot tell."""
-    what = (f"{named_in} names {str(name)[:200]!r}, which is not a file inside {folder}"
-            if named_in else f"{folder / name} leads outside {folder}")
-    outside = CheckpointError(f"{what}; a transformers folder holds its own files (copy the "
+    gives, or one of the folder's own), refused unless it stays inside the folder
+    (common/files.py's `inside`, the one confinement rule)."""
+    target = inside(folder, name, folder_roots(folder))
+    if target is None:
+        what = (f"{named_in} names {str(name)[:200]!r}, which is not a file inside {folder}"
+                if named_in else f"{folder / name} leads outside {folder}")
+        raise CheckpointError(f"{what}; a transformers folder holds its own files (copy the "
                               "file in instead of naming or linking a path outside the folder)")
-    if not isinstance(name, str) or not name or "\0" in name or os.path.isabs(name):
-        raise outside
-    try:
-        target = (folder / name).resolve()
-    except (OSError, RuntimeError):             # a loop of symlinks
-        raise outside from None
-    if not any(target.is_relative_to(root) for root in folder_roots(folder)):
-        raise outside
     return target
 
 
@@ -105,72 +97,15 @@ def read_folder_json(folder: Path, name: str, limit: int = CONFIG_LIMIT) -> dict
         raise CheckpointError(f"{folder / name} {err}; {FETCH_AGAIN}") from None
 
 
-# -- config.json against a schema -----------------------------------------------------
-
-@dataclass(frozen=True)
-class Field:
-    """What one value of a config may be: its JSON type (int, float, bool, str or
-    dict), an inclusive range for numbers, whether null (or absence) is allowed, and
-    for a dict the fields inside it."""
-    kind: type
-    low: float | None = None
-    high: float | None = None
-    required: bool = False
-    null: bool = False
-    fields: dict | None = None
-
-
-def count(high: int, low: int = 1, required: bool = True, null: bool = False) -> Field:
-    """A whole number from `low` to `high`."""
-    return Field(int, low, high, required=required, null=null)
-
-
-_KINDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string",
-          dict: "an object"}
-
-
-def _is(kind: type, value) -> bool:
-    if kind is int:
-        return type(value) is int                                 # bool is not a count
-    if kind is float:
-        return type(value) in (int, float) and math.isfinite(value)
-    return type(value) is kind
-
-
-def _bound(value, none: str) -> str:
-    return none if value is None else f"{value:,g}" if isinstance(value, float) else f"{value:,}"
-
-
-def config_problems(config: dict, schema: dict[str, Field], prefix: str = "") -> list[str]:
-    """What in `config` breaks `schema`, one phrase each (empty: nothing)."""
-    out = []
-    for key, field in schema.items():
-        name, value = prefix + key, config.get(key)
-        if value is None:
-            if field.required or (key in config and not field.null):
-                out.append(f"{name} is {'missing' if key not in config else 'null'}")
-            continue
-        if not _is(field.kind, value):
-            out.append(f"{name} is {str(value)[:40]!r} ({type(value).__name__}), not "
-                       f"{_KINDS[field.kind]}")
-        elif field.kind in (int, float) and not (
-                (field.low is None or value >= field.low) and (field.high is None or value <= field.high)):
-            out.append(f"{name}={value} is outside {_bound(field.low, '-inf')}.."
-                       f"{_bound(field.high, 'inf')}")
-        elif field.fields:
-            out += config_problems(value, field.fields, prefix=f"{name}.")
-    return out
-
+# -- config.json against a schema (common/schema.py) ---------------------------------
 
 def checked_config(config: dict, schema: dict[str, Field], path: Path) -> dict:
     """`config` when every value `schema` names has its type and range; else one
     CheckpointError naming the file and the first few values that are wrong."""
     problems = config_problems(config, schema)
     if problems:
-        more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
         raise CheckpointError(f"{path} cannot describe a model attnlab reads: "
-                              + "; ".join(problems[:4]) + more + "; fix those values, or "
-                              + FETCH_AGAIN)
+                              + first_problems(problems) + "; fix those values, or " + FETCH_AGAIN)
     return config
 
 
