@@ -364,37 +364,35 @@ def create_app(service: Service, allowed_hosts=LOOPBACK_HOSTS):
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
     from starlette.middleware.trustedhost import TrustedHostMiddleware
-    from starlette.responses import FileResponse, JSONResponse, StreamingResponse
+    from starlette.responses import FileResponse, JSONResponse
     from starlette.routing import Mount, Route
     from starlette.staticfiles import StaticFiles
+
+    async def index(request):
+        return FileResponse(WEB / "index.html")
+
+    return Starlette(routes=[
+        Route("/", index), *_api_routes(service),
+        Mount("/static", StaticFiles(directory=WEB)),
+    ], middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)),
+                   Middleware(SameOrigin)],
+        exception_handlers={Exception: lambda request, err: JSONResponse(
+            {"error": _internal_message(err)}, status_code=500)})
+
+
+def _api_routes(service: Service) -> list:
+    """/api/info, /api/generate, /api/step and /api/search. A user's mistake is a JSON
+    error with its status; anything else is a 500 whose traceback stays in the terminal."""
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
 
     def error(err, status=None):
         status = status or getattr(err, "status", 400)
         return JSONResponse({"error": service.public(str(err))}, status_code=status)
 
-    async def body_of(request) -> dict:
-        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if kind != "application/json":
-            raise BadRequest("send the body as JSON, with Content-Type: application/json", 415)
-        if int(request.headers.get("content-length") or 0) > MAX_BODY:
-            raise BadRequest(f"the request body is over {MAX_BODY // 1024} KB", 413)
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_BODY:
-                raise BadRequest(f"the request body is over {MAX_BODY // 1024} KB", 413)
-        try:
-            data = json.loads(body)
-        except RecursionError:
-            raise BadRequest("the request body nests too deeply") from None
-        except ValueError:
-            raise BadRequest("the request body is not JSON") from None
-        if not isinstance(data, dict):
-            raise BadRequest("the request body must be a JSON object")
-        return data
-
-    async def index(request):
-        return FileResponse(WEB / "index.html")
+    def internal(request, err):
+        traceback.print_exception(err, file=sys.stderr)
+        return JSONResponse({"error": _internal_message(err)}, status_code=500)
 
     async def info(request):
         return JSONResponse(service.info())
@@ -412,37 +410,12 @@ def create_app(service: Service, allowed_hosts=LOOPBACK_HOSTS):
             raise
         if isinstance(first, Exception):
             return error(first) if isinstance(first, USER_ERRORS) else internal(request, first)
-
-        def sse(item) -> str:
-            if isinstance(item, list):
-                return "".join(f"data: {json.dumps(event)}\n\n" for event in item)
-            if item is Stream.END:
-                return "event: done\ndata: {}\n\n"
-            if not isinstance(item, USER_ERRORS):
-                traceback.print_exception(item, file=sys.stderr)
-            message = str(item) if isinstance(item, USER_ERRORS) else internal_message(item)
-            return f"event: error\ndata: {json.dumps({'error': service.public(message)})}\n\n"
-
-        async def events():
-            try:
-                yield sse(first)
-                while True:
-                    items = await stream.take()
-                    # The first item that is not a list of events (the end, an error, the
-                    # server stopping) ends the stream; a step made meanwhile is dropped.
-                    last = next((i for i, item in enumerate(items) if not isinstance(item, list)), None)
-                    yield "".join(map(sse, items if last is None else items[:last + 1]))
-                    if last is not None:
-                        return
-            finally:                 # the client left (or the stream ended): stop generating
-                stream.stop()
-
-        return StreamingResponse(events(), media_type="text/event-stream",
+        return StreamingResponse(_event_stream(service, stream, first), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store"})
 
     async def step(request):
         try:
-            data = await body_of(request)
+            data = await _json_body(request)
             settings = data.get("settings", {})
             if not isinstance(settings, dict):
                 raise BadRequest("settings must be an object: {temperature, top_k, top_p}")
@@ -453,29 +426,74 @@ def create_app(service: Service, allowed_hosts=LOOPBACK_HOSTS):
 
     async def search(request):
         try:
-            data = await body_of(request)
+            data = await _json_body(request)
             args = data.get("text"), data.get("from"), data.get("to")
             service.check_search(*args)                  # before waiting for the model's turn
             return JSONResponse(await service.run(service.search, *args))
         except USER_ERRORS as err:
             return error(err)
 
-    def internal_message(err) -> str:
-        return f"internal error ({type(err).__name__}); the server's terminal shows what happened"
+    return [Route("/api/info", info), Route("/api/generate", generate),
+            Route("/api/step", step, methods=["POST"]),
+            Route("/api/search", search, methods=["POST"])]
 
-    def internal(request, err):
-        traceback.print_exception(err, file=sys.stderr)
-        return JSONResponse({"error": internal_message(err)}, status_code=500)
 
-    return Starlette(routes=[
-        Route("/", index), Route("/api/info", info), Route("/api/generate", generate),
-        Route("/api/step", step, methods=["POST"]),
-        Route("/api/search", search, methods=["POST"]),
-        Mount("/static", StaticFiles(directory=WEB)),
-    ], middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)),
-                   Middleware(SameOrigin)],
-        exception_handlers={Exception: lambda request, err: JSONResponse(
-            {"error": internal_message(err)}, status_code=500)})
+async def _json_body(request) -> dict:
+    """The POST body as a JSON object; anything else (not JSON, too big, not an object)
+    is refused, since a form or text/plain POST is what a foreign page can send."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise BadRequest("send the body as JSON, with Content-Type: application/json", 415)
+    if int(request.headers.get("content-length") or 0) > MAX_BODY:
+        raise BadRequest(f"the request body is over {MAX_BODY // 1024} KB", 413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY:
+            raise BadRequest(f"the request body is over {MAX_BODY // 1024} KB", 413)
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise BadRequest("the request body nests too deeply") from None
+    except ValueError:
+        raise BadRequest("the request body is not JSON") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return data
+
+
+async def _event_stream(service: Service, stream, first):
+    """/api/generate's server-sent events, starting with `first`, until the end, an
+    error or the client leaving."""
+    try:
+        yield _sse(service, first)
+        while True:
+            items = await stream.take()
+            # The first item that is not a list of events (the end, an error, the
+            # server stopping) ends the stream; a step made meanwhile is dropped.
+            last = next((i for i, item in enumerate(items) if not isinstance(item, list)), None)
+            yield "".join(_sse(service, item) for item in (items if last is None else items[:last + 1]))
+            if last is not None:
+                return
+    finally:                 # the client left (or the stream ended): stop generating
+        stream.stop()
+
+
+def _sse(service: Service, item) -> str:
+    """One item of the generation as server-sent event text: a list of events, the end,
+    or an error (a user's mistake in its own words, anything else named only)."""
+    if isinstance(item, list):
+        return "".join(f"data: {json.dumps(event)}\n\n" for event in item)
+    if item is Stream.END:
+        return "event: done\ndata: {}\n\n"
+    if not isinstance(item, USER_ERRORS):
+        traceback.print_exception(item, file=sys.stderr)
+    message = str(item) if isinstance(item, USER_ERRORS) else _internal_message(item)
+    return f"event: error\ndata: {json.dumps({'error': service.public(message)})}\n\n"
+
+
+def _internal_message(err) -> str:
+    return f"internal error ({type(err).__name__}); the server's terminal shows what happened"
 
 
 class SameOrigin:
