@@ -294,50 +294,13 @@ def _load(family_name: str, arch: Architecture):
     def load(folder: Path, config: dict, device="cpu", dtype=torch.float32):
         """(model in eval mode, its ModelConfig, its tokenizer) from a BERT-family folder;
         the head is read when its weights are there."""
-        from engine.budget import available_bytes
-        config_path = folder / "config.json"
-        try:
-            cfg = arch.from_hf_config(config)
-        except (KeyError, TypeError, ValueError, ModelError, CheckpointError) as err:
-            raise CheckpointError(f"{config_path}: {err}") from None
-        # The size the config describes, refused before anything is read or built (its
-        # message names the file).
-        refuse_too_large(cfg.n_layer * block_weights(cfg) + cfg.block_size * cfg.n_embd
-                         + 2 * cfg.vocab_size * cfg.n_embd, config_path,
-                         available_bytes(torch.device("cpu")))
-        try:
-            GPT.skeleton(cfg)                 # every size and variant checked, no memory
-        except (KeyError, TypeError, ValueError, ModelError, CheckpointError) as err:
-            raise CheckpointError(f"{config_path}: {err}") from None
+        cfg = _checked_config(arch, config, folder / "config.json")
         files = WeightFiles(folder, family.prefix)
         cfg = replace(cfg, readout="mlm" if files.find(family.head_marker) else "none")
         if not READOUTS[cfg.readout].scores_tokens:
             cfg = replace(cfg, tie_embeddings=False)
-        # Names, shapes and dtypes from the headers, before a tensor is read (an integer or
-        # quantised weight is refused, not cast): everything
-        # the config needs, nothing else but the buffers transformers skips too, and a
-        # tied output layer stored anyway (checked equal to the embedding below).
-        expected = {name: tuple(t.shape)
-                    for name, t in _to_hf_weights(family, GPT.skeleton(cfg).state_dict(), cfg).items()}
-        p = family.prefix
-        aliases = {n: (n[len(p):],) if n.startswith(p) else (p + n,) for n in expected}
-        tied = family.head["lm_head.weight"] if _has_head(cfg) and cfg.tie_embeddings else None
-        files.check(expected, aliases=aliases, ignored=_IGNORED,
-                    allowed={tied: (cfg.vocab_size, cfg.n_embd)} if tied else None,
-                    n_layer=cfg.n_layer)
-
-        data = read_folder_bytes(folder, "tokenizer.json", TOKENIZER_LIMIT)
-        try:
-            tokenizer = WordPieceTokenizer.from_json(data.decode("utf-8", errors="strict"),
-                                                     folder / "tokenizer.json")
-        except UnicodeDecodeError:
-            raise CheckpointError(f"{folder}/tokenizer.json is not UTF-8 text; {FETCH_AGAIN}") from None
-        except TokenizerError as err:
-            raise CheckpointError(f"{err}; {FETCH_AGAIN}") from None
-        try:
-            refuse_ids_past_vocab(tokenizer, cfg, folder / "tokenizer.json")
-        except TokenizerError as err:
-            raise CheckpointError(str(err)) from None
+        tied = _check_weight_headers(family, files, cfg)
+        tokenizer = _read_tokenizer(folder, cfg)
         weights = _from_hf_weights(family, files.get, cfg)
         if tied and files.find(tied) and not torch.equal(files.get(tied).float(),
                                                          weights["wte.weight"].float()):
@@ -352,6 +315,62 @@ def _load(family_name: str, arch: Architecture):
         load_weights(model, weights, folder, assign=True, finite_checked=True)
         return model.to(device=device, dtype=dtype).eval(), cfg, tokenizer
     return load
+
+
+def _checked_config(arch: Architecture, config: dict, config_path: Path) -> ModelConfig:
+    """The ModelConfig that config.json describes, refused (naming the file) when it is
+    broken or larger than this machine's memory, before anything is read or built."""
+    from engine.budget import available_bytes
+    try:
+        cfg = arch.from_hf_config(config)
+    except (KeyError, TypeError, ValueError, ModelError, CheckpointError) as err:
+        raise CheckpointError(f"{config_path}: {err}") from None
+    # The size the config describes, refused before anything is read or built (its
+    # message names the file).
+    refuse_too_large(cfg.n_layer * block_weights(cfg) + cfg.block_size * cfg.n_embd
+                     + 2 * cfg.vocab_size * cfg.n_embd, config_path,
+                     available_bytes(torch.device("cpu")))
+    try:
+        GPT.skeleton(cfg)                 # every size and variant checked, no memory
+    except (KeyError, TypeError, ValueError, ModelError, CheckpointError) as err:
+        raise CheckpointError(f"{config_path}: {err}") from None
+    return cfg
+
+
+def _check_weight_headers(family: Family, files: WeightFiles, cfg: ModelConfig) -> str | None:
+    """Refuses weight files whose headers do not match `cfg`; returns the name of the
+    output layer that config.json ties to the embedding (None when untied or headless)."""
+    # Names, shapes and dtypes from the headers, before a tensor is read (an integer or
+    # quantised weight is refused, not cast): everything
+    # the config needs, nothing else but the buffers transformers skips too, and a
+    # tied output layer stored anyway (checked equal to the embedding below).
+    expected = {name: tuple(t.shape)
+                for name, t in _to_hf_weights(family, GPT.skeleton(cfg).state_dict(), cfg).items()}
+    p = family.prefix
+    aliases = {n: (n[len(p):],) if n.startswith(p) else (p + n,) for n in expected}
+    tied = family.head["lm_head.weight"] if _has_head(cfg) and cfg.tie_embeddings else None
+    files.check(expected, aliases=aliases, ignored=_IGNORED,
+                allowed={tied: (cfg.vocab_size, cfg.n_embd)} if tied else None,
+                n_layer=cfg.n_layer)
+    return tied
+
+
+def _read_tokenizer(folder: Path, cfg: ModelConfig) -> WordPieceTokenizer:
+    """The folder's tokenizer.json, refused when it is not UTF-8, not a WordPiece
+    tokenizer, or holds ids past the model's vocabulary."""
+    data = read_folder_bytes(folder, "tokenizer.json", TOKENIZER_LIMIT)
+    try:
+        tokenizer = WordPieceTokenizer.from_json(data.decode("utf-8", errors="strict"),
+                                                 folder / "tokenizer.json")
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{folder}/tokenizer.json is not UTF-8 text; {FETCH_AGAIN}") from None
+    except TokenizerError as err:
+        raise CheckpointError(f"{err}; {FETCH_AGAIN}") from None
+    try:
+        refuse_ids_past_vocab(tokenizer, cfg, folder / "tokenizer.json")
+    except TokenizerError as err:
+        raise CheckpointError(str(err)) from None
+    return tokenizer
 
 
 # Special tokens under the names the BERT family gives them, for transformers' tokenizer.
