@@ -195,53 +195,64 @@ class RunConfig:
         for name in ("weight_decay", "grad_clip"):
             if getattr(train, name) < 0:
                 raise ConfigError(f"train.{name} must not be negative, got {getattr(train, name)}")
-        if OBJECTIVES[train.objective].bidirectional and self.model.causal:
-            raise ConfigError(f"train.objective={train.objective} guesses a hidden token from "
-                              "the words on both sides of it, and model.causal=true hides the "
-                              "words after it; set model.causal=false (the encoder preset does)")
-        backend = REGISTRIES["attention"][self.model.attention]
-        if not backend.trains_on_cpu and train.device in ("cpu", "auto"):
-            from engine.device import pick_device
-            if pick_device(train.device).type == "cpu":
-                trainable = ", ".join(n for n, b in REGISTRIES["attention"].items() if b.trains_on_cpu)
-                raise ConfigError(f"model.attention={self.model.attention} has no backward on "
-                                  "CPU in torch (its forward works, for sampling); to train on "
-                                  f"a CPU use one of {trainable} (banded for sliding windows)")
+        _check_train_fits_model(self)
         if not 0.0 < self.data.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction must be between 0 and 1, got {self.data.val_fraction}")
-        if sample.temperature < 0:
-            raise ConfigError(f"sample.temperature must be 0 (greedy) or positive, got {sample.temperature}")
-        if not 0.0 < sample.top_p <= 1.0:
-            raise ConfigError(f"sample.top_p must be in (0, 1], got {sample.top_p}")
-        for name in ("top_k", "max_new_tokens"):
-            if getattr(sample, name) < 0:
-                raise ConfigError(f"sample.{name} must not be negative, got {getattr(sample, name)}")
-        if sample.num_samples <= 0:
-            raise ConfigError(f"sample.num_samples must be at least 1, got {sample.num_samples}")
-        if sample.max_new_tokens > MAX_NEW_TOKENS:
-            raise ConfigError(f"sample.max_new_tokens={sample.max_new_tokens:,} is more than "
-                              f"{MAX_NEW_TOKENS:,} tokens in one go; sample in several runs "
-                              "(sample.seed differs each time) or ask for fewer")
-        if not 0 <= sample.seed < 2 ** 63:
-            raise ConfigError(f"sample.seed must be between 0 and 2**63 - 1, got {sample.seed}")
-        if sample.explain_top < 1:
-            raise ConfigError(f"sample.explain_top must be at least 1, got {sample.explain_top}")
-        if not sample.use_cache and sample.decode != "auto":
-            raise ConfigError(f"sample.decode={sample.decode} says how to keep the KV cache, "
-                              "and sample.use_cache=false turns the cache off: drop one of "
-                              "the two")
-        if sample.sinks:
-            # Sinks live in a rolling KV cache: say so here, before generate() would raise.
-            if sample.sinks < 0:
-                raise ConfigError(f"sample.sinks must be 0 (off) or positive, got {sample.sinks}")
-            if not sample.use_cache:
-                raise ConfigError("sample.sinks keeps the first tokens in a rolling KV cache, "
-                                  "and sample.use_cache=false turns the cache off: drop one "
-                                  "of the two")
-            if sample.decode in ("static", "graph"):
-                raise ConfigError(f"sample.sinks decodes from a rolling cache that grows as "
-                                  f"it rolls, not a preallocated one: use sample.decode=cache "
-                                  f"(or auto) with sinks, not {sample.decode}")
+        _check_sample(sample)
+
+
+def _check_train_fits_model(cfg: RunConfig) -> None:
+    """Refuses a training objective or device the model's own choices rule out."""
+    train = cfg.train
+    if OBJECTIVES[train.objective].bidirectional and cfg.model.causal:
+        raise ConfigError(f"train.objective={train.objective} guesses a hidden token from "
+                          "the words on both sides of it, and model.causal=true hides the "
+                          "words after it; set model.causal=false (the encoder preset does)")
+    backend = REGISTRIES["attention"][cfg.model.attention]
+    if not backend.trains_on_cpu and train.device in ("cpu", "auto"):
+        from engine.device import pick_device
+        if pick_device(train.device).type == "cpu":
+            trainable = ", ".join(n for n, b in REGISTRIES["attention"].items() if b.trains_on_cpu)
+            raise ConfigError(f"model.attention={cfg.model.attention} has no backward on "
+                              "CPU in torch (its forward works, for sampling); to train on "
+                              f"a CPU use one of {trainable} (banded for sliding windows)")
+
+
+def _check_sample(sample: SampleConfig) -> None:
+    """Refuses sampling settings out of range or that contradict each other."""
+    if sample.temperature < 0:
+        raise ConfigError(f"sample.temperature must be 0 (greedy) or positive, got {sample.temperature}")
+    if not 0.0 < sample.top_p <= 1.0:
+        raise ConfigError(f"sample.top_p must be in (0, 1], got {sample.top_p}")
+    for name in ("top_k", "max_new_tokens"):
+        if getattr(sample, name) < 0:
+            raise ConfigError(f"sample.{name} must not be negative, got {getattr(sample, name)}")
+    if sample.num_samples <= 0:
+        raise ConfigError(f"sample.num_samples must be at least 1, got {sample.num_samples}")
+    if sample.max_new_tokens > MAX_NEW_TOKENS:
+        raise ConfigError(f"sample.max_new_tokens={sample.max_new_tokens:,} is more than "
+                          f"{MAX_NEW_TOKENS:,} tokens in one go; sample in several runs "
+                          "(sample.seed differs each time) or ask for fewer")
+    if not 0 <= sample.seed < 2 ** 63:
+        raise ConfigError(f"sample.seed must be between 0 and 2**63 - 1, got {sample.seed}")
+    if sample.explain_top < 1:
+        raise ConfigError(f"sample.explain_top must be at least 1, got {sample.explain_top}")
+    if not sample.use_cache and sample.decode != "auto":
+        raise ConfigError(f"sample.decode={sample.decode} says how to keep the KV cache, "
+                          "and sample.use_cache=false turns the cache off: drop one of "
+                          "the two")
+    if sample.sinks:
+        # Sinks live in a rolling KV cache: say so here, before generate() would raise.
+        if sample.sinks < 0:
+            raise ConfigError(f"sample.sinks must be 0 (off) or positive, got {sample.sinks}")
+        if not sample.use_cache:
+            raise ConfigError("sample.sinks keeps the first tokens in a rolling KV cache, "
+                              "and sample.use_cache=false turns the cache off: drop one "
+                              "of the two")
+        if sample.decode in ("static", "graph"):
+            raise ConfigError(f"sample.sinks decodes from a rolling cache that grows as "
+                              f"it rolls, not a preallocated one: use sample.decode=cache "
+                              f"(or auto) with sinks, not {sample.decode}")
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
