@@ -250,27 +250,40 @@ def _encode(source, tok, out, state, shard_tokens, num_proc, log, progress) -> d
             last_save = time.monotonic()
 
     try:
-        batches = _batches(source, state["items"])
-        if pool is None:
-            for batch in batches:
-                consume(_encode_items(batch, source.newline_docs, tok), len(batch))
-        else:
-            # At most two tasks per process in flight: memory stays flat however fast
-            # the source reads, and results come back in document order.
-            pending = collections.deque()
-            for batch in batches:
-                pending.append((pool.apply_async(_encode_items, (batch, source.newline_docs, tok_json)),
-                                len(batch)))
-                if len(pending) >= 2 * num_proc:
-                    result, n = pending.popleft()
-                    consume(result.get(), n)
-            while pending:
-                result, n = pending.popleft()
-                consume(result.get(), n)
+        for results, n_items in _encoded_batches(source, state["items"], tok, tok_json, pool, num_proc):
+            consume(results, n_items)
     finally:
         bar.close()
         if pool is not None:
             pool.terminate()
+    return {"splits": _close_splits(source, tok, out, writers, counts, log)}
+
+
+def _encoded_batches(source: Source, skip: int, tok: Tokenizer, tok_json: str, pool, num_proc: int):
+    """(encoded pieces, how many) for each batch of text after the first `skip` pieces,
+    in document order: encoded here without a pool, else by the pool's processes."""
+    batches = _batches(source, skip)
+    if pool is None:
+        for batch in batches:
+            yield _encode_items(batch, source.newline_docs, tok), len(batch)
+        return
+    # At most two tasks per process in flight: memory stays flat however fast
+    # the source reads, and results come back in document order.
+    pending = collections.deque()
+    for batch in batches:
+        pending.append((pool.apply_async(_encode_items, (batch, source.newline_docs, tok_json)),
+                        len(batch)))
+        if len(pending) >= 2 * num_proc:
+            result, n = pending.popleft()
+            yield result.get(), n
+    while pending:
+        result, n = pending.popleft()
+        yield result.get(), n
+
+
+def _close_splits(source: Source, tok: Tokenizer, out: Path, writers: dict, counts: dict, log) -> dict:
+    """Each split's counts and shard names once its last shard is written; a split left
+    empty is refused, and the build's one-line summary logged."""
     splits = {}
     for s in SPLITS:
         names = writers[s].close()
@@ -284,4 +297,4 @@ def _encode(source, tok, out, state, shard_tokens, num_proc, log, progress) -> d
     log(f"wrote {splits['train']['tokens']:,} train tokens in {len(splits['train']['shards'])} "
         f"shard(s) and {splits['val']['tokens']:,} val tokens to {out} (vocabulary "
         f"{tok.vocab_size:,}, validation: {source.val_rule})")
-    return {"splits": splits}
+    return splits
