@@ -1,5 +1,6 @@
 """The floors of docs/architecture.md, checked: every import points down, none goes
-round in a circle, and model/ lifts out with torch alone.
+round in a circle, model/ lifts out with torch alone, and a function reads on one
+screen.
 
     scripts (train.py, sample.py, bench/)
     attnlab/    the study tools
@@ -299,3 +300,74 @@ def test_files_are_written_whole():
         if rel not in WRITES_ALLOWED:
             found += [f"{rel}:{n}" for n in partial_writes(path.read_text(encoding="utf-8"))]
     assert not found, f"files written in place, not through common/files.py: {found}"
+
+
+# -- a function on one screen ------------------------------------------------------------
+# A function that validates, plans and reports is three functions with names, each read
+# on one screen. The ones still longer, by file and dotted name: the list only shrinks
+# (one that fits now must leave it, and a new long one is not added).
+MAX_FUNCTION_LINES = 60
+LONG_FUNCTIONS_ALLOWED = {
+    "engine/budget.py:plan",
+    "train.py:main",
+    "attnlab/recall.py:main",
+    "engine/run.py:resume_config",
+    "data/tokens.py:load_tokens",
+    "engine/run.py:setup_run",
+    "sample.py:main",
+    "data/build.py:prepare",
+}
+# The exercises' solutions and stubs are written as a learner would write them.
+LONG_FUNCTIONS_SKIPPED = ("attnlab/exercises/solutions/", "attnlab/exercises/stubs/")
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    """Each function longer than `limit` lines (from its def to its last line), by its
+    dotted name (`Class.method`, `outer.inner`), with its length."""
+    found = {}
+
+    def visit(node, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                length = child.end_lineno - child.lineno + 1
+                if not isinstance(child, ast.ClassDef) and length > limit:
+                    found[name] = length
+                visit(child, name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def project_sources() -> list[Path]:
+    """The code under the one-screen rule: the packages and the scripts beside them
+    (tests/ and bench/ are outside it)."""
+    packages = [p.parent for p in ROOT.glob("*/__init__.py") if p.parent.name not in ("tests", "bench")]
+    paths = [p for package in packages for p in package.rglob("*.py")] + list(ROOT.glob("*.py"))
+    return sorted(p for p in paths
+                  if not p.relative_to(ROOT).as_posix().startswith(LONG_FUNCTIONS_SKIPPED))
+
+
+@pytest.mark.parametrize("code, found", [
+    ("def f():\n" + "    x = 1\n" * 60, {"f": 61}),
+    ("def f():\n" + "    x = 1\n" * 59, {}),
+    ("class C:\n    async def m(self):\n" + "        x = 1\n" * 60, {"C.m": 61}),
+    ("def outer():\n    def inner():\n" + "        x = 1\n" * 60, {"outer": 62, "outer.inner": 61}),
+])
+def test_the_long_function_check_sees_each_form(code, found):
+    assert long_functions(code) == found
+
+
+def test_every_function_reads_on_one_screen():
+    found = {}
+    for path in project_sources():
+        rel = path.relative_to(ROOT).as_posix()
+        for name, length in long_functions(path.read_text(encoding="utf-8")).items():
+            found[f"{rel}:{name}"] = length
+    new = {name: n for name, n in found.items() if name not in LONG_FUNCTIONS_ALLOWED}
+    assert not new, (f"functions over {MAX_FUNCTION_LINES} lines: {new}; split each into "
+                     "named pieces, each read on one screen")
+    fits = sorted(LONG_FUNCTIONS_ALLOWED - set(found))
+    assert not fits, f"now {MAX_FUNCTION_LINES} lines or fewer: remove {fits} from LONG_FUNCTIONS_ALLOWED"
