@@ -23,20 +23,21 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from model.config import ModelConfig, ModelError
 from model.mask import Mask
 
-# The paper's code adds 1e-6 to the normaliser: elu(x) + 1 underflows to 0 in fp32 for
-# x below about -88, and a query whose every feature did would divide 0 by 0.
+# The paper's code adds 1e-6 to the normaliser: exp(x) underflows to 0 below x = -87 in
+# fp32 and bf16, and a query whose every feature did would divide 0 by 0.
 EPS = 1e-6
 
 
 def feature_map(x: torch.Tensor) -> torch.Tensor:
     """φ(x) = elu(x) + 1: positive everywhere, so every weight φ(q)·φ(k) is positive and
-    the normaliser cannot cancel to zero (the paper, section 3.2.1)."""
-    return F.elu(x) + 1
+    the normaliser cannot cancel to zero (the paper, section 3.2.1). Written as x + 1
+    above zero and exp(x) below, the same function: elu's exp(x) - 1, plus 1, rounds to
+    exactly 0 below x = -8 in bf16 (-17 in fp32), where exp(x) stays positive to -87."""
+    return torch.where(x > 0, x + 1, torch.exp(x.clamp(max=0)))
 
 
 @dataclass
