@@ -6,7 +6,8 @@ keys are stored, a new key overlaps old ones and reading it returns a blend. The
 rule first reads what the state holds at the new key, S k_t, and replaces a fraction β_t
 of it by the new value:
 
-    S_t = S_{t-1} + β_t (v_t − S_{t-1} k_t) k_tᵀ = S_{t-1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ,
+    S_t = S_{t-1} + β_t (v_t − S_{t-1} k_t) k_tᵀ
+        = S_{t-1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ,
     o_t = S_t q_t,
 
 with k_t of unit length (then I − β k kᵀ shrinks nothing but the k direction, and only

@@ -53,17 +53,21 @@ class LatentState:
 
 class DecoupledRoPE(nn.Module):
     """RoPE on the d_R dimensions of the position part: pair i, the dimensions (i, i + d_R/2),
-    turns by position · θ^(-2i/d_R), so q_rope·k_rope depends on the offset alone."""
+    turns by position · θ^(-2i/d_R), so q_rope·k_rope depends on the offset alone. The
+    angles are computed in at least fp32 (in bf16 an angle is off by a radian or more
+    past position 256), and in float64 for a float64 model, as no buffer is cast with it."""
 
     def __init__(self, dim: int, theta: float):
         super().__init__()
-        inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.dim, self.theta = dim, theta
 
     def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x: (..., T, d_R), the T positions from `start`."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        pairs = torch.arange(0, self.dim, 2, dtype=dtype, device=x.device)
+        inv_freq = self.theta ** (-pairs / self.dim)
         pos = start + torch.arange(x.shape[-2], device=x.device)
-        angle = pos[:, None].to(self.inv_freq.dtype) * self.inv_freq  # (T, d_R/2)
+        angle = pos[:, None].to(dtype) * inv_freq                     # (T, d_R/2)
         cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
         return turn(x, torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
 
@@ -106,8 +110,8 @@ class LatentAttention(nn.Module):
     def forward(self, x, positions, mask: Mask, cache=None, need_weights: bool = False,
                 value_embed=None):
         if value_embed is not None:
-            raise ModelError("latent attention rebuilds values from the cached latent, which "
-                             "holds no token ids for value embeddings: set model.value_embeds=false")
+            raise ModelError("latent attention rebuilds values from the cached latent, which holds "
+                             "no token ids for value embeddings: set model.value_embeds=false")
         B, T, _ = x.shape
         H, D, R = self.n_head, self.head_dim, self.rope_dim
         q = self.w_q(x).view(B, T, H, D + R).transpose(1, 2)         # (B, H, T, D + R)
