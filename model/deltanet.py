@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.attention import at_least_fp32
 from model.config import ModelConfig, ModelError
 from model.mask import Mask
 
@@ -132,10 +133,14 @@ class DeltaNet(nn.Module):
         q = unit(F.silu(q))
         k = unit(F.silu(k))
         beta = torch.sigmoid(self.w_beta(x)).transpose(1, 2)         # (B, H, T), each in (0, 1)
+        q, k, v, beta = (at_least_fp32(t) for t in (q, k, v, beta))
         state = None if cache is None else cache.get(self.layer_idx)
         S = empty_state(q) if state is None else state.S
-        y, S = chunked(q, k, v, beta, S, self.chunk_size)
+        # The rule in at least fp32, outside autocast: the state sums a whole text's writes,
+        # which bf16's 8-bit mantissa would round away (and a CPU has no bf16 triangular solve).
+        with torch.autocast(x.device.type, enabled=False):
+            y, S = chunked(q, k, v, beta, S, self.chunk_size)
         if cache is not None:
             cache.put(self.layer_idx, DeltaState(S))
-        y = y.transpose(1, 2).reshape(B, T, C)                       # heads side by side
+        y = y.to(x.dtype).transpose(1, 2).reshape(B, T, C)          # heads side by side
         return self.resid_dropout(self.w_o(y)), None

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from model.attention import at_least_fp32
 from model.config import ModelConfig, ModelError
 from model.mask import Mask
 
@@ -130,12 +131,16 @@ class LinearAttention(nn.Module):
         q, k, v = self.w_qkv(x).view(B, T, 3 * H, D).transpose(1, 2).split(H, dim=1)  # (B, H, T, D)
         if value_embed is not None:              # a per-token vector added to the value
             v = v + value_embed.view(B, T, H, D).transpose(1, 2)
+        # φ and the sums in at least fp32, outside autocast: the state adds up a whole text,
+        # which bf16's 8-bit mantissa would round away.
+        q, k, v = (at_least_fp32(t) for t in (q, k, v))
         phi_q, phi_k = feature_map(q), feature_map(k)
         state = None if cache is None else cache.get(self.layer_idx)
         if state is None:
             state = LinearState.empty(phi_q)
         # Training and prefill in chunks, a decoded token as a chunk of one: the same sums.
-        y, state = chunked(phi_q, phi_k, v, state, self.chunk_size)
+        with torch.autocast(x.device.type, enabled=False):
+            y, state = chunked(phi_q, phi_k, v, state, self.chunk_size)
         if cache is not None:
             cache.put(self.layer_idx, state)
         w = None
@@ -143,6 +148,6 @@ class LinearAttention(nn.Module):
             if cache is not None:
                 raise ModelError("linear attention keeps a sum over earlier tokens, not their "
                                  "keys: it has weights to draw for a whole text, without a cache")
-            w = weights(phi_q, phi_k)
-        y = y.transpose(1, 2).reshape(B, T, C)                       # heads side by side
+            w = weights(phi_q, phi_k).to(x.dtype)
+        y = y.to(x.dtype).transpose(1, 2).reshape(B, T, C)          # heads side by side
         return self.resid_dropout(self.w_o(y)), w

@@ -90,3 +90,19 @@ def test_the_state_a_gpt_keeps_is_fixed_for_the_recurrent_and_per_token_for_mla(
     assert sizes["deltanet"] == [N_LAYER * 2 * head_dim ** 2 * 4] * 2
     # MLA: (4·d_h + d_h/2) fp32 numbers per token and layer, against MHA's 2·H·d_h.
     assert sizes["mla"] == [N_LAYER * n * (4 * head_dim + head_dim // 2) * 4 for n in (4, 12)]
+
+
+@pytest.mark.parametrize("name", MECHANISMS)
+def test_it_runs_in_bf16_close_to_fp32(name, monkeypatch):
+    """Under bf16 autocast and with bf16 weights (a CPU trains in either): the recurrent
+    states are summed in fp32 (torch has no bf16 triangular solve on a CPU, and bf16's
+    8-bit mantissa would round a long sum away), and the output is near fp32's."""
+    model = gpt_with(MECHANISMS[name], monkeypatch).eval()
+    idx = torch.randint(0, 16, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(idx).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = model(idx).logits.float()
+        bf16 = model.to(torch.bfloat16)(idx).logits.float()
+    for got in (autocast, bf16):
+        assert (got - want).abs().max() < 0.05 * want.abs().max()
