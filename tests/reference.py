@@ -72,16 +72,19 @@ def sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
-def delta_rule(q, k, v, beta):
+def delta_rule(q, k, v, beta, alpha=None):
     """The delta rule as Yang et al. (arXiv:2406.06484, eq. 1) write it, column vectors:
-    S_t = S_{t-1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ, o_t = S_t q_t, from S_0 = 0.
+    S_t = S_{t-1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ, o_t = S_t q_t, from S_0 = 0; with
+    `alpha` (T,), the gated form of Gated DeltaNet (arXiv:2412.06464),
+    S_t = S_{t-1}(α_t(I − β_t k_t k_tᵀ)) + β_t v_t k_tᵀ.
     q, k: (T, d_k) (keys as the layer gives them: unit length); v: (T, d_v); beta: (T,)."""
     d_k, d_v = k.shape[1], v.shape[1]
+    alpha = np.ones(len(q)) if alpha is None else alpha
     S = np.zeros((d_v, d_k))
     out = np.zeros((len(q), d_v))
     for t in range(len(q)):
         kt, vt = k[t][:, None], v[t][:, None]                         # columns
-        S = S @ (np.eye(d_k) - beta[t] * kt @ kt.T) + beta[t] * vt @ kt.T
+        S = S @ (alpha[t] * (np.eye(d_k) - beta[t] * kt @ kt.T)) + beta[t] * vt @ kt.T
         out[t] = (S @ q[t][:, None])[:, 0]
     return out
 

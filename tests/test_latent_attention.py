@@ -13,6 +13,9 @@ from mechanism_checks import (B, HEADS, T, TOLERANCE, WIDTH, causality_leak, con
 from model.attention import MultiHeadAttention
 from model.mask import Mask
 
+# Tiny models spend their time in dispatch: a second thread only adds waiting for it.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # A latent of 6 numbers and a rotary key of 4 a token, against MHA's 2·H·d_h = 32.
 D, RANK, ROPE = WIDTH // HEADS, 6, 4
 SIZES = {"mla_kv_rank": RANK, "mla_rope_dim": ROPE}

@@ -12,6 +12,9 @@ from mechanism_checks import (B, HEADS, T, TOLERANCE, WIDTH, bias, causality_lea
                               decoded, inputs, layer, matrix, planted, whole)
 from model.mask import Mask
 
+# Tiny models spend their time in dispatch: a second thread only adds waiting for it.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 D = WIDTH // HEADS
 CHUNKS = [1, 3, 4, 64]                       # 64 > T: the masked quadratic form in one piece
 

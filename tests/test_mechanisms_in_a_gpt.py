@@ -7,13 +7,17 @@ import torch
 
 import model.layers as layers
 from model.config import ModelConfig
-from model.deltanet import DeltaNet
+from model.deltanet import DeltaNet, GatedDeltaNet
 from model.gpt import GPT
 from model.latent_attention import LatentAttention
 from model.linear_attention import LinearAttention
 from model.states import LayerStates
 
-MECHANISMS = {"linear": LinearAttention, "deltanet": DeltaNet, "mla": LatentAttention}
+# Tiny models spend their time in dispatch: a second thread only adds waiting for it.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MECHANISMS = {"linear": LinearAttention, "deltanet": DeltaNet, "gated_deltanet": GatedDeltaNet,
+              "mla": LatentAttention}
 N_LAYER = 2
 
 
@@ -87,7 +91,7 @@ def test_the_state_a_gpt_keeps_is_fixed_for_the_recurrent_and_per_token_for_mla(
     head_dim = 16
     # Recurrent states: the same after 12 tokens as after 4 (fp32, per layer per head).
     assert sizes["linear"] == [N_LAYER * 2 * (head_dim ** 2 + head_dim) * 4] * 2
-    assert sizes["deltanet"] == [N_LAYER * 2 * head_dim ** 2 * 4] * 2
+    assert sizes["deltanet"] == sizes["gated_deltanet"] == [N_LAYER * 2 * head_dim ** 2 * 4] * 2
     # MLA: (4·d_h + d_h/2) fp32 numbers per token and layer, against MHA's 2·H·d_h.
     assert sizes["mla"] == [N_LAYER * n * (4 * head_dim + head_dim // 2) * 4 for n in (4, 12)]
 
