@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from model.attention import at_least_fp32
 from model.config import ModelConfig, ModelError
 from model.mask import Mask
+from model.states import refuse_masks
 
 # Row convention below: the state is stored as Sᵀ, (B, H, D_k, D_v), so that a row of
 # queries reads it as q·Sᵀ and rows of keys write into it as kᵀ·u.
@@ -133,6 +134,7 @@ class DeltaNet(nn.Module):
         if config.linear_chunk <= 0:
             raise ModelError(f"model.linear_chunk must be a positive integer, got "
                              f"{config.linear_chunk}")
+        refuse_masks(config, "DeltaNet")
         self.layer_idx, self.chunk_size = layer_idx, config.linear_chunk
         self.n_head, self.head_dim = config.n_head, config.head_dim
         self.w_qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)

@@ -27,6 +27,7 @@ import torch.nn as nn
 from model.attention import at_least_fp32
 from model.config import ModelConfig, ModelError
 from model.mask import Mask
+from model.states import refuse_masks
 
 # The paper's code adds 1e-6 to the normaliser: exp(x) underflows to 0 below x = -87 in
 # fp32 and bf16, and a query whose every feature did would divide 0 by 0.
@@ -118,6 +119,7 @@ class LinearAttention(nn.Module):
         if config.linear_chunk <= 0:
             raise ModelError(f"model.linear_chunk must be a positive integer, got "
                              f"{config.linear_chunk}")
+        refuse_masks(config, "linear attention")
         self.layer_idx, self.chunk_size = layer_idx, config.linear_chunk
         self.n_head, self.head_dim = config.n_head, config.head_dim
         self.w_qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)

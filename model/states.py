@@ -13,14 +13,25 @@ from __future__ import annotations
 import torch
 
 from model.cache import KVCache
+from model.config import ModelConfig, ModelError
+
+
+def refuse_masks(config: ModelConfig, mechanism: str) -> None:
+    """A recurrent state holds a sum over every earlier token, in order: it cannot leave
+    the tokens outside a sliding window out, nor see the ones after it (an encoder)."""
+    if config.sliding_window or not config.causal:
+        raise ModelError(f"{mechanism} keeps one running state of every earlier token: it has "
+                         "no sliding window and is causal; set model.sliding_window=0 and "
+                         "model.causal=true with it")
 
 
 class LayerStates:
-    """One state object per layer and the position of the next token."""
-    window = 0          # no rolling window: a recurrent state forgets by its own rule
-    n_global = 0
+    """One state object per layer and the position of the next token. A model with a
+    sliding window (latent attention) hands its window on, so the mask hides what
+    training hid; the latents themselves are all kept."""
 
-    def __init__(self, n_layer: int):
+    def __init__(self, n_layer: int, window: int = 0, n_global: int = 0):
+        self.window, self.n_global = window, n_global
         self.states: list = [None] * n_layer
         self.length = 0                      # tokens seen: the position of the next one
         self.tails: dict[int, torch.Tensor] = {}    # TokenMix's rows, as in a KVCache

@@ -134,3 +134,18 @@ def test_each_planted_bug_is_caught_by_its_check(name, line, wrong, check, monke
     caught = check(planted("linear_attention", line, wrong, monkeypatch))
     print(f"{name}: {caught:.3g}")
     assert not caught < 1e-6, f"{name}: the check moved only {caught}"   # NaN counts as caught
+
+
+def test_the_chunked_forms_gradients_equal_the_recurrent_forms():
+    def grads(form):
+        g = torch.Generator().manual_seed(3)
+        tensors = [t.requires_grad_() for t in torch.randn(3, B, HEADS, T, D, generator=g,
+                                                            dtype=torch.float64)]
+        q, k, v = tensors
+        out, state = form(linear.feature_map(q), linear.feature_map(k), v,
+                          linear.LinearState.empty(q))
+        (out.sin().sum() + state.S.cos().sum()).backward()
+        return [t.grad for t in tensors]
+    want, got = grads(linear.recurrent), grads(lambda *a: linear.chunked(*a, 4))
+    for w, g in zip(want, got):
+        assert (g - w).abs().max() < TOLERANCE

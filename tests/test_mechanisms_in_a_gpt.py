@@ -21,11 +21,11 @@ MECHANISMS = {"linear": LinearAttention, "deltanet": DeltaNet, "gated_deltanet":
 N_LAYER = 2
 
 
-def gpt_with(attention, monkeypatch) -> GPT:
+def gpt_with(attention, monkeypatch, **settings) -> GPT:
     monkeypatch.setattr(layers, "MultiHeadAttention", attention)
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=16, n_layer=N_LAYER, n_head=2, n_embd=32, block_size=32,
-                            linear_chunk=8))
+                            linear_chunk=8, **settings))
     assert all(isinstance(block.attn, attention) for block in model.blocks)
     return model
 
@@ -110,3 +110,23 @@ def test_it_runs_in_bf16_close_to_fp32(name, monkeypatch):
         bf16 = model.to(torch.bfloat16)(idx).logits.float()
     for got in (autocast, bf16):
         assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+@pytest.mark.parametrize("name", ["linear", "deltanet", "gated_deltanet"])
+@pytest.mark.parametrize("setting", [{"sliding_window": 4}, {"causal": False}],
+                         ids=["window", "encoder"])
+def test_a_recurrent_state_refuses_a_window_and_an_encoder_in_one_line(name, setting, monkeypatch):
+    with pytest.raises(ValueError, match="sliding_window=0 and model.causal=true"):
+        gpt_with(MECHANISMS[name], monkeypatch, **setting)
+
+
+def test_latent_attention_decodes_a_windowed_model_as_it_trained(monkeypatch):
+    # The cache keeps every latent; its window makes the mask hide what training hid.
+    model = gpt_with(LatentAttention, monkeypatch, sliding_window=4, n_global=1).double().eval()
+    idx = torch.randint(0, 16, (2, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(idx).logits
+        cache = LayerStates(N_LAYER, window=4, n_global=1)
+        pieces = [model(idx[:, :7], cache=cache).logits]
+        pieces += [model(idx[:, t:t + 1], cache=cache).logits for t in range(7, 20)]
+    assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-9
