@@ -77,6 +77,12 @@ class ModelConfig:
     rope_factor: float = _opt(1.0, "RoPE scaling factor s (new context / original context)")
     rope_original_context: int = _opt(0, "context the model was trained at (YaRN); "
                                          "0 = block_size")
+    linear_chunk: int = _opt(64, "linear attention and DeltaNet: tokens per chunk of the chunked "
+                                 "parallel form (same outputs, less memory than T x T)")
+    mla_kv_rank: int = _opt(0, "latent attention (MLA): width of the cached latent c_kv; "
+                               "0 = 4 x head_dim (DeepSeek-V2's ratio)")
+    mla_rope_dim: int = _opt(0, "latent attention (MLA): width of the shared rotary key k_rope; "
+                                "0 = head_dim / 2 (DeepSeek-V2's ratio)")
 
     @property
     def head_dim(self) -> int:

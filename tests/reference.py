@@ -36,3 +36,90 @@ def attention(q, k, v, visible, bias=None):
         dk = np.swapaxes(ds, -1, -2) @ q / np.sqrt(d)
         return dq, dk, dv
     return out, p, backward
+
+
+# -- after the article: attention's other answers to its cost ----------------------------
+# Each written from its paper's equations for one sequence (one batch row, one head) at a
+# time, with loops where the paper has a sum or a recurrence, so that none of them shares
+# a line with model/linear_attention.py, model/deltanet.py or model/latent_attention.py.
+
+def elu_plus_one(x):
+    """φ(x) = elu(x) + 1 (arXiv:2006.16236, eq. 7): x + 1 above zero, exp(x) at or below."""
+    return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+
+
+def linear_attention(q, k, v, eps=1e-6):
+    """Causal linear attention, Katharopoulos et al. eq. 6 with the sum over j ≤ i:
+    y_i = Σ_j φ(q_i)·φ(k_j) v_j / Σ_j φ(q_i)·φ(k_j). q, k, v: (T, d). The eps is the
+    paper's code's, added to the normaliser."""
+    fq, fk = elu_plus_one(q), elu_plus_one(k)
+    out = np.zeros_like(v)
+    for i in range(len(q)):
+        sim = np.array([fq[i] @ fk[j] for j in range(i + 1)])       # kernel, keys j ≤ i
+        out[i] = (sim[:, None] * v[: i + 1]).sum(0) / (sim.sum() + eps)
+    return out
+
+
+def l2_normalise(x):
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def delta_rule(q, k, v, beta, alpha=None):
+    """The delta rule as Yang et al. (arXiv:2406.06484, eq. 1) write it, column vectors:
+    S_t = S_{t-1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ, o_t = S_t q_t, from S_0 = 0; with
+    `alpha` (T,), the gated form of Gated DeltaNet (arXiv:2412.06464),
+    S_t = S_{t-1}(α_t(I − β_t k_t k_tᵀ)) + β_t v_t k_tᵀ.
+    q, k: (T, d_k) (keys as the layer gives them: unit length); v: (T, d_v); beta: (T,)."""
+    d_k, d_v = k.shape[1], v.shape[1]
+    alpha = np.ones(len(q)) if alpha is None else alpha
+    S = np.zeros((d_v, d_k))
+    out = np.zeros((len(q), d_v))
+    for t in range(len(q)):
+        kt, vt = k[t][:, None], v[t][:, None]                         # columns
+        S = S @ (alpha[t] * (np.eye(d_k) - beta[t] * kt @ kt.T)) + beta[t] * vt @ kt.T
+        out[t] = (S @ q[t][:, None])[:, 0]
+    return out
+
+
+def rope(x, positions, theta):
+    """RoPE (arXiv:2104.09864) on the rows of x (T, d): pair i, the dimensions i and
+    i + d/2 ("rotate half"), turned by the 2-D rotation of angle position·θ^(-2i/d)."""
+    d = x.shape[1]
+    out = x.copy()
+    for t, p in enumerate(positions):
+        for i in range(d // 2):
+            a = p * theta ** (-2.0 * i / d)
+            x1, x2 = x[t, i], x[t, i + d // 2]
+            out[t, i] = x1 * np.cos(a) - x2 * np.sin(a)
+            out[t, i + d // 2] = x2 * np.cos(a) + x1 * np.sin(a)
+    return out
+
+
+def latent_attention(x, W, n_head, head_dim, rope_dim, theta):
+    """Multi-head latent attention, DeepSeek-V2 (arXiv:2405.04434) eqs. 9-19, for one
+    sequence x (T, C), queries at full rank. W holds the matrices as x @ W: "q"
+    (C, H·(d_h + d_R)), per head [q_C | q_R]; "dkv" (C, r); "ukv" (r, 2·H·d_h), every
+    head's k_C and then every head's v; "kr" (C, d_R); "o" (H·d_h, C)."""
+    T, H, D, R = len(x), n_head, head_dim, rope_dim
+    c_kv = x @ W["dkv"]                                               # eq. 9: the latent
+    kv = c_kv @ W["ukv"]                                              # eqs. 10, 11
+    k_rope = rope(x @ W["kr"], range(T), theta)                       # eq. 15: one, shared
+    q_all = x @ W["q"]
+    visible = np.tril(np.ones((T, T), dtype=bool))
+    heads = []
+    for h in range(H):
+        q_h = q_all[:, h * (D + R):(h + 1) * (D + R)]
+        q_h = np.concatenate([q_h[:, :D], rope(q_h[:, D:], range(T), theta)], axis=1)
+        k_h = np.concatenate([kv[:, h * D:(h + 1) * D], k_rope], axis=1)   # eq. 17
+        v_h = kv[:, (H + h) * D:(H + h + 1) * D]
+        out, _, _ = attention(q_h, k_h, v_h, visible)                 # eq. 18: √(d_h + d_R)
+        heads.append(out)
+    return np.concatenate(heads, axis=1) @ W["o"]                     # eq. 19

@@ -1,0 +1,133 @@
+"""Multi-head latent attention, MLA (DeepSeek-V2, arXiv:2405.04434, section 2.1).
+
+The article's formula is untouched, softmax(Q·Kᵀ/√d)·V, per head; what changes is what a
+decoder must keep for earlier tokens. Multi-head attention caches every head's key and
+value, 2·H·d_h numbers per token and layer. MLA caches one latent vector per token,
+
+    c_kv = x·W_DKV                      (r numbers, r = model.mla_kv_rank ≪ 2·H·d_h)
+
+and rebuilds every head's key and value from it when they are read:
+k_C = c_kv·W_UK, v = c_kv·W_UV. A key rebuilt from c_kv cannot carry RoPE: a rotation
+depends on the key's position, so it would have to sit between W_UK and the query, and
+the up-projection could no longer be folded into the query's weights at inference time
+(the paper's reason, section 2.1.3). So position travels in a separate, small key,
+
+    k_rope = RoPE(x·W_KR)               (d_R numbers, shared by every head),
+
+rotated once, by the token's own position, when it is made, and cached rotated. Each
+head's key is [k_C; k_rope], each head's query [q_C; RoPE(q_R)], and the scores are
+divided by √(d_h + d_R), the length of the dot product. The cache holds c_kv and k_rope:
+(r + d_R) numbers per token and layer (`LatentState.bytes_per_token`).
+
+The queries here are projected at full rank; the paper also compresses them, which
+saves activation memory in training and changes nothing in the cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from model.attention import eager_attention, sdpa_attention
+from model.config import ModelConfig, ModelError
+from model.mask import Mask
+from model.positions import turn
+
+
+@dataclass
+class LatentState:
+    """What one layer keeps for the tokens so far: the latent c_kv (B, T, r) and the
+    rotated shared key k_rope (B, T, d_R). Both grow by one row a token."""
+    c_kv: torch.Tensor
+    k_rope: torch.Tensor
+
+    def extended(self, c_kv: torch.Tensor, k_rope: torch.Tensor) -> "LatentState":
+        return LatentState(torch.cat([self.c_kv, c_kv], 1), torch.cat([self.k_rope, k_rope], 1))
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.c_kv, self.k_rope))
+
+    def bytes_per_token(self) -> int:
+        return self.bytes() // (self.c_kv.shape[0] * self.c_kv.shape[1])
+
+
+class DecoupledRoPE(nn.Module):
+    """RoPE on the d_R dimensions of the position part: pair i, the dimensions (i, i + d_R/2),
+    turns by position · θ^(-2i/d_R), so q_rope·k_rope depends on the offset alone. The
+    angles are computed in at least fp32 (in bf16 an angle is off by a radian or more
+    past position 256), and in float64 for a float64 model, as no buffer is cast with it."""
+
+    def __init__(self, dim: int, theta: float):
+        super().__init__()
+        self.dim, self.theta = dim, theta
+
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """x: (..., T, d_R), the T positions from `start`."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        pairs = torch.arange(0, self.dim, 2, dtype=dtype, device=x.device)
+        inv_freq = self.theta ** (-pairs / self.dim)
+        pos = start + torch.arange(x.shape[-2], device=x.device)
+        angle = pos[:, None].to(dtype) * inv_freq                     # (T, d_R/2)
+        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+        return turn(x, torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
+
+
+class LatentAttention(nn.Module):
+    """Multi-head attention whose cache is a latent c_kv and one shared rotary key."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        H, D = self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.rank = config.mla_kv_rank or 4 * D
+        self.rope_dim = config.mla_rope_dim or D // 2
+        if self.rope_dim % 2 or self.rank < 0:
+            raise ModelError(f"model.mla_rope_dim must be even (RoPE turns pairs) and "
+                             f"model.mla_kv_rank not negative; got {self.rope_dim}, {self.rank}")
+        self.w_q = nn.Linear(config.n_embd, H * (D + self.rope_dim), bias=config.bias)
+        self.w_dkv = nn.Linear(config.n_embd, self.rank, bias=config.bias)    # W_DKV: down
+        self.w_kr = nn.Linear(config.n_embd, self.rope_dim, bias=config.bias)  # W_KR
+        self.w_ukv = nn.Linear(self.rank, 2 * H * D, bias=config.bias)       # W_UK, W_UV: up
+        self.w_o = nn.Linear(H * D, config.n_embd, bias=config.bias)
+        self.rope = DecoupledRoPE(self.rope_dim, config.rope_theta)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def cache_entry(self, x, start):
+        """What a token leaves behind: its latent (B, T, r) and its shared key, turned
+        once, by its own position (B, T, d_R)."""
+        return self.w_dkv(x), self.rope(self.w_kr(x), start)
+
+    def keys_values(self, state: LatentState):
+        """Every head's keys (B, H, Tk, d_h + d_R) and values (B, H, Tk, d_h), rebuilt
+        from the cached latents; the cached k_rope is used as it is (already turned)."""
+        B, Tk, _ = state.c_kv.shape
+        H, D = self.n_head, self.head_dim
+        k_c, v = self.w_ukv(state.c_kv).view(B, Tk, 2 * H, D).transpose(1, 2).split(H, dim=1)
+        k_rope = state.k_rope.unsqueeze(1).expand(B, H, Tk, self.rope_dim)  # one key, every head
+        return torch.cat([k_c, k_rope], dim=-1), v
+
+    def forward(self, x, positions, mask: Mask, cache=None, need_weights: bool = False,
+                value_embed=None):
+        if value_embed is not None:
+            raise ModelError("latent attention rebuilds values from the cached latent, which holds "
+                             "no token ids for value embeddings: set model.value_embeds=false")
+        B, T, _ = x.shape
+        H, D, R = self.n_head, self.head_dim, self.rope_dim
+        q = self.w_q(x).view(B, T, H, D + R).transpose(1, 2)         # (B, H, T, D + R)
+        q_c, q_r = q.split([D, R], dim=-1)
+        q = torch.cat([q_c, self.rope(q_r, mask.q_start)], dim=-1)
+        state = LatentState(*self.cache_entry(x, mask.q_start))
+        earlier = None if cache is None else cache.get(self.layer_idx)
+        if earlier is not None:
+            state = earlier.extended(state.c_kv, state.k_rope)
+        if cache is not None:
+            cache.put(self.layer_idx, state)
+        k, v = self.keys_values(state)
+        # The article's formula, per head; eager when the weights are wanted. The scale is
+        # 1/√(d_h + d_R), the length of q and k, as the paper has it.
+        backend = eager_attention if need_weights else sdpa_attention
+        dropout_p = self.dropout if self.training else 0.0
+        y, weights = backend(q, k, v, mask, dropout_p, need_weights)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, H * D)                    # heads side by side
+        return self.resid_dropout(self.w_o(y)), weights
