@@ -28,22 +28,15 @@ import numpy as np
 from tqdm import tqdm
 
 from common.errors import AttnlabError, DataError
-from common.files import read_json, write_json_atomic
+from common.files import write_json_atomic
+from data.meta import FORMAT, VERSION, DamagedRecord, read_meta, read_progress
 from data.shards import CannotResume, ShardWriter, token_dtype
-from data.sources import Source, SourceSpec, open_source
+from data.sources import Source, SourceSpec, open_source, passed_over_line
 from data.tokenizer import TOKENIZERS, Tokenizer
 
-FORMAT = "attnlab-tokens"
-VERSION = 1
 BATCH_CHARS = 1 << 20                  # text per encoding task
 SAVE_EVERY_S = 10.0                    # how often progress is recorded between shards
 SPLITS = ("train", "val")
-
-
-def read_meta(folder: Path) -> dict | None:
-    """meta.json of a finished build, or None."""
-    meta = read_json(Path(folder) / "meta.json")
-    return meta if meta is not None and meta.get("format") == FORMAT else None
 
 
 def prepare_key(source_key: dict, tokenizer: str, vocab_size: int, tokenizer_sample: int,
@@ -68,31 +61,15 @@ def prepare(spec: SourceSpec, out: str | Path, tokenizer: str = "bpe", vocab_siz
         raise DataError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
     source = open_source(spec)
     key = prepare_key(key_extra or vars(spec), tokenizer, vocab_size, tokenizer_sample, shard_tokens)
-    meta = read_meta(out)
-    if meta is not None and meta.get("key") == key:
+    if source.passed_over:
+        log(passed_over_line(source.passed_over))
+    meta, state = _earlier_build(out, key, overwrite)
+    if meta is not None:
         log(f"{out} is already prepared ({meta['splits']['train']['tokens']:,} train tokens)")
         return meta
-    state = read_json(out / "progress.json")
-    if (meta is not None or state is not None) and (state or {}).get("key") != key:
-        if not overwrite:
-            raise DataError(f"{out} holds tokens prepared with other settings; choose another "
-                            "folder, or replace them (data.prepare's --overwrite)")
-        clear_build(out)
-        state = None
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)
-    tok = None
-    if state is not None:
-        try:
-            tok = Tokenizer.load(out)
-            if tok.fingerprint() != state["tokenizer_fingerprint"]:
-                tok = None
-        except AttnlabError:
-            tok = None
-        if tok is None:
-            state = None
-        else:
-            log(f"resuming {out}: {state['items']:,} pieces of text already encoded")
+    tok = _resumed_tokenizer(out, state, log)
     started = time.perf_counter()
     if tok is None:
         tok = given or _train_tokenizer(source, tokenizer, vocab_size, tokenizer_sample, progress)
@@ -121,6 +98,46 @@ def prepare(spec: SourceSpec, out: str | Path, tokenizer: str = "bpe", vocab_siz
     write_json_atomic(out / "meta.json", meta)          # last: the folder is now complete
     (out / "progress.json").unlink(missing_ok=True)
     return meta
+
+
+def _earlier_build(out: Path, key: dict, overwrite: bool) -> tuple[dict | None, dict | None]:
+    """What `out` holds of a build with `key`: (its meta.json, None) when that build
+    finished, (None, its progress) when it did not, else (None, None). A build with
+    other settings, or a damaged meta.json or progress.json, is cleared away with
+    `overwrite` and refused without it."""
+    try:
+        meta = read_meta(out)
+        if meta is not None and meta["key"] == key:
+            return meta, None
+        state = read_progress(out)
+    except DamagedRecord as err:
+        if not overwrite:
+            raise DataError(f"{err.problem}; replace that build (data.prepare's --overwrite) "
+                            "or choose another folder") from None
+        clear_build(out)
+        return None, None
+    if (meta is not None or state is not None) and (state or {}).get("key") != key:
+        if not overwrite:
+            raise DataError(f"{out} holds tokens prepared with other settings; choose another "
+                            "folder, or replace them (data.prepare's --overwrite)")
+        clear_build(out)
+        return None, None
+    return None, state
+
+
+def _resumed_tokenizer(out: Path, state: dict | None, log) -> Tokenizer | None:
+    """The tokenizer a build that did not finish was encoding with, when its progress
+    and tokenizer.json still agree (else None: the build starts over)."""
+    if state is None:
+        return None
+    try:
+        tok = Tokenizer.load(out)
+    except AttnlabError:
+        return None
+    if tok.fingerprint() != state["tokenizer_fingerprint"]:
+        return None
+    log(f"resuming {out}: {state['items']:,} pieces of text already encoded")
+    return tok
 
 
 def _fresh_state(key: dict, tok: Tokenizer) -> dict:
