@@ -18,7 +18,7 @@ FORMAT = "attnlab-tokens"
 VERSION = 1
 META, PROGRESS = "meta.json", "progress.json"
 MAX_TOKENS = 1 << 62                   # as data.prepare's sizes: far beyond any corpus
-MAX_SHARDS = 1 << 20
+MAX_SHARDS = 30_000     # a split's: both splits' maps stay under Linux's default 65,530 a process
 MAX_VOCAB = 1 << 32                    # token ids are stored as uint32 at most
 
 _SPLIT = Field(dict, required=True, fields={

@@ -77,7 +77,11 @@ def open_shard(path: Path) -> np.ndarray:
         dtype, count = read_header(f, path)
         if count == 0:
             return np.zeros(0, dtype=dtype)
-        return np.memmap(f, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+        try:
+            return np.memmap(f, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+        except OSError as err:             # out of address space or of maps a process may hold
+            raise DataError(f"token shard {path} cannot be mapped into memory "
+                            f"({err.strerror or err})") from None
 
 
 class ShardWriter:

@@ -81,6 +81,8 @@ DAMAGED = {
                       "splits.train.tokens=1000000000000000000000000000000 is outside"),
     "no val bytes": (lambda m: m["splits"]["val"].update(bytes=0), "splits.val.bytes=0 is outside"),
     "no shards": (lambda m: m["splits"]["val"].update(shards=[]), "splits.val.shards has 0 items"),
+    "a million shards": (lambda m: m["splits"]["val"].update(shards=["val_000000.bin"] * 10**6),
+                         "splits.val.shards has 1,000,000 items"),
     "no key": (lambda m: m.pop("key"), "key is missing"),
     "splits only": (lambda m: [m.clear(), m.update(splits=5)], "splits is '5' (int), not an object"),
     "other format": (lambda m: m.update(format="other"), "has format 'other'"),
