@@ -233,15 +233,36 @@ def _batches(source: Source, skip: int):
         yield batch
 
 
+def _encode_in_order(batches, newline_docs: bool, tok: Tokenizer, num_proc: int, consume) -> None:
+    """Encode each batch, in `num_proc` worker processes when more than one, and hand
+    the results to `consume(results, n_items)` in document order."""
+    if num_proc <= 1:
+        for batch in batches:
+            consume(_encode_items(batch, newline_docs, tok), len(batch))
+        return
+    pool = multiprocessing.get_context("spawn").Pool(num_proc)
+    tok_json = tok.to_json()
+    try:
+        # At most two tasks per process in flight: memory stays flat however fast
+        # the source reads, and results come back in document order.
+        pending = collections.deque()
+        for batch in batches:
+            pending.append((pool.apply_async(_encode_items, (batch, newline_docs, tok_json)),
+                            len(batch)))
+            if len(pending) >= 2 * num_proc:
+                result, n = pending.popleft()
+                consume(result.get(), n)
+        while pending:
+            result, n = pending.popleft()
+            consume(result.get(), n)
+    finally:
+        pool.terminate()
+
+
 def _encode(source, tok, out, state, shard_tokens, num_proc, log, progress) -> dict:
     dtype = token_dtype(tok.vocab_size)
     writers = {s: ShardWriter(out, s, dtype, shard_tokens, state["writers"].get(s)) for s in SPLITS}
     counts = state["counts"]
-    num_proc = num_proc or os.cpu_count() or 1
-    pool = None
-    if num_proc > 1:
-        pool = multiprocessing.get_context("spawn").Pool(num_proc)
-    tok_json = tok.to_json()
     done_bytes = counts["train"]["bytes"] + counts["val"]["bytes"]
     bar = tqdm(total=source.total_bytes, initial=done_bytes, unit="B", unit_scale=True,
                disable=not progress, desc="tokenizing")
@@ -267,27 +288,10 @@ def _encode(source, tok, out, state, shard_tokens, num_proc, log, progress) -> d
             last_save = time.monotonic()
 
     try:
-        batches = _batches(source, state["items"])
-        if pool is None:
-            for batch in batches:
-                consume(_encode_items(batch, source.newline_docs, tok), len(batch))
-        else:
-            # At most two tasks per process in flight: memory stays flat however fast
-            # the source reads, and results come back in document order.
-            pending = collections.deque()
-            for batch in batches:
-                pending.append((pool.apply_async(_encode_items, (batch, source.newline_docs, tok_json)),
-                                len(batch)))
-                if len(pending) >= 2 * num_proc:
-                    result, n = pending.popleft()
-                    consume(result.get(), n)
-            while pending:
-                result, n = pending.popleft()
-                consume(result.get(), n)
+        _encode_in_order(_batches(source, state["items"]), source.newline_docs, tok,
+                         num_proc or os.cpu_count() or 1, consume)
     finally:
         bar.close()
-        if pool is not None:
-            pool.terminate()
     splits = {}
     for s in SPLITS:
         names = writers[s].close()
