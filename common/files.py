@@ -73,6 +73,37 @@ def read_bounded(path: Path, limit: int) -> bytes:
     return data
 
 
+# What a path may be besides a plain file (stat's file types), so that a refusal names
+# what it found: a pipe or a device is not a typo.
+FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe"),
+              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+              (stat.S_ISSOCK, "a socket"))
+
+
+def file_kind(mode: int) -> str:
+    """What a stat mode is: "a plain file", "a folder", "a named pipe", ..."""
+    if stat.S_ISREG(mode):
+        return "a plain file"
+    return next((name for test, name in FILE_KINDS if test(mode)), "a special file")
+
+
+def open_plain(path: Path):
+    """`path` opened for reading in binary when it is a plain file (symlinks followed);
+    anything else is refused with ValueError naming what it is, before a byte is read
+    and without waiting: a pipe is opened without waiting for a writer, as in
+    read_bounded. A missing file raises OSError as open() does."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"is {file_kind(mode)}, not a plain file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def parse_json_object(data: bytes) -> dict:
     """A JSON object from bytes, or ValueError saying why not: not UTF-8, not JSON,
     nested too deeply for the parser, or a JSON value that is not an object."""

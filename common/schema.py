@@ -12,15 +12,17 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Field:
-    """What one value of a config may be: its JSON type (int, float, bool, str or
-    dict), an inclusive range for numbers, whether null (or absence) is allowed, and
-    for a dict the fields inside it."""
+    """What one value of a config may be: its JSON type (int, float, bool, str, dict or
+    list), an inclusive range for numbers (for a list: for its number of items),
+    whether null (or absence) is allowed, for a dict the fields inside it, and for a
+    list what each item must be."""
     kind: type
     low: float | None = None
     high: float | None = None
     required: bool = False
     null: bool = False
     fields: dict | None = None
+    items: "Field | None" = None
 
 
 def count(high: int, low: int = 1, required: bool = True, null: bool = False) -> Field:
@@ -29,7 +31,7 @@ def count(high: int, low: int = 1, required: bool = True, null: bool = False) ->
 
 
 _KINDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string",
-          dict: "an object"}
+          dict: "an object", list: "a list"}
 
 
 def _is(kind: type, value) -> bool:
@@ -53,15 +55,29 @@ def config_problems(config: dict, schema: dict[str, Field], prefix: str = "") ->
             if field.required or (key in config and not field.null):
                 out.append(f"{name} is {'missing' if key not in config else 'null'}")
             continue
-        if not _is(field.kind, value):
-            out.append(f"{name} is {str(value)[:40]!r} ({type(value).__name__}), not "
-                       f"{_KINDS[field.kind]}")
-        elif field.kind in (int, float) and not (
-                (field.low is None or value >= field.low) and (field.high is None or value <= field.high)):
-            out.append(f"{name}={value} is outside {_bound(field.low, '-inf')}.."
-                       f"{_bound(field.high, 'inf')}")
-        elif field.fields:
-            out += config_problems(value, field.fields, prefix=f"{name}.")
+        out += value_problems(name, value, field)
+    return out
+
+
+def value_problems(name: str, value, field: Field) -> list[str]:
+    """What in one value (not null) breaks `field`: its kind, its range (a list's
+    length), then the fields of an object or each item of a list."""
+    if not _is(field.kind, value):
+        return [f"{name} is {str(value)[:40]!r} ({type(value).__name__}), not "
+                f"{_KINDS[field.kind]}"]
+    size = len(value) if field.kind is list else value if field.kind in (int, float) else None
+    if size is not None and not ((field.low is None or size >= field.low)
+                                 and (field.high is None or size <= field.high)):
+        what = f"{name} has {size:,} items, a number" if field.kind is list else f"{name}={value} is"
+        return [f"{what} outside {_bound(field.low, '-inf')}..{_bound(field.high, 'inf')}"]
+    if field.fields:
+        return config_problems(value, field.fields, prefix=f"{name}.")
+    out = []
+    for i, item in enumerate(value if field.items else ()):
+        if item is None:
+            out += [] if field.items.null else [f"{name}[{i}] is null"]
+        else:
+            out += value_problems(f"{name}[{i}]", item, field.items)
     return out
 
 

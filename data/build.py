@@ -28,22 +28,15 @@ import numpy as np
 from tqdm import tqdm
 
 from common.errors import AttnlabError, DataError
-from common.files import read_json, write_json_atomic
+from common.files import write_json_atomic
+from data.meta import FORMAT, VERSION, DamagedRecord, read_meta, read_progress
 from data.shards import CannotResume, ShardWriter, token_dtype
-from data.sources import Source, SourceSpec, open_source
+from data.sources import Source, SourceSpec, open_source, passed_over_line
 from data.tokenizer import TOKENIZERS, Tokenizer
 
-FORMAT = "attnlab-tokens"
-VERSION = 1
 BATCH_CHARS = 1 << 20                  # text per encoding task
 SAVE_EVERY_S = 10.0                    # how often progress is recorded between shards
 SPLITS = ("train", "val")
-
-
-def read_meta(folder: Path) -> dict | None:
-    """meta.json of a finished build, or None."""
-    meta = read_json(Path(folder) / "meta.json")
-    return meta if meta is not None and meta.get("format") == FORMAT else None
 
 
 def prepare_key(source_key: dict, tokenizer: str, vocab_size: int, tokenizer_sample: int,
@@ -68,31 +61,15 @@ def prepare(spec: SourceSpec, out: str | Path, tokenizer: str = "bpe", vocab_siz
         raise DataError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
     source = open_source(spec)
     key = prepare_key(key_extra or vars(spec), tokenizer, vocab_size, tokenizer_sample, shard_tokens)
-    meta = read_meta(out)
-    if meta is not None and meta.get("key") == key:
+    if source.passed_over:
+        log(passed_over_line(source.passed_over))
+    meta, state = _earlier_build(out, key, overwrite)
+    if meta is not None:
         log(f"{out} is already prepared ({meta['splits']['train']['tokens']:,} train tokens)")
         return meta
-    state = read_json(out / "progress.json")
-    if (meta is not None or state is not None) and (state or {}).get("key") != key:
-        if not overwrite:
-            raise DataError(f"{out} holds tokens prepared with other settings; choose another "
-                            "folder, or replace them (data.prepare's --overwrite)")
-        clear_build(out)
-        state = None
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)
-    tok = None
-    if state is not None:
-        try:
-            tok = Tokenizer.load(out)
-            if tok.fingerprint() != state["tokenizer_fingerprint"]:
-                tok = None
-        except AttnlabError:
-            tok = None
-        if tok is None:
-            state = None
-        else:
-            log(f"resuming {out}: {state['items']:,} pieces of text already encoded")
+    tok = _resumed_tokenizer(out, state, log)
     started = time.perf_counter()
     if tok is None:
         tok = given or _train_tokenizer(source, tokenizer, vocab_size, tokenizer_sample, progress)
@@ -121,6 +98,46 @@ def prepare(spec: SourceSpec, out: str | Path, tokenizer: str = "bpe", vocab_siz
     write_json_atomic(out / "meta.json", meta)          # last: the folder is now complete
     (out / "progress.json").unlink(missing_ok=True)
     return meta
+
+
+def _earlier_build(out: Path, key: dict, overwrite: bool) -> tuple[dict | None, dict | None]:
+    """What `out` holds of a build with `key`: (its meta.json, None) when that build
+    finished, (None, its progress) when it did not, else (None, None). A build with
+    other settings, or a damaged meta.json or progress.json, is cleared away with
+    `overwrite` and refused without it."""
+    try:
+        meta = read_meta(out)
+        if meta is not None and meta["key"] == key:
+            return meta, None
+        state = read_progress(out)
+    except DamagedRecord as err:
+        if not overwrite:
+            raise DataError(f"{err.problem}; replace that build (data.prepare's --overwrite) "
+                            "or choose another folder") from None
+        clear_build(out)
+        return None, None
+    if (meta is not None or state is not None) and (state or {}).get("key") != key:
+        if not overwrite:
+            raise DataError(f"{out} holds tokens prepared with other settings; choose another "
+                            "folder, or replace them (data.prepare's --overwrite)")
+        clear_build(out)
+        return None, None
+    return None, state
+
+
+def _resumed_tokenizer(out: Path, state: dict | None, log) -> Tokenizer | None:
+    """The tokenizer a build that did not finish was encoding with, when its progress
+    and tokenizer.json still agree (else None: the build starts over)."""
+    if state is None:
+        return None
+    try:
+        tok = Tokenizer.load(out)
+    except AttnlabError:
+        return None
+    if tok.fingerprint() != state["tokenizer_fingerprint"]:
+        return None
+    log(f"resuming {out}: {state['items']:,} pieces of text already encoded")
+    return tok
 
 
 def _fresh_state(key: dict, tok: Tokenizer) -> dict:
@@ -216,15 +233,36 @@ def _batches(source: Source, skip: int):
         yield batch
 
 
+def _encode_in_order(batches, newline_docs: bool, tok: Tokenizer, num_proc: int, consume) -> None:
+    """Encode each batch, in `num_proc` worker processes when more than one, and hand
+    the results to `consume(results, n_items)` in document order."""
+    if num_proc <= 1:
+        for batch in batches:
+            consume(_encode_items(batch, newline_docs, tok), len(batch))
+        return
+    pool = multiprocessing.get_context("spawn").Pool(num_proc)
+    tok_json = tok.to_json()
+    try:
+        # At most two tasks per process in flight: memory stays flat however fast
+        # the source reads, and results come back in document order.
+        pending = collections.deque()
+        for batch in batches:
+            pending.append((pool.apply_async(_encode_items, (batch, newline_docs, tok_json)),
+                            len(batch)))
+            if len(pending) >= 2 * num_proc:
+                result, n = pending.popleft()
+                consume(result.get(), n)
+        while pending:
+            result, n = pending.popleft()
+            consume(result.get(), n)
+    finally:
+        pool.terminate()
+
+
 def _encode(source, tok, out, state, shard_tokens, num_proc, log, progress) -> dict:
     dtype = token_dtype(tok.vocab_size)
     writers = {s: ShardWriter(out, s, dtype, shard_tokens, state["writers"].get(s)) for s in SPLITS}
     counts = state["counts"]
-    num_proc = num_proc or os.cpu_count() or 1
-    pool = None
-    if num_proc > 1:
-        pool = multiprocessing.get_context("spawn").Pool(num_proc)
-    tok_json = tok.to_json()
     done_bytes = counts["train"]["bytes"] + counts["val"]["bytes"]
     bar = tqdm(total=source.total_bytes, initial=done_bytes, unit="B", unit_scale=True,
                disable=not progress, desc="tokenizing")
@@ -250,40 +288,10 @@ def _encode(source, tok, out, state, shard_tokens, num_proc, log, progress) -> d
             last_save = time.monotonic()
 
     try:
-        for results, n_items in _encoded_batches(source, state["items"], tok, tok_json, pool, num_proc):
-            consume(results, n_items)
+        _encode_in_order(_batches(source, state["items"]), source.newline_docs, tok,
+                         num_proc or os.cpu_count() or 1, consume)
     finally:
         bar.close()
-        if pool is not None:
-            pool.terminate()
-    return {"splits": _close_splits(source, tok, out, writers, counts, log)}
-
-
-def _encoded_batches(source: Source, skip: int, tok: Tokenizer, tok_json: str, pool, num_proc: int):
-    """(encoded pieces, how many) for each batch of text after the first `skip` pieces,
-    in document order: encoded here without a pool, else by the pool's processes."""
-    batches = _batches(source, skip)
-    if pool is None:
-        for batch in batches:
-            yield _encode_items(batch, source.newline_docs, tok), len(batch)
-        return
-    # At most two tasks per process in flight: memory stays flat however fast
-    # the source reads, and results come back in document order.
-    pending = collections.deque()
-    for batch in batches:
-        pending.append((pool.apply_async(_encode_items, (batch, source.newline_docs, tok_json)),
-                        len(batch)))
-        if len(pending) >= 2 * num_proc:
-            result, n = pending.popleft()
-            yield result.get(), n
-    while pending:
-        result, n = pending.popleft()
-        yield result.get(), n
-
-
-def _close_splits(source: Source, tok: Tokenizer, out: Path, writers: dict, counts: dict, log) -> dict:
-    """Each split's counts and shard names once its last shard is written; a split left
-    empty is refused, and the build's one-line summary logged."""
     splits = {}
     for s in SPLITS:
         names = writers[s].close()
@@ -297,4 +305,4 @@ def _close_splits(source: Source, tok: Tokenizer, out: Path, writers: dict, coun
     log(f"wrote {splits['train']['tokens']:,} train tokens in {len(splits['train']['shards'])} "
         f"shard(s) and {splits['val']['tokens']:,} val tokens to {out} (vocabulary "
         f"{tok.vocab_size:,}, validation: {source.val_rule})")
-    return splits
+    return {"splits": splits}

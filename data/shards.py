@@ -13,12 +13,14 @@ the reader: any number of memory-mapped shards of one split, sampled as one stre
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from pathlib import Path
 
 import numpy as np
 
 from common.errors import DataError
+from common.files import inside, open_plain
 
 MAGIC = b"ATTNTOKS"
 VERSION = 1
@@ -40,9 +42,9 @@ def shard_name(split: str, index: int) -> str:
     return f"{split}_{index:06d}.bin"
 
 
-def read_header(path: Path) -> tuple[np.dtype, int]:
-    with open(path, "rb") as f:
-        raw = f.read(HEADER_BYTES)
+def read_header(f, path: Path) -> tuple[np.dtype, int]:
+    """The dtype and token count of the open shard `f` (at `path`), checked against its size."""
+    raw = f.read(HEADER_BYTES)
     if len(raw) < HEADER_BYTES:
         raise DataError(f"token shard {path} is shorter than its header; prepare the data again")
     magic, version, itemsize, count = HEADER.unpack(raw)
@@ -52,7 +54,7 @@ def read_header(path: Path) -> tuple[np.dtype, int]:
         raise DataError(f"token shard {path} has format version {version}, token size "
                         f"{itemsize}; this attnlab reads version {VERSION} with 2 or 4 bytes")
     expected = HEADER_BYTES + count * itemsize
-    size = path.stat().st_size
+    size = os.fstat(f.fileno()).st_size
     if size != expected:
         raise DataError(f"token shard {path} is {size:,} bytes but its header promises "
                         f"{expected:,} ({count:,} tokens); it is truncated or corrupt, "
@@ -61,10 +63,25 @@ def read_header(path: Path) -> tuple[np.dtype, int]:
 
 
 def open_shard(path: Path) -> np.ndarray:
-    dtype, count = read_header(path)
-    if count == 0:
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+    """The token ids of the shard at `path`, memory-mapped. Only a plain file is opened
+    (a named pipe would wait for a writer forever, a device never end); anything else,
+    or a file that cannot be read, is refused with its path."""
+    try:
+        f = open_plain(path)
+    except ValueError as err:
+        raise DataError(f"token shard {path} {err}; prepare the data again") from None
+    except OSError as err:
+        raise DataError(f"token shard {path} cannot be read ({err.strerror or err}); "
+                        "prepare the data again") from None
+    with f:
+        dtype, count = read_header(f, path)
+        if count == 0:
+            return np.zeros(0, dtype=dtype)
+        try:
+            return np.memmap(f, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+        except OSError as err:             # out of address space or of maps a process may hold
+            raise DataError(f"token shard {path} cannot be mapped into memory "
+                            f"({err.strerror or err})") from None
 
 
 class ShardWriter:
@@ -99,15 +116,24 @@ class ShardWriter:
         if finished_late.exists():
             os.replace(finished_late, self._path(self.done, partial=True))
         for path in self.folder.glob(f"{self.split}_*.bin*"):
-            index = int(path.name[len(self.split) + 1:].split(".")[0])
+            number = path.name[len(self.split) + 1:].split(".")[0]
+            if not number.isdigit():                     # not a shard's name: not ours
+                continue
+            index = int(number)
             if index > self.done or (index == self.done and not path.name.endswith(".partial")):
                 path.unlink()
 
     def _open_partial(self, truncate_to: int = 0):
         path = self._path(self.done, partial=True)
         expected = HEADER_BYTES + truncate_to * self.dtype.itemsize
-        if truncate_to and (not path.exists() or path.stat().st_size < expected):
-            raise CannotResume(f"{path} is shorter than the recorded progress")
+        if truncate_to:
+            # Written into only when it is a plain file of this folder: never through a
+            # link to a file elsewhere, nor a pipe that would wait for a reader.
+            info = os.lstat(path) if os.path.lexists(path) else None
+            if info is None or not stat.S_ISREG(info.st_mode) or info.st_size < expected:
+                raise CannotResume(f"{path} is not a plain file as long as the recorded progress")
+        else:
+            path.unlink(missing_ok=True)          # a new file, not whatever stood at the name
         f = open(path, "r+b" if truncate_to else "wb")
         f.truncate(expected)
         f.seek(0)
@@ -173,7 +199,16 @@ class Shards:
 
     @classmethod
     def open(cls, folder: Path, names: list[str]) -> "Shards":
-        return cls([open_shard(Path(folder) / n) for n in names], list(names))
+        """The shards meta.json names, each refused unless it stays inside `folder`
+        (common/files.py's `inside`, the one rule for names read from a file): a name
+        like /etc/passwd or ../other/train_000000.bin is never opened."""
+        folder = Path(folder)
+        for name in names:
+            if inside(folder, name) is None:
+                raise DataError(f"{folder / 'meta.json'} names the shard {str(name)[:200]!r}, "
+                                f"which leads outside {folder}; a token folder holds "
+                                "its own shards: prepare the data again")
+        return cls([open_shard(folder / n) for n in names], list(names))
 
     def __len__(self) -> int:
         return sum(len(a) for a in self.arrays)

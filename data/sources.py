@@ -20,17 +20,20 @@ huge file never has to sit in memory whole.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
 import gzip
 import os
 import socket
 import stat
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 from urllib.parse import urlparse
 
 from common.errors import DataError
+from common.files import file_kind, open_plain
 from common.shell import word
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".txt.gz", ".md.gz")
@@ -70,42 +73,82 @@ def suffix_of(path: Path) -> str:
     return path.suffix.lower()
 
 
-# What a path that exists may be besides a file or a folder (stat's file types), so that
-# /dev/null or a pipe is named for what it is rather than reported missing.
-OTHER_KINDS = {stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device",
-               stat.S_ISFIFO: "a named pipe", stat.S_ISSOCK: "a socket"}
-
-
-def local_files(source: str) -> list[Path] | None:
-    """The files a local source names, or None when it names nothing on disk."""
+def local_files(source: str, passed: list[str] | None = None) -> list[Path] | None:
+    """The files a local source names, or None when it names nothing on disk. A folder
+    or glob may also hold entries named like text that are not plain files (a named
+    pipe, a folder called notes.txt, a link to nothing or to /dev/zero): they are left
+    out without being opened, and each is added to `passed` with what it is."""
     path = Path(source).expanduser()
     if path.is_file():
         return [path]
     if path.exists() and not path.is_dir():
-        mode = path.stat().st_mode
-        kind = next((name for test, name in OTHER_KINDS.items() if test(mode)), "a special file")
-        raise DataError(f"{path} is not a file or folder of text ({kind}); give a UTF-8 text "
-                        "file (.gz allowed), a folder or glob of them, JSONL/CSV/Parquet files, "
-                        "or a prepared folder")
+        raise DataError(f"{path} is not a file or folder of text ({file_kind(path.stat().st_mode)}); "
+                        "give a UTF-8 text file (.gz allowed), a folder or glob of them, "
+                        "JSONL/CSV/Parquet files, or a prepared folder")
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and suffix_of(p) in
-                       (*TEXT_SUFFIXES, *RECORD_BUILDERS))
+        named = sorted(p for p in path.rglob("*") if suffix_of(p) in (*TEXT_SUFFIXES, *RECORD_BUILDERS))
+        files = _plain_files(named, passed)
         if not files:
             raise DataError(f"folder {path} holds no text (.txt, .md) or record (.jsonl, .csv, "
-                            ".parquet) files")
+                            f".parquet) files{_passed_note(named, files)}")
         return files
     if glob.has_magic(source):
-        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True)
-                       if Path(p).is_file())
+        named = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True))
+        files = _plain_files(named, passed)
         if not files:
-            raise DataError(f"no files match {source}")
+            raise DataError(f"no files match {source}{_passed_note(named, files)}")
         return files
     return None
 
 
+def _plain_files(paths: list[Path], passed: list[str] | None) -> list[Path]:
+    """The plain files among `paths` (symlinks followed); the rest noted in `passed`."""
+    files = []
+    for path in paths:
+        why = not_plain(path)
+        if why is None:
+            files.append(path)
+        elif passed is not None:
+            passed.append(f"{path} ({why})")
+    return files
+
+
+def _passed_note(named: list[Path], files: list[Path]) -> str:
+    others = [f"{p} ({not_plain(p)})" for p in named if p not in files]
+    return f" ({passed_over_line(others)})" if others else ""
+
+
+def not_plain(path: Path) -> str | None:
+    """What `path` is when it is not a plain file (None when it is), found by stat alone."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "a link to nothing" if path.is_symlink() else "gone"
+    except OSError as err:
+        return f"cannot be read: {err.strerror or err}"
+    if stat.S_ISREG(mode):
+        return None
+    return ("a link to " if path.is_symlink() else "") + file_kind(mode)
+
+
+def passed_over_line(passed: list[str], shown: int = 3) -> str:
+    """One line for the entries a folder or glob held that are not plain files."""
+    more = f" and {len(passed) - shown:,} more" if len(passed) > shown else ""
+    return (f"passed over {len(passed):,} entr{'y' if len(passed) == 1 else 'ies'} that "
+            f"{'is' if len(passed) == 1 else 'are'} not a plain file: "
+            + ", ".join(passed[:shown]) + more)
+
+
 def open_source(spec: SourceSpec) -> "Source":
     spec.validate()
-    files = local_files(spec.source)
+    passed: list[str] = []
+    files = local_files(spec.source, passed)
+    source = _source_of(spec, files)
+    source.passed_over = passed
+    return source
+
+
+def _source_of(spec: SourceSpec, files: list[Path] | None) -> "Source":
     if files is None:
         if spec.source.startswith((".", "/", "~")) or Path(spec.source).suffix:
             raise DataError(f"{spec.source} not found: give a text file, a folder, a glob, "
@@ -163,11 +206,39 @@ def _char_start(block: bytes, at: int) -> int:
     return at
 
 
+@contextlib.contextmanager
+def reading(path: Path):
+    """A corpus file opened for reading (through gzip for .gz), only when it is a plain
+    file: a named pipe or device put in its place since the folder was listed is refused
+    rather than waited on. A read that fails is one DataError naming this file, not the
+    folder being written."""
+    try:
+        raw = open_plain(path)
+    except ValueError as err:
+        raise DataError(f"corpus file {path} {err}; give plain text files") from None
+    except OSError as err:
+        raise _unreadable(path, err) from None
+    gz = path.name.endswith(".gz")
+    try:
+        with raw, (gzip.GzipFile(fileobj=raw, mode="rb") if gz else contextlib.nullcontext(raw)) as f:
+            yield f
+    except (OSError, EOFError, zlib.error) as err:
+        raise _unreadable(path, err) from None
+
+
+def _unreadable(path: Path, err: Exception) -> DataError:
+    what = "readable gzip" if path.name.endswith(".gz") else "readable"
+    reason = getattr(err, "strerror", None) or err
+    return DataError(f"corpus file {path} is not {what} ({reason}); check it (or leave it out of "
+                     "the corpus) and run the same command again")
+
+
 class Source:
     spec: SourceSpec
     total_bytes: int | None = None               # for the progress bar, when known
     val_rule: str = ""
     newline_docs = False     # records: separate documents by a newline when there is no end-of-text token
+    passed_over: list[str] = []  # entries of a folder or glob left out: not plain files
 
     def pieces(self) -> Iterator[Piece]:
         raise NotImplementedError
@@ -190,7 +261,7 @@ class TextSource(Source):
         if total == 0:
             raise DataError(f"{spec.source} is empty; give data.path a file with text in it")
         for path in self.files[:SNIFFED_FILES]:     # the usual faults, before any work
-            with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as f:
+            with reading(path) as f:
                 self._decode(path, codecs.getincrementaldecoder("utf-8")(), f.read(SNIFF_BYTES))
         self.total_bytes = total
         self.cut = int(total * (1.0 - spec.val_fraction))
@@ -200,11 +271,8 @@ class TextSource(Source):
     def _size(path: Path) -> int:
         if not path.name.endswith(".gz"):
             return path.stat().st_size
-        try:
-            with gzip.open(path) as f:
-                return sum(len(block) for block in iter(lambda: f.read(1 << 22), b""))
-        except (OSError, EOFError) as err:
-            raise DataError(f"corpus file {path} is not readable gzip ({err})") from None
+        with reading(path) as f:
+            return sum(len(block) for block in iter(lambda: f.read(1 << 22), b""))
 
     def describe(self) -> dict:
         return {"kind": "text files", "source": self.spec.source,
@@ -242,8 +310,7 @@ class TextSource(Source):
                 offset += len(block)
 
     def _blocks(self, path: Path, budget: int) -> Iterator[bytes]:
-        opener = gzip.open if path.name.endswith(".gz") else open
-        with opener(path, "rb") as f:
+        with reading(path) as f:
             while budget > 0:
                 block = f.read(self.BLOCK)[:budget]
                 if not block:

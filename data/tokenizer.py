@@ -17,9 +17,10 @@ from typing import Iterable
 import numpy as np
 
 from common.errors import TokenizerError
-from common.files import write_text_atomic
+from common.files import read_bounded, write_text_atomic
 
 FILENAME = "tokenizer.json"
+TOKENIZER_LIMIT = 256 << 20    # bytes of tokenizer.json (the largest vocabularies' are ~35 MB)
 # The mask token under the names the BERT family gives it ([MASK] for the ones added here).
 MASK_NAMES = ("[MASK]", "<mask>")
 
@@ -104,11 +105,17 @@ class Tokenizer:
     def load(directory: str | Path) -> "Tokenizer":
         path = Path(directory) / FILENAME
         try:
-            text = path.read_text(encoding="utf-8")
+            # Bounded and a plain file only: a token folder or run may come from elsewhere,
+            # and a pipe or a link to /dev/zero in its place would never end.
+            text = read_bounded(path, TOKENIZER_LIMIT).decode("utf-8")
         except FileNotFoundError:
             raise TokenizerError(f"no tokenizer at {path}") from None
         except UnicodeDecodeError as err:
             raise TokenizerError(f"tokenizer file {path} is not valid JSON ({err})") from None
+        except ValueError as err:
+            raise TokenizerError(f"tokenizer file {path} {err}; it cannot be a tokenizer") from None
+        except OSError as err:
+            raise TokenizerError(f"tokenizer file {path} cannot be read ({err.strerror or err})") from None
         return Tokenizer.parse(text, path)
 
     @staticmethod

@@ -20,9 +20,10 @@ import torch
 from common.errors import DataError
 from common.files import file_sha256, lock_file, lock_holder
 from common.shell import word
-from data.build import clear_build, prepare, prepare_key, read_meta
+from data.build import clear_build, prepare, prepare_key
+from data.meta import DamagedRecord, looks_prepared, read_meta
 from data.shards import Shards
-from data.sources import SourceSpec, local_files, open_source
+from data.sources import SourceSpec, local_files, open_source, passed_over_line
 from data.tokenizer import TOKENIZERS, Tokenizer
 
 DATA_DIR = Path(__file__).resolve().parent
@@ -79,28 +80,22 @@ def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
                 given: Tokenizer | None = None) -> TokenData:
     """Tokenized train/val splits of a corpus, prepared on first use and cached. With
     `given`, the corpus is encoded with that tokenizer instead of one learned from it."""
-    if path and read_meta(Path(path).expanduser()) is not None:
-        folder = Path(path).expanduser()
-        data = open_prepared(folder)
-        if given is not None and data.tokenizer.fingerprint() != given.fingerprint():
-            raise DataError(f"{folder} was prepared with another tokenizer than the model "
-                            "starts from; give the corpus's text files instead, so they are "
-                            "encoded with the model's own tokenizer")
-        if data.tokenizer.kind != tokenizer:
-            log(f"{folder} was prepared with the {data.tokenizer.kind} tokenizer "
-                f"(vocabulary {data.tokenizer.vocab_size:,}); using it")
-        return data
+    if path and looks_prepared(Path(path).expanduser()):
+        return _given_folder(Path(path).expanduser(), tokenizer, given, log)
     if path and (Path(path).expanduser() / "progress.json").is_file():
         raise DataError(f"{path} is a data.prepare build that did not finish; run the same "
                         "python -m data.prepare command again to complete it")
     source = str(Path(path).expanduser()) if path else str(BUNDLED_CORPUS)
-    files = local_files(source)
+    passed: list[str] = []
+    files = local_files(source, passed)
     if files is None:
         raise DataError(f"corpus {path} not found. To prepare a dataset there (a Hugging Face "
                         f"name or local files): python -m data.prepare SOURCE --out {word(path)}. "
                         "data.path takes a UTF-8 text file (.gz allowed), a folder or glob of "
                         "them, JSONL/CSV/Parquet files, or a prepared folder; leave it empty "
                         "for the bundled Shakespeare")
+    if passed:
+        log(passed_over_line(passed))
     spec = SourceSpec(source, val_fraction=val_fraction)
     open_source(spec)                 # a kind of file it cannot read: refused before any work
     size = sum(f.stat().st_size for f in files)
@@ -110,27 +105,8 @@ def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
     fingerprint = ([file_sha256(f) for f in files] if len(files) == 1 else
                    [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files])
     key_extra = {"files": fingerprint, "val_fraction": val_fraction}
-    first = Path(source.rstrip("/*")).name.split(".")[0] or "corpus"
     tokenizer = given.kind if given is not None else tokenizer
-    sized = TOKENIZERS[tokenizer].sized_by_setting
-    name = first + f"-{tokenizer}" + (f"{vocab_size}" if sized else "")
-    key = prepare_key(key_extra, tokenizer, vocab_size, CACHE_BPE_SAMPLE, CACHE_SHARD_TOKENS)
-    folder = Path(cache_dir or DATA_DIR / "cache") / name
-    held = read_meta(folder)
-    # A run started from another's weights keeps its tokenizer. Where that is the one this
-    # corpus's own cache was built with (a fine-tune on the same text), it reads that
-    # cache; another tokenizer gets a cache of its own.
-    if given is not None and not (held is not None and held["key"] == key
-                                  and held.get("tokenizer_fingerprint") == given.fingerprint()):
-        key_extra["tokenizer"] = given.fingerprint()
-        name = f"{first}-{given.kind}-{given.fingerprint()[:10]}"
-        key = prepare_key(key_extra, tokenizer, vocab_size, CACHE_BPE_SAMPLE, CACHE_SHARD_TOKENS)
-        folder = folder.with_name(name)
-        held = read_meta(folder)
-    if held is not None and held["key"] != key and held["source"].get("source") != source:
-        # Another corpus of the same name (a/notes.txt, b/notes.txt) built this folder: a
-        # folder of this path's own, rather than a rebuild over the other one's.
-        folder = folder.with_name(f"{name}-{hashlib.sha256(str(Path(source).resolve()).encode()).hexdigest()[:8]}")
+    folder, key = _cache_folder(source, key_extra, tokenizer, vocab_size, cache_dir, given)
     folder.parent.mkdir(parents=True, exist_ok=True)
     # One build per cache folder at a time: a second training started meanwhile waits,
     # then finds the folder built.
@@ -140,31 +116,87 @@ def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
         log(f"another process (pid {lock_holder(lock_path)}) is building {folder}; waiting for it")
         lock = lock_file(lock_path, wait=True)
     with lock:
-        meta = read_meta(folder)
-        if meta is not None and meta["key"] == key:
-            try:
-                return open_prepared(folder, meta)
-            except DataError as err:
-                log(f"{err}; rebuilding {folder}")
-                clear_build(folder)                  # start over rather than trust its record
-        elif meta is not None:
-            log(f"{Path(source).name} or the tokenizer settings changed; rebuilding {folder}")
-        log(f"tokenizing {source} with the {tokenizer} tokenizer into {folder} (once; cached after)")
+        return _cached(folder, key, spec, tokenizer, vocab_size, key_extra, size, given, log)
+
+
+def _given_folder(folder: Path, tokenizer: str, given: Tokenizer | None, log) -> TokenData:
+    """A folder data.prepare wrote, named by data.path, read as it is."""
+    data = open_prepared(folder)
+    if given is not None and data.tokenizer.fingerprint() != given.fingerprint():
+        raise DataError(f"{folder} was prepared with another tokenizer than the model "
+                        "starts from; give the corpus's text files instead, so they are "
+                        "encoded with the model's own tokenizer")
+    if data.tokenizer.kind != tokenizer:
+        log(f"{folder} was prepared with the {data.tokenizer.kind} tokenizer "
+            f"(vocabulary {data.tokenizer.vocab_size:,}); using it")
+    return data
+
+
+def _cached_meta(folder: Path, log=None) -> dict | None:
+    """The cache folder's meta.json, or None when it has none or a damaged one: the
+    cache is this project's own, so a damaged record is rebuilt (said through `log`)."""
+    try:
+        return read_meta(folder)
+    except DamagedRecord as err:
+        if log is not None:
+            log(f"{err.problem}; rebuilding {folder}")
+        return None
+
+
+def _cache_folder(source: str, key_extra: dict, tokenizer: str, vocab_size: int,
+                  cache_dir: str, given: Tokenizer | None) -> tuple[Path, dict]:
+    """The cache folder of this corpus and these settings, and the key of its build."""
+    first = Path(source.rstrip("/*")).name.split(".")[0] or "corpus"
+    sized = TOKENIZERS[tokenizer].sized_by_setting
+    name = first + f"-{tokenizer}" + (f"{vocab_size}" if sized else "")
+    key = prepare_key(key_extra, tokenizer, vocab_size, CACHE_BPE_SAMPLE, CACHE_SHARD_TOKENS)
+    folder = Path(cache_dir or DATA_DIR / "cache") / name
+    held = _cached_meta(folder)
+    # A run started from another's weights keeps its tokenizer. Where that is the one this
+    # corpus's own cache was built with (a fine-tune on the same text), it reads that
+    # cache; another tokenizer gets a cache of its own.
+    if given is not None and not (held is not None and held["key"] == key
+                                  and held["tokenizer_fingerprint"] == given.fingerprint()):
+        key_extra["tokenizer"] = given.fingerprint()
+        name = f"{first}-{given.kind}-{given.fingerprint()[:10]}"
+        key = prepare_key(key_extra, tokenizer, vocab_size, CACHE_BPE_SAMPLE, CACHE_SHARD_TOKENS)
+        folder = folder.with_name(name)
+        held = _cached_meta(folder)
+    if held is not None and held["key"] != key and held["source"].get("source") != source:
+        # Another corpus of the same name (a/notes.txt, b/notes.txt) built this folder: a
+        # folder of this path's own, rather than a rebuild over the other one's.
+        folder = folder.with_name(f"{name}-{hashlib.sha256(str(Path(source).resolve()).encode()).hexdigest()[:8]}")
+    return folder, key
+
+
+def _cached(folder: Path, key: dict, spec: SourceSpec, tokenizer: str, vocab_size: int,
+            key_extra: dict, size: int, given: Tokenizer | None, log) -> TokenData:
+    """The cache folder's tokens, built (or rebuilt) first unless it holds this key's."""
+    meta = _cached_meta(folder, log)
+    if meta is not None and meta["key"] == key:
         try:
-            meta = prepare(spec, folder, tokenizer, vocab_size, tokenizer_sample=CACHE_BPE_SAMPLE,
-                           shard_tokens=CACHE_SHARD_TOKENS,
-                           num_proc=0 if size > PARALLEL_FROM_BYTES else 1, overwrite=True,
-                           key_extra=key_extra, log=lambda *a: None,
-                           progress=size > PARALLEL_FROM_BYTES, given=given)
-        except DataError:                  # text it cannot read: nothing worth resuming
-            clear_build(folder)
-            if folder.is_dir() and not any(folder.iterdir()):
-                folder.rmdir()
-            raise
-        s = meta["splits"]
-        log(f"  {s['train']['tokens']:,} train and {s['val']['tokens']:,} val tokens, "
-            f"vocabulary {meta['vocab_size']}")
-        return open_prepared(folder, meta)
+            return open_prepared(folder, meta)
+        except DataError as err:
+            log(f"{err}; rebuilding {folder}")
+            clear_build(folder)                  # start over rather than trust its record
+    elif meta is not None:
+        log(f"{Path(spec.source).name} or the tokenizer settings changed; rebuilding {folder}")
+    log(f"tokenizing {spec.source} with the {tokenizer} tokenizer into {folder} (once; cached after)")
+    try:
+        meta = prepare(spec, folder, tokenizer, vocab_size, tokenizer_sample=CACHE_BPE_SAMPLE,
+                       shard_tokens=CACHE_SHARD_TOKENS,
+                       num_proc=0 if size > PARALLEL_FROM_BYTES else 1, overwrite=True,
+                       key_extra=key_extra, log=lambda *a: None,
+                       progress=size > PARALLEL_FROM_BYTES, given=given)
+    except DataError:                  # text it cannot read: nothing worth resuming
+        clear_build(folder)
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+        raise
+    s = meta["splits"]
+    log(f"  {s['train']['tokens']:,} train and {s['val']['tokens']:,} val tokens, "
+        f"vocabulary {meta['vocab_size']}")
+    return open_prepared(folder, meta)
 
 
 SAMPLINGS = {    # how training windows are drawn (data.sampling)

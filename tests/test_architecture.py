@@ -312,10 +312,8 @@ LONG_FUNCTIONS_ALLOWED = {
     "train.py:main",
     "attnlab/recall.py:main",
     "engine/run.py:resume_config",
-    "data/tokens.py:load_tokens",
     "engine/run.py:setup_run",
     "sample.py:main",
-    "data/build.py:prepare",
 }
 # The exercises' solutions and stubs are written as a learner would write them.
 LONG_FUNCTIONS_SKIPPED = ("attnlab/exercises/solutions/", "attnlab/exercises/stubs/")
