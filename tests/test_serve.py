@@ -588,3 +588,16 @@ def test_the_page_opens_the_articles_encoder_in_its_mask_and_search_tab(minilm):
         assert found["query"] == "it" and (found["ranking"][0]["layer"], found["ranking"][0]["head"]) == (3, 1)
         refused = c.get("/api/generate", params={"prompt": "the"})
         assert refused.status_code == 400 and "encoder" in refused.json()["error"]
+
+
+def test_the_pages_first_prompt_is_a_speaker_as_the_bundled_plays_write_one():
+    """The page opened on "ROMEO:", which the plays never write ("Romeo." on a line of
+    its own starts a speech), so the first thing a learner generated began off the text."""
+    import gzip
+    import re
+    page = (ROOT / "attnlab" / "web" / "index.html").read_text(encoding="utf-8")
+    prompt = re.search(r'<textarea id="prompt"[^>]*>(.*?)</textarea>', page, re.S)[1]
+    prompt = prompt.removeprefix("\n")      # HTML drops a newline right after <textarea>
+    with gzip.open(ROOT / "data" / "shakespeare" / "plays.txt.gz", "rt", encoding="utf-8") as f:
+        plays = f.read()
+    assert prompt.endswith("\n") and plays.count("\n\n" + prompt) > 100
