@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
 
 from common.errors import CheckpointError, ConfigError
@@ -113,6 +114,14 @@ def load(args: argparse.Namespace, before_build=None, log=None):
     one asked for)."""
     from engine.device import pick_device
     from engine.inference import load_run
+    from attnlab.exercises import plug
     device = pick_device(args.device)
     run = find_run(args.run, log=log)
-    return load_run(run, args.checkpoint, device, before_build=before_build, log=log)
+    plug.install()          # a run trained with your attention (`yours`) opens here too
+
+    def build(cfg):
+        for note in plug.prepare(cfg.model, plug.folder_for(None, run)):
+            (log or (lambda line: print(line, file=sys.stderr)))(note)
+        if before_build is not None:
+            before_build(cfg)
+    return load_run(run, args.checkpoint, device, before_build=build, log=log)

@@ -286,3 +286,22 @@ def test_with_no_run_trained_yet_the_newest_is_read_and_the_line_says_none_has(t
     assert latest_run(tmp_path, log=lines.append, trained=True) == killed
     assert lines == [f"run: {killed} (the latest run; none in the folder has been evaluated "
                      "past step 0 yet; --run DIR for another)"]
+
+
+def test_a_run_trained_with_your_attention_opens_in_every_tool_that_reads_one(corpus, tmp_path):
+    """docs/exercises.md ends with the learner's model on the page: the tools read runs
+    through load(), which knew no `yours` and refused the run's config."""
+    import shutil
+    from conftest import train_tiny
+    from attnlab.exercises.learner import SOLUTIONS
+    from attnlab.options import load
+    from attnlab.serve import parser
+    mine = tmp_path / "mine"
+    shutil.copytree(SOLUTIONS, mine)
+    run = train_tiny(corpus, tmp_path, "yours", "--model.attention=yours", f"--exercises={mine}",
+                     "--train.max_iters=2", "--train.eval_interval=2")
+    lines = []
+    model, cfg, _, _ = load(parser().parse_args(["--run", str(run), "--device", "cpu"]),
+                            log=lines.append)
+    assert f"attention: yours (scaled_dot_product_attention in {mine / '01_attention.py'})" in lines
+    assert model.config.attention == cfg.model.attention
