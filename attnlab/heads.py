@@ -178,7 +178,8 @@ def export_head_view(path, tokens, maps, inline_js: str | Path | None = None) ->
     try:
         from bertviz import head_view
     except ImportError:
-        raise AttnlabError("the HTML view needs bertviz: pip install bertviz") from None
+        raise AttnlabError("the HTML view needs bertviz, an optional package: "
+                           "pip install -r requirements-extra.txt") from None
     shown = [t.replace("\n", "\\n") for t in tokens]
     body = head_view([m[None] for m in maps], shown, html_action="return").data
     # bertviz writes the tokens as JSON inside a <script>: a token holding "</" could end
