@@ -155,7 +155,9 @@ def save_layer_map(path, values, xlabels, title, ylabel="layer", cmap="RdBu_r", 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(4, 0.45 * values.shape[1] + 2), max(2.5, 0.5 * values.shape[0] + 1.5)))
     lim = float(values.abs().max()) or 1.0
-    image = ax.imshow(values, cmap=cmap, aspect="auto", **({"vmin": -lim, "vmax": lim} if center else {}))
+    shown_values = values.detach().float().cpu().numpy() if hasattr(values, "detach") else values
+    image = ax.imshow(shown_values, cmap=cmap, aspect="auto",
+                      **({"vmin": -lim, "vmax": lim} if center else {}))
     label_tokens(ax, xlabels, [str(i) for i in range(values.shape[0])], fontsize=8)
     ax.set_ylabel(f"{ylabel} (from 0)")
     ax.set_title(title, fontsize=10)
