@@ -35,6 +35,7 @@ import torch
 from common.errors import AttnlabError
 from attnlab.capture import attention_maps, run_with_cache
 from attnlab.options import add_run_options, load, out_option
+from attnlab.plotting import NUMBERING
 from engine.cli import Parser, errors_as_lines
 
 BANK = ("the river bank eroded", "the savings bank collapsed")
@@ -223,9 +224,10 @@ def main(argv=None) -> int:
             where = "input (embeddings)" if layer == 0 else f"after layer {layer}"
             print(f"  {where:<20} {cos:.4f}")
     else:
+        print(f"{NUMBERING} (the article counts from 1)")
         print("layer  mean distance (tokens)  share on [CLS]/[SEP]")
         for layer, (distance, share) in enumerate(distance_per_layer(model, tokenizer)):
-            print(f"{layer + 1:>5}  {distance:22.2f}  {share:20.2f}")
+            print(f"{layer:>5}  {distance:22.2f}  {share:20.2f}")
     return 0
 
 

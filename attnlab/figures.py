@@ -25,7 +25,7 @@ import torch
 from model.attention import eager_attention
 from model.mask import Mask, visible
 from common.errors import AttnlabError
-from attnlab.plotting import (check_figure_out, default_out, out_path, pyplot,
+from attnlab.plotting import (check_figure_out, default_out, label_tokens, out_path, pyplot,
                               refuse_a_path_through_a_file, save_figure)
 from attnlab.options import out_option
 from engine.cli import Parser, errors_as_lines
@@ -104,12 +104,20 @@ def save_mask_patterns(path: str | Path, length: int = 24, window: int = 6, n_gl
     """One panel per pattern: rows are queries, columns keys, dark = may attend."""
     plt = pyplot()
     patterns = mask_patterns(length, window, n_global)
-    fig, axes = plt.subplots(1, len(patterns), figsize=(4 * len(patterns), 4.2))
+    fig, axes = plt.subplots(1, len(patterns), figsize=(4 * len(patterns) + 1, 4.2),
+                             layout="constrained")
+    positions = [str(i) for i in range(length)]
+    from matplotlib.colors import ListedColormap
+    two = ListedColormap(["#f7fbff", "#2171b5"])          # hidden, may attend
     for ax, (title, mask) in zip(axes, patterns.items()):
-        ax.imshow(mask.numpy(), cmap="Blues", vmin=0, vmax=1.3)
+        image = ax.imshow(mask.numpy(), cmap=two, vmin=0, vmax=1)
+        label_tokens(ax, positions)
         ax.set_title(f"{title}\n{int(mask.sum())} of {length * length} scores computed", fontsize=9)
         ax.set_xlabel("key position (looked at)")
         ax.set_ylabel("query position (looking)")
+    # Two colours, so the scale is a key: what each means for the score there.
+    scale = fig.colorbar(image, ax=list(axes), ticks=[0.25, 0.75], shrink=0.5)
+    scale.ax.set_yticklabels(["hidden (-inf)", "may attend"])
     return save_figure(fig, path, dpi=110)
 
 

@@ -10,8 +10,9 @@ head where one word looks most at another, and what each head tends to do.
 Rows of a heatmap are the tokens looking (queries), columns the tokens looked at
 (keys); each row sums to 1 and, in a decoder, is zero right of the diagonal (the causal
 mask). --run also takes a BERT-family folder (an encoder: rows see both directions),
-such as the article's all-MiniLM-L6-v2. Layers and heads are numbered from 0 (--layer,
---head, the plots); search also prints them from 1, the article's numbering.
+such as the article's all-MiniLM-L6-v2. Layers and heads are numbered from 0 in every
+option, printout and plot (the article counts from 1: its layer 4, head 2 is layer 3,
+head 1 here).
 
 One layer deeper are tools of their own, with the same --run, --checkpoint and
 --device: python -m attnlab.lens (logit, ablate, patch) and python -m attnlab.induction
@@ -28,8 +29,9 @@ import torch
 
 from attnlab.capture import attention_maps, other_paths
 from attnlab.options import add_run_options, load, positive, out_option
-from attnlab.plotting import (check_figure_out, default_out, make_folder_for, out_path, pyplot,
-                              refuse_a_path_through_a_file, save_figure)
+from attnlab.plotting import (NUMBERING, check_figure_out, default_out, draw_weights,
+                              label_tokens, layer_head, make_folder_for, out_path, pyplot,
+                              refuse_a_path_through_a_file, save_figure, weight_scale)
 from common.errors import AttnlabError
 from common.files import write_text_atomic
 from engine.cli import Parser, errors_as_lines
@@ -123,43 +125,42 @@ def head_stats(weights: torch.Tensor) -> dict:
             "next": following, "first": first, "label": label}
 
 
-# What every plot and table of layers and heads says about its numbering: the article
-# counts from 1, this project's options and plots from 0.
-FROM_0 = "layers and heads counted from 0, as --layer/--head take them"
-
-
-def _plot_one(ax, weights, tokens, title, labels=True):
-    ax.imshow(weights.numpy(), cmap="viridis", vmin=0, vmax=1)
-    ax.set_title(title, fontsize=8)
-    if labels and len(tokens) <= 40:
-        shown = [t.replace("\n", "\\n") for t in tokens]
-        ax.set_xticks(range(len(tokens)), shown, rotation=90, fontsize=6)
-        ax.set_yticks(range(len(tokens)), shown, fontsize=6)
-    else:
-        ax.set_xticks([])
-        ax.set_yticks([])
+# What every plot and table of layers and heads says about its numbering (one rule for
+# every tool, attnlab.plotting's).
+FROM_0 = NUMBERING
 
 
 def save_grid(path, tokens, maps) -> Path:
+    """Every layer x head: the tokens beside the first column and under the last row, one
+    colour scale for all (the panels share it, so they compare)."""
     plt = pyplot()
     L, H = len(maps), maps[0].shape[0]
-    fig, axes = plt.subplots(L, H, figsize=(2.6 * H, 2.6 * L), squeeze=False)
+    fig, axes = plt.subplots(L, H, figsize=(2.6 * H + 1.2, 2.6 * L + 0.6), squeeze=False,
+                             layout="constrained")
     for layer in range(L):
         for head in range(H):
-            _plot_one(axes[layer][head], maps[layer][head], tokens, f"layer {layer}, head {head}",
-                      labels=len(tokens) <= 16)
+            ax = axes[layer][head]
+            image = draw_weights(ax, maps[layer][head].numpy(), layer_head(layer, head))
+            label_tokens(ax, tokens, fontsize=6)
+            if head:
+                ax.tick_params(labelleft=False)
+            if layer < L - 1:
+                ax.tick_params(labelbottom=False)
     fig.suptitle(FROM_0)
     fig.supxlabel("token looked at (key)")
     fig.supylabel("token looking (query)")
+    weight_scale(fig, image, axes.ravel().tolist())
     return save_figure(fig, path, dpi=100)
 
 
 def save_head(path, tokens, weights, layer, head) -> Path:
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 7))
-    _plot_one(ax, weights, tokens, f"layer {layer}, head {head} (from 0, as --layer/--head)")
+    fig, ax = plt.subplots(figsize=(8, 7), layout="constrained")
+    image = draw_weights(ax, weights.numpy(), f"{layer_head(layer, head)} (from 0, as "
+                         "--layer/--head)", keys=tokens)
     ax.set_xlabel("token looked at (key)")
     ax.set_ylabel("token looking (query)")
+    weight_scale(fig, image, ax)
     return save_figure(fig, path, dpi=110)
 
 
@@ -177,7 +178,8 @@ def export_head_view(path, tokens, maps, inline_js: str | Path | None = None) ->
     try:
         from bertviz import head_view
     except ImportError:
-        raise AttnlabError("the HTML view needs bertviz: pip install bertviz") from None
+        raise AttnlabError("the HTML view needs bertviz, an optional package: "
+                           "pip install -r requirements-extra.txt") from None
     shown = [t.replace("\n", "\\n") for t in tokens]
     body = head_view([m[None] for m in maps], shown, html_action="return").data
     # bertviz writes the tokens as JSON inside a <script>: a token holding "</" could end
@@ -271,13 +273,12 @@ def main(argv=None) -> int:
         ranking, query, targets = search(maps, args.text, token_spans(tokenizer, args.text),
                                          args.source, args.target)
         print(f"token {query} ({tokens[query]!r}) looking at tokens {targets} "
-              f"({''.join(tokens[t] for t in targets)!r}); layers and heads counted from 1 as "
-              "the article does, this project's --layer/--head (from 0) beside:")
+              f"({''.join(tokens[t] for t in targets)!r}); {FROM_0} (the article counts "
+              "from 1):")
         for weight, layer, head in ranking[:args.top]:
-            print(f"  layer {layer + 1}, head {head + 1}: {args.source} → {args.target} = "
-                  f"{weight:.2f}   (--layer {layer} --head {head}, weight {weight:.3f})")
+            print(f"  {layer_head(layer, head)}: {args.source} → {args.target} = {weight:.3f}")
     else:
-        print(f"{FROM_0} (the article counts from 1: add 1 to each)")
+        print(f"{FROM_0} (the article counts from 1)")
         print(f"{'layer':>5} {'head':>4} {'entropy':>8} {'distance':>8} {'prev':>6} {'next':>6} "
               f"{'first':>6}  pattern")
         for layer, weights in enumerate(maps):

@@ -31,7 +31,8 @@ import torch
 from attnlab.capture import attention
 from attnlab.lens import ablate
 from attnlab.options import add_run_options, load, positive, out_option
-from attnlab.plotting import check_figure_out, default_out, out_path, pyplot, save_figure
+from attnlab.plotting import (check_figure_out, default_out, draw_weights, layer_head, out_path,
+                              pyplot, save_figure, weight_scale)
 from common.errors import AttnlabError
 from engine.cli import Parser, errors_as_lines
 
@@ -131,13 +132,17 @@ def plot_heads(model, span: int, heads: dict[str, tuple[int, int]], path: Path,
                            vocab or model.config.vocab_size, g)
     x = x.to(next(model.parameters()).device)
     _, maps = attention(model, x)
+    # The token ids on the axes: the span written twice is what a learner looks for.
+    ids = [str(i) for i in x[0].tolist()]
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(heads), figsize=(4.2 * len(heads), 4))
-    for ax, (title, (layer, head)) in zip(list(axes) if len(heads) > 1 else [axes], heads.items()):
-        ax.imshow(maps[layer][0, head].float().cpu(), cmap="viridis", vmin=0, vmax=1)
-        ax.set_title(f"{title}\nlayer {layer}, head {head} (from 0)", fontsize=10)
-        ax.set_xlabel("key position (looked at)")
-        ax.set_ylabel("query position (looking)")
+    fig, axes = plt.subplots(1, len(heads), figsize=(4.6 * len(heads) + 1, 4.4), squeeze=False,
+                             layout="constrained")
+    for ax, (title, (layer, head)) in zip(axes[0], heads.items()):
+        image = draw_weights(ax, maps[layer][0, head].float().cpu(), keys=ids)
+        ax.set_title(f"{title}\n{layer_head(layer, head)} (from 0)", fontsize=10)
+        ax.set_xlabel("token looked at (key)")
+        ax.set_ylabel("token looking (query)")
+    weight_scale(fig, image, axes[0].tolist())
     return save_figure(fig, path)
 
 

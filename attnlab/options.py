@@ -3,8 +3,8 @@ same way in each (sample.py and every `python -m attnlab.<tool>`):
 
   --run DIR        a run directory (runs/NAME), a run's name (NAME, looked up in runs/),
                    one checkpoint folder, or a transformers folder (GPT-2, Llama, a BERT
-                   such as all-MiniLM-L6-v2); default: the latest run, the one in runs/
-                   whose newest checkpoint was written last
+                   such as all-MiniLM-L6-v2); default: the latest run in runs/ that
+                   trained (evaluated past step 0), not one stopped before that
   --checkpoint     best (default): the step best.json names, the lowest validation loss;
                    latest; or a step number. Where best names nothing that trained, the
                    latest is used and one line says so (engine.checkpoint.choose)
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
 
 from common.errors import CheckpointError, ConfigError
@@ -90,10 +91,11 @@ def add_run_options(parser: argparse.ArgumentParser, what: str = "run directory 
 
 def find_run(given: str | Path = "", runs: Path = RUNS, log=None) -> Path:
     """The folder --run names: as given where it exists, else runs/GIVEN (a run's name);
-    nothing given: the latest run."""
+    nothing given: the latest run that trained (not one stopped before its first
+    evaluation), named in one line with the way to choose another."""
     from engine.checkpoint import latest_run
     if not str(given):
-        return latest_run(runs, log=log)
+        return latest_run(runs, log=log, trained=True)
     path = Path(given)
     if path.exists():
         return path
@@ -112,6 +114,14 @@ def load(args: argparse.Namespace, before_build=None, log=None):
     one asked for)."""
     from engine.device import pick_device
     from engine.inference import load_run
+    from attnlab.exercises import plug
     device = pick_device(args.device)
     run = find_run(args.run, log=log)
-    return load_run(run, args.checkpoint, device, before_build=before_build, log=log)
+    plug.install()          # a run trained with your attention (`yours`) opens here too
+
+    def build(cfg):
+        for note in plug.prepare(cfg.model, plug.folder_for(None, run)):
+            (log or (lambda line: print(line, file=sys.stderr)))(note)
+        if before_build is not None:
+            before_build(cfg)
+    return load_run(run, args.checkpoint, device, before_build=build, log=log)

@@ -24,7 +24,8 @@ def save_figure(fig, path, dpi: int = 110) -> Path:
     path = Path(path)
     if not path.suffix:
         path = path.with_suffix(".png")
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:  # a figure with a shared colour scale lays itself out
+        fig.tight_layout()
     make_folder_for(path)
     buf = io.BytesIO()                   # drawn whole first, so a killed run leaves the old file
     try:
@@ -102,16 +103,63 @@ def check_figure_out(given: str | None) -> None:
                            f"(or {', '.join('.' + f for f in sorted(formats) if f != 'png')})")
 
 
+# One numbering for layers and heads in every option, printout and figure: from 0, as
+# --layer/--head take them and as model.blocks[i] is indexed (the article counts from 1).
+NUMBERING = "layers and heads counted from 0, as --layer/--head take them"
+WEIGHT = "attention weight (each row sums to 1)"
+MAX_LABELS = 40                 # more tick labels than this overlap: every k-th is shown
+
+
+def layer_head(layer: int, head: int) -> str:
+    """How every title and printout names one head."""
+    return f"layer {layer}, head {head}"
+
+
+def shown(tokens) -> list[str]:
+    """Tokens as tick labels: a newline, a tab and a lone space made visible."""
+    return [{" ": "␣"}.get(t, t.replace("\n", "\\n").replace("\t", "\\t")) for t in tokens]
+
+
+def label_tokens(ax, keys, queries=None, fontsize=7) -> None:
+    """Each key's token under its column and each query's beside its row (every k-th of
+    a long text, so the labels stay readable); `queries` defaults to the keys."""
+    queries = keys if queries is None else queries
+    upright = 90 if max(map(len, shown(keys)), default=0) > 2 else 0     # long ones turned
+    for names, ticks, rotation in ((shown(keys), ax.set_xticks, upright),
+                                   (shown(queries), ax.set_yticks, 0)):
+        step = -(-len(names) // MAX_LABELS)
+        at = range(0, len(names), step)
+        ticks(list(at), [names[i] for i in at], rotation=rotation, fontsize=fontsize)
+
+
+def draw_weights(ax, weights, title: str = "", keys=None, queries=None):
+    """One attention map on a fixed 0-1 scale (so panels compare), its tokens on the
+    axes where given; returns the image, for weight_scale."""
+    if hasattr(weights, "detach"):         # a tensor: matplotlib wants an array
+        weights = weights.detach().float().cpu().numpy()
+    image = ax.imshow(weights, cmap="viridis", vmin=0, vmax=1)
+    if title:
+        ax.set_title(title, fontsize=8)
+    if keys is not None:
+        label_tokens(ax, keys, queries)
+    return image
+
+
+def weight_scale(fig, image, axes, label: str = WEIGHT) -> None:
+    """The colour scale beside the maps drawn with draw_weights (one for all of them)."""
+    fig.colorbar(image, ax=axes, label=label, shrink=0.8)
+
+
 def save_layer_map(path, values, xlabels, title, ylabel="layer", cmap="RdBu_r", center=True):
     """A (layers, columns) table of values as a heatmap, centred on 0 unless told not."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(4, 0.45 * values.shape[1] + 2), max(2.5, 0.5 * values.shape[0] + 1.5)))
     lim = float(values.abs().max()) or 1.0
-    image = ax.imshow(values, cmap=cmap, aspect="auto", **({"vmin": -lim, "vmax": lim} if center else {}))
-    ax.set_xticks(range(len(xlabels)))
-    ax.set_xticklabels(xlabels, rotation=90, fontsize=8)
-    ax.set_yticks(range(values.shape[0]))
-    ax.set_ylabel(ylabel)
+    shown_values = values.detach().float().cpu().numpy() if hasattr(values, "detach") else values
+    image = ax.imshow(shown_values, cmap=cmap, aspect="auto",
+                      **({"vmin": -lim, "vmax": lim} if center else {}))
+    label_tokens(ax, xlabels, [str(i) for i in range(values.shape[0])], fontsize=8)
+    ax.set_ylabel(f"{ylabel} (from 0)")
     ax.set_title(title, fontsize=10)
     fig.colorbar(image, ax=ax)
     return save_figure(fig, path)

@@ -97,7 +97,8 @@ def plot_cross_attention(model, word: str, path: Path) -> Path:
     weights = maps[-1][0].mean(0)[: n + 1, :n]               # last layer, heads averaged
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(4.6, 4.2))
-    ax.imshow(weights, cmap="viridis", vmin=0, vmax=1)
+    image = ax.imshow(weights.detach().float().numpy(), cmap="viridis", vmin=0, vmax=1)
+    fig.colorbar(image, ax=ax, label="attention weight (each row sums to 1)")
     ax.set_xticks(range(n))
     ax.set_xticklabels(list(word))
     ax.set_yticks(range(n + 1))

@@ -56,6 +56,12 @@ def choices_hint(name: str, valid) -> str:
     return f"{hint}; valid choices: {', '.join(valid)}"
 
 
+# The optional packages: a tool that needs one it cannot import says which file installs
+# it, in the one line every error gets (the light install leaves them out).
+EXTRAS = ("transformers", "datasets", "wandb", "bertviz")
+EXTRAS_FILE = "requirements-extra.txt"
+
+
 @contextmanager
 def friendly_errors(*also: type[Exception]):
     """Turn AttnlabError (and the exception types in `also`, such as the model's own
@@ -67,6 +73,13 @@ def friendly_errors(*also: type[Exception]):
         if os.environ.get("ATTNLAB_DEBUG"):
             raise
         print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except ModuleNotFoundError as err:
+        package = (err.name or "").split(".")[0]
+        if os.environ.get("ATTNLAB_DEBUG") or package not in EXTRAS:
+            raise
+        print(f"error: this needs {package}, an optional package: pip install -r "
+              f"{EXTRAS_FILE}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -420,31 +420,46 @@ def load_weights(model: torch.nn.Module, weights: dict, origin: Path, assign: bo
             setattr(model.get_submodule(owner), attr, model.get_parameter(source))
 
 
-def latest_run(out_dir: str | Path = "runs", log=None, other: str = "--run DIR") -> Path:
+def latest_run(out_dir: str | Path = "runs", log=None, other: str = "--run DIR",
+               trained: bool = False) -> Path:
     """The run in OUT_DIR whose newest checkpoint was written last: the one trained
     most recently, not the one created last (a short trial started while a long run
-    trains) nor one that stopped before its first checkpoint. `log` gets one line
-    naming it and `other`, the option that names another (train.py's is --resume DIR)."""
+    trains) nor one that stopped before its first checkpoint. With `trained` (the tools
+    that read a model), the newest that evaluated past step 0 (a finished run always
+    has): a run stopped before that holds weights that learned nothing worth reading,
+    and --resume, which wants it, passes no `trained`. `log` gets one line naming it and
+    `other`, the option that names another (train.py's is --resume DIR)."""
     out_dir = Path(out_dir)
     if blocking := file_in_the_way(out_dir):
         raise CheckpointError(f"{blocking} is a file, not a folder of runs; give the folder "
                               "the runs are in, or a run directory")
-    newest: tuple[float, str] | None = None
+    found = []                                   # (written, name, last step evaluated)
     for run in (out_dir.iterdir() if out_dir.is_dir() else ()):
         ckpts = list_checkpoints(run) if run.is_dir() and (run / "config.json").is_file() else []
         try:
             written = (ckpts[-1] / "state.json").stat().st_mtime if ckpts else None
         except OSError:
             written = None
-        if written is not None and (newest is None or (written, run.name) > newest):
-            newest = (written, run.name)
-    if newest is None:
+        if written is not None:
+            found.append((written, run.name, _last_eval(ckpts[-1]) or 0))
+    if not found:
         # The way on trains into this folder, where the next look for a run will find it.
         into = "" if out_dir == Path("runs") else " " + word(f"--train.out_dir={out_dir}")
         raise CheckpointError(f"no trained run found in {out_dir}/ (no run directory there "
                               f"holds a checkpoint); train one with `python train.py{into}`, "
                               "or pass a run directory")
+    newest = max(found)
+    why = "the one whose checkpoint was written last"
+    if trained and (learned := [f for f in found if f[2] > 0]):
+        newest = max(learned)
+        why = f"the latest run that trained, evaluated at step {newest[2]}"
+        passed = [str(out_dir / f[1]) for f in sorted(found, reverse=True) if f > newest]
+        if passed:
+            more = f" and {len(passed) - 2} more" if len(passed) > 2 else ""
+            why += (f"; not the newer {', '.join(passed[:2])}{more}, stopped before its "
+                    "first evaluation")
+    elif trained:
+        why = "the latest run; none in the folder has been evaluated past step 0 yet"
     run = out_dir / newest[1]
-    (log or (lambda line: print(line, file=sys.stderr)))(
-        f"run: {run} (the one whose checkpoint was written last; {other} for another)")
+    (log or (lambda line: print(line, file=sys.stderr)))(f"run: {run} ({why}; {other} for another)")
     return run

@@ -129,3 +129,86 @@ def test_an_out_that_is_a_device_is_refused_before_any_work(capsys):
             call()
         assert capsys.readouterr().out == ""
     assert not __import__("pathlib").Path("/dev/null.png").exists()
+
+
+def drawn(monkeypatch) -> list:
+    """The figures save_figure is handed, caught at savefig (nothing is drawn to disk)."""
+    from matplotlib.figure import Figure
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    return figures
+
+
+def maps_and_tokens():
+    import torch
+    g = torch.Generator().manual_seed(0)
+    tokens = list("ROMEO. What")
+    T = len(tokens)
+    causal = torch.ones(T, T).tril().bool()
+    maps = [torch.softmax(torch.randn(2, T, T, generator=g).masked_fill(~causal, float("-inf")), -1)
+            for _ in range(2)]
+    return tokens, maps
+
+
+def labelled(ax) -> tuple[list[str], list[str]]:
+    return ([t.get_text() for t in ax.get_xticklabels()],
+            [t.get_text() for t in ax.get_yticklabels()])
+
+
+def colour_scales(fig) -> int:
+    return sum(hasattr(ax, "_colorbar") for ax in fig.axes)
+
+
+def test_every_attention_figure_labels_its_tokens_and_has_a_colour_scale(tmp_path, monkeypatch):
+    import attnlab.induction as induction
+    import attnlab.seq2seq as seq2seq
+    from attnlab import heads
+    from attnlab.plotting import save_layer_map
+    tokens, maps = maps_and_tokens()
+    shown = [t.replace(" ", "␣") for t in tokens]
+    figures = drawn(monkeypatch)
+    heads.save_grid(tmp_path / "g.png", tokens, maps)
+    heads.save_head(tmp_path / "h.png", tokens, maps[1][0], 1, 0)
+    save_layer_map(tmp_path / "l.png", maps[0][0][:2], tokens, "lens", cmap="viridis", center=False)
+    grid, head, lens = figures
+    for fig in (grid, head, lens):
+        assert colour_scales(fig) == 1
+    panels = [ax for ax in grid.axes if not hasattr(ax, "_colorbar")]
+    assert labelled(panels[0])[1] == shown and labelled(panels[-1])[0] == shown   # beside, under
+    assert labelled(head.axes[0]) == (shown, shown)
+    assert labelled(lens.axes[0]) == (shown, ["0", "1"])
+    # The trained ones, on models trained a few steps only.
+    model = induction.train_attention_only(steps=2)
+    induction.plot_heads(model, 12, {"previous-token head": (0, 1), "induction head": (1, 0)},
+                         tmp_path / "i.png")
+    seq2seq.plot_cross_attention(seq2seq.train(steps=2, log=lambda *a: None), "attention",
+                                 tmp_path / "c.png")
+    save_mask_patterns(tmp_path / "m.png", length=8, window=3, n_global=1)
+    for fig in figures[3:]:
+        assert colour_scales(fig) == 1
+        for ax in (ax for ax in fig.axes if not hasattr(ax, "_colorbar")):
+            keys, queries = labelled(ax)
+            assert keys and queries and all(keys) and all(queries), fig
+    assert labelled(figures[-1].axes[0])[0] == [str(i) for i in range(8)]
+
+
+def test_titles_and_search_count_layers_and_heads_alike(tmp_path, capsys, monkeypatch):
+    """The grid's titles counted from 0 and search's lines from 1 named the same head
+    two ways; the head search ranks first is drawn under the same name."""
+    from test_interop_bert import _tiny
+
+    from attnlab.heads import main
+    _tiny("bert", tmp_path / "hf")
+    run = ["--run", str(tmp_path / "hf"), "--text", "the cat sat on the mat"]
+    main(["search", *run, "--from", "mat", "--to", "cat", "--top", "1"])
+    note, first = capsys.readouterr().out.splitlines()
+    import re
+    layer, head = map(int, re.match(r"  layer (\d+), head (\d+):", first).groups())
+    figures = drawn(monkeypatch)
+    main(["head", *run, "--layer", str(layer), "--head", str(head), "--out", str(tmp_path / "h.png")])
+    main(["grid", *run, "--out", str(tmp_path / "g.png")])
+    head_fig, grid_fig = figures
+    assert head_fig.axes[0].get_title().startswith(f"layer {layer}, head {head} ")
+    titles = [ax.get_title() for ax in grid_fig.axes]
+    assert titles[0] == "layer 0, head 0" and f"layer {layer}, head {head}" in titles
+    assert "counted from 0" in note and "counted from 0" in grid_fig._suptitle.get_text()

@@ -116,8 +116,9 @@ def test_search_on_minilm_prints_the_articles_head(minilm, capsys):
     main(["search", "--run", str(minilm), "--text", ARTICLE, "--from", "it", "--to", "trophy"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("token 11 ('it') looking at tokens [2] ('trophy')")
-    # 1-based, as the article prints it; this project's 0-based numbers beside.
-    assert lines[1].startswith("  layer 4, head 2: it → trophy = 0.58   (--layer 3 --head 1")
+    # Counted from 0 as everywhere in the project: the article's layer 4, head 2.
+    assert "counted from 0" in lines[0] and "the article counts from 1" in lines[0]
+    assert lines[1] == "  layer 3, head 1: it → trophy = 0.581"
 
 
 def test_every_attention_tool_reads_minilm_and_the_rest_say_why_not(minilm, tmp_path, capsys):

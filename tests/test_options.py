@@ -212,3 +212,96 @@ def test_a_state_json_whose_step_disagrees_with_its_folder_is_refused(run_with_s
                                            r"says step 5; it is corrupt or edited: use another "
                                            r"checkpoint: .* also keeps steps 0, 2, 6"):
         loaded(["--run", str(run), "--checkpoint", "4"])
+
+
+class Loaded(Exception):
+    """Raised by the stand-in for load_run: the tool has chosen its run."""
+
+
+def finished_then_killed(out: Path) -> tuple[Path, Path]:
+    """runs/done, finished (evaluated at its last step), then runs/killed, written later
+    and stopped at step 150 before its first evaluation past step 0."""
+    import os
+    made = []
+    for name, steps, last_eval, written in (("done", [0, 250, 500], 500, 1_000_000),
+                                            ("killed", [0, 150], 0, 2_000_000)):
+        run = out / name
+        (run / "config.json").parent.mkdir(parents=True)
+        (run / "config.json").write_text("{}")
+        for step in steps:
+            state = run / "checkpoints" / f"step_{step:07d}" / "state.json"
+            state.parent.mkdir(parents=True)
+            state.write_text(json.dumps({"step": step, "last_eval": min(step, last_eval)}))
+            os.utime(state, (written + step, written + step))
+        made.append(run)
+    return made[0], made[1]
+
+
+# Every tool that reads the latest run when --run is left out.
+LATEST = {"sample": [], "serve": [], "heads": ["grid", "--text", "abc"],
+          "heads induction": [], "lens": ["logit", "--text", "abc"], "export": ["--out", "x"],
+          "fill": ["--text", "a [MASK]"], "evaluate": ["--data", "README.md"],
+          "article": ["bank"]}
+
+
+@pytest.mark.parametrize("tool", LATEST)
+def test_every_tool_reads_the_run_that_trained_not_a_newer_one_killed_before_learning(
+        tool, tmp_path, monkeypatch, capsys):
+    import engine.inference
+    monkeypatch.chdir(tmp_path)                  # runs/, as a user's checkout has it
+    (tmp_path / "README.md").write_text("some text to score\n")
+    done, killed = finished_then_killed(Path("runs"))
+    chosen = []
+
+    def stand_in(run, *args, **kwargs):
+        chosen.append(Path(run))
+        raise Loaded
+    monkeypatch.setattr(engine.inference, "load_run", stand_in)
+    if tool == "sample":
+        import sample
+        main = sample.main
+    elif tool == "serve":
+        import attnlab.serve
+        monkeypatch.setattr(attnlab.serve, "listen", lambda host, port: None)
+        main = attnlab.serve.main
+    else:
+        main = main_of(tool.split()[0])
+    with pytest.raises(Loaded):
+        main([*tool.split()[1:], *LATEST[tool], "--device", "cpu"])
+    assert chosen == [done]
+    said = capsys.readouterr()
+    assert (f"run: {done} (the latest run that trained, evaluated at step 500; not the newer "
+            f"{killed}, stopped before its first evaluation; --run DIR for another)"
+            in said.err + said.out)
+
+
+def test_with_no_run_trained_yet_the_newest_is_read_and_the_line_says_none_has(tmp_path):
+    from engine.checkpoint import latest_run
+    done, killed = finished_then_killed(tmp_path)
+    # --resume wants the newest, whether it learned or not.
+    assert latest_run(tmp_path, log=lambda line: None) == killed
+    import shutil
+    shutil.rmtree(done)
+    lines = []
+    assert latest_run(tmp_path, log=lines.append, trained=True) == killed
+    assert lines == [f"run: {killed} (the latest run; none in the folder has been evaluated "
+                     "past step 0 yet; --run DIR for another)"]
+
+
+def test_a_run_trained_with_your_attention_opens_in_every_tool_that_reads_one(corpus, tmp_path):
+    """docs/exercises.md ends with the learner's model on the page: the tools read runs
+    through load(), which knew no `yours` and refused the run's config."""
+    import shutil
+    from conftest import train_tiny
+    from attnlab.exercises.learner import SOLUTIONS
+    from attnlab.options import load
+    from attnlab.serve import parser
+    mine = tmp_path / "mine"
+    shutil.copytree(SOLUTIONS, mine)
+    run = train_tiny(corpus, tmp_path, "yours", "--model.attention=yours", f"--exercises={mine}",
+                     "--train.max_iters=2", "--train.eval_interval=2")
+    lines = []
+    model, cfg, _, _ = load(parser().parse_args(["--run", str(run), "--device", "cpu"]),
+                            log=lines.append)
+    assert f"attention: yours (scaled_dot_product_attention in {mine / '01_attention.py'})" in lines
+    assert model.config.attention == cfg.model.attention

@@ -297,24 +297,30 @@ def test_an_unreachable_hub_falls_back_to_the_local_cache(monkeypatch, tmp_path)
     assert split_docs(data, "train") + split_docs(data, "val") != [] and len(split_docs(data, "val")) == 3
 
 
-def test_an_unreachable_hub_says_so_within_seconds(tmp_path):
+def test_an_unreachable_hub_says_so_in_one_line(tmp_path):
     env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
     env.pop("HF_HUB_OFFLINE", None)
-    # Within seconds of start-up, which is measured (the same imports): on a busy machine
-    # importing the libraries alone can take longer than a fixed bound.
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import data.prepare, datasets"], cwd=ROOT, env=env,
-                   capture_output=True, timeout=120)
-    startup = time.perf_counter() - started
-    started = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "data.prepare", "someone/not-cached",
                              "--out", str(tmp_path / "out")], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=120)
-    took = time.perf_counter() - started
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 2
     assert "cannot be reached" in result.stderr and "python -m data.prepare path/to" in result.stderr
     assert "Traceback" not in result.stderr
-    assert took < startup + 15
+
+
+def test_the_hub_is_probed_once_with_a_bound_of_seconds(monkeypatch):
+    """Within seconds, counted as what it waits for rather than timed (a busy machine
+    slows the imports around it, not the bound): one connection, HUB_TIMEOUT_S at most."""
+    import socket
+    import data.sources as sources
+    tried = []
+
+    def refused(address, timeout=None):
+        tried.append(timeout)
+        raise OSError("connection refused")
+    monkeypatch.setattr(socket, "create_connection", refused)
+    assert sources.hub_reachable() is False
+    assert tried == [sources.HUB_TIMEOUT_S] and sources.HUB_TIMEOUT_S <= 5
 
 
 def test_prepare_help_and_sizes():

@@ -402,9 +402,10 @@ def test_each_token_arrives_before_the_next_is_drawn(live):
     for `patience` (forced) and deliver the tokens together at the end."""
     url, service, _ = live
     n = 6
-    with Steps(service.model, gated=True) as steps:
+    # The patience only ends a broken server's wait; a busy machine must not reach it.
+    with Steps(service.model, gated=True, patience=60.0) as steps:
         steps.allow()                                        # the prompt's pass
-        start, tokens, done = time.perf_counter(), [], []
+        tokens, done = [], []
         for arrived, kind, data in timed_events(url, prompt="KING", max_new_tokens=n, temperature=0):
             if "token" in data:
                 tokens.append(arrived)
@@ -412,7 +413,6 @@ def test_each_token_arrives_before_the_next_is_drawn(live):
             done += [arrived] if kind == "done" else []
     assert len(tokens) == n and len(done) == 1 and steps.forced == 0
     assert all(tokens[k] < steps.starts[k + 1] for k in range(n - 1))    # sent as drawn
-    assert tokens[0] - start < 30                                        # and soon
 
 
 def test_a_live_stream_carries_every_token_in_order(live, client, monkeypatch):
@@ -588,3 +588,16 @@ def test_the_page_opens_the_articles_encoder_in_its_mask_and_search_tab(minilm):
         assert found["query"] == "it" and (found["ranking"][0]["layer"], found["ranking"][0]["head"]) == (3, 1)
         refused = c.get("/api/generate", params={"prompt": "the"})
         assert refused.status_code == 400 and "encoder" in refused.json()["error"]
+
+
+def test_the_pages_first_prompt_is_a_speaker_as_the_bundled_plays_write_one():
+    """The page opened on "ROMEO:", which the plays never write ("Romeo." on a line of
+    its own starts a speech), so the first thing a learner generated began off the text."""
+    import gzip
+    import re
+    page = (ROOT / "attnlab" / "web" / "index.html").read_text(encoding="utf-8")
+    prompt = re.search(r'<textarea id="prompt"[^>]*>(.*?)</textarea>', page, re.S)[1]
+    prompt = prompt.removeprefix("\n")      # HTML drops a newline right after <textarea>
+    with gzip.open(ROOT / "data" / "shakespeare" / "plays.txt.gz", "rt", encoding="utf-8") as f:
+        plays = f.read()
+    assert prompt.endswith("\n") and plays.count("\n\n" + prompt) > 100
