@@ -28,6 +28,7 @@ off and swaps them between prompts with the same hooks.
 """
 from __future__ import annotations
 
+import math
 import sys
 from contextlib import contextmanager
 from typing import Iterable
@@ -133,6 +134,10 @@ def attention(model, tokens: torch.Tensor, **inputs) -> tuple[torch.Tensor, list
     return logits, [cache[n] for n in wanted]
 
 
+# The most bytes of attention weights a text past the model's context may take.
+MAPS_BYTES = 1 << 30
+
+
 def check_context(model, n_tokens: int, option: str = "--text") -> None:
     """A text longer than the context the model was trained with: refused where its
     positions end there (a learned table has no row past it), one warning line where
@@ -144,6 +149,15 @@ def check_context(model, n_tokens: int, option: str = "--text") -> None:
     if model.positions.has_length_limit:
         raise AttnlabError(f"the text is {n_tokens} tokens; this model reads at most {limit} "
                            f"(its learned positions end there): give a shorter {option}")
+    # Past the context the tools keep every head's (T, T) weights of every layer: the
+    # length is bounded by what those take, not left to the text (a page of it took 81 GB).
+    c = model.config
+    longest = max(limit, math.isqrt(MAPS_BYTES // (4 * c.n_layer * c.n_head)))
+    if n_tokens > longest:
+        raise AttnlabError(f"the text is {n_tokens:,} tokens, past this model's context of "
+                           f"{limit:,}; the study tools keep every head's weights over the whole "
+                           f"text, and read at most {longest:,} tokens of this model: give a "
+                           f"shorter {option}")
     print(f"warning: the text is {n_tokens} tokens, past the {limit} this model was trained on; "
           f"its {model.config.position} positions go on, but it never saw such lengths",
           file=sys.stderr)

@@ -61,6 +61,22 @@ def positive(text: str) -> int:
     return value
 
 
+def whole(low: int, high: int):
+    """An option's type: a whole number from `low` to `high`, refused while parsing, so
+    that a value no run could hold (a context of 10^12 tokens) is one line, not an
+    allocation that fails deep inside."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from {low:,} to {high:,}")
+        return value
+    parse.__name__ = "whole number"
+    return parse
+
+
 def out_option(text: str) -> str:
     """An --out path; an empty one is refused rather than read as 'not given', which
     would write to the default place the user meant to avoid."""

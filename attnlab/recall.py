@@ -35,6 +35,7 @@ figures, "n/a" is a cell the model cannot reach (learned positions stop there) a
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import math
@@ -46,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from attnlab.options import add_run_options, load, out_option
+from attnlab.options import add_run_options, load, out_option, whole
 from attnlab.plotting import pyplot, save_figure
 from attnlab.recall_task import TokenTask, char_task, filler_text
 from common.errors import AttnlabError
@@ -348,22 +349,30 @@ def distance_plot(rows, windowed: dict[str, tuple[int, int]], chance: float, out
     return save_figure(fig, out / "recall_distance.png")
 
 
-def main(argv=None) -> int:
+# The longest example tested, in tokens (context x factor): within the filler's
+# 200,000 characters for any tokenizer, and an attention matrix a laptop holds.
+LONGEST = 1 << 13
+
+
+def parse(argv) -> argparse.Namespace:
+    """The options, each within its bounds, and the combinations that cannot work refused,
+    before anything is trained or read."""
     parser = Parser("python -m attnlab.recall", __doc__)
     parser.add_argument("--variants", nargs="+", default=None, metavar="NAME",
                         help="variants to train (default: all): " + ", ".join(VARIANTS))
     add_run_options(parser, "test this model instead of training: a run directory or name, "
                     "checkpoint or transformers folder (its tokenizer encodes the task)",
                     aliases=("--model",), without="train the variants")
-    parser.add_argument("--context", type=int, default=0, help="trained (base) context in tokens; "
-                        "default 96 for the lab's models, the model's block_size with --model")
-    parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8],
+    parser.add_argument("--context", type=whole(0, LONGEST), default=0, help="trained (base) "
+                        "context in tokens; default 96 for the lab's models, the model's "
+                        "block_size with --model")
+    parser.add_argument("--factors", type=whole(1, 64), nargs="+", default=[1, 2, 4, 8],
                         help="lengths to test, as multiples of the context")
-    parser.add_argument("--steps", type=int, default=500, help="training steps per variant")
-    parser.add_argument("--digits", type=int, default=2, help="digits of the answer, at least 1 "
+    parser.add_argument("--steps", type=whole(1, 10**6), default=500, help="training steps per variant")
+    parser.add_argument("--digits", type=whole(1, 9), default=2, help="digits of the answer "
                         "(chance 10^-digits)")
-    parser.add_argument("--examples", type=int, default=24, help="examples per grid cell")
-    parser.add_argument("--depths", type=int, default=11, help="depths from 0 to 100%%")
+    parser.add_argument("--examples", type=whole(1, 10**4), default=24, help="examples per grid cell")
+    parser.add_argument("--depths", type=whole(2, 101), default=11, help="depths from 0 to 100%%")
     parser.add_argument("--out", type=out_option, default="runs/recall", help="folder for the figures and tables; "
                         "one used before keeps its other variants' rows, and the variants run "
                         "now replace theirs")
@@ -374,22 +383,32 @@ def main(argv=None) -> int:
                         "--examples, --factors, --depths, --context and --digits, are kept, "
                         "not trained again")
     args = parser.parse_args(argv)
-    if any(f < 1 for f in args.factors) or args.steps < 1 or args.examples < 1 or args.depths < 2:
-        raise AttnlabError("--factors, --steps and --examples must be at least 1, --depths at least 2")
-    if args.digits < 1:
-        raise AttnlabError(f"--digits {args.digits}: the answer needs at least 1 digit")
+    refuse_combinations(args)
+    return args
+
+
+def refuse_combinations(args) -> None:
+    longest = (args.context or 96) * max(args.factors)
+    if longest > LONGEST:
+        raise AttnlabError(f"--context {args.context or 96} x --factors {max(args.factors)} tests "
+                           f"examples of {longest:,} tokens; the longest this lab reads is "
+                           f"{LONGEST:,}: give a smaller --context or smaller --factors")
+    other = "--model" if args.run else "--merge"
     if args.variants is not None and (args.run or args.merge):
-        raise AttnlabError(f"--variants names models to train; {'--model' if args.run else '--merge'} "
-                           "trains nothing: give one or the other")
+        raise AttnlabError(f"--variants names models to train; {other} trains nothing: give "
+                           "one or the other")
     if args.resume and (args.run or args.merge):
-        raise AttnlabError(f"--resume goes on training the lab's variants; {'--model' if args.run else '--merge'} "
-                           "trains nothing: leave --resume out")
+        raise AttnlabError(f"--resume goes on training the lab's variants; {other} trains "
+                           "nothing: leave --resume out")
     if args.run and args.merge:
         raise AttnlabError("--merge draws runs already made and --model makes one: give one or the other")
-    variants = args.variants or list(VARIANTS)
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in args.variants or () if v not in VARIANTS]
     if unknown:
         raise AttnlabError(f"unknown variant {unknown[0]!r}; valid: {', '.join(VARIANTS)}")
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
     depths = [i / (args.depths - 1) for i in range(args.depths)]
     # Checked now, not after the training: a folder that cannot be written would lose it all.
     out = writable_folder(args.out)
@@ -398,23 +417,37 @@ def main(argv=None) -> int:
         context, digits = run_facts(rows, args.merge)
         report(rows, sorted({r["factor"] for r in rows}), sorted({r["depth"] for r in rows}),
                context, 10.0 ** -(digits or args.digits), out)
-        return 0
-    if args.run:
-        model, cfg, tokenizer, ckpt = load(args)
-        task = TokenTask(tokenizer, filler_text(), args.digits)
-        context = args.context or cfg.model.block_size
-        from model.positions import POSITION_ENCODINGS
-        if POSITION_ENCODINGS[cfg.model.position].has_length_limit and context > cfg.model.block_size:
-            raise AttnlabError(f"--context {context} is past {ckpt}'s {cfg.model.position} positions: "
-                               f"give --context at most {cfg.model.block_size}")
-        name = Path(args.run).name or "model"
-        earlier = earlier_rows(out, [name], context, args.digits)
-        print(f"{ckpt}: {cfg.model.position} positions, context {context} tokens")
-        rows = evaluate(name, model, task, context, args.factors, depths, args.examples)
-        for r in rows:
-            r.update(context=context, digits=args.digits)
-        report(earlier + rows, *grid_of(earlier + rows), context, task.chance, out)
-        return 0
+    elif args.run:
+        test_model(args, depths, out)
+    else:
+        train_all(args, args.variants or list(VARIANTS), depths, out)
+    return 0
+
+
+def test_model(args, depths, out: Path) -> None:
+    """Measure the model --model names on the task, in its own tokenizer."""
+    model, cfg, tokenizer, ckpt = load(args)
+    task = TokenTask(tokenizer, filler_text(), args.digits)
+    context = args.context or cfg.model.block_size
+    from model.positions import POSITION_ENCODINGS
+    if POSITION_ENCODINGS[cfg.model.position].has_length_limit and context > cfg.model.block_size:
+        raise AttnlabError(f"--context {context} is past {ckpt}'s {cfg.model.position} positions: "
+                           f"give --context at most {cfg.model.block_size}")
+    if context * max(args.factors) > LONGEST:
+        raise AttnlabError(f"{ckpt}'s context of {context:,} tokens x --factors "
+                           f"{max(args.factors)} is past the {LONGEST:,} tokens this lab reads: "
+                           "give --context or smaller --factors")
+    name = Path(args.run).name or "model"
+    earlier = earlier_rows(out, [name], context, args.digits)
+    print(f"{ckpt}: {cfg.model.position} positions, context {context} tokens")
+    rows = evaluate(name, model, task, context, args.factors, depths, args.examples)
+    for r in rows:
+        r.update(context=context, digits=args.digits)
+    report(earlier + rows, *grid_of(earlier + rows), context, task.chance, out)
+
+
+def train_all(args, variants: list[str], depths, out: Path) -> None:
+    """Train each variant, measure it, and report everything so far after each."""
     tasks = {short: char_task(args.digits, short=short)
              for short in sorted({VARIANTS[name].short for name in variants})}
     context = args.context or 96
@@ -441,7 +474,6 @@ def main(argv=None) -> int:
         rows += found
         # Everything so far, after each variant: a stopped run keeps what it measured.
         report(rows, *grid_of(rows), context, task.chance, out)
-    return 0
 
 
 def grid_of(rows):

@@ -21,12 +21,28 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from common.errors import CheckpointError
-from common.files import file_in_the_way, file_sha256, fsync, read_json, write_json_atomic
+from common.files import file_in_the_way, file_sha256, fsync, inside, read_json, write_json_atomic
+from common.schema import Field, config_problems, count, first_problems
 from common.shell import word
+from engine.hf_files import MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, refuse_too_large
+from model.layers import block_weights
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
 TRAIN_STATE = "train_state.safetensors"
+
+# What state.json must hold before any of it is used; the fields a resume reads beyond
+# these are checked by engine/run.py, which says what each is for.
+STATE_SCHEMA = {"step": count(1 << 62, low=0), "files": Field(dict, required=True)}
+# What a run's config.json must hold before a model is built from it: its sections as
+# objects, and the sizes within the caps a transformers folder's are held to
+# (engine/hf_files.py), so an edited width is refused by name, not tried.
+RUN_CONFIG_SCHEMA = {
+    "model": Field(dict, required=True, fields={
+        "n_layer": count(MAX_LAYERS, required=False), "n_embd": count(MAX_WIDTH, required=False),
+        "n_head": count(MAX_HEADS, required=False), "vocab_size": count(MAX_VOCAB, required=False),
+        "block_size": count(MAX_POSITIONS, required=False)}),
+    "data": Field(dict), "train": Field(dict)}
 
 
 def storage_ptr(tensor: torch.Tensor) -> int:
@@ -296,14 +312,43 @@ def _last_eval(ckpt: Path) -> int | None:
 def verified_json(ckpt: Path, name: str) -> dict:
     """One JSON file of a checkpoint, checked against the hash its state.json records."""
     digest = readable_state(ckpt)["files"].get(name)
-    path = ckpt / name
-    if not isinstance(digest, str) or not path.is_file() or file_sha256(path) != digest:
+    path, found = ckpt / name, inside(ckpt, name)
+    if not isinstance(digest, str) or found is None or not found.is_file() or file_sha256(found) != digest:
         raise CheckpointError(f"checkpoint file {path} is missing or corrupt (its hash does not "
                               f"match state.json); {use_another(ckpt)}")
     data = read_json(path)
     if data is None:
         raise CheckpointError(f"checkpoint file {path} is not a JSON object")
     return data
+
+
+def run_config_json(ckpt: Path) -> dict:
+    """A checkpoint's config.json, hash-checked and held to RUN_CONFIG_SCHEMA; else the
+    error naming it. The hashes catch damage, not an edit with hashes recomputed: the
+    schema and `refuse_too_large_model` are what stand between such a file and a model
+    built from it."""
+    data = verified_json(ckpt, "config.json")
+    problems = config_problems(data, RUN_CONFIG_SCHEMA)
+    if problems:
+        raise CheckpointError(f"{ckpt / 'config.json'} cannot describe a model of this project "
+                              f"({first_problems(problems)}); it is corrupt or edited: "
+                              f"{use_another(ckpt)}")
+    return data
+
+
+def model_weights(cfg) -> int:
+    """About how many weights a model of ModelConfig `cfg` holds, from the config alone:
+    its blocks, positions, token embedding and (untied) output layer."""
+    return (cfg.n_layer * block_weights(cfg) + cfg.block_size * cfg.n_embd
+            + (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.n_embd)
+
+
+def refuse_too_large_model(cfg, path: Path) -> None:
+    """The one size check before a model is built from a config read from a file (a
+    run's or a transformers folder's): refused, naming `path`, when loading it would
+    take more memory than this machine has free."""
+    from engine.budget import available_bytes
+    refuse_too_large(model_weights(cfg), path, available_bytes(torch.device("cpu")))
 
 
 def readable_state(ckpt: Path) -> dict:
@@ -329,12 +374,20 @@ def _read_state(ckpt: Path) -> tuple[dict, str]:
     """(state.json, "") or ({}, what is wrong with it), without the remedy, which looks
     at the run's other checkpoints through here."""
     state = read_json(ckpt / "state.json")
+    problems = config_problems(state, STATE_SCHEMA) if state is not None else ["not a JSON object"]
     manifest = (state or {}).get("files")
-    if (not isinstance(manifest, dict) or not all(isinstance(v, str) for v in manifest.values())
-            or type(state.get("step")) is not int or state["step"] < 0):   # True is an int too
+    if not problems and not all(isinstance(v, str) for v in manifest.values()):
+        problems = ["files holds a hash that is not a string"]
+    if problems:
         return {}, (f"checkpoint {ckpt} has no readable state.json (missing, not JSON, or "
-                    "without its step, a whole number from 0, and file hashes); it is "
-                    "incomplete or corrupt:")
+                    "without its step, a whole number from 0, and file hashes: "
+                    f"{first_problems(problems)}); it is incomplete or corrupt:")
+    # A name is read from the file, so it may point anywhere: it is hashed or read only
+    # where it stays inside the checkpoint's folder.
+    outside = [name for name in manifest if inside(ckpt, name) is None]
+    if outside:
+        return {}, (f"checkpoint {ckpt / 'state.json'} names {outside[0][:200]!r}, which is not "
+                    f"a file inside {ckpt}; it is corrupt or edited:")
     named = ckpt.name.removeprefix(PREFIX)
     if ckpt.name.startswith(PREFIX) and named.isdigit() and int(named) != state["step"]:
         # state.json is not covered by its own hashes: an edited step would resume the
@@ -350,9 +403,9 @@ def _damaged_file(ckpt: Path, state: dict, train_state: bool = True) -> str:
     for name, digest in state["files"].items():
         if name == TRAIN_STATE and not train_state:
             continue
-        file = ckpt / name
-        if not file.is_file() or file_sha256(file) != digest:
-            return f"checkpoint file {file} is missing or corrupt (its hash does not match state.json);"
+        file = inside(ckpt, name)                   # _read_state refused any name outside
+        if file is None or not file.is_file() or file_sha256(file) != digest:
+            return f"checkpoint file {ckpt / name} is missing or corrupt (its hash does not match state.json);"
     return ""
 
 
@@ -392,6 +445,26 @@ def refuse_non_finite(weights: dict, origin: Path) -> None:
                               f"{use_another(origin)}")
 
 
+def refuse_misfit(skeleton: torch.nn.Module, weights: dict, origin: Path) -> None:
+    """Before a model is built: refuse weights whose names or shapes the model of
+    `skeleton` (GPT.skeleton: shapes only, no memory) would not take, so a config edited
+    to a larger model is refused for its shapes without that model being allocated. (A
+    missing tensor is load_weights' to find: on the meta device every tensor looks tied.)"""
+    _refuse_unfit(skeleton.state_dict(), weights, origin, missing=set())
+
+
+def _refuse_unfit(own: dict, weights: dict, origin: Path, missing: set) -> None:
+    unexpected = set(weights) - set(own)
+    wrong = [n for n in weights if n in own and weights[n].shape != own[n].shape]
+    if missing or unexpected or wrong:
+        detail = "; ".join(filter(None, [
+            f"missing {sorted(missing)[:4]}" if missing else "",
+            f"unexpected {sorted(unexpected)[:4]}" if unexpected else "",
+            "shape differs for " + ", ".join(f"{n} {tuple(weights[n].shape)} vs {tuple(own[n].shape)}"
+                                             for n in wrong[:3]) if wrong else ""]))
+        raise CheckpointError(f"checkpoint {origin} does not fit this model config: {detail}")
+
+
 def load_weights(model: torch.nn.Module, weights: dict, origin: Path, assign: bool = False,
                  finite_checked: bool = False) -> None:
     """Load weights, allowing only tied tensors to be absent; refuse shape mismatches
@@ -403,16 +476,7 @@ def load_weights(model: torch.nn.Module, weights: dict, origin: Path, assign: bo
     own = model.state_dict()
     tied = {n: m for n in own if n not in weights for m in weights
             if m in own and storage_ptr(own[n]) == storage_ptr(own[m])}
-    missing = set(own) - set(weights) - set(tied)
-    unexpected = set(weights) - set(own)
-    wrong = [n for n in weights if n in own and weights[n].shape != own[n].shape]
-    if missing or unexpected or wrong:
-        detail = "; ".join(filter(None, [
-            f"missing {sorted(missing)[:4]}" if missing else "",
-            f"unexpected {sorted(unexpected)[:4]}" if unexpected else "",
-            "shape differs for " + ", ".join(f"{n} {tuple(weights[n].shape)} vs {tuple(own[n].shape)}"
-                                             for n in wrong[:3]) if wrong else ""]))
-        raise CheckpointError(f"checkpoint {origin} does not fit this model config: {detail}")
+    _refuse_unfit(own, weights, origin, missing=set(own) - set(weights) - set(tied))
     model.load_state_dict(weights, strict=False, assign=assign)
     if assign:
         for name, source in tied.items():        # assign= replaced the shared tensor on one side

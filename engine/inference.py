@@ -2,7 +2,6 @@
 sampling and the tools, and streaming its text as it is generated."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -14,7 +13,7 @@ from engine.config import RunConfig, from_dict
 from common.errors import CheckpointError, ConfigError, TokenizerError
 from common.shell import word
 from data.tokenizer import Tokenizer
-from model import GPT
+from model import GPT, ModelError
 from model.sampling import next_token_distribution
 
 
@@ -48,18 +47,29 @@ def load_run(path: str | Path, which: str = "best", device: str | torch.device =
     ckpt, why, departs = checkpoint.choose(path, which)
     if log is not None or departs:
         (log or (lambda line: print(line, file=sys.stderr)))(f"checkpoint: {ckpt} ({why})")
-    weights, _, state = checkpoint.load(ckpt, train_state=False)
-    try:
-        cfg: RunConfig = from_dict(json.loads((ckpt / "config.json").read_text()),
-                                   str(ckpt / "config.json"))
-        tokenizer = Tokenizer.load(ckpt)
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {ckpt} has an unreadable config or tokenizer ({err})") from None
+    cfg, tokenizer = checked_run_files(ckpt)
     if before_build is not None:
         before_build(cfg)
+    weights, _, _ = checkpoint.load(ckpt, train_state=False)
+    checkpoint.refuse_misfit(GPT.skeleton(cfg.model), weights, ckpt)
     model = GPT(cfg.model)
     checkpoint.load_weights(model, weights, ckpt)
     return model.to(device).eval(), cfg, tokenizer, ckpt
+
+
+def checked_run_files(ckpt: Path) -> tuple[RunConfig, Tokenizer]:
+    """A checkpoint's config and tokenizer, each checked before it costs memory: the
+    config against its schema and the memory the model it describes would take, the
+    tokenizer against the config's vocabulary. Every path that builds a model from a
+    run's files (sampling, the tools, train.init_from) reads them here."""
+    from engine.interop import read_run_tokenizer
+    cfg_path = ckpt / "config.json"
+    try:
+        cfg: RunConfig = from_dict(checkpoint.run_config_json(ckpt), str(cfg_path))
+    except (ConfigError, ModelError) as err:
+        raise CheckpointError(f"checkpoint {ckpt} has an unreadable config ({err})") from None
+    checkpoint.refuse_too_large_model(cfg.model, cfg_path)
+    return cfg, read_run_tokenizer(ckpt, cfg.model)
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:

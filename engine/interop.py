@@ -22,6 +22,7 @@ and the BERT-family encoders (bert, roberta, distilbert) of engine/interop_bert.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -31,15 +32,16 @@ from typing import Callable
 import torch
 
 from common.errors import AttnlabError, CheckpointError, TokenizerError
-from common.files import read_json, remove_stale, umask_mode
+from common.files import inside, read_bounded, read_json, remove_stale, umask_mode
 from data.tokenizer import Tokenizer
-from engine.checkpoint import CKPT_DIR, load_weights, refuse_non_finite
+from engine.checkpoint import (CKPT_DIR, load_weights, refuse_non_finite, refuse_too_large_model,
+                               use_another)
 from engine.hf_files import (CONFIG_LIMIT, FETCH_AGAIN, INDEX, MAX_HEADS, MAX_LAYERS,
                              MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, TOKENIZER_LIMIT, Field,
                              WeightFiles, checked_config, count, read_folder_bytes,
-                             read_folder_json, refuse_too_large)
+                             read_folder_json)
 from model import GPT, ModelConfig, ModelError
-from model.layers import BLOCKS, MLPS, NORMS, block_weights
+from model.layers import BLOCKS, MLPS, NORMS
 from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
 from model.readout import READOUTS
 
@@ -534,7 +536,6 @@ def open_hf_folder(folder: str | Path) -> HFFolder:
     config.json against its architecture's schema and the memory free, tokenizer.json
     against the vocabulary, and the safetensors headers against the tensors the config
     needs. Any failure is one CheckpointError (or TokenizerError) naming the file."""
-    from engine.budget import available_bytes
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder} is not a folder; give a transformers folder "
@@ -548,9 +549,7 @@ def open_hf_folder(folder: str | Path) -> HFFolder:
         raise CheckpointError(f"{config_path}: {err}") from None
     # The size of what the config describes, before anything is built: blocks,
     # embeddings (and an untied output layer), positions. Its message names the file.
-    refuse_too_large(cfg.n_layer * block_weights(cfg) + cfg.block_size * cfg.n_embd
-                     + (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.n_embd,
-                     config_path, available_bytes(torch.device("cpu")))
+    refuse_too_large_model(cfg, config_path)
     try:
         expected = {name: tuple(t.shape)          # shapes only: no memory, no values
                     for name, t in arch.to_hf_weights(GPT.skeleton(cfg).state_dict(), cfg).items()}
@@ -571,24 +570,80 @@ def _read_tokenizer(folder: Path, cfg: ModelConfig) -> Tokenizer:
     if not os.path.lexists(path):
         raise CheckpointError(f"{folder} has no tokenizer.json (save the tokenizer with "
                               "save_pretrained into the same folder)")
-    data = read_folder_bytes(folder, "tokenizer.json", TOKENIZER_LIMIT)
+    data = read_folder_bytes(folder, "tokenizer.json", tokenizer_limit(cfg.vocab_size))
     try:
-        tokenizer = Tokenizer.parse(data.decode("utf-8"), path)
-    except UnicodeDecodeError:
-        raise TokenizerError(f"tokenizer file {path} is not UTF-8 text; {FETCH_AGAIN}") from None
+        return checked_tokenizer(data, path, cfg)
     except TokenizerError as err:
         raise TokenizerError(f"{err}; {FETCH_AGAIN}") from None
+
+
+def read_run_tokenizer(ckpt: Path, cfg: ModelConfig) -> Tokenizer:
+    """The tokenizer.json of a run's checkpoint, read as a folder's is: confined to the
+    checkpoint, bounded by the vocabulary config.json gives, and its ids checked against
+    that vocabulary before it is built."""
+    path = ckpt / "tokenizer.json"
+    found = inside(ckpt, "tokenizer.json")
+    try:
+        if found is None:
+            raise ValueError(f"leads outside {ckpt}")
+        data = read_bounded(found, tokenizer_limit(cfg.vocab_size))
+    except (OSError, ValueError) as err:
+        raise TokenizerError(f"tokenizer file {path} {getattr(err, 'strerror', None) or err}; "
+                             f"the checkpoint is incomplete or edited: {use_another(ckpt)}") from None
+    return checked_tokenizer(data, path, cfg)
+
+
+def tokenizer_limit(vocab_size: int) -> int:
+    """The most bytes a tokenizer.json of `vocab_size` tokens may take: 1 KiB a token and
+    1 MiB besides, several times what real ones take, so that the memory and time its
+    reading costs follow the model's vocabulary, not the file."""
+    return min(TOKENIZER_LIMIT, (1 << 20) + 1024 * max(vocab_size, 0))
+
+
+def checked_tokenizer(data: bytes, path: Path, cfg: ModelConfig) -> Tokenizer:
+    """A tokenizer from the bytes of its file, once the ids it lists are seen to fit
+    config.json's vocab_size: building one of a million tokens costs gigabytes, only
+    for it to be refused afterwards."""
+    try:
+        text = data.decode("utf-8")
+        listed = _highest_listed_id(json.loads(text))
+    except UnicodeDecodeError:
+        raise TokenizerError(f"tokenizer file {path} is not UTF-8 text") from None
+    except (ValueError, RecursionError):
+        listed = None                       # Tokenizer.parse says what is wrong with it
+    if listed is not None and listed >= cfg.vocab_size:
+        _refuse_past_vocab(listed, cfg, path)
+    tokenizer = Tokenizer.parse(text, path)
     refuse_ids_past_vocab(tokenizer, cfg, path)
     return tokenizer
+
+
+def _highest_listed_id(data) -> int | None:
+    """The largest id a transformers tokenizer.json lists (its model's vocab and its added
+    tokens), read from the JSON alone; None for another form."""
+    if not isinstance(data, dict):
+        return None
+    model, added = data.get("model"), data.get("added_tokens")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    ids = ([v for v in vocab.values() if type(v) is int] if isinstance(vocab, dict) else
+           [len(vocab) - 1] if isinstance(vocab, list) else [])
+    for token in added if isinstance(added, list) else ():
+        if isinstance(token, dict) and type(token.get("id")) is int:
+            ids.append(token["id"])
+    return max(ids) if ids else None
 
 
 def refuse_ids_past_vocab(tokenizer: Tokenizer, cfg: ModelConfig, path: Path) -> None:
     """A tokenizer whose ids reach past the embedding table would index out of range at
     the first such token: refused here, with the file named, before a model is built."""
     if tokenizer.highest_id >= cfg.vocab_size:
-        raise TokenizerError(f"{path} has token ids up to {tokenizer.highest_id:,} but "
-                             f"config.json's vocab_size is {cfg.vocab_size:,}: the model has no "
-                             "row for the ids past it (the tokenizer is not this model's)")
+        _refuse_past_vocab(tokenizer.highest_id, cfg, path)
+
+
+def _refuse_past_vocab(highest: int, cfg: ModelConfig, path: Path) -> None:
+    raise TokenizerError(f"{path} has token ids up to {highest:,} but "
+                         f"config.json's vocab_size is {cfg.vocab_size:,}: the model has no "
+                         "row for the ids past it (the tokenizer is not this model's)")
 
 
 def load_hf_folder(folder: str | Path, device="cpu", dtype=torch.float32):

@@ -9,6 +9,10 @@ import json
 import os
 from pathlib import Path
 
+from common.errors import AttnlabError
+from common.shell import word
+from engine.checkpoint import list_checkpoints
+
 
 class Metrics:
     def __init__(self, run_dir: Path, wandb_mode: str, project: str, config: dict,
@@ -27,8 +31,11 @@ class Metrics:
     def log(self, record: dict) -> None:
         if not self.write:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as err:
+            raise self.refused(err) from None
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step"},
                                step=record["step"])
@@ -40,8 +47,24 @@ class Metrics:
         keep = [line for line in self.path.read_text(errors="replace").splitlines()
                 if _step_of(line) is not None and _step_of(line) < step]
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text("".join(line + "\n" for line in keep))
+            os.replace(tmp, self.path)
+        except OSError as err:
+            raise self.refused(err) from None
+
+    def refused(self, err: OSError) -> AttnlabError:
+        """A write to metrics.jsonl that failed (a full disk), said with the file and the
+        command that goes on: the run's checkpoints are whole, and a resume drops the
+        records past the last one; the same command again would refuse a folder that
+        already holds checkpoints."""
+        run_dir = self.path.parent
+        kept = list_checkpoints(run_dir)
+        way_on = (f"make room and continue from {kept[-1].name} with python train.py --resume "
+                  f"{word(run_dir)}" if kept else
+                  f"{run_dir} holds no checkpoint yet: make room and run the same command again")
+        return AttnlabError(f"{self.path} could not be written ({err.strerror or err}); "
+                            + way_on)
 
     def close(self) -> None:
         if self.wandb_run is not None:

@@ -459,3 +459,38 @@ def test_the_exercises_import_only_floors_below_them_and_never_the_tests():
             for name in names:
                 top = name.split(".")[0]
                 assert top in allowed or top in sys.stdlib_module_names, (path, name)
+
+
+@pytest.mark.parametrize("where", ["in the function", "at import"])
+def test_a_loop_in_the_learners_code_is_stopped_and_named(where, tmp_path, monkeypatch):
+    """The check gave no output at all until killed. The loop here ends by itself after
+    30 s (so the check before the fix ends too); the limit stops it long before."""
+    from attnlab.exercises import learner
+    monkeypatch.setattr(learner, "LIMIT_S", 2.0)
+    ex = EXERCISES[0]
+    loop = "import time\nend = time.time() + 30\nwhile time.time() < end:\n    pass\n"
+    body = (f"def {ex.function}(*args):\n" + "".join("    " + l + "\n" for l in loop.splitlines())
+            if where == "in the function" else loop + f"def {ex.function}(*args):\n    pass\n")
+    result = check(ex, write(tmp_path, ex, body))
+    assert result.status == "failed" and "did not finish within 2 s" in result.message
+    assert "a loop that never ends" in result.message
+
+
+def test_an_exit_or_a_crash_in_the_learners_code_is_a_failure_the_checker_reports(tmp_path):
+    """sys.exit() or os._exit(0) in the learner's file ended the checker with status 0
+    and no output, which a script reads as success."""
+    ends = {"sys.exit()": "import sys\nsys.exit()\n",
+            "os._exit(0)": "import os\nos._exit(0)\n",
+            "SIGSEGV": "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"}
+    for ex, (name, end) in zip(EXERCISES, ends.items()):
+        # The first exits from inside the function, the others at import.
+        source = (f"def {ex.function}(*args):\n    " + end.replace("\n", "\n    ") if ex.number == 1
+                  else end + f"def {ex.function}(*args):\n    pass\n")
+        write(tmp_path, ex, source)
+    proc = run_script("-m", "attnlab.exercises", "check", tmp_path, check=False, timeout=200)
+    assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
+    rows = {line.split()[1]: line for line in proc.stdout.splitlines() if line[:3].strip().isdigit()}
+    assert "ended the process that checked it (exit code 0: sys.exit()" in rows[EXERCISES[0].name]
+    assert "ended the process that checked it (exit code 0: sys.exit()" in rows[EXERCISES[1].name]
+    assert "crashed the process that checked it (SIGSEGV)" in rows[EXERCISES[2].name]
+    assert "0 of 8 passed" in proc.stdout

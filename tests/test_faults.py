@@ -313,3 +313,27 @@ def test_sample_py_decodes_a_small_model_with_fp32_weights(corpus, tmp_path):
                      "--train.max_iters=2", "--train.eval_iters=1")
     proc = run_script("sample.py", "--run", run, "--max_new_tokens", "5")
     assert "float32 weights" in proc.stderr
+
+
+def test_a_full_disk_while_logging_metrics_names_the_file_and_the_resume(corpus, tmp_path, monkeypatch):
+    """The write was an OSError without a file name, said as "run the same command
+    again", which then refuses the folder for its checkpoints."""
+    import errno
+    import builtins
+    from common.errors import AttnlabError
+    trainer = make_trainer(corpus, tmp_path, "--train.max_iters=20", "--train.eval_interval=10")
+    real_open = builtins.open
+
+    def full_disk(path, mode="r", *a, **k):
+        handle = real_open(path, mode, *a, **k)
+        if str(path).endswith("metrics.jsonl") and "a" in mode and checkpoint.list_checkpoints(trainer.run_dir):
+            def no_room(_):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            handle.write = no_room
+        return handle
+    monkeypatch.setattr(builtins, "open", full_disk)
+    with pytest.raises(AttnlabError) as err:
+        train(trainer)
+    message = str(err.value)
+    assert str(trainer.run_dir / "metrics.jsonl") in message and "No space left" in message
+    assert f"python train.py --resume {trainer.run_dir}" in message

@@ -283,3 +283,24 @@ def test_a_model_that_mixes_neighbours_says_the_maps_are_not_all_of_it(corpus, t
         model, cfg, tokenizer, ckpt = load_run(run)
         page = Service(model, cfg, tokenizer, str(ckpt)).info()["config"]
         assert ("model.token_mix=3" in page) == said
+
+
+def test_a_text_far_past_the_context_is_refused_before_its_weights_are_kept(monkeypatch, tmp_path):
+    """'the king said ' 7,200 times asked for 81 GB of attention weights (RoPE goes on past
+    the context, so the text was read whole); every tool that reads a text is bounded
+    at the one check (here made small, so the test's text is short)."""
+    from attnlab import capture, heads, lens
+    from common.errors import AttnlabError
+    from conftest import small_model
+    monkeypatch.setattr(capture, "MAPS_BYTES", 1 << 20)     # 2 layers x 4 heads: 181 tokens
+    text = "the king said " * 20                              # 280 tokens
+    tok = CharTokenizer(set(text))
+    model = small_model(vocab_size=tok.vocab_size, position="rope")
+    for module in (heads, lens):
+        _loaded(monkeypatch, module, model, tok, tmp_path)
+    for run, argv in [(heads.main, ["search", "--text", text, "--from", "said", "--to", "king"]),
+                      (heads.main, ["grid", "--text", text, "--out", str(tmp_path)]),
+                      (lens.main, ["logit", "--text", text, "--out", str(tmp_path)])]:
+        with pytest.raises(AttnlabError, match="the text is 280 tokens, past this model's context "
+                           "of 16; .* at most 181 tokens of this model: give a shorter --text"):
+            run([*argv, "--run", "x"])

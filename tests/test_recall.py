@@ -191,10 +191,16 @@ def rows_csv(folder, variant, factors, digits=None, context=96, na=()):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--digits", "0"], "at least 1 digit"), (["--digits", "-1"], "at least 1 digit"),
+    (["--digits", "0"], "from 1 to 9"), (["--digits", "-1"], "from 1 to 9"),
     (["--variants", "rope", "--merge", "x"], "give one or the other"),
-    (["--variants", "rope", "--model", "x"], "give one or the other")])
-def test_the_lab_refuses_bad_options_before_training(argv, says, tmp_path):
+    (["--variants", "rope", "--model", "x"], "give one or the other"),
+    # An allocation of 256 TB, and a ValueError from a filler too short, each a traceback.
+    (["--context", "1000000000000", "--steps", "1"], "'1000000000000' is not a whole number from 0 to 8,192"),
+    (["--factors", "1000000", "--steps", "1", "--variants", "rope"], "from 1 to 64"),
+    (["--context", "4096", "--factors", "1", "64", "--variants", "rope"], "examples of 262,144 tokens"),
+    (["--steps", "0"], "from 1 to 1,000,000"), (["--depths", "1000000000"], "from 2 to 101")])
+def test_the_lab_refuses_bad_options_before_training(argv, says, tmp_path, monkeypatch):
+    monkeypatch.setattr(recall, "train_variant", lambda *a, **k: pytest.fail("trained first"))
     with pytest.raises(recall.AttnlabError, match=says):
         recall.main([*argv, "--out", str(tmp_path / "out")])
 

@@ -4,7 +4,9 @@ code), each by its path; nothing else in the folder is read."""
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -70,22 +72,68 @@ class LearnerCodeError(Exception):
     """The learner's file does not import or lacks its function."""
 
 
+# Seconds one exercise's check may take; the reference answers take well under one.
+LIMIT_S = 60.0
+
+
 def check(ex: Exercise, folder: Path) -> Result:
-    """Run exercise `ex` on the learner's code in `folder`."""
+    """Run exercise `ex` on the learner's code in `folder`, in a child process with a time
+    limit: a loop that never ends, an exit, or a crash in the learner's file is a failed
+    check that says which, never a checker that hangs or ends with it."""
     path = folder / ex.filename
     if path.is_file() and not path.read_bytes().strip():
         return Result(ex, "empty", f"{ex.filename} is empty; write {ex.function} in it, or "
                       f"delete it and run python -m attnlab.exercises start {word(folder)} to get "
                       "the stub back")
+    # Forked, not started afresh: the child has torch and the checks imported already.
+    context = multiprocessing.get_context("fork")
+    reader, writer = context.Pipe(duplex=False)
+    child = context.Process(target=_check_in_child, args=(ex.number, folder, writer), daemon=True)
+    child.start()
+    writer.close()
+    try:
+        said = reader.recv() if reader.poll(LIMIT_S) else "timed out"
+    except EOFError:                              # it ended without a result
+        said = None
+    if said == "timed out":
+        child.kill()
+    child.join()
+    reader.close()
+    if isinstance(said, tuple):
+        return Result(ex, *said)
+    return Result(ex, "failed", _how_it_ended(ex, said, child.exitcode))
+
+
+def _how_it_ended(ex: Exercise, said, code: int | None) -> str:
+    if said == "timed out":
+        return (f"{ex.filename} did not finish within {LIMIT_S:g} s and was stopped: a loop "
+                f"that never ends, in {ex.function} or at import?")
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+        return f"{ex.filename} crashed the process that checked it ({name})"
+    return (f"{ex.filename} ended the process that checked it (exit code {code}: sys.exit() or "
+            f"os._exit() in it?); {ex.function} returns its result instead")
+
+
+def _check_in_child(number: int, folder: Path, writer) -> None:
+    """The check itself, in the child: (status, message) sent back to the parent."""
+    import torch
+    torch.set_num_threads(1)                  # no thread pool of the parent's is used here
+    ex = next(e for e in EXERCISES if e.number == number)
+    writer.send(_check_here(ex, folder))
+    writer.close()
+
+
+def _check_here(ex: Exercise, folder: Path) -> tuple[str, str]:
     try:
         fn = load(ex, folder)
     except LearnerCodeError as err:
-        return Result(ex, "failed", str(err))
+        return "failed", str(err)
     if fn is None:
-        return Result(ex, "missing", f"{ex.filename} is missing from {folder}; python -m "
-                      f"attnlab.exercises start {word(folder)} restores its stub without touching "
-                      "the other files")
-    return run_check(ex, fn, folder.resolve())
+        return "missing", (f"{ex.filename} is missing from {folder}; python -m attnlab.exercises "
+                           f"start {word(folder)} restores its stub without touching the other files")
+    result = run_check(ex, fn, folder.resolve())
+    return result.status, result.message
 
 
 def passed_function(ex: Exercise, folder: Path):

@@ -1,0 +1,134 @@
+"""A run's checkpoint edited with its hashes recomputed (the hashes catch damage, not
+tampering): each file is checked before it costs memory or leads outside its folder."""
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_script, train_tiny
+from common.errors import AttnlabError
+
+
+@pytest.fixture(scope="module")
+def tiny_run(corpus, tmp_path_factory) -> Path:
+    return train_tiny(corpus, tmp_path_factory.mktemp("hostile"), "r", "--train.max_iters=10")
+
+
+def edited(run: Path, tmp_path: Path, **replaced) -> Path:
+    """A copy of `run` whose checkpoints' files are replaced by `replaced` (name: text
+    or, for config.json, a function of its dict), with state.json's hashes recomputed."""
+    copy = tmp_path / "runs" / "edited"
+    shutil.copytree(run, copy)
+    for ckpt in (copy / "checkpoints").iterdir():
+        state = json.loads((ckpt / "state.json").read_text())
+        for name, new in replaced.items():
+            if name == "state":
+                state = new(state)
+                continue
+            text = json.dumps(new(json.loads((ckpt / name).read_text()))) if callable(new) else new
+            (ckpt / name).write_text(text)
+            state["files"][name] = hashlib.sha256((ckpt / name).read_bytes()).hexdigest()
+        (ckpt / "state.json").write_text(json.dumps(state))
+    return copy
+
+
+def widened(n_embd, n_layer):
+    return lambda c: {**c, "model": {**c["model"], "n_embd": n_embd, "n_layer": n_layer}}
+
+
+@pytest.mark.parametrize("entry", [["sample.py", "--max_new_tokens=2", "--run"],
+                                   ["-m", "attnlab.heads", "grid", "--run"],
+                                   ["train.py", "--config", "tiny", "--train.init_from"]])
+def test_a_config_edited_to_a_huge_model_is_one_error_line_on_every_path(tiny_run, tmp_path, entry):
+    """13 TB: a traceback from the allocation; one of ~10^13 weights within the caps on
+    each size: the memory check names the file."""
+    for n_embd, n_layer in [(1048576, 1000), (65536, 1000)]:
+        copy = edited(tiny_run, tmp_path / str(n_embd), **{"config.json": widened(n_embd, n_layer)})
+        proc = run_script(*entry, copy, f"--train.out_dir={tmp_path / 'out'}", check=False,
+                          timeout=120) if entry[0] == "train.py" else \
+            run_script(*entry, copy, check=False, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert "config.json" in errors[0] and str(copy) in errors[0]
+
+
+def test_a_config_edited_to_another_shape_is_refused_before_that_model_is_built(
+        tiny_run, tmp_path, monkeypatch):
+    """Within the memory there is, the shapes are compared with the model's skeleton
+    (meta tensors) first: the model the edit describes is never allocated."""
+    from engine import inference
+    built = []
+
+    class Watched(inference.GPT):
+        def __init__(self, config):
+            if torch.empty(0).device.type != "meta":
+                built.append(config.n_embd)
+            super().__init__(config)
+    monkeypatch.setattr(inference, "GPT", Watched)
+    copy = edited(tiny_run, tmp_path, **{"config.json": widened(1024, 4)})
+    with pytest.raises(AttnlabError, match="does not fit this model config"):
+        inference.load_run(copy)
+    assert built == []
+
+
+@pytest.mark.parametrize("config, said", [
+    (lambda c: {**c, "model": "wide"}, "model is 'wide'"),
+    (lambda c: {**c, "model": {**c["model"], "n_layer": 1 << 40}}, "model.n_layer=1099511627776")])
+def test_a_config_of_the_wrong_shape_is_refused_by_its_schema(tiny_run, tmp_path, config, said):
+    from engine.inference import load_run
+    copy = edited(tiny_run, tmp_path, **{"config.json": config})
+    with pytest.raises(AttnlabError) as err:
+        load_run(copy)
+    assert said in str(err.value) and "config.json" in str(err.value)
+
+
+def test_a_name_in_state_json_that_leaves_the_checkpoint_is_never_read(tiny_run, tmp_path, monkeypatch):
+    from engine import checkpoint
+    from engine.inference import load_run
+    outside = tmp_path / "secret.txt"
+    outside.write_text("not the checkpoint's")
+    digest = hashlib.sha256(outside.read_bytes()).hexdigest()
+    read = []
+    real = checkpoint.file_sha256
+    monkeypatch.setattr(checkpoint, "file_sha256", lambda p: read.append(Path(p)) or real(p))
+    for name in ("../../../../secret.txt", str(outside)):
+        copy = edited(tiny_run, tmp_path / str(len(name)),
+                      state=lambda s: {**s, "files": {**s["files"], name: digest}})
+        with pytest.raises(AttnlabError) as err:
+            load_run(copy)
+        assert "state.json names" in str(err.value) and name in str(err.value)
+        assert all(p.resolve().is_relative_to(copy.resolve()) for p in read), read
+
+
+def bpe_json(tokens: int) -> str:
+    vocab = {f"t{i}": i for i in range(tokens)}
+    return json.dumps({"version": "1.0", "added_tokens": [], "normalizer": None,
+                       "pre_tokenizer": None, "post_processor": None, "decoder": None,
+                       "model": {"type": "BPE", "vocab": vocab, "merges": []}})
+
+
+def test_a_tokenizer_past_the_vocabulary_is_refused_before_it_is_built(tiny_run, tmp_path, monkeypatch):
+    """Building a tokenizer of a million tokens cost gigabytes before its ids were
+    compared with the model's vocabulary; a file far larger than the vocabulary needs is
+    refused by its size, unread."""
+    from data.tokenizer import Tokenizer
+    from engine.inference import load_run
+    parsed = []
+    real = Tokenizer.parse
+    monkeypatch.setattr(Tokenizer, "parse", staticmethod(lambda *a: parsed.append(1) or real(*a)))
+    copy = edited(tiny_run, tmp_path / "ids", **{"tokenizer.json": bpe_json(20_000)})
+    with pytest.raises(AttnlabError) as err:
+        load_run(copy)
+    assert "token ids up to 19,999" in str(err.value) and "tokenizer.json" in str(err.value)
+    assert parsed == []
+    own = json.loads((tiny_run / "checkpoints" / "step_0000010" / "tokenizer.json").read_text())
+    padded = json.dumps(own) + " " * (2 << 20)             # valid JSON, 2 MB of it blank
+    copy = edited(tiny_run, tmp_path / "size", **{"tokenizer.json": padded})
+    with pytest.raises(AttnlabError) as err:
+        load_run(copy)
+    assert "tokenizer.json" in str(err.value) and "more than the" in str(err.value)
+    assert parsed == []
