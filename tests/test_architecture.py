@@ -310,7 +310,6 @@ MAX_FUNCTION_LINES = 60
 LONG_FUNCTIONS_ALLOWED = {
     "engine/budget.py:plan",
     "train.py:main",
-    "attnlab/recall.py:main",
     "engine/run.py:resume_config",
     "engine/run.py:setup_run",
     "sample.py:main",
