@@ -15,6 +15,7 @@ from model.registry import check as check_config
 from model.config import ModelConfig, ModelError
 from model.layers import BLOCKS, NORMS, token_types
 from model.mask import Mask
+from model.mechanisms import mechanisms_of
 from model.positions import POSITION_ENCODINGS
 from model.readout import READOUTS, AdaptiveReadout, MaskedLMTransform, NoOutputLayer, head_macs
 from model.sampling import sample_next
@@ -116,10 +117,12 @@ class GPT(nn.Module):
     def _init_all(self, config: ModelConfig):
         self.apply(self._init_weights)
         # GPT-2: scale the layers that write into the residual stream by 1/√(2·n_layer),
-        # so the stream's variance does not grow with depth.
-        for name, p in self.named_parameters():
-            if name.endswith(("w_o.weight", "mlp.proj.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
+        # so the stream's variance does not grow with depth; each mechanism says how its
+        # own layer starts (Mechanism.init).
+        for block, mechanism in zip(self.blocks, mechanisms_of(config)):
+            mechanism.init(block.attn, config)
+            if block.mlp.has_weights:
+                nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
         if config.zero_head:
             # Every logit 0 at the start: the first steps move the readout towards the
             # tokens' frequencies before any gradient reaches the blocks through it.
@@ -152,8 +155,9 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (forward + backward): 6 per weight that multiplies
-        (the output layer included) plus 12·L·d·T for the attention scores and the
-        weighted sum (PaLM, arXiv:2204.02311, appendix B)."""
+        (the output layer included) plus three times each layer's mechanism's own forward
+        FLOPs (for softmax attention 4·d·T, the scores and the weighted sum: PaLM's
+        12·L·d·T, arXiv:2204.02311, appendix B)."""
         c = self.config
         T = seq_len or c.block_size
         matmul_weights = self.num_params(non_embedding=True)
@@ -162,7 +166,7 @@ class GPT(nn.Module):
             matmul_weights += head_macs(c.n_embd, c.vocab_size, c.readout_shortlist)
         elif c.tie_embeddings:
             matmul_weights += self.lm_head.weight.numel()
-        return int(6 * matmul_weights + 12 * c.n_layer * c.n_embd * T)
+        return int(6 * matmul_weights + 3 * sum(m.flops(c, T) for m in mechanisms_of(c)))
 
     def forward(self, idx, targets=None, cache: KVCache | None = None,
                 return_attention: bool = False, attention_mask: torch.Tensor | None = None,

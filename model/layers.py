@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention import MultiHeadAttention
 from model.config import ModelConfig
+from model.mechanisms import build_layer
 
 
 def layer_norm(config: ModelConfig) -> nn.Module:
@@ -164,7 +164,7 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.norm_attn = NORMS[config.norm](config)
-        self.attn = MultiHeadAttention(config, layer_idx)
+        self.attn = build_layer(config, layer_idx)        # model.mechanism's, for this layer
         mlp = MLPS[config.mlp]
         # An MLP that is not there (attention-only models) needs no norm in front of it.
         self.norm_mlp = NORMS[config.norm](config) if mlp.has_weights else nn.Identity()
