@@ -9,7 +9,8 @@ activations asked for, by a readable name.
 Names, for each layer l (B batch, T tokens, H heads, D = d_k, C = n_embd):
   blocks.l.resid_pre   (B, T, C)     the residual stream entering the block
   blocks.l.q / .k / .v (B, H|H_kv, T, D)   queries, keys (positions applied) and values
-  blocks.l.pattern     (B, H, T, T)  attention weights (from the eager path: every backend)
+  blocks.l.pattern     (B, H, T, T)  attention weights (from the eager path: every backend;
+                                     differential attention's is its difference map)
   blocks.l.z           (B, T, H, D)  each head's output, before W_O mixes the heads
   blocks.l.attn_out    (B, T, C)     the attention sublayer's output (after W_O)
   blocks.l.mlp_out     (B, T, C)     the MLP sublayer's output
@@ -18,7 +19,8 @@ and final_norm (B, T, C), the last residual stream after the final norm, whose p
 with the output layer is the logits. In a model with model.value_embeds, `v` is x·W_V
 with the token's value embedding added (what the weighted sum uses); with
 model.skip_connections, a late block's resid_pre includes the skip from its mirror
-block (so it is not the previous resid_post).
+block (so it is not the previous resid_post). A layer whose mechanism has no weights
+(or no q/k/v hook points, or no W_O) has no pattern (q, k, v, z): layer_reads says which.
 
 Everything is read with forward hooks on the model's own modules and removed
 afterwards; q, k and v come from the attention module's identity hook points (hook_q,
@@ -36,13 +38,35 @@ from typing import Iterable
 import torch
 
 from common.errors import AttnlabError
+from model.mechanisms import layer_names, mechanisms_of
 
 PER_LAYER = ("resid_pre", "q", "k", "v", "pattern", "z", "attn_out", "mlp_out", "resid_post")
 
 
+def layer_reads(model, layer: int) -> tuple[str, ...]:
+    """The names of PER_LAYER that layer `layer` has: a mechanism without attention
+    weights (its entry's no_weights) has no pattern, one without q, k, v hook points or
+    an output matrix W_O has no q, k, v or z."""
+    attn = model.blocks[layer].attn
+    missing = set() if mechanisms_of(model.config)[layer].no_weights is None else {"pattern"}
+    missing |= {n for n in "qkv" if not hasattr(attn, f"hook_{n}")}
+    missing |= set() if hasattr(attn, "w_o") else {"z"}
+    return tuple(n for n in PER_LAYER if n not in missing)
+
+
 def names(model) -> list[str]:
     """Every name run_with_cache fills, in the order the forward pass meets them."""
-    return [f"blocks.{l}.{n}" for l in range(model.config.n_layer) for n in PER_LAYER] + ["final_norm"]
+    return [f"blocks.{l}.{n}" for l in range(model.config.n_layer)
+            for n in layer_reads(model, l)] + ["final_norm"]
+
+
+def no_weights(config) -> str | None:
+    """Why a model has no attention weights to draw (its mechanisms' own reason, with
+    the layers it applies to), or None when every layer has them."""
+    for name, m in zip(layer_names(config), mechanisms_of(config)):
+        if m.no_weights is not None:
+            return f"model.mechanism={name} has no attention weights to draw: {m.no_weights}"
+    return None
 
 
 def _hooks_for(model, cache: dict, only: set[str] | None):
@@ -82,10 +106,12 @@ def _hooks_for(model, cache: dict, only: set[str] | None):
             if want(p + "mlp_out"):
                 cache[p + "mlp_out"] = output.detach()
 
+        has = layer_reads(model, layer)
         out += [(block, "pre", block_pre), (block, "post", block_post),
                 (block.attn, "post", attn_post),
-                *((getattr(block.attn, f"hook_{n}"), "post", read(n)) for n in "qkv"),
-                (block.attn.w_o, "pre", w_o_pre), (block.mlp, "post", mlp_post)]
+                *((getattr(block.attn, f"hook_{n}"), "post", read(n)) for n in "qkv" if n in has),
+                *([(block.attn.w_o, "pre", w_o_pre)] if "z" in has else []),
+                (block.mlp, "post", mlp_post)]
 
     def final(module, args, output):
         if want("final_norm"):
@@ -128,7 +154,11 @@ def run_with_cache(model, tokens: torch.Tensor, only: Iterable[str] | None = Non
 
 
 def attention(model, tokens: torch.Tensor, **inputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(logits, [layer] -> (B, H, T, T) attention weights) for `tokens` (B, T)."""
+    """(logits, [layer] -> (B, H, T, T) attention weights) for `tokens` (B, T); refused
+    in one line for a model whose mechanism has none."""
+    reason = no_weights(model.config)
+    if reason:
+        raise AttnlabError(reason)
     wanted = [f"blocks.{l}.pattern" for l in range(model.config.n_layer)]
     logits, cache = run_with_cache(model, tokens, only=wanted, **inputs)
     return logits, [cache[n] for n in wanted]

@@ -42,6 +42,7 @@ from engine.hf_files import (CONFIG_LIMIT, FETCH_AGAIN, INDEX, MAX_HEADS, MAX_LA
                              read_folder_json)
 from model import GPT, ModelConfig, ModelError
 from model.layers import BLOCKS, MLPS, NORMS
+from model.mechanisms import MECHANISMS, layer_names, mechanisms_of
 from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
 from model.readout import READOUTS
 
@@ -97,6 +98,10 @@ def _gelu_from_hf(act: str) -> str:
 
 def _common_refusals(cfg: ModelConfig, decoder: bool = True) -> list[str]:
     out = []
+    if any(m is not MECHANISMS["mha"] for m in mechanisms_of(cfg)):
+        # Every architecture here computes the article's multi-head attention; one that
+        # computes another mechanism names it in its own blockers.
+        out.append(f"model.mechanism={cfg.mechanism} (needs mha in every layer)")
     if cfg.n_global:
         out.append(f"model.n_global={cfg.n_global} (global tokens: no architecture has them)")
     if cfg.qk_norm:
@@ -490,7 +495,12 @@ ARCHITECTURES = {
 
 def architecture_for(cfg: ModelConfig) -> Architecture:
     """The architecture that computes exactly what cfg does, or ExportError naming, for
-    the nearest one, the fields that stop it."""
+    the nearest one, the fields that stop it. A mechanism no architecture has is
+    refused first, in its entry's own words (model/mechanisms.py)."""
+    for name, mechanism in zip(layer_names(cfg), mechanisms_of(cfg)):
+        if mechanism.export_refusal:
+            raise ExportError(f"cannot export model.mechanism={name}: {mechanism.export_refusal}; "
+                              "only a model trained with a mechanism transformers has exports")
     reasons = {name: arch.blockers(cfg) for name, arch in ARCHITECTURES.items()}
     fits = [name for name, why in reasons.items() if not why]
     if fits:

@@ -3,7 +3,9 @@
 Read in this order: config.py (the one model configuration: sizes, and variants named
 by strings), mask.py (the one mask rule), attention.py (the formula, its backends and
 multi-head attention; flex.py is its FlexAttention path, cpu_kernels.py its tuning for
-CPUs and precision.py says whether this CPU has native bf16), positions.py (none,
+CPUs and precision.py says whether this CPU has native bf16), mechanisms.py (what a
+layer's attention computes: multi-head, or differential.py's difference of two maps,
+each entry with its facts), positions.py (none,
 sinusoidal, learned, RoPE, ALiBi), layers.py (norms, MLP, the residual block),
 readout.py (the output layer, and the adaptive softmax for large vocabularies), gpt.py
 (the whole model and generation from it), cache.py (the KV caches it decodes with),

@@ -10,6 +10,11 @@ generation time: one row of Q·Kᵀ per step instead of the whole triangle).
   value that changes between steps, so the step can be recorded once as a CUDA graph
   (`CapturedStep`) and replayed: one launch instead of ~100 small kernels per token,
   which is what bounds batch-1 decoding of a small model on a GPU.
+
+What a layer keeps is its mechanism's (model/mechanisms.py, `Cache`): tensors that grow
+with the text, written by `update` (keys and values; a latent has two of its own
+shapes), or a fixed-size recurrent state, read by `state` and written by `keep`. Each
+layer has its own buffers, so a hybrid's layers keep different things side by side.
 """
 from __future__ import annotations
 
@@ -38,13 +43,23 @@ class KVCache:
                  shift=None):
         self.n_layer, self.window, self.n_global, self.shift = n_layer, window, n_global, shift
         self.capacity = n_global + 2 * window if window else max_len
-        self.k: torch.Tensor | None = None   # (n_layer, B, H_kv, capacity, d_k)
-        self.v: torch.Tensor | None = None
+        # Per layer, (B, H_kv, capacity, d_k) or whatever its mechanism writes; None until then.
+        self.k: list[torch.Tensor | None] = [None] * n_layer
+        self.v: list[torch.Tensor | None] = [None] * n_layer
+        self.states: dict[int, torch.Tensor] = {}   # per layer, a recurrent state of fixed size
         self.positions = torch.empty(0, dtype=torch.long)   # absolute position of each slot
         self.stored = 0                      # filled slots
         self.length = 0                      # tokens seen: the position of the next one
         self.first = 0                       # the smallest position still stored
         self.tails: dict[int, torch.Tensor] = {}    # per layer, the rows a TokenMix saw last
+
+    def state(self, layer: int) -> torch.Tensor | None:
+        """This layer's recurrent state after the tokens seen so far (None before any)."""
+        return self.states.get(layer)
+
+    def keep(self, layer: int, state: torch.Tensor) -> None:
+        """Store this layer's state after the current chunk."""
+        self.states[layer] = state
 
     def recent(self, layer: int, h: torch.Tensor, n: int) -> torch.Tensor:
         """(B, n + T, C): this chunk's rows h after the n this layer's TokenMix saw before
@@ -77,47 +92,52 @@ class KVCache:
         recent = min(self.window - 1, self.stored - g)
         keep = list(range(g)) + list(range(self.stored - recent, self.stored))
         idx = torch.tensor(keep, dtype=torch.long, device=self.positions.device)
-        if self.k is not None:
-            n = len(keep)
-            self.k[:, :, :, :n] = self.k[:, :, :, idx].clone()
-            self.v[:, :, :, :n] = self.v[:, :, :, idx].clone()
+        n = len(keep)
+        for x in [*self.k, *self.v]:
+            if x is not None:
+                x[:, :, :n] = x[:, :, idx].clone()
         self.positions = self.positions[idx]
         self.stored = len(keep)
         self.first = 0 if g else self.length - recent
         if self.shift is not None and recent:
             delta = g - int(self.positions[g])       # the newest move down to follow the sinks
-            if self.k is not None:
-                self.k[:, :, :, g:self.stored] = self.shift(self.k[:, :, :, g:self.stored], delta)
+            for k in self.k:
+                if k is not None:
+                    k[:, :, g:self.stored] = self.shift(k[:, :, g:self.stored], delta)
             self.positions[g:] += delta
             self.length += delta
             self.first = int(self.positions[0])
 
     def _grow(self, capacity: int) -> None:
-        if self.k is not None:
-            extra = list(self.k.shape)
-            extra[3] = capacity - self.capacity
-            self.k = torch.cat([self.k, self.k.new_zeros(extra)], dim=3)
-            self.v = torch.cat([self.v, self.v.new_zeros(extra)], dim=3)
+        def grown(x):
+            extra = list(x.shape)
+            extra[2] = capacity - self.capacity
+            return torch.cat([x, x.new_zeros(extra)], dim=2)
+        self.k = [None if x is None else grown(x) for x in self.k]
+        self.v = [None if x is None else grown(x) for x in self.v]
         self.capacity = capacity
 
     def update(self, layer: int, k_new, v_new):
-        """Store this chunk's keys/values; return every key/value the chunk attends to."""
-        if self.k is None:
-            B, H_kv, _, D = k_new.shape
-            shape = (self.n_layer, B, H_kv, self.capacity, D)
-            self.k = torch.zeros(shape, dtype=k_new.dtype, device=k_new.device)
-            self.v = torch.zeros(shape, dtype=v_new.dtype, device=v_new.device)
+        """Store this chunk's keys/values (B, H_kv, T, ·); return every key/value the
+        chunk attends to."""
+        if self.k[layer] is None:        # each its own shape: a latent's two parts differ
+            self.k[layer] = k_new.new_zeros(*k_new.shape[:2], self.capacity, k_new.shape[3])
+            self.v[layer] = v_new.new_zeros(*v_new.shape[:2], self.capacity, v_new.shape[3])
         start, end = self.stored, self.stored + k_new.shape[2]
-        self.k[layer, :, :, start:end] = k_new
-        self.v[layer, :, :, start:end] = v_new
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        self.k[layer][:, :, start:end] = k_new
+        self.v[layer][:, :, start:end] = v_new
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def end(self, T: int) -> None:
         self.stored += T
         self.length += T
 
     def nbytes(self) -> int:
-        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+        return _nbytes([*self.k, *self.v, *self.states.values()])
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 # The position stored in an empty slot: ahead of every query, so the causal rule
@@ -144,8 +164,9 @@ class StaticKVCache:
     def __init__(self, n_layer: int, max_len: int, window: int = 0, n_global: int = 0):
         self.n_layer, self.window, self.n_global = n_layer, window, n_global
         self.capacity = n_global + window if window else max_len
-        self.k: torch.Tensor | None = None   # (n_layer, B, H_kv, capacity, d_k)
-        self.v: torch.Tensor | None = None
+        self.k: list[torch.Tensor | None] = [None] * n_layer    # per layer (B, H_kv, capacity, d_k)
+        self.v: list[torch.Tensor | None] = [None] * n_layer
+        self.states: dict[int, torch.Tensor] = {}               # per layer, KVCache.state's
         self.slot_pos: torch.Tensor | None = None   # (capacity,) position held by each slot
         self.length: torch.Tensor | None = None     # (1,) the position of the next token
         self._slot: torch.Tensor | None = None
@@ -170,24 +191,30 @@ class StaticKVCache:
                 raise ValueError(f"static KV cache holds {self.capacity} tokens; "
                                  f"{cache.length} given")
             keep = torch.ones_like(pos, dtype=torch.bool)
-        pos = pos[keep]
-        k, v = cache.k[:, :, :, :n][:, :, :, keep], cache.v[:, :, :, :n][:, :, :, keep]
-        if self.k is None:
-            L, B, H_kv, _, D = k.shape
-            shape = (L, B, H_kv, self.capacity, D)
-            self.k = torch.zeros(shape, dtype=k.dtype, device=k.device)
-            self.v = torch.zeros(shape, dtype=v.dtype, device=v.device)
-            self.slot_pos = torch.full((self.capacity,), EMPTY, dtype=torch.long, device=k.device)
-            self.length = torch.zeros(1, dtype=torch.long, device=k.device)
-        elif k.shape[1] != self.k.shape[1]:
-            raise ValueError(f"static KV cache was built for batch {self.k.shape[1]}, "
-                             f"not {k.shape[1]}")
-        slots = self.slot_of(pos)
+        pos, slots = pos[keep], self.slot_of(pos[keep])
+        if self.slot_pos is None:
+            device = cache.positions.device
+            self.slot_pos = torch.full((self.capacity,), EMPTY, dtype=torch.long, device=device)
+            self.length = torch.zeros(1, dtype=torch.long, device=device)
+        for layer in range(self.n_layer):
+            for mine, theirs in ((self.k, cache.k), (self.v, cache.v)):
+                if theirs[layer] is None:
+                    continue
+                x = theirs[layer][:, :, :n][:, :, keep]
+                if mine[layer] is None:
+                    mine[layer] = x.new_zeros(*x.shape[:2], self.capacity, x.shape[3])
+                elif x.shape[0] != mine[layer].shape[0]:
+                    raise ValueError(f"static KV cache was built for batch {mine[layer].shape[0]}, "
+                                     f"not {x.shape[0]}")
+                mine[layer][:, :, slots] = x
         self.slot_pos.fill_(EMPTY)
         self.slot_pos[slots] = pos
-        self.k[:, :, :, slots] = k
-        self.v[:, :, :, slots] = v
         self.length.fill_(cache.length)
+        for layer, state in cache.states.items():     # in place, for a recorded graph
+            if layer in self.states:
+                self.keep(layer, state)
+            else:
+                self.states[layer] = state.clone()
         if cache.tails:                           # in place too, for a recorded graph
             tails = torch.stack([cache.tails[i] for i in range(self.n_layer)])
             if self.tails is None:
@@ -208,6 +235,13 @@ class StaticKVCache:
         self.v[layer].index_copy_(2, self._slot, v_new)
         return self.k[layer], self.v[layer]
 
+    def state(self, layer: int) -> torch.Tensor | None:
+        return self.states.get(layer)
+
+    def keep(self, layer: int, state: torch.Tensor) -> None:
+        """Written in place: a recorded graph reads and writes the same memory each step."""
+        self.states[layer].copy_(state)
+
     def recent(self, layer: int, h: torch.Tensor, n: int) -> torch.Tensor:
         """As KVCache.recent, for the one row of a step: fixed shapes, written in place."""
         full = torch.cat((self.tails[layer], h), 1)
@@ -218,17 +252,20 @@ class StaticKVCache:
         self.length.add_(T)
 
     def nbytes(self) -> int:
-        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+        return _nbytes([*self.k, *self.v, *self.states.values()])
 
-    def state(self) -> tuple:
+    def snapshot(self) -> tuple:
         return (self.slot_pos.clone(), self.length.clone(),
-                None if self.tails is None else self.tails.clone())
+                None if self.tails is None else self.tails.clone(),
+                {layer: s.clone() for layer, s in self.states.items()})
 
-    def restore(self, state) -> None:
-        self.slot_pos.copy_(state[0])
-        self.length.copy_(state[1])
-        if state[2] is not None:
-            self.tails.copy_(state[2])
+    def restore(self, saved) -> None:
+        self.slot_pos.copy_(saved[0])
+        self.length.copy_(saved[1])
+        if saved[2] is not None:
+            self.tails.copy_(saved[2])
+        for layer, s in saved[3].items():
+            self.states[layer].copy_(s)
 
 
 class CapturedStep:
@@ -241,9 +278,9 @@ class CapturedStep:
     real step overwrites before anything reads it), then one run under capture."""
 
     def __init__(self, model, cache: StaticKVCache, batch: int, warmup: int = 2):
-        device = cache.k.device
+        device = cache.slot_pos.device
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        saved = cache.state()
+        saved = cache.snapshot()
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):

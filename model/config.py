@@ -16,8 +16,9 @@ class ModelError(ValueError):
     The scripts print it as one `error:` line, like the project's own errors."""
 
 
-def _opt(default, help: str, registry: str | None = None):
-    return field(default=default, metadata={"help": help, "registry": registry})
+def _opt(default, help: str, registry: str | None = None, pattern: bool = False):
+    # pattern: the value may be a comma-separated list of registry names, one per layer, cycled.
+    return field(default=default, metadata={"help": help, "registry": registry, "pattern": pattern})
 
 
 @dataclass
@@ -35,6 +36,10 @@ class ModelConfig:
     causal: bool = _opt(True, "each token sees only itself and earlier tokens (a decoder, the "
                               "article's masked self-attention); false = every token sees the "
                               "whole sequence (an encoder, BERT's bidirectional self-attention)")
+    mechanism: str = _opt("mha", "attention mechanism: mha is the article's multi-head attention "
+                                 "(grouped-query/multi-query by model.n_kv_head); a comma-separated "
+                                 "list is cycled over the layers (a hybrid)", registry="mechanism",
+                          pattern=True)
     attention: str = _opt("auto", "attention backend; auto = cpu on a CPU, else sdpa, with a "
                                    "window flex on CUDA and banded elsewhere", registry="attention")
     position: str = _opt("rope", "position encoding", registry="position")

@@ -8,15 +8,16 @@ from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from model.cache import CapturedStep, KVCache, StaticKVCache
 from model.registry import check as check_config
 from model.config import ModelConfig, ModelError
-from model.layers import BLOCKS, NORMS, token_types
+from model.layers import BLOCKS, NORMS, NoSkips, UNetSkips, token_types, value_embeddings
 from model.mask import Mask
+from model.mechanisms import mechanisms_of
 from model.positions import POSITION_ENCODINGS
-from model.readout import READOUTS, AdaptiveReadout, MaskedLMTransform, NoOutputLayer, head_macs
+from model.readout import (READOUTS, AdaptiveReadout, MaskedLMTransform, NoOutputLayer, SoftCap,
+                           head_macs)
 from model.sampling import sample_next
 from torch.overrides import TorchFunctionMode
 
@@ -87,17 +88,16 @@ class GPT(nn.Module):
         self.norm_emb = NORMS[config.norm](config) if block.norms_embeddings else nn.Identity()
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(block(config, i) for i in range(config.n_layer))
-        if config.value_embeds:
-            # Lookups like wte (not hidden matrices): kept outside the blocks, so the
-            # optimizer treats them as embeddings.
-            kv_width = config.kv_heads * config.head_dim
-            self.value_embeds = nn.ModuleList(nn.Embedding(config.vocab_size, kv_width)
-                                              for _ in range(config.n_layer))
-        if config.skip_connections:
-            # One weight per skip, from 1: at the start each skip is a plain sum.
-            self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2))
+        # The switches of the forward pass, chosen here as modules (or ones that do nothing).
+        self.value_embeds = value_embeddings(config)                  # per-token values, or none
+        self.skips = UNetSkips(config.n_layer) if config.skip_connections else NoSkips()
+        # One weight per skip, from 1: at the start each skip is a plain sum.
+        self.register_parameter("skip_weights", nn.Parameter(torch.ones(config.n_layer // 2))
+                                if config.skip_connections else None)
         self.norm_f = NORMS[config.norm](config) if block.final_norm else nn.Identity()
         readout = READOUTS[config.readout]
+        self.output = readout.output()                               # (h, targets) -> logits, loss
+        self.softcap = SoftCap(config.logit_softcap) if config.logit_softcap else nn.Identity()
         if readout.shortlisted:
             self.adaptive = AdaptiveReadout(config)
         elif not readout.scores_tokens:
@@ -116,10 +116,12 @@ class GPT(nn.Module):
     def _init_all(self, config: ModelConfig):
         self.apply(self._init_weights)
         # GPT-2: scale the layers that write into the residual stream by 1/√(2·n_layer),
-        # so the stream's variance does not grow with depth.
-        for name, p in self.named_parameters():
-            if name.endswith(("w_o.weight", "mlp.proj.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
+        # so the stream's variance does not grow with depth; each mechanism says how its
+        # own layer starts (Mechanism.init).
+        for block, mechanism in zip(self.blocks, mechanisms_of(config)):
+            mechanism.init(block.attn, config)
+            if block.mlp.has_weights:
+                nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
         if config.zero_head:
             # Every logit 0 at the start: the first steps move the readout towards the
             # tokens' frequencies before any gradient reaches the blocks through it.
@@ -140,8 +142,7 @@ class GPT(nn.Module):
         if non_embedding:
             n -= self.wte.weight.numel()
             n -= sum(p.numel() for p in self.positions.parameters())
-            if self.config.value_embeds:
-                n -= sum(p.numel() for p in self.value_embeds.parameters())
+            n -= sum(p.numel() for p in self.value_embeds.parameters())
             if READOUTS[self.config.readout].shortlisted:
                 # Left out like the tied readout it replaces: the adaptive softmax exists to
                 # make a large vocabulary cheap, not to add capacity to the model.
@@ -152,8 +153,9 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (forward + backward): 6 per weight that multiplies
-        (the output layer included) plus 12·L·d·T for the attention scores and the
-        weighted sum (PaLM, arXiv:2204.02311, appendix B)."""
+        (the output layer included) plus three times each layer's mechanism's own forward
+        FLOPs (for softmax attention 4·d·T, the scores and the weighted sum: PaLM's
+        12·L·d·T, arXiv:2204.02311, appendix B)."""
         c = self.config
         T = seq_len or c.block_size
         matmul_weights = self.num_params(non_embedding=True)
@@ -162,7 +164,7 @@ class GPT(nn.Module):
             matmul_weights += head_macs(c.n_embd, c.vocab_size, c.readout_shortlist)
         elif c.tie_embeddings:
             matmul_weights += self.lm_head.weight.numel()
-        return int(6 * matmul_weights + 12 * c.n_layer * c.n_embd * T)
+        return int(6 * matmul_weights + 3 * sum(m.flops(c, T) for m in mechanisms_of(c)))
 
     def forward(self, idx, targets=None, cache: KVCache | None = None,
                 return_attention: bool = False, attention_mask: torch.Tensor | None = None,
@@ -189,41 +191,18 @@ class GPT(nn.Module):
         # give BERT's values to the last bit).
         x = self.positions.embed(self.token_types(self.wte(idx), token_types), start)
         x = self.drop(self.norm_emb(x))                              # (B, T, C)
-        attentions = [] if return_attention else None
-        L, skips = c.n_layer, []
+        attentions, saved = [], []
         for i, block in enumerate(self.blocks):
-            if c.skip_connections and L - 1 - i < len(skips):
-                # U-net (modded-nanogpt): the mirror block of the first half feeds in, so a
-                # late layer reads early features without the middle layers carrying them.
-                x = x + self.skip_weights[L - 1 - i] * skips[L - 1 - i]
-            ve = self.value_embeds[i](idx) if c.value_embeds else None
-            x, weights = block(x, self.positions, mask, cache, return_attention, ve)
-            if c.skip_connections and i < L // 2:
-                skips.append(x)
-            if return_attention:
-                attentions.append(weights)
+            x = self.skips.join(i, x, saved, self.skip_weights)
+            x, weights = block(x, self.positions, mask, cache, return_attention,
+                               self.value_embeds(i, idx))
+            self.skips.keep(i, x, saved)
+            attentions.append(weights)
         if cache is not None:
             cache.end(T)
         h = self.norm_f(x)
-        if READOUTS[c.readout].shortlisted:
-            # Training needs only the targets' probabilities, which is what makes the
-            # adaptive softmax cheap; the whole distribution only when no target is given.
-            if targets is not None:
-                return Output(None, self.adaptive.loss(h, targets), attentions, h)
-            return Output(self.adaptive(h), None, attentions, h)
-        logits = self.lm_head(self.head_transform(h))                # (B, T, vocab)
-        if c.logit_softcap:
-            # Soft-capping (Gemma 2, modded-nanogpt): c·tanh(z/c) is z for small logits and
-            # never beyond ±c, so no token's score can run away early in training.
-            logits = c.logit_softcap * torch.tanh(logits / c.logit_softcap)
-        loss = None
-        if targets is not None:
-            if logits is None:
-                raise ModelError("this encoder has no output layer (model.readout=none), so "
-                                 "there is no loss to take; give it a head to train it")
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)),
-                                   targets.reshape(-1), ignore_index=-1)
-        return Output(logits, loss, attentions, h)
+        logits, loss = self.output(self, h, targets)
+        return Output(logits, loss, attentions if return_attention else None, h)
 
     def readout(self, h: torch.Tensor) -> torch.Tensor:
         """Scores for every vocabulary entry from final-norm hidden states (B, T, C):
@@ -232,7 +211,7 @@ class GPT(nn.Module):
         if not readout.scores_tokens:
             raise ModelError("this encoder has no output layer (model.readout=none): its hidden "
                              "states cannot be read as token scores")
-        return self.adaptive(h) if readout.shortlisted else self.lm_head(self.head_transform(h))
+        return self.output(self, h, None)[0]
 
     def new_cache(self, max_len: int) -> KVCache:
         return KVCache(self.config.n_layer, max_len, self.config.sliding_window,

@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention import MultiHeadAttention
 from model.config import ModelConfig
+from model.mechanisms import build_layer
 
 
 def layer_norm(config: ModelConfig) -> nn.Module:
@@ -164,7 +164,7 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.norm_attn = NORMS[config.norm](config)
-        self.attn = MultiHeadAttention(config, layer_idx)
+        self.attn = build_layer(config, layer_idx)        # model.mechanism's, for this layer
         mlp = MLPS[config.mlp]
         # An MLP that is not there (attention-only models) needs no norm in front of it.
         self.norm_mlp = NORMS[config.norm](config) if mlp.has_weights else nn.Identity()
@@ -229,3 +229,58 @@ class TokenTypes(nn.Module):
 
 def token_types(config: ModelConfig) -> nn.Module:
     return (TokenTypes if config.n_token_types else NoTokenTypes)(config)
+
+
+class NoValueEmbeddings(nn.Module):
+    """No value embeddings (model.value_embeds=false): nothing is added to any value."""
+
+    def forward(self, layer: int, idx: torch.Tensor):
+        return None
+
+
+class ValueEmbeddings(nn.ModuleList):
+    """Value embeddings (modded-nanogpt): per layer, a learned vector per token added to
+    that token's value, V = x·W_V + E_V[token], so a token's identity reaches every
+    layer's weighted sum directly. Lookups like wte, not hidden matrices, kept outside
+    the blocks so the optimizer treats them as embeddings."""
+
+    def __init__(self, config: ModelConfig):
+        kv_width = config.kv_heads * config.head_dim
+        super().__init__(nn.Embedding(config.vocab_size, kv_width) for _ in range(config.n_layer))
+
+    def forward(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
+        return self[layer](idx)                                        # (B, T, H_kv·d_k)
+
+
+def value_embeddings(config: ModelConfig) -> nn.Module:
+    return ValueEmbeddings(config) if config.value_embeds else NoValueEmbeddings()
+
+
+class NoSkips(nn.Module):
+    """No skips across blocks (model.skip_connections=false): each block reads the last."""
+
+    def join(self, layer: int, x, saved: list, weights):
+        return x
+
+    def keep(self, layer: int, x, saved: list) -> None:
+        pass
+
+
+class UNetSkips(NoSkips):
+    """U-net skips (modded-nanogpt): the output of block i of the first half is added,
+    times a learned weight, to the input of its mirror block n_layer-1-i, so a late
+    layer reads early features without the middle layers carrying them. `saved` is the
+    forward pass's own list of first-half outputs; the weights are the model's
+    `skip_weights` (kept there so checkpoints keep their names)."""
+
+    def __init__(self, n_layer: int):
+        super().__init__()
+        self.n_layer = n_layer
+
+    def join(self, layer: int, x, saved: list, weights):
+        mirror = self.n_layer - 1 - layer
+        return x + weights[mirror] * saved[mirror] if mirror < len(saved) else x
+
+    def keep(self, layer: int, x, saved: list) -> None:
+        if layer < self.n_layer // 2:
+            saved.append(x)

@@ -10,10 +10,12 @@ from dataclasses import fields
 from model.attention import ATTENTION_BACKENDS
 from model.config import ModelConfig, ModelError
 from model.layers import BLOCKS, MLPS, NORMS
+from model.mechanisms import MECHANISMS, layer_names
 from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
 from model.readout import READOUTS
 
 REGISTRIES = {
+    "mechanism": MECHANISMS,
     "attention": ATTENTION_BACKENDS,
     "position": POSITION_ENCODINGS,
     "norm": NORMS,
@@ -43,9 +45,12 @@ def check(config: ModelConfig) -> None:
     """Sizes first, then every variant name, then what the chosen variants need."""
     config.validate()
     for f in fields(config):
-        registry = f.metadata.get("registry")
-        if registry and getattr(config, f.name) not in REGISTRIES[registry]:
-            raise unknown_name(f"model.{f.name}", getattr(config, f.name), REGISTRIES[registry])
+        registry, value = f.metadata.get("registry"), getattr(config, f.name)
+        names = [n.strip() for n in str(value).split(",")] if f.metadata.get("pattern") else [value]
+        for name in names:
+            if registry and name not in REGISTRIES[registry]:
+                raise unknown_name(f"model.{f.name}", name, REGISTRIES[registry])
+    check_mechanisms(config)
     backend = ATTENTION_BACKENDS[config.attention]
     position = POSITION_ENCODINGS[config.position]
     if backend.needs_window and not config.sliding_window:
@@ -88,3 +93,22 @@ def check(config: ModelConfig) -> None:
             raise ModelError(f"model.readout_shortlist={config.readout_shortlist} must be between 1 "
                              f"and the vocabulary size less one ({config.vocab_size - 1}); a run "
                              "sets it from the training data when it is 0")
+
+
+def check_mechanisms(config: ModelConfig) -> None:
+    """What each layer's mechanism needs of the rest of the config."""
+    position = POSITION_ENCODINGS[config.position]
+    for name in dict.fromkeys(layer_names(config)):
+        m = MECHANISMS[name]
+        if config.head_dim % m.head_multiple:
+            raise ModelError(f"model.mechanism={name} cuts each head into parts, so the head size "
+                             f"(n_embd/n_head = {config.head_dim}) must be a multiple of "
+                             f"{m.head_multiple}; change model.n_embd or model.n_head")
+        if position.biases_scores and not m.takes_score_bias:
+            others = ", ".join(n for n, p in POSITION_ENCODINGS.items() if not p.biases_scores)
+            raise ModelError(f"model.mechanism={name} has no place for model.position="
+                             f"{config.position}'s per-head score bias; use one of {others}")
+        if not m.follows_mask and (config.sliding_window or config.n_global or not config.causal):
+            raise ModelError(f"model.mechanism={name} reads every earlier token, causally, and "
+                             "no mask: leave model.sliding_window and model.n_global at 0 and "
+                             "model.causal=true with it")

@@ -12,9 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.registry import check as check_config
-from model.attention import CrossAttention, MultiHeadAttention
+from model.attention import CrossAttention
 from model.config import ModelConfig, ModelError
 from model.layers import MLPS, NORMS
+from model.mechanisms import build_layer, layer_names, MECHANISMS
 from model.mask import Mask
 from model.positions import POSITION_ENCODINGS
 
@@ -31,7 +32,7 @@ class EncoderBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.norm_attn, self.norm_mlp = NORMS[config.norm](config), NORMS[config.norm](config)
-        self.attn = MultiHeadAttention(config, layer_idx)
+        self.attn = build_layer(config, layer_idx)
         self.mlp = MLPS[config.mlp](config)
 
     def forward(self, x, positions, mask):
@@ -46,7 +47,7 @@ class DecoderBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.norm_self, self.norm_cross, self.norm_mlp = (NORMS[config.norm](config) for _ in range(3))
-        self.self_attn = MultiHeadAttention(config, layer_idx)
+        self.self_attn = build_layer(config, layer_idx)
         self.cross = CrossAttention(config)
         self.mlp = MLPS[config.mlp](config)
 
@@ -87,6 +88,11 @@ class EncoderDecoder(nn.Module):
             raise ModelError(f"model.position={config.position} biases scores by causal "
                              "distance, and the encoder sees in both directions; use positions "
                              "that go into the vectors (learned, sinusoidal, rope)")
+        one_way = [n for n in dict.fromkeys(layer_names(config)) if not MECHANISMS[n].follows_mask]
+        if one_way:
+            raise ModelError(f"model.mechanism={one_way[0]} reads only earlier tokens, and the "
+                             "encoder sees in both directions; use a mechanism that follows the "
+                             "mask (" + ", ".join(n for n, m in MECHANISMS.items() if m.follows_mask) + ")")
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.positions = POSITION_ENCODINGS[config.position](config)

@@ -123,3 +123,44 @@ def latent_attention(x, W, n_head, head_dim, rope_dim, theta):
         out, _, _ = attention(q_h, k_h, v_h, visible)                 # eq. 18: √(d_h + d_R)
         heads.append(out)
     return np.concatenate(heads, axis=1) @ W["o"]                     # eq. 19
+
+def rms_norm(x, gain, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * gain
+
+
+def differential_attention(x, w_qkv, w_o, lambdas, gain, layer, n_head, n_kv_head, visible,
+                           eps=1e-5):
+    """Differential attention for one sequence x (T, C), from the paper (arXiv:2410.05258,
+    §2.1 eqs. 1-3), with the layout of model/differential.py's weights: W_QKV's rows hold
+    every query head, then every key head, then every value head, d_k = C / n_head each;
+    of a head's d_k query (key) dimensions, Q₁ (K₁) takes those whose place in their half,
+    i mod d_k/2, is even, Q₂ (K₂) those where it is odd. Returns (out (T, C), maps
+    (n_head, T, T) of softmax₁ − λ·softmax₂)."""
+    T, C = x.shape
+    D = C // n_head
+    d = D // 2
+    half1 = [i for i in range(D) if (i % (D // 2)) % 2 == 0]
+    half2 = [i for i in range(D) if (i % (D // 2)) % 2 == 1]
+    qkv = x @ w_qkv.T
+    q = qkv[:, :n_head * D].reshape(T, n_head, D)
+    k = qkv[:, n_head * D:(n_head + n_kv_head) * D].reshape(T, n_kv_head, D)
+    v = qkv[:, (n_head + n_kv_head) * D:].reshape(T, n_kv_head, D)
+    l = layer + 1                                             # the paper counts layers from 1
+    lambda_init = 0.8 - 0.6 * np.exp(-0.3 * (l - 1))
+    lq1, lk1, lq2, lk2 = lambdas
+    lam = np.exp(lq1 @ lk1) - np.exp(lq2 @ lk2) + lambda_init
+
+    def softmax_map(qh, kh):
+        s = np.where(visible, qh @ kh.T / np.sqrt(d), -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return p / p.sum(-1, keepdims=True)
+
+    heads, maps = [], []
+    for h in range(n_head):
+        g = h // (n_head // n_kv_head)                        # the key/value head it reads
+        a1 = softmax_map(q[:, h, half1], k[:, g, half1])
+        a2 = softmax_map(q[:, h, half2], k[:, g, half2])
+        diff = a1 - lam * a2
+        heads.append((1 - lambda_init) * rms_norm(diff @ v[:, g], gain, eps))
+        maps.append(diff)
+    return np.concatenate(heads, -1) @ w_o.T, np.stack(maps)

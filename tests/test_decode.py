@@ -40,12 +40,12 @@ def test_static_cache_steps_equal_the_full_forward_pass(attention, position, n_k
         model(x[:, :4], cache=cache)
         static = model.new_static_cache(16)
         static.load(cache)
-        buffers = (static.k.data_ptr(), static.nbytes())
+        buffers = (static.k[0].data_ptr(), static.nbytes())
         steps = [model(x[:, t:t + 1], cache=static).logits for t in range(4, T)]
     torch.testing.assert_close(torch.cat(steps, 1), full[:, 4:], atol=2e-5, rtol=0)
     assert int(static.length) == T
     # Nothing was reallocated: a recorded graph would still point at the right memory.
-    assert (static.k.data_ptr(), static.nbytes()) == buffers
+    assert (static.k[0].data_ptr(), static.nbytes()) == buffers
     W = model.config.sliding_window
     assert static.capacity == (n_global + W if W else 16)
 
@@ -167,7 +167,7 @@ def test_the_static_cache_is_kept_for_the_next_call_and_remade_when_the_weights_
     assert torch.equal(first, _draw(model, prompt, "cache")[0])
     model.double()
     assert torch.equal(_draw(model, prompt, "static")[0], _draw(model, prompt, "cache")[0])
-    assert _KEPT_STEPS[model][1] is not kept and _KEPT_STEPS[model][1].k.dtype == torch.float64
+    assert _KEPT_STEPS[model][1] is not kept and _KEPT_STEPS[model][1].k[0].dtype == torch.float64
 
 
 def test_two_generate_calls_at_once_do_not_share_a_static_cache():
@@ -235,8 +235,8 @@ def test_a_kept_static_cache_serves_only_a_call_like_the_one_that_made_it():
     assert same(prompt) is not one                                  # batch 2
     two = same(prompt)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert same(prompt) is not two and _KEPT_STEPS[model][1].k.dtype == torch.bfloat16
-    assert same(prompt) is not None and _KEPT_STEPS[model][1].k.dtype == torch.float32
+        assert same(prompt) is not two and _KEPT_STEPS[model][1].k[0].dtype == torch.bfloat16
+    assert same(prompt) is not None and _KEPT_STEPS[model][1].k[0].dtype == torch.float32
     with torch.inference_mode():
         kept = same(prompt)
     assert same(prompt) is not kept

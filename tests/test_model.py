@@ -502,3 +502,28 @@ def test_a_zero_head_starts_every_logit_at_zero_and_learns_from_there():
     assert model.blocks[0].attn.w_qkv.weight.grad.abs().max() == 0
     with pytest.raises(ModelError, match="tie_embeddings=false"):
         GPT(tiny(zero_head=True))
+
+
+# Loss and logits on a fixed seed, recorded from GPT.forward as it was before its switches
+# (skips, value embeddings, readout kind, soft cap) became modules chosen at construction.
+BEFORE_MODULES = [
+    (dict(), 4.08773946762085, 14.490638841867622),
+    (dict(value_embeds=True, skip_connections=True, n_layer=4, n_kv_head=1), 4.145086765289307,
+     17.2663408368752),
+    (dict(logit_softcap=5.0, tie_embeddings=False), 4.10518217086792, 3.7863971340702847),
+    (dict(readout="adaptive", readout_shortlist=20, tie_embeddings=False), 5.565338611602783,
+     -10521.946892499924),
+    (dict(readout="mlm"), 4.091649055480957, 9.665229066693428),
+]
+
+
+@pytest.mark.parametrize("fields,loss,logit_sum", BEFORE_MODULES)
+def test_the_forward_pass_computes_what_it_did_before_its_switches_became_modules(fields, loss, logit_sum):
+    torch.manual_seed(0)
+    fields = dict(fields)
+    config = ModelConfig(vocab_size=60, n_layer=fields.pop("n_layer", 3), n_head=2, n_embd=32,
+                         block_size=16, **fields)
+    model = GPT(config)
+    x, y = torch.randint(0, 60, (2, 16)), torch.randint(0, 60, (2, 16))
+    assert model(x, y).loss.item() == pytest.approx(loss, rel=1e-5)
+    assert model(x).logits.double().sum().item() == pytest.approx(logit_sum, rel=1e-4, abs=1e-3)

@@ -1,0 +1,117 @@
+"""Differential attention (Ye et al., "Differential Transformer", arXiv:2410.05258).
+
+Each head splits its query and key into two halves of d = d_k/2 and forms two softmax
+maps over the same values; the output is their difference,
+
+    DiffAttn(X) = (softmax(Q₁K₁ᵀ/√d) − λ·softmax(Q₂K₂ᵀ/√d)) · V,
+
+so attention that both maps give to irrelevant context (the common-mode "noise" of a
+softmax, which can never put exactly zero weight anywhere) cancels, as a differential
+amplifier cancels noise common to its two inputs. λ is learned, re-parameterised as
+λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init with λ_init = 0.8 − 0.6·exp(−0.3·(l−1))
+for layer l counted from 1 (the paper's §2.1). Each head's output is normalised on its
+own (RMSNorm per head, the paper's GroupNorm) and scaled by (1 − λ_init), so the
+gradient flows as in a plain Transformer at the start (the paper's §2.2).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.attention import ATTENTION_BACKENDS, eager_attention
+from model.config import ModelConfig
+from model.mask import Mask
+
+
+def lambda_init(layer_idx: int) -> float:
+    """λ_init = 0.8 − 0.6·exp(−0.3·(l−1)), l = layer_idx + 1: deeper layers subtract more."""
+    return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+
+
+def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., d_k) -> two (..., d_k/2): the even and the odd rotation pairs. RoPE turns
+    dimension i with i + d_k/2 ("rotate half"), so each half takes whole pairs, laid out
+    rotate-half again; half 1's frequencies are exactly those of RoPE at d_k/2, half 2's
+    lie between them, and both maps see near and far offsets alike."""
+    pairs = x.unflatten(-1, (2, x.shape[-1] // 4, 2))       # (..., rotate half, pair j, parity)
+    return pairs[..., 0].flatten(-2), pairs[..., 1].flatten(-2)
+
+
+class DifferentialAttention(nn.Module):
+    """n_head differential heads, each with d_k = n_embd / n_head: queries and keys split
+    into two halves of d_k/2, values d_k wide (the paper's 2d). The projections, hook
+    points, cache and backends are multi-head attention's; the maths after them is not."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
+        qkv_out = (self.n_head + 2 * self.n_kv_head) * self.head_dim
+        self.w_qkv = nn.Linear(config.n_embd, qkv_out, bias=config.bias)
+        self.w_o = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.backend = ATTENTION_BACKENDS[config.attention]
+        self.qk_norm, self.dropout = config.qk_norm, config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.lambda_init = lambda_init(layer_idx)
+        # The paper's (1 − λ_init): with it the normalised heads start at the scale of a
+        # plain Transformer's, so its learning rates and initialisation carry over.
+        self.out_scale = 1.0 - self.lambda_init
+        d = self.head_dim // 2
+        # λ's four vectors, drawn from N(0, 0.1²) as in the paper's code: at exactly zero
+        # both exp terms have zero gradient and λ could never move from λ_init.
+        self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (
+            nn.Parameter(torch.empty(d).normal_(0.0, 0.1)) for _ in range(4))
+        self.head_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)   # one per head, shared gains
+        self.hook_q, self.hook_k, self.hook_v = nn.Identity(), nn.Identity(), nn.Identity()
+
+    def lam(self) -> torch.Tensor:
+        """λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init, a scalar for the layer."""
+        return (torch.exp(self.lambda_q1 @ self.lambda_k1) - torch.exp(self.lambda_q2 @ self.lambda_k2)
+                + self.lambda_init)
+
+    def forward(self, x, positions, mask: Mask, cache=None, need_weights: bool = False,
+                value_embed=None):
+        B, T, C = x.shape
+        H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.w_qkv(x).split([H * D, H_kv * D, H_kv * D], dim=-1)
+        q = q.view(B, T, H, D).transpose(1, 2)                       # (B, H, T, D)
+        k = k.view(B, T, H_kv, D).transpose(1, 2)                    # (B, H_kv, T, D)
+        v = v.view(B, T, H_kv, D).transpose(1, 2)                    # (B, H_kv, T, D)
+        if value_embed is not None:
+            v = v + value_embed.view(B, T, H_kv, D).transpose(1, 2)
+        # Positions turn whole pairs, so they go on before the halves are cut.
+        q = positions.rotate_in_pass(q, mask.q_start, mask.shared)
+        k = positions.rotate_in_pass(k, mask.q_start, mask.shared)
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        if cache is not None:                # the same keys and values as plain attention
+            k, v = cache.update(self.layer_idx, k, v)
+        if H_kv != H:
+            k, v = k.repeat_interleave(H // H_kv, dim=1), v.repeat_interleave(H // H_kv, dim=1)
+        (q1, q2), (k1, k2) = halves(q), halves(k)                    # each (B, H, T*, D/2)
+        if self.qk_norm:                     # each half is a query or key of its own
+            q1, q2, k1, k2 = (F.rms_norm(t, (D // 2,)) for t in (q1, q2, k1, k2))
+        y1, y2, weights = self.two_maps(q1, k1, q2, k2, v, mask, need_weights)
+        lam = self.lam().to(y1.dtype)
+        y = y1 - lam * y2                                            # (B, H, T, D)
+        y = self.head_norm(y) * self.out_scale
+        if weights is not None:              # what the heatmaps draw: the difference map
+            weights = weights[0] - lam * weights[1]
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.resid_dropout(self.w_o(y)), weights
+
+    def two_maps(self, q1, k1, q2, k2, v, mask: Mask, need_weights: bool):
+        """softmax(Q₁K₁ᵀ/√d)·V and softmax(Q₂K₂ᵀ/√d)·V through the model's backend (and
+        the two maps when asked for). A backend wants q, k and v of one width, so V's two
+        halves go through as heads of their own: four attentions of d_k/2 in one call."""
+        H = q1.shape[1]
+        va, vb = v.chunk(2, dim=-1)
+        backend = eager_attention if need_weights else self.backend
+        dropout_p = self.dropout if self.training else 0.0
+        y, w = backend(torch.cat([q1, q1, q2, q2], 1), torch.cat([k1, k1, k2, k2], 1),
+                       torch.cat([va, vb, va, vb], 1), mask, dropout_p, need_weights)
+        y1 = torch.cat([y[:, :H], y[:, H:2 * H]], dim=-1)              # (B, H, T, D)
+        y2 = torch.cat([y[:, 2 * H:3 * H], y[:, 3 * H:]], dim=-1)
+        return y1, y2, (None if w is None else (w[:, :H], w[:, 2 * H:3 * H]))

@@ -1,0 +1,95 @@
+"""Attention mechanisms: what a layer computes to let positions read from each other.
+
+A *backend* (model/attention.py: eager, sdpa, banded, flex) computes the same
+softmax(Q·Kᵀ/√d_k)·V faster and is tested equal to the formula. A *mechanism* changes
+the formula itself: plain multi-head attention (with grouped-query and multi-query as
+its n_kv_head < n_head forms), differential attention, and the linear, delta-rule and
+latent answers of issue 53. One config field, model.mechanism, names one, or a
+comma-separated pattern cycled over the layers (a hybrid: `linear,linear,linear,mha`).
+
+Each entry carries the facts the rest of the project asks about it, so a new mechanism
+is its class, its entry and its test: blocks and the encoder-decoder build `layer`,
+model/gpt.py counts `flops` and runs `init`, the decoders keep `cache`, attnlab's
+lens, page and `heads` read `no_weights`, engine/interop.py reads `export_refusal`,
+model/registry.py checks `follows_mask` and `head_multiple`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.nn as nn
+
+from model.attention import MultiHeadAttention
+from model.config import ModelConfig
+from model.differential import DifferentialAttention
+
+
+@dataclass(frozen=True)
+class Cache:
+    """What a mechanism keeps per layer while decoding, so a new token costs one step:
+    numbers that grow with the text (keys and values, a latent) and numbers of a fixed
+    size (a recurrent state). Counts of numbers, not bytes: times the element size."""
+    what: str                                           # in words, for tools and docs
+    per_token: Callable[[ModelConfig], int]             # numbers a layer keeps per token
+    fixed: Callable[[ModelConfig], int] = lambda c: 0   # numbers a layer keeps at any length
+
+
+def keys_and_values(config: ModelConfig) -> int:
+    # One key and one value of d_k per key/value head: n_kv_head < n_head shrinks it (GQA).
+    return 2 * config.kv_heads * config.head_dim
+
+
+def score_flops(config: ModelConfig, context: int) -> float:
+    """Forward FLOPs per token of one layer beyond its weight matrices: Q·Kᵀ and the
+    weighted sum, 2·d_model·T multiply-adds each (PaLM, arXiv:2204.02311, appendix B)."""
+    return 4 * config.n_embd * context
+
+
+def residual_init(module: nn.Module, config: ModelConfig) -> None:
+    """GPT-2: the layer that writes into the residual stream starts scaled by
+    1/√(2·n_layer), so the stream's variance does not grow with depth."""
+    nn.init.normal_(module.w_o.weight, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """An attention mechanism and the facts other code asks about it."""
+    layer: Callable[[ModelConfig, int], nn.Module]   # built as layer(config, layer_idx)
+    cache: Cache                                     # what it keeps per layer to decode
+    no_weights: str | None = None      # why it has no attention weights to draw; None: it has
+    export_refusal: str | None = None  # why no transformers architecture computes it; None:
+                                       # the plain attention of engine/interop.py's architectures
+    flops: Callable[[ModelConfig, int], float] = score_flops   # (config, context T) -> forward
+    init: Callable[[nn.Module, ModelConfig], None] = residual_init   # after the generic init
+    follows_mask: bool = True          # obeys the mask rule: windows, global tokens, padding,
+                                       # both directions (an encoder); else causal over all
+    head_multiple: int = 1             # the head size d_k must be a multiple of this
+    takes_score_bias: bool = True      # adds a position's score bias (ALiBi) head by head
+
+
+MECHANISMS = {
+    "mha": Mechanism(MultiHeadAttention, Cache("keys and values", keys_and_values)),
+    # Two softmax maps subtracted (arXiv:2410.05258): the same keys and values are cached.
+    "differential": Mechanism(
+        DifferentialAttention, Cache("keys and values", keys_and_values),
+        export_refusal="differential attention (two softmax maps subtracted, arXiv:2410.05258) "
+                       "is in no transformers architecture",
+        head_multiple=4, takes_score_bias=False),
+}
+
+
+def layer_names(config: ModelConfig) -> list[str]:
+    """The mechanism of each layer: model.mechanism's names cycled over the layers."""
+    names = [n.strip() for n in config.mechanism.split(",")]
+    return [names[i % len(names)] for i in range(config.n_layer)]
+
+
+def mechanisms_of(config: ModelConfig) -> list[Mechanism]:
+    """Each layer's entry, in order (names checked by model/registry.py first)."""
+    return [MECHANISMS[n] for n in layer_names(config)]
+
+
+def build_layer(config: ModelConfig, layer_idx: int) -> nn.Module:
+    """The attention module of layer `layer_idx`, as model.mechanism says."""
+    return mechanisms_of(config)[layer_idx].layer(config, layer_idx)

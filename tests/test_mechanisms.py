@@ -1,0 +1,318 @@
+"""Attention mechanisms (model/mechanisms.py, model/differential.py): every registered
+mechanism trains, decodes with its own cache exactly as the full pass computes, keeps
+causality and states its facts truly; differential attention equals a float64 NumPy
+reference written from its paper, and the plausible one-line slips fail that check; a
+toy mechanism defined in this file alone trains, generates, is listed and is refused
+where it should be, so a new mechanism is its class, its entry and its test."""
+from dataclasses import fields, replace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from attnlab import capture
+from common.errors import AttnlabError
+from engine import config as run_config
+from engine.interop import ExportError, architecture_for
+from model import GPT, ModelConfig, ModelError, differential
+from model.differential import DifferentialAttention
+from model.mask import Mask
+from model.mechanisms import MECHANISMS, Cache, Mechanism, layer_names
+from model.positions import POSITION_ENCODINGS
+from reference import differential_attention, mask_rule
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(vocab_size=40, n_layer=2, n_head=2, n_embd=32, block_size=24)
+    return ModelConfig(**{**base, **kw})
+
+
+MECHANISM_NAMES = sorted(MECHANISMS)
+
+
+# -- differential attention against its paper ------------------------------------------
+
+def _differential_case(layer_idx=2, n_kv_head=0, causal=True):
+    torch.manual_seed(1)
+    config = tiny(n_embd=32, n_head=2, n_kv_head=n_kv_head, position="none", causal=causal,
+                  mechanism="differential")
+    layer = DifferentialAttention(config, layer_idx).double()
+    with torch.no_grad():                   # gains away from 1, so a missing gain shows
+        layer.head_norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(1, 7, 32, dtype=torch.float64)
+    mask = Mask(q_start=0, q_len=7, k_pos=torch.arange(7), causal=causal)
+    return config, layer, x, mask
+
+
+def _reference_of(config, layer, x, causal=True):
+    visible = mask_rule(range(7), range(7)) if causal else np.ones((7, 7), dtype=bool)
+    lambdas = [p.detach().numpy() for p in (layer.lambda_q1, layer.lambda_k1,
+                                            layer.lambda_q2, layer.lambda_k2)]
+    return differential_attention(x[0].numpy(), layer.w_qkv.weight.detach().numpy(),
+                                  layer.w_o.weight.detach().numpy(), lambdas,
+                                  layer.head_norm.weight.detach().numpy(), layer.layer_idx,
+                                  config.n_head, config.kv_heads, visible, config.norm_eps)
+
+
+def _agrees(layer, config, x, mask, causal=True) -> bool:
+    positions = POSITION_ENCODINGS["none"](config)
+    out, maps = layer(x, positions, mask, need_weights=True)
+    want_out, want_maps = _reference_of(config, layer, x, causal)
+    return (np.allclose(out[0].detach().numpy(), want_out, atol=1e-10)
+            and np.allclose(maps[0].detach().numpy(), want_maps, atol=1e-12))
+
+
+@pytest.mark.parametrize("n_kv_head,causal", [(0, True), (1, True), (0, False)])
+def test_differential_attention_is_the_papers_formula(n_kv_head, causal):
+    config, layer, x, mask = _differential_case(n_kv_head=n_kv_head, causal=causal)
+    assert _agrees(layer, config, x, mask, causal)
+    # The fused path (no weights asked for) gives the same output.
+    positions = POSITION_ENCODINGS["none"](config)
+    fused, _ = layer(x, positions, mask)
+    torch.testing.assert_close(fused[0].detach().numpy(), _reference_of(config, layer, x, causal)[0],
+                               atol=1e-10, rtol=0)
+
+
+def test_lambda_init_follows_the_papers_schedule():
+    # λ_init = 0.8 − 0.6·exp(−0.3·(l−1)) for layer l from 1: 0.2 at the first layer.
+    assert differential.lambda_init(0) == pytest.approx(0.2)
+    assert differential.lambda_init(3) == pytest.approx(0.8 - 0.6 * np.exp(-0.9))
+
+
+def _planted_sign(monkeypatch):
+    true_lam = DifferentialAttention.lam
+    monkeypatch.setattr(DifferentialAttention, "lam", lambda self: -true_lam(self))
+
+
+def _planted_no_subtraction(monkeypatch):
+    monkeypatch.setattr(DifferentialAttention, "lam", lambda self: self.lambda_q1.sum() * 0)
+
+
+def _planted_no_scale(monkeypatch):
+    true_init = DifferentialAttention.__init__
+
+    def unscaled(self, config, layer_idx):
+        true_init(self, config, layer_idx)
+        self.out_scale = 1.0
+    monkeypatch.setattr(DifferentialAttention, "__init__", unscaled)
+
+
+def _planted_one_query_half(monkeypatch):
+    true_halves, calls = differential.halves, []
+
+    def shared(x):                          # the queries (the first call) give half 1 twice
+        calls.append(1)
+        a, b = true_halves(x)
+        return (a, a) if len(calls) % 2 else (a, b)
+    monkeypatch.setattr(differential, "halves", shared)
+
+
+def _planted_layer_from_1(monkeypatch):
+    monkeypatch.setattr(differential, "lambda_init", lambda i: 0.8 - 0.6 * np.exp(-0.3 * (i + 1)))
+
+
+@pytest.mark.parametrize("plant", [_planted_sign, _planted_no_subtraction, _planted_no_scale,
+                                   _planted_one_query_half, _planted_layer_from_1])
+def test_the_reference_check_catches_each_planted_slip(plant, monkeypatch):
+    """The one-line slips a differential attention is likely to be written with: λ added
+    instead of subtracted, the second map not subtracted at all, the (1 − λ_init) scale
+    left out, both maps from one query half, λ_init's layer counted from 0 in the
+    paper's l − 1."""
+    plant(monkeypatch)
+    config, layer, x, mask = _differential_case()
+    assert not _agrees(layer, config, x, mask)
+
+
+def test_the_difference_map_rows_sum_to_one_minus_lambda():
+    """Each softmax row sums to 1, so a row of softmax₁ − λ·softmax₂ sums to 1 − λ:
+    what `heads` draws is the difference map, negative where the second map wins."""
+    torch.manual_seed(0)
+    model = GPT(tiny(mechanism="differential", n_layer=3)).eval()
+    _, maps = capture.attention(model, torch.randint(0, 40, (1, 12)))
+    for block, m in zip(model.blocks, maps):
+        lam = block.attn.lam().item()
+        torch.testing.assert_close(m.sum(-1), torch.full_like(m.sum(-1), 1 - lam), atol=1e-5, rtol=0)
+        assert torch.equal(m.triu(1), torch.zeros_like(m))       # nothing from the future
+
+
+# -- every registered mechanism --------------------------------------------------------
+
+@pytest.mark.parametrize("name", MECHANISM_NAMES)
+@pytest.mark.parametrize("position,window,n_kv_head", [("rope", 0, 0), ("learned", 0, 1),
+                                                       ("rope", 5, 0)])
+def test_cached_decoding_equals_the_full_forward_pass(name, position, window, n_kv_head):
+    if window and not MECHANISMS[name].follows_mask:
+        pytest.skip(f"{name} has no window")
+    torch.manual_seed(0)
+    model = GPT(tiny(mechanism=name, position=position, sliding_window=window,
+                     n_kv_head=n_kv_head)).eval()
+    x = torch.randint(0, 40, (2, 24))
+    full = model(x).logits
+    cache = model.new_cache(24)
+    pieces = [model(x[:, :7], cache=cache).logits, model(x[:, 7:12], cache=cache).logits]
+    pieces += [model(x[:, t:t + 1], cache=cache).logits for t in range(12, 24)]
+    torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", MECHANISM_NAMES)
+@pytest.mark.parametrize("decode", ["cache", "static"])
+def test_generation_with_each_cache_is_greedy_argmax_of_the_full_pass(name, decode):
+    torch.manual_seed(0)
+    model = GPT(tiny(mechanism=name)).eval()
+    prompt = torch.randint(0, 40, (1, 5))
+    tokens = torch.cat(list(model.generate(prompt, 10, top_k=1, decode=decode)), 1)
+    context = prompt
+    for t in range(10):
+        context = torch.cat([context, model(context).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(tokens, context[:, 5:])
+
+
+@pytest.mark.parametrize("name", MECHANISM_NAMES)
+def test_changing_the_future_never_changes_the_past(name):
+    torch.manual_seed(0)
+    model = GPT(tiny(mechanism=name)).eval()
+    x = torch.randint(0, 40, (1, 16))
+    y = x.clone()
+    y[:, 9:] = torch.randint(0, 40, (1, 7))
+    torch.testing.assert_close(model(x).logits[:, :9], model(y).logits[:, :9], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", MECHANISM_NAMES)
+def test_a_tiny_model_learns_one_batch(name):
+    torch.manual_seed(0)
+    model = GPT(tiny(mechanism=name))
+    x = torch.randint(0, 40, (4, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(30):
+        loss = model(x[:, :-1], x[:, 1:]).loss
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.6 * first
+
+
+@pytest.mark.parametrize("name", MECHANISM_NAMES)
+def test_the_cache_holds_what_its_entry_says(name):
+    """Cache.per_token and Cache.fixed are what a cache of N tokens holds, in numbers."""
+    model = GPT(tiny(mechanism=name)).eval()
+    cache = model.new_cache(24)
+    model(torch.zeros(1, 10, dtype=torch.long), cache=cache)
+    facts = MECHANISMS[name].cache
+    numbers = model.config.n_layer * (24 * facts.per_token(model.config) + facts.fixed(model.config))
+    assert cache.nbytes() == 4 * numbers                      # fp32
+
+
+@pytest.mark.parametrize("name", MECHANISM_NAMES)
+def test_export_refuses_in_one_line_what_no_architecture_computes(name):
+    reason = MECHANISMS[name].export_refusal
+    if reason is None:
+        assert architecture_for(tiny(mechanism=name, vocab_size=0)) is not None
+        return
+    with pytest.raises(ExportError) as err:
+        architecture_for(tiny(mechanism=name))
+    assert reason in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_hybrid_pattern_cycles_over_the_layers():
+    config = tiny(n_layer=5, mechanism="differential, mha")
+    assert layer_names(config) == ["differential", "mha", "differential", "mha", "differential"]
+    model = GPT(config)
+    assert [type(b.attn) for b in model.blocks][:2] == [DifferentialAttention,
+                                                       MECHANISMS["mha"].layer]
+    with pytest.raises(ModelError, match=r"unknown model.mechanism 'diferential'.*did you mean 'differential'"):
+        GPT(tiny(mechanism="mha,diferential"))
+
+
+def test_the_flops_count_reads_each_layers_entry(monkeypatch):
+    """PaLM's 12·d·T per layer for plain attention (4·d·T forward, three times for the
+    backward too), taken from each layer's entry: in a hybrid, from each its own."""
+    config = tiny(n_layer=3, mechanism="mha,differential")
+    counted = GPT.skeleton(config).flops_per_token()
+    monkeypatch.setitem(MECHANISMS, "mha", replace(MECHANISMS["mha"], flops=lambda c, T: 0))
+    d, T = config.n_embd, config.block_size
+    assert counted - GPT.skeleton(config).flops_per_token() == 2 * 12 * d * T
+
+
+def test_differential_needs_whole_pairs_per_half():
+    with pytest.raises(ModelError, match="multiple of 4"):
+        GPT(tiny(mechanism="differential", n_embd=36, n_head=6))      # d_k = 6
+    with pytest.raises(ModelError, match="score bias"):
+        GPT(tiny(mechanism="differential", position="alibi"))
+
+
+# -- a new mechanism is its class, its entry and its test ------------------------------
+
+class RunningMean(nn.Module):
+    """A toy mechanism: each position reads the mean of every value up to itself, kept
+    while decoding as a running sum and count, a state of fixed size."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.w_v = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.w_o = nn.Linear(config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x, positions, mask, cache=None, need_weights=False, value_embed=None):
+        B, T, C = x.shape
+        v = self.w_v(x)
+        past = None if cache is None else cache.state(self.layer_idx)       # (B, C + 1)
+        past = v.new_zeros(B, C + 1) if past is None else past
+        sums = past[:, None, :C] + v.cumsum(1)                               # (B, T, C)
+        counts = past[:, None, C:] + torch.arange(1, T + 1, dtype=v.dtype)[:, None]   # (B, T, 1)
+        if cache is not None:
+            cache.keep(self.layer_idx, torch.cat([sums[:, -1], counts[:, -1]], -1))
+        return self.w_o(sums / counts), None
+
+
+TOY = Mechanism(RunningMean, Cache("a running sum and count", lambda c: 0, lambda c: c.n_embd + 1),
+                no_weights="every earlier token weighs the same; there is no map to draw",
+                export_refusal="a running mean is no transformers layer",
+                follows_mask=False)
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    monkeypatch.setitem(MECHANISMS, "running_mean", TOY)
+    return "running_mean"
+
+
+def test_a_mechanism_defined_in_a_test_trains_and_generates_with_its_cache(toy):
+    torch.manual_seed(0)
+    model = GPT(tiny(mechanism=toy))
+    x = torch.randint(0, 40, (2, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(5):
+        loss = model(x[:, :-1], x[:, 1:]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    model.eval()
+    full = model(x).logits
+    cache = model.new_cache(24)
+    steps = [model(x[:, :5], cache=cache).logits] + [model(x[:, t:t + 1], cache=cache).logits
+                                                      for t in range(5, 16)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
+    assert cache.nbytes() == 4 * model.config.n_layer * 2 * (model.config.n_embd + 1)
+    tokens = list(model.generate(x[:, :3], 6, top_k=1, decode="static"))
+    assert len(tokens) == 6
+
+
+def test_a_mechanism_defined_in_a_test_is_listed_and_refused_where_it_should_be(toy):
+    from train import parser
+    model_field = next(f for f in fields(ModelConfig) if f.name == "mechanism")
+    assert toy in run_config.choices_of(model_field)
+    assert toy in " ".join(parser().format_help().split())
+    with pytest.raises(ExportError, match="a running mean is no transformers layer"):
+        architecture_for(tiny(mechanism=toy))
+    model = GPT(tiny(mechanism=toy, n_layer=2))
+    with pytest.raises(AttnlabError, match="no map to draw"):
+        capture.attention(model, torch.zeros(1, 4, dtype=torch.long))
+    assert not any(n.endswith((".pattern", ".q")) for n in capture.names(model))
+    with pytest.raises(ModelError, match="sliding_window"):
+        GPT(tiny(mechanism=toy, sliding_window=4))
