@@ -2,20 +2,15 @@
 
 Read in this order: config.py (the one model configuration: sizes, and variants named
 by strings), mask.py (the one mask rule), attention.py (the formula, its backends and
-multi-head attention; flex.py is its FlexAttention path, cpu_kernels.py its tuning for
-CPUs and precision.py says whether this CPU has native bf16), positions.py (none,
+multi-head attention; flex.py is its FlexAttention path), positions.py (none,
 sinusoidal, learned, RoPE, ALiBi), layers.py (norms, MLP, the residual block),
 readout.py (the output layer, and the adaptive softmax for large vocabularies), gpt.py
 (the whole model and generation from it), cache.py (the KV caches it decodes with),
 sampling.py (logits to tokens), seq2seq.py (an encoder-decoder, through cross-attention);
 registry.py lists every variant and checks a config.
 The folder imports torch and itself only: copy it out and it runs."""
-from model import precision
 from model.config import ModelConfig, ModelError
 from model.gpt import GPT, KVCache, Output
 from model.registry import REGISTRIES
-
-# Before anything is compiled: one compile cache per ATEN_CPU_CAPABILITY (precision.py).
-precision.separate_compile_cache()
 
 __all__ = ["GPT", "KVCache", "ModelConfig", "ModelError", "Output", "REGISTRIES"]
