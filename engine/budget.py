@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.errors import ConfigError
-from engine import machine
+from engine.machine import HELD, fix_threads, other_cores, pick_dtype, read_machine
 from model.readout import READOUTS, SHORTLIST_COVERAGE, head_macs, shortlist_for
 
 # Chinchilla's compute-optimal ratio is about 20 (Hoffmann et al., arXiv:2203.15556),
@@ -279,7 +279,7 @@ def measure(cfg, device, dtype, seconds: float, batch=None, counts=None) -> floa
     return steps / (time.perf_counter() - start)
 
 
-def probe_again_if_busy(probe, log, read=machine.read_machine, cores: int | None = None):
+def probe_again_if_busy(probe, log, read=read_machine, cores: int | None = None):
     """probe()'s (steps/s, FLOP/s), taken a second time where other programs held a core
     while it ran, and the faster kept: the size it chooses is for the whole run, and a
     burst of load (a browser tab, a build finishing) would choose a smaller model than
@@ -290,8 +290,8 @@ def probe_again_if_busy(probe, log, read=machine.read_machine, cores: int | None
     for _ in range(2):
         before = read()
         results.append(probe())
-        other = machine.other_cores(before, read(), cores)
-        if other is None or other < machine.HELD:
+        other = other_cores(before, read(), cores)
+        if other is None or other < HELD:
             break
     else:
         log(f"budget: other programs held {other:.1f} of {cores} cores while this machine was "
@@ -313,7 +313,7 @@ def plan(cfg, budget_s: float, started: float, log=print,
     given = given or {}
     data_cfg, train_cfg = cfg.data, cfg.train
     device = pick_device(train_cfg.device)
-    machine.fix_threads(train_cfg, say=lambda line: None)    # the run's count, said at set-up
+    fix_threads(train_cfg, say=lambda line: None)    # the run's count, said at set-up
     take_plan_defaults(cfg, device, given, log)
     data = load_tokens(data_cfg.path, data_cfg.tokenizer, data_cfg.vocab_size, data_cfg.val_fraction, data_cfg.cache_dir, log=log)
     cfg.model.vocab_size = data.tokenizer.vocab_size
@@ -328,7 +328,7 @@ def plan(cfg, budget_s: float, started: float, log=print,
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * cfg.model.block_size
 
     def step_rate(model_cfg) -> tuple[float, float]:
-        dtype = machine.pick_dtype(train_cfg.dtype, device, model_cfg.n_embd)
+        dtype = pick_dtype(train_cfg.dtype, device, model_cfg.n_embd)
         rate = measure(replace(cfg, model=model_cfg), device, dtype, probe_s, batch, counts)
         from model import GPT
         return rate, rate * tokens_per_step * GPT.skeleton(model_cfg).flops_per_token()
@@ -343,7 +343,7 @@ def plan(cfg, budget_s: float, started: float, log=print,
                           "trains a model worth sampling)")
     pick = choose_size(cfg, device, flops_per_s, train_s, budget_s, log)
     if train_cfg.dtype == "auto":            # the kind's precision, recorded with the plan
-        train_cfg.dtype = dtype_name(machine.pick_dtype("auto", device, cfg.model.n_embd))
+        train_cfg.dtype = dtype_name(pick_dtype("auto", device, cfg.model.n_embd))
     # Small models run below the FLOP/s the probe found: time the chosen one itself.
     steps_per_s = step_rate(cfg.model)[0]
     schedule(cfg, len(data.train), len(data.val), pick, steps_per_s,

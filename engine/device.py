@@ -12,7 +12,7 @@ import torch
 
 from common.errors import ConfigError
 from common.files import read_json, write_json_atomic
-from engine.machine import DTYPES, compute_dtype, other_cores, pick_dtype, read_machine
+from engine.machine import DTYPES, other_cores, pick_dtype, read_machine
 
 __all__ = ["DTYPES", "pick_dtype"]      # kept here too: decided in engine/machine.py
 
@@ -39,15 +39,6 @@ def pick_device(name: str = "auto") -> torch.device:
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("device mps asked for, but this torch has no MPS support; use auto or cpu")
     return device
-
-
-def precision_note(device: torch.device, dtype: torch.dtype, option: str = "train.dtype") -> str:
-    """A warning where bf16 was asked for (by `option`) on a CPU that would emulate it,
-    the same words for training's set-up line and sample.py's; empty otherwise."""
-    if device.type == "cpu" and compute_dtype(dtype) != dtype:
-        return (" (emulated: this CPU has no native bf16, so its bf16 matmuls run many times "
-                f"slower than fp32; {option}=auto uses float32 here)")
-    return ""
 
 
 def autocast(device: torch.device, dtype: torch.dtype):

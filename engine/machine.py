@@ -130,7 +130,7 @@ def pick_dtype(name: str, device: torch.device, n_embd: int = 0,
     """The autocast precision (for `decoding`, the precision weights are held in to
     sample). auto: bf16 on GPUs that have it (fp16 on older ones); on a CPU, what its
     kind's entry says for this width; fp32 on MPS. A precision named is kept, even bf16
-    where it is emulated (to study its rounding: precision_note says what it costs)."""
+    where it is emulated (to study its rounding: why_dtype says what it costs)."""
     if name != "auto":
         dtype = DTYPES[name]
         if dtype == torch.float16 and device.type == "cpu":
@@ -154,8 +154,9 @@ def why_dtype(device: torch.device, dtype: torch.dtype, name: str, n_embd: int,
         return "" if name == "auto" else f" ({option}={name})"
     if name != "auto":
         emulated = compute_dtype(dtype) != dtype
-        return (f" ({option}={name}" + ("; emulated: this CPU has no native bf16, so its "
-                "bf16 matmuls run many times slower than fp32" if emulated else "") + ")")
+        return (f" ({option}={name}" + ("; emulated: this CPU has no native bf16, so its bf16 "
+                f"matmuls run many times slower than fp32; {option}=auto uses float32 here"
+                if emulated else "") + ")")
     kind = cpu_kind()
     start = kind.train_bf16_from if option == "train.dtype" else kind.decode_bf16_from
     rule = f"bf16 from {start} wide" if start is not None else "never bf16"
@@ -248,7 +249,9 @@ def attention_kernel(model_cfg, device: torch.device, dtype: torch.dtype) -> Cal
 
 def fit_attention(model, model_cfg, device: torch.device, dtype: torch.dtype) -> str:
     """Hand the model the attention kernel for this machine where its config says `auto`
-    (a backend named is kept as it is); returns the kernel's name for the device line."""
+    (a backend named is kept as it is); returns the kernel's name for the device line.
+    FlexAttention compiles when first called, so its cache folder is set here too."""
+    compile_cache_folder()
     if ATTENTION_BACKENDS.get(model_cfg.attention) is not ATTENTION_BACKENDS["auto"]:
         return model_cfg.attention
     kernel = attention_kernel(model_cfg, device, dtype)
