@@ -197,8 +197,9 @@ CPU_MATMUL_MAX_SCORES = 512 * 1024
 # elements of K, fp32 copies through torch's kernel are faster (the same section).
 CPU_FP32_MAX_DECODE_KEYS = 2 ** 18
 # Banded attention pays once the band (2·W keys per block of W queries) is a small share
-# of the T keys a masked dense kernel reads: at context 128 with a window of 32 the band
-# trained 2.4x slower per step than the dense path (docs/benchmarks.md, "The machine room").
+# of the T keys a masked dense kernel reads; at T = 4·W (context 128, a window of 32, the
+# README's example) the dense path was faster, in fp32 and far more in bf16
+# (docs/benchmarks.md, "The machine room (2026-12-05)").
 BAND_PAYS_FROM = 16                 # T / W
 
 
