@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import sys
 
-from common.cpu import refuse_unrunnable_capability
+from common.cpu import refuse_unrunnable_capability, wait_passively_if_busy
 from common.errors import interrupt_at_start
 from common.shell import word
-from common.threads import report as report_threads, wait_passively
 
 refuse_unrunnable_capability()      # before torch loads, which would die of it: common/cpu.py
-wait_passively()                    # before torch loads: see common/threads.py
+WAITING = wait_passively_if_busy()  # before torch loads, which reads it once: common/cpu.py
 with interrupt_at_start():          # torch loads here
     from attnlab.options import add_run_options, find_run
     from engine.cli import Parser, add_config_options, errors_as_lines
@@ -43,13 +42,11 @@ def main(argv: list[str]) -> int:
     from attnlab.exercises import plug
     plug.install()                        # `yours`: the learner's code, as a registry entry
     args = parser().parse_args(argv)
-    from dataclasses import replace
-    from engine.cli import apply_overrides, overrides_of
-    from common.errors import ConfigError
-    from engine.config import RunConfig, apply
-    from engine.device import dtype_name, pick_device, pick_dtype, precision_note
+    from engine.cli import apply_overrides
+    from engine.config import RunConfig
+    from engine.device import pick_device
+    from engine.machine import pick_dtype
     from engine.inference import StepExplainer, encode_prompt, load_run, pick_decode, stream_text
-    from engine.run import mixing
 
     apply_overrides(RunConfig(), args)            # a bad option fails before any loading
     device = pick_device(args.device)
@@ -62,29 +59,16 @@ def main(argv: list[str]) -> int:
     model, cfg, tokenizer, ckpt = load_run(run, args.checkpoint, device,
                                            before_build=bind_yours,
                                            log=lambda line: print(line, file=sys.stderr))
-    # The run's own sampling settings, with what the command line gives on top.
-    settings = RunConfig(sample=replace(cfg.sample))
-    for section, values in overrides_of(args).items():
-        apply(settings, section, values, "the command line")
-    settings.validate()
-    s = settings.sample
-    if s.sinks >= cfg.model.block_size:        # the run's context, which validate() does not know
-        raise ConfigError(f"sample.sinks={s.sinks} keeps more tokens than the model's context of "
-                          f"{cfg.model.block_size}; give at most {cfg.model.block_size - 1} "
-                          "(StreamingLLM keeps 4)")
+    s = sample_settings(cfg, args)
     dtype = pick_dtype(s.dtype, device, cfg.model.n_embd, decoding=True)
     model = model.to(dtype)
     refuse_what_cannot_write(cfg, run)
     model.check_generates()          # an encoder is refused before anything is printed
-    report_threads()
+    if WAITING:                       # said once work starts, not before an error line
+        print(WAITING, file=sys.stderr)
     prompt_ids = encode_prompt(tokenizer, s.prompt)
     decode = pick_decode(s.decode, device) if s.use_cache else "full"
-    print(f"[{ckpt}: {cfg.model.position} positions{mixing(cfg.model)}, "
-          f"{model.num_params() / 1e6:.2f}M parameters, "
-          f"{dtype_name(dtype)} weights{precision_note(device, dtype, 'sample.dtype')}, "
-          f"decode {decode}; "
-          f"temperature {s.temperature}, top-k {s.top_k}, top-p {s.top_p}, seed {s.seed}]",
-          file=sys.stderr)
+    print(header(ckpt, model, cfg, s, device, dtype, decode), file=sys.stderr)
     for n in range(s.num_samples):
         if s.num_samples > 1:
             print(f"\n--- sample {n + 1} ---", flush=True)
@@ -104,6 +88,38 @@ def main(argv: list[str]) -> int:
                 sys.stdout.flush()
         sys.stdout.write("\n")
     return 0
+
+
+def sample_settings(cfg, args):
+    """The run's own sampling settings, with what the command line gives on top."""
+    from dataclasses import replace
+    from common.errors import ConfigError
+    from engine.cli import overrides_of
+    from engine.config import RunConfig, apply
+    settings = RunConfig(sample=replace(cfg.sample))
+    for section, values in overrides_of(args).items():
+        apply(settings, section, values, "the command line")
+    settings.validate()
+    s = settings.sample
+    if s.sinks >= cfg.model.block_size:        # the run's context, which validate() does not know
+        raise ConfigError(f"sample.sinks={s.sinks} keeps more tokens than the model's context of "
+                          f"{cfg.model.block_size}; give at most {cfg.model.block_size - 1} "
+                          "(StreamingLLM keeps 4)")
+    return s
+
+
+def header(ckpt, model, cfg, s, device, dtype, decode: str) -> str:
+    """The line before the text: what samples, in what precision and why, and how. The
+    attention kernel that pays on this machine is handed to the model here."""
+    from engine.device import dtype_name
+    from engine.machine import fit_attention, why_dtype
+    from engine.run import mixing
+    kernel = fit_attention(model, cfg.model, device, dtype)
+    why = why_dtype(device, dtype, s.dtype, cfg.model.n_embd, "sample.dtype")
+    return (f"[{ckpt}: {cfg.model.position} positions{mixing(cfg.model)}, "
+            f"{model.num_params() / 1e6:.2f}M parameters, {dtype_name(dtype)} weights{why}, "
+            f"attention {kernel}, decode {decode}; temperature {s.temperature}, "
+            f"top-k {s.top_k}, top-p {s.top_p}, seed {s.seed}]")
 
 
 def refuse_what_cannot_write(cfg, run) -> None:

@@ -18,13 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-from common.cpu import refuse_unrunnable_capability
+from common.cpu import refuse_unrunnable_capability, wait_passively_if_busy
 from common.errors import interrupt_at_start
 from common.shell import options, word
-from common.threads import apply_start, report as report_threads, start_on_free_cores
 
 refuse_unrunnable_capability()      # before torch loads, which would die of it: common/cpu.py
-start_on_free_cores()               # before torch loads: see common/threads.py
+WAITING = wait_passively_if_busy()  # before torch loads, which reads it once: common/cpu.py
 with interrupt_at_start():          # torch loads here
     from engine.cli import Parser, add_config_options, errors_as_lines
 
@@ -60,71 +59,28 @@ def main(argv: list[str]) -> int:
     from attnlab.exercises import plug
     plug.install()                        # `yours`: the learner's code, as a registry entry
     args = parser().parse_args(budget_joined(argv))
-    from common.errors import ConfigError
-    from engine import config, distributed
-    from engine.cli import apply_overrides, overrides_of
+    from engine import distributed
     from engine.config import describe
     from engine.loop import train
-    from engine.run import (adopt_source, nothing_to_train, resume_changes, resume_config,
-                            setup_run, stopped_line)
-    import torch
-    apply_start(torch.get_num_threads, torch.set_num_threads)
+    from engine.run import setup_run, stopped_line
 
-    resuming, source, changes = args.resume is not None, None, []
-    out_dir = overrides_of(args).get("train", {}).get("out_dir", "runs")
-    if args.preset == "":
-        raise ConfigError("--config needs a preset name or a .toml path (see configs/)")
-    if resuming and args.preset is not None:  # else silently dropped: the checkpoint's config rules
-        # The run meant is found first: one that is not there is said as such, and the
-        # way on names the run, or the checkpoint given, found.
-        _, run_dir, ckpt = resume_config(args.resume, out_dir, {})
-        weights = ckpt if args.resume and (Path(args.resume) / "state.json").is_file() else run_dir
-        raise ConfigError(f"--config {args.preset} chooses a new run's preset, and a resumed run "
-                          "keeps the config it was trained with; resume with only the options "
-                          "to change (e.g. --train.max_iters=N), or start a new run from its "
-                          f"weights: python train.py --config {word(args.preset)} "
-                          f"{' '.join([word(f'--train.init_from={weights}'), *options(overrides_of(args))])}")
-    if args.budget is not None and resuming:
-        raise ConfigError("--budget plans a new run, and a resumed run keeps its model; to "
-                          "stop it on time give --train.time_limit=SECONDS instead (the "
-                          "seconds trained in all, counted over resumes)")
-    if args.budget is not None and distributed.world_size() > 1:
-        raise ConfigError("--budget plans a single-process run from a measure of this "
-                          "machine; under torchrun give the model and train.max_iters "
-                          "yourself (python train.py --help lists them)")
-    if args.budget is not None:               # refused before any work where it cannot plan
-        from engine.budget import budget_seconds, plan
-        budget_s = budget_seconds(args.budget, overrides_of(args))
-    if resuming:
-        cfg, run_dir, resuming = resume_config(args.resume, out_dir, overrides_of(args))
-        finished = nothing_to_train(cfg, resuming, args.resume or str(resuming.parent.parent),
-                                    overrides_of(args))
-        if finished:                      # said before set-up, which would rewrite its files
-            print(finished)
-            return 0
-        changes = resume_changes(cfg, resuming)
-    else:
-        cfg, run_dir = config.RunConfig(), None
-        config.load_preset(cfg, args.preset or default_preset(args))
-        apply_overrides(cfg, args)
-        if cfg.train.init_from:
-            if args.budget is not None:
-                raise ConfigError("--budget picks a model size, and --train.init_from brings "
-                                  "its own model; use one or the other")
-            source = adopt_source(cfg, overrides_of(args).get("model", {}),
-                                  overrides_of(args).get("train", {}),
-                                  overrides_of(args).get("data", {}))
-        if args.budget is not None:
-            cfg = plan(cfg, budget_s, started, given=overrides_of(args))
+    # --- the run's config: a resumed run's own, or a preset with the options on top ---
+    refuse_clashes(args)
+    found = resumed_config(args) if args.resume is not None else new_config(args, started)
+    if isinstance(found, str):            # said before set-up, which would rewrite its files
+        print(found)
+        return 0
+    cfg, run_dir, resuming, source, changes = found
     # --exercises, else the folder recorded by the run of the checkpoint resumed (or the
     # run started from); a resume may branch into a new run, which has no record yet.
     exercises = plug.folder_for(args.exercises, resuming or cfg.train.init_from or None)
     for note in plug.prepare(cfg.model, exercises):
         print(note)
+
+    # --- set up (threads, device, precision, data, model) and train ---
     dist = distributed.setup()
     try:
-        run = setup_run(cfg, run_dir=run_dir, resume=resuming, dist=dist,
-                        source=source)
+        run = setup_run(cfg, run_dir=run_dir, resume=resuming, dist=dist, source=source)
         # Said only now that the checkpoint has loaded and config.json holds the changes:
         # a checkpoint refused above leaves the run as it was.
         if changes and dist.is_main:
@@ -133,11 +89,11 @@ def main(argv: list[str]) -> int:
         try:
             if dist.is_main:
                 plug.remember(cfg.model, run.run_dir, exercises)
-                report_threads()
-            run.log(f"config:\n{describe(cfg)}")
-            run.log(run.describe_setup())
-            run.log(run.summary())
-            run.log(f"run directory: {run.run_dir}")
+                if WAITING:                       # said once work starts, not before an error line
+                    print(WAITING, file=sys.stderr)
+            for line in (f"config:\n{describe(cfg)}", run.describe_setup(), run.summary(),
+                         f"run directory: {run.run_dir}"):
+                run.log(line)
             result = train(run)
         except KeyboardInterrupt as err:      # before the loop's own handler: name the run
             if err.args:
@@ -145,8 +101,77 @@ def main(argv: list[str]) -> int:
             raise KeyboardInterrupt(stopped_line(run, "stopped")) from None
     finally:
         distributed.cleanup(dist)
-    if not dist.is_main:
-        return 0
+    return finished(run, result) if dist.is_main else 0
+
+
+def refuse_clashes(args) -> None:
+    """Options that cannot go together, refused before any work."""
+    from common.errors import ConfigError
+    from engine import distributed
+    from engine.cli import overrides_of
+    from engine.run import resume_config
+    if args.preset == "":
+        raise ConfigError("--config needs a preset name or a .toml path (see configs/)")
+    if args.resume is not None and args.preset is not None:  # else silently dropped
+        # The run meant is found first: one that is not there is said as such, and the
+        # way on names the run, or the checkpoint given, found.
+        out_dir = overrides_of(args).get("train", {}).get("out_dir", "runs")
+        _, run_dir, ckpt = resume_config(args.resume, out_dir, {})
+        weights = ckpt if args.resume and (Path(args.resume) / "state.json").is_file() else run_dir
+        raise ConfigError(f"--config {args.preset} chooses a new run's preset, and a resumed run "
+                          "keeps the config it was trained with; resume with only the options "
+                          "to change (e.g. --train.max_iters=N), or start a new run from its "
+                          f"weights: python train.py --config {word(args.preset)} "
+                          f"{' '.join([word(f'--train.init_from={weights}'), *options(overrides_of(args))])}")
+    if args.budget is not None and args.resume is not None:
+        raise ConfigError("--budget plans a new run, and a resumed run keeps its model; to "
+                          "stop it on time give --train.time_limit=SECONDS instead (the "
+                          "seconds trained in all, counted over resumes)")
+    if args.budget is not None and distributed.world_size() > 1:
+        raise ConfigError("--budget plans a single-process run from a measure of this "
+                          "machine; under torchrun give the model and train.max_iters "
+                          "yourself (python train.py --help lists them)")
+
+
+def resumed_config(args):
+    """(cfg, run_dir, checkpoint, None, changes) of the run to go on with, its config as
+    recorded (train.threads included) with the options given on top; or the line that
+    says it has nothing left to train."""
+    from engine.cli import overrides_of
+    from engine.run import nothing_to_train, resume_changes, resume_config
+    out_dir = overrides_of(args).get("train", {}).get("out_dir", "runs")
+    cfg, run_dir, ckpt = resume_config(args.resume, out_dir, overrides_of(args))
+    done = nothing_to_train(cfg, ckpt, args.resume or str(ckpt.parent.parent), overrides_of(args))
+    return done or (cfg, run_dir, ckpt, None, resume_changes(cfg, ckpt))
+
+
+def new_config(args, started: float):
+    """(cfg, None, False, source, []) of a new run: the preset, the options, and with
+    --budget the plan (written into the config, so the run is as reproducible as any)."""
+    from engine import config
+    from engine.cli import apply_overrides, overrides_of
+    from engine.run import adopt_source
+    if args.budget is not None:               # refused before any work where it cannot plan
+        from engine.budget import budget_seconds, plan
+        budget_s = budget_seconds(args.budget, overrides_of(args))
+    cfg, source = config.RunConfig(), None
+    config.load_preset(cfg, args.preset or default_preset(args))
+    apply_overrides(cfg, args)
+    if cfg.train.init_from and args.budget is not None:
+        from common.errors import ConfigError
+        raise ConfigError("--budget picks a model size, and --train.init_from brings "
+                          "its own model; use one or the other")
+    if cfg.train.init_from:
+        given = overrides_of(args)
+        source = adopt_source(cfg, given.get("model", {}), given.get("train", {}),
+                              given.get("data", {}))
+    if args.budget is not None:
+        cfg = plan(cfg, budget_s, started, given=overrides_of(args))
+    return cfg, None, False, source, []
+
+
+def finished(run, result: dict) -> int:
+    """The last line and the exit status."""
     if result.get("interrupted"):
         # The shell's convention, 128 + the signal: 130 for Ctrl-C, 143 for a SIGTERM
         # (a scheduler's or a CI's stop), so a caller can tell the two apart.

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.device import autocast, pick_device, synchronize  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
-from model.precision import cpu_has_native_bf16  # noqa: E402
+from engine.machine import native_bf16 as cpu_has_native_bf16  # noqa: E402
 
 SIZES = {  # name: (n_layer, n_head, n_embd, block_size, batch_size, extra config)
     "cpu": (4, 4, 128, 64, 32, {}),

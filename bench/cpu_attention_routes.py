@@ -1,6 +1,7 @@
-"""The three ways model/cpu_kernels.py can compute attention on a CPU in bf16, timed side
-by side: two bf16 matmuls (the "matmul" route), torch's kernel on fp32 copies ("fp32")
-and torch's kernel in bf16 ("fused"), forward + backward, and one-query decoding steps.
+"""The ways engine/machine.py can compute attention on a CPU in bf16, timed side by side:
+the formula as two bf16 matmuls (`two_matmuls`), torch's kernel on fp32 copies
+(`fp32_copies`), torch's kernel in bf16 (`sdpa`) and the formula as written
+(`eager_attention`, in bf16), forward + backward, and one-query decoding steps.
 
     python bench/cpu_attention_routes.py                 # the shapes behind the thresholds
     python bench/cpu_attention_routes.py --repeats 5 --shapes 16,3,128,32
@@ -8,13 +9,13 @@ and torch's kernel in bf16 ("fused"), forward + backward, and one-query decoding
 
 A kernel timed alone can mislead (its inputs hot in cache, no casts around it), so
 `--steps` also times training steps of the --budget rungs and presets under bf16
-autocast with the training route held to each of matmul and fp32, and in fp32 as the
-reference, the three interleaved round by round.
+autocast with each kernel handed to the model (model.attention.use_attention_kernel),
+and in fp32 as the reference, interleaved round by round.
 
-The thresholds in model/cpu_kernels.py (CPU_MATMUL_MAX_SCORES, CPU_FP32_MAX_DECODE_KEYS,
-CPU_FP32_MAX_QUERIES) come from these figures on a CPU with native bf16; docs/benchmarks.md
-("CPU attention routes") has them with their machine and date. On a CPU without native
-bf16 (AVX2) every bf16 column is emulated and the fp32 route is taken at any length.
+The thresholds in engine/machine.py (CPU_MATMUL_MAX_SCORES, CPU_FP32_MAX_DECODE_KEYS)
+come from these figures on a CPU with native bf16; docs/benchmarks.md has them with
+their machine and date. On a CPU without native bf16 (AVX2) every bf16 column is
+emulated and the fp32 copies are taken at any length.
 """
 from __future__ import annotations
 
@@ -29,15 +30,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from model.cpu_kernels import matmul_sdpa  # noqa: E402
-from model.precision import cpu_has_native_bf16  # noqa: E402
+from engine.machine import fp32_copies, native_bf16, two_matmuls  # noqa: E402
+from model.attention import eager_attention, sdpa_attention  # noqa: E402
+from model.mask import Mask  # noqa: E402
 
-ROUTES = {
-    "matmul": lambda q, k, v, **kw: matmul_sdpa(q, k, v, **kw),
-    "fp32": lambda q, k, v, **kw: F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
-                                                                 **kw).bfloat16(),
-    "fused": lambda q, k, v, **kw: F.scaled_dot_product_attention(q, k, v, **kw),
-}
+ROUTES = {"two_matmuls": two_matmuls, "fp32_copies": fp32_copies, "sdpa": sdpa_attention,
+          "eager": eager_attention}
 # (batch, heads, queries, keys, d_k): training shapes, then decoding steps over a cache
 TRAINING = [(16, 3, 128, 128, 32), (64, 6, 256, 256, 64), (8, 6, 512, 512, 64), (8, 6, 1024, 1024, 64)]
 DECODING = [(1, 6, 1, 256, 64), (1, 6, 1, 1024, 64), (1, 12, 1, 512, 64), (8, 12, 1, 1024, 64)]
@@ -60,10 +58,10 @@ def time_route(route, shape, repeats):
     q = torch.randn(B, H, Tq, D, generator=g).bfloat16().requires_grad_(backward)
     k, v = (torch.randn(B, H, Tk, D, generator=g).bfloat16().requires_grad_(backward)
             for _ in range(2))
-    kw = dict(is_causal=True) if Tq == Tk else {}
+    mask = Mask.over(Tk - Tq, Tq, Tk)
 
     def call():
-        out = ROUTES[route](q, k, v, **kw)
+        out = ROUTES[route](q, k, v, mask)[0]
         if backward:
             out.sum().backward()
 
@@ -77,19 +75,19 @@ STEP_SHAPES = [(3, 64, 64, 32), (3, 96, 128, 16), (4, 128, 128, 16)]
 
 def step_times(shapes, rounds: int = 3, steps: int = 20) -> None:
     """ms a training step (Muon, the cpu preset's optimizer) for each shape: bf16
-    autocast with the training route held to matmul, then to fp32, and fp32 throughout."""
+    autocast with each kernel handed to the model, and fp32 throughout."""
     from dataclasses import replace
-    import model.cpu_kernels as kernels
     from engine import cli
     from engine.budget import sized
     from engine.device import autocast
     from engine.optim import configure_optimizer
     from model import GPT
-    natural = kernels.cpu_route
+    from model.attention import use_attention_kernel
     cpu = torch.device("cpu")
+    kernels = [(name, fn, torch.bfloat16) for name, fn in ROUTES.items()] + [("fp32", sdpa_attention, torch.float32)]
     print(f"\ntraining steps, ms (best of {rounds} rounds of {steps}, interleaved):")
-    print("| layers x width, context, batch | bf16, matmul route | bf16, fp32 route | fp32 |")
-    print("|---|---|---|---|")
+    print("| layers x width, context, batch | " + " | ".join(n for n, _, _ in kernels) + " |")
+    print("|---|" + "---|" * len(kernels))
     for L, W, T, B in shapes:
         cfg = cli.build("cpu", [])
         cfg.model = sized(replace(cfg.model, vocab_size=65, block_size=T), L, W)
@@ -97,18 +95,15 @@ def step_times(shapes, rounds: int = 3, steps: int = 20) -> None:
         g = torch.Generator().manual_seed(0)
         x, y = (torch.randint(0, 65, (B, T), generator=g) for _ in range(2))
         runs = {}
-        for name, route, dtype in (("matmul", "matmul", torch.bfloat16),
-                                   ("fp32 route", "fp32", torch.bfloat16), ("fp32", None, torch.float32)):
+        for name, kernel, dtype in kernels:
             torch.manual_seed(0)
             model = GPT(cfg.model)
-            runs[name] = (model, configure_optimizer(model, cfg.train, cpu), route, dtype)
+            use_attention_kernel(model, kernel)
+            runs[name] = (model, configure_optimizer(model, cfg.train, cpu), dtype)
         best = dict.fromkeys(runs, float("inf"))
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         for r in range(rounds + 1):                      # round 0 warms up
-            for name, (model, opt, route, dtype) in runs.items():
-                kernels.cpu_route = (natural if route is None else
-                                     lambda q, k, route=route: route if q.shape[-2] > 1 and q.dtype == torch.bfloat16
-                                     else natural(q, k))
+            for name, (model, opt, dtype) in runs.items():
                 start = time.perf_counter()
                 for _ in range(steps):
                     with autocast(cpu, dtype):
@@ -118,7 +113,6 @@ def step_times(shapes, rounds: int = 3, steps: int = 20) -> None:
                     opt.zero_grad()
                 if r:
                     best[name] = min(best[name], (time.perf_counter() - start) / steps)
-        kernels.cpu_route = natural
         print(f"| {L} x {W}, {T}, {B} | " + " | ".join(f"{best[n] * 1e3:.1f}" for n in runs) + " |")
 
 
@@ -135,11 +129,11 @@ def main():
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
         shapes = [(s[0], s[1], s[2], s[2], s[3]) if len(s) == 4 else s for s in shapes]
-    print(f"torch {torch.__version__}, native bf16: {cpu_has_native_bf16()}, "
+    print(f"torch {torch.__version__}, native bf16: {native_bf16()}, "
           f"{torch.get_num_threads()} threads; best of {args.repeats}, forward + backward "
           "(decoding steps: forward)")
-    print("| B, H, queries, keys, d_k | matmul | fp32 kernel | bf16 kernel |")
-    print("|---|---|---|---|")
+    print("| B, H, queries, keys, d_k | " + " | ".join(ROUTES) + " |")
+    print("|---|" + "---|" * len(ROUTES))
     for shape in shapes:
         unit, scale = ("us", 1e6) if shape[2] == 1 else ("ms", 1e3)
         cells = [f"{time_route(r, shape, args.repeats) * scale:.1f} {unit}" for r in ROUTES]

@@ -68,7 +68,7 @@ def best_ms(fn, repeats: int, min_s: float = 0.3) -> float:
 def figure(name: str, repeats: int) -> dict:
     import torch
     from engine.device import pick_dtype, probe_cpu_flops
-    from model.precision import cpu_has_native_bf16
+    from engine.machine import native_bf16 as cpu_has_native_bf16
     cpu = torch.device("cpu")
     if name == "capability":
         from engine.optim import newton_schulz_dtype
@@ -157,9 +157,9 @@ def figure(name: str, repeats: int) -> dict:
 
 def in_kind(kind: str, args: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
     """Run under the kind's settings, with torch's threads waiting as train.py has them."""
-    from common.threads import wait_passively
+    from common.cpu import wait_passively_if_busy
     env = {**os.environ, **KINDS[kind], "WANDB_MODE": "disabled", **(env_extra or {})}
-    wait_passively(env)
+    wait_passively_if_busy(env)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True)
 
 
@@ -210,8 +210,8 @@ def main():
     if args.figure:
         print(json.dumps(figure(args.figure, args.repeats)))
         return
-    from common.threads import wait_passively
-    wait_passively()                    # on a busy machine nanoGPT's runs and ours wait alike
+    from common.cpu import wait_passively_if_busy
+    wait_passively_if_busy()            # on a busy machine nanoGPT's runs and ours wait alike
     import platform
     import torch
     from common.cpu import vector_flags

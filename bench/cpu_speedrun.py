@@ -99,9 +99,9 @@ def main():
     args = parser.parse_args()
     # On a busy machine nanoGPT's process, which nothing watches, waits asleep, and so do
     # our runs started from here (they inherit the setting): both wait alike
-    # (common/threads.py).
-    from common.threads import wait_passively
-    wait_passively()
+    # (common/cpu.py).
+    from common.cpu import wait_passively_if_busy
+    wait_passively_if_busy()
     nano = None
     if args.nanogpt:
         args.nanogpt_log = Path("bench/out/nanogpt_cpu.log")

@@ -1,11 +1,22 @@
-"""Whether this CPU can run the kernels ATEN_CPU_CAPABILITY asks torch for, checked before
-torch loads. Asked for by name, torch takes the setting without a look at the CPU, and
-the first kernel the CPU lacks kills the process (SIGILL, exit status 132) with nothing
-said, so the scripts refuse it first with one line."""
+"""What the scripts settle about the CPU before torch loads, and so without torch.
+
+Whether this CPU can run the kernels ATEN_CPU_CAPABILITY asks torch for: asked for by
+name, torch takes the setting without a look at the CPU, and the first kernel the CPU
+lacks kills the process (SIGILL, exit status 132) with nothing said, so the scripts
+refuse it first with one line.
+
+How torch's OpenMP threads wait, which OpenMP reads once, when torch loads: by default
+they spin a while at the end of each parallel piece of work, which makes a small model's
+many short operations fast on a quiet machine; where other programs hold a core, the
+thread they wait for may not be running and the spinning takes its core, and a step
+costs several times more (docs/benchmarks.md, "Threads on a busy machine"). Either way
+the threads compute the same numbers; only the time differs.
+"""
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 # The CPU flags torch requires before it picks each capability for itself
 # (aten/src/ATen/native/DispatchStub.cpp, compute_cpu_capability); "fma" is Linux's name
@@ -69,11 +80,55 @@ def refuse_unrunnable_capability(env=os.environ, cpuinfo: str = "/proc/cpuinfo")
         sys.exit(2)
 
 
-def refuse_on_import(env=os.environ, cpuinfo: str = "/proc/cpuinfo") -> None:
-    """For a package's __init__ (attnlab, engine, data), before anything of it loads torch:
-    under `python -m PACKAGE.TOOL` one error line and exit status 2; imported from other
-    code (a notebook's cell), an ImportError that says the same."""
-    if sys.argv[:1] == ["-m"]:      # `python -m PACKAGE.TOOL` is importing its package
+def check_tool_start(argv=None, env=os.environ, cpuinfo: str = "/proc/cpuinfo") -> None:
+    """For a package's __init__ (attnlab, data): where `python -m PACKAGE.TOOL` is starting
+    that tool, the check its start makes before torch loads; imported by other code (a
+    notebook, a test) it does nothing: importing changes nothing and checks nothing."""
+    if (sys.argv if argv is None else argv)[:1] == ["-m"]:
         refuse_unrunnable_capability(env, cpuinfo)
-    elif problem := capability_problem(env, cpuinfo):
-        raise ImportError(problem)
+
+
+WAIT_POLICY = "PASSIVE"
+BUSY_CORES = 0.5            # other work, in cores, from which passive waiting pays
+WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+def cpu_ticks(stat: str = "/proc/stat") -> tuple[int, int] | None:
+    """(busy, all) clock ticks of every core since boot; None where /proc/stat cannot be
+    read (not Linux)."""
+    try:
+        with open(stat) as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)       # idle + iowait
+    except (OSError, ValueError, IndexError):
+        return None
+    return sum(fields) - idle, sum(fields)
+
+
+def busy_cores(seconds: float = 0.1, stat: str = "/proc/stat") -> float | None:
+    """Cores' worth of work the machine did over `seconds` (this process sleeps through
+    them, so it is other programs' work); None where /proc/stat cannot be read."""
+    before = cpu_ticks(stat)
+    time.sleep(seconds)
+    after = cpu_ticks(stat)
+    if before is None or after is None:
+        return None
+    return (os.cpu_count() or 1) * (after[0] - before[0]) / max(after[1] - before[1], 1)
+
+
+def wait_passively_if_busy(env=os.environ, busy=busy_cores) -> str | None:
+    """OMP_WAIT_POLICY=PASSIVE where other work holds at least BUSY_CORES of the CPU as the
+    script starts, unless the environment says how threads wait or torch uses one thread;
+    returns the line that says so. It changes how long a step takes, never its numbers:
+    the thread count, and so every sum's order, is the run's own (engine/machine.py)."""
+    first = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if any(env.get(name, "").strip() for name in WAIT_SETTINGS) or first == "1" \
+            or (os.cpu_count() or 1) == 1:
+        return None
+    load = busy()
+    if load is None or load < BUSY_CORES:
+        return None
+    env["OMP_WAIT_POLICY"] = WAIT_POLICY
+    return (f"threads: other work holds {load:.1f} of {os.cpu_count()} cores, so torch's threads "
+            "wait asleep instead of spinning (OMP_WAIT_POLICY=PASSIVE; the same numbers, "
+            "only the time differs; set OMP_WAIT_POLICY=ACTIVE to keep them spinning)")

@@ -1,7 +1,7 @@
 """Corpora, tokenizers and the cached token files that train.py reads.
 
-An ATEN_CPU_CAPABILITY this CPU cannot run is refused first, before any of it loads
-torch, which would die of it at its first kernel (common/cpu.py)."""
-from common.cpu import refuse_on_import as _refuse_on_import
+A tool started with `python -m data.NAME` first refuses an ATEN_CPU_CAPABILITY this CPU
+cannot run, before torch loads (common/cpu.py); imported, the package checks nothing."""
+from common.cpu import check_tool_start as _check_tool_start
 
-_refuse_on_import()
+_check_tool_start()

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.errors import ConfigError
-from common import threads
+from engine.machine import HELD, fix_threads, other_cores, pick_dtype, read_machine
 from model.readout import READOUTS, SHORTLIST_COVERAGE, head_macs, shortlist_for
 
 # Chinchilla's compute-optimal ratio is about 20 (Hoffmann et al., arXiv:2203.15556),
@@ -279,19 +279,19 @@ def measure(cfg, device, dtype, seconds: float, batch=None, counts=None) -> floa
     return steps / (time.perf_counter() - start)
 
 
-def probe_again_if_busy(probe, log, read=threads.read_machine, cores: int | None = None):
+def probe_again_if_busy(probe, log, read=read_machine, cores: int | None = None):
     """probe()'s (steps/s, FLOP/s), taken a second time where other programs held a core
     while it ran, and the faster kept: the size it chooses is for the whole run, and a
     burst of load (a browser tab, a build finishing) would choose a smaller model than
-    the run itself, which gets its threads back once the load is gone (common/threads.py),
-    can train. Load through both probes is said, with what it costs."""
+    the machine trains once it is gone. Load through both probes is said, with what it
+    costs. The plan is then the run's config: the run is as reproducible as any other."""
     cores = cores or os.cpu_count() or 1
     results = []
     for _ in range(2):
         before = read()
         results.append(probe())
-        other = threads.other_cores(before, read(), cores)
-        if other is None or other < threads.HELD:
+        other = other_cores(before, read(), cores)
+        if other is None or other < HELD:
             break
     else:
         log(f"budget: other programs held {other:.1f} of {cores} cores while this machine was "
@@ -304,14 +304,59 @@ def plan(cfg, budget_s: float, started: float, log=print,
          given: dict[str, dict[str, str]] | None = None):
     """Set cfg's model size and schedule for a run that ends `budget_s` seconds after
     `started` (a time.perf_counter() value). What the command line named (`given`, its
-    options by section) stays as it is: a readout, and the PLAN_DEFAULTS. Returns cfg."""
-    from engine.device import pick_device, pick_dtype
-    from model import precision
+    options by section) stays as it is: a readout, and the PLAN_DEFAULTS. The precision
+    is the machine's kind's (engine/machine.py), written into the config with the rest
+    of the plan. Returns cfg."""
+    from engine.device import pick_device
     from data.tokens import Batches, load_tokens
 
     given = given or {}
     data_cfg, train_cfg = cfg.data, cfg.train
     device = pick_device(train_cfg.device)
+    fix_threads(train_cfg, say=lambda line: None)    # the run's count, said at set-up
+    take_plan_defaults(cfg, device, given, log)
+    data = load_tokens(data_cfg.path, data_cfg.tokenizer, data_cfg.vocab_size, data_cfg.val_fraction, data_cfg.cache_dir, log=log)
+    cfg.model.vocab_size = data.tokenizer.vocab_size
+    counts = torch.from_numpy(data.train.counts(cfg.model.vocab_size))
+    if not any(k in given.get("model", {}) for k in READOUT_OPTIONS):
+        choose_readout(cfg.model, counts, log)
+    # Each probe: 0.5% of the budget. Half a second already times a step closely enough
+    # to choose the size (the rungs are 2-10x apart), and the schedule follows the clock
+    # anyway (docs/benchmarks.md, "The --budget probe").
+    probe_s = min(10.0, max(SHORTEST_PROBE_S, 0.005 * budget_s))
+    batch = Batches(data.train, train_cfg.batch_size, cfg.model.block_size, seed=0).next()
+    tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * cfg.model.block_size
+
+    def step_rate(model_cfg) -> tuple[float, float]:
+        dtype = pick_dtype(train_cfg.dtype, device, model_cfg.n_embd)
+        rate = measure(replace(cfg, model=model_cfg), device, dtype, probe_s, batch, counts)
+        from model import GPT
+        return rate, rate * tokens_per_step * GPT.skeleton(model_cfg).flops_per_token()
+
+    _, flops_per_s = (probe_again_if_busy(lambda: step_rate(cfg.model), log)
+                      if device.type == "cpu" else step_rate(cfg.model))
+    left = budget_s - (time.perf_counter() - started)
+    train_s = left * (1 - EVAL_SHARE) - MARGIN_S - probe_s * 1.5      # the probe below
+    if train_s < MIN_TRAIN_S:
+        raise ConfigError(f"a budget of {seconds(budget_s)} leaves {seconds(max(train_s, 0))} to "
+                          "train after measuring this machine; give more (a minute or more "
+                          "trains a model worth sampling)")
+    pick = choose_size(cfg, device, flops_per_s, train_s, budget_s, log)
+    if train_cfg.dtype == "auto":            # the kind's precision, recorded with the plan
+        train_cfg.dtype = dtype_name(pick_dtype("auto", device, cfg.model.n_embd))
+    # Small models run below the FLOP/s the probe found: time the chosen one itself.
+    steps_per_s = step_rate(cfg.model)[0]
+    schedule(cfg, len(data.train), len(data.val), pick, steps_per_s,
+             budget_s - (time.perf_counter() - started), budget_s, log)
+    return cfg
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def take_plan_defaults(cfg, device, given: dict, log) -> None:
+    """The PLAN_DEFAULTS that apply on this device, where the command line named none."""
     taken = []
     for (section, key), (value, applies, what) in PLAN_DEFAULTS.items():
         if key not in given.get(section, {}) and applies(cfg, device):
@@ -322,41 +367,11 @@ def plan(cfg, budget_s: float, started: float, log=print,
         log(f"set for a budget run on this {device.type}, each lower in the same time on small "
             f"corpora (docs/benchmarks.md): {'; '.join(taken)}; give one on the command line "
             "to keep your own")
-    data = load_tokens(data_cfg.path, data_cfg.tokenizer, data_cfg.vocab_size, data_cfg.val_fraction, data_cfg.cache_dir, log=log)
-    cfg.model.vocab_size = data.tokenizer.vocab_size
-    counts = torch.from_numpy(data.train.counts(cfg.model.vocab_size))
-    if not any(k in given.get("model", {}) for k in READOUT_OPTIONS):
-        choose_readout(cfg.model, counts, log)
-    tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * cfg.model.block_size
-    # Each probe: 0.5% of the budget. Half a second already times a step closely enough
-    # to choose the size (the rungs are 2-10x apart) and the precision, and the schedule
-    # follows the clock anyway (docs/benchmarks.md, "The --budget probe").
-    probe_s = min(10.0, max(SHORTEST_PROBE_S, 0.005 * budget_s))
 
-    batch = Batches(data.train, train_cfg.batch_size, cfg.model.block_size, seed=0).next()
 
-    def step_rate(model_cfg, precision: str = train_cfg.dtype) -> tuple[float, float]:
-        dtype = pick_dtype(precision, device, model_cfg.n_embd)
-        rate = measure(replace(cfg, model=model_cfg), device, dtype, probe_s, batch, counts)
-        from model import GPT
-        fpt = GPT.skeleton(model_cfg).flops_per_token()
-        return rate, rate * tokens_per_step * fpt
-
-    # On a CPU with native bf16 the chosen model is timed in both precisions (below).
-    precisions = [train_cfg.dtype]
-    if train_cfg.dtype == "auto" and device.type == "cpu" and precision.cpu_has_native_bf16():
-        precisions = ["float32", "bfloat16"]
-    if device.type == "cpu":
-        threads.free_again(torch.set_num_threads)       # a burst at the start is over
-        _, flops_per_s = probe_again_if_busy(lambda: step_rate(cfg.model), log)
-    else:
-        _, flops_per_s = step_rate(cfg.model)
-    left = budget_s - (time.perf_counter() - started)
-    train_s = left * (1 - EVAL_SHARE) - MARGIN_S - probe_s * 1.5 * len(precisions)   # the probes below
-    if train_s < MIN_TRAIN_S:
-        raise ConfigError(f"a budget of {seconds(budget_s)} leaves {seconds(max(train_s, 0))} to "
-                          "train after measuring this machine; give more (a minute or more "
-                          "trains a model worth sampling)")
+def choose_size(cfg, device, flops_per_s: float, train_s: float, budget_s: float, log) -> Candidate:
+    """The rung of the ladder whose tokens per parameter in train_s come closest to the
+    target, set on cfg.model, with the table it was chosen from."""
     cands = candidates(cfg.model)
     pick = choose(cands, flops_per_s, train_s)
     log(f"budget {seconds(budget_s)}: this {device.type} sustains {flops_per_s / 1e12:.3f} TFLOP/s "
@@ -369,29 +384,25 @@ def plan(cfg, budget_s: float, started: float, log=print,
             f"{c.tokens / 1e6:9.1f}M tokens, {c.ratio:8.1f} tokens/param{mark}")
     cfg.model = sized(cfg.model, pick.n_layer, pick.n_embd)
     cfg.model.validate()
-    # Small models run below the FLOP/s the probe found: time the chosen one itself. On
-    # a CPU with native bf16, in both precisions: whether bf16 autocast pays depends on
-    # width, context and batch together and on the CPU (3 x 96 at context 128, batch 16:
-    # 1.13x on one machine, 1.48-1.66x on another with attention kept in fp32; 4 x 64 at
-    # context 64 once 15% slower), so measure instead of guessing.
-    rates = {p: step_rate(cfg.model, p)[0] for p in precisions}
-    if len(rates) > 1:
-        train_cfg.dtype = max(rates, key=rates.get)
-        log(f"precision: {train_cfg.dtype} ({', '.join(f'{p} {r:.2f} steps/s' for p, r in rates.items())})")
-    steps_per_s = rates[train_cfg.dtype]
-    left = budget_s - (time.perf_counter() - started)
+    return pick
+
+
+def schedule(cfg, n_train: int, n_val: int, pick: Candidate, steps_per_s: float, left: float,
+             budget_s: float, log) -> None:
+    """Evaluations, steps, batch, warm-up and time limit for `left` seconds at the chosen
+    model's measured rate."""
+    train_cfg = cfg.train
     eval_step_s = 1 / steps_per_s / train_cfg.grad_accum / 3               # forward only: ~1/3 of a step
     # The last evaluation, the run's result, reads the whole validation split where half the
     # evaluations' share of the budget affords it: a sample misjudges the loss by a few
     # hundredths either way (of one run on tiny Shakespeare, 20 spaced batches of 16 x 128
     # said 1.517, the whole 1.497). The ones before only show the way and write
     # checkpoints: a sample of BETWEEN_SHARE of those batches, the time saved trains.
-    whole = math.ceil(len(data.val) / (train_cfg.batch_size * cfg.model.block_size))
+    whole = math.ceil(n_val / (train_cfg.batch_size * cfg.model.block_size))
     train_cfg.final_eval_iters = int(max(2, min(whole, EVAL_SHARE * budget_s / 2 / eval_step_s)))
     train_cfg.eval_iters = max(2, int(train_cfg.final_eval_iters * BETWEEN_SHARE))
     eval_s = (train_cfg.final_eval_iters + (EVALS - 1) * train_cfg.eval_iters) * eval_step_s
-    train_s = left - eval_s - MARGIN_S
-    steps = max(1, int(train_s * steps_per_s * OVERPLAN))
+    steps = max(1, int((left - eval_s - MARGIN_S) * steps_per_s * OVERPLAN))
     # Too few optimizer steps leave no room for warm-up and decay: trade batch for steps
     # (a step on half the batch takes about half the time).
     batch_note = f"batch {train_cfg.batch_size}"
@@ -402,7 +413,6 @@ def plan(cfg, budget_s: float, started: float, log=print,
         train_cfg.final_eval_iters *= 2
         eval_step_s /= 2
         batch_note = f"batch halved to {train_cfg.batch_size} for at least {MIN_STEPS} steps"
-    tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * cfg.model.block_size
     # Under a time limit the schedule follows the clock (engine.loop.schedule_step: the
     # share of the limit spent times max_iters), and so do the evaluations, so max_iters
     # is only a ceiling: CEILING times the steps planned, the run still uses its whole
@@ -416,15 +426,20 @@ def plan(cfg, budget_s: float, started: float, log=print,
     train_cfg.eval_interval = max(1, math.ceil(train_cfg.max_iters / (EVALS - 1)))
     train_cfg.log_interval = max(1, min(train_cfg.log_interval, steps // 20))     # real steps
     train_cfg.time_limit = max(1.0, left - train_cfg.final_eval_iters * eval_step_s - MARGIN_S)
-    epochs = steps * tokens_per_step / max(len(data.train), 1)
+    log_chosen(cfg, pick, steps, steps_per_s, batch_note, n_train, log)
+
+
+def log_chosen(cfg, pick: Candidate, steps: int, steps_per_s: float, batch_note: str,
+               n_train: int, log) -> None:
+    train_cfg = cfg.train
+    tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * cfg.model.block_size
+    epochs = steps * tokens_per_step / max(n_train, 1)
     log(f"chosen: {pick.n_layer} layers, {cfg.model.n_head} heads, {pick.n_embd} wide "
-        f"({pick.params / 1e6:.2f}M non-embedding parameters); measured {steps_per_s:.2f} "
-        f"steps/s -> about {steps} steps of {tokens_per_step:,} tokens ({batch_note}, "
-        f"{steps * tokens_per_step / pick.params:.1f} tokens/param, {epochs:.1f} epochs "
-        f"of the training split, {'in passes' if cfg.data.sampling == 'epochs' else 'at random'}; "
-        f"as many more as come in the "
-        f"time, up to {train_cfg.max_iters}), "
-        f"{train_cfg.final_eval_iters} validation batches at the end "
-        f"({train_cfg.eval_iters} before), training stops by "
+        f"({pick.params / 1e6:.2f}M non-embedding parameters, {train_cfg.dtype}); measured "
+        f"{steps_per_s:.2f} steps/s -> about {steps} steps of {tokens_per_step:,} tokens "
+        f"({batch_note}, {steps * tokens_per_step / pick.params:.1f} tokens/param, {epochs:.1f} "
+        f"epochs of the training split, "
+        f"{'in passes' if cfg.data.sampling == 'epochs' else 'at random'}; as many more as "
+        f"come in the time, up to {train_cfg.max_iters}), {train_cfg.final_eval_iters} "
+        f"validation batches at the end ({train_cfg.eval_iters} before), training stops by "
         f"{seconds(train_cfg.time_limit)} from now")
-    return cfg

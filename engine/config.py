@@ -32,11 +32,13 @@ MAX_NEW_TOKENS = 1_000_000          # one sample.py call: hours of text on a CPU
 # The version a run config is saved with (config.json's "version"; none means 1). A
 # config of an older version is migrated when it is read, so old runs and checkpoints
 # load under today's names: RENAMED_IN[v] is what version v renamed, section by field.
-CONFIG_VERSION = 2
+CONFIG_VERSION = 3
 RENAMED_IN = {
     # GELU named as torch and transformers name it: gelu the exact form, gelu_tanh the
     # approximation (before, gelu was the tanh form and gelu_erf the exact one).
     2: {"model": {"mlp": {"gelu": "gelu_tanh", "gelu_erf": "gelu"}}},
+    # The CPU's attention routes became the engine's choice for `auto` (engine/machine.py).
+    3: {"model": {"attention": {"cpu": "auto"}}},
 }
 
 
@@ -58,6 +60,9 @@ class TrainConfig:
     device: str = opt("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     dtype: str = opt("auto", "autocast precision", choices=("auto", "float32", "bfloat16", "float16"))
     compile: bool = opt(False, "torch.compile the model (pays off on GPUs for long runs)")
+    threads: int = opt(0, "torch's CPU threads, fixed for the whole run: 0 = decided at the start "
+                          "from OMP_NUM_THREADS, else the cores; the number decided is recorded "
+                          "in the run's config and a resume uses it")
     batch_size: int = opt(64, "sequences per micro-batch")
     grad_accum: int = opt(1, "micro-batches whose gradients add up to one optimizer step")
     batch_ramp: float = opt(0.0, "batch-size schedule: over this first share of the steps the "
@@ -163,6 +168,8 @@ class RunConfig:
                      "eval_iters", "log_interval", "keep_last"):
             if getattr(train, name) <= 0:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(train, name)}")
+        if train.threads < 0:
+            raise ConfigError(f"train.threads must be 0 (decided at the start) or positive, got {train.threads}")
         if train.final_eval_iters < 0:
             raise ConfigError(f"train.final_eval_iters must not be negative, got {train.final_eval_iters}")
         if train.warmup_iters < 0:

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import torch
 
-from common import threads
 from common.errors import ConfigError
 from common.files import read_json, write_json_atomic
-from model import precision
+from engine.machine import DTYPES, other_cores, pick_dtype, read_machine
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+__all__ = ["DTYPES", "pick_dtype"]      # kept here too: decided in engine/machine.py
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -40,96 +39,6 @@ def pick_device(name: str = "auto") -> torch.device:
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("device mps asked for, but this torch has no MPS support; use auto or cpu")
     return device
-
-
-# Whether bf16 autocast pays on a CPU depends on the width (small matmuls are bound by
-# overhead, not arithmetic) and on how much faster the CPU's bf16 matmuls are than its
-# fp32 ones, which differs between CPUs that both have AVX-512 BF16 (docs/benchmarks.md,
-# "bf16 autocast on a CPU").
-CPU_BF16_MIN_WIDTH = 256        # bf16 from here on any CPU with native bf16
-CPU_FAST_BF16_MIN_WIDTH = 64    # and from here where bf16 matmuls run at least ...
-CPU_FAST_BF16 = 2.5             # ... this many times as fast as fp32 (cached probes)
-
-
-def cpu_bf16_pays(n_embd: int) -> bool:
-    if not precision.cpu_has_native_bf16() or n_embd < CPU_FAST_BF16_MIN_WIDTH:
-        return False
-    if n_embd >= CPU_BF16_MIN_WIDTH:
-        return True
-    fp32, bf16 = peak_flops("cpu", "float32"), peak_flops("cpu", "bfloat16")
-    return bool(fp32 and bf16 and bf16 >= CPU_FAST_BF16 * fp32)
-
-
-# Decoding at batch 1 is another matter: each token is a row of matrix-vector products,
-# and bf16 weights only pay where reading the weights dominates, and only on a CPU whose
-# bf16 matrix-vector products are faster than its fp32 ones, which not every CPU with
-# native bf16 has: an AMX Xeon's run several times slower up to 512 wide
-# (docs/benchmarks.md, "bf16 weights to sample"). So from this width, where the CPU's own
-# products at the model's width gain at least CPU_DECODE_BF16_GAIN.
-CPU_DECODE_BF16_MIN_WIDTH = 384
-CPU_DECODE_BF16_GAIN = 1.1
-
-
-@functools.cache
-def decode_matvec_speedup(n_embd: int) -> float:
-    """How many times faster this CPU multiplies one token's row (1 x C) by an MLP's up
-    projection (C x 4C, a block's largest) with bf16 weights than with fp32 ones: the best
-    of five interleaved rounds each, so other work slows both alike; a small fraction of a
-    second, once per width in a process."""
-    import torch.nn.functional as F
-    g = torch.Generator().manual_seed(0)
-    x32, w32 = torch.randn(1, n_embd, generator=g), torch.randn(4 * n_embd, n_embd, generator=g)
-    pairs = {"float32": (x32, w32), "bfloat16": (x32.bfloat16(), w32.bfloat16())}
-    best = dict.fromkeys(pairs, float("inf"))
-    with torch.no_grad():
-        for x, w in pairs.values():
-            F.linear(x, w)                                # warm-up
-        for _ in range(5):
-            for name, (x, w) in pairs.items():
-                start, reps = time.perf_counter(), 0
-                while reps < 3 or time.perf_counter() - start < 0.005:
-                    F.linear(x, w)
-                    reps += 1
-                best[name] = min(best[name], (time.perf_counter() - start) / reps)
-    return best["float32"] / best["bfloat16"]
-
-
-def cpu_bf16_decode_pays(n_embd: int) -> bool:
-    return (precision.cpu_has_native_bf16() and n_embd >= CPU_DECODE_BF16_MIN_WIDTH
-            and decode_matvec_speedup(n_embd) >= CPU_DECODE_BF16_GAIN)
-
-
-def pick_dtype(name: str, device: torch.device, n_embd: int = 0,
-               decoding: bool = False) -> torch.dtype:
-    """The autocast precision (or, for `decoding`, the precision weights are held in
-    to sample). auto: bf16 on GPUs that have it (fp16 on older ones); on a CPU, bf16
-    where the CPU has native bf16 (model/precision.py) and the model is wide enough for
-    it to pay (cpu_bf16_pays; to decode, cpu_bf16_decode_pays), else fp32;
-    fp32 on MPS. bfloat16 asked for by name is kept even where it is emulated (to study
-    its rounding), and precision_note says what it costs."""
-    if name != "auto":
-        dtype = DTYPES[name]
-        if dtype == torch.float16 and device.type == "cpu":
-            raise ConfigError("float16 autocast is for GPUs; on the CPU use bfloat16 or float32")
-        if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ConfigError("this GPU has no bfloat16; use train.dtype=float16 or float32")
-        return dtype
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu" and decoding:
-        return torch.bfloat16 if cpu_bf16_decode_pays(n_embd) else torch.float32
-    if device.type == "cpu" and cpu_bf16_pays(n_embd):
-        return torch.bfloat16
-    return torch.float32
-
-
-def precision_note(device: torch.device, dtype: torch.dtype, option: str = "train.dtype") -> str:
-    """A warning where bf16 was asked for (by `option`) on a CPU that would emulate it,
-    the same words for training's set-up line and sample.py's; empty otherwise."""
-    if device.type == "cpu" and precision.cpu_compute_dtype(dtype) != dtype:
-        return (" (emulated: this CPU has no native bf16, so its bf16 matmuls run many times "
-                f"slower than fp32; {option}=auto uses float32 here)")
-    return ""
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -187,9 +96,10 @@ def peak_flops(device_type: str, dtype_name: str, device_name: str = "") -> floa
 # read low (a busy 2-core machine once read 8.5 GFLOP/s in fp32, a tenth of what it does
 # quiet), and every later run on the quiet machine showed an MFU of several hundred
 # percent. So only a probe during which other programs held less than half a core is
-# kept (common/threads.py's measure of a busy machine), and the kept figure only ever
+# kept (engine/machine.py's measure of a busy machine), and the kept figure only ever
 # rises: it is a peak.
 PEAKS_FILE = "cpu_peak_flops.json"
+BUSY_CORES = 0.5                # other programs' work, in cores, that makes a probe read low
 PEAKS_FORMAT = 2                # entries {"flops", "other_cores"}; older files' bare numbers
 #                                 recorded nothing about the machine's load, so they are measured again
 
@@ -231,7 +141,7 @@ def cpu_peak(dtype_name: str, at_least: float = 0.0) -> float:
         return kept
     flops, other = probe_cpu_flops(dtype_name)
     peak = max(flops, kept)
-    quiet = other is None or other < threads.BUSY_CORES   # no /proc/stat (macOS): trusted, as before
+    quiet = other is None or other < BUSY_CORES   # no /proc/stat (macOS): trusted, as before
     if path is not None and quiet and flops > kept:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -271,15 +181,13 @@ def probe_cpu_flops(dtype_name: str) -> tuple[float, float | None]:
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
     a @ b                                                  # warm-up
-    ticks, cpu = threads.cpu_ticks(), time.process_time()
+    before = read_machine()
     runs, start = 0, time.perf_counter()
     while time.perf_counter() - start < 0.3:
         a @ b
         runs += 1
     seconds = time.perf_counter() - start
-    machine = threads.cores_busy_between(ticks, threads.cpu_ticks())
-    other = None if machine is None else max(0.0, machine - (time.process_time() - cpu) / seconds)
-    return 2 * n ** 3 * runs / seconds, other
+    return 2 * n ** 3 * runs / seconds, other_cores(before, read_machine())
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak: float | None) -> float | None:

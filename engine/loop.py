@@ -13,7 +13,6 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from common import threads
 from common.errors import AttnlabError
 from common.files import write_json_atomic
 from common.shell import word
@@ -102,9 +101,6 @@ def train(run: Run, now: Callable[[], float] = time.perf_counter) -> dict:
     bar = tqdm(total=bar_total(p, train_cfg), initial=p.step, unit="step", dynamic_ncols=True,
                mininterval=0.5, desc="train", disable=not run.dist.is_main)
     result = {"run_dir": str(run.run_dir)}
-    # Other programs' load that starts mid-run: fewer threads, not spinning ones against it.
-    thread_watch = threads.watch(run.device.type == "cpu", run.dist.world, torch.get_num_threads,
-                                 torch.set_num_threads, bar.write)
     with stop_signals(run):
         try:
             while True:
@@ -133,7 +129,6 @@ def train(run: Run, now: Callable[[], float] = time.perf_counter) -> dict:
                 bar.total = bar_total(p, train_cfg)
                 bar.update(1)
                 speed.count_step(batch)
-                thread_watch.step()
                 if p.step % train_cfg.log_interval == 0 or p.step == train_cfg.max_iters:
                     watch.check(run)
                     log_step(run, metrics, bar, speed, loss, norm)
@@ -282,7 +277,9 @@ def evaluate_and_save(run: Run, metrics: Metrics, bar, last: bool = False,
 
 
 class Speedometer:
-    """Tokens per second and MFU over the steps since the last log line."""
+    """Tokens per second and MFU over the steps since the last log line, and the run's
+    average (tokens so far / training time so far, evaluations left out) that the
+    progress bar shows: the last few steps' rate swings with the load of the moment."""
 
     def __init__(self, run: Run):
         train_cfg = run.cfg.train
@@ -291,6 +288,7 @@ class Speedometer:
         name = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else ""
         self.utilisation = Utilisation(run.device.type, dtype_name(run.dtype), name)
         self.flops_per_token = run.model.flops_per_token()
+        self.all_tokens, self.all_seconds = 0, 0.0
         self.restart()
 
     def restart(self) -> None:
@@ -300,14 +298,22 @@ class Speedometer:
         self.tokens += batch * self.tokens_per_sequence
 
     def read(self) -> tuple[float, float | None, float]:
-        """(tokens/s of the whole run, MFU of one process, seconds measured); restarts."""
+        """(tokens/s of the whole run since the last read, MFU of one process, seconds
+        measured); restarts."""
         synchronize(self.run.device)
         now = time.perf_counter()
         seconds = now - self.since
         tok_s = self.tokens / max(seconds, 1e-9)
         utilisation = self.utilisation(self.flops_per_token, tok_s / self.run.dist.world)
+        self.all_tokens += self.tokens
+        self.all_seconds += seconds
         self.since, self.tokens = now, 0
         return tok_s, utilisation, seconds
+
+    @property
+    def average(self) -> float:
+        """Tokens per second over this process's training so far."""
+        return self.all_tokens / max(self.all_seconds, 1e-9)
 
 
 def log_step(run: Run, metrics: Metrics, bar, speed: Speedometer, loss, norm) -> None:
@@ -319,7 +325,7 @@ def log_step(run: Run, metrics: Metrics, bar, speed: Speedometer, loss, norm) ->
     p.elapsed_s += seconds
     record = {"step": p.step, "loss": loss_value, "lr": p.last_lr, "grad_norm": norm_value,
               "tokens_per_s": tok_s, "elapsed_s": p.elapsed_s}
-    shown = {"loss": f"{loss_value:.3f}", "tok_s": f"{tok_s:,.0f}"}
+    shown = {"loss": f"{loss_value:.3f}", "tok_s": f"{speed.average:,.0f}"}
     if utilisation is not None:
         record["mfu"] = utilisation
         shown["mfu"] = f"{utilisation:.1%}"

@@ -7,7 +7,7 @@ import math
 import torch
 
 from common.errors import ConfigError
-from model import precision
+from engine.machine import compute_dtype
 
 
 class Optimizers:
@@ -106,11 +106,11 @@ class GroupedMuon(torch.optim.Muon):
 
 def newton_schulz_dtype(device: torch.device) -> torch.dtype:
     """bf16, as torch's Muon computes the iterations, where the device has it natively;
-    fp32 on a CPU without it (model/precision.py) or a GPU older than Ampere, where bf16
+    fp32 on a CPU without it (engine/machine.py) or a GPU older than Ampere, where bf16
     matmuls are emulated: on an AVX2 CPU a batched bf16 matmul of the cpu preset's shape
     took 34x its fp32 time, most of the training step (docs/benchmarks.md)."""
     if device.type == "cpu":
-        return precision.cpu_compute_dtype(torch.bfloat16)
+        return compute_dtype(torch.bfloat16)
     if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         return torch.float32
     return torch.bfloat16

@@ -21,14 +21,14 @@ from common.shell import options, word
 from engine import checkpoint
 from engine.budget import refuse_what_cannot_fit
 from engine.config import RunConfig, apply, apply_to, from_dict, migrate
-from engine.device import (DTYPES, autocast, dtype_name, pick_device, pick_dtype, precision_note,
-                           setup_backends)
+from engine.device import DTYPES, autocast, dtype_name, pick_device, pick_dtype, setup_backends
+from engine import machine
 from engine.distributed import Dist
 from engine.objectives import OBJECTIVES, draw_generator
 from engine.optim import Optimizers, configure_optimizer
 from data.tokenizer import TOKENIZERS, Tokenizer
 from data.tokens import Batches, TokenData, load_tokens
-from model import GPT, precision
+from model import GPT
 from model.readout import READOUTS, SHORTLIST_COVERAGE, shortlist_for
 
 # Model fields a fine-tuning run may change: the same weights fit (causal only changes
@@ -83,6 +83,7 @@ class Run:
     stop_signal: int | str | None = None
     lock: object = None                 # held while this process writes to run_dir
     made_dir: bool = False              # this process made run_dir (a new run or branch)
+    kernel: str = ""                    # the attention kernel engine/machine.py handed the model
 
     def autocast(self):
         return autocast(self.device, self.dtype)
@@ -119,19 +120,20 @@ class Run:
     def describe_setup(self) -> str:
         tok = self.data.tokenizer
         world = f", {self.dist.world} processes" if self.dist.world > 1 else ""
+        why = machine.why_dtype(self.device, self.dtype, self.cfg.train.dtype, self.cfg.model.n_embd)
         return (f"device: {self.device}{cpu_facts(self.device)}, autocast {dtype_name(self.dtype)}"
-                f"{precision_note(self.device, self.dtype)}{world}; data: "
+                f"{why}, attention {self.kernel}{world}; data: "
                 f"{self.cfg.data.path or 'the bundled Shakespeare'} ({tok.kind} tokenizer, "
                 f"vocabulary {tok.vocab_size}, {len(self.data.train):,} train / "
                 f"{len(self.data.val):,} val tokens)")
 
 
 def cpu_facts(device: torch.device) -> str:
-    """What decides a CPU's speed, for the set-up line: ' (AVX2, no native bf16; 2 threads)'."""
+    """What decides a CPU's speed, for the set-up line: ' (AVX2, no-bf16 kind; 2 threads)'."""
     if device.type != "cpu":
         return ""
     n = torch.get_num_threads()
-    return f" ({precision.cpu_kind()}; {n} thread{'s' if n > 1 else ''})"
+    return f" ({machine.describe_cpu()}; {n} thread{'s' if n > 1 else ''}, train.threads)"
 
 
 @dataclass
@@ -205,6 +207,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
     log = log if dist.is_main else (lambda *a, **k: None)
     train_cfg = cfg.train
     _check_parallel(cfg, dist)
+    machine.fix_threads(train_cfg, log)       # before any work: recorded, reused on resume
     device = pick_device(train_cfg.device)
     if dist.world > 1 and device.type == "cuda":
         device = torch.device("cuda", dist.local_rank)
@@ -237,16 +240,17 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
         distributed_model = DistributedDataParallel(
             model, device_ids=[dist.local_rank] if device.type == "cuda" else None)
     dtype = pick_dtype(train_cfg.dtype, device, cfg.model.n_embd)
+    kernel = machine.fit_attention(model, cfg.model, device, dtype)
     run = Run(cfg, dist, device, dtype, data,
               batches=Batches(data.train, train_cfg.batch_size, cfg.model.block_size, device,
                               seed=train_cfg.seed, sampling=cfg.data.sampling),
               model=model, distributed_model=distributed_model,
-              train_forward=torch.compile(distributed_model) if train_cfg.compile else distributed_model,
-              eval_forward=torch.compile(model) if train_cfg.compile else model,
+              train_forward=machine.compiled(distributed_model, train_cfg.compile),
+              eval_forward=machine.compiled(model, train_cfg.compile),
               optimizer=configure_optimizer(model, train_cfg, device),
               scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
               run_dir=Path(run_dir or Path(train_cfg.out_dir) / (train_cfg.run_name or _fresh_name(cfg))),
-              sharded=sharded, log=log)
+              sharded=sharded, log=log, kernel=kernel)
     run.made_dir = dist.is_main and not run.run_dir.exists()
     try:
         if dist.is_main and not (run_dir or train_cfg.run_name or resume) and dist.world == 1:
@@ -516,6 +520,7 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
     _check_state(state, ckpt)
     if run.cfg.train.dtype == "auto":
         run.dtype = _kept_dtype(state, run.device, run.dtype)
+        run.kernel = machine.fit_attention(run.model, run.cfg.model, run.device, run.dtype)
     try:
         opt_state = checkpoint.optimizer_join(tensors, state["optimizer"])
     except (AttributeError, KeyError, TypeError, ValueError) as err:
@@ -591,12 +596,11 @@ def _check_state(state: dict, ckpt: Path) -> None:
 
 def _kept_dtype(state: dict, device: torch.device, picked: torch.dtype) -> torch.dtype:
     """The precision `auto` chose for the checkpoint resumed, where this CPU computes it
-    natively; else `picked`. On a CPU `auto` weighs a timed probe, and one taken beside
-    other work can tip it the other way: a resume in another precision would not go on
-    with the same run. A GPU's choice depends on the GPU alone."""
+    natively; else `picked`: a checkpoint trained on a CPU of another kind goes on in the
+    precision it was trained in, where this one computes it natively."""
     trained = DTYPES.get(state.get("autocast"))
     if device.type == "cpu" and trained in (torch.float32, torch.bfloat16) \
-            and precision.cpu_compute_dtype(trained) == trained:
+            and machine.compute_dtype(trained) == trained:
         return trained
     return picked
 

@@ -2,8 +2,7 @@
 
 Read in this order: config.py (the one model configuration: sizes, and variants named
 by strings), mask.py (the one mask rule), attention.py (the formula, its backends and
-multi-head attention; flex.py is its FlexAttention path, cpu_kernels.py its tuning for
-CPUs and precision.py says whether this CPU has native bf16), mechanisms.py (what a
+multi-head attention; flex.py is its FlexAttention path), mechanisms.py (what a
 layer's attention computes: multi-head, or differential.py's difference of two maps,
 each entry with its facts), positions.py (none,
 sinusoidal, learned, RoPE, ALiBi), layers.py (norms, MLP, the residual block),
@@ -12,12 +11,8 @@ readout.py (the output layer, and the adaptive softmax for large vocabularies), 
 sampling.py (logits to tokens), seq2seq.py (an encoder-decoder, through cross-attention);
 registry.py lists every variant and checks a config.
 The folder imports torch and itself only: copy it out and it runs."""
-from model import precision
 from model.config import ModelConfig, ModelError
 from model.gpt import GPT, KVCache, Output
 from model.registry import REGISTRIES
-
-# Before anything is compiled: one compile cache per ATEN_CPU_CAPABILITY (precision.py).
-precision.separate_compile_cache()
 
 __all__ = ["GPT", "KVCache", "ModelConfig", "ModelError", "Output", "REGISTRIES"]

@@ -2,9 +2,9 @@
 
     Attention(Q, K, V) = softmax(Q·Kᵀ / √d_k + mask) · V
 
-`eager_attention` below writes it out one line per idea. The other backends compute
-the same thing faster and share its signature,
-`backend(q, k, v, mask, dropout_p, need_weights) -> (out, weights | None)`:
+`eager_attention` below writes it out one line per idea; it is the only place the
+formula is written. The other backends compute the same thing faster and share its
+signature, `backend(q, k, v, mask, dropout_p, need_weights) -> (out, weights | None)`:
 
 * `sdpa` is torch's F.scaled_dot_product_attention (FlashAttention on supported GPUs,
   a fused C++ kernel on CPU), which never materialises the T×T weights;
@@ -12,10 +12,9 @@ the same thing faster and share its signature,
   with T·W instead of T² (Longformer's banded attention, arXiv:2004.05150);
 * `flex` hands the same rule to torch's FlexAttention, which compiles it into a
   kernel that skips fully masked blocks (model/flex.py);
-* `cpu` is sdpa or banded through the kernel that pays for the precision and length
-  on a CPU (model/cpu_kernels.py: in bf16, two matmuls or fp32 copies);
-* `auto`, the default and what training runs, is `cpu` on a CPU; elsewhere sdpa, or
-  for a whole windowed sequence flex on a CUDA GPU and banded otherwise.
+* `auto`, the default, is sdpa here; a training run's engine hands each attention
+  layer the kernel that pays on its machine when it places the model on its device
+  (engine/machine.py, through `use_attention_kernel`), so forward calls one kernel.
 
 The mask rule they all follow is in model/mask.py. Each backend is registered with
 the facts other code asks about it (can it return weights, does it need a window).
@@ -34,8 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.config import ModelConfig
-from model.cpu_kernels import kernel_dtype, sdpa as cpu_sdpa
-from model.flex import attend as flex_attend, fits as flex_fits
+from model.flex import attend as flex_attend
 from model.mask import Mask, rule
 
 
@@ -64,32 +62,26 @@ def eager_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: b
     return out, (weights if need_weights else None)
 
 
-@dataclass(frozen=True)
-class Kernel:
-    """The fused call under sdpa and banded: F.scaled_dot_product_attention's signature,
-    and the precision it wants an additive mask built in."""
-    attend: Callable
-    mask_dtype: Callable = lambda q, k: q.dtype
+def sdpa_mask(mask: Mask, dtype: torch.dtype):
+    """The rule as F.scaled_dot_product_attention takes it: (attn_mask, is_causal), an
+    additive mask built in `dtype` where ALiBi's bias rides along."""
+    if mask.is_square_causal:                              # training: the built-in triangle
+        return None, True
+    if mask.bias is not None:                              # ALiBi: bias and mask in one
+        return mask.additive(dtype), False
+    if not mask.sees_everything:                           # window, or a chunk after a cache
+        return mask.dense, False
+    return None, False
 
 
-TORCH_KERNEL = Kernel(F.scaled_dot_product_attention)
-CPU_KERNEL = Kernel(cpu_sdpa, kernel_dtype)
-
-
-def sdpa_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False,
-                   kernel: Kernel = TORCH_KERNEL):
+def sdpa_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
     """The same function through torch.nn.functional.scaled_dot_product_attention,
     which picks FlashAttention or memory-efficient kernels where it can."""
     if need_weights:
         raise ValueError("the sdpa backend never forms the attention weights; use eager")
-    attn_mask, is_causal = None, False
-    if mask.is_square_causal:                              # training: the built-in triangle
-        is_causal = True
-    elif mask.bias is not None:                            # ALiBi: bias and mask in one
-        attn_mask = mask.additive(kernel.mask_dtype(q, k))
-    elif not mask.sees_everything:                         # window, or a chunk after a cache
-        attn_mask = mask.dense
-    out = kernel.attend(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+    attn_mask, is_causal = sdpa_mask(mask, q.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                         is_causal=is_causal)
     return out, None
 
 
@@ -113,8 +105,7 @@ def band(T: int, W: int, G: int, device: str):
     return q_pos, k_pos, ok
 
 
-def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False,
-                     kernel: Kernel = TORCH_KERNEL):
+def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
     """Sliding-window attention that computes only the band.
 
     Cut the sequence into blocks of W queries. With a window of W, the keys a block can
@@ -125,7 +116,7 @@ def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: 
     a cache goes to sdpa, which costs O(W) per query there."""
     W, G = mask.window, mask.n_global
     if not W or not mask.is_whole_sequence:
-        return sdpa_attention(q, k, v, mask, dropout_p, need_weights, kernel)
+        return sdpa_attention(q, k, v, mask, dropout_p, need_weights)
     B, H, T, D = q.shape
     n = -(-T // W)
     pad = n * W - T                           # < W: every padded query still sees a real key
@@ -151,11 +142,12 @@ def banded_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: 
     n_keys = keys.shape[2]
     if mask.bias_fn is not None:                                      # ALiBi inside the band
         bias = mask.bias_fn(q_pos[:, :, None], k_pos[:, None, :])      # (H, n, W, keys)
-        attn_mask = bias.to(kernel.mask_dtype(qb, keys)).masked_fill(~ok, float("-inf"))
+        attn_mask = bias.to(qb.dtype).masked_fill(~ok, float("-inf"))
         attn_mask = attn_mask.expand(B, H, n, W, n_keys).reshape(B * H, n, W, n_keys)
     else:
         attn_mask = ok[None]                                          # (1, n, W, keys)
-    out = kernel.attend(qb, keys, values, attn_mask=attn_mask, dropout_p=dropout_p)  # (B·H, n, W, D)
+    out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=attn_mask,
+                                         dropout_p=dropout_p)        # (B·H, n, W, D)
     return out.reshape(B, H, n * W, D)[:, :, :T], None
 
 
@@ -172,40 +164,6 @@ def flex_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bo
     return flex_attend(q, k, v, mask), None
 
 
-def band_pays(mask: Mask, need_weights: bool = False) -> bool:
-    """Whether computing only the band is cheaper than sdpa with the window's mask: for a
-    whole windowed sequence once the band (2·W keys per query block) is at most half the
-    T keys a masked sdpa reads (docs/benchmarks.md, "CPU attention routes")."""
-    return (bool(mask.window) and mask.is_whole_sequence and not need_weights
-            and mask.q_len >= 4 * mask.window)
-
-
-def cpu_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
-    """sdpa, or banded where the band pays, each through the kernel model/cpu_kernels.py
-    routes by precision and length (flex has no backward on a CPU)."""
-    if band_pays(mask, need_weights):
-        return banded_attention(q, k, v, mask, dropout_p, kernel=CPU_KERNEL)
-    return sdpa_attention(q, k, v, mask, dropout_p, need_weights, kernel=CPU_KERNEL)
-
-
-def auto_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
-    """The fastest backend for this call: the backend tuned for the device where one is
-    registered (`cpu`). Elsewhere full causal attention and decoding steps go to sdpa
-    (FlashAttention on GPUs), and a sliding window over a whole sequence computes only
-    its band: with FlexAttention's block-sparse kernel on CUDA, where flash causal would
-    do all T²/2 scores and a banded batch of small attentions is bound by launch
-    overhead; with `banded` with dropout or on other devices, where the band pays."""
-    tuned = TUNED_FOR_DEVICE.get(q.device.type)
-    if tuned is not None:
-        return tuned(q, k, v, mask, dropout_p, need_weights)
-    if (mask.window and mask.is_whole_sequence and not need_weights and q.is_cuda
-            and not dropout_p and flex_fits(q)):
-        return flex_attention(q, k, v, mask)
-    if band_pays(mask, need_weights):
-        return banded_attention(q, k, v, mask, dropout_p)
-    return sdpa_attention(q, k, v, mask, dropout_p, need_weights)
-
-
 @dataclass(frozen=True)
 class Backend:
     """An attention backend and the facts the rest of the project asks about it, so
@@ -215,23 +173,28 @@ class Backend:
     needs_window: bool = False       # computes only a sliding window's band
     has_dropout: bool = True         # applies attention dropout while training
     trains_on_cpu: bool = True       # has a backward pass on a CPU in this torch
-    tuned_for: str | None = None     # the device type `auto` hands every call to it on
 
     def __call__(self, q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
         return self.attend(q, k, v, mask, dropout_p, need_weights)
 
 
 ATTENTION_BACKENDS = {
-    "auto": Backend(auto_attention),
+    # What the engine replaces with the kernel that pays on the machine (engine/machine.py).
+    "auto": Backend(sdpa_attention),
     "eager": Backend(eager_attention, returns_weights=True),
     "sdpa": Backend(sdpa_attention),
     "banded": Backend(banded_attention, needs_window=True),
     # torch compiles FlexAttention's forward only on CPUs: it samples there, trains on GPUs.
     "flex": Backend(flex_attention, has_dropout=False, trains_on_cpu=False),
-    # Machine tuning for bf16 and fp16 on CPUs (model/cpu_kernels.py); fp32 is sdpa's.
-    "cpu": Backend(cpu_attention, tuned_for="cpu"),
 }
-TUNED_FOR_DEVICE = {b.tuned_for: b for b in ATTENTION_BACKENDS.values() if b.tuned_for}
+
+
+def use_attention_kernel(model: nn.Module, kernel: Callable) -> None:
+    """The one seam for "run this attention fast": every attention layer of `model` calls
+    `kernel` (a backend's signature) from now on, in place of its config's backend."""
+    for module in model.modules():
+        if callable(getattr(module, "kernel", None)):
+            module.kernel = kernel
 
 
 class MultiHeadAttention(nn.Module):
@@ -249,7 +212,7 @@ class MultiHeadAttention(nn.Module):
         qkv_out = (self.n_head + 2 * self.n_kv_head) * self.head_dim
         self.w_qkv = nn.Linear(config.n_embd, qkv_out, bias=config.bias)
         self.w_o = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.backend = ATTENTION_BACKENDS[config.attention]
+        self.kernel = ATTENTION_BACKENDS[config.attention].attend
         self.qk_norm = config.qk_norm
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -287,9 +250,8 @@ class MultiHeadAttention(nn.Module):
             k = k.repeat_interleave(H // H_kv, dim=1)
             v = v.repeat_interleave(H // H_kv, dim=1)
         # Only eager forms the weights; the fused kernels never materialise them.
-        backend = eager_attention if need_weights else self.backend
         dropout_p = self.dropout if self.training else 0.0
-        y, weights = backend(q, k, v, mask, dropout_p, need_weights)
+        y, weights = (eager_attention if need_weights else self.kernel)(q, k, v, mask, dropout_p, need_weights)
         y = y.transpose(1, 2).reshape(B, T, C)                       # heads side by side
         return self.resid_dropout(self.w_o(y)), weights
 
@@ -306,7 +268,7 @@ class CrossAttention(nn.Module):
         self.w_q = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.w_kv = nn.Linear(config.n_embd, 2 * config.n_embd, bias=config.bias)   # W_K, W_V
         self.w_o = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.backend = ATTENTION_BACKENDS[config.attention]
+        self.kernel = ATTENTION_BACKENDS[config.attention].attend
 
     def forward(self, x, memory, key_padding=None, need_weights: bool = False):
         """x: (B, T, C) decoder states; memory: (B, S, C) encoder output; key_padding:
@@ -317,6 +279,5 @@ class CrossAttention(nn.Module):
         k, v = self.w_kv(memory).view(B, S, 2 * H, D).transpose(1, 2).split([H, H], dim=1)
         mask = Mask(q_start=0, q_len=T, k_pos=torch.arange(S, device=x.device), causal=False,
                     key_padding=key_padding)
-        backend = eager_attention if need_weights else self.backend
-        y, weights = backend(q, k, v, mask, 0.0, need_weights)
+        y, weights = (eager_attention if need_weights else self.kernel)(q, k, v, mask, 0.0, need_weights)
         return self.w_o(y.transpose(1, 2).reshape(B, T, C)), weights

@@ -52,7 +52,7 @@ class DifferentialAttention(nn.Module):
         qkv_out = (self.n_head + 2 * self.n_kv_head) * self.head_dim
         self.w_qkv = nn.Linear(config.n_embd, qkv_out, bias=config.bias)
         self.w_o = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.backend = ATTENTION_BACKENDS[config.attention]
+        self.kernel = ATTENTION_BACKENDS[config.attention]
         self.qk_norm, self.dropout = config.qk_norm, config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
         self.lambda_init = lambda_init(layer_idx)
@@ -108,7 +108,7 @@ class DifferentialAttention(nn.Module):
         halves go through as heads of their own: four attentions of d_k/2 in one call."""
         H = q1.shape[1]
         va, vb = v.chunk(2, dim=-1)
-        backend = eager_attention if need_weights else self.backend
+        backend = eager_attention if need_weights else self.kernel
         dropout_p = self.dropout if self.training else 0.0
         y, w = backend(torch.cat([q1, q1, q2, q2], 1), torch.cat([k1, k1, k2, k2], 1),
                        torch.cat([va, vb, va, vb], 1), mask, dropout_p, need_weights)

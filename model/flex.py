@@ -64,8 +64,8 @@ def fits(q: torch.Tensor) -> bool:
 
 
 # Whether the kernel agreed with the rule, per call signature (shapes, dtype, device,
-# window, bias). Each signature is checked on its first call, against the rule written
-# out on float32 (`_reference`): a kernel fault that padding does not cover, on any
+# window, bias). Each signature is checked on its first call, against the dense path on
+# float32 copies (`_expected`): a kernel fault that padding does not cover, on any
 # device, gives a warning and the dense path instead of wrong numbers.
 _verdicts: dict[tuple, bool] = {}
 # Bounds the check's score matrix (B·H·rows·T elements, 64 MiB of float32): past it the
@@ -137,23 +137,19 @@ def _dense(q, k, v, mask: Mask) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _reference(q, k, v, mask: Mask, rows: torch.Tensor) -> torch.Tensor:
-    """Attention of the query rows `rows` written out in float32: the rule, the bias,
-    softmax, the weighted sum."""
+def _expected(q, k, v, mask: Mask, rows: torch.Tensor) -> torch.Tensor:
+    """The query rows `rows` through the dense path on float32 copies: what the compiled
+    kernel must agree with (tests/test_attention.py holds both to the float64 reference)."""
     q, k, v = (x.detach().float() for x in (q, k, v))
-    keys = torch.arange(k.shape[2], device=q.device)
-    scores = q[:, :, rows] @ k.transpose(-1, -2) / q.shape[-1] ** 0.5      # (B, H, R, T)
-    if mask.bias_fn is not None:
-        scores = scores + mask.bias_fn(rows[:, None], keys[None, :]).float()
-    visible = rule(rows[:, None], keys[None, :], mask.window, mask.n_global)
-    return scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
+    attn_mask = mask.additive(torch.float32) if mask.bias_fn is not None else mask.dense
+    return F.scaled_dot_product_attention(q[:, :, rows], k, v, attn_mask=attn_mask[..., rows, :])
 
 
 def _agrees(q, k, v, mask: Mask, out: torch.Tensor) -> bool:
     B, H, T, _ = q.shape
     n_rows = max(2, min(T, CHECK_ELEMENTS // max(1, B * H * T)))
     rows = torch.linspace(0, T - 1, n_rows, device=q.device).round().long().unique()
-    expected = _reference(q, k, v, mask, rows)
+    expected = _expected(q, k, v, mask, rows)
     got = out.detach()[:, :, rows].float()
     # The output is a weighted mean of the values, so its error scales with them.
     scale = max(1.0, v.detach().abs().amax().item())

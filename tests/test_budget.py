@@ -40,7 +40,7 @@ def test_the_choice_is_the_size_nearest_the_compute_optimal_ratio():
 def test_a_probe_under_load_is_taken_again_and_the_faster_kept():
     """Other programs' load while the machine is measured would choose a smaller model
     for the whole run: the probe is taken again once, and load through both is said."""
-    from common.threads import Reading
+    from engine.machine import Reading
     from engine.budget import probe_again_if_busy
 
     def machine(loads):
@@ -184,22 +184,24 @@ def test_where_it_is_affordable_each_evaluation_reads_the_whole_validation_split
     assert planned.train.eval_iters < planned.train.final_eval_iters
 
 
-@pytest.mark.parametrize("faster", ["float32", "bfloat16"])
-def test_on_a_cpu_with_bf16_the_plan_keeps_the_precision_that_measured_faster(faster, corpus, tmp_path,
-                                                                              monkeypatch):
+@pytest.mark.parametrize("kind", ["avx512-bf16", "no-bf16"])
+def test_the_plan_records_the_kinds_precision_in_the_config(kind, corpus, tmp_path, monkeypatch):
+    """The plan times sizes, not precisions: the precision is the CPU kind's for the
+    chosen width, written into the config, so the run it plans is reproducible."""
     import time
     import engine.budget as budget
-    import engine.device as device
-    from model import precision
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    from engine import machine
+    monkeypatch.setattr(machine, "cpu_kind_name", lambda flags=None: kind)
+    monkeypatch.setattr(machine, "native_bf16", lambda: machine.CPU_KINDS[kind].native_bf16)
+    timed = []
     monkeypatch.setattr(budget, "measure", lambda cfg, dev, dtype, seconds, *data:
-                        30.0 if dtype == device.DTYPES[faster] else 20.0)
+                        timed.append(dtype) or 20.0)
     cfg = cli.build("cpu", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
                             "--train.device=cpu"])
-    lines = []
-    planned = budget.plan(cfg, 120.0, time.perf_counter(), log=lines.append).train
-    assert planned.dtype == faster
-    assert any(line.startswith(f"precision: {faster}") for line in lines)
+    planned = budget.plan(cfg, 120.0, time.perf_counter(), log=lambda line: None)
+    expected = machine.pick_dtype("auto", torch.device("cpu"), planned.model.n_embd)
+    assert planned.train.dtype == str(expected).removeprefix("torch.")
+    assert timed[-1] == expected                         # the chosen model, in its precision
 
 
 def test_the_probe_times_real_text_with_the_vocabulary_ranked(corpus, tmp_path, monkeypatch):

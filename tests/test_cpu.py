@@ -116,13 +116,12 @@ BENCH_WITHOUT_THE_CHECK = {"capability.py", "flex_cpu_repro.py"}
 @X86
 @pytest.mark.parametrize("code", ["import engine.run", "from data.tokens import load_tokens",
                                   "import attnlab.lens"])
-def test_importing_the_packages_from_a_notebook_raises_naming_it(tmp_path, code):
-    """A notebook that imports engine/ or data/ before attnlab/ is told too, before torch
-    runs a kernel (model/ stays torch alone: it is checked by whoever imports it)."""
+def test_importing_the_packages_checks_nothing(tmp_path, code):
+    """Importing is not starting: a notebook that imports engine/, data/ or attnlab/
+    is not refused (the scripts and `python -m` tools check as they start)."""
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                           text=True, env=IGNORED, timeout=120)
-    assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1] == "ImportError: " + REFUSED[len("error: "):].strip()
+    assert proc.returncode == 0 and "error:" not in proc.stderr
 
 
 @X86
@@ -148,3 +147,20 @@ def test_a_bench_script_refuses_it_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "train_speed.py"), "--help"],
                           cwd=tmp_path, capture_output=True, text=True, env=IGNORED, timeout=120)
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", REFUSED)
+
+
+def test_threads_wait_asleep_only_when_other_work_holds_the_cpu():
+    """How threads wait, chosen as a script starts: passive where other work holds half a
+    core; nothing where the machine is quiet, unreadable, torch uses one thread, or the
+    user said how threads wait. The line says the numbers stay the same."""
+    from common.cpu import wait_passively_if_busy
+    env = {}
+    line = wait_passively_if_busy(env, busy=lambda: 1.2)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"} and "1.2" in line and "the same numbers" in line
+    for load in (0.1, None):                                   # quiet, or no /proc/stat
+        env = {}
+        assert wait_passively_if_busy(env, busy=lambda: load) is None and env == {}
+    for given in ({"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "1,2"},
+                  {"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "1000"}):
+        env = dict(given)
+        assert wait_passively_if_busy(env, busy=lambda: 2.0) is None and env == given

@@ -41,8 +41,8 @@ def test_grouped_muon_steps_as_torchs_muon_does_and_shares_its_checkpoints(neste
     ours iterates in fp32, and so does the reference: torch's Muon with its one cast to
     bf16 (`grad.bfloat16()`) made an fp32 copy instead."""
     from engine.optim import GroupedMuon
-    from model import precision
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+    from engine import machine as precision
+    monkeypatch.setattr(precision, "native_bf16", lambda: native)
     shapes = [(12, 8), (8, 12), (8, 8), (12, 8), (8, 12), (16, 8)]
     g = torch.Generator().manual_seed(0)
     start = [torch.randn(s, generator=g) for s in shapes]
@@ -95,13 +95,13 @@ def test_without_native_bf16_newton_schulz_is_fp32_to_its_float64_reference(monk
     fp32's rounding (measured 1.5e-6 of the largest entry; bf16's would be 3.4e-2). With
     native bf16 they run in bf16, as torch's Muon does, within bf16's rounding."""
     from engine.optim import newton_schulz, newton_schulz_dtype
-    from model import precision
+    from engine import machine as precision
     g = torch.randn(3, 8, 24, generator=torch.Generator().manual_seed(0))
     coefficients, steps, eps = (3.4445, -4.7750, 2.0315), 5, 1e-7
     ref = np.stack([newton_schulz_float64(m, coefficients, steps, eps) for m in g.double().numpy()])
     cpu = torch.device("cpu")
     for native, tolerance in ((False, 1e-5), (True, 6e-2)):
-        monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+        monkeypatch.setattr(precision, "native_bf16", lambda: native)
         out = newton_schulz(g, coefficients, steps, eps, newton_schulz_dtype(cpu))
         assert out.dtype == (torch.bfloat16 if native else torch.float32)
         assert np.abs(out.double().numpy() - ref).max() <= tolerance * np.abs(ref).max()
@@ -132,8 +132,8 @@ def test_without_native_bf16_a_training_step_runs_no_bf16_matmul(native, corpus,
     the layers, attention and Muon's Newton-Schulz iterations are fp32. With native bf16
     forced on, the same recorder sees bf16 matmuls in the layers and in Newton-Schulz."""
     import engine.device
-    from model import precision
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+    from engine import machine as precision
+    monkeypatch.setattr(precision, "native_bf16", lambda: native)
     monkeypatch.setattr(engine.device, "peak_flops", lambda *a: None)   # no matmul probe
     cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
                              f"--train.out_dir={tmp_path / 'r'}", "--train.run_name=bf16",

@@ -513,17 +513,16 @@ def test_a_tool_that_refuses_its_input_leaves_no_figures_folder(run20, tmp_path,
 @pytest.mark.parametrize("native", [True, False])
 def test_a_resume_of_auto_keeps_the_precision_its_checkpoint_trained_in(run20, tmp_path, monkeypatch,
                                                                         native):
-    """`auto` weighs a timed probe on a CPU, and one taken beside other work can tip it
-    the other way; a resume then computed in another precision than the run it goes on
-    with. It keeps the recorded one where this CPU computes it natively, else picks anew;
+    """A checkpoint trained on a CPU of another kind (or before the kind decided) goes on
+    in the precision it recorded where this CPU computes it natively, else picks anew;
     a precision named on the command line wins."""
-    from model import precision
+    from engine import machine as precision
     copy = copy_of(run20, tmp_path)
     ckpt = checkpoint.list_checkpoints(copy)[-1]
     state = json.loads((ckpt / "state.json").read_text())
     assert state["autocast"] == "float32"                   # recorded at each save
     (ckpt / "state.json").write_text(json.dumps({**state, "autocast": "bfloat16"}))
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(precision, "native_bf16", lambda: native)
     for overrides, expected in [({}, torch.bfloat16 if native else torch.float32),
                                 ({"dtype": "float32"}, torch.float32)]:
         cfg, run_dir, found = resume_config(str(copy), str(copy), {"train": overrides})

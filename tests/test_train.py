@@ -82,16 +82,16 @@ def test_sample_streams_text_from_the_run(trained):
 def test_sample_says_bf16_weights_are_emulated_in_the_words_training_uses(trained, monkeypatch):
     """Held to AVX2 (as on a CPU without native bf16), bf16 asked for by name is kept,
     and sample.py's line says what it costs as train.py's set-up line does."""
-    from engine.device import precision_note
-    from model import precision
+    from engine import machine
     _, run_dir, _ = trained
     proc = run_script("sample.py", "--run", run_dir, "--dtype", "bfloat16", "--max_new_tokens", "2",
                       env={"ATEN_CPU_CAPABILITY": "avx2"})
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(machine, "native_bf16", lambda: False)
     cpu = torch.device("cpu")
-    note = precision_note(cpu, torch.bfloat16, "sample.dtype")
-    assert f"bfloat16 weights{note}, decode" in proc.stderr
-    assert note.replace("sample.dtype", "train.dtype") == precision_note(cpu, torch.bfloat16)
+    note = machine.why_dtype(cpu, torch.bfloat16, "bfloat16", 32, "sample.dtype")
+    assert f"bfloat16 weights{note}, attention" in proc.stderr
+    assert note.replace("sample.dtype", "train.dtype") == machine.why_dtype(
+        cpu, torch.bfloat16, "bfloat16", 32)
     assert "emulated: this CPU has no native bf16" in note and "sample.dtype=auto" in note
 
 

@@ -1,0 +1,325 @@
+"""The machine in one room: every choice that depends on the hardware a run is on.
+
+model/ holds the mathematics and runs as written wherever torch runs. What makes it fast
+here is chosen in this module, once, when a run starts, from its config and the kind of
+machine, never from a timing or the load: the same command gives the same numbers on a
+quiet machine and a busy one.
+
+* the CPU's kind (`CPU_KINDS`): whether it computes bf16 natively, and from what model
+  width bf16 pays to train and to sample; `pick_dtype` reads it;
+* the thread count (`fix_threads`): decided at the start, recorded in the run's config
+  (train.threads) and reused on resume; it never changes while a run trains;
+* the attention kernel the model runs (`fit_attention`), handed to it when it is placed
+  on its device through model.attention.use_attention_kernel;
+* torch.compile and the folder its kernels are cached in (`compiled`);
+* the machine's load, read by --budget to plan (`read_machine`), never to decide numerics.
+
+The ATEN_CPU_CAPABILITY check each script makes before anything else is common/cpu.py's
+(`check_capability`), on the ground floor, because it must run before torch loads.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from common.cpu import cpu_flags, cpu_ticks
+from common.errors import ConfigError
+from model.attention import (ATTENTION_BACKENDS, banded_attention, flex_attention,
+                             sdpa_attention, sdpa_mask, use_attention_kernel)
+from model.flex import CUDA_MIN_HEAD_DIM
+from model.mask import Mask
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# --- The CPU's kind ----------------------------------------------------------------------
+# Settings that hold torch to AVX2 or less on any CPU, the way bench/cpu_kinds.py makes
+# an AVX-512 machine stand in for an AVX2 one: ATen's kernels (ATEN_CPU_CAPABILITY) and
+# oneDNN's (ONEDNN_MAX_CPU_ISA, formerly DNNL_MAX_CPU_ISA).
+ATEN_BELOW_AVX512 = ("default", "avx2")
+ONEDNN_BELOW_AVX512 = ("sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2")
+
+
+def held_below_avx512(env=os.environ) -> bool:
+    """Whether the environment holds torch's CPU kernels to AVX2 or less."""
+    aten = env.get("ATEN_CPU_CAPABILITY", "")        # torch reads it exactly: "AVX2" is ignored
+    onednn = (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "").strip().lower()
+    return aten in ATEN_BELOW_AVX512 or onednn in ONEDNN_BELOW_AVX512
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """True where torch sends bf16 matmuls to oneDNN's bf16 kernels: the test ATen makes
+    itself (torch.ops.mkldnn._is_mkldnn_bf16_supported), and False where the environment
+    holds torch to AVX2. Decided once per process, as torch decides it."""
+    if held_below_avx512():
+        return False
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(torch.backends.mkldnn.is_available() and check is not None and check())
+    except RuntimeError:              # a build without oneDNN's ops
+        return False
+
+
+@dataclass(frozen=True)
+class CpuKind:
+    """A kind of CPU and the precision facts measured on it (docs/benchmarks.md, `numbers`)."""
+    native_bf16: bool
+    train_bf16_from: int | None     # bf16 autocast from this model width (n_embd); None: never
+    decode_bf16_from: int | None    # bf16 weights to sample from this width; None: never
+    why: str                        # the sentence the device line gives
+    numbers: str                    # the docs/benchmarks.md section with the measurements
+
+
+CPU_KINDS = {
+    # AMX tiles make bf16 matmuls several times fp32's even for small models, but its bf16
+    # matrix-vector products (one token at a time) gain on fp32's only at 2,048 wide.
+    "amx": CpuKind(True, 64, 2048, "AMX: bf16 matmuls several times fp32's",
+                   "The figures behind other thresholds in the code"),
+    # Zen 4's bf16 dot products: a speedrun-sized model (3 x 64) trains faster in bf16
+    # with attention as two bf16 matmuls; a token's row of products pays from 384 wide.
+    "avx512-bf16": CpuKind(True, 64, 384, "AVX-512 BF16: bf16 dot products in hardware",
+                           "The figures behind other thresholds in the code"),
+    # A CPU with native bf16 of another kind (ARM's BF16), or a Zen 4 with slow bf16: bf16
+    # only where arithmetic, not overhead, sets the time.
+    "native-bf16": CpuKind(True, 256, None, "native bf16",
+                           "The figures behind other thresholds in the code"),
+    # Without native bf16 torch emulates a bf16 matmul element by element, some 30 times
+    # slower than fp32: nothing is computed in bf16 at all.
+    "no-bf16": CpuKind(False, None, None, "no native bf16: torch would emulate it",
+                       "AVX2: what the project does differently, and why"),
+}
+
+
+def cpu_kind_name(flags: set[str] | None = None) -> str:
+    """This CPU's entry in CPU_KINDS, from torch's bf16 check and the CPU's flags."""
+    if not native_bf16():
+        return "no-bf16"
+    flags = cpu_flags() if flags is None else flags
+    if flags and "amx_bf16" in flags:
+        return "amx"
+    if flags and "avx512_bf16" in flags:
+        return "avx512-bf16"
+    return "native-bf16"
+
+
+def cpu_kind() -> CpuKind:
+    return CPU_KINDS[cpu_kind_name()]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision this CPU computes work asked of in `dtype` in: fp32 in place of bf16
+    where bf16 would be emulated (Muon's iterations and the decode probe follow it)."""
+    return torch.float32 if dtype == torch.bfloat16 and not native_bf16() else dtype
+
+
+def describe_cpu() -> str:
+    """The kernels torch runs here and this CPU's kind, for the set-up line."""
+    return f"{torch.backends.cpu.get_cpu_capability()}, {cpu_kind_name()} kind"
+
+
+# --- Precision -----------------------------------------------------------------------------
+def pick_dtype(name: str, device: torch.device, n_embd: int = 0,
+               decoding: bool = False) -> torch.dtype:
+    """The autocast precision (for `decoding`, the precision weights are held in to
+    sample). auto: bf16 on GPUs that have it (fp16 on older ones); on a CPU, what its
+    kind's entry says for this width; fp32 on MPS. A precision named is kept, even bf16
+    where it is emulated (to study its rounding: why_dtype says what it costs)."""
+    if name != "auto":
+        dtype = DTYPES[name]
+        if dtype == torch.float16 and device.type == "cpu":
+            raise ConfigError("float16 autocast is for GPUs; on the CPU use bfloat16 or float32")
+        if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ConfigError("this GPU has no bfloat16; use train.dtype=float16 or float32")
+        return dtype
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type != "cpu":
+        return torch.float32
+    kind = cpu_kind()
+    start = kind.decode_bf16_from if decoding else kind.train_bf16_from
+    return torch.bfloat16 if start is not None and n_embd >= start else torch.float32
+
+
+def why_dtype(device: torch.device, dtype: torch.dtype, name: str, n_embd: int,
+              option: str = "train.dtype") -> str:
+    """Why the precision is what it is, for the device line: the same words on any load."""
+    if device.type != "cpu":
+        return "" if name == "auto" else f" ({option}={name})"
+    if name != "auto":
+        emulated = compute_dtype(dtype) != dtype
+        return (f" ({option}={name}" + ("; emulated: this CPU has no native bf16, so its bf16 "
+                f"matmuls run many times slower than fp32; {option}=auto uses float32 here"
+                if emulated else "") + ")")
+    kind = cpu_kind()
+    start = kind.train_bf16_from if option == "train.dtype" else kind.decode_bf16_from
+    rule = f"bf16 from {start} wide" if start is not None else "never bf16"
+    return f" ({kind.why}: {rule}; {n_embd} wide)"
+
+
+# --- Threads ---------------------------------------------------------------------------------
+def threads_from_env(env=os.environ) -> int | None:
+    """The thread count OMP_NUM_THREADS asks for (its first number); None where unset."""
+    first = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else None
+
+
+def fix_threads(train_cfg, say: Callable[[str], None] = print, env=os.environ) -> int:
+    """torch's thread count for the whole run. train.threads=0 is decided now, from
+    OMP_NUM_THREADS or else the cores torch would use, and written into the config so the
+    run records it; a number already there (a resumed run's, or given) is used as it is,
+    because a sum split over another number of threads rounds differently and the losses
+    would no longer be those of the run that never stopped. Returns the count."""
+    asked = threads_from_env(env)
+    if not train_cfg.threads:
+        train_cfg.threads = asked or torch.get_num_threads()
+    elif asked is not None and asked != train_cfg.threads:
+        say(f"threads: {train_cfg.threads}, as the run's config records (train.threads), not "
+            f"the {asked} OMP_NUM_THREADS asks for, so the numbers are the run's own; give "
+            f"--train.threads={asked} to change it")
+    torch.set_num_threads(train_cfg.threads)
+    return train_cfg.threads
+
+
+# --- Attention ---------------------------------------------------------------------------------
+# bf16 on a CPU with native bf16: the formula as two bf16 batched matmuls is faster than
+# torch's bf16 kernel and than the formula written out (eager) up to this many scores per
+# batch row and head; past it torch's kernel wins, and the scores would fill memory
+# (docs/benchmarks.md, "CPU attention routes (model/cpu_kernels.py)").
+CPU_MATMUL_MAX_SCORES = 512 * 1024
+# A one-query decoding step pays the matmuls' fixed cost; over a cache of up to this many
+# elements of K, fp32 copies through torch's kernel are faster (the same section).
+CPU_FP32_MAX_DECODE_KEYS = 2 ** 18
+# Banded attention pays once the band (2·W keys per block of W queries) is a small share
+# of the T keys a masked dense kernel reads; at T = 4·W (context 128, a window of 32, the
+# README's example) the dense path was faster, in fp32 and far more in bf16
+# (docs/benchmarks.md, "The machine room (2026-12-05)").
+BAND_PAYS_FROM = 16                 # T / W
+
+
+def two_matmuls(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
+    """eager_attention's formula, fused for bf16 on a CPU: the scale and the mask (the
+    one rule's additive form) go into the first matmul (baddbmm, one oneDNN call) and
+    the softmax reads bf16 scores (fp32 inside). Tested equal to eager_attention and to
+    the float64 reference; torch's kernel directly where the matmuls do not pay."""
+    *lead, Tq, D = q.shape
+    Tk = k.shape[-2]
+    if need_weights or Tq * Tk > CPU_MATMUL_MAX_SCORES:
+        attn_mask, is_causal = sdpa_mask(mask, q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal), None
+    if Tq == 1 and k.numel() <= CPU_FP32_MAX_DECODE_KEYS:
+        return fp32_copies(q, k, v, mask, dropout_p)
+    bias = torch.zeros((), dtype=q.dtype) if mask.sees_everything and mask.bias is None \
+        else mask.additive(q.dtype)
+    if bias.dim() > 2:                 # per batch row or head: one (Tq, Tk) per matmul
+        bias = bias.expand(*lead, Tq, Tk).reshape(-1, Tq, Tk)
+    scores = torch.baddbmm(bias, q.reshape(-1, Tq, D), k.reshape(-1, Tk, D).transpose(1, 2),
+                           alpha=1 / math.sqrt(D))
+    weights = F.dropout(torch.softmax(scores, dim=-1), dropout_p)
+    return torch.bmm(weights, v.reshape(-1, Tk, v.shape[-1])).view(*lead, Tq, v.shape[-1]), None
+
+
+def fp32_copies(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
+    """torch's kernel on fp32 copies: bf16 where this CPU would emulate it, and decoding
+    steps over a short cache."""
+    attn_mask, is_causal = sdpa_mask(mask, torch.float32)
+    with torch.autocast("cpu", enabled=False):
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=attn_mask,
+                                             dropout_p=dropout_p, is_causal=is_causal)
+    return out.to(q.dtype), None
+
+
+def attention_kernel(model_cfg, device: torch.device, dtype: torch.dtype) -> Callable:
+    """The kernel `auto` runs, chosen once for this model, device and precision."""
+    window, T = model_cfg.sliding_window, model_cfg.block_size
+    if window and T >= BAND_PAYS_FROM * window:       # long enough for the band to pay
+        if device.type == "cuda" and model_cfg.dropout == 0 and model_cfg.head_dim >= CUDA_MIN_HEAD_DIM:
+            return flex_attention            # block-sparse: skips the tiles the window hides
+        return banded_attention
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        return two_matmuls if native_bf16() else fp32_copies
+    return sdpa_attention
+
+
+def fit_attention(model, model_cfg, device: torch.device, dtype: torch.dtype) -> str:
+    """Hand the model the attention kernel for this machine where its config says `auto`
+    (a backend named is kept as it is); returns the kernel's name for the device line.
+    FlexAttention compiles when first called, so its cache folder is set here too."""
+    compile_cache_folder()
+    if ATTENTION_BACKENDS.get(model_cfg.attention) is not ATTENTION_BACKENDS["auto"]:
+        return model_cfg.attention
+    kernel = attention_kernel(model_cfg, device, dtype)
+    use_attention_kernel(model, kernel)
+    return kernel.__name__.removesuffix("_attention")
+
+
+# --- Compile ---------------------------------------------------------------------------------
+# The tail given to torch.compile's cache folder under ATEN_CPU_CAPABILITY=VALUE.
+CACHE_TAIL = "-aten-"
+
+
+def compile_cache_folder(env=os.environ) -> str:
+    """Point torch.compile's cache (TORCHINDUCTOR_CACHE_DIR) at a folder of its own for each
+    ATEN_CPU_CAPABILITY, and return it. The compiler writes its CPU kernels for the vector
+    width that setting asks for, but its cache does not tell them apart: a kernel built
+    under `avx2` and then loaded by a run without it corrupted memory and killed that run
+    ("double free or corruption"). A folder given keeps its place, with the tail added."""
+    import getpass
+    import re
+    import tempfile
+    base = env.get("TORCHINDUCTOR_CACHE_DIR")
+    if not base:
+        # torch's own default (torch._inductor.runtime.cache_dir_utils.default_cache_dir),
+        # written out: importing that module costs a second.
+        try:
+            user = getpass.getuser()
+        except (KeyError, ModuleNotFoundError, OSError):
+            user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+        base = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    base = re.sub(re.escape(CACHE_TAIL) + r"[A-Za-z0-9_]+$", "", base)   # a parent's tail
+    env["TORCHINDUCTOR_CACHE_DIR"] = f"{base}{CACHE_TAIL}{env.get('ATEN_CPU_CAPABILITY') or 'auto'}"
+    return env["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def compiled(module, on: bool):
+    """torch.compile(module) where `on`, after its cache folder is set; else the module."""
+    if not on:
+        return module
+    compile_cache_folder()
+    return torch.compile(module)
+
+
+# --- The machine's load: read by --budget to plan, never to decide numerics -----------------
+HELD = 0.4      # other work, in cores, that holds a core (a quiet machine reads about 0.1)
+
+
+class Reading(NamedTuple):
+    """One look: wall seconds, the machine's busy and all clock ticks, this process's CPU
+    seconds (all its threads)."""
+    wall: float
+    busy: int
+    total: int
+    own: float
+
+
+def read_machine(stat: str = "/proc/stat") -> Reading | None:
+    """A Reading now; None where /proc/stat cannot be read (not Linux)."""
+    ticks = cpu_ticks(stat)
+    return None if ticks is None else Reading(time.perf_counter(), *ticks, time.process_time())
+
+
+def other_cores(before: Reading | None, after: Reading | None, cores: int | None = None) -> float | None:
+    """Cores' worth of other programs' work between two readings: the machine's work less
+    this process's own."""
+    cores = cores or os.cpu_count() or 1
+    if before is None or after is None or after.total <= before.total or after.wall <= before.wall:
+        return None
+    machine = cores * (after.busy - before.busy) / (after.total - before.total)
+    return max(0.0, machine - (after.own - before.own) / (after.wall - before.wall))

@@ -1,0 +1,345 @@
+"""engine/machine.py: the machine in one room. Its attention kernels equal the formula
+(eager_attention) and the float64 reference; `auto` is chosen once, from the config and
+the machine's kind, and handed to the model through its one seam; precision and threads
+are decided from facts, never from a timing or the load, so the same command gives the
+same numbers on a quiet and a busy machine, and across a kill -9 and a resume."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import machine
+from model.attention import eager_attention, sdpa_attention, banded_attention, flex_attention
+from model.config import ModelConfig
+from model.mask import Mask
+from reference import attention as reference_attention, mask_rule
+from test_attention import MASKS, _inputs
+
+ROOT = Path(__file__).resolve().parent.parent
+F = torch.nn.functional
+
+
+@pytest.fixture
+def native_bf16(monkeypatch):
+    """The room's kernels as on a CPU with native bf16, whatever this one has: their
+    arithmetic is the same, only slower where bf16 is emulated."""
+    monkeypatch.setattr(machine, "native_bf16", lambda: True)
+
+
+# --- the kernels against the formula -----------------------------------------------------
+@pytest.mark.parametrize("position", ["none", "alibi"])
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+@pytest.mark.parametrize("kernel", [machine.two_matmuls, machine.fp32_copies], ids=lambda k: k.__name__)
+def test_the_bf16_kernels_equal_the_formula_and_the_float64_reference(kernel, mask_name, position):
+    """Every mask (causal, a chunk after a cache, a decoding step, a window, global tokens)
+    and ALiBi's bias, forward and backward: within bf16's rounding of the formula in
+    float64 on the same rounded inputs, and of eager_attention itself run in bf16. Scores
+    in bf16 keep 8 bits, so the bound is 1% of the norm; a lost 1/√d_k, a hidden diagonal
+    or an inverted mask is 10-100x beyond it."""
+    q_start, q_len, k_len, window, n_global = MASKS[mask_name]
+    q64, k64, v64, _, bias_fn = _inputs(MASKS[mask_name], position)
+    q, k, v = (t.bfloat16().requires_grad_() for t in (q64, k64, v64))
+    mask = Mask.over(q_start, q_len, k_len, window=window, n_global=n_global, bias_fn=bias_fn)
+    allowed = mask_rule(range(q_start, q_start + q_len), range(k_len), window, n_global)
+    bias = None if mask.bias is None else mask.bias.double().numpy()
+    ref, _, backward = reference_attention(*(t.detach().double().numpy() for t in (q, k, v)),
+                                           allowed, bias)
+    out, _ = kernel(q, k, v, mask)
+    formula, _ = eager_attention(q.detach(), k.detach(), v.detach(), mask)
+    assert out.dtype == torch.bfloat16
+    rel = lambda x, r: np.linalg.norm(x.detach().double().numpy() - r) / np.linalg.norm(r)
+    assert rel(out, ref) < 1e-2
+    assert rel(out, formula.double().numpy()) < 1e-2
+    d_out = torch.from_numpy(np.random.default_rng(1).standard_normal(ref.shape)).bfloat16()
+    out.backward(d_out)
+    for name, t, expected in zip("qkv", (q, k, v), backward(d_out.double().numpy())):
+        assert rel(t.grad, expected) < 2e-2, name
+
+
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+def test_the_kernels_in_fp32_equal_the_float64_reference(mask_name):
+    """Handed fp32 (a layer autocast leaves in fp32), the kernels are exact to fp32."""
+    q_start, q_len, k_len, window, n_global = MASKS[mask_name]
+    q64, k64, v64, _, _ = _inputs(MASKS[mask_name], "none")
+    mask = Mask.over(q_start, q_len, k_len, window=window, n_global=n_global)
+    allowed = mask_rule(range(q_start, q_start + q_len), range(k_len), window, n_global)
+    ref, _, _ = reference_attention(q64.numpy(), k64.numpy(), v64.numpy(), allowed)
+    for kernel in (machine.two_matmuls, machine.fp32_copies):
+        out, _ = kernel(q64.float(), k64.float(), v64.float(), mask)
+        np.testing.assert_allclose(out.numpy(), ref, atol=2e-5, rtol=1e-5, err_msg=kernel.__name__)
+
+
+# (q_len, k_len, route): bf16 takes two matmuls up to 512 x 1,024 scores per row and head,
+# except a one-query step over at most 2^18 elements of K (8,192 keys of 2 x 16 here),
+# which takes torch's kernel on fp32 copies; beyond, torch's kernel in bf16.
+ROUTES = [(64, 64, "matmuls"), (1, 300, "fp32"), (1, 8192, "fp32"), (1, 8193, "matmuls"),
+          (512, 1024, "matmuls"), (513, 1024, "torch"), (1024, 1024, "torch")]
+
+
+@pytest.mark.parametrize("q_len,k_len,route", ROUTES)
+def test_two_matmuls_takes_the_route_its_length_pays_for(q_len, k_len, route):
+    """Each route told apart by its output: the fp32 route equals torch's fp32 kernel
+    rounded, the torch route torch's kernel in bf16, and the matmuls neither."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 16, dtype=torch.bfloat16) for n in (q_len, k_len, k_len))
+    mask = Mask.over(k_len - q_len, q_len, k_len)
+    out, _ = machine.two_matmuls(q, k, v, mask)
+    kernel_mask = dict(is_causal=True) if q_len == k_len else dict(attn_mask=mask.dense)
+    as_is = F.scaled_dot_product_attention(q, k, v, **kernel_mask)
+    as_fp32 = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kernel_mask).bfloat16()
+    if route == "torch":
+        assert torch.equal(out, as_is)
+    elif route == "fp32":
+        assert not torch.equal(as_fp32, as_is) and torch.equal(out, as_fp32)
+    else:
+        assert not torch.equal(out, as_is) and not torch.equal(out, as_fp32)
+
+
+def test_two_matmuls_drops_weights_in_training_only():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 32, 16).bfloat16() for _ in range(3))
+    mask = Mask.over(0, 32, 32)
+    drop = lambda p: machine.two_matmuls(q, k, v, mask, p)[0]
+    assert not torch.equal(drop(0.5), drop(0.5)) and torch.equal(drop(0.0), drop(0.0))
+
+
+# --- auto: chosen once, handed through the seam -----------------------------------------------
+def _cfg(T=128, **kw):
+    return ModelConfig(**{"vocab_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32,
+                          "block_size": T, **kw})
+
+
+@pytest.mark.parametrize("device,dtype,window,T,native,expected", [
+    ("cpu", torch.float32, 0, 128, True, sdpa_attention),
+    ("cpu", torch.bfloat16, 0, 128, True, machine.two_matmuls),
+    ("cpu", torch.bfloat16, 0, 128, False, machine.fp32_copies),
+    # the README's window example, context 128 and a window of 32: the dense path
+    ("cpu", torch.float32, 32, 128, True, sdpa_attention),
+    ("cpu", torch.bfloat16, 32, 128, True, machine.two_matmuls),
+    ("cpu", torch.float32, 32, 32 * machine.BAND_PAYS_FROM - 1, True, sdpa_attention),
+    ("cpu", torch.float32, 32, 32 * machine.BAND_PAYS_FROM, True, banded_attention),
+    ("cuda", torch.bfloat16, 0, 128, True, sdpa_attention),
+    ("cuda", torch.bfloat16, 32, 32 * machine.BAND_PAYS_FROM, True, flex_attention),
+    ("cuda", torch.bfloat16, 32, 128, True, sdpa_attention)])
+def test_auto_takes_the_band_only_where_it_pays_and_the_cpu_kernel_for_bf16(
+        device, dtype, window, T, native, expected, monkeypatch):
+    monkeypatch.setattr(machine, "native_bf16", lambda: native)
+    cfg = _cfg(T=T, sliding_window=window, n_embd=64, n_head=2)
+    assert machine.attention_kernel(cfg, torch.device(device), dtype) is expected
+
+
+def _calls_from_forward(layer, x, positions, mask, need_weights=False):
+    """The Python calls on the way from MultiHeadAttention.forward to torch's
+    scaled_dot_product_attention or baddbmm, or to eager_attention: the forward itself
+    counted as 0, so a kernel its forward calls directly is 1 call away."""
+    paths, stack = [], []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            stack.append(frame.f_code.co_name)
+        elif event == "return" and stack:
+            stack.pop()
+        elif event == "c_call" and getattr(arg, "__name__", "") in (
+                "scaled_dot_product_attention", "baddbmm") and "forward" in stack:
+            paths.append(stack[len(stack) - stack[::-1].index("forward"):] + [arg.__name__])
+        if event == "call" and frame.f_code.co_name == "eager_attention":
+            paths.append(stack[len(stack) - stack[::-1].index("forward"):])
+    sys.setprofile(profile)
+    try:
+        layer(x, positions, mask, need_weights=need_weights)
+    finally:
+        sys.setprofile(None)
+    return paths
+
+
+@pytest.mark.parametrize("kernel,path", [
+    (sdpa_attention, ["sdpa_attention", "scaled_dot_product_attention"]),
+    (machine.two_matmuls, ["two_matmuls", "baddbmm"])])
+def test_forward_reaches_the_formula_in_one_call_and_the_kernel_in_two(kernel, path):
+    """What a learner counts with a profiler: the engine's kernel, handed over once by
+    use_attention_kernel, is forward's own call, and it calls torch directly."""
+    from model import GPT
+    from model.attention import MultiHeadAttention, use_attention_kernel
+    model = GPT(_cfg(T=16, position="none"))
+    use_attention_kernel(model, kernel)
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    assert layers and all(m.kernel is kernel for m in layers)
+    x = torch.randn(1, 16, 32, dtype=torch.bfloat16)
+    positions = model.positions
+    layer = layers[0].to(torch.bfloat16)
+    mask = Mask.over(0, 16, 16)
+    assert _calls_from_forward(layer, x, positions, mask) == [path]
+    assert _calls_from_forward(layer, x, positions, mask, need_weights=True) == [["eager_attention"]]
+
+
+def test_fit_attention_keeps_a_backend_named_and_replaces_auto(native_bf16):
+    from model import GPT
+    from model.attention import MultiHeadAttention
+    cpu = torch.device("cpu")
+    named = GPT(_cfg(attention="eager"))
+    assert machine.fit_attention(named, named.config, cpu, torch.bfloat16) == "eager"
+    assert all(m.kernel is eager_attention for m in named.modules() if isinstance(m, MultiHeadAttention))
+    auto = GPT(_cfg())
+    assert machine.fit_attention(auto, auto.config, cpu, torch.bfloat16) == "two_matmuls"
+
+
+# --- precision from the kind, threads from the config ------------------------------------------
+@pytest.mark.parametrize("flags,native,kind", [
+    ({"avx512f", "avx512_bf16", "amx_bf16"}, True, "amx"), ({"avx512f", "avx512_bf16"}, True, "avx512-bf16"),
+    ({"asimd", "bf16"}, True, "native-bf16"), ({"avx2"}, False, "no-bf16"),
+    ({"avx512f", "avx512_bf16"}, False, "no-bf16")])
+def test_the_cpu_kind_comes_from_its_flags_and_torchs_bf16_check(flags, native, kind, monkeypatch):
+    monkeypatch.setattr(machine, "native_bf16", lambda: native)
+    assert machine.cpu_kind_name(flags) == kind
+    assert machine.CPU_KINDS[kind].native_bf16 is native
+
+
+@pytest.mark.parametrize("kind", sorted(machine.CPU_KINDS))
+def test_auto_precision_on_a_cpu_is_its_kinds_fact_and_times_nothing(kind, monkeypatch):
+    """The same width on the same kind gives the same precision whatever the load: no
+    probe runs (each is made to fail), and the widths follow the kind's entry."""
+    from engine import device
+    monkeypatch.setattr(machine, "cpu_kind_name", lambda flags=None: kind)
+    monkeypatch.setattr(machine, "native_bf16", lambda: machine.CPU_KINDS[kind].native_bf16)
+    monkeypatch.setattr(device, "probe_cpu_flops", lambda *a: pytest.fail("a probe ran"))
+    monkeypatch.setattr(time, "perf_counter", lambda: pytest.fail("something was timed"))
+    entry, cpu = machine.CPU_KINDS[kind], torch.device("cpu")
+    for decoding, start in ((False, entry.train_bf16_from), (True, entry.decode_bf16_from)):
+        for width in (32, 64, 128, 256, 384, 2048):
+            bf16 = start is not None and width >= start
+            assert machine.pick_dtype("auto", cpu, width, decoding) == (
+                torch.bfloat16 if bf16 else torch.float32), (decoding, width)
+        assert not (start is not None and not entry.native_bf16)   # never bf16 emulated
+
+
+def test_threads_are_decided_once_recorded_and_kept_with_one_line_where_the_env_differs(monkeypatch):
+    from engine.config import TrainConfig
+    said, before = [], torch.get_num_threads()
+    try:
+        cfg = TrainConfig()
+        assert machine.fix_threads(cfg, said.append, env={"OMP_NUM_THREADS": "1"}) == 1
+        assert cfg.threads == 1 and torch.get_num_threads() == 1 and not said
+        cfg = TrainConfig(threads=2)                 # a resumed run's recorded count
+        assert machine.fix_threads(cfg, said.append, env={"OMP_NUM_THREADS": "1"}) == 2
+        assert torch.get_num_threads() == 2 and len(said) == 1
+        assert said[0].startswith("threads: 2, as the run's config records (train.threads)")
+        assert machine.fix_threads(TrainConfig(threads=2), said.append, env={}) == 2 and len(said) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_importing_the_packages_changes_no_environment_variable():
+    code = ("import os, json; before = dict(os.environ)\n"
+            "import model, data, engine, attnlab, engine.run, engine.machine, engine.loop\n"
+            "print(json.dumps({k: v for k, v in os.environ.items() if before.get(k) != v}))")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == {}
+
+
+def test_each_cpu_capability_compiles_into_a_cache_of_its_own(tmp_path):
+    """torch.compile's cache does not tell kernels built for AVX2 from AVX-512 ones: a
+    compiled FlexAttention built under ATEN_CPU_CAPABILITY=avx2, loaded by a run without
+    it, died of "double free or corruption". Each capability gets a folder of its own,
+    set where the engine compiles."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    assert machine.compile_cache_folder({}) == default_cache_dir() + "-aten-auto"
+    assert machine.compile_cache_folder({"ATEN_CPU_CAPABILITY": "avx2"}) == default_cache_dir() + "-aten-avx2"
+    given = str(tmp_path / "c")
+    for env, expected in [({"TORCHINDUCTOR_CACHE_DIR": given}, given + "-aten-auto"),
+                          ({"TORCHINDUCTOR_CACHE_DIR": given, "ATEN_CPU_CAPABILITY": "avx2"}, given + "-aten-avx2"),
+                          # a run started from one held to AVX2 inherits its folder
+                          ({"TORCHINDUCTOR_CACHE_DIR": given + "-aten-avx2"}, given + "-aten-auto"),
+                          ({"TORCHINDUCTOR_CACHE_DIR": given + "-aten-avx2",
+                            "ATEN_CPU_CAPABILITY": "avx512"}, given + "-aten-avx512")]:
+        assert machine.compile_cache_folder(dict(env)) == expected, env
+
+
+# --- same command, same numbers -----------------------------------------------------------------
+def _train(out_dir, corpus, env, resume=False):
+    args = [sys.executable, str(ROOT / "train.py"), *(
+        ["--resume", str(out_dir / "run")] if resume else
+        ["--config", "tiny", f"--data.path={corpus}", f"--data.cache_dir={out_dir / 'cache'}",
+         f"--train.out_dir={out_dir}",
+         "--train.run_name=run", "--train.max_iters=24", "--train.eval_interval=8"])]
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", **env}
+    for name_ in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"):
+        full.pop(name_, None)
+    return subprocess.Popen(args, cwd=ROOT, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _losses(run_dir):
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {(r["step"], key): r[key] for r in lines for key in ("loss", "val_loss") if key in r}
+
+
+def _device_line(stdout):
+    return next(line for line in stdout.splitlines() if line.startswith("device: "))
+
+
+def _killed_then_resumed(out_dir, corpus, env_first, env_resume):
+    """A run killed with -9 once a step past its first checkpoint is logged, then resumed
+    to its end: (device lines, stderr of the resume)."""
+    proc = _train(out_dir, corpus, env_first)
+    metrics = out_dir / "run" / "metrics.jsonl"
+    while proc.poll() is None:
+        logged = metrics.read_text() if metrics.exists() else ""
+        if '"step": 11,' in logged:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be killed mid-run"
+    proc.send_signal(signal.SIGKILL)
+    first_out, _ = proc.communicate()
+    resumed = _train(out_dir, corpus, env_resume, resume=True)
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-2000:]
+    return [_device_line(first_out), _device_line(out)], out + err
+
+
+@pytest.fixture(scope="module")
+def straight_run(corpus, tmp_path_factory):
+    """The tiny run on two threads, straight through, on the machine as it is."""
+    out_dir = tmp_path_factory.mktemp("straight")
+    proc = _train(out_dir, corpus, {"OMP_NUM_THREADS": "2"})
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
+    return _losses(out_dir / "run"), _device_line(out)
+
+
+def test_a_run_under_load_killed_and_resumed_logs_the_losses_of_a_quiet_straight_run(
+        straight_run, corpus, tmp_path):
+    """Two busy loops hold both cores for the whole second run, which is killed with -9
+    and resumed: its threads, precision and kernel are those of the first, so every
+    logged loss is the same number and the device line the same line."""
+    losses, device_line = straight_run
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        lines, _ = _killed_then_resumed(tmp_path, corpus, {"OMP_NUM_THREADS": "2"},
+                                        {"OMP_NUM_THREADS": "2"})
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert _losses(tmp_path / "run") == losses
+    assert lines == [device_line, device_line]
+
+
+def test_a_resume_under_another_thread_count_keeps_the_recorded_one_and_says_so(
+        straight_run, corpus, tmp_path):
+    losses, device_line = straight_run
+    lines, said = _killed_then_resumed(tmp_path, corpus, {"OMP_NUM_THREADS": "2"},
+                                       {"OMP_NUM_THREADS": "1"})
+    said = [line for line in said.splitlines() if line.startswith("threads: 2, as the run's")]
+    assert len(said) == 1 and "OMP_NUM_THREADS asks for" in said[0]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["threads"] == 2
+    assert _losses(tmp_path / "run") == losses
+    assert lines == [device_line, device_line]
