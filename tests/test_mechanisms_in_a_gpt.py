@@ -1,5 +1,5 @@
 """Linear attention, DeltaNet and latent attention inside the whole model, before the
-mechanism registry wires them in: each swapped for MultiHeadAttention in every block (the
+mechanism registry wires them in: each built by every block in place of the registry's choice (the
 way a registry entry will build it), the GPT trains, and generating with the mechanism's
 per-layer state (model/states.py) gives the logits and tokens of the full forward pass."""
 import pytest
@@ -22,7 +22,7 @@ N_LAYER = 2
 
 
 def gpt_with(attention, monkeypatch, **settings) -> GPT:
-    monkeypatch.setattr(layers, "MultiHeadAttention", attention)
+    monkeypatch.setattr(layers, "build_layer", attention)
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=16, n_layer=N_LAYER, n_head=2, n_embd=32, block_size=32,
                             linear_chunk=8, **settings))
