@@ -307,7 +307,7 @@ def test_hand_edited_run_files_get_one_error_line(run20, tmp_path):
     (tmp_path / "runs" / "half").mkdir()                   # a run stopped before its first checkpoint
     (tmp_path / "runs" / "half" / "config.json").write_text("{}")
     proc = run_script(ROOT / "sample.py", "--max_new_tokens", "3", cwd=tmp_path)
-    assert "run: runs/r (the one whose checkpoint was written last" in proc.stderr
+    assert "run: runs/r (the latest run that trained" in proc.stderr
     state = copy / "checkpoints" / "step_0000020" / "state.json"
     state.write_text(json.dumps({"files": ["not", "a", "dict"], "step": "x"}))
     proc = run_script("sample.py", "--run", state.parent, check=False)
