@@ -28,7 +28,7 @@ def test_overrides_beat_presets_and_are_typed():
 @pytest.mark.parametrize("args,message", [
     (["--model.n_layr=4"], "did you mean 'n_layer'"),
     (["--modle.n_layer=4"], "did you mean 'model'"),
-    (["--model.attention=flash"], "valid choices: auto, banded, cpu, eager, flex, sdpa"),
+    (["--model.attention=flash"], "valid choices: auto, banded, eager, flex, sdpa"),
     (["--model.position=alibi2"], "did you mean 'alibi'.*valid choices: alibi, learned, none"),
     (["--model.attention=banded"], "set model.sliding_window"),
     (["--model.n_global=4"], "set model.sliding_window too"),
