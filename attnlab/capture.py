@@ -38,7 +38,7 @@ from typing import Iterable
 import torch
 
 from common.errors import AttnlabError
-from model.mechanisms import layer_names, mechanisms_of
+from model.mechanisms import MECHANISMS, mechanisms_of, names_used
 
 PER_LAYER = ("resid_pre", "q", "k", "v", "pattern", "z", "attn_out", "mlp_out", "resid_post")
 
@@ -63,7 +63,7 @@ def names(model) -> list[str]:
 def no_weights(config) -> str | None:
     """Why a model has no attention weights to draw (its mechanisms' own reason, with
     the layers it applies to), or None when every layer has them."""
-    for name, m in zip(layer_names(config), mechanisms_of(config)):
+    for name, m in ((n, MECHANISMS[n]) for n in names_used(config)):
         if m.no_weights is not None:
             return f"model.mechanism={name} has no attention weights to draw: {m.no_weights}"
     return None

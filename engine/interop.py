@@ -36,13 +36,13 @@ from common.files import inside, read_bounded, read_json, remove_stale, umask_mo
 from data.tokenizer import Tokenizer
 from engine.checkpoint import (CKPT_DIR, load_weights, refuse_non_finite, refuse_too_large_model,
                                use_another)
-from engine.hf_files import (CONFIG_LIMIT, FETCH_AGAIN, INDEX, MAX_HEADS, MAX_LAYERS,
+from engine.hf_files import (CONFIG_LIMIT, FETCH_AGAIN, MAX_HEADS, MAX_LAYERS,
                              MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, TOKENIZER_LIMIT, Field,
                              WeightFiles, checked_config, count, read_folder_bytes,
                              read_folder_json)
 from model import GPT, ModelConfig, ModelError
 from model.layers import BLOCKS, MLPS, NORMS
-from model.mechanisms import MECHANISMS, layer_names, mechanisms_of
+from model.mechanisms import MECHANISMS, names_used
 from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
 from model.readout import READOUTS
 
@@ -98,7 +98,7 @@ def _gelu_from_hf(act: str) -> str:
 
 def _common_refusals(cfg: ModelConfig, decoder: bool = True) -> list[str]:
     out = []
-    if any(m is not MECHANISMS["mha"] for m in mechanisms_of(cfg)):
+    if any(n != "mha" for n in names_used(cfg)):
         # Every architecture here computes the article's multi-head attention; one that
         # computes another mechanism names it in its own blockers.
         out.append(f"model.mechanism={cfg.mechanism} (needs mha in every layer)")
@@ -497,7 +497,7 @@ def architecture_for(cfg: ModelConfig) -> Architecture:
     """The architecture that computes exactly what cfg does, or ExportError naming, for
     the nearest one, the fields that stop it. A mechanism no architecture has is
     refused first, in its entry's own words (model/mechanisms.py)."""
-    for name, mechanism in zip(layer_names(cfg), mechanisms_of(cfg)):
+    for name, mechanism in ((n, MECHANISMS[n]) for n in names_used(cfg)):
         if mechanism.export_refusal:
             raise ExportError(f"cannot export model.mechanism={name}: {mechanism.export_refusal}; "
                               "only a model trained with a mechanism transformers has exports")

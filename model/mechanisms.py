@@ -85,6 +85,13 @@ def layer_names(config: ModelConfig) -> list[str]:
     return [names[i % len(names)] for i in range(config.n_layer)]
 
 
+def names_used(config: ModelConfig) -> list[str]:
+    """The mechanisms some layer uses, each once: read from the pattern, never a list as long as
+    n_layer, so a config asking for absurdly many layers is refused by its size, not by a hang."""
+    names = [n.strip() for n in config.mechanism.split(",")]
+    return list(dict.fromkeys(names[:max(config.n_layer, 0)]))
+
+
 def mechanisms_of(config: ModelConfig) -> list[Mechanism]:
     """Each layer's entry, in order (names checked by model/registry.py first)."""
     return [MECHANISMS[n] for n in layer_names(config)]

@@ -10,7 +10,7 @@ from dataclasses import fields
 from model.attention import ATTENTION_BACKENDS
 from model.config import ModelConfig, ModelError
 from model.layers import BLOCKS, MLPS, NORMS
-from model.mechanisms import MECHANISMS, layer_names
+from model.mechanisms import MECHANISMS, names_used
 from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
 from model.readout import READOUTS
 
@@ -98,7 +98,7 @@ def check(config: ModelConfig) -> None:
 def check_mechanisms(config: ModelConfig) -> None:
     """What each layer's mechanism needs of the rest of the config."""
     position = POSITION_ENCODINGS[config.position]
-    for name in dict.fromkeys(layer_names(config)):
+    for name in names_used(config):
         m = MECHANISMS[name]
         if config.head_dim % m.head_multiple:
             raise ModelError(f"model.mechanism={name} cuts each head into parts, so the head size "

@@ -15,7 +15,7 @@ from model.registry import check as check_config
 from model.attention import CrossAttention
 from model.config import ModelConfig, ModelError
 from model.layers import MLPS, NORMS
-from model.mechanisms import build_layer, layer_names, MECHANISMS
+from model.mechanisms import build_layer, MECHANISMS, names_used
 from model.mask import Mask
 from model.positions import POSITION_ENCODINGS
 
@@ -88,7 +88,7 @@ class EncoderDecoder(nn.Module):
             raise ModelError(f"model.position={config.position} biases scores by causal "
                              "distance, and the encoder sees in both directions; use positions "
                              "that go into the vectors (learned, sinusoidal, rope)")
-        one_way = [n for n in dict.fromkeys(layer_names(config)) if not MECHANISMS[n].follows_mask]
+        one_way = [n for n in names_used(config) if not MECHANISMS[n].follows_mask]
         if one_way:
             raise ModelError(f"model.mechanism={one_way[0]} reads only earlier tokens, and the "
                              "encoder sees in both directions; use a mechanism that follows the "
