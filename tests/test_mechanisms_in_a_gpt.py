@@ -163,3 +163,14 @@ def test_latent_attention_decodes_a_windowed_model_as_it_trained():
         pieces += [model(idx[:, t:t + 1], cache=cache).logits for t in range(7, 20)]
     assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-9
     assert cache.capacity == 1 + 2 * 4                        # bounded, not 20
+
+
+def test_streaming_refuses_latent_attention_in_one_line_and_keeps_a_recurrent_state():
+    """Sinks turn kept keys back by the model's RoPE: an MLA cache holds latents (no
+    position) and keys of its own small RoPE, so it is refused; a recurrent layer keeps
+    no keys, and its state streams as it is."""
+    prompt = torch.randint(0, 16, (1, 4), generator=torch.Generator().manual_seed(7))
+    with pytest.raises(ValueError, match="model.mechanism=mla cannot be renumbered") as err:
+        list(gpt_with("linear,mla").eval().generate(prompt, 3, sinks=2))
+    assert "\n" not in str(err.value)
+    assert len(list(gpt_with("linear").eval().generate(prompt, 40, top_k=1, sinks=2))) == 40
