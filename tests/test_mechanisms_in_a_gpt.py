@@ -7,6 +7,7 @@ do (a window, an encoder) is refused by the registry in one line."""
 import pytest
 import torch
 
+from conftest import run_script, train_tiny
 from model.config import ModelConfig
 from model.deltanet import DeltaNet, GatedDeltaNet
 from model.gpt import GPT
@@ -174,3 +175,16 @@ def test_streaming_refuses_latent_attention_in_one_line_and_keeps_a_recurrent_st
         list(gpt_with("linear,mla").eval().generate(prompt, 3, sinks=2))
     assert "\n" not in str(err.value)
     assert len(list(gpt_with("linear").eval().generate(prompt, 40, top_k=1, sinks=2))) == 40
+
+
+def test_a_deltanet_run_trains_samples_and_says_why_it_cannot_be_drawn_or_exported(corpus, tmp_path):
+    run = train_tiny(corpus, tmp_path, "dn", "--model.mechanism=deltanet", "--train.max_iters=50")
+    sampled = run_script("sample.py", "--run", run, "--sample.max_new_tokens=20")
+    assert sampled.stdout.strip()
+    for tool, *args in (("attnlab.heads", "grid", "--text", "To be, or not"),
+                        ("attnlab.export", "--out", tmp_path / "hf")):
+        refused = run_script("-m", tool, *args, "--run", run, check=False)
+        said = refused.stderr.strip().splitlines()[-1]
+        assert refused.returncode == 2 and said.startswith("error: ") and "deltanet" in said
+        assert "no attention weights to draw" in said or "no transformers architecture" in said
+    assert not (tmp_path / "hf").exists()
