@@ -97,7 +97,7 @@ def test_the_memory_facts_come_from_the_cache_the_model_makes(monkeypatch):
     (["--contexts", "64"], "2 to 5"),
     (["--pairs", "100"], "--pairs"),
     (["--pairs", "32"], "at most 16"),
-    (["--mechanisms", "gqq"], "did you mean 'gqa'"),
+    (["--mechanisms", "gqaa"], "did you mean 'gqa'"),
     (["--threads", "999"], "--threads"),
     (["--examples", "x"], "--examples"),
     (["--out", ""], "empty path"),
