@@ -26,7 +26,8 @@ keys and values reports its own. An entry whose config this model cannot build y
 
 Writes into --out: frontier.md and frontier.csv (one row per mechanism) and
 frontier.png (recall against memory per token, one point per mechanism, log x), and
-keeps the language models' run folders under lm/. Timings are of this machine at this
+keeps the language models' run folders under lm/ (a run of the same mechanism into
+the same folder replaces them). Timings are of this machine at this
 moment: other work on it makes them slower and noisier.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ import argparse
 import csv
 import io
 import os
-import shlex
+import shutil
 import statistics
 import sys
 import time
@@ -188,6 +189,9 @@ def language_model(name: str, mechanism: Mechanism, s: Settings, out: Path) -> d
     """Val loss and training speed on the bundled corpus, from train.py (attnlab.compare's
     runner: one process, the run folder kept)."""
     from attnlab.compare import run_variant
+    earlier = out / "lm" / name
+    if (earlier / "config.json").is_file() and (earlier / "metrics.jsonl").is_file():
+        shutil.rmtree(earlier)               # this command's own run of it, from before: replaced
     common = [f"--train.eval_interval={max(1, s.steps // 4)}",
               f"--train.log_interval={max(1, s.steps // 20)}", *LM_OPTIONS]
     r = run_variant(name, model_args(mechanism), "compare-cpu", s.steps, out / "lm", common)

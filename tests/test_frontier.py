@@ -22,6 +22,10 @@ def test_the_command_at_test_size_writes_every_column_and_skips_what_cannot_be_b
     monkeypatch.setattr(frontier, "LM_OPTIONS", [*frontier.LM_OPTIONS,
                                                  f"--data.cache_dir={tmp_path / 'cache'}"])
     out = tmp_path / "frontier"
+    earlier = out / "lm" / "mha"             # an earlier run of this command into the same folder
+    (earlier / "checkpoints").mkdir(parents=True)
+    for name in ("config.json", "metrics.jsonl", "checkpoints/stale"):
+        (earlier / name).write_text("{}")
     assert main(["--quick", "--steps", "2", "--mechanisms", "mha", "future", "mqa",
                  "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -45,6 +49,7 @@ def test_the_command_at_test_size_writes_every_column_and_skips_what_cannot_be_b
         float(rows["mha"]["cache_bytes_per_token"])
     assert (out / "frontier.png").stat().st_size > 0
     assert "| mha |" in (out / "frontier.md").read_text()
+    assert not (earlier / "checkpoints" / "stale").exists()        # replaced, not refused
 
 
 @pytest.mark.parametrize("n_head", [4, 8])
