@@ -99,6 +99,8 @@ class Settings:
     threads: int = 1
 
 
+DIGITS = 2                           # of the retrieval lab's answer: chance 1%
+
 QUICK = dict(steps=4, contexts=(32, 64), decode_steps=3, factors=(1, 2), depths=(0.0, 1.0),
              recall_context=64, pairs=(2, 4), mqar_length=32, keys=8, examples=2)
 
@@ -275,7 +277,7 @@ def plot(rows: list[dict], s: Settings, out: Path) -> Path:
     panels = ((axes[0], f"mqar_{max(s.pairs)}", s.mqar_length,
                f"MQAR, {max(s.pairs)} pairs in {s.mqar_length} tokens", 1 / s.keys),
               (axes[1], f"recall_{min(s.factors)}x", s.recall_context * min(s.factors),
-               f"retrieval lab, {s.recall_context * min(s.factors)} tokens", 0.01))
+               f"retrieval lab, {s.recall_context * min(s.factors)} tokens", 10.0 ** -DIGITS))
     for ax, key, length, title, chance in panels:
         for r in rows:
             x = max(memory_per_token(r, length), 1e-3)     # log axis: nothing at 0
@@ -378,7 +380,7 @@ def main(argv=None) -> int:
         raise AttnlabError("none of the mechanisms asked for can be built by this model: "
                            "give some of " + ", ".join(n for n in MECHANISMS if not why_not(MECHANISMS[n])))
     from attnlab.recall_task import char_task
-    recall_task = char_task(2, chars=20_000 if args.quick else 200_000)
+    recall_task = char_task(DIGITS, chars=20_000 if args.quick else 200_000)
     rows = []
     with tqdm(total=4 * len(chosen), unit="stage", dynamic_ncols=True) as bar:
         for name, mechanism in chosen.items():
