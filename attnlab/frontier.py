@@ -62,8 +62,8 @@ class Mechanism:
 
 
 # The base model has 4 heads: GQA shares each key/value head between 2 of them, MQA one
-# between all 4. The entries after the window name mechanisms of issue 53, built by the
-# model the day they are registered as choices of model.mechanism.
+# between all 4. The entries after the window are mechanisms of issue 53, each a choice
+# of model.mechanism (model/mechanisms.py); the hybrid is a per-layer pattern of two.
 MECHANISMS = {
     "mha": Mechanism("multi-head attention: 4 query heads, 4 key/value heads"),
     "gqa": Mechanism("grouped-query attention: 4 query heads share 2 key/value heads",

@@ -111,3 +111,11 @@ def test_bad_options_are_refused_before_any_work(argv, words, tmp_path):
     with pytest.raises((AttnlabError, ConfigError), match=words.replace("'", ".")):
         main(argv + ([] if "--out" in argv else ["--out", str(tmp_path / "x")]))
     assert not (tmp_path / "x").exists()
+
+
+def test_every_mechanism_of_the_frontier_is_one_the_model_builds():
+    """The table names the mechanisms the model registers (model.mechanism), so none of
+    its eight rows is skipped."""
+    assert {name: frontier.why_not(m) for name, m in frontier.MECHANISMS.items()} == \
+        dict.fromkeys(frontier.MECHANISMS)
+    assert len(frontier.MECHANISMS) == 8
