@@ -107,6 +107,7 @@ class Mechanism:
                                        # both directions (an encoder); else causal over all
     head_multiple: int = 1             # the head size d_k must be a multiple of this
     takes_score_bias: bool = True      # adds a position's score bias (ALiBi) head by head
+    takes_value_embed: bool = True     # adds model.value_embeds' per-token vector to its values
     stream_refusal: str | None = None  # why a streaming cache (generate's sinks), which turns
                                        # kept keys back by the model's RoPE, cannot keep it
 
@@ -124,7 +125,7 @@ MECHANISMS = {
         LatentAttention, Cache("a latent and one rotated key", latent_and_rope_key),
         export_refusal="latent attention (arXiv:2405.04434) is DeepSeek-V2's, and its "
                        "transformers class brings MoE and a query latent this model lacks",
-        flops=latent_flops, takes_score_bias=False,
+        flops=latent_flops, takes_score_bias=False, takes_value_embed=False,
         stream_refusal="its cache holds latents, which carry no position to renumber, and "
                        "keys turned by its own small RoPE, not the model's"),
     # A kernel φ(q)·φ(k) in place of the softmax, a fixed-size sum as its cache.

@@ -188,3 +188,10 @@ def test_a_deltanet_run_trains_samples_and_says_why_it_cannot_be_drawn_or_export
         assert refused.returncode == 2 and said.startswith("error: ") and "deltanet" in said
         assert "no attention weights to draw" in said or "no transformers architecture" in said
     assert not (tmp_path / "hf").exists()
+
+
+def test_latent_attention_with_value_embeddings_is_refused_when_built_in_one_line():
+    with pytest.raises(ValueError, match="model.mechanism=mla rebuilds its values") as err:
+        gpt_with("mha,mla", value_embeds=True)
+    assert "\n" not in str(err.value)
+    gpt_with("linear,mha", value_embeds=True)               # a recurrent layer adds them
