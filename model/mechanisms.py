@@ -11,7 +11,8 @@ Each entry carries the facts the rest of the project asks about it, so a new mec
 is its class, its entry and its test: blocks and the encoder-decoder build `layer`,
 model/gpt.py counts `flops` and runs `init`, the decoders keep `cache`, attnlab's
 lens, page and `heads` read `no_weights`, engine/interop.py reads `export_refusal`,
-model/registry.py checks `follows_mask` and `head_multiple`.
+model/registry.py checks `follows_mask`, `head_multiple` and `takes_value_embed`,
+generate reads `stream_refusal`.
 """
 from __future__ import annotations
 
@@ -128,7 +129,8 @@ MECHANISMS = {
         flops=latent_flops, takes_score_bias=False, takes_value_embed=False,
         stream_refusal="its cache holds latents, which carry no position to renumber, and "
                        "keys turned by its own small RoPE, not the model's"),
-    # A kernel φ(q)·φ(k) in place of the softmax, a fixed-size sum as its cache.
+    # A kernel φ(q)·φ(k) in place of the softmax, a fixed-size sum as its cache. It has
+    # weights to draw (normalised kernel rows) for a whole text; decoding keeps no keys.
     "linear": Mechanism(
         LinearAttention, Cache("a fixed-size state S, z", lambda c: 0, linear_state),
         export_refusal="causal linear attention (arXiv:2006.16236) is in no transformers "

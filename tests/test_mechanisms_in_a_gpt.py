@@ -195,3 +195,14 @@ def test_latent_attention_with_value_embeddings_is_refused_when_built_in_one_lin
         gpt_with("mha,mla", value_embeds=True)
     assert "\n" not in str(err.value)
     gpt_with("linear,mha", value_embeds=True)               # a recurrent layer adds them
+
+
+def test_the_recurrent_flops_stop_growing_with_the_context_and_mlas_grow_like_attentions():
+    """Each entry's forward FLOPs per token at 1k and 16k of context: a chunk and a state
+    for linear attention and DeltaNet, every earlier token for softmax and MLA."""
+    config = gpt_with("mha").config
+    flops = {n: [MECHANISMS[n].flops(config, T) for T in (1024, 16384)] for n in [*CLASSES, "mha"]}
+    for name in RECURRENT:
+        assert flops[name][0] == flops[name][1] < flops["mha"][0]
+    assert flops["mha"][1] == 16 * flops["mha"][0] and flops["mla"][1] == 16 * flops["mla"][0]
+    assert flops["mla"][0] > flops["mha"][0]                 # q and k are d_h + d_R long
