@@ -113,7 +113,8 @@ class Run:
                    if READOUTS[c.readout].shortlisted else "")
         mix = mixing(c)
         return (f"model: {c.n_layer} layers x {c.n_head} heads, {c.n_embd} wide, context "
-                f"{c.block_size}, {c.position} positions{mix}, {c.attention} attention{readout}: "
+                f"{c.block_size}, {c.position} positions{mix}, {c.mechanism} mechanism, "
+                f"{c.attention} attention{readout}: "
                 f"{m.num_params() / 1e6:.2f}M parameters ({m.num_params(True) / 1e6:.2f}M "
                 f"non-embedding), {m.flops_per_token() / 1e6:.1f} MFLOPs per token (train)")
 

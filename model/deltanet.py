@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from model.attention import at_least_fp32
 from model.config import ModelConfig, ModelError
 from model.mask import Mask
-from model.states import refuse_masks
 
 # Row convention below: the state is stored as Sᵀ, (B, H, D_k, D_v), so that a row of
 # queries reads it as q·Sᵀ and rows of keys write into it as kᵀ·u.
@@ -110,20 +109,6 @@ def chunked(q, k, v, beta, log_alpha, state, size: int):
     return torch.cat(outs, dim=2), state
 
 
-class DeltaState:
-    """The recurrent state of one layer: Sᵀ, (B, H, D, D). Its size is fixed, so
-    bytes_per_token is 0."""
-
-    def __init__(self, S: torch.Tensor):
-        self.S = S
-
-    def bytes(self) -> int:
-        return self.S.numel() * self.S.element_size()
-
-    def bytes_per_token(self) -> int:
-        return 0
-
-
 class DeltaNet(nn.Module):
     """Multi-head DeltaNet: q, k, v as in MultiHeadAttention, plus one β per head and
     token; queries and keys through SiLU and then to unit length (the paper's choice),
@@ -134,7 +119,6 @@ class DeltaNet(nn.Module):
         if config.linear_chunk <= 0:
             raise ModelError(f"model.linear_chunk must be a positive integer, got "
                              f"{config.linear_chunk}")
-        refuse_masks(config, "DeltaNet")
         self.layer_idx, self.chunk_size = layer_idx, config.linear_chunk
         self.n_head, self.head_dim = config.n_head, config.head_dim
         self.w_qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
@@ -157,14 +141,14 @@ class DeltaNet(nn.Module):
         beta = torch.sigmoid(self.w_beta(x)).transpose(1, 2)         # (B, H, T), each in (0, 1)
         log_alpha = self.gate(x).transpose(1, 2)                      # (B, H, T), each ≤ 0
         q, k, v, beta, log_alpha = (at_least_fp32(t) for t in (q, k, v, beta, log_alpha))
-        state = None if cache is None else cache.get(self.layer_idx)
-        S = empty_state(q) if state is None else state.S
+        S = None if cache is None else cache.state(self.layer_idx)     # Sᵀ, (B, H, D, D)
+        S = empty_state(q) if S is None else S
         # The rule in at least fp32, outside autocast: the state sums a whole text's writes,
         # which bf16's 8-bit mantissa would round away (and a CPU has no bf16 triangular solve).
         with torch.autocast(x.device.type, enabled=False):
             y, S = chunked(q, k, v, beta, log_alpha, S, self.chunk_size)
         if cache is not None:
-            cache.put(self.layer_idx, DeltaState(S))
+            cache.keep(self.layer_idx, S)
         y = y.to(x.dtype).transpose(1, 2).reshape(B, T, C)          # heads side by side
         return self.resid_dropout(self.w_o(y)), None
 

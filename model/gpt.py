@@ -14,7 +14,7 @@ from model.registry import check as check_config
 from model.config import ModelConfig, ModelError
 from model.layers import BLOCKS, NORMS, NoSkips, UNetSkips, token_types, value_embeddings
 from model.mask import Mask
-from model.mechanisms import mechanisms_of
+from model.mechanisms import layer_names, mechanisms_of
 from model.positions import POSITION_ENCODINGS
 from model.readout import (READOUTS, AdaptiveReadout, MaskedLMTransform, NoOutputLayer, SoftCap,
                            head_macs)
@@ -286,6 +286,10 @@ class GPT(nn.Module):
             window = self.config.block_size
             if decode == "full":
                 raise ValueError("sinks keep keys in a rolling KV cache; use a cache to decode")
+            for name, mechanism in zip(layer_names(self.config), mechanisms_of(self.config)):
+                if mechanism.stream_refusal:
+                    raise ValueError(f"sinks renumber a rolling cache's keys, and model.mechanism="
+                                     f"{name} cannot be renumbered: {mechanism.stream_refusal}")
             if not 0 <= sinks < window:
                 raise ValueError(f"sinks must be between 0 and block_size-1 ({window - 1}), not {sinks}")
             decode = "cache"

@@ -17,7 +17,7 @@ the up-projection could no longer be folded into the query's weights at inferenc
 rotated once, by the token's own position, when it is made, and cached rotated. Each
 head's key is [k_C; k_rope], each head's query [q_C; RoPE(q_R)], and the scores are
 divided by √(d_h + d_R), the length of the dot product. The cache holds c_kv and k_rope:
-(r + d_R) numbers per token and layer (`LatentState.bytes_per_token`).
+(r + d_R) numbers per token and layer (its entry's Cache in model/mechanisms.py).
 
 The queries here are projected at full rank; the paper also compresses them, which
 saves activation memory in training and changes nothing in the cache."""
@@ -36,19 +36,18 @@ from model.positions import turn
 
 @dataclass
 class LatentState:
-    """What one layer keeps for the tokens so far: the latent c_kv (B, T, r) and the
-    rotated shared key k_rope (B, T, d_R). Both grow by one row a token."""
+    """What one layer reads for the tokens so far: the latent c_kv (B, T, r) and the
+    rotated shared key k_rope (B, T, d_R). Both grow by one row a token; the model's
+    cache keeps them as its two growing tensors, one "head" each (`update`)."""
     c_kv: torch.Tensor
     k_rope: torch.Tensor
 
-    def extended(self, c_kv: torch.Tensor, k_rope: torch.Tensor) -> "LatentState":
-        return LatentState(torch.cat([self.c_kv, c_kv], 1), torch.cat([self.k_rope, k_rope], 1))
 
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.c_kv, self.k_rope))
-
-    def bytes_per_token(self) -> int:
-        return self.bytes() // (self.c_kv.shape[0] * self.c_kv.shape[1])
+def latent_sizes(config: ModelConfig) -> tuple[int, int]:
+    """(r, d_R): the latent's width and the shared rotary key's. By default r = 4·d_h,
+    a quarter of MHA's 2·H·d_h at 8 heads (DeepSeek-V2 uses 4·d_h with 128 heads), and
+    d_R = d_h/2, as the paper's d_R = 64 against d_h = 128."""
+    return config.mla_kv_rank or 4 * config.head_dim, config.mla_rope_dim or config.head_dim // 2
 
 
 class DecoupledRoPE(nn.Module):
@@ -79,8 +78,7 @@ class LatentAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         H, D = self.n_head, self.head_dim = config.n_head, config.head_dim
-        self.rank = config.mla_kv_rank or 4 * D
-        self.rope_dim = config.mla_rope_dim or D // 2
+        self.rank, self.rope_dim = latent_sizes(config)
         if self.rope_dim % 2 or self.rank < 0:
             raise ModelError(f"model.mla_rope_dim must be even (RoPE turns pairs) and "
                              f"model.mla_kv_rank not negative; got {self.rope_dim}, {self.rank}")
@@ -117,13 +115,11 @@ class LatentAttention(nn.Module):
         q = self.w_q(x).view(B, T, H, D + R).transpose(1, 2)         # (B, H, T, D + R)
         q_c, q_r = q.split([D, R], dim=-1)
         q = torch.cat([q_c, self.rope(q_r, mask.q_start)], dim=-1)
-        state = LatentState(*self.cache_entry(x, mask.q_start))
-        earlier = None if cache is None else cache.get(self.layer_idx)
-        if earlier is not None:
-            state = earlier.extended(state.c_kv, state.k_rope)
-        if cache is not None:
-            cache.put(self.layer_idx, state)
-        k, v = self.keys_values(state)
+        c_kv, k_rope = self.cache_entry(x, mask.q_start)
+        if cache is not None:                # each kept once, as a (B, 1, T, ·) "head"
+            c_kv, k_rope = (t.squeeze(1) for t in cache.update(
+                self.layer_idx, c_kv.unsqueeze(1), k_rope.unsqueeze(1)))
+        k, v = self.keys_values(LatentState(c_kv, k_rope))
         # The article's formula, per head; eager when the weights are wanted. The scale is
         # 1/√(d_h + d_R), the length of q and k, as the paper has it.
         backend = eager_attention if need_weights else sdpa_attention

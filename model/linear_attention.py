@@ -27,7 +27,6 @@ import torch.nn as nn
 from model.attention import at_least_fp32
 from model.config import ModelConfig, ModelError
 from model.mask import Mask
-from model.states import refuse_masks
 
 # The paper's code adds 1e-6 to the normaliser: exp(x) underflows to 0 below x = -87 in
 # fp32 and bf16, and a query whose every feature did would divide 0 by 0.
@@ -45,7 +44,8 @@ def feature_map(x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class LinearState:
     """The recurrent state of one layer: S = Σ φ(k)vᵀ (B, H, D, D) and z = Σ φ(k)
-    (B, H, D) over every token so far. Its size is fixed, so bytes_per_token is 0."""
+    (B, H, D) over every token so far, a fixed size. The model's cache keeps it as one
+    tensor (`packed`): z is S's extra column, Σ φ(k)·1, as if each value had a 1 appended."""
     S: torch.Tensor
     z: torch.Tensor
 
@@ -54,11 +54,12 @@ class LinearState:
         B, H, _, D = like.shape
         return cls(like.new_zeros(B, H, D, D), like.new_zeros(B, H, D))
 
-    def bytes(self) -> int:
-        return (self.S.numel() + self.z.numel()) * self.S.element_size()
+    @classmethod
+    def unpacked(cls, state: torch.Tensor) -> "LinearState":
+        return cls(state[..., :-1], state[..., -1])                # (B, H, D, D), (B, H, D)
 
-    def bytes_per_token(self) -> int:
-        return 0
+    def packed(self) -> torch.Tensor:
+        return torch.cat([self.S, self.z.unsqueeze(-1)], dim=-1)    # (B, H, D, D + 1)
 
 
 def chunk(phi_q, phi_k, v, state: LinearState):
@@ -112,14 +113,15 @@ def weights(phi_q, phi_k) -> torch.Tensor:
 class LinearAttention(nn.Module):
     """Multi-head causal linear attention: the projections of MultiHeadAttention, with
     the softmax replaced by the kernel φ(q)·φ(k), and with a fixed-size state
-    (LinearState, through `cache.get`/`cache.put`) instead of a KV cache."""
+    (LinearState, through `cache.state`/`cache.keep`) instead of keys and values. Windows,
+    global tokens and an encoder's both directions are refused by the registry: the
+    state is a sum over every earlier token (its entry's follows_mask=False)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         if config.linear_chunk <= 0:
             raise ModelError(f"model.linear_chunk must be a positive integer, got "
                              f"{config.linear_chunk}")
-        refuse_masks(config, "linear attention")
         self.layer_idx, self.chunk_size = layer_idx, config.linear_chunk
         self.n_head, self.head_dim = config.n_head, config.head_dim
         self.w_qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
@@ -137,14 +139,13 @@ class LinearAttention(nn.Module):
         # which bf16's 8-bit mantissa would round away.
         q, k, v = (at_least_fp32(t) for t in (q, k, v))
         phi_q, phi_k = feature_map(q), feature_map(k)
-        state = None if cache is None else cache.get(self.layer_idx)
-        if state is None:
-            state = LinearState.empty(phi_q)
+        state = None if cache is None else cache.state(self.layer_idx)
+        state = LinearState.empty(phi_q) if state is None else LinearState.unpacked(state)
         # Training and prefill in chunks, a decoded token as a chunk of one: the same sums.
         with torch.autocast(x.device.type, enabled=False):
             y, state = chunked(phi_q, phi_k, v, state, self.chunk_size)
         if cache is not None:
-            cache.put(self.layer_idx, state)
+            cache.keep(self.layer_idx, state.packed())
         w = None
         if need_weights:
             if cache is not None:

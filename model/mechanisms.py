@@ -11,7 +11,8 @@ Each entry carries the facts the rest of the project asks about it, so a new mec
 is its class, its entry and its test: blocks and the encoder-decoder build `layer`,
 model/gpt.py counts `flops` and runs `init`, the decoders keep `cache`, attnlab's
 lens, page and `heads` read `no_weights`, engine/interop.py reads `export_refusal`,
-model/registry.py checks `follows_mask` and `head_multiple`.
+model/registry.py checks `follows_mask`, `head_multiple` and `takes_value_embed`,
+generate reads `stream_refusal`.
 """
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ import torch.nn as nn
 
 from model.attention import MultiHeadAttention
 from model.config import ModelConfig
+from model.deltanet import DeltaNet, GatedDeltaNet
 from model.differential import DifferentialAttention
+from model.latent_attention import LatentAttention, latent_sizes
+from model.linear_attention import LinearAttention
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,44 @@ def residual_init(module: nn.Module, config: ModelConfig) -> None:
     nn.init.normal_(module.w_o.weight, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
 
 
+def latent_and_rope_key(config: ModelConfig) -> int:
+    # MLA keeps one latent c_kv of r and one rotated key of d_R per token, for every head.
+    return sum(latent_sizes(config))
+
+
+def latent_flops(config: ModelConfig, context: int) -> float:
+    """Softmax attention's, with each head's query and key d_h + d_R long (arXiv:2405.04434)."""
+    _, rope_dim = latent_sizes(config)
+    return 2 * config.n_head * (2 * config.head_dim + rope_dim) * context
+
+
+def linear_state(config: ModelConfig) -> int:
+    # S = Σ φ(k)vᵀ (d_k × d_k) and z = Σ φ(k) (d_k) per head, at any length (arXiv:2006.16236).
+    return config.n_head * config.head_dim * (config.head_dim + 1)
+
+
+def delta_state(config: ModelConfig) -> int:
+    # One d_k × d_k state per head, rewritten by each token (arXiv:2406.06484).
+    return config.n_head * config.head_dim ** 2
+
+
+def linear_flops(config: ModelConfig, context: int) -> float:
+    """Per token, the chunked form: the masked C×C kernel and its product with V (4·d·C,
+    C = min(linear_chunk, T)), and reading and writing the d_k × d_k state (4·d·d_k):
+    linear in T overall, where softmax attention's 4·d·T grows with it."""
+    chunk = min(config.linear_chunk, context)
+    return 4 * config.n_embd * (chunk + config.head_dim)
+
+
+def delta_flops(config: ModelConfig, context: int) -> float:
+    """Per token, the UT-transform chunk (arXiv:2406.06484, section 3): K·Kᵀ, Q·Kᵀ, the
+    triangular solve's C² per head and T·K, T·V (about 10·d·C), and the state read for
+    W, for q and written back (6·d·d_k)."""
+    chunk = min(config.linear_chunk, context)
+    return (10 * config.n_embd * chunk + 6 * config.n_embd * config.head_dim
+            + config.n_head * chunk ** 2)
+
+
 @dataclass(frozen=True)
 class Mechanism:
     """An attention mechanism and the facts other code asks about it."""
@@ -66,6 +108,9 @@ class Mechanism:
                                        # both directions (an encoder); else causal over all
     head_multiple: int = 1             # the head size d_k must be a multiple of this
     takes_score_bias: bool = True      # adds a position's score bias (ALiBi) head by head
+    takes_value_embed: bool = True     # adds model.value_embeds' per-token vector to its values
+    stream_refusal: str | None = None  # why a streaming cache (generate's sinks), which turns
+                                       # kept keys back by the model's RoPE, cannot keep it
 
 
 MECHANISMS = {
@@ -76,6 +121,35 @@ MECHANISMS = {
         export_refusal="differential attention (two softmax maps subtracted, arXiv:2410.05258) "
                        "is in no transformers architecture",
         head_multiple=4, takes_score_bias=False),
+    # One latent per token, keys and values rebuilt from it (arXiv:2405.04434).
+    "mla": Mechanism(
+        LatentAttention, Cache("a latent and one rotated key", latent_and_rope_key),
+        export_refusal="latent attention (arXiv:2405.04434) is DeepSeek-V2's, and its "
+                       "transformers class brings MoE and a query latent this model lacks",
+        flops=latent_flops, takes_score_bias=False, takes_value_embed=False,
+        stream_refusal="its cache holds latents, which carry no position to renumber, and "
+                       "keys turned by its own small RoPE, not the model's"),
+    # A kernel φ(q)·φ(k) in place of the softmax, a fixed-size sum as its cache. It has
+    # weights to draw (normalised kernel rows) for a whole text; decoding keeps no keys.
+    "linear": Mechanism(
+        LinearAttention, Cache("a fixed-size state S, z", lambda c: 0, linear_state),
+        export_refusal="causal linear attention (arXiv:2006.16236) is in no transformers "
+                       "architecture",
+        flops=linear_flops, follows_mask=False, takes_score_bias=False),
+    # The delta rule: a state corrected, not only added to, by each token.
+    "deltanet": Mechanism(
+        DeltaNet, Cache("a fixed-size state S", lambda c: 0, delta_state),
+        no_weights="each token rewrites a d_k x d_k state, so no weight per earlier token "
+                   "exists (arXiv:2406.06484)",
+        export_refusal="DeltaNet (arXiv:2406.06484) is in no transformers architecture",
+        flops=delta_flops, follows_mask=False, takes_score_bias=False),
+    "gated_deltanet": Mechanism(
+        GatedDeltaNet, Cache("a fixed-size state S", lambda c: 0, delta_state),
+        no_weights="each token fades and rewrites a d_k x d_k state, so no weight per "
+                   "earlier token exists (arXiv:2412.06464)",
+        export_refusal="Gated DeltaNet (arXiv:2412.06464) is in no transformers architecture "
+                       "this model's blocks fit",
+        flops=delta_flops, follows_mask=False, takes_score_bias=False),
 }
 
 

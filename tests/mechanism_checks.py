@@ -9,10 +9,10 @@ import numpy as np
 import torch
 
 from conftest import ROOT
+from model.cache import KVCache
 from model.config import ModelConfig
 from model.mask import Mask
 from model.positions import POSITION_ENCODINGS
-from model.states import LayerStates
 
 B, T, HEADS, WIDTH = 2, 11, 2, 16            # T is a multiple of no chunk size tried
 TOLERANCE = 1e-9                             # float64 throughout: agreement to ~1e-15
@@ -55,11 +55,13 @@ def whole(module, x: torch.Tensor) -> torch.Tensor:
     return module(x, positions, Mask.over(0, x.shape[1], x.shape[1]))[0]
 
 
-def decoded(module, x: torch.Tensor, pieces=(1,) * T) -> tuple[torch.Tensor, LayerStates]:
-    """The layer over x in pieces of the given lengths, each after the state the pieces
-    before it left (a prefill, then one token at a time), as GPT.forward drives a cache."""
+def decoded(module, x: torch.Tensor, pieces=(1,) * T) -> tuple[torch.Tensor, KVCache]:
+    """The layer over x in pieces of the given lengths, each after what the pieces before
+    it left in the model's own cache (a prefill, then one token at a time), as
+    GPT.forward drives it. The cache holds exactly x's length, so its bytes are what
+    the layer kept."""
     positions = POSITION_ENCODINGS["rope"](config())
-    cache, out, start = LayerStates(1), [], 0
+    cache, out, start = KVCache(1, x.shape[1]), [], 0
     for n in pieces:
         k_pos, k_first = cache.begin(n, x.device)
         mask = Mask(q_start=cache.length, q_len=n, k_pos=k_pos, k_first=k_first)

@@ -45,10 +45,9 @@ def leak(module=latent, cls=None) -> float:
 def cache_excess(module=latent, cls=None) -> float:
     """Bytes per token the cache holds beyond the latent and the one shared rotary key,
     (r + d_R) float64 numbers, measured on the tensors it keeps after decoding."""
-    state = decoded(layer(cls or module.LatentAttention, **SIZES), inputs())[1].get(0)
-    kept = state.bytes() / (B * T)
-    assert kept == state.bytes_per_token()
-    return float(kept - (RANK + ROPE) * 8)
+    cache = decoded(layer(cls or module.LatentAttention, **SIZES), inputs())[1]
+    assert cache.stored == cache.capacity == T               # every slot filled, none spare
+    return float(cache.nbytes() / (B * T) - (RANK + ROPE) * 8)
 
 
 def test_the_layer_matches_the_float64_reference():
@@ -72,8 +71,7 @@ def test_the_cache_holds_the_latent_and_one_rotary_key_per_token():
     assert (RANK + ROPE) * 8 < mha_per_token
     # The defaults: r = 4·d_h, d_R = d_h/2 (DeepSeek-V2's ratios), 4.5·d_h numbers a token
     # whatever the number of heads (MHA's 2·H·d_h: 64·d_h for V2's 32 heads of this sketch).
-    state = decoded(layer(latent.LatentAttention), inputs())[1].get(0)
-    assert state.bytes_per_token() == (4 * D + D // 2) * 8
+    assert decoded(layer(latent.LatentAttention), inputs())[1].nbytes() == B * T * (4 * D + D // 2) * 8
 
 
 def test_the_weights_are_a_causal_softmax():

@@ -1,38 +1,41 @@
-"""Linear attention, DeltaNet and latent attention inside the whole model, before the
-mechanism registry wires them in: each built by every block in place of the registry's choice (the
-way a registry entry will build it), the GPT trains, and generating with the mechanism's
-per-layer state (model/states.py) gives the logits and tokens of the full forward pass."""
+"""Linear attention, DeltaNet, Gated DeltaNet and latent attention inside the whole model,
+built through model.mechanism as any registered mechanism is: the GPT trains, generating
+with the model's own caches (the growing one and the static one) gives the tokens and
+logits of the full forward pass, the caches hold what each entry says, a hybrid of three
+linear layers to one softmax layer trains and decodes, and what a recurrent state cannot
+do (a window, an encoder) is refused by the registry in one line."""
 import pytest
 import torch
 
-import model.layers as layers
+from conftest import run_script, train_tiny
 from model.config import ModelConfig
 from model.deltanet import DeltaNet, GatedDeltaNet
 from model.gpt import GPT
 from model.latent_attention import LatentAttention
 from model.linear_attention import LinearAttention
-from model.states import LayerStates
+from model.mechanisms import MECHANISMS
 
 # Tiny models spend their time in dispatch: a second thread only adds waiting for it.
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MECHANISMS = {"linear": LinearAttention, "deltanet": DeltaNet, "gated_deltanet": GatedDeltaNet,
-              "mla": LatentAttention}
+CLASSES = {"linear": LinearAttention, "deltanet": DeltaNet, "gated_deltanet": GatedDeltaNet,
+           "mla": LatentAttention}
+RECURRENT = ["linear", "deltanet", "gated_deltanet"]
 N_LAYER = 2
 
 
-def gpt_with(attention, monkeypatch, **settings) -> GPT:
-    monkeypatch.setattr(layers, "build_layer", attention)
+def gpt_with(mechanism: str, n_layer: int = N_LAYER, **settings) -> GPT:
     torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=16, n_layer=N_LAYER, n_head=2, n_embd=32, block_size=32,
-                            linear_chunk=8, **settings))
-    assert all(isinstance(block.attn, attention) for block in model.blocks)
-    return model
+    return GPT(ModelConfig(vocab_size=16, n_layer=n_layer, n_head=2, n_embd=32, block_size=32,
+                           linear_chunk=8, mechanism=mechanism, **settings))
 
 
-@pytest.mark.parametrize("name", MECHANISMS)
-def test_a_gpt_built_with_it_learns_a_repeated_text(name, monkeypatch):
-    model = gpt_with(MECHANISMS[name], monkeypatch)
+@pytest.mark.parametrize("name", CLASSES)
+def test_the_registry_builds_its_class_in_every_block(name):
+    assert all(type(block.attn) is CLASSES[name] for block in gpt_with(name).blocks)
+
+
+def learns_a_repeated_text(model: GPT) -> list[float]:
     g = torch.Generator().manual_seed(1)
     text = torch.randint(0, 16, (8,), generator=g).repeat(4)[:25]   # eight tokens, repeated
     x, y = text[None, :-1], text[None, 1:]
@@ -44,64 +47,92 @@ def test_a_gpt_built_with_it_learns_a_repeated_text(name, monkeypatch):
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_a_gpt_built_with_it_learns_a_repeated_text(name):
+    losses = learns_a_repeated_text(gpt_with(name))
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-@pytest.mark.parametrize("name", MECHANISMS)
-def test_decoding_with_its_state_equals_the_full_forward(name, monkeypatch):
-    model = gpt_with(MECHANISMS[name], monkeypatch).double().eval()
+@pytest.mark.parametrize("name", CLASSES)
+def test_decoding_with_the_models_cache_equals_the_full_forward(name):
+    model = gpt_with(name).double().eval()
     idx = torch.randint(0, 16, (2, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         full = model(idx).logits
-        cache = LayerStates(N_LAYER)
+        cache = model.new_cache(20)
         pieces = [model(idx[:, :7], cache=cache).logits]             # a prompt, then a token
         pieces += [model(idx[:, t:t + 1], cache=cache).logits for t in range(7, 20)]
     assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-9
     assert cache.length == 20
 
 
-@pytest.mark.parametrize("name", MECHANISMS)
-def test_generate_with_its_state_gives_the_full_passes_tokens(name, monkeypatch):
-    model = gpt_with(MECHANISMS[name], monkeypatch).double().eval()
-    monkeypatch.setattr(model, "new_cache", lambda max_len: LayerStates(N_LAYER))
+def generated(model: GPT, prompt, n: int, **kw):
+    seen = []
+    tokens = list(model.generate(prompt, n, temperature=0.0,
+                                 on_step=lambda logits, token: seen.append(logits), **kw))
+    return torch.cat(tokens, dim=1), torch.stack(seen)
+
+
+@pytest.mark.parametrize("name", [*CLASSES, "linear,linear,linear,mha"])
+@pytest.mark.parametrize("decode", ["cache", "static"])
+def test_generate_with_each_cache_gives_the_full_passes_tokens(name, decode):
+    """40 new tokens after 6 pass block_size = 32: the cache is refilled from the newest
+    half once, and the recurrent state starts again with it, as the full pass's does."""
+    model = gpt_with(name, n_layer=4).double().eval()
     prompt = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(3))
-
-    def run(**kw):
-        seen = []
-        tokens = list(model.generate(prompt, 20, temperature=0.0,
-                                     on_step=lambda logits, token: seen.append(logits), **kw))
-        return torch.cat(tokens, dim=1), torch.stack(seen)
-    cached, cached_logits = run(decode="cache")
-    full, full_logits = run(use_cache=False)
-    assert torch.equal(cached, full)
-    assert (cached_logits - full_logits).abs().max() < 1e-9
+    cached, cached_logits = generated(model, prompt, 40, decode=decode)
+    full, full_logits = generated(model, prompt, 40, use_cache=False)
+    assert torch.equal(cached[:, :26], full[:, :26])
+    # generate hands on_step fp32 logits whatever the model's dtype: fp32's rounding.
+    assert (cached_logits[:26] - full_logits[:26]).abs().max() < 1e-6
 
 
-def test_the_state_a_gpt_keeps_is_fixed_for_the_recurrent_and_per_token_for_mla(monkeypatch):
-    sizes = {}
-    for name, attention in MECHANISMS.items():
-        model = gpt_with(attention, monkeypatch).eval()
-        kept = []
-        for length in (4, 12):
-            cache = LayerStates(N_LAYER)
-            with torch.no_grad():
-                model(torch.zeros(1, length, dtype=torch.long), cache=cache)
-            kept.append(cache.nbytes())
-        sizes[name] = kept
+@pytest.mark.parametrize("name", CLASSES)
+def test_both_caches_hold_what_the_entry_says(name):
+    """Bytes after 4 and after 12 tokens: the same for a recurrent state, the capacity's
+    slots of (r + d_R) numbers for MLA; the static cache after a load holds the same."""
+    model = gpt_with(name).eval()
+    facts, c = MECHANISMS[name].cache, model.config
+    for length in (4, 12):
+        cache = model.new_cache(16)
+        with torch.no_grad():
+            model(torch.zeros(1, length, dtype=torch.long), cache=cache)
+        static = model.new_static_cache(16)
+        static.load(cache)
+        want = 4 * N_LAYER * (16 * facts.per_token(c) + facts.fixed(c))      # fp32
+        assert cache.nbytes() == static.nbytes() == want
     head_dim = 16
-    # Recurrent states: the same after 12 tokens as after 4 (fp32, per layer per head).
-    assert sizes["linear"] == [N_LAYER * 2 * (head_dim ** 2 + head_dim) * 4] * 2
-    assert sizes["deltanet"] == sizes["gated_deltanet"] == [N_LAYER * 2 * head_dim ** 2 * 4] * 2
-    # MLA: (4·d_h + d_h/2) fp32 numbers per token and layer, against MHA's 2·H·d_h.
-    assert sizes["mla"] == [N_LAYER * n * (4 * head_dim + head_dim // 2) * 4 for n in (4, 12)]
+    per_layer = {"linear": (0, 2 * (head_dim ** 2 + head_dim)), "deltanet": (0, 2 * head_dim ** 2),
+                 "gated_deltanet": (0, 2 * head_dim ** 2), "mla": (4 * head_dim + head_dim // 2, 0)}
+    assert (facts.per_token(c), facts.fixed(c)) == per_layer[name]
 
 
-@pytest.mark.parametrize("name", MECHANISMS)
-def test_it_runs_in_bf16_close_to_fp32(name, monkeypatch):
+def test_a_hybrid_of_three_linear_layers_to_one_softmax_layer_trains_and_decodes():
+    model = gpt_with("linear,linear,linear,mha", n_layer=4)
+    assert [type(b.attn).__name__ for b in model.blocks] == ["LinearAttention"] * 3 + [
+        "MultiHeadAttention"]
+    losses = learns_a_repeated_text(model)
+    assert losses[-1] < 0.5 * losses[0], losses
+    model = model.double().eval()
+    idx = torch.randint(0, 16, (1, 20), generator=torch.Generator().manual_seed(6))
+    cache = model.new_cache(20)
+    with torch.no_grad():
+        steps = [model(idx[:, :5], cache=cache).logits]
+        steps += [model(idx[:, t:t + 1], cache=cache).logits for t in range(5, 20)]
+        assert (torch.cat(steps, 1) - model(idx).logits).abs().max() < 1e-9
+    # Three layers keep a state, the softmax layer its keys and values.
+    assert sorted(cache.states) == [0, 1, 2] and [k is None for k in cache.k] == [True] * 3 + [False]
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_it_runs_in_bf16_close_to_fp32(name):
     """Under bf16 autocast and with bf16 weights (a CPU trains in either): the recurrent
     states are summed in fp32 (torch has no bf16 triangular solve on a CPU, and bf16's
     8-bit mantissa would round a long sum away), and the output is near fp32's."""
-    model = gpt_with(MECHANISMS[name], monkeypatch).eval()
+    model = gpt_with(name).eval()
     idx = torch.randint(0, 16, (2, 20), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         want = model(idx).logits
@@ -112,21 +143,66 @@ def test_it_runs_in_bf16_close_to_fp32(name, monkeypatch):
         assert (got - want).abs().max() < 0.05 * want.abs().max()
 
 
-@pytest.mark.parametrize("name", ["linear", "deltanet", "gated_deltanet"])
-@pytest.mark.parametrize("setting", [{"sliding_window": 4}, {"causal": False}],
-                         ids=["window", "encoder"])
-def test_a_recurrent_state_refuses_a_window_and_an_encoder_in_one_line(name, setting, monkeypatch):
-    with pytest.raises(ValueError, match="sliding_window=0 and model.causal=true"):
-        gpt_with(MECHANISMS[name], monkeypatch, **setting)
+@pytest.mark.parametrize("name", [*RECURRENT, "mha,linear"])
+@pytest.mark.parametrize("setting", [{"sliding_window": 4}, {"sliding_window": 4, "n_global": 1},
+                                     {"causal": False}],
+                         ids=["window", "global", "encoder"])
+def test_a_recurrent_state_refuses_a_window_and_an_encoder_in_one_line(name, setting):
+    with pytest.raises(ValueError, match=r"reads every earlier token, causally, and no mask") as err:
+        gpt_with(name, **setting)
+    assert "\n" not in str(err.value)
 
 
-def test_latent_attention_decodes_a_windowed_model_as_it_trained(monkeypatch):
-    # The cache keeps every latent; its window makes the mask hide what training hid.
-    model = gpt_with(LatentAttention, monkeypatch, sliding_window=4, n_global=1).double().eval()
+def test_latent_attention_decodes_a_windowed_model_as_it_trained():
+    # The rolling cache keeps the latents still in reach; the mask hides what training hid.
+    model = gpt_with("mla", sliding_window=4, n_global=1).double().eval()
     idx = torch.randint(0, 16, (2, 20), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         full = model(idx).logits
-        cache = LayerStates(N_LAYER, window=4, n_global=1)
+        cache = model.new_cache(20)
         pieces = [model(idx[:, :7], cache=cache).logits]
         pieces += [model(idx[:, t:t + 1], cache=cache).logits for t in range(7, 20)]
     assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-9
+    assert cache.capacity == 1 + 2 * 4                        # bounded, not 20
+
+
+def test_streaming_refuses_latent_attention_in_one_line_and_keeps_a_recurrent_state():
+    """Sinks turn kept keys back by the model's RoPE: an MLA cache holds latents (no
+    position) and keys of its own small RoPE, so it is refused; a recurrent layer keeps
+    no keys, and its state streams as it is."""
+    prompt = torch.randint(0, 16, (1, 4), generator=torch.Generator().manual_seed(7))
+    with pytest.raises(ValueError, match="model.mechanism=mla cannot be renumbered") as err:
+        list(gpt_with("linear,mla").eval().generate(prompt, 3, sinks=2))
+    assert "\n" not in str(err.value)
+    assert len(list(gpt_with("linear").eval().generate(prompt, 40, top_k=1, sinks=2))) == 40
+
+
+def test_a_deltanet_run_trains_samples_and_says_why_it_cannot_be_drawn_or_exported(corpus, tmp_path):
+    run = train_tiny(corpus, tmp_path, "dn", "--model.mechanism=deltanet", "--train.max_iters=50")
+    sampled = run_script("sample.py", "--run", run, "--sample.max_new_tokens=20")
+    assert sampled.stdout.strip()
+    for tool, *args in (("attnlab.heads", "grid", "--text", "To be, or not"),
+                        ("attnlab.export", "--out", tmp_path / "hf")):
+        refused = run_script("-m", tool, *args, "--run", run, check=False)
+        said = refused.stderr.strip().splitlines()[-1]
+        assert refused.returncode == 2 and said.startswith("error: ") and "deltanet" in said
+        assert "no attention weights to draw" in said or "no transformers architecture" in said
+    assert not (tmp_path / "hf").exists()
+
+
+def test_latent_attention_with_value_embeddings_is_refused_when_built_in_one_line():
+    with pytest.raises(ValueError, match="model.mechanism=mla rebuilds its values") as err:
+        gpt_with("mha,mla", value_embeds=True)
+    assert "\n" not in str(err.value)
+    gpt_with("linear,mha", value_embeds=True)               # a recurrent layer adds them
+
+
+def test_the_recurrent_flops_stop_growing_with_the_context_and_mlas_grow_like_attentions():
+    """Each entry's forward FLOPs per token at 1k and 16k of context: a chunk and a state
+    for linear attention and DeltaNet, every earlier token for softmax and MLA."""
+    config = gpt_with("mha").config
+    flops = {n: [MECHANISMS[n].flops(config, T) for T in (1024, 16384)] for n in [*CLASSES, "mha"]}
+    for name in RECURRENT:
+        assert flops[name][0] == flops[name][1] < flops["mha"][0]
+    assert flops["mha"][1] == 16 * flops["mha"][0] and flops["mla"][1] == 16 * flops["mla"][0]
+    assert flops["mla"][0] > flops["mha"][0]                 # q and k are d_h + d_R long

@@ -1,0 +1,121 @@
+"""The frontier command (attnlab/frontier.py): one row per mechanism with every column,
+the cache's size per token read from the model's own cache (exact ratios for GQA and
+MQA), a mechanism the model cannot build skipped in one line, and options refused at
+parse time."""
+import csv
+
+import pytest
+import torch
+
+from attnlab import frontier
+from attnlab.frontier import MECHANISMS, Mechanism, Settings, decode_columns, main
+from attnlab.recall import BASE
+from common.errors import AttnlabError, ConfigError
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")       # tiny models, trained here
+
+
+def test_the_command_at_test_size_writes_every_column_and_skips_what_cannot_be_built(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(MECHANISMS, "future", Mechanism("not registered", {"position": "nowhere"}))
+    monkeypatch.setattr(frontier, "LM_OPTIONS", [*frontier.LM_OPTIONS,
+                                                 f"--data.cache_dir={tmp_path / 'cache'}"])
+    out = tmp_path / "frontier"
+    earlier = out / "lm" / "mha"             # an earlier run of this command into the same folder
+    (earlier / "checkpoints").mkdir(parents=True)
+    for name in ("config.json", "metrics.jsonl", "checkpoints/stale"):
+        (earlier / name).write_text("{}")
+    assert main(["--quick", "--steps", "2", "--mechanisms", "mha", "future", "mqa",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    skipped = [line for line in printed.splitlines() if line.startswith("future:")]
+    assert len(skipped) == 1 and "skipped" in skipped[0] and "nowhere" in skipped[0]
+    with open(out / "frontier.csv", newline="") as f:
+        rows = {r["mechanism"]: r for r in csv.DictReader(f)}
+    assert list(rows) == ["mha", "mqa"]
+    s = Settings(**frontier.QUICK)
+    expected = ["mechanism", "params", "val_loss", "train_tokens_per_s",
+                *(f"decode_ms_at_{n}" for n in s.contexts), "cache_bytes_per_token",
+                "state_bytes", *(f"recall_{f}x" for f in s.factors), *(f"mqar_{p}" for p in s.pairs),
+                "about"]
+    assert list(rows["mha"]) == expected
+    for row in rows.values():
+        assert all(row[c] != "" for c in expected)
+        assert float(row[f"decode_ms_at_{max(s.contexts)}"]) > 0       # measured, whatever its value
+        assert 0 <= float(row[f"mqar_{max(s.pairs)}"]) <= 1
+    # MQA keeps one key/value head of the base model's four: a quarter of the bytes, exactly.
+    assert float(rows["mqa"]["cache_bytes_per_token"]) * BASE["n_head"] == \
+        float(rows["mha"]["cache_bytes_per_token"])
+    assert (out / "frontier.png").stat().st_size > 0
+    assert "| mha |" in (out / "frontier.md").read_text()
+    assert not (earlier / "checkpoints" / "stale").exists()        # replaced, not refused
+
+
+@pytest.mark.parametrize("n_head", [4, 8])
+def test_bytes_per_token_are_the_keys_and_values_the_model_caches(n_head):
+    s = Settings(contexts=(40, 72), decode_steps=3)
+    size = {"n_head": n_head, "n_embd": 16 * n_head}
+    rows = {name: decode_columns(Mechanism(name, {**size, **more}), s, vocab_size=11)
+            for name, more in (("mha", {}), ("gqa", {"n_kv_head": n_head // 2}),
+                               ("mqa", {"n_kv_head": 1}))}
+    # K and V, per layer, per key/value head, d_k = 16 numbers each, 4 bytes in fp32.
+    assert rows["mha"]["cache_bytes_per_token"] == 2 * BASE["n_layer"] * n_head * 16 * 4
+    assert rows["gqa"]["cache_bytes_per_token"] * 2 == rows["mha"]["cache_bytes_per_token"]
+    assert rows["mqa"]["cache_bytes_per_token"] * n_head == rows["mha"]["cache_bytes_per_token"]
+    assert all(r["state_bytes"] == 0 for r in rows.values())     # nothing kept but K and V
+    assert all(r["decode_ms_at_40"] > 0 and r["decode_ms_at_72"] > 0 for r in rows.values())
+
+
+def test_a_window_s_cache_stops_growing():
+    s = Settings(contexts=(48, 96), decode_steps=3)
+    row = decode_columns(Mechanism("window", {"sliding_window": 8}), s, vocab_size=11)
+    assert row["cache_bytes_per_token"] == 0
+    # A rolling cache of 2W slots (it compacts once per W tokens), each K and V of 4 heads.
+    assert row["state_bytes"] == 2 * 8 * 2 * BASE["n_layer"] * 4 * 16 * 4
+
+
+def test_the_memory_facts_come_from_the_cache_the_model_makes(monkeypatch):
+    # A mechanism that keeps a fixed state reports its own size through its cache.
+    class Fixed:
+        window = 0
+
+        def __init__(self, real):
+            self.real = real
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def nbytes(self):
+            return 4096
+
+    from model import GPT
+    made = GPT.new_cache
+    monkeypatch.setattr(GPT, "new_cache", lambda self, n: Fixed(made(self, n)))
+    row = decode_columns(Mechanism("fixed"), Settings(contexts=(32, 64), decode_steps=3), 11)
+    assert (row["cache_bytes_per_token"], row["state_bytes"]) == (0, 4096)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--steps", "0"], "--steps"),
+    (["--contexts", "8", "64"], "--contexts"),
+    (["--contexts", "64"], "2 to 5"),
+    (["--pairs", "100"], "--pairs"),
+    (["--pairs", "32"], "at most 16"),
+    (["--mechanisms", "gqaa"], "did you mean 'gqa'"),
+    (["--threads", "999"], "--threads"),
+    (["--examples", "x"], "--examples"),
+    (["--out", ""], "empty path"),
+])
+def test_bad_options_are_refused_before_any_work(argv, words, tmp_path):
+    with pytest.raises((AttnlabError, ConfigError), match=words.replace("'", ".")):
+        main(argv + ([] if "--out" in argv else ["--out", str(tmp_path / "x")]))
+    assert not (tmp_path / "x").exists()
+
+
+def test_every_mechanism_of_the_frontier_is_one_the_model_builds():
+    """The table names the mechanisms the model registers (model.mechanism), so none of
+    its eight rows is skipped."""
+    assert {name: frontier.why_not(m) for name, m in frontier.MECHANISMS.items()} == \
+        dict.fromkeys(frontier.MECHANISMS)
+    assert len(frontier.MECHANISMS) == 8
