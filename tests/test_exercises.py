@@ -98,6 +98,17 @@ def cross_attention(x, memory, key_padding, w_q, w_k, w_v, w_o):
     weights = torch.softmax(scores, dim=-1)
     return (weights @ v) @ w_o, weights
 ''',
+    "linear_rnn": '''
+import torch
+def linear_attention_step(q, k, v, S, z):
+    phi_q = torch.nn.functional.elu(q) + 1
+    phi_k = torch.nn.functional.elu(k) + 1
+    S_new = S + phi_k[..., :, None] * v[..., None, :]
+    z_new = z + phi_k
+    numerator = (phi_q[..., None, :] @ S_new).squeeze(-2)
+    normaliser = (phi_q * z_new).sum(-1, keepdim=True)
+    return numerator / normaliser, S_new, z_new
+''',
 }
 
 PLANTED = {
@@ -181,6 +192,25 @@ PLANTED = {
          "padding mask is shaped for the wrong axis"),
         ("return (weights @ v) @ w_o, weights", "return weights @ v, weights", "W_O is missing"),
     ],
+    "linear_rnn": [
+        ("return numerator / normaliser, S_new, z_new", "return numerator, S_new, z_new",
+         "the output is not normalised"),
+        ("elu(q) + 1\n    phi_k = torch.nn.functional.elu(k) + 1",
+         "elu(q)\n    phi_k = torch.nn.functional.elu(k)", "φ goes negative"),
+        ("phi_q = torch.nn.functional.elu(q) + 1\n    phi_k = torch.nn.functional.elu(k) + 1",
+         "phi_q, phi_k = q, k", "no feature map"),
+        ("@ S_new).squeeze(-2)\n    normaliser = (phi_q * z_new)",
+         "@ S).squeeze(-2)\n    normaliser = (phi_q * z)", "off by one: the output read the state "
+         "before this token"),
+        ("return numerator / normaliser, S_new, z_new", "return numerator / normaliser, S, z",
+         "the state returned is the one passed in"),
+        ("S_new = S + phi_k[..., :, None] * v[..., None, :]",
+         "S += phi_k[..., :, None] * v[..., None, :]\n    S_new = S", "in place"),
+        ("phi_k[..., :, None] * v[..., None, :]", "v[..., :, None] * phi_k[..., None, :]",
+         "S adds φ(k)vᵀ, the keys' features by the values'"),
+        ("return numerator / normaliser, S_new, z_new", "return numerator / normaliser, (S_new, z_new)",
+         "returned 2 value(s), expected 3"),
+    ],
 }
 
 
@@ -193,7 +223,7 @@ def write(folder, ex, source):
 def test_every_exercise_has_a_correct_answer_and_at_least_two_planted_mistakes():
     assert set(CORRECT) == set(PLANTED) == set(BY_NAME)
     assert all(len(PLANTED[name]) >= 2 for name in PLANTED)
-    assert [ex.number for ex in EXERCISES] == list(range(1, 9))
+    assert [ex.number for ex in EXERCISES] == list(range(1, 10))
 
 
 @pytest.mark.parametrize("ex", EXERCISES, ids=lambda ex: ex.name)
@@ -280,7 +310,7 @@ def test_start_copies_the_stubs_and_never_overwrites_work(tmp_path, capsys):
     mine = tmp_path / "mine"
     write(mine, BY_NAME["attention"], CORRECT["attention"])
     copied, kept = start(mine)
-    assert kept == ["01_attention.py"] and len(copied) == 7
+    assert kept == ["01_attention.py"] and len(copied) == 8
     assert (mine / "01_attention.py").read_text() == CORRECT["attention"]
     assert tool.main(["start", str(mine)]) == 0
     out = capsys.readouterr().out
@@ -306,7 +336,7 @@ def test_check_prints_a_progress_table_and_what_to_try_next(tmp_path, capsys, mo
     assert rows[2].split() == ["1", "attention", "passed"]
     assert rows[3].startswith("  2  causal_mask") and "failed: the wrong triangle" in rows[3]
     assert rows[4].split() == ["3", "multi_head", "not", "started"]
-    assert "1 of 8 passed." in rows
+    assert "1 of 9 passed." in rows
     assert rows[-1].startswith("next: fix causal_mask in my_attention/02_causal_mask.py")
     assert tool.main(["check", "my_attention"]) == 1                 # a folder, as start takes it
     assert capsys.readouterr().out.splitlines()[:3] == rows[:3]
@@ -493,4 +523,4 @@ def test_an_exit_or_a_crash_in_the_learners_code_is_a_failure_the_checker_report
     assert "ended the process that checked it (exit code 0: sys.exit()" in rows[EXERCISES[0].name]
     assert "ended the process that checked it (exit code 0: sys.exit()" in rows[EXERCISES[1].name]
     assert "crashed the process that checked it (SIGSEGV)" in rows[EXERCISES[2].name]
-    assert "0 of 8 passed" in proc.stdout
+    assert "0 of 9 passed" in proc.stdout
