@@ -208,8 +208,8 @@ PLANTED = {
          "S += phi_k[..., :, None] * v[..., None, :]\n    S_new = S", "in place"),
         ("phi_k[..., :, None] * v[..., None, :]", "v[..., :, None] * phi_k[..., None, :]",
          "S adds φ(k)vᵀ, the keys' features by the values'"),
-        ("return numerator / normaliser, S_new, z_new", "return numerator / normaliser, (S_new, z_new)",
-         "returned 2 value(s), expected 3"),
+        ("return numerator / normaliser, S_new, z_new",
+         "return numerator / normaliser, (S_new, z_new)", "returned 2 value(s), expected 3"),
     ],
 }
 
@@ -605,7 +605,8 @@ def test_training_with_your_linear_step_matches_linear(corpus, tmp_path):
     shutil.copytree(SOLUTIONS, mine)
     yours = run_script(*tiny(corpus, tmp_path, "yours", "--model.mechanism=yours",
                              f"--exercises={mine}"))
-    assert f"mechanism: yours (linear_attention_step in {mine / '09_linear_rnn.py'})" in yours.stdout
+    assert f"mechanism: yours (linear_attention_step in {mine / '09_linear_rnn.py'})" \
+        in yours.stdout
     run_script(*tiny(corpus, tmp_path, "linear", "--model.mechanism=linear"))
     a, b = step_losses(tmp_path / "runs" / "yours"), step_losses(tmp_path / "runs" / "linear")
     assert len(a) == len(b) == 4 and a == pytest.approx(b, rel=1e-4, abs=1e-5)

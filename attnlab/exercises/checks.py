@@ -384,7 +384,8 @@ def linear_cases():
     planted mistake, the off-by-one's included, has a finite output to be matched by."""
     def tokens(seed, T):
         return _rand(seed, 2, 2, T, 8), _rand(seed + 1, 2, 2, T, 8), _rand(seed + 2, 2, 2, T, 6)
-    empty = (torch.zeros(2, 2, 8, 6, dtype=torch.float64), torch.zeros(2, 2, 8, dtype=torch.float64))
+    empty = (torch.zeros(2, 2, 8, 6, dtype=torch.float64),          # S = 0
+             torch.zeros(2, 2, 8, dtype=torch.float64))              # z = 0
     _, S, z = ref.linear_parallel(*tokens(60, 4), *empty)
     return [Case("5 tokens after the state 4 earlier tokens left", (*tokens(70, 5), S, z)),
             Case("6 tokens from the empty state (S = 0, z = 0)", (*tokens(80, 6), *empty))]
@@ -405,10 +406,12 @@ def _watched(fn):
             raise Diagnosis(f"linear_attention_step returned {n} value(s), expected 3: the "
                             "output (B, H, d_v), the new S (B, H, d_k, d_v), the new z (B, H, d_k)")
         B, H, d_k, d_v = S.shape
+        shapes = ((B, H, d_v), (B, H, d_k, d_v), (B, H, d_k))
         for name, value, shape, hint in zip(("the output", "the new S", "the new z"), got,
-                                            ((B, H, d_v), (B, H, d_k, d_v), (B, H, d_k)), LINEAR_HINTS):
+                                            shapes, LINEAR_HINTS):
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-                found = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                found = (tuple(value.shape) if isinstance(value, torch.Tensor)
+                         else type(value).__name__)
                 raise Diagnosis(f"{name} of one step is {found}, expected {shape}: {hint}")
         if not (torch.equal(S, before[0]) and torch.equal(z, before[1])):
             raise Diagnosis("the step changed the S or z passed in, in place (S += ... or "

@@ -3,8 +3,9 @@ registries.
 
 `install()` adds one entry to each registry, as any backend, encoding or mechanism is
 added, so `--model.attention=yours`, `--model.position=yours` and `--model.mechanism=yours`
-pass the config's checks and appear in --help. `prepare(config, folder)` then loads the learner's functions from
-their folder, refusing any exercise that has not passed its check, and binds them:
+pass the config's checks and appear in --help. `prepare(config, folder)` then loads the
+learner's functions from their folder, refusing any exercise that has not passed its
+check, and binds them:
 
 * attention: exercise 1's scaled_dot_product_attention, given the mask the project's
   rule builds (causal, window, padding) as a bool matrix;

@@ -393,8 +393,8 @@ def over_tokens(step, q, k, v, S, z):
 
 def linear_parallel(q, k, v, S, z):
     """The parallel form, the paper's eq. 6 after a state (S, z) of earlier tokens:
-    y_i = (φ(q_i)ᵀS + Σ_{j≤i} φ(q_i)·φ(k_j) v_j) / (φ(q_i)·z + Σ_{j≤i} φ(q_i)·φ(k_j)),
-    tril keeping j ≤ i; and the state after the last token."""
+    y_i = (φ(q_i)ᵀS + Σ_{j≤i} φ(q_i)·φ(k_j) v_j) / (φ(q_i)·z + Σ_{j≤i} φ(q_i)·φ(k_j))
+    (tril keeps j ≤ i), and the state after the last token."""
     phi_q, phi_k = elu_plus_one(q), elu_plus_one(k)
     within = (phi_q @ phi_k.transpose(-2, -1)).tril()                      # (B, H, T, T)
     numerator = phi_q @ S + within @ v                                     # (B, H, T, d_v)
