@@ -138,12 +138,10 @@ class LinearAttention(nn.Module):
         # φ and the sums in at least fp32, outside autocast: the state adds up a whole text,
         # which bf16's 8-bit mantissa would round away.
         q, k, v = (at_least_fp32(t) for t in (q, k, v))
-        phi_q, phi_k = feature_map(q), feature_map(k)
         state = None if cache is None else cache.state(self.layer_idx)
-        state = LinearState.empty(phi_q) if state is None else LinearState.unpacked(state)
-        # Training and prefill in chunks, a decoded token as a chunk of one: the same sums.
+        state = LinearState.empty(q) if state is None else LinearState.unpacked(state)
         with torch.autocast(x.device.type, enabled=False):
-            y, state = chunked(phi_q, phi_k, v, state, self.chunk_size)
+            y, state = self.sums(q, k, v, state)
         if cache is not None:
             cache.keep(self.layer_idx, state.packed())
         w = None
@@ -151,6 +149,13 @@ class LinearAttention(nn.Module):
             if cache is not None:
                 raise ModelError("linear attention keeps a sum over earlier tokens, not their "
                                  "keys: it has weights to draw for a whole text, without a cache")
-            w = weights(phi_q, phi_k).to(x.dtype)
+            w = weights(feature_map(q), feature_map(k)).to(x.dtype)
         y = y.to(x.dtype).transpose(1, 2).reshape(B, T, C)          # heads side by side
         return self.resid_dropout(self.w_o(y)), w
+
+    def sums(self, q, k, v, state: LinearState):
+        """The outputs (B, H, T, D) and the state after them, from the heads' q, k, v
+        before φ. Training and prefill in chunks, a decoded token as a chunk of one: the
+        same sums. The one place they are made, so a subclass can make them another way:
+        attnlab/exercises/plug.py runs the learner's recurrent step here (exercise 9)."""
+        return chunked(feature_map(q), feature_map(k), v, state, self.chunk_size)

@@ -98,6 +98,17 @@ def cross_attention(x, memory, key_padding, w_q, w_k, w_v, w_o):
     weights = torch.softmax(scores, dim=-1)
     return (weights @ v) @ w_o, weights
 ''',
+    "linear_rnn": '''
+import torch
+def linear_attention_step(q, k, v, S, z):
+    phi_q = torch.nn.functional.elu(q) + 1
+    phi_k = torch.nn.functional.elu(k) + 1
+    S_new = S + phi_k[..., :, None] * v[..., None, :]
+    z_new = z + phi_k
+    numerator = (phi_q[..., None, :] @ S_new).squeeze(-2)
+    normaliser = (phi_q * z_new).sum(-1, keepdim=True)
+    return numerator / normaliser, S_new, z_new
+''',
 }
 
 PLANTED = {
@@ -181,6 +192,25 @@ PLANTED = {
          "padding mask is shaped for the wrong axis"),
         ("return (weights @ v) @ w_o, weights", "return weights @ v, weights", "W_O is missing"),
     ],
+    "linear_rnn": [
+        ("return numerator / normaliser, S_new, z_new", "return numerator, S_new, z_new",
+         "the output is not normalised"),
+        ("elu(q) + 1\n    phi_k = torch.nn.functional.elu(k) + 1",
+         "elu(q)\n    phi_k = torch.nn.functional.elu(k)", "φ goes negative"),
+        ("phi_q = torch.nn.functional.elu(q) + 1\n    phi_k = torch.nn.functional.elu(k) + 1",
+         "phi_q, phi_k = q, k", "no feature map"),
+        ("@ S_new).squeeze(-2)\n    normaliser = (phi_q * z_new)",
+         "@ S).squeeze(-2)\n    normaliser = (phi_q * z)", "off by one: the output read the state "
+         "before this token"),
+        ("return numerator / normaliser, S_new, z_new", "return numerator / normaliser, S, z",
+         "the state returned is the one passed in"),
+        ("S_new = S + phi_k[..., :, None] * v[..., None, :]",
+         "S += phi_k[..., :, None] * v[..., None, :]\n    S_new = S", "in place"),
+        ("phi_k[..., :, None] * v[..., None, :]", "v[..., :, None] * phi_k[..., None, :]",
+         "S adds φ(k)vᵀ, the keys' features by the values'"),
+        ("return numerator / normaliser, S_new, z_new",
+         "return numerator / normaliser, (S_new, z_new)", "returned 2 value(s), expected 3"),
+    ],
 }
 
 
@@ -193,7 +223,7 @@ def write(folder, ex, source):
 def test_every_exercise_has_a_correct_answer_and_at_least_two_planted_mistakes():
     assert set(CORRECT) == set(PLANTED) == set(BY_NAME)
     assert all(len(PLANTED[name]) >= 2 for name in PLANTED)
-    assert [ex.number for ex in EXERCISES] == list(range(1, 9))
+    assert [ex.number for ex in EXERCISES] == list(range(1, 10))
 
 
 @pytest.mark.parametrize("ex", EXERCISES, ids=lambda ex: ex.name)
@@ -280,7 +310,7 @@ def test_start_copies_the_stubs_and_never_overwrites_work(tmp_path, capsys):
     mine = tmp_path / "mine"
     write(mine, BY_NAME["attention"], CORRECT["attention"])
     copied, kept = start(mine)
-    assert kept == ["01_attention.py"] and len(copied) == 7
+    assert kept == ["01_attention.py"] and len(copied) == 8
     assert (mine / "01_attention.py").read_text() == CORRECT["attention"]
     assert tool.main(["start", str(mine)]) == 0
     out = capsys.readouterr().out
@@ -306,7 +336,7 @@ def test_check_prints_a_progress_table_and_what_to_try_next(tmp_path, capsys, mo
     assert rows[2].split() == ["1", "attention", "passed"]
     assert rows[3].startswith("  2  causal_mask") and "failed: the wrong triangle" in rows[3]
     assert rows[4].split() == ["3", "multi_head", "not", "started"]
-    assert "1 of 8 passed." in rows
+    assert "1 of 9 passed." in rows
     assert rows[-1].startswith("next: fix causal_mask in my_attention/02_causal_mask.py")
     assert tool.main(["check", "my_attention"]) == 1                 # a folder, as start takes it
     assert capsys.readouterr().out.splitlines()[:3] == rows[:3]
@@ -493,4 +523,88 @@ def test_an_exit_or_a_crash_in_the_learners_code_is_a_failure_the_checker_report
     assert "ended the process that checked it (exit code 0: sys.exit()" in rows[EXERCISES[0].name]
     assert "ended the process that checked it (exit code 0: sys.exit()" in rows[EXERCISES[1].name]
     assert "crashed the process that checked it (SIGSEGV)" in rows[EXERCISES[2].name]
-    assert "0 of 8 passed" in proc.stdout
+    assert "0 of 9 passed" in proc.stdout
+
+
+# --- exercise 9: the learner's recurrent step inside linear attention ---------------
+
+def learners_step(tmp_path):
+    """The plain correct answer of exercise 9, loaded from a file as the learner's is."""
+    from attnlab.exercises.learner import load
+    ex = BY_NAME["linear_rnn"]
+    return load(ex, write(tmp_path / "step", ex, CORRECT["linear_rnn"]))
+
+
+def test_the_learners_step_makes_linear_attentions_sums_in_the_layer(tmp_path):
+    """The layer whose sums the learner's step makes, token by token, against the project's
+    chunked form with the same weights: the whole pass, decoding with the state, and the
+    gradients (a step that changed S in place would fail the backward)."""
+    from mechanism_checks import decode_error, inputs, layer, whole
+    from attnlab.exercises import plug
+    from model.linear_attention import LinearAttention
+    yours_cls = type("Yours", (plug.YourLinearAttention,),
+                     {"learner": staticmethod(learners_step(tmp_path))})
+    project, yours = layer(LinearAttention, linear_chunk=4), layer(yours_cls, linear_chunk=4)
+    x = inputs()
+    assert (whole(yours, x) - whole(project, x)).abs().max() < 1e-6     # the paper's 1e-6 eps
+    assert decode_error(yours, x) < 1e-6
+    whole(yours, x).square().sum().backward()
+    whole(project, x).square().sum().backward()
+    for a, b in zip(yours.parameters(), project.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ExerciseError, match="model.mechanism=yours has not been prepared"):
+        whole(layer(plug.YourLinearAttention), x)
+
+
+def linear_entry():
+    """linear's mechanism entry: issue 53's in model/mechanisms.py once it lands; until
+    then a stand-in with the facts a GPT needs to build and train it."""
+    from model.linear_attention import LinearAttention
+    from model.mechanisms import MECHANISMS, Cache, Mechanism
+    return MECHANISMS.get("linear") or Mechanism(
+        LinearAttention, Cache("a fixed-size state S, z", lambda c: 0),
+        follows_mask=False, takes_score_bias=False)
+
+
+def test_mechanism_yours_is_linear_with_your_step_once_exercise_9_passes(tmp_path, monkeypatch):
+    from attnlab.exercises import plug
+    from model import GPT, ModelConfig
+    from model.mechanisms import MECHANISMS
+    monkeypatch.setitem(MECHANISMS, "linear", linear_entry())
+    plug.install()
+    assert plug.YourLinearAttention is MECHANISMS["yours"].layer
+    assert MECHANISMS["yours"].cache is MECHANISMS["linear"].cache
+    mine = tmp_path / "mine"
+    start(mine)
+    config = ModelConfig(vocab_size=20, n_layer=2, n_head=2, n_embd=16, block_size=8,
+                         mechanism="yours,mha", linear_chunk=4)
+    assert plug.chosen(config) == (False, False, True)
+    with pytest.raises(ExerciseError, match=r"exercise 9 \(linear_rnn\) .*\(not started"):
+        plug.prepare(config, mine)
+    shutil.copy(SOLUTIONS / BY_NAME["linear_rnn"].filename, mine)
+    assert plug.prepare(config, mine) == [
+        f"mechanism: yours (linear_attention_step in {mine / '09_linear_rnn.py'})"]
+    ids = torch.randint(0, 20, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    yours = GPT(config)
+    torch.manual_seed(0)
+    theirs = GPT(ModelConfig(**{**vars(config), "mechanism": "linear,mha"}))
+    assert type(yours.blocks[0].attn).learner is not None
+    out, want = yours(ids, ids), theirs(ids, ids)
+    assert torch.allclose(out.logits, want.logits, atol=1e-5)
+    out.loss.backward()
+    (tmp_path / "run").mkdir()
+    plug.remember(config, tmp_path / "run", mine)
+    assert plug.folder_for(None, tmp_path / "run") == mine.resolve()
+
+
+def test_training_with_your_linear_step_matches_linear(corpus, tmp_path):
+    mine = tmp_path / "mine"
+    shutil.copytree(SOLUTIONS, mine)
+    yours = run_script(*tiny(corpus, tmp_path, "yours", "--model.mechanism=yours",
+                             f"--exercises={mine}"))
+    assert f"mechanism: yours (linear_attention_step in {mine / '09_linear_rnn.py'})" \
+        in yours.stdout
+    run_script(*tiny(corpus, tmp_path, "linear", "--model.mechanism=linear"))
+    a, b = step_losses(tmp_path / "runs" / "yours"), step_losses(tmp_path / "runs" / "linear")
+    assert len(a) == len(b) == 4 and a == pytest.approx(b, rel=1e-4, abs=1e-5)

@@ -1,4 +1,4 @@
-"""Build the article yourself: eight exercises that check your code and name your mistake.
+"""Build the article yourself: nine exercises that check your code and name your mistake.
 
     python -m attnlab.exercises start [DIR]        # copy the stubs into DIR (my_attention)
     python -m attnlab.exercises check              # a table of every exercise, and what next

@@ -1,4 +1,5 @@
-"""The eight exercises, in the article's order, and the checker that diagnoses them.
+"""The nine exercises, in the article's order and then one after it, and the checker
+that diagnoses them.
 
 Each exercise has inputs (cases, float64, seeded), a reference (reference.py) and the
 mistakes learners make, planted as variants of the reference. `run_check` calls the
@@ -45,6 +46,9 @@ class Exercise:
     trains: str = ""      # the train.py option that runs it once it passes
     shape_hints: tuple = ()   # per output: what a wrong shape there usually means
     raised: Callable = lambda case, err, fn: None   # the learner's exception -> diagnosis | None
+    # How the function (the learner's, or a planted variant) runs on a case's args: called
+    # once, or (a recurrent step) driven token by token.
+    call: Callable = lambda fn, args: fn(*args)
 
     @property
     def filename(self) -> str:
@@ -142,9 +146,11 @@ def run_check(ex: Exercise, fn: Callable, folder: Path | None = None) -> Result:
     for case in ex.cases():
         want = _tuple(ex.reference(*_clone(case.args)))
         try:
-            value = fn(*_clone(case.args))
+            value = ex.call(fn, _clone(case.args))
         except NotImplementedError:
             return Result(ex, "not started", f"{ex.function} still raises NotImplementedError")
+        except Diagnosis as d:            # what the driver of a step saw it return
+            return Result(ex, "failed", f"{d} ({case.label})")
         except Exception as err:
             try:
                 known = ex.raised(case, err, fn)
@@ -163,7 +169,7 @@ def run_check(ex: Exercise, fn: Callable, folder: Path | None = None) -> Result:
             continue
         for variant, diagnosis in ex.mistakes.values():
             try:
-                planted = _tuple(variant(*_clone(case.args)))
+                planted = _tuple(ex.call(variant, _clone(case.args)))
             except RuntimeError:          # a mistake that cannot run on this case's shapes
                 continue
             if not same(planted, want) and same(got, planted):
@@ -372,6 +378,80 @@ def cross_generic(case, got, want, fn=None):
     return _rows_and_hidden(weights, None)
 
 
+def linear_cases():
+    """q, k (B=2, H=2, T, d_k=8), v (d_v=6: S's two sides cannot be swapped unseen) and a
+    starting state. The state four earlier tokens left comes first: from it, every
+    planted mistake, the off-by-one's included, has a finite output to be matched by."""
+    def tokens(seed, T):
+        return _rand(seed, 2, 2, T, 8), _rand(seed + 1, 2, 2, T, 8), _rand(seed + 2, 2, 2, T, 6)
+    empty = (torch.zeros(2, 2, 8, 6, dtype=torch.float64),          # S = 0
+             torch.zeros(2, 2, 8, dtype=torch.float64))              # z = 0
+    _, S, z = ref.linear_parallel(*tokens(60, 4), *empty)
+    return [Case("5 tokens after the state 4 earlier tokens left", (*tokens(70, 5), S, z)),
+            Case("6 tokens from the empty state (S = 0, z = 0)", (*tokens(80, 6), *empty))]
+
+
+def linear_call(fn, args):
+    """Drive the step over the case's tokens, as the model's recurrent form does, each
+    call's return checked before the next token reads it."""
+    return ref.over_tokens(_watched(fn), *args)
+
+
+def _watched(fn):
+    def step(q, k, v, S, z):
+        before = (S.clone(), z.clone())
+        got = fn(q, k, v, S, z)
+        if not isinstance(got, (tuple, list)) or len(got) != 3:
+            n = len(got) if isinstance(got, (tuple, list)) else 1
+            raise Diagnosis(f"linear_attention_step returned {n} value(s), expected 3: the "
+                            "output (B, H, d_v), the new S (B, H, d_k, d_v), the new z (B, H, d_k)")
+        B, H, d_k, d_v = S.shape
+        shapes = ((B, H, d_v), (B, H, d_k, d_v), (B, H, d_k))
+        for name, value, shape, hint in zip(("the output", "the new S", "the new z"), got,
+                                            shapes, LINEAR_HINTS):
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                found = (tuple(value.shape) if isinstance(value, torch.Tensor)
+                         else type(value).__name__)
+                raise Diagnosis(f"{name} of one step is {found}, expected {shape}: {hint}")
+        if not (torch.equal(S, before[0]) and torch.equal(z, before[1])):
+            raise Diagnosis("the step changed the S or z passed in, in place (S += ... or "
+                            "S.add_()): training backpropagates through every earlier state, "
+                            "which an in-place change overwrites; write S = S + ... and return "
+                            "the new tensor")
+        return tuple(got)
+    return step
+
+
+LINEAR_HINTS = ("one token's output, a weighted average of the values",
+                "S adds φ(k)vᵀ, the keys' features by the values' (phi_k[..., :, None] * "
+                "v[..., None, :])",
+                "z adds φ(k), one number per key feature")
+
+
+def linear_raised(case, err, fn):
+    """d_k and d_v mixed up raises on the cases (d_k = 8, d_v = 6) and runs where they are
+    equal: then the two sides of S are what the learner swapped."""
+    if not isinstance(err, RuntimeError):
+        return None
+    q, k = _rand(90, 2, 2, 3, 8), _rand(91, 2, 2, 3, 8)
+    square = (q, k, _rand(92, 2, 2, 3, 8), torch.zeros(2, 2, 8, 8, dtype=torch.float64),
+              torch.zeros(2, 2, 8, dtype=torch.float64))
+    linear_call(fn, square)
+    return ("your step runs only when d_k = d_v: " + LINEAR_HINTS[1] + ", so S is (B, H, d_k, "
+            "d_v), and φ(q)ᵀS reads it (phi_q[..., None, :] @ S)")
+
+
+def linear_generic(case, got, want, fn=None):
+    y, S, z = got
+    if torch.isnan(y).any():
+        return ("the output has NaN: 0/0, a normaliser φ(q)·z of 0; with φ(x) = elu(x) + 1 it "
+                "is positive, once the token's own φ(k) is in z")
+    if torch.allclose(y, want[0], rtol=RTOL, atol=ATOL):
+        return ("the outputs are right but the last state is not: S = S_0 + Σ φ(k_j)v_jᵀ and "
+                "z = z_0 + Σ φ(k_j), every token added once")
+    return None
+
+
 CACHE_HINT = ("the cache returned holds the T_past old keys (or values) and then the "
               "T_new new ones, appended along the positions axis (dim=-2)")
 
@@ -409,6 +489,11 @@ EXERCISES = [
              shape_hints=("the queries come from the decoder (x), one per decoder position",
                           "one weight per decoder query and encoder position: the keys and "
                           "values come from the encoder's output (memory)")),
+    Exercise(9, "linear_rnn", "linear attention as an RNN", "linear_attention_step",
+             "§8: the cost of attention, and what the field does about it",
+             "model/linear_attention.py:recurrent", linear_cases, ref.linear_parallel,
+             ref.LINEAR_MISTAKES, linear_generic, trains="--model.mechanism=yours",
+             raised=linear_raised, call=linear_call),
 ]
 
 BY_NAME = {ex.name: ex for ex in EXERCISES}

@@ -1,19 +1,24 @@
-"""Your code in the real training loop: `yours` in the attention and position registries.
+"""Your code in the real training loop: `yours` in the attention, position and mechanism
+registries.
 
-`install()` adds one entry to each registry, as any backend or encoding is added, so
-`--model.attention=yours` and `--model.position=yours` pass the config's checks and
-appear in --help. `prepare(config, folder)` then loads the learner's functions from
-their folder, refusing any exercise that has not passed its check, and binds them:
+`install()` adds one entry to each registry, as any backend, encoding or mechanism is
+added, so `--model.attention=yours`, `--model.position=yours` and `--model.mechanism=yours`
+pass the config's checks and appear in --help. `prepare(config, folder)` then loads the
+learner's functions from their folder, refusing any exercise that has not passed its
+check, and binds them:
 
 * attention: exercise 1's scaled_dot_product_attention, given the mask the project's
   rule builds (causal, window, padding) as a bool matrix;
 * position: exercise 5's apply_rope (turning q and k in every layer), or, while that
-  one has not passed, exercise 4's sinusoidal_positions (added to the embeddings).
+  one has not passed, exercise 4's sinusoidal_positions (added to the embeddings);
+* mechanism: linear attention (model/linear_attention.py, its entry's facts and cache)
+  whose sums exercise 9's linear_attention_step makes, token by token.
 
 model/ never imports this floor: the entries are registered from above, by the script."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,9 +27,12 @@ from common.files import read_json, write_json_atomic
 from model import registry as model_registry
 from model.attention import ATTENTION_BACKENDS, Backend
 from model.config import ModelConfig
+from model.linear_attention import LinearAttention, LinearState
+from model.mechanisms import MECHANISMS, names_used
 from model.positions import POSITION_ENCODINGS, PositionEncoding
 from attnlab.exercises.checks import BY_NAME
 from attnlab.exercises.learner import DEFAULT_FOLDER, ExerciseError, passed_function
+from attnlab.exercises.reference import over_tokens
 
 NAME = "yours"
 RECORD = "exercises.json"      # beside a run's config: the folder it was trained with
@@ -78,23 +86,45 @@ class YourSinusoidal(YourPositions):
         return x * math.sqrt(d) + table.to(device=x.device, dtype=x.dtype)
 
 
+class YourLinearAttention(LinearAttention):
+    """Linear attention whose sums your linear_attention_step makes: the RNN form, token
+    by token, in place of the chunked parallel form (the same numbers, more slowly)."""
+    learner = None             # set on the subclass prepare() makes
+
+    def sums(self, q, k, v, state):
+        step = type(self).learner
+        if step is None:
+            raise ExerciseError("model.mechanism=yours has not been prepared: the script that "
+                                "builds the model calls attnlab.exercises.plug.prepare first")
+        y, S, z = over_tokens(step, q, k, v, state.S, state.z)     # (B, H, T, D), the state
+        return y, LinearState(S, z)
+
+
 def install() -> None:
-    """Register `yours` in the attention and position registries (idempotent)."""
+    """Register `yours` in the attention, position and mechanism registries (idempotent).
+    The mechanism is linear's entry, its cache and facts, with your layer in it."""
     ATTENTION_BACKENDS.setdefault(NAME, YOUR_BACKEND)
     POSITION_ENCODINGS.setdefault(NAME, YourPositions)
+    MECHANISMS.setdefault(NAME, replace(MECHANISMS["linear"], layer=YourLinearAttention))
 
 
-def chosen(config: ModelConfig) -> tuple[bool, bool]:
-    """(attention, position): whether the config picks the learner's entry for each."""
+def _yours(mechanism) -> bool:
+    return mechanism is not None and issubclass(mechanism.layer, YourLinearAttention)
+
+
+def chosen(config: ModelConfig) -> tuple[bool, bool, bool]:
+    """(attention, position, mechanism): whether the config picks the learner's entry for
+    each (the mechanism in any layer)."""
     position = POSITION_ENCODINGS.get(config.position)
     return (ATTENTION_BACKENDS.get(config.attention) is YOUR_BACKEND,
-            isinstance(position, type) and issubclass(position, YourPositions))
+            isinstance(position, type) and issubclass(position, YourPositions),
+            any(_yours(MECHANISMS.get(name)) for name in names_used(config)))
 
 
 def prepare(config: ModelConfig, folder: Path) -> list[str]:
     """Load and bind the learner's code the config asks for; lines saying what is used.
     Refuses (ExerciseError) an exercise that is missing or has not passed."""
-    attention, position = chosen(config)
+    attention, position, mechanism = chosen(config)
     notes = []
     if attention:
         if POSITION_ENCODINGS[config.position].biases_scores:
@@ -119,6 +149,12 @@ def prepare(config: ModelConfig, folder: Path) -> list[str]:
         POSITION_ENCODINGS[NAME] = type(base.__name__, (base,), {"learner": staticmethod(fn)})
         model_registry.check(config)             # the facts changed: check them again
         notes.append(f"position: yours ({ex.function} in {folder / ex.filename})")
+    if mechanism:
+        ex = BY_NAME["linear_rnn"]
+        layer = type(YourLinearAttention.__name__, (YourLinearAttention,),
+                     {"learner": staticmethod(passed_function(ex, folder))})
+        MECHANISMS[NAME] = replace(MECHANISMS[NAME], layer=layer)
+        notes.append(f"mechanism: yours ({ex.function} in {folder / ex.filename})")
     return notes
 
 

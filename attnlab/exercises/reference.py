@@ -356,3 +356,75 @@ CROSS_MISTAKES = {
                "a causal mask on cross-attention: the whole input is known before decoding "
                "starts, so every query may see every real input position"),
 }
+
+
+# --- 9. linear attention as an RNN ---------------------------------------------------
+# Katharopoulos et al., "Transformers are RNNs" (arXiv:2006.16236): softmax's exp(q·k)
+# replaced by the kernel φ(q)·φ(k), φ(x) = elu(x) + 1, so the causal sums over earlier
+# tokens can be carried from token to token as a state (S, z).
+
+def elu_plus_one(x):
+    return torch.nn.functional.elu(x) + 1
+
+
+def linear_step(q, k, v, S, z, phi=elu_plus_one, normalise=True, read="new", returns="new"):
+    """One token: q, k (B, H, d_k), v (B, H, d_v), S = Σ φ(k_j)v_jᵀ (B, H, d_k, d_v) and
+    z = Σ φ(k_j) (B, H, d_k) over the tokens before it. The token joins the state, then
+    its φ(q) reads it: y = φ(q)ᵀS / φ(q)·z. Returns (y, the new S, the new z)."""
+    phi_q, phi_k = phi(q), phi(k)
+    S_new = S + phi_k[..., :, None] * v[..., None, :]          # + φ(k)vᵀ, (B, H, d_k, d_v)
+    z_new = z + phi_k                                          # + φ(k), (B, H, d_k)
+    S_read, z_read = (S_new, z_new) if read == "new" else (S, z)
+    y = (phi_q[..., None, :] @ S_read).squeeze(-2)             # (B, H, d_v)
+    if normalise:
+        y = y / (phi_q * z_read).sum(-1, keepdim=True)
+    return (y, S_new, z_new) if returns == "new" else (y, S, z)
+
+
+def over_tokens(step, q, k, v, S, z):
+    """Run `step` over the tokens of q, k, v (B, H, T, d) in order, each reading the state
+    the one before it returned: (outputs (B, H, T, d_v), the last S, the last z)."""
+    ys = []
+    for t in range(q.shape[-2]):
+        y, S, z = step(q[:, :, t], k[:, :, t], v[:, :, t], S, z)
+        ys.append(y)
+    return torch.stack(ys, dim=2), S, z
+
+
+def linear_parallel(q, k, v, S, z):
+    """The parallel form, the paper's eq. 6 after a state (S, z) of earlier tokens:
+    y_i = (φ(q_i)ᵀS + Σ_{j≤i} φ(q_i)·φ(k_j) v_j) / (φ(q_i)·z + Σ_{j≤i} φ(q_i)·φ(k_j))
+    (tril keeps j ≤ i), and the state after the last token."""
+    phi_q, phi_k = elu_plus_one(q), elu_plus_one(k)
+    within = (phi_q @ phi_k.transpose(-2, -1)).tril()                      # (B, H, T, T)
+    numerator = phi_q @ S + within @ v                                     # (B, H, T, d_v)
+    normaliser = (phi_q @ z[..., None]).squeeze(-1) + within.sum(-1)       # (B, H, T)
+    return (numerator / normaliser[..., None], S + phi_k.transpose(-2, -1) @ v,
+            z + phi_k.sum(-2))
+
+
+LINEAR_MISTAKES = {
+    "no_normaliser": (lambda *a: linear_step(*a, normalise=False),
+                      "the output is not normalised: divide φ(q)ᵀS by φ(q)·z, the sum of the "
+                      "weights φ(q)·φ(k_j), so the output is a weighted average of the values "
+                      "(as a softmax row sums to 1)"),
+    "phi_elu": (lambda *a: linear_step(*a, phi=torch.nn.functional.elu),
+                "φ goes negative: elu(x) lies between -1 and 0 below zero; φ(x) = elu(x) + 1 "
+                "is positive everywhere, so every weight φ(q)·φ(k) is positive and the "
+                "normaliser φ(q)·z cannot cancel towards 0"),
+    "phi_none": (lambda *a: linear_step(*a, phi=lambda x: x),
+                 "no feature map: q and k are used as they are, so a weight q·k can be "
+                 "negative and the normaliser can cross 0; apply φ(x) = elu(x) + 1 (positive "
+                 "everywhere) to both first"),
+    "phi_relu": (lambda *a: linear_step(*a, phi=torch.relu),
+                 "φ = relu is 0 for every negative input: a query whose features are all "
+                 "negative reads 0/0; φ(x) = elu(x) + 1 is positive everywhere"),
+    "read_before_update": (lambda *a: linear_step(*a, read="old"),
+                           "off by one: the output read the state before this token's φ(k)vᵀ "
+                           "and φ(k) joined it, so a token does not see itself; add them first "
+                           "(S_t = S_{t-1} + φ(k_t)v_tᵀ, z_t = z_{t-1} + φ(k_t)), then read "
+                           "y_t = φ(q_t)ᵀS_t / φ(q_t)·z_t"),
+    "old_state_returned": (lambda *a: linear_step(*a, returns="old"),
+                           "the state returned is the one passed in: return the new S and z, "
+                           "which the next token reads (the state carries every earlier token)"),
+}
