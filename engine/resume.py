@@ -81,6 +81,22 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
     inside a checkpoint: the checkpoint's own run when it is that run's latest, else (or
     when --train.run_name or --train.out_dir names another place) a new run that records
     it as its parent, so a run's history is never rewritten."""
+    run_dir, ckpt = _find_checkpoint(resume, out_dir)
+    saved, cfg = _checkpoint_config(run_dir, ckpt)
+    for section, values in overrides.items():
+        apply(cfg, section, values, "the command line")
+    cfg.validate()
+    _refuse_what_a_resume_keeps(saved, cfg, ckpt)
+    step = (read_json(ckpt / "state.json") or {}).get("step", 0)
+    if cfg.train.max_iters < step:
+        raise ConfigError(f"train.max_iters={cfg.train.max_iters} is before step {step}, where "
+                          f"{ckpt} stands; give a larger one to train on")
+    return cfg, _where_it_goes_on(cfg, run_dir, ckpt, step, overrides.get("train", {})), ckpt
+
+
+def _find_checkpoint(resume: str, out_dir: str) -> tuple[Path, Path]:
+    """(run directory, checkpoint) that RESUME names: a run directory or its name (its
+    latest checkpoint), one of its checkpoint folders, or empty (the latest run)."""
     path = Path(resume) if resume else checkpoint.latest_run(out_dir, other="--resume DIR")
     if resume and not path.exists() and not path.is_absolute() and (Path(out_dir) / path).is_dir():
         path = Path(out_dir) / path                       # a run's name, as --run takes it
@@ -92,19 +108,24 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
             raise CheckpointError(f"cannot resume: {path} is a checkpoint outside a run "
                                   "directory; start a new run from it with "
                                   f"{word(f'--train.init_from={path}')}")
-        ckpt = path
-    elif (path / "config.json").is_file():
+        return run_dir, path
+    if (path / "config.json").is_file():
         run_dir = path                   # partial writes are cleared by restore(), under the lock
-        ckpt = checkpoint.resolve(run_dir, "latest")
-    elif found := checkpoint.list_checkpoints(path):
+        return run_dir, checkpoint.resolve(run_dir, "latest")
+    if found := checkpoint.list_checkpoints(path):
         raise CheckpointError(f"cannot resume: {path / 'config.json'} is missing; copy its latest "
                               f"checkpoint's: cp {word(found[-1] / 'config.json')} {word(path / 'config.json')}")
-    elif not path.exists():
+    if not path.exists():
         raise CheckpointError(f"cannot resume: {path} does not exist, nor a run of that name "
                               f"in {out_dir}/; give a run directory or its name, or one of its "
                               "checkpoint folders, or --resume alone for the latest run")
-    else:
-        raise CheckpointError(f"cannot resume: {path} is not a run directory (no config.json)")
+    raise CheckpointError(f"cannot resume: {path} is not a run directory (no config.json)")
+
+
+def _checkpoint_config(run_dir: Path, ckpt: Path) -> tuple[dict, RunConfig]:
+    """The config `ckpt` was trained with (as saved, and read), held against its run's
+    config.json: one that disagrees about the model or data is refused; a branch's gives
+    its parent, its own name and the options it was started with."""
     saved = migrate(checkpoint.verified_json(ckpt, "config.json"), str(ckpt / "config.json"))
     cfg = from_dict(saved, str(ckpt / "config.json"))
     run_level = read_json(run_dir / "config.json")
@@ -124,9 +145,12 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
         # started with (--train.max_iters=N and the like) are in its config.json.
         cfg = from_dict({**saved, "train": {**saved.get("train", {}), **run_level.get("train", {})},
                          "parent": recorded}, str(run_dir / "config.json"))
-    for section, values in overrides.items():
-        apply(cfg, section, values, "the command line")
-    cfg.validate()
+    return saved, cfg
+
+
+def _refuse_what_a_resume_keeps(saved: dict, cfg: RunConfig, ckpt: Path) -> None:
+    """Refuse a change, on the command line, to the model or data `ckpt` was trained
+    with, or to an option a resume cannot honour (FIXED_ON_RESUME), naming the way on."""
     asked = cfg.to_dict()
     reshaped = [k for s, k in _changed_fields(saved, asked)
                 if s == "model" and k not in SWAPPABLE_MODEL_FIELDS]
@@ -143,12 +167,14 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
         raise CheckpointError(f"a resume keeps these options of {ckpt}: {'; '.join(fixed)}; "
                               f"resume without them, or start a new run from its weights with "
                               f"{word(f'--train.init_from={ckpt}')}")
-    step = (read_json(ckpt / "state.json") or {}).get("step", 0)
-    if cfg.train.max_iters < step:
-        raise ConfigError(f"train.max_iters={cfg.train.max_iters} is before step {step}, where "
-                          f"{ckpt} stands; give a larger one to train on")
-    name = overrides.get("train", {}).get("run_name") or ""
-    out = overrides.get("train", {}).get("out_dir")
+
+
+def _where_it_goes_on(cfg: RunConfig, run_dir: Path, ckpt: Path, step: int,
+                      train_overrides: dict[str, str]) -> Path:
+    """The run a resume of `ckpt` writes to: its own, where `ckpt` is that run's latest
+    and the command line names no other run_name or out_dir; else a branch (_branch_dir)."""
+    name = train_overrides.get("run_name") or ""
+    out = train_overrides.get("out_dir")
     latest = checkpoint.list_checkpoints(run_dir)[-1]
     # Another --train.out_dir is a wish to go on elsewhere: a new run there, as for another
     # run_name, rather than the option dropped while the old folder grows.
@@ -161,8 +187,8 @@ def resume_config(resume: str, out_dir: str, overrides: dict[str, dict[str, str]
                           "would mix with its files; drop it to continue the run in place, or "
                           f"give another folder for a new run there (not {run_dir} or below)")
     if ckpt.resolve() != latest.resolve() or (name and name != run_dir.name) or elsewhere:
-        run_dir = _branch_dir(cfg, run_dir, ckpt, step, name, out)
-    return cfg, run_dir, ckpt
+        return _branch_dir(cfg, run_dir, ckpt, step, name, out)
+    return run_dir
 
 
 def _branch_dir(cfg: RunConfig, run_dir: Path, ckpt: Path, step: int, name: str,
