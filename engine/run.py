@@ -39,37 +39,12 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
     train_cfg = cfg.train
     _check_parallel(cfg, dist)
     machine.fix_threads(train_cfg, log)       # before any work: recorded, reused on resume
-    device = pick_device(train_cfg.device)
-    if dist.world > 1 and device.type == "cuda":
-        device = torch.device("cuda", dist.local_rank)
-    setup_backends(device)
+    device = _pick_device(train_cfg, dist)
     refuse_what_cannot_fit(cfg, device)       # before the data or the model costs anything
     torch.manual_seed(train_cfg.seed)
-    given = source.tokenizer if source else None
-    if resume and cfg.train.init_from:        # a fine-tuning run keeps its parent's tokenizer
-        given = Tokenizer.load(resume if isinstance(resume, Path)
-                               else run_dir or Path(train_cfg.out_dir) / train_cfg.run_name)
-    data = _load_data(cfg, dist, log, given)
-    counts = None
-    if READOUTS[cfg.model.readout].shortlisted and not resume and source is None:
-        counts = torch.from_numpy(data.train.counts(cfg.model.vocab_size))
-        fit_readout(cfg.model, counts, log)
-        cfg.validate()                        # the shortlist against the vocabulary
-    model = GPT(cfg.model)
-    if counts is not None:
-        model.adaptive.set_frequencies(counts)
-    if source is not None:
-        model.load_state_dict(source.model.state_dict())
-    model = model.to(device)
-    sharded = dist.world > 1 and train_cfg.parallel == "fsdp"
-    if sharded:                               # before the optimizer sees the parameters
-        from engine.sharding import shard
-        shard(model)
-    distributed_model = model
-    if dist.world > 1 and not sharded:        # gradients averaged across processes
-        from torch.nn.parallel import DistributedDataParallel
-        distributed_model = DistributedDataParallel(
-            model, device_ids=[dist.local_rank] if device.type == "cuda" else None)
+    data = _load_data(cfg, dist, log, _given_tokenizer(cfg, run_dir, resume, source))
+    model = _build_model(cfg, data, device, log, resume, source)
+    distributed_model, sharded = _distribute(model, train_cfg, dist, device)
     dtype = pick_dtype(train_cfg.dtype, device, cfg.model.n_embd)
     kernel = machine.fit_attention(model, cfg.model, device, dtype)
     run = Run(cfg, dist, device, dtype, data,
@@ -82,6 +57,69 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
               scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
               run_dir=Path(run_dir or Path(train_cfg.out_dir) / (train_cfg.run_name or fresh_name(cfg))),
               sharded=sharded, log=log, kernel=kernel)
+    _open_run_dir(run, run_dir, resume)
+    return run
+
+
+def _pick_device(train_cfg, dist: Dist) -> torch.device:
+    """The device this process trains on (under torchrun, its own GPU), its backends set."""
+    device = pick_device(train_cfg.device)
+    if dist.world > 1 and device.type == "cuda":
+        device = torch.device("cuda", dist.local_rank)
+    setup_backends(device)
+    return device
+
+
+def _given_tokenizer(cfg: RunConfig, run_dir: Path | None, resume: bool | Path,
+                     source: Pretrained | None) -> Tokenizer | None:
+    """The tokenizer the data must be encoded with: the source's, or on a fine-tuning
+    run's resume its parent's (saved in the run); None where the corpus decides."""
+    given = source.tokenizer if source else None
+    if resume and cfg.train.init_from:        # a fine-tuning run keeps its parent's tokenizer
+        given = Tokenizer.load(resume if isinstance(resume, Path)
+                               else run_dir or Path(cfg.train.out_dir) / cfg.train.run_name)
+    return given
+
+
+def _build_model(cfg: RunConfig, data: TokenData, device: torch.device, log,
+                 resume: bool | Path, source: Pretrained | None) -> GPT:
+    """The model on its device: a source's weights, or new ones, an adaptive readout's
+    shortlist ranked by the training tokens (a new model only)."""
+    counts = None
+    if READOUTS[cfg.model.readout].shortlisted and not resume and source is None:
+        counts = torch.from_numpy(data.train.counts(cfg.model.vocab_size))
+        fit_readout(cfg.model, counts, log)
+        cfg.validate()                        # the shortlist against the vocabulary
+    model = GPT(cfg.model)
+    if counts is not None:
+        model.adaptive.set_frequencies(counts)
+    if source is not None:
+        model.load_state_dict(source.model.state_dict())
+    return model.to(device)
+
+
+def _distribute(model: GPT, train_cfg, dist: Dist, device: torch.device
+                ) -> tuple[torch.nn.Module, bool]:
+    """(what backward runs through, whether sharded): under torchrun the model sharded
+    (FSDP) in place, or wrapped in DDP; in one process the model itself."""
+    sharded = dist.world > 1 and train_cfg.parallel == "fsdp"
+    if sharded:                               # before the optimizer sees the parameters
+        from engine.sharding import shard
+        shard(model)
+    distributed_model = model
+    if dist.world > 1 and not sharded:        # gradients averaged across processes
+        from torch.nn.parallel import DistributedDataParallel
+        distributed_model = DistributedDataParallel(
+            model, device_ids=[dist.local_rank] if device.type == "cuda" else None)
+    return distributed_model, sharded
+
+
+def _open_run_dir(run: Run, run_dir: Path | None, resume: bool | Path) -> None:
+    """The run's folder locked for this process (a fresh name where none was given),
+    then started: a branch, a checkpoint's state, or refused over another run's
+    checkpoints; its config and tokenizer written. A Ctrl-C here says which folder to
+    go on with."""
+    dist, train_cfg = run.dist, run.cfg.train
     run.made_dir = dist.is_main and not run.run_dir.exists()
     try:
         if dist.is_main and not (run_dir or train_cfg.run_name or resume) and dist.world == 1:
@@ -103,7 +141,6 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
         if err.args:
             raise
         raise KeyboardInterrupt(stopped_line(run, "stopped before training")) from None
-    return run
 
 
 def fit_readout(model_cfg, counts: torch.Tensor, log) -> None:
