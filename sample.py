@@ -113,7 +113,7 @@ def header(ckpt, model, cfg, s, device, dtype, decode: str) -> str:
     attention kernel that pays on this machine is handed to the model here."""
     from engine.device import dtype_name
     from engine.machine import fit_attention, why_dtype
-    from engine.run import mixing
+    from engine.state import mixing
     kernel = fit_attention(model, cfg.model, device, dtype)
     why = why_dtype(device, dtype, s.dtype, cfg.model.n_embd, "sample.dtype")
     return (f"[{ckpt}: {cfg.model.position} positions{mixing(cfg.model)}, "

@@ -62,7 +62,8 @@ def main(argv: list[str]) -> int:
     from engine import distributed
     from engine.config import describe
     from engine.loop import train
-    from engine.run import setup_run, stopped_line
+    from engine.rundir import stopped_line
+    from engine.run import setup_run
 
     # --- the run's config: a resumed run's own, or a preset with the options on top ---
     refuse_clashes(args)
@@ -109,7 +110,7 @@ def refuse_clashes(args) -> None:
     from common.errors import ConfigError
     from engine import distributed
     from engine.cli import overrides_of
-    from engine.run import resume_config
+    from engine.resume import resume_config
     if args.preset == "":
         raise ConfigError("--config needs a preset name or a .toml path (see configs/)")
     if args.resume is not None and args.preset is not None:  # else silently dropped
@@ -138,7 +139,7 @@ def resumed_config(args):
     recorded (train.threads included) with the options given on top; or the line that
     says it has nothing left to train."""
     from engine.cli import overrides_of
-    from engine.run import nothing_to_train, resume_changes, resume_config
+    from engine.resume import nothing_to_train, resume_changes, resume_config
     out_dir = overrides_of(args).get("train", {}).get("out_dir", "runs")
     cfg, run_dir, ckpt = resume_config(args.resume, out_dir, overrides_of(args))
     done = nothing_to_train(cfg, ckpt, args.resume or str(ckpt.parent.parent), overrides_of(args))
@@ -150,7 +151,7 @@ def new_config(args, started: float):
     --budget the plan (written into the config, so the run is as reproducible as any)."""
     from engine import config
     from engine.cli import apply_overrides, overrides_of
-    from engine.run import adopt_source
+    from engine.pretrained import adopt_source
     if args.budget is not None:               # refused before any work where it cannot plan
         from engine.budget import budget_seconds, plan
         budget_s = budget_seconds(args.budget, overrides_of(args))

@@ -32,7 +32,7 @@ PREFIX = "step_"
 TRAIN_STATE = "train_state.safetensors"
 
 # What state.json must hold before any of it is used; the fields a resume reads beyond
-# these are checked by engine/run.py, which says what each is for.
+# these are checked by engine/state.py, which says what each is for.
 STATE_SCHEMA = {"step": count(1 << 62, low=0), "files": Field(dict, required=True)}
 # What a run's config.json must hold before a model is built from it: its sections as
 # objects, and the sizes within the caps a transformers folder's are held to

@@ -97,7 +97,7 @@ def apply_overrides(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
     for section, values in overrides_of(args).items():
         config.apply(cfg, section, values, "the command line")
     # With train.init_from the model, and with it what the objective may be, comes from
-    # the source: the whole config is checked once it is read (engine/run.adopt_source).
+    # the source: the whole config is checked once it is read (engine/pretrained.adopt_source).
     if not cfg.train.init_from:
         cfg.validate()
     return cfg

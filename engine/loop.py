@@ -20,7 +20,8 @@ from engine import checkpoint
 from engine.device import Utilisation, dtype_name, synchronize
 from engine.objectives import masked_accuracy
 from engine.optim import LR_SCHEDULES
-from engine.run import EVAL_DRAWS, Run, save, stopped_line
+from engine.rundir import stopped_line
+from engine.state import EVAL_DRAWS, Run, save
 from engine.tracking import Metrics
 from data.tokens import Batches
 

@@ -341,7 +341,8 @@ def test_a_resumed_run_continues_its_time_limit(corpus, tmp_path, monkeypatch):
     saved still resumes, with the whole limit again."""
     import shutil
     import engine.loop as loop
-    from engine.run import resume_config, setup_run
+    from engine.resume import resume_config
+    from engine.run import setup_run
     cfg = limited_cfg(corpus, tmp_path, "--train.time_limit=10", "--train.max_iters=1000",
                       "--train.eval_interval=500")
     clock = FakeClock()
@@ -373,7 +374,8 @@ def test_a_resumed_run_continues_its_time_limit(corpus, tmp_path, monkeypatch):
 def test_a_corrupt_clock_in_a_checkpoint_is_refused_with_its_path(corpus, tmp_path, monkeypatch):
     import engine.loop as loop
     from common.errors import CheckpointError
-    from engine.run import resume_config, setup_run
+    from engine.resume import resume_config
+    from engine.run import setup_run
     cfg = limited_cfg(corpus, tmp_path, "--train.max_iters=2", "--train.eval_interval=2")
     run = setup_run(cfg, log=lambda *a: None)
     loop.train(run)

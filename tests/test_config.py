@@ -157,7 +157,7 @@ def test_a_run_saved_before_the_gelu_rename_loads_with_the_activation_it_trained
 def test_a_run_saved_before_the_gelu_rename_resumes(tmp_path):
     """Resuming compares the checkpoint's config with the run's and the command line's;
     both old files are migrated first, so the rename is not taken for a change."""
-    from engine.run import resume_config
+    from engine.resume import resume_config
     cfg, run_dir, ckpt = resume_config(str(_old_run(tmp_path)), "", {"train": {"max_iters": "6"}})
     assert cfg.model.mlp == "gelu_tanh" and ckpt.name == "step_0000004"
     assert cfg.to_dict()["version"] == config.CONFIG_VERSION

@@ -171,7 +171,8 @@ def test_the_encoder_preset_trains_on_masked_tokens_and_reports_their_accuracy(e
 
 def test_a_resumed_encoder_run_masks_and_trains_exactly_as_an_unbroken_one(corpus, tmp_path):
     from engine.loop import train
-    from engine.run import resume_config, setup_run
+    from engine.resume import resume_config
+    from engine.run import setup_run
     straight = encoder_run(corpus, tmp_path, "straight", 8, every=4)
     broken = encoder_run(corpus, tmp_path, "broken", 4, every=4)
     cfg, run_dir, ckpt = resume_config(str(broken.run_dir), str(tmp_path / "runs"),
@@ -270,7 +271,7 @@ def test_fill_past_the_trained_context_warns_or_refuses_as_the_head_tools_do(tmp
 def adopted(argv):
     """The config train.py --config finetune trains with, for these options."""
     from engine import cli
-    from engine.run import adopt_source
+    from engine.pretrained import adopt_source
     parser = cli.Parser("python train.py", add_help=False)
     cli.add_config_options(parser)
     given = cli.overrides_of(parser.parse_args(argv))

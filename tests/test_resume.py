@@ -19,7 +19,8 @@ from conftest import ROOT, run_script
 from engine import checkpoint, cli
 from engine.inference import load_run
 from engine.loop import train
-from engine.run import nothing_to_train, resume_changes, resume_config, setup_run
+from engine.resume import nothing_to_train, resume_changes, resume_config
+from engine.run import setup_run
 
 
 def quiet(*a, **k):
@@ -255,10 +256,10 @@ def test_an_out_dir_inside_the_run_is_refused_not_a_run_nested_in_the_run(run20,
 
 
 def branch_stopped_in(name, run20, tmp_path, monkeypatch):
-    """A branch of run20 into tmp_path/elsewhere, Ctrl-C'd inside engine.run's `name`:
+    """A branch of run20 into tmp_path/elsewhere, Ctrl-C'd inside engine.resume's `name`:
     (the command's overrides, the copied run, the branch folder, the checkpoint, the
     KeyboardInterrupt's message)."""
-    import engine.run as run_module
+    import engine.resume as resume_module
     copy = copy_of(run20, tmp_path)
     other = tmp_path / "elsewhere"
     overrides = {"train": {"max_iters": "22", "out_dir": str(other)}}
@@ -266,7 +267,7 @@ def branch_stopped_in(name, run20, tmp_path, monkeypatch):
 
     def stop(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(run_module, name, stop)
+    monkeypatch.setattr(resume_module, name, stop)
     with pytest.raises(KeyboardInterrupt) as stopped:
         setup_run(cfg, run_dir=run_dir, resume=ckpt, log=quiet)
     monkeypatch.undo()
@@ -325,14 +326,15 @@ def test_a_branch_folder_left_without_a_checkpoint_is_taken_up_by_the_same_comma
         run20, tmp_path, monkeypatch):
     """A branch killed (not stopped) while its checkpoint was copied keeps its folder; the
     same command takes that folder up rather than make a second branch beside it."""
+    import engine.resume as resume_module
     import engine.run as run_module
     made = []
-    real = run_module._branch_files
+    real = resume_module._branch_files
 
     def killed(source, ckpt, run_dir):
         made.append(run_dir)
         raise KeyboardInterrupt
-    monkeypatch.setattr(run_module, "_branch_files", killed)
+    monkeypatch.setattr(resume_module, "_branch_files", killed)
     monkeypatch.setattr(run_module, "stopped_line", lambda run, how: how)   # as if killed: no clean-up
     copy = copy_of(run20, tmp_path)
     other = tmp_path / "elsewhere"
@@ -340,7 +342,7 @@ def test_a_branch_folder_left_without_a_checkpoint_is_taken_up_by_the_same_comma
     cfg, run_dir, ckpt = resume_config(str(copy), str(other), overrides)
     with pytest.raises(KeyboardInterrupt):
         setup_run(cfg, run_dir=run_dir, resume=ckpt, log=quiet)
-    monkeypatch.setattr(run_module, "_branch_files", real)
+    monkeypatch.setattr(resume_module, "_branch_files", real)
     assert made == [run_dir] and run_dir.is_dir()
     assert resume_config(str(copy), str(other), overrides)[1] == run_dir
 
@@ -350,12 +352,12 @@ def test_a_new_run_stopped_before_its_first_checkpoint_leaves_no_folder(corpus, 
     the same command made a new one beside it."""
     import engine.run as run_module
     from engine import cli
-    written = run_module._write_run_files
+    written = run_module.write_run_files
 
     def write_then_stop(run):
         written(run)
         raise KeyboardInterrupt
-    monkeypatch.setattr(run_module, "_write_run_files", write_then_stop)
+    monkeypatch.setattr(run_module, "write_run_files", write_then_stop)
     cfg = cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'cache'}",
                              f"--train.out_dir={tmp_path / 'runs'}"])
     with pytest.raises(KeyboardInterrupt) as stopped:

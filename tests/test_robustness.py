@@ -138,7 +138,7 @@ def test_two_runs_started_in_the_same_second_take_two_folders(corpus, tmp_path, 
     together on one laptop go on side by side, the second in NAME-2, where it was
     refused for the first one's folder; a finished run's folder is passed over too."""
     from engine import run as engine_run
-    monkeypatch.setattr(engine_run, "_fresh_name", lambda cfg: "tiny-20261204-190550")
+    monkeypatch.setattr(engine_run, "fresh_name", lambda cfg: "tiny-20261204-190550")
     cfg = lambda: cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
                                      f"--train.out_dir={tmp_path / 'runs'}"])
     first = engine_run.setup_run(cfg(), log=lambda *a: None)
