@@ -198,6 +198,11 @@ class CharTokenizer(Tokenizer):
                 "which encodes any text") from None
 
     def decode(self, ids):
+        ids = list(ids)
+        past = [i for i in ids if not 0 <= i < self.vocab_size]
+        if past:                  # a model wider than this vocabulary: not its tokenizer
+            raise TokenizerError(f"token id {past[0]} is past the character tokenizer's "
+                                 f"{self.vocab_size} tokens: the model and tokenizer are not a pair")
         return "".join(self.chars[i] if i < len(self.chars) else self.mask for i in ids)
 
     def spans(self, text):

@@ -69,7 +69,21 @@ def checked_run_files(ckpt: Path) -> tuple[RunConfig, Tokenizer]:
     except (ConfigError, ModelError) as err:
         raise CheckpointError(f"checkpoint {ckpt} has an unreadable config ({err})") from None
     checkpoint.refuse_too_large_model(cfg.model, cfg_path)
-    return cfg, read_run_tokenizer(ckpt, cfg.model)
+    tokenizer = read_run_tokenizer(ckpt, cfg.model)
+    refuse_a_tokenizer_not_its_own(tokenizer, cfg, ckpt)
+    return cfg, tokenizer
+
+
+def refuse_a_tokenizer_not_its_own(tokenizer: Tokenizer, cfg: RunConfig, ckpt: Path) -> None:
+    """A run that learned its tokenizer sized its embedding table by it, so one token
+    fewer means the file is another run's: the model would sample ids it cannot name.
+    A run from pretrained weights keeps their vocabulary, which may be padded past it."""
+    if cfg.train.init_from or cfg.parent or tokenizer.vocab_size == cfg.model.vocab_size:
+        return
+    raise TokenizerError(
+        f"{ckpt / 'tokenizer.json'} has {tokenizer.vocab_size:,} tokens but config.json's "
+        f"vocab_size is {cfg.model.vocab_size:,}, and this run built its model for its own "
+        f"tokenizer: the file is edited or another run's; {checkpoint.use_another(ckpt)}")
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:

@@ -132,3 +132,28 @@ def test_a_tokenizer_past_the_vocabulary_is_refused_before_it_is_built(tiny_run,
         load_run(copy)
     assert "tokenizer.json" in str(err.value) and "more than the" in str(err.value)
     assert parsed == []
+
+
+@pytest.mark.parametrize("entry", [["sample.py", "--max_new_tokens=20", "--run"],
+                                   ["-m", "attnlab.heads", "grid", "--run"]])
+def test_a_tokenizer_shorter_than_the_vocabulary_is_refused_with_its_path(tiny_run, tmp_path, entry):
+    """A character tokenizer cut to 20 of its run's characters: sampling drew ids it
+    has no character for and ended in a TypeError from decode. The run learned its
+    tokenizer, so its model's vocabulary is exactly the tokenizer's."""
+    copy = edited(tiny_run, tmp_path, **{"tokenizer.json": lambda t: {**t, "chars": t["chars"][:20]}})
+    proc = run_script(*entry, copy, check=False, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "tokenizer.json has 20 tokens" in errors[0]
+    assert str(copy) in errors[0]
+
+
+def test_a_character_tokenizer_names_an_id_it_has_no_character_for():
+    from common.errors import TokenizerError
+    from data.tokenizer import CharTokenizer
+    tok = CharTokenizer(set("ab"))
+    assert tok.decode([1, 0]) == "ba"
+    for wrong in ([2], [-1]):             # -1 would read the last character silently
+        with pytest.raises(TokenizerError, match=f"token id {wrong[0]} is past"):
+            tok.decode(wrong)
+    assert tok.with_mask().decode([2]) == tok.with_mask().mask
