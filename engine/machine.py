@@ -81,19 +81,19 @@ CPU_KINDS = {
     # AMX tiles make bf16 matmuls several times fp32's even for small models, but its bf16
     # matrix-vector products (one token at a time) gain on fp32's only at 2,048 wide.
     "amx": CpuKind(True, 64, 2048, "AMX: bf16 matmuls several times fp32's",
-                   "The figures behind other thresholds in the code"),
+                   "bf16 autocast on a CPU"),
     # Zen 4's bf16 dot products: a speedrun-sized model (3 x 64) trains faster in bf16
     # with attention as two bf16 matmuls; a token's row of products pays from 384 wide.
     "avx512-bf16": CpuKind(True, 64, 384, "AVX-512 BF16: bf16 dot products in hardware",
-                           "The figures behind other thresholds in the code"),
+                           "bf16 autocast on a CPU"),
     # A CPU with native bf16 of another kind (ARM's BF16), or a Zen 4 with slow bf16: bf16
     # only where arithmetic, not overhead, sets the time.
     "native-bf16": CpuKind(True, 256, None, "native bf16",
-                           "The figures behind other thresholds in the code"),
+                           "bf16 autocast on a CPU"),
     # Without native bf16 torch emulates a bf16 matmul element by element, some 30 times
     # slower than fp32: nothing is computed in bf16 at all.
     "no-bf16": CpuKind(False, None, None, "no native bf16: torch would emulate it",
-                       "AVX2: what the project does differently, and why"),
+                       "Held to AVX2 against a real AVX2 CPU"),
 }
 
 
@@ -191,7 +191,7 @@ def fix_threads(train_cfg, say: Callable[[str], None] = print, env=os.environ) -
 # bf16 on a CPU with native bf16: the formula as two bf16 batched matmuls is faster than
 # torch's bf16 kernel and than the formula written out (eager) up to this many scores per
 # batch row and head; past it torch's kernel wins, and the scores would fill memory
-# (docs/benchmarks.md, "CPU attention routes (model/cpu_kernels.py)").
+# (docs/benchmarks.md, "CPU attention routes").
 CPU_MATMUL_MAX_SCORES = 512 * 1024
 # A one-query decoding step pays the matmuls' fixed cost; over a cache of up to this many
 # elements of K, fp32 copies through torch's kernel are faster (the same section).

@@ -343,3 +343,12 @@ def test_a_resume_under_another_thread_count_keeps_the_recorded_one_and_says_so(
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["threads"] == 2
     assert _losses(tmp_path / "run") == losses
     assert lines == [device_line, device_line]
+
+
+def test_each_cpu_kind_names_the_section_with_its_measurements():
+    """A kind's `numbers` is how a reader finds why its thresholds are what they are."""
+    from engine.machine import CPU_KINDS
+    headings = {line.lstrip("#").strip() for line in
+                (ROOT / "docs" / "benchmarks.md").read_text().splitlines() if line.startswith("#")}
+    for name, kind in CPU_KINDS.items():
+        assert kind.numbers in headings, (name, kind.numbers)
