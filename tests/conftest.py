@@ -23,6 +23,14 @@ if _workers > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 torch.set_num_threads(_threads)
 
+# torch.compile's kernels are written for one ATEN_CPU_CAPABILITY and its cache does not
+# tell them apart: the AVX2 rerun (.ci/run) loading the first run's AVX-512 kernels
+# segfaulted. The engine's rule gives each setting its folder, for this process and the
+# scripts and subprocesses the tests start.
+sys.path.insert(0, str(ROOT))
+from engine.machine import compile_cache_folder  # noqa: E402
+compile_cache_folder()
+
 # Measurements about the machine (the CPU's matmul peak) go to a folder of this session,
 # shared with the scripts the tests run, not to the user's cache.
 # The process that makes the folder removes it at exit; xdist workers inherit it.
