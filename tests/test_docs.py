@@ -399,3 +399,10 @@ def test_a_few_commands_run_for_real_at_tiny_settings(corpus, tmp_path):
     run_script("-m", "attnlab.heads", *heads.argv, "--run", run, "--out", tmp_path / "grid.png",
                cwd=tmp_path)
     assert (tmp_path / "grid.png").stat().st_size > 0
+
+
+def test_the_benchmarks_page_stays_a_table_of_figures():
+    """Per comparison a short dated table; how a figure was reached is git history. At
+    19,983 words it had become a lab notebook, half of all the docs."""
+    words = len((ROOT / "docs" / "benchmarks.md").read_text().split())
+    assert words <= 4000, f"docs/benchmarks.md has {words} words; keep it at most 4,000"
