@@ -15,7 +15,7 @@ class Field:
     """What one value of a config may be: its JSON type (int, float, bool, str, dict or
     list), an inclusive range for numbers (for a list: for its number of items),
     whether null (or absence) is allowed, for a dict the fields inside it, and for a
-    list what each item must be."""
+    list what each item must be, and for a string the values it may take (any when empty)."""
     kind: type
     low: float | None = None
     high: float | None = None
@@ -23,6 +23,7 @@ class Field:
     null: bool = False
     fields: dict | None = None
     items: "Field | None" = None
+    choices: tuple = ()
 
 
 def count(high: int, low: int = 1, required: bool = True, null: bool = False) -> Field:
@@ -70,6 +71,8 @@ def value_problems(name: str, value, field: Field) -> list[str]:
                                  and (field.high is None or size <= field.high)):
         what = f"{name} has {size:,} items, a number" if field.kind is list else f"{name}={value} is"
         return [f"{what} outside {_bound(field.low, '-inf')}..{_bound(field.high, 'inf')}"]
+    if field.choices and value not in field.choices:
+        return [f"{name} is {str(value)[:40]!r}, not one of {', '.join(map(str, field.choices))}"]
     if field.fields:
         return config_problems(value, field.fields, prefix=f"{name}.")
     out = []

@@ -31,6 +31,10 @@ META_SCHEMA = {
     "key": Field(dict, required=True), "source": Field(dict, required=True),
     "tokenizer": Field(str, required=True), "vocab_size": count(MAX_VOCAB),
     "tokenizer_fingerprint": Field(str, required=True),
+    # Written for the reader and checked against the folder by data/tokens.py.
+    "dtype": Field(str, choices=("uint16", "uint32")),
+    "eot_id": count(MAX_VOCAB - 1, low=0, required=False, null=True),
+    "shard_tokens": count(MAX_TOKENS, required=False),
 }
 _WRITER = Field(dict, fields={"shards": count(MAX_SHARDS, low=0),
                               "partial_tokens": count(MAX_TOKENS, low=0)})

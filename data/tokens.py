@@ -64,6 +64,7 @@ def open_prepared(folder: Path, meta: dict | None = None) -> TokenData:
         raise DataError(f"{folder / 'tokenizer.json'} is not the tokenizer its shards were made "
                         "with (its hash differs from meta.json); prepare the data again")
     splits = {s: Shards.open(folder, meta["splits"][s]["shards"]) for s in ("train", "val")}
+    _meta_agrees(folder, meta, tok, splits)
     for s, shards in splits.items():
         if len(shards) != meta["splits"][s]["tokens"]:
             raise DataError(f"the {s} shards in {folder} hold {len(shards):,} tokens but "
@@ -73,6 +74,18 @@ def open_prepared(folder: Path, meta: dict | None = None) -> TokenData:
                             f"the tokenizer's vocabulary of {tok.vocab_size}; they were not made "
                             "with this tokenizer: prepare the data again")
     return TokenData(splits["train"], splits["val"], tok, meta, folder)
+
+
+def _meta_agrees(folder: Path, meta: dict, tok: Tokenizer, splits: dict) -> None:
+    """What meta.json says of the folder against what the folder holds: a meta.json
+    edited apart from its tokenizer and shards is refused, never half believed."""
+    holds_what = [("vocab_size", tok.vocab_size), ("eot_id", tok.eot_id)] + \
+        [("dtype", str(shards.dtype)) for shards in splits.values()]
+    for field, holds in holds_what:
+        if field in meta and meta[field] != holds:
+            raise DataError(f"{folder / 'meta.json'} says {field}={meta[field]!r:.40}, but "
+                            f"the folder's tokenizer and shards hold {holds!r}; prepare the "
+                            "data again")
 
 
 def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,

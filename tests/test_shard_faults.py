@@ -86,6 +86,15 @@ DAMAGED = {
     "no key": (lambda m: m.pop("key"), "key is missing"),
     "splits only": (lambda m: [m.clear(), m.update(splits=5)], "splits is '5' (int), not an object"),
     "other format": (lambda m: m.update(format="other"), "has format 'other'"),
+    # Fields written for the reader are checked too, and against what the folder holds
+    # (a second pass found these accepted, and the run trained).
+    "dtype object": (lambda m: m.update(dtype="object"), "dtype is 'object', not one of uint16"),
+    "dtype uint32": (lambda m: m.update(dtype="uint32"),
+                     "says dtype='uint32', but the folder's tokenizer and shards hold 'uint16'"),
+    "eot_id 10**9": (lambda m: m.update(eot_id=10**9), "says eot_id=1000000000, but"),
+    "eot_id 10**12": (lambda m: m.update(eot_id=10**12), "eot_id=1000000000000 is outside"),
+    "eot_id -1": (lambda m: m.update(eot_id=-1), "eot_id=-1 is outside"),
+    "vocab one more": (lambda m: m.update(vocab_size=m["vocab_size"] + 1), "says vocab_size="),
 }
 
 
