@@ -3,9 +3,11 @@ learner's correct code pass, every planted mistake (one changed line of a correc
 answer) gets the diagnosis that names it, and train.py runs the learner's code."""
 import json
 import os
+from pathlib import Path
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -526,6 +528,74 @@ def test_an_exit_or_a_crash_in_the_learners_code_is_a_failure_the_checker_report
     assert "0 of 9 passed" in proc.stdout
 
 
+HOSTILE_ENDS = {
+    # A signal to its own group, to its parent (kill and terminate), an interrupt raised,
+    # and a flood of prints: a second pass found each ending the checker, printing a
+    # traceback, or relayed whole (582 MB held for 200 MB printed).
+    "its group killed": ("call", "import os, signal\nos.killpg(0, signal.SIGKILL)\n"),
+    "its parent killed": ("import", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"),
+    "its parent ended": ("import", "import os, signal\nos.kill(os.getppid(), signal.SIGTERM)\n"),
+    "an interrupt": ("call", "raise KeyboardInterrupt\n"),
+    "a flood": ("call", "print('x' * 3_000_000)\n"),
+}
+
+
+def test_a_signal_an_interrupt_or_a_flood_from_the_learners_code_leaves_the_checker_standing(tmp_path):
+    for ex, (when, end) in zip(EXERCISES, HOSTILE_ENDS.values()):
+        source = (f"def {ex.function}(*args):\n    " + end.replace("\n", "\n    ") if when == "call"
+                  else end + f"def {ex.function}(*args):\n    pass\n")
+        write(tmp_path, ex, source)
+    # A session of its own, so that on code without the fix the group kill ends only it.
+    proc = subprocess.run([sys.executable, "-m", "attnlab.exercises", "check", str(tmp_path)],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=200,
+                          capture_output=True, text=True, start_new_session=True)
+    assert proc.returncode == 1, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    rows = {line.split()[1]: line for line in proc.stdout.splitlines() if line[:3].strip().isdigit()}
+    assert len(rows) == len(EXERCISES) and "0 of 9 passed" in proc.stdout
+    names = [ex.name for ex in EXERCISES]
+    assert "crashed the process that checked it (SIGKILL)" in rows[names[0]]
+    assert all("failed" in rows[name] for name in names[1:3])
+    assert "raised KeyboardInterrupt, which stops a program" in rows[names[3]]
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stdout) < 100_000 and "2,980,001 more characters printed" in proc.stdout
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads a process's state in /proc")
+def test_a_process_the_learners_code_leaves_running_ends_with_its_check(tmp_path):
+    """A child the learner's file forks and leaves sleeping was left running after the
+    check; it is in the learner's process group and is killed with it."""
+    ex, pid_file = EXERCISES[0], tmp_path / "pid"
+    body = (f"import os, time\nif os.fork() == 0:\n    open({str(pid_file) + '.tmp'!r}, 'w')"
+            f".write(str(os.getpid()))\n    os.rename({str(pid_file) + '.tmp'!r}, {str(pid_file)!r})"
+            f"\n    time.sleep(300)\n    os._exit(0)\nwhile not os.path.exists({str(pid_file)!r}):\n"
+            f"    time.sleep(0.01)\ndef {ex.function}(*args):\n    pass\n")
+    assert check(ex, write(tmp_path / "ex", ex, body)).status == "failed"
+    stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
+
+    def ended():             # gone, or a zombie waiting for whoever adopted it to reap it
+        try:
+            return stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except FileNotFoundError:
+            return True
+    # A kill is delivered when the process next runs; on code without the fix it sleeps 300 s.
+    for _ in range(200):
+        if ended():
+            break
+        time.sleep(0.05)
+    assert ended()
+
+
+def test_the_learners_code_runs_with_its_memory_bounded():
+    """An allocation far past the headroom fails in the learner's code, not in the
+    machine; torch.empty touches no page, so without the bound it would succeed."""
+    from attnlab.exercises import apart
+    ended = apart.run_apart(lambda: {"bytes": torch.empty(
+        2 * apart.MEMORY_HEADROOM, dtype=torch.uint8).numel()}, 60)
+    assert ended.said == {"raised": "RuntimeError"}
+    ended = apart.run_apart(lambda: {"bytes": torch.empty(1 << 20, dtype=torch.uint8).numel()}, 60)
+    assert ended.said == {"bytes": 1 << 20} and ended.code == 0
+
+
 # --- exercise 9: the learner's recurrent step inside linear attention ---------------
 
 def learners_step(tmp_path):
@@ -608,3 +678,10 @@ def test_training_with_your_linear_step_matches_linear(corpus, tmp_path):
     run_script(*tiny(corpus, tmp_path, "linear", "--model.mechanism=linear"))
     a, b = step_losses(tmp_path / "runs" / "yours"), step_losses(tmp_path / "runs" / "linear")
     assert len(a) == len(b) == 4 and a == pytest.approx(b, rel=1e-4, abs=1e-5)
+
+
+def test_list_names_every_exercise_in_order_with_its_file(capsys):
+    assert tool.main(["list"]) == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if l[:3].strip().isdigit()]
+    assert [l.split()[1] for l in lines] == [ex.name for ex in EXERCISES]
+    assert all(ex.filename in l and ex.section in l for ex, l in zip(EXERCISES, lines))

@@ -1,5 +1,6 @@
 """Build the article yourself: nine exercises that check your code and name your mistake.
 
+    python -m attnlab.exercises list               # the nine, in order, and where each is taught
     python -m attnlab.exercises start [DIR]        # copy the stubs into DIR (my_attention)
     python -m attnlab.exercises check              # a table of every exercise, and what next
     python -m attnlab.exercises check attention    # one exercise (a name or its number)
@@ -22,9 +23,9 @@ from attnlab.exercises.learner import DEFAULT_FOLDER, ExerciseError, check, star
 
 def parser() -> Parser:
     p = Parser("python -m attnlab.exercises", __doc__,
-               usage="python -m attnlab.exercises {start [DIR] | check [NAME] [--exercises DIR]}")
-    p.add_argument("command", choices=("start", "check"), help="start: copy the stubs in; "
-                   "check: run the checks")
+               usage="python -m attnlab.exercises {list | start [DIR] | check [NAME] [--exercises DIR]}")
+    p.add_argument("command", choices=("list", "start", "check"), help="list: the exercises; "
+                   "start: copy the stubs in; check: run the checks")
     p.add_argument("target", nargs="?", default=None, metavar="DIR|NAME",
                    help=f"start: the folder (default {DEFAULT_FOLDER}); check: one exercise "
                         "by name or number (default: all, as a table)")
@@ -36,6 +37,9 @@ def parser() -> Parser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "list":
+        print(listing())
+        return 0
     if args.command == "start":
         folder = Path(args.dir or args.target or DEFAULT_FOLDER)
         copied, kept = start(folder)
@@ -75,6 +79,15 @@ def main(argv=None) -> int:
         print(f"{verb} {ex.function} in {folder / ex.filename} (docs/walkthrough.md "
               f"{ex.section}), then check again")
     return 0 if result.passed else 1
+
+
+def listing() -> str:
+    """The exercises in order: number, name, what it builds, its file and its section."""
+    width = max(len(ex.name) for ex in EXERCISES)
+    lines = [f"  {ex.number}  {ex.name.ljust(width)}  {ex.title} ({ex.filename}, "
+             f"docs/walkthrough.md {ex.section})" for ex in EXERCISES]
+    return "\n".join(["the exercises, in order (python -m attnlab.exercises start copies "
+                      f"them into {DEFAULT_FOLDER}/):", *lines])
 
 
 def _dir_flag(folder: Path) -> str:

@@ -4,7 +4,6 @@ code), each by its path; nothing else in the folder is read."""
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing
 import shutil
 import signal
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 from common.errors import AttnlabError
 from common.shell import word
+from attnlab.exercises import apart
 from attnlab.exercises.checks import EXERCISES, Exercise, Result, run_check
 
 DEFAULT_FOLDER = "my_attention"
@@ -72,56 +72,53 @@ class LearnerCodeError(Exception):
     """The learner's file does not import or lacks its function."""
 
 
+STATUSES = ("passed", "failed", "not started", "missing", "empty")
 # Seconds one exercise's check may take; the reference answers take well under one.
 LIMIT_S = 60.0
 
 
 def check(ex: Exercise, folder: Path) -> Result:
-    """Run exercise `ex` on the learner's code in `folder`, in a child process with a time
-    limit: a loop that never ends, an exit, or a crash in the learner's file is a failed
-    check that says which, never a checker that hangs or ends with it."""
+    """Run exercise `ex` on the learner's code in `folder`, apart from the checker and with
+    a time limit (attnlab/exercises/apart.py): a loop that never ends, an exit, a crash or
+    a signal from the learner's file is a failed check that says which, never a checker
+    that hangs or ends with it."""
     path = folder / ex.filename
     if path.is_file() and not path.read_bytes().strip():
         return Result(ex, "empty", f"{ex.filename} is empty; write {ex.function} in it, or "
                       f"delete it and run python -m attnlab.exercises start {word(folder)} to get "
                       "the stub back")
     # Forked, not started afresh: the child has torch and the checks imported already.
-    context = multiprocessing.get_context("fork")
-    reader, writer = context.Pipe(duplex=False)
-    child = context.Process(target=_check_in_child, args=(ex.number, folder, writer), daemon=True)
-    child.start()
-    writer.close()
-    try:
-        said = reader.recv() if reader.poll(LIMIT_S) else "timed out"
-    except EOFError:                              # it ended without a result
-        said = None
-    if said == "timed out":
-        child.kill()
-    child.join()
-    reader.close()
-    if isinstance(said, tuple):
-        return Result(ex, *said)
-    return Result(ex, "failed", _how_it_ended(ex, said, child.exitcode))
+    ended = apart.run_apart(lambda: _check_in_child(ex, folder), LIMIT_S)
+    said = ended.said or {}
+    if said.get("status") in STATUSES and isinstance(said.get("message"), str):
+        return Result(ex, said["status"][:40], said["message"][:2000])
+    return Result(ex, "failed", _how_it_ended(ex, ended))
 
 
-def _how_it_ended(ex: Exercise, said, code: int | None) -> str:
-    if said == "timed out":
+def _how_it_ended(ex: Exercise, ended: apart.Ended) -> str:
+    if ended.timed_out:
         return (f"{ex.filename} did not finish within {LIMIT_S:g} s and was stopped: a loop "
                 f"that never ends, in {ex.function} or at import?")
-    if code is not None and code < 0:
+    if "raised" in (ended.said or {}):
+        return (f"{ex.filename} raised {str(ended.said['raised'])[:40]}, which stops a program; "
+                f"{ex.function} returns its result instead")
+    code = ended.code
+    if code is None:
+        return (f"{ex.filename} killed the process that watched it (a signal to its parent?); "
+                "the check was stopped")
+    if code < 0:
         name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
         return f"{ex.filename} crashed the process that checked it ({name})"
     return (f"{ex.filename} ended the process that checked it (exit code {code}: sys.exit() or "
             f"os._exit() in it?); {ex.function} returns its result instead")
 
 
-def _check_in_child(number: int, folder: Path, writer) -> None:
-    """The check itself, in the child: (status, message) sent back to the parent."""
+def _check_in_child(ex: Exercise, folder: Path) -> dict:
+    """The check itself, in the child: its status and message, for the parent."""
     import torch
     torch.set_num_threads(1)                  # no thread pool of the parent's is used here
-    ex = next(e for e in EXERCISES if e.number == number)
-    writer.send(_check_here(ex, folder))
-    writer.close()
+    status, message = _check_here(ex, folder)
+    return {"status": status, "message": message}
 
 
 def _check_here(ex: Exercise, folder: Path) -> tuple[str, str]:

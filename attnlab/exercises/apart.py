@@ -1,0 +1,217 @@
+"""The one runner for the learner's code: a child process of its own session, started
+through a watcher, with a time limit, a memory limit and a cap on what it prints. The
+learner's code is their own, so this guards against mistakes, not malice: a loop, an
+exit, a crash, a flood of prints, a signal sent to its own group or to its parent each
+end as a failed check that says which, and the checker goes on."""
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import resource
+import select
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+# Characters of the learner's own prints shown per check; the rest is counted, not kept.
+OUTPUT_LIMIT = 20_000
+# Bytes the child may add to its address space: the exercises' tensors need megabytes.
+MEMORY_HEADROOM = 4 << 30
+_RESULT_LIMIT = 1 << 16           # the child's answer is one short JSON object
+
+
+@dataclass
+class Ended:
+    """How the learner's code ended: what it answered when it got that far (or
+    {"raised": name} for what stops a program, such as KeyboardInterrupt), whether the
+    limit stopped it, its exit code (negative: the signal; None: the watcher was killed
+    before it could say), and how many printed characters were not shown."""
+    said: dict | None
+    timed_out: bool
+    code: int | None
+    printed_more: int               # characters of output not shown
+
+
+def run_apart(task: Callable[[], dict], limit_s: float) -> Ended:
+    """`task()` in a child process, its JSON-able answer returned; its prints relayed to
+    this process's stdout up to OUTPUT_LIMIT characters."""
+    answer_r, answer_w = os.pipe()
+    status_r, status_w = os.pipe()
+    out_r, out_w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    watcher = os.fork()
+    if watcher == 0:                                   # never returns
+        _watch(task, (answer_r, status_r, out_r), answer_w, out_w, status_w)
+    for fd in (answer_w, status_w, out_w):
+        os.close(fd)
+    read = {answer_r: bytearray(), status_r: bytearray()}
+    relay = _Relay()
+    try:
+        timed_out = _gather(read, answer_r, status_r, out_r, relay, time.monotonic() + limit_s)
+    finally:
+        child = _first_int(read[status_r], 0)
+        code = _first_int(read[status_r], 1)
+        if child:                  # it, or anything it started, may still run: none outlives it
+            _kill_group(child)
+        _kill_and_reap(watcher)
+        for fd in (answer_r, status_r, out_r):
+            os.close(fd)
+    relay.close()
+    return Ended(_answer(read[answer_r]), timed_out, None if timed_out else code, relay.dropped)
+
+
+def _gather(read: dict, answer_r: int, status_r: int, out_r: int, relay: "_Relay",
+            deadline: float) -> bool:
+    """Read the pipes until the watcher ends (the learner's process has ended and the
+    watcher has said how, or the watcher itself was killed), then what they still hold;
+    True when the deadline came first. A process the learner's code left running cannot
+    hold the check open: it is killed with its group afterwards."""
+    open_fds = [answer_r, status_r, out_r]
+    while status_r in open_fds:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return True
+        _read_ready(open_fds, read, out_r, relay, left)
+    while time.monotonic() < deadline and _read_ready(open_fds, read, out_r, relay, 0):
+        pass
+    return False
+
+
+def _read_ready(open_fds: list, read: dict, out_r: int, relay: "_Relay", wait: float) -> bool:
+    """One read from each pipe that has data within `wait` seconds; whether any had."""
+    if not open_fds:
+        return False
+    ready, _, _ = select.select(open_fds, [], [], wait)
+    got = False
+    for fd in ready:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            open_fds.remove(fd)
+        elif fd == out_r:
+            relay.write(chunk)
+        elif len(read[fd]) < _RESULT_LIMIT:
+            read[fd] += chunk
+        got = got or bool(chunk)
+    return got
+
+
+class _Relay:
+    """The learner's prints, passed on as they come, up to OUTPUT_LIMIT characters."""
+
+    def __init__(self):
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.shown = self.dropped = 0
+
+    def write(self, chunk: bytes) -> None:
+        text = self.decoder.decode(chunk)
+        room = max(OUTPUT_LIMIT - self.shown, 0)
+        if room:
+            sys.stdout.write(text[:room])
+            sys.stdout.flush()
+        self.shown += min(room, len(text))
+        self.dropped += len(text) - min(room, len(text))
+
+    def close(self) -> None:
+        if self.dropped:
+            print(f"\n[{self.dropped:,} more characters printed by the learner's code, not shown]")
+
+
+def _watch(task, read_ends, answer_w: int, out_w: int, status_w: int) -> None:
+    """The watcher: starts the learner's process, waits for it, says its pid and its exit
+    code. A signal the learner's code sends its parent reaches this process, not the
+    checker; terminal signals are the checker's to act on."""
+    try:
+        for fd in read_ends:
+            os.close(fd)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        child = os.fork()
+        if child == 0:
+            os.close(status_w)
+            _learner(task, answer_w, out_w)
+        os.close(answer_w)
+        os.close(out_w)
+        os.write(status_w, f"{child}\n".encode())
+        _, status = os.waitpid(child, 0)
+        os.write(status_w, f"{os.waitstatus_to_exitcode(status)}\n".encode())
+    finally:
+        os._exit(0)
+
+
+def _learner(task, answer_w: int, out_w: int) -> None:
+    """The learner's process: a session of its own (so a signal to its group reaches only
+    it), its prints into the relay, its memory bounded; its answer as JSON (never a pickle:
+    the checker reads it)."""
+    code = 0
+    try:
+        os.setsid()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        os.dup2(out_w, 1)
+        os.dup2(out_w, 2)
+        os.close(out_w)
+        _bound_memory()
+        try:
+            said = task()
+        except SystemExit as err:
+            code = 0 if err.code is None else err.code if isinstance(err.code, int) else 1
+            return
+        except BaseException as err:                       # KeyboardInterrupt and its kind
+            said = {"raised": type(err).__name__}
+        os.write(answer_w, json.dumps(said).encode()[:_RESULT_LIMIT])
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:      # a closed or broken stream: nothing more to show
+                pass
+        os._exit(code)
+
+
+def _bound_memory() -> None:
+    """An address-space limit MEMORY_HEADROOM above what the fork already holds, where
+    the system reports it (Linux): a runaway allocation fails in the learner's code."""
+    try:
+        with open("/proc/self/statm") as f:
+            size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (size + MEMORY_HEADROOM, resource.RLIM_INFINITY))
+    except (OSError, ValueError):
+        pass
+
+
+def _first_int(data: bytearray, index: int) -> int | None:
+    lines = bytes(data).split(b"\n")
+    try:
+        return int(lines[index]) if len(lines) > index + 1 else None
+    except ValueError:
+        return None
+
+
+def _answer(data: bytearray) -> dict | None:
+    try:
+        said = json.loads(bytes(data)) if data else None
+    except ValueError:
+        return None
+    return said if isinstance(said, dict) else None
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill_and_reap(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
