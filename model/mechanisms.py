@@ -22,7 +22,7 @@ from typing import Callable
 import torch.nn as nn
 
 from model.attention import MultiHeadAttention
-from model.config import ModelConfig
+from model.config import ModelConfig, ModelError
 from model.deltanet import DeltaNet, GatedDeltaNet
 from model.differential import DifferentialAttention
 from model.latent_attention import LatentAttention, latent_sizes
@@ -37,6 +37,13 @@ class Cache:
     what: str                                           # in words, for tools and docs
     per_token: Callable[[ModelConfig], int]             # numbers a layer keeps per token
     fixed: Callable[[ModelConfig], int] = lambda c: 0   # numbers a layer keeps at any length
+
+    def __post_init__(self):
+        # A number where a function of the config belongs fails only when a cache is sized.
+        for name in ("per_token", "fixed"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"Cache {self.what!r}: {name} must be a function of the "
+                                f"config (as keys_and_values is), not {getattr(self, name)!r}")
 
 
 def keys_and_values(config: ModelConfig) -> int:
@@ -53,6 +60,10 @@ def score_flops(config: ModelConfig, context: int) -> float:
 def residual_init(module: nn.Module, config: ModelConfig) -> None:
     """GPT-2: the layer that writes into the residual stream starts scaled by
     1/√(2·n_layer), so the stream's variance does not grow with depth."""
+    if not isinstance(getattr(module, "w_o", None), nn.Linear):
+        raise ModelError(f"{type(module).__name__} has no w_o, the nn.Linear that writes into "
+                         "the residual stream (the article's W_O, which the lens ablates "
+                         "through); name it w_o, or give its Mechanism entry an init= of its own")
     nn.init.normal_(module.w_o.weight, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
 
 
@@ -109,8 +120,34 @@ class Mechanism:
     head_multiple: int = 1             # the head size d_k must be a multiple of this
     takes_score_bias: bool = True      # adds a position's score bias (ALiBi) head by head
     takes_value_embed: bool = True     # adds model.value_embeds' per-token vector to its values
+    takes_kv_heads: bool = True        # shares keys and values over model.n_kv_head groups (GQA)
+    takes_rotary: bool = True          # turns q and k by the model's RoPE; else order comes
+                                       # another way (its causal sums, or a RoPE of its own)
     stream_refusal: str | None = None  # why a streaming cache (generate's sinks), which turns
                                        # kept keys back by the model's RoPE, cannot keep it
+
+    def __post_init__(self):
+        problems = entry_problems(self)
+        if problems:
+            raise TypeError(f"Mechanism({getattr(self.layer, '__name__', self.layer)}): "
+                            + "; ".join(problems))
+
+
+def entry_problems(entry: Mechanism) -> list[str]:
+    """What makes an entry unusable, found when it is written rather than when a tool
+    first asks it: each reason is the one line a user reads after "error: ...: "."""
+    problems = [f"{name} must be callable" for name in ("layer", "flops", "init")
+                if not callable(getattr(entry, name))]
+    if not isinstance(entry.cache, Cache):
+        problems.append("cache must be a Cache(what, per_token, fixed)")
+    if type(entry.head_multiple) is not int or entry.head_multiple < 1:
+        problems.append(f"head_multiple must be a whole number from 1, not {entry.head_multiple!r}")
+    for name in ("no_weights", "export_refusal", "stream_refusal"):
+        reason = getattr(entry, name)
+        if reason is not None and (not isinstance(reason, str) or not reason.strip()
+                                   or "\n" in reason):
+            problems.append(f"{name} must be None or the reason in one line of words")
+    return problems
 
 
 MECHANISMS = {
@@ -128,28 +165,32 @@ MECHANISMS = {
                        "transformers class brings MoE and a query latent this model lacks",
         flops=latent_flops, takes_score_bias=False, takes_value_embed=False,
         stream_refusal="its cache holds latents, which carry no position to renumber, and "
-                       "keys turned by its own small RoPE, not the model's"),
+                       "keys turned by its own small RoPE, not the model's",
+        takes_kv_heads=False, takes_rotary=False),
     # A kernel φ(q)·φ(k) in place of the softmax, a fixed-size sum as its cache. It has
     # weights to draw (normalised kernel rows) for a whole text; decoding keeps no keys.
     "linear": Mechanism(
         LinearAttention, Cache("a fixed-size state S, z", lambda c: 0, linear_state),
         export_refusal="causal linear attention (arXiv:2006.16236) is in no transformers "
                        "architecture",
-        flops=linear_flops, follows_mask=False, takes_score_bias=False),
+        flops=linear_flops, follows_mask=False, takes_score_bias=False,
+        takes_kv_heads=False, takes_rotary=False),
     # The delta rule: a state corrected, not only added to, by each token.
     "deltanet": Mechanism(
         DeltaNet, Cache("a fixed-size state S", lambda c: 0, delta_state),
         no_weights="each token rewrites a d_k x d_k state, so no weight per earlier token "
                    "exists (arXiv:2406.06484)",
         export_refusal="DeltaNet (arXiv:2406.06484) is in no transformers architecture",
-        flops=delta_flops, follows_mask=False, takes_score_bias=False),
+        flops=delta_flops, follows_mask=False, takes_score_bias=False,
+        takes_kv_heads=False, takes_rotary=False),
     "gated_deltanet": Mechanism(
         GatedDeltaNet, Cache("a fixed-size state S", lambda c: 0, delta_state),
         no_weights="each token fades and rewrites a d_k x d_k state, so no weight per "
                    "earlier token exists (arXiv:2412.06464)",
         export_refusal="Gated DeltaNet (arXiv:2412.06464) is in no transformers architecture "
                        "this model's blocks fit",
-        flops=delta_flops, follows_mask=False, takes_score_bias=False),
+        flops=delta_flops, follows_mask=False, takes_score_bias=False,
+        takes_kv_heads=False, takes_rotary=False),
 }
 
 

@@ -98,7 +98,13 @@ def check(config: ModelConfig) -> None:
 def check_mechanisms(config: ModelConfig) -> None:
     """What each layer's mechanism needs of the rest of the config."""
     position = POSITION_ENCODINGS[config.position]
-    for name in names_used(config):
+    used = names_used(config)
+    if config.n_kv_head not in (0, config.n_head) and not any(
+            MECHANISMS[n].takes_kv_heads for n in used):
+        raise ModelError(f"model.mechanism={config.mechanism} has no key and value heads to "
+                         f"share, so model.n_kv_head={config.n_kv_head} would change nothing; "
+                         "leave it at 0 with it")
+    for name in used:
         m = MECHANISMS[name]
         if config.head_dim % m.head_multiple:
             raise ModelError(f"model.mechanism={name} cuts each head into parts, so the head size "

@@ -362,3 +362,27 @@ def test_every_function_reads_on_one_screen():
                      "named pieces, each read on one screen")
     fits = sorted(LONG_FUNCTIONS_ALLOWED - set(found))
     assert not fits, f"now {MAX_FUNCTION_LINES} lines or fewer: remove {fits} from LONG_FUNCTIONS_ALLOWED"
+
+
+def repeated_keys(source: str) -> list[tuple[int, str]]:
+    """Keys written twice in one dict literal: Python keeps the last without a word, so a
+    registry entry pasted under a name already taken replaces it silently."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Dict):
+            keys = [k.value for k in node.keys if isinstance(k, ast.Constant)]
+            found += [(node.lineno, repr(k)) for k in sorted({k for k in keys if keys.count(k) > 1}, key=str)]
+    return found
+
+
+@pytest.mark.parametrize("code,caught", [("R = {'mha': 1, 'x': 2, 'mha': 3}", True),
+                                         ("R = {'mha': 1, 'x': {'mha': 2}}", False),
+                                         ("R = dict(a=1)", False)])
+def test_the_repeated_key_check_sees_each_form(code, caught):
+    assert bool(repeated_keys(code)) == caught
+
+
+def test_no_dict_literal_names_a_key_twice():
+    found = [f"{path.relative_to(ROOT)}:{line} {key}" for path in project_sources()
+             for line, key in repeated_keys(path.read_text())]
+    assert not found, found

@@ -144,6 +144,8 @@ def test_the_difference_map_rows_sum_to_one_minus_lambda():
 def test_cached_decoding_equals_the_full_forward_pass(name, position, window, n_kv_head):
     if window and not MECHANISMS[name].follows_mask:
         pytest.skip(f"{name} has no window")
+    if n_kv_head and not MECHANISMS[name].takes_kv_heads:
+        pytest.skip(f"{name} has no key and value heads to share")
     torch.manual_seed(0)
     model = GPT(tiny(mechanism=name, position=position, sliding_window=window,
                      n_kv_head=n_kv_head)).eval()
@@ -214,6 +216,85 @@ def test_export_refuses_in_one_line_what_no_architecture_computes(name):
     with pytest.raises(ExportError) as err:
         architecture_for(tiny(mechanism=name))
     assert reason in str(err.value) and "\n" not in str(err.value)
+
+
+# -- each entry's facts against what its layer does ------------------------------------
+# A contributor's layer can ignore RoPE, ALiBi or n_kv_head, or return no weights while
+# its entry says it has them, and every test above still passes; these compare each fact
+# with the layer.
+
+def _logits(name, seed=0, **kw):
+    torch.manual_seed(seed)
+    return GPT(tiny(mechanism=name, **kw)).eval()(torch.arange(12)[None] % 40).logits
+
+
+@pytest.mark.parametrize("name", MECHANISM_NAMES)
+def test_the_models_rope_turns_the_layer_exactly_when_its_entry_says(name):
+    # RoPE and "none" hold no parameters, so one seed builds the same weights for both.
+    turned = not torch.equal(_logits(name, position="rope"), _logits(name, position="none"))
+    assert turned == MECHANISMS[name].takes_rotary
+
+
+@pytest.mark.parametrize("name", MECHANISM_NAMES)
+def test_alibi_biases_the_layer_exactly_when_its_entry_says_it_takes_it(name):
+    if not MECHANISMS[name].takes_score_bias:
+        with pytest.raises(ModelError, match="no place for model.position=alibi"):
+            GPT(tiny(mechanism=name, position="alibi"))
+        return
+    assert not torch.equal(_logits(name, position="alibi"), _logits(name, position="none"))
+
+
+@pytest.mark.parametrize("name", MECHANISM_NAMES)
+def test_shared_key_and_value_heads_shrink_the_layer_exactly_when_its_entry_says(name):
+    if not MECHANISMS[name].takes_kv_heads:
+        with pytest.raises(ModelError, match="no key and value heads to share"):
+            GPT(tiny(mechanism=name, n_kv_head=1))
+        return
+    sizes = [sum(p.numel() for p in GPT(tiny(mechanism=name, n_kv_head=n)).blocks[0].attn.parameters())
+             for n in (0, 1)]
+    assert sizes[1] < sizes[0]
+
+
+@pytest.mark.parametrize("name", MECHANISM_NAMES)
+def test_a_layer_returns_weights_exactly_when_its_entry_says_it_has_them(name):
+    torch.manual_seed(0)
+    model = GPT(tiny(mechanism=name)).eval()
+    config, attn = model.config, model.blocks[0].attn
+    x = torch.randn(1, 7, config.n_embd)
+    try:                             # a layer without weights returns None or says why
+        _, weights = attn(x, model.positions, Mask(q_start=0, q_len=7, k_pos=torch.arange(7)),
+                          need_weights=True)
+    except ModelError:
+        weights = None
+    assert (weights is not None) == (MECHANISMS[name].no_weights is None)
+    if weights is not None:          # one map per head, nothing on a later key
+        assert weights.shape == (1, config.n_head, 7, 7)
+        assert torch.all(weights.triu(1) == 0)
+
+
+@pytest.mark.parametrize("bad", [dict(head_multiple=0), dict(no_weights=""),
+                                 dict(export_refusal="two\nlines"), dict(flops=0),
+                                 dict(cache=("keys", 2))])
+def test_an_entry_with_an_unusable_fact_is_refused_when_it_is_written(bad):
+    """head_multiple=0 ended train, heads and export in ZeroDivisionError; an empty reason
+    printed "error: ...: " with nothing after it."""
+    with pytest.raises(TypeError, match="Mechanism"):
+        Mechanism(**{"layer": MECHANISMS["mha"].layer, "cache": MECHANISMS["mha"].cache, **bad})
+
+
+def test_a_cache_whose_sizes_are_numbers_not_functions_is_refused_when_written():
+    with pytest.raises(TypeError, match="per_token must be a function of the config"):
+        Cache("keys and values", 0)
+
+
+def test_a_layer_without_w_o_is_named_when_the_model_is_built(monkeypatch):
+    class NoOutput(nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.proj = nn.Linear(config.n_embd, config.n_embd)
+    monkeypatch.setitem(MECHANISMS, "no_w_o", Mechanism(NoOutput, MECHANISMS["mha"].cache))
+    with pytest.raises(ModelError, match="NoOutput has no w_o.*give its Mechanism entry an init="):
+        GPT(tiny(mechanism="no_w_o"))
 
 
 def test_a_hybrid_pattern_cycles_over_the_layers():

@@ -1,5 +1,5 @@
-"""Linear attention, DeltaNet, Gated DeltaNet and latent attention inside the whole model,
-built through model.mechanism as any registered mechanism is: the GPT trains, generating
+"""Every registered mechanism (linear attention, DeltaNet, latent attention, ...) inside
+the whole model, built through model.mechanism: the GPT trains, generating
 with the model's own caches (the growing one and the static one) gives the tokens and
 logits of the full forward pass, the caches hold what each entry says, a hybrid of three
 linear layers to one softmax layer trains and decodes, and what a recurrent state cannot
@@ -18,9 +18,9 @@ from model.mechanisms import MECHANISMS
 # Tiny models spend their time in dispatch: a second thread only adds waiting for it.
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CLASSES = {"linear": LinearAttention, "deltanet": DeltaNet, "gated_deltanet": GatedDeltaNet,
-           "mla": LatentAttention}
-RECURRENT = ["linear", "deltanet", "gated_deltanet"]
+# Every registered mechanism, so one added tomorrow is tested here the day it lands.
+CLASSES = {name: entry.layer for name, entry in MECHANISMS.items()}
+RECURRENT = [name for name, entry in MECHANISMS.items() if entry.cache.per_token(ModelConfig()) == 0]
 N_LAYER = 2
 
 
@@ -105,8 +105,10 @@ def test_both_caches_hold_what_the_entry_says(name):
         want = 4 * N_LAYER * (16 * facts.per_token(c) + facts.fixed(c))      # fp32
         assert cache.nbytes() == static.nbytes() == want
     head_dim = 16
+    # Each paper's count, written out (a new entry's belongs here too).
     per_layer = {"linear": (0, 2 * (head_dim ** 2 + head_dim)), "deltanet": (0, 2 * head_dim ** 2),
-                 "gated_deltanet": (0, 2 * head_dim ** 2), "mla": (4 * head_dim + head_dim // 2, 0)}
+                 "gated_deltanet": (0, 2 * head_dim ** 2), "mla": (4 * head_dim + head_dim // 2, 0),
+                 "mha": (2 * 2 * head_dim, 0), "differential": (2 * 2 * head_dim, 0)}
     assert (facts.per_token(c), facts.fixed(c)) == per_layer[name]
 
 
