@@ -130,10 +130,6 @@ class ModelConfig:
             raise ModelError("model.sliding_window limits how far back a query looks; with "
                              "model.causal=false every token sees the whole sequence: set one "
                              "or the other")
-        if self.n_global and not self.sliding_window:
-            raise ModelError("model.n_global keeps the first tokens visible past a sliding "
-                             "window; set model.sliding_window too (without a window every "
-                             "token is visible anyway)")
         if not self.rope_factor >= 1.0:
             raise ModelError(f"model.rope_factor must be at least 1, got {self.rope_factor}")
         if self.zero_head and self.tie_embeddings:

@@ -276,22 +276,27 @@ class GPT(nn.Module):
     def _decode_mode(self, decode: str, use_cache: bool, sinks: int | None, device) -> str:
         """The decode mode generate runs, after refusing what cannot run, saying why."""
         if decode not in DECODERS:
-            raise ValueError(f"decode must be one of {', '.join(DECODERS)}, not {decode!r}")
+            raise ModelError(f"decode must be one of {', '.join(DECODERS)}, not {decode!r}")
         if not use_cache:
             decode = "full"
         if decode == "graph" and device.type != "cuda":
-            raise ValueError("decode='graph' records a CUDA graph: it needs a CUDA device; "
+            raise ModelError("decode='graph' records a CUDA graph: it needs a CUDA device; "
                              "use 'static' or 'cache' elsewhere")
         if sinks is not None:
             window = self.config.block_size
             if decode == "full":
-                raise ValueError("sinks keep keys in a rolling KV cache; use a cache to decode")
-            for name, mechanism in zip(layer_names(self.config), mechanisms_of(self.config)):
+                raise ModelError("sinks keep keys in a rolling KV cache; use a cache to decode")
+            mechanisms = mechanisms_of(self.config)
+            if not any(m.cache.per_token(self.config) for m in mechanisms):
+                raise ModelError(f"sinks choose which keys a rolling cache keeps, and model."
+                                 f"mechanism={self.config.mechanism} keeps no keys: its fixed-size "
+                                 "state already reads past the context; sample without sinks")
+            for name, mechanism in zip(layer_names(self.config), mechanisms):
                 if mechanism.stream_refusal:
-                    raise ValueError(f"sinks renumber a rolling cache's keys, and model.mechanism="
+                    raise ModelError(f"sinks renumber a rolling cache's keys, and model.mechanism="
                                      f"{name} cannot be renumbered: {mechanism.stream_refusal}")
             if not 0 <= sinks < window:
-                raise ValueError(f"sinks must be between 0 and block_size-1 ({window - 1}), not {sinks}")
+                raise ModelError(f"sinks must be between 0 and block_size-1 ({window - 1}), not {sinks}")
             decode = "cache"
         return decode
 

@@ -194,6 +194,21 @@ MECHANISMS = {
 }
 
 
+# Names the field (and the frontier's rows) give to multi-head attention with one setting
+# changed, or to a pattern of layers: a learner types them as mechanisms, and is told how.
+NOT_MECHANISMS = {
+    "gqa": "use --model.mechanism=mha --model.n_kv_head=K, K key/value heads each shared by "
+           "a group of query heads (K divides model.n_head)",
+    "mqa": "use --model.mechanism=mha --model.n_kv_head=1, one key/value head for all query heads",
+    "window": "use --model.mechanism=mha --model.sliding_window=W, each query sees its W newest "
+              "tokens",
+    "sliding_window": "use --model.mechanism=mha --model.sliding_window=W, each query sees its W "
+                      "newest tokens",
+    "hybrid": "name one mechanism per layer, cycled over the layers, e.g. "
+              "--model.mechanism=linear,mha",
+}
+
+
 def layer_names(config: ModelConfig) -> list[str]:
     """The mechanism of each layer: model.mechanism's names cycled over the layers."""
     names = [n.strip() for n in config.mechanism.split(",")]

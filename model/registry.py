@@ -10,7 +10,7 @@ from dataclasses import fields
 from model.attention import ATTENTION_BACKENDS
 from model.config import ModelConfig, ModelError
 from model.layers import BLOCKS, MLPS, NORMS
-from model.mechanisms import MECHANISMS, names_used
+from model.mechanisms import MECHANISMS, NOT_MECHANISMS, names_used
 from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
 from model.readout import READOUTS
 
@@ -48,9 +48,16 @@ def check(config: ModelConfig) -> None:
         registry, value = f.metadata.get("registry"), getattr(config, f.name)
         names = [n.strip() for n in str(value).split(",")] if f.metadata.get("pattern") else [value]
         for name in names:
+            if registry == "mechanism" and name in NOT_MECHANISMS:
+                raise ModelError(f"model.mechanism={name} is not a mechanism of its own: "
+                                 f"{NOT_MECHANISMS[name]}")
             if registry and name not in REGISTRIES[registry]:
                 raise unknown_name(f"model.{f.name}", name, REGISTRIES[registry])
     check_mechanisms(config)
+    if config.n_global and not config.sliding_window:   # after the mechanisms: some refuse both
+        raise ModelError("model.n_global keeps the first tokens visible past a sliding "
+                         "window; set model.sliding_window too (without a window every "
+                         "token is visible anyway)")
     backend = ATTENTION_BACKENDS[config.attention]
     position = POSITION_ENCODINGS[config.position]
     if backend.needs_window and not config.sliding_window:
@@ -99,6 +106,11 @@ def check_mechanisms(config: ModelConfig) -> None:
     """What each layer's mechanism needs of the rest of the config."""
     position = POSITION_ENCODINGS[config.position]
     used = names_used(config)
+    pattern = config.mechanism.split(",")
+    if len(pattern) > config.n_layer:
+        raise ModelError(f"model.mechanism names {len(pattern)} layers and the model has "
+                         f"model.n_layer={config.n_layer}; the pattern is cycled over the layers, "
+                         f"so give at most {config.n_layer} names or raise model.n_layer")
     if config.n_kv_head not in (0, config.n_head) and not any(
             MECHANISMS[n].takes_kv_heads for n in used):
         raise ModelError(f"model.mechanism={config.mechanism} has no key and value heads to "

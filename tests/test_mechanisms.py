@@ -307,6 +307,34 @@ def test_a_hybrid_pattern_cycles_over_the_layers():
         GPT(tiny(mechanism="mha,diferential"))
 
 
+def test_a_pattern_longer_than_the_model_is_refused_not_cut():
+    """Cycling a short pattern is the rule; a long one would drop its last names unseen."""
+    GPT(tiny(n_layer=2, mechanism="linear,mha"))
+    with pytest.raises(ModelError, match="names 3 layers and the model has model.n_layer=2"):
+        GPT(tiny(n_layer=2, mechanism="linear,mha,mha"))
+
+
+def test_names_of_mha_settings_point_to_the_setting_and_name_no_mechanism():
+    """The frontier's rows gqa, mqa, window and hybrid are settings of mha or patterns:
+    typed as a mechanism, each is answered with the option that gives it."""
+    from attnlab.frontier import MECHANISMS as ROWS
+    from model.mechanisms import NOT_MECHANISMS
+    assert not set(NOT_MECHANISMS) & set(MECHANISMS)
+    assert set(ROWS) - set(MECHANISMS) <= set(NOT_MECHANISMS)
+    for name, option in (("gqa", "--model.n_kv_head=K"), ("mqa", "--model.n_kv_head=1"),
+                         ("window", "--model.sliding_window=W"), ("hybrid", "linear,mha")):
+        with pytest.raises(ModelError, match=f"mechanism={name} is not a mechanism.*{option}"):
+            GPT(tiny(mechanism=f"mha,{name}"))
+
+
+def test_global_tokens_with_a_recurrent_mechanism_are_refused_for_the_mechanism():
+    """Asking for a window before n_global would send the learner to a second refusal."""
+    with pytest.raises(ModelError, match="mechanism=linear reads every earlier token"):
+        GPT(tiny(mechanism="linear", n_global=2))
+    with pytest.raises(ModelError, match="set model.sliding_window too"):
+        GPT(tiny(n_global=2))
+
+
 def test_the_flops_count_reads_each_layers_entry(monkeypatch):
     """PaLM's 12·d·T per layer for plain attention (4·d·T forward, three times for the
     backward too), taken from each layer's entry: in a hybrid, from each its own."""

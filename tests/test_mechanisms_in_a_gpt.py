@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import run_script, train_tiny
-from model.config import ModelConfig
+from model.config import ModelConfig, ModelError
 from model.deltanet import DeltaNet, GatedDeltaNet
 from model.gpt import GPT
 from model.latent_attention import LatentAttention
@@ -171,12 +171,16 @@ def test_latent_attention_decodes_a_windowed_model_as_it_trained():
 def test_streaming_refuses_latent_attention_in_one_line_and_keeps_a_recurrent_state():
     """Sinks turn kept keys back by the model's RoPE: an MLA cache holds latents (no
     position) and keys of its own small RoPE, so it is refused; a recurrent layer keeps
-    no keys, and its state streams as it is."""
+    no keys, and its state streams as it is beside a softmax layer's rolling cache. A
+    model of recurrent layers alone has no keys for sinks to choose: refused, not ignored."""
     prompt = torch.randint(0, 16, (1, 4), generator=torch.Generator().manual_seed(7))
-    with pytest.raises(ValueError, match="model.mechanism=mla cannot be renumbered") as err:
+    with pytest.raises(ModelError, match="model.mechanism=mla cannot be renumbered") as err:
         list(gpt_with("linear,mla").eval().generate(prompt, 3, sinks=2))
     assert "\n" not in str(err.value)
-    assert len(list(gpt_with("linear").eval().generate(prompt, 40, top_k=1, sinks=2))) == 40
+    with pytest.raises(ModelError, match="mechanism=linear,deltanet keeps no keys") as err:
+        list(gpt_with("linear,deltanet").eval().generate(prompt, 3, sinks=2))
+    assert "\n" not in str(err.value)
+    assert len(list(gpt_with("linear,mha").eval().generate(prompt, 40, top_k=1, sinks=2))) == 40
 
 
 def test_a_deltanet_run_trains_samples_and_says_why_it_cannot_be_drawn_or_exported(corpus, tmp_path):
