@@ -35,6 +35,7 @@ from model.attention import (ATTENTION_BACKENDS, banded_attention, flex_attentio
                              sdpa_attention, sdpa_mask, use_attention_kernel)
 from model.flex import CUDA_MIN_HEAD_DIM
 from model.mask import Mask
+from model.mechanisms import MECHANISMS, names_used
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -254,10 +255,23 @@ def fit_attention(model, model_cfg, device: torch.device, dtype: torch.dtype) ->
     FlexAttention compiles when first called, so its cache folder is set here too."""
     compile_cache_folder()
     if ATTENTION_BACKENDS.get(model_cfg.attention) is not ATTENTION_BACKENDS["auto"]:
-        return model_cfg.attention
+        return kernel_words(model_cfg, model_cfg.attention)
     kernel = attention_kernel(model_cfg, device, dtype)
     use_attention_kernel(model, kernel)
-    return kernel.__name__.removesuffix("_attention")
+    return kernel_words(model_cfg, kernel.__name__.removesuffix("_attention"))
+
+
+def kernel_words(model_cfg, kernel: str) -> str:
+    """The kernel as the device line says it: a mechanism that computes its own maths (a
+    recurrent state, a latent) runs no kernel, and the line must not say it does."""
+    names = names_used(model_cfg)
+    own = [n for n in names if not MECHANISMS[n].uses_kernel]
+    if not own:
+        return kernel
+    theirs = f"{', '.join(own)} {'its' if len(own) == 1 else 'their'} own maths"
+    if len(own) == len(names):
+        return theirs
+    return f"{kernel} for {', '.join(n for n in names if n not in own)}; {theirs}"
 
 
 # --- Compile ---------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ class Run:
                    if READOUTS[c.readout].shortlisted else "")
         mix = mixing(c)
         return (f"model: {c.n_layer} layers x {c.n_head} heads, {c.n_embd} wide, context "
-                f"{c.block_size}, {c.position} positions{mix}, {c.mechanism} mechanism, "
+                f"{c.block_size}, {c.position} positions{mix}, {mechanism_words(c)}, "
                 f"{c.attention} attention{readout}: "
                 f"{m.num_params() / 1e6:.2f}M parameters ({m.num_params(True) / 1e6:.2f}M "
                 f"non-embedding), {m.flops_per_token() / 1e6:.1f} MFLOPs per token (train)")
@@ -116,6 +116,19 @@ def cpu_facts(device: torch.device) -> str:
         return ""
     n = torch.get_num_threads()
     return f" ({machine.describe_cpu()}; {n} thread{'s' if n > 1 else ''}, train.threads)"
+
+
+def mechanism_words(c) -> str:
+    """model.mechanism with the settings that change what it attends to, for the summary
+    line: 'mha mechanism (2 key/value heads; a window of 16, plus 2 global tokens)'."""
+    said = []
+    if c.n_kv_head not in (0, c.n_head):
+        said.append(f"{c.n_kv_head} key/value head{'s' if c.n_kv_head > 1 else ''} "
+                    f"for {c.n_head} query heads")
+    if c.sliding_window:
+        said.append(f"a window of {c.sliding_window}"
+                    + (f", plus {c.n_global} global tokens" if c.n_global else ""))
+    return f"{c.mechanism} mechanism" + (f" ({'; '.join(said)})" if said else "")
 
 
 def mixing(c) -> str:

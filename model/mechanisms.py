@@ -125,6 +125,8 @@ class Mechanism:
                                        # another way (its causal sums, or a RoPE of its own)
     stream_refusal: str | None = None  # why a streaming cache (generate's sinks), which turns
                                        # kept keys back by the model's RoPE, cannot keep it
+    uses_kernel: bool = True           # its softmax runs on the machine's kernel (the seam
+                                       # model.attention.use_attention_kernel); else its own maths
 
     def __post_init__(self):
         problems = entry_problems(self)
@@ -166,7 +168,7 @@ MECHANISMS = {
         flops=latent_flops, takes_score_bias=False, takes_value_embed=False,
         stream_refusal="its cache holds latents, which carry no position to renumber, and "
                        "keys turned by its own small RoPE, not the model's",
-        takes_kv_heads=False, takes_rotary=False),
+        takes_kv_heads=False, takes_rotary=False, uses_kernel=False),
     # A kernel φ(q)·φ(k) in place of the softmax, a fixed-size sum as its cache. It has
     # weights to draw (normalised kernel rows) for a whole text; decoding keeps no keys.
     "linear": Mechanism(
@@ -174,7 +176,7 @@ MECHANISMS = {
         export_refusal="causal linear attention (arXiv:2006.16236) is in no transformers "
                        "architecture",
         flops=linear_flops, follows_mask=False, takes_score_bias=False,
-        takes_kv_heads=False, takes_rotary=False),
+        takes_kv_heads=False, takes_rotary=False, uses_kernel=False),
     # The delta rule: a state corrected, not only added to, by each token.
     "deltanet": Mechanism(
         DeltaNet, Cache("a fixed-size state S", lambda c: 0, delta_state),
@@ -182,7 +184,7 @@ MECHANISMS = {
                    "exists (arXiv:2406.06484)",
         export_refusal="DeltaNet (arXiv:2406.06484) is in no transformers architecture",
         flops=delta_flops, follows_mask=False, takes_score_bias=False,
-        takes_kv_heads=False, takes_rotary=False),
+        takes_kv_heads=False, takes_rotary=False, uses_kernel=False),
     "gated_deltanet": Mechanism(
         GatedDeltaNet, Cache("a fixed-size state S", lambda c: 0, delta_state),
         no_weights="each token fades and rewrites a d_k x d_k state, so no weight per "
@@ -190,7 +192,7 @@ MECHANISMS = {
         export_refusal="Gated DeltaNet (arXiv:2412.06464) is in no transformers architecture "
                        "this model's blocks fit",
         flops=delta_flops, follows_mask=False, takes_score_bias=False,
-        takes_kv_heads=False, takes_rotary=False),
+        takes_kv_heads=False, takes_rotary=False, uses_kernel=False),
 }
 
 

@@ -190,6 +190,15 @@ def test_fit_attention_keeps_a_backend_named_and_replaces_auto(native_bf16):
     assert machine.fit_attention(auto, auto.config, cpu, torch.bfloat16) == "two_matmuls"
 
 
+@pytest.mark.parametrize("mechanism,said", [
+    ("linear", "linear its own maths"), ("linear,mha", "two_matmuls for mha; linear its own maths"),
+    ("deltanet,mla", "deltanet, mla their own maths"), ("differential", "two_matmuls")])
+def test_the_device_line_names_a_kernel_only_for_the_layers_that_run_it(native_bf16, mechanism, said):
+    from model import GPT
+    model = GPT(_cfg(mechanism=mechanism))
+    assert machine.fit_attention(model, model.config, torch.device("cpu"), torch.bfloat16) == said
+
+
 # --- precision from the kind, threads from the config ------------------------------------------
 @pytest.mark.parametrize("flags,native,kind", [
     ({"avx512f", "avx512_bf16", "amx_bf16"}, True, "amx"), ({"avx512f", "avx512_bf16"}, True, "avx512-bf16"),

@@ -272,6 +272,23 @@ def test_a_layer_returns_weights_exactly_when_its_entry_says_it_has_them(name):
         assert torch.all(weights.triu(1) == 0)
 
 
+@pytest.mark.parametrize("name", MECHANISM_NAMES)
+def test_a_layer_takes_the_machines_kernel_exactly_when_its_entry_says(name):
+    """The device line names the kernel only for layers that run it (engine.machine)."""
+    attn = GPT(tiny(mechanism=name)).blocks[0].attn
+    assert callable(getattr(attn, "kernel", None)) == MECHANISMS[name].uses_kernel
+
+
+def test_the_summary_line_says_the_settings_that_change_what_mha_attends_to():
+    """A GQA or windowed run said only "mha mechanism", as if it were plain attention."""
+    from engine.state import mechanism_words
+    assert mechanism_words(tiny(n_head=4, n_kv_head=2)) == \
+        "mha mechanism (2 key/value heads for 4 query heads)"
+    assert mechanism_words(tiny(n_kv_head=1, sliding_window=16, n_global=2)) == \
+        "mha mechanism (1 key/value head for 2 query heads; a window of 16, plus 2 global tokens)"
+    assert mechanism_words(tiny(n_kv_head=2)) == mechanism_words(tiny()) == "mha mechanism"
+
+
 @pytest.mark.parametrize("bad", [dict(head_multiple=0), dict(no_weights=""),
                                  dict(export_refusal="two\nlines"), dict(flops=0),
                                  dict(cache=("keys", 2))])
