@@ -222,7 +222,8 @@ class Service:
         window = f"window {c.sliding_window}" + (f" + {c.n_global} global" if c.n_global else "") \
             if c.sliding_window else "full causal" if c.causal else "bidirectional (an encoder)"
         return {"origin": self.origin, "layers": c.n_layer, "heads": c.n_head,
-                "config": f"{c.attention} attention, {c.position} positions, {window}; "
+                "config": f"{c.mechanism} mechanism, {c.attention} attention, {c.position} "
+                          f"positions, {window}; "
                           f"{c.n_layer} layers x {c.n_head} heads, {c.n_embd} wide, context "
                           f"{c.block_size}, {self.model.num_params() / 1e6:.2f}M parameters"
                           + (f"; {other_paths(c)}" if other_paths(c) else ""),

@@ -72,7 +72,7 @@ def test_a_streamed_generation_is_sample_py_s_text(client, tiny_run):
 
 def test_attention_of_a_token_and_the_info(client):
     info = client.get("/api/info").json()
-    assert info["layers"] == 2 and info["heads"] == 2 and "auto attention" in info["config"]
+    assert info["layers"] == 2 and info["heads"] == 2 and "mha mechanism, auto attention" in info["config"]
     assert info["mask"][3][:5] == [1, 1, 1, 1, 0]                         # causal
     events = stream(client, prompt="KING", max_new_tokens="12", temperature="0")
     ids = events[0]["prompt_ids"] + [e["id"] for e in events if "token" in e]
