@@ -362,6 +362,33 @@ def test_the_flops_count_reads_each_layers_entry(monkeypatch):
     assert counted - GPT.skeleton(config).flops_per_token() == 2 * 12 * d * T
 
 
+# Differential attention hands a backend four maps of one width (Q₁K₁ᵀ and Q₂K₂ᵀ, each
+# against both halves of V), so it computes twice the paper's count, which its fact keeps.
+COMPUTED_OVER_FACT = {"differential": 2.0}
+
+
+@pytest.mark.parametrize("T", [64, 256])
+@pytest.mark.parametrize("name", MECHANISM_NAMES)
+def test_each_entrys_flops_agree_with_a_count_of_the_layers_own_multiplies(name, T):
+    """torch's FlopCounterMode counts every matmul of a forward pass through the written
+    formula (eager); the layer's nn.Linear weights (2·in·out a token) are the model's
+    6N, not the entry's. What is left must be the entry's flops within 20%: catches a fact
+    of 0, a factor of 2 lost, or T where a chunk belongs (linear at T=256 is 5x off)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    config = tiny(n_head=4, n_embd=64, block_size=T, linear_chunk=32, mechanism=name,
+                  attention="eager")
+    model = GPT(config).eval()
+    attn = model.blocks[0].attn
+    weights = sum(2 * T * m.in_features * m.out_features for m in attn.modules()
+                  if isinstance(m, nn.Linear))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        attn(torch.randn(1, T, config.n_embd), model.positions,
+             Mask(q_start=0, q_len=T, k_pos=torch.arange(T)))
+    counted = (counter.get_total_flops() - weights) / T
+    expected = MECHANISMS[name].flops(config, T) * COMPUTED_OVER_FACT.get(name, 1.0)
+    assert counted == pytest.approx(expected, rel=0.2)
+
+
 def test_differential_needs_whole_pairs_per_half():
     with pytest.raises(ModelError, match="multiple of 4"):
         GPT(tiny(mechanism="differential", n_embd=36, n_head=6))      # d_k = 6
