@@ -147,6 +147,7 @@ class Architecture:
     base_prefix: str = ""          # transformers' base_model_prefix, with its dot
     head: tuple[str, ...] = ("lm_head.weight",)      # the output layer's names (export's first)
     ignored: tuple[str, ...] = ()  # buffers transformers skips on load (its regexes)
+    char_vocab: bool = True        # a character tokenizer exports (the BERT family's does not)
     # An architecture that reads or writes its folder its own way (the BERT family picks
     # its head from the weights present and writes an encoder's tokenizer).
     load: Callable | None = None          # (folder, config dict, device, dtype) -> like load_hf_folder
@@ -494,7 +495,7 @@ ARCHITECTURES = {
 }
 
 
-def architecture_for(cfg: ModelConfig) -> Architecture:
+def architecture_for(cfg: ModelConfig, tokenizer: Tokenizer | None = None) -> Architecture:
     """The architecture that computes exactly what cfg does, or ExportError naming, for
     the nearest one, the fields that stop it. A mechanism no architecture has is
     refused first, in its entry's own words (model/mechanisms.py)."""
@@ -512,9 +513,11 @@ def architecture_for(cfg: ModelConfig) -> Architecture:
     nearest = [f"{name} ({ARCHITECTURES[name].hf_class}), stopped by: " + "; ".join(why)
                for name, why in reasons.items() if len(why) == fewest]
     raise ExportError("no transformers architecture computes this model exactly; nearest is "
-                      + ", or ".join(nearest) + _remedy_line(cfg))
+                      + ", or ".join(nearest) + _remedy_line(cfg, tokenizer))
 
 
+# What a run trains with for a vocabulary the BERT family's tokenizer.json can hold.
+BPE_FLAG = "--data.tokenizer=bpe"
 _BLOCKED_FIELD = re.compile(r"model\.(\w+)=")
 _NEEDED = re.compile(r"\(needs (\w+(?: or \w+)*)\)")
 
@@ -549,7 +552,7 @@ def _remedy(cfg: ModelConfig, arch: Architecture) -> dict | None:
     return fix if not arch.blockers(trial) else None
 
 
-def _remedy_line(cfg: ModelConfig) -> str:
+def _remedy_line(cfg: ModelConfig, tokenizer: Tokenizer | None = None) -> str:
     """'; to export as X, train with --model.a=b ...' for the architecture that asks the
     fewest of the run's own choices (fields away from their defaults) to be undone, then
     the fewest changes, then the fewest away from a default: a GQA run is pointed at
@@ -564,6 +567,8 @@ def _remedy_line(cfg: ModelConfig) -> str:
     name = ranked[0][-1]
     flags = " ".join(f"--model.{f}={str(v).lower() if isinstance(v, bool) else v}"
                      for f, v in remedies[name].items())
+    if tokenizer is not None and tokenizer.needs_every_symbol and not ARCHITECTURES[name].char_vocab:
+        flags += " " + BPE_FLAG
     return f"; to export as {ARCHITECTURES[name].hf_class} ({name}), train with {flags}"
 
 
@@ -753,7 +758,7 @@ def export(model: GPT, cfg: ModelConfig, tokenizer: Tokenizer, out: str | Path,
     import transformers
     from safetensors.torch import save_file
 
-    arch = architecture_for(cfg)
+    arch = architecture_for(cfg, tokenizer)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} exists and is not an empty folder; choose a new --out")

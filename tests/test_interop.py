@@ -119,7 +119,7 @@ def test_a_refused_export_names_the_flags_that_make_the_model_exportable(fields,
     cfg = ModelConfig(vocab_size=CHARS.vocab_size, block_size=32, n_layer=1, n_head=4, n_embd=32,
                       **fields)
     with pytest.raises(ExportError) as err:
-        architecture_for(cfg)
+        architecture_for(cfg, CHARS)
     said = str(err.value)
     assert "\n" not in said and f"to export as {arch} " in said, said
     flags = dict(re.findall(r"--model\.(\w+)=(\S+)", said.split("train with", 1)[1]))
@@ -127,6 +127,8 @@ def test_a_refused_export_names_the_flags_that_make_the_model_exportable(fields,
     fixed = ModelConfig(**{**asdict(cfg), **{k: json.loads(v) if v[0].isdigit() or v in ("true", "false")
                                              else v for k, v in flags.items()}})
     assert architecture_for(fixed).hf_class == arch
+    # A BERT-family folder holds no character vocabulary: the run must train with a BPE one.
+    assert ("--data.tokenizer=bpe" in said) == (arch == "BertModel")
     kept = {k: v for k, v in fields.items() if k in ("n_kv_head",)}
     assert all(getattr(fixed, k) == v for k, v in kept.items())
 
