@@ -29,8 +29,11 @@ with interrupt_at_start():          # torch loads here
 
 
 def parser() -> Parser:
+    instead = ("train.py takes a run to continue as --resume RUN_DIR, and a run, checkpoint "
+               "or transformers folder to start from as --init_from SRC")
     p = Parser("python train.py", __doc__, usage="python train.py [--config PRESET|FILE] "
-               "[--resume [RUN_DIR]] [--budget TIME] [--section.key=VALUE ...]")
+               "[--resume [RUN_DIR]] [--budget TIME] [--section.key=VALUE ...]",
+               hints={"--run": instead, "--checkpoint": instead})
     p.add_argument("--config", "--preset", dest="preset", metavar="PRESET|FILE",
                    help="a preset from configs/ (cpu, gpu, mps, ...) or a .toml file; default: "
                         "chosen from the device found (cuda -> gpu, mps -> mps, else cpu)")

@@ -38,7 +38,7 @@ from typing import Iterable
 import torch
 
 from common.errors import AttnlabError
-from model.mechanisms import MECHANISMS, mechanisms_of, names_used
+from model.mechanisms import MECHANISMS, layer_names, mechanisms_of, names_used
 
 PER_LAYER = ("resid_pre", "q", "k", "v", "pattern", "z", "attn_out", "mlp_out", "resid_post")
 
@@ -67,6 +67,14 @@ def no_weights(config) -> str | None:
         if m.no_weights is not None:
             return f"model.mechanism={name} has no attention weights to draw: {m.no_weights}"
     return None
+
+
+def weightless_layers(config) -> dict[int, str]:
+    """Each layer whose mechanism has no attention weights to draw, and why in its entry's
+    words: in a hybrid (model.mechanism=deltanet,mha) the mha layers still have them."""
+    return {i: f"layer {i} is model.mechanism={name}, which has no attention weights to "
+               f"draw: {MECHANISMS[name].no_weights}"
+            for i, name in enumerate(layer_names(config)) if MECHANISMS[name].no_weights is not None}
 
 
 def _hooks_for(model, cache: dict, only: set[str] | None):
@@ -153,15 +161,18 @@ def run_with_cache(model, tokens: torch.Tensor, only: Iterable[str] | None = Non
     return logits, cache
 
 
-def attention(model, tokens: torch.Tensor, **inputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def attention(model, tokens: torch.Tensor, per_layer: bool = False,
+              **inputs) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """(logits, [layer] -> (B, H, T, T) attention weights) for `tokens` (B, T); refused
-    in one line for a model whose mechanism has none."""
+    in one line for a model whose mechanism has none. With per_layer, a hybrid's layers
+    without weights (weightless_layers) read None, and only a model with none is refused."""
     reason = no_weights(model.config)
-    if reason:
+    skipped = weightless_layers(model.config) if per_layer and reason else {}
+    if reason and (not per_layer or len(skipped) == model.config.n_layer):
         raise AttnlabError(reason)
-    wanted = [f"blocks.{l}.pattern" for l in range(model.config.n_layer)]
+    wanted = [f"blocks.{l}.pattern" for l in range(model.config.n_layer) if l not in skipped]
     logits, cache = run_with_cache(model, tokens, only=wanted, **inputs)
-    return logits, [cache[n] for n in wanted]
+    return logits, [cache.get(f"blocks.{l}.pattern") for l in range(model.config.n_layer)]
 
 
 # The most bytes of attention weights a text past the model's context may take.
@@ -205,12 +216,13 @@ def other_paths(config, so: str = "the weights show attention's share of what mo
     return None
 
 
-def attention_maps(model, tokenizer, text: str):
-    """(token strings, [layer] -> (heads, T, T) weights on the CPU) for one text."""
+def attention_maps(model, tokenizer, text: str, per_layer: bool = False):
+    """(token strings, [layer] -> (heads, T, T) weights on the CPU) for one text; with
+    per_layer, None for a hybrid's layers without weights (as attention())."""
     if not text:
         raise AttnlabError("give some text to look at with --text")
     ids = tokenizer.encode(text)
     check_context(model, len(ids))
     idx = torch.tensor([ids], device=next(model.parameters()).device)
-    _, maps = attention(model, idx)
-    return tokenizer.token_strings(ids), [m[0].float().cpu() for m in maps]
+    _, maps = attention(model, idx, per_layer)
+    return tokenizer.token_strings(ids), [None if m is None else m[0].float().cpu() for m in maps]

@@ -1,7 +1,7 @@
 """Look inside a trained model's attention: every layer × head as a heatmap, the
 head where one word looks most at another, and what each head tends to do.
 
-    python -m attnlab.heads grid   --run runs/NAME --text "The trophy did not fit"
+    python -m attnlab.heads grid   --run runs/NAME --text "The trophy did not fit" [--layer L]
     python -m attnlab.heads head   --run runs/NAME --text "..." --layer 1 --head 2
     python -m attnlab.heads search --run runs/NAME --text "..." --from "it" --to "trophy"
     python -m attnlab.heads stats  --run runs/NAME --text "..."
@@ -12,7 +12,8 @@ Rows of a heatmap are the tokens looking (queries), columns the tokens looked at
 mask). --run also takes a BERT-family folder (an encoder: rows see both directions),
 such as the article's all-MiniLM-L6-v2. Layers and heads are numbered from 0 in every
 option, printout and plot (the article counts from 1: its layer 4, head 2 is layer 3,
-head 1 here).
+head 1 here). In a hybrid (model.mechanism=deltanet,mha) the layers whose mechanism has
+no weights are left out of grid, search and stats, which say so, and refused by head.
 
 One layer deeper are tools of their own, with the same --run, --checkpoint and
 --device: python -m attnlab.lens (logit, ablate, patch) and python -m attnlab.induction
@@ -23,16 +24,18 @@ from __future__ import annotations
 import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
 
-from attnlab.capture import attention_maps, other_paths
+from attnlab.capture import attention_maps, other_paths, weightless_layers
 from attnlab.options import add_run_options, load, positive, out_option
 from attnlab.plotting import (NUMBERING, check_figure_out, default_out, draw_weights,
                               label_tokens, layer_head, make_folder_for, out_path, pyplot,
                               refuse_a_path_through_a_file, save_figure, weight_scale)
 from common.errors import AttnlabError
+from model.mechanisms import layer_names
 from common.files import write_text_atomic
 from engine.cli import Parser, errors_as_lines
 
@@ -96,7 +99,7 @@ def search(maps, text: str, spans, source: str, target: str, fields=SEARCH_FIELD
     query = source_tokens[-1]
     ranking = []
     for layer, weights in enumerate(maps):
-        for head in range(weights.shape[0]):
+        for head in range(0 if weights is None else weights.shape[0]):    # None: no weights
             ranking.append((weights[head, query, target_tokens].sum().item(), layer, head))
     return sorted(ranking, reverse=True), query, target_tokens
 
@@ -130,23 +133,27 @@ def head_stats(weights: torch.Tensor) -> dict:
 FROM_0 = NUMBERING
 
 
-def save_grid(path, tokens, maps) -> Path:
+def save_grid(path, tokens, maps, left_out: str = "") -> Path:
     """Every layer x head: the tokens beside the first column and under the last row, one
-    colour scale for all (the panels share it, so they compare)."""
+    colour scale for all (the panels share it, so they compare). A layer whose map is
+    None is not drawn; `left_out` says which and why, under the title."""
     plt = pyplot()
-    L, H = len(maps), maps[0].shape[0]
+    rows = [(layer, weights) for layer, weights in enumerate(maps) if weights is not None]
+    L, H = len(rows), rows[0][1].shape[0]
     fig, axes = plt.subplots(L, H, figsize=(2.6 * H + 1.2, 2.6 * L + 0.6), squeeze=False,
                              layout="constrained")
-    for layer in range(L):
+    for row, (layer, weights) in enumerate(rows):
         for head in range(H):
-            ax = axes[layer][head]
-            image = draw_weights(ax, maps[layer][head].numpy(), layer_head(layer, head))
+            ax = axes[row][head]
+            image = draw_weights(ax, weights[head].numpy(), layer_head(layer, head))
             label_tokens(ax, tokens, fontsize=6)
             if head:
                 ax.tick_params(labelleft=False)
-            if layer < L - 1:
+            if row < L - 1:
                 ax.tick_params(labelbottom=False)
-    fig.suptitle(FROM_0)
+    # The note under the title, wrapped and smaller, fits a grid of two heads.
+    fig.suptitle(FROM_0 + (f"\n{textwrap.fill(left_out, 60)}" if left_out else ""),
+                 fontsize=9 if left_out else None)
     fig.supxlabel("token looked at (key)")
     fig.supylabel("token looking (query)")
     weight_scale(fig, image, axes.ravel().tolist())
@@ -224,8 +231,9 @@ def parser() -> Parser:
     p.add_argument("--text", default="", help="the sentence to look at")
     p.add_argument("--out", type=out_option, default=None, help="output path (PNG for grid and head, HTML for "
                    "html) or folder; default: the run's figures/ folder")
-    p.add_argument("--layer", type=int, default=0)
-    p.add_argument("--head", type=int, default=0)
+    p.add_argument("--layer", type=int, default=None,
+                   help="head: the layer (default 0); grid: draw only this layer")
+    p.add_argument("--head", type=int, default=None, help="head: the head (default 0)")
     p.add_argument("--from", dest="source", default="", help="search: the word looking")
     p.add_argument("--to", dest="target", default="", help="search: the word looked at")
     p.add_argument("--top", type=positive, default=5,
@@ -233,6 +241,50 @@ def parser() -> Parser:
     p.add_argument("--inline-js", default="", help="html: folder with d3.min.js, "
                    "jquery.min.js and require.js to embed (opens offline)")
     return p
+
+
+def refuse_unused_layer_options(args) -> None:
+    """--layer and --head where the subcommand would not read them: refused, not ignored."""
+    unused = [f"--{name}" for name in ("layer", "head") if getattr(args, name) is not None
+              and not (args.what == "head" or (args.what == "grid" and name == "layer"))]
+    if unused:
+        also = " (grid takes --layer, to draw one layer)" if args.what == "grid" else ""
+        raise AttnlabError(f"heads {args.what} reads every head and takes no {' or '.join(unused)}"
+                           f"{also}; for one head: heads head --layer L --head H")
+
+
+def layer_weights(maps, layer: int, weightless: dict[int, str]):
+    """Layer `layer`'s (heads, T, T) weights, or one line on why there are none."""
+    if not 0 <= layer < len(maps):
+        raise AttnlabError(f"--layer {layer}: this model has layers 0-{len(maps) - 1}")
+    if maps[layer] is None:
+        drawn = ", ".join(str(l) for l, m in enumerate(maps) if m is not None)
+        raise AttnlabError(f"{weightless[layer]}; layers with weights: {drawn}")
+    return maps[layer]
+
+
+def left_out(config) -> str:
+    """Which layers a hybrid's figures and tables leave out, and why, in one line ("" when
+    every layer has weights)."""
+    weightless = weightless_layers(config)
+    if not weightless:
+        return ""
+    names = layer_names(config)
+    mechanisms = ", ".join(dict.fromkeys(f"model.mechanism={names[l]}" for l in weightless))
+    return (f"{'layer' if len(weightless) == 1 else 'layers'} {', '.join(map(str, weightless))} "
+            f"left out: {mechanisms} has no attention weights to draw")
+
+
+def draw_grid(args, tokens, maps, config) -> None:
+    """Every layer's heads, or --layer's alone; a hybrid's layers without weights are left
+    out, and the figure and one printed line say which and why."""
+    left = ""
+    if args.layer is not None:
+        layer_weights(maps, args.layer, weightless_layers(config))
+        maps = [m if l == args.layer else None for l, m in enumerate(maps)]
+    else:
+        left = left_out(config)
+    print("wrote", save_grid(out_path(args.out, "attention_grid.png"), tokens, maps, left))
 
 
 def main(argv=None) -> int:
@@ -245,6 +297,7 @@ def main(argv=None) -> int:
     if args.out and not writes:                # else taken and ignored, as if written there
         raise AttnlabError(f"--out {args.out}: heads {args.what} prints its answer and writes "
                            "no file; drop --out (grid, head and html write one)")
+    refuse_unused_layer_options(args)
     if args.what in ("grid", "head"):
         check_figure_out(args.out)
     elif args.what == "html":
@@ -254,19 +307,23 @@ def main(argv=None) -> int:
     model, _, tokenizer, ckpt = load(args)
     if writes and not args.out:
         args.out = default_out(ckpt)
-    tokens, maps = attention_maps(model, tokenizer, args.text)
+    # html hands bertviz every layer; the others draw or rank the layers that have weights.
+    tokens, maps = attention_maps(model, tokenizer, args.text, per_layer=args.what != "html")
     if other_paths(model.config):
         print(f"note: {other_paths(model.config)}", file=sys.stderr)
+    if left_out(model.config) and args.what != "head" and not (args.what == "grid" and args.layer is not None):
+        print(f"note: {left_out(model.config)}", file=sys.stderr)
     if args.what == "html":
         print("wrote", export_head_view(out_path(args.out, "head_view.html"), tokens, maps, args.inline_js or None))
     elif args.what == "grid":
-        print("wrote", save_grid(out_path(args.out, "attention_grid.png"), tokens, maps))
+        draw_grid(args, tokens, maps, model.config)
     elif args.what == "head":
-        if not (0 <= args.layer < len(maps) and 0 <= args.head < maps[0].shape[0]):
-            raise AttnlabError(f"this model has layers 0-{len(maps) - 1} and heads "
-                               f"0-{maps[0].shape[0] - 1}")
-        print("wrote", save_head(out_path(args.out, f"attention_l{args.layer}_h{args.head}.png"), tokens,
-                        maps[args.layer][args.head], args.layer, args.head))
+        layer, head = (0 if args.layer is None else args.layer), (0 if args.head is None else args.head)
+        weights = layer_weights(maps, layer, weightless_layers(model.config))
+        if not 0 <= head < weights.shape[0]:
+            raise AttnlabError(f"--head {head}: this model has heads 0-{weights.shape[0] - 1}")
+        print("wrote", save_head(out_path(args.out, f"attention_l{layer}_h{head}.png"), tokens,
+                                 weights[head], layer, head))
     elif args.what == "search":
         if not (args.source and args.target):
             raise AttnlabError("search needs --from WORD (looking) and --to WORD (looked at)")
@@ -282,7 +339,7 @@ def main(argv=None) -> int:
         print(f"{'layer':>5} {'head':>4} {'entropy':>8} {'distance':>8} {'prev':>6} {'next':>6} "
               f"{'first':>6}  pattern")
         for layer, weights in enumerate(maps):
-            for head in range(weights.shape[0]):
+            for head in range(0 if weights is None else weights.shape[0]):
                 s = head_stats(weights[head])
                 print(f"{layer:>5} {head:>4} {s['entropy']:8.3f} {s['mean_distance']:8.2f} "
                       f"{s['previous']:6.2f} {s['next']:6.2f} {s['first']:6.2f}  {s['label']}")

@@ -328,7 +328,8 @@ class Service:
         if n > limit:
             raise BadRequest(f"the text is {n} tokens; this page searches at most {limit} (a "
                              "search keeps every head's attention over the whole text)", 413)
-        tokens, maps = attention_maps(self.model, self.tokenizer, text)
+        # A hybrid's layers without weights are skipped, as heads search skips them.
+        tokens, maps = attention_maps(self.model, self.tokenizer, text, per_layer=True)
         ranking, query, targets = search(maps, text, token_spans(self.tokenizer, text), source, target,
                                          fields=PAGE_SEARCH_FIELDS)
         return {"query": tokens[query], "targets": "".join(tokens[t] for t in targets),

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.errors import DataError
+from common.errors import DataError, closest
 from common.files import file_sha256, lock_file, lock_holder
 from common.shell import word
 from data.build import clear_build, prepare, prepare_key
@@ -88,6 +88,25 @@ def _meta_agrees(folder: Path, meta: dict, tok: Tokenizer, splits: dict) -> None
                             "data again")
 
 
+def _check_the_path(path: str) -> str:
+    """': check the path ...' for a data.path that names nothing on disk (a typo is likelier
+    than a dataset still to prepare): the file of its folder it most likely meant, or the
+    first folder on the way that is missing; "" for a glob or a path that exists."""
+    p = Path(path).expanduser()
+    if not path or any(c in path for c in "*?[") or p.exists():
+        return ""
+    folder = p.parent
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    if folder != p.parent:
+        return f": check the path ({word(str(folder / p.relative_to(folder).parts[0]))} does not exist)"
+    try:
+        near = closest(p.name, [e.name for e in folder.iterdir()][:10_000])
+    except OSError:
+        near = None
+    return ": check the path" + (f" (did you mean {word(str(p.parent / near))}?)" if near else "")
+
+
 def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
                 val_fraction: float = 0.1, cache_dir: str = "", log=print,
                 given: Tokenizer | None = None) -> TokenData:
@@ -102,7 +121,7 @@ def load_tokens(path: str = "", tokenizer: str = "char", vocab_size: int = 2048,
     passed: list[str] = []
     files = local_files(source, passed)
     if files is None:
-        raise DataError(f"corpus {path} not found. To prepare a dataset there (a Hugging Face "
+        raise DataError(f"corpus {path} not found{_check_the_path(path)}. To prepare a dataset there (a Hugging Face "
                         f"name or local files): python -m data.prepare SOURCE --out {word(path)}. "
                         "data.path takes a UTF-8 text file (.gz allowed), a folder or glob of "
                         "them, JSONL/CSV/Parquet files, or a prepared folder; leave it empty "

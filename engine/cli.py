@@ -17,17 +17,24 @@ import sys
 from contextlib import contextmanager
 from dataclasses import MISSING, fields
 
-from common.errors import ConfigError, choices_hint, friendly_errors
+from common.errors import ConfigError, choices_hint, closest, friendly_errors
 from engine import config
 from engine.config import RunConfig
 from model import ModelError
+
+
+# An unknown option is answered with the valid ones when there are at most this many.
+LISTED_OPTIONS = 20
 
 
 class Parser(argparse.ArgumentParser):
     """argparse with the module docstring as help, no abbreviated options, and
     mistakes raised as ConfigError (one `error:` line) instead of a usage dump."""
 
-    def __init__(self, prog: str, doc: str = "", **kw):
+    def __init__(self, prog: str, doc: str = "", hints: dict[str, str] | None = None, **kw):
+        # hints: an option this command does not take but a user may bring from another
+        # (train.py's --run), and what to give instead.
+        self.hints = hints or {}
         head, _, rest = (doc or "").strip().partition("\n\n")
         super().__init__(prog=prog, description=head, epilog=rest or None, allow_abbrev=False,
                          formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(
@@ -56,8 +63,15 @@ class Parser(argparse.ArgumentParser):
         if dot:
             sections = [s for s in config.SECTIONS if self._takes(s)]
             return f"unknown config section {section!r}" + choices_hint(section, sections)
+        if name in self.hints:
+            return f"unknown option {name}: {self.hints[name]}"
         options = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
-        return f"unknown option {name}" + choices_hint(name, options)
+        if len(options) <= LISTED_OPTIONS:
+            return f"unknown option {name}" + choices_hint(name, options)
+        # train.py takes some 150 options: listed, they made a line of 2,700 characters.
+        close = closest(name, options)
+        return (f"unknown option {name}" + (f" (did you mean {close!r}?)" if close else "")
+                + f"; see {self.prog} --help for its {len(options)} options")
 
     def _takes(self, section: str) -> bool:
         return any(a.dest.startswith(section + ".") for a in self._actions)

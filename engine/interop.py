@@ -24,8 +24,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -146,6 +147,7 @@ class Architecture:
     base_prefix: str = ""          # transformers' base_model_prefix, with its dot
     head: tuple[str, ...] = ("lm_head.weight",)      # the output layer's names (export's first)
     ignored: tuple[str, ...] = ()  # buffers transformers skips on load (its regexes)
+    char_vocab: bool = True        # a character tokenizer exports (the BERT family's does not)
     # An architecture that reads or writes its folder its own way (the BERT family picks
     # its head from the weights present and writes an encoder's tokenizer).
     load: Callable | None = None          # (folder, config dict, device, dtype) -> like load_hf_folder
@@ -493,14 +495,16 @@ ARCHITECTURES = {
 }
 
 
-def architecture_for(cfg: ModelConfig) -> Architecture:
+def architecture_for(cfg: ModelConfig, tokenizer: Tokenizer | None = None) -> Architecture:
     """The architecture that computes exactly what cfg does, or ExportError naming, for
     the nearest one, the fields that stop it. A mechanism no architecture has is
     refused first, in its entry's own words (model/mechanisms.py)."""
     for name, mechanism in ((n, MECHANISMS[n]) for n in names_used(cfg)):
         if mechanism.export_refusal:
             raise ExportError(f"cannot export model.mechanism={name}: {mechanism.export_refusal}; "
-                              "only a model trained with a mechanism transformers has exports")
+                              "only a model trained with a mechanism transformers has exports: "
+                              "train with --model.mechanism=mha (the article's multi-head "
+                              "attention; --model.n_kv_head for GQA/MQA)")
     reasons = {name: arch.blockers(cfg) for name, arch in ARCHITECTURES.items()}
     fits = [name for name, why in reasons.items() if not why]
     if fits:
@@ -509,7 +513,63 @@ def architecture_for(cfg: ModelConfig) -> Architecture:
     nearest = [f"{name} ({ARCHITECTURES[name].hf_class}), stopped by: " + "; ".join(why)
                for name, why in reasons.items() if len(why) == fewest]
     raise ExportError("no transformers architecture computes this model exactly; nearest is "
-                      + ", or ".join(nearest))
+                      + ", or ".join(nearest) + _remedy_line(cfg, tokenizer))
+
+
+# What a run trains with for a vocabulary the BERT family's tokenizer.json can hold.
+BPE_FLAG = "--data.tokenizer=bpe"
+_BLOCKED_FIELD = re.compile(r"model\.(\w+)=")
+_NEEDED = re.compile(r"\(needs (\w+(?: or \w+)*)\)")
+
+
+def _remedy(cfg: ModelConfig, arch: Architecture) -> dict | None:
+    """The model fields to train with, and their values, for `arch` to compute the model
+    exactly, or None. Each blocked field takes the variant its blocker says it needs, or
+    else its default (no window, a key/value head per query head, no token mix, ...); the
+    result counts only if `arch` then has no blocker left."""
+    defaults = {f.name: f.default for f in fields(ModelConfig)}
+    fix, trial = {}, cfg
+    for why in arch.blockers(cfg):
+        blocked = _BLOCKED_FIELD.match(why)
+        if blocked is None or blocked[1] not in defaults or blocked[1] in fix:
+            return None
+        name = blocked[1]
+        needed = _NEEDED.search(why)
+        for value in (needed[1].split(" or ") if needed else []) + [defaults[name]]:
+            try:
+                attempt = replace(trial, **{name: value})
+                if not any(w.startswith(f"model.{name}=") for w in arch.blockers(attempt)):
+                    fix[name], trial = value, attempt
+                    break
+            except (KeyError, ModelError):      # a name that is no variant of this field
+                continue
+        else:
+            return None
+    try:
+        trial.validate()
+    except ModelError:
+        return None
+    return fix if not arch.blockers(trial) else None
+
+
+def _remedy_line(cfg: ModelConfig, tokenizer: Tokenizer | None = None) -> str:
+    """'; to export as X, train with --model.a=b ...' for the architecture that asks the
+    fewest of the run's own choices (fields away from their defaults) to be undone, then
+    the fewest changes, then the fewest away from a default: a GQA run is pointed at
+    Llama's norm and MLP rather than told to drop its key/value heads."""
+    defaults = {f.name: f.default for f in fields(ModelConfig)}
+    remedies = {name: _remedy(cfg, arch) for name, arch in ARCHITECTURES.items()}
+    ranked = sorted((sum(getattr(cfg, f) != defaults[f] for f in fix), len(fix),
+                     sum(v != defaults[f] for f, v in fix.items()), i, name)
+                    for i, (name, fix) in enumerate(remedies.items()) if fix)
+    if not ranked:
+        return ""
+    name = ranked[0][-1]
+    flags = " ".join(f"--model.{f}={str(v).lower() if isinstance(v, bool) else v}"
+                     for f, v in remedies[name].items())
+    if tokenizer is not None and tokenizer.needs_every_symbol and not ARCHITECTURES[name].char_vocab:
+        flags += " " + BPE_FLAG
+    return f"; to export as {ARCHITECTURES[name].hf_class} ({name}), train with {flags}"
 
 
 # -- reading a folder ------------------------------------------------------------------
@@ -698,7 +758,7 @@ def export(model: GPT, cfg: ModelConfig, tokenizer: Tokenizer, out: str | Path,
     import transformers
     from safetensors.torch import save_file
 
-    arch = architecture_for(cfg)
+    arch = architecture_for(cfg, tokenizer)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} exists and is not an empty folder; choose a new --out")

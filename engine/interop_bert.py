@@ -34,7 +34,7 @@ import torch
 
 from common.errors import CheckpointError, TokenizerError
 from data.tokenizer import WordPieceTokenizer
-from engine.interop import (ARCHITECTURES, Architecture, ExportError, WeightFiles, _common_refusals,
+from engine.interop import (ARCHITECTURES, BPE_FLAG, Architecture, ExportError, WeightFiles, _common_refusals,
                             _needs, _refuse_unless, _with_mlp_width,
                             refuse_ids_past_vocab)
 from engine.hf_files import (FETCH_AGAIN, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB,
@@ -400,7 +400,8 @@ def _write(family_name: str, arch: Architecture):
         from safetensors.torch import save_file
         if tokenizer.needs_every_symbol:
             raise ExportError("a BERT-family folder needs a tokenizer.json transformers reads "
-                              "for an encoder (WordPiece or BPE), not a character vocabulary")
+                              "for an encoder (WordPiece or BPE), not a character vocabulary: "
+                              f"train with {BPE_FLAG}")
         state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
         weights = {k: v.contiguous().clone() for k, v in _to_hf_weights(family, state, cfg).items()}
         hf_class = family.mlm_class if _has_head(cfg) else family.encoder_class
@@ -428,7 +429,7 @@ def _architecture(name: str, blockers, to_config, from_config, schema) -> Archit
                         lambda sd, cfg: _to_hf_weights(family, sd, cfg),
                         lambda get, cfg: _from_hf_weights(family, get, cfg), schema,
                         base_prefix=family.prefix)
-    return replace(arch, load=_load(name, arch), write=_write(name, arch))
+    return replace(arch, load=_load(name, arch), write=_write(name, arch), char_vocab=False)
 
 
 # In the order export tries them: the first that computes a model exactly is written,

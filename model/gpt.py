@@ -88,6 +88,9 @@ class GPT(nn.Module):
         self.norm_emb = NORMS[config.norm](config) if block.norms_embeddings else nn.Identity()
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(block(config, i) for i in range(config.n_layer))
+        # Which layers have attention weights to return (their entries' no_weights): a
+        # hybrid's mha layers give theirs, its DeltaNet layers give None, not an error.
+        self.has_weights = [m.no_weights is None for m in mechanisms_of(config)]
         # The switches of the forward pass, chosen here as modules (or ones that do nothing).
         self.value_embeds = value_embeddings(config)                  # per-token values, or none
         self.skips = UNetSkips(config.n_layer) if config.skip_connections else NoSkips()
@@ -194,8 +197,8 @@ class GPT(nn.Module):
         attentions, saved = [], []
         for i, block in enumerate(self.blocks):
             x = self.skips.join(i, x, saved, self.skip_weights)
-            x, weights = block(x, self.positions, mask, cache, return_attention,
-                               self.value_embeds(i, idx))
+            x, weights = block(x, self.positions, mask, cache,
+                               return_attention and self.has_weights[i], self.value_embeds(i, idx))
             self.skips.keep(i, x, saved)
             attentions.append(weights)
         if cache is not None:

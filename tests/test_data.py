@@ -291,3 +291,21 @@ def test_epochs_resume_mid_pass_and_at_its_end_with_the_same_batches(read):
 def test_an_unknown_sampling_is_refused():
     with pytest.raises(DataError, match="unknown data.sampling 'shuffle'; valid choices: random, epochs"):
         Batches(np.arange(100, dtype=np.uint16), 2, 8, sampling="shuffle")
+
+
+def test_a_data_path_that_names_nothing_says_to_check_it_before_preparing_one(tmp_path):
+    """data/nope.txt was answered only with how to prepare a dataset there; a typo is the
+    likelier cause, so the path is questioned first, with the file of its folder it most
+    likely meant, or the folder on the way that is missing."""
+    (tmp_path / "plays").mkdir()
+    (tmp_path / "plays" / "shakespeare.txt").write_text("To be, or not to be. " * 50)
+    for given, check in ((tmp_path / "plays" / "shakespear.txt",
+                          f"check the path (did you mean {tmp_path / 'plays' / 'shakespeare.txt'}?)"),
+                         (tmp_path / "plays" / "zzz.txt", "check the path. "),
+                         (tmp_path / "play" / "x" / "shakespeare.txt",
+                          f"check the path ({tmp_path / 'play'} does not exist)")):
+        with pytest.raises(DataError) as refused:
+            load_tokens(str(given), cache_dir=str(tmp_path / "cache"), log=lambda *a: None)
+        said = str(refused.value)
+        assert said.startswith(f"corpus {given} not found: {check}"), said
+        assert said.index("check the path") < said.index("To prepare a dataset there")

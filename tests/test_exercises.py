@@ -3,6 +3,7 @@ learner's correct code pass, every planted mistake (one changed line of a correc
 answer) gets the diagnosis that names it, and train.py runs the learner's code."""
 import json
 import os
+import re
 from pathlib import Path
 import shutil
 import subprocess
@@ -346,7 +347,7 @@ def test_check_prints_a_progress_table_and_what_to_try_next(tmp_path, capsys, mo
         assert tool.main(["check", flag, str(folder)]) == 1
         assert capsys.readouterr().out.splitlines()[0] == f"exercises in {folder}:"
     assert tool.main(["check", "1"]) == 0
-    assert "train with yours: python train.py --config tiny --model.attention=yours" \
+    assert "train with yours: python train.py --config exercise --model.attention=yours" \
         in capsys.readouterr().out
     with pytest.raises(ExerciseError, match="no exercises folder at nowhere; start with"):
         tool.main(["check", "--dir", "nowhere"])
@@ -357,6 +358,37 @@ def test_check_prints_a_progress_table_and_what_to_try_next(tmp_path, capsys, mo
             tool.main(args)
     with pytest.raises(ExerciseError, match="no exercise 'nine'; the exercises are: 1 attention"):
         tool.main(["check", "nine"])
+
+
+def test_every_text_gives_the_one_preset_to_train_the_learners_code(tmp_path, capsys):
+    """The stubs, the checker's lines, its --help and the README all name the preset
+    sized for the learner's code (a text still saying --config tiny fails), and that
+    preset exists."""
+    texts = {p.name: p.read_text() for p in sorted(STUBS.glob("*.py"))}
+    texts["--help"] = tool.parser().format_help()
+    texts["README.md"] = (ROOT / "README.md").read_text()
+    texts["docs/exercises.md"] = (ROOT / "docs" / "exercises.md").read_text()
+    folder = tmp_path / "mine"
+    shutil.copytree(SOLUTIONS, folder)
+    assert tool.main(["check", "1", "--exercises", str(folder)]) == 0
+    texts["passed line"] = capsys.readouterr().out
+    texts["all passed"] = tool.next_step([check(ex, folder) for ex in EXERCISES], folder)
+    presets = {name: re.findall(r"train\.py --config (\S+)[^\n]*=yours", text)
+               for name, text in texts.items()}
+    silent = [name for name, found in presets.items() if not found and "train.py" in texts[name]]
+    assert not silent and presets["01_attention.py"] and presets["passed line"], presets
+    assert {p for found in presets.values() for p in found} == {"exercise"}, presets
+    assert (ROOT / "configs" / "exercise.toml").is_file()
+
+
+def test_exercise_1_alone_is_enough_to_train_with_your_attention(corpus, tmp_path):
+    mine = tmp_path / "mine"
+    start(mine)
+    shutil.copy(SOLUTIONS / "01_attention.py", mine / "01_attention.py")
+    out = run_script(*tiny(corpus, tmp_path, "one", "--model.attention=yours",
+                           f"--exercises={mine}"))
+    assert "attention: yours (scaled_dot_product_attention in" in out.stdout
+    assert (tmp_path / "runs" / "one" / "exercises.json").is_file()
 
 
 def tiny(corpus, out, name, *extra):

@@ -1,4 +1,7 @@
 """Looking inside attention (attnlab/heads.py): a planted pattern is found."""
+import re
+
+import numpy as np
 import pytest
 import torch
 
@@ -304,3 +307,65 @@ def test_a_text_far_past_the_context_is_refused_before_its_weights_are_kept(monk
         with pytest.raises(AttnlabError, match="the text is 280 tokens, past this model's context "
                            "of 16; .* at most 181 tokens of this model: give a shorter --text"):
             run([*argv, "--run", "x"])
+
+
+def test_on_a_hybrid_head_and_grid_draw_the_layers_that_have_weights(corpus, tmp_path, monkeypatch,
+                                                                       capsys):
+    """Whether a layer has weights is its mechanism's fact (model/mechanisms.py,
+    no_weights), per layer: in deltanet,mha layer 1 draws, layer 0 is refused by name,
+    and the grid leaves layer 0 out and says so, in the figure and in one printed line."""
+    from conftest import train_tiny
+
+    from attnlab import heads
+    from common.errors import AttnlabError
+    run = train_tiny(corpus, tmp_path, "hyb", "--train.max_iters=2", "--model.mechanism=deltanet,mha")
+    drawn = []
+    monkeypatch.setattr(heads, "save_figure", lambda fig, path, dpi: drawn.append(fig) or path)
+    args = ["--run", str(run), "--text", "The king said he was tired", "--out", str(tmp_path / "x.png")]
+    heads.main(["head", *args, "--layer", "1", "--head", "0"])
+    assert drawn[-1].axes[0].get_title().startswith("layer 1, head 0")
+    weights = drawn[-1].axes[0].images[0].get_array()
+    assert np.allclose(weights.sum(-1), 1, atol=1e-5) and np.all(np.triu(weights, 1) == 0)
+    with pytest.raises(AttnlabError) as refused:
+        heads.main(["head", *args, "--layer", "0", "--head", "0"])
+    assert str(refused.value).startswith("layer 0 is model.mechanism=deltanet, which has no "
+                                         "attention weights to draw") and "\n" not in str(refused.value)
+    assert str(refused.value).endswith("layers with weights: 1")
+    capsys.readouterr()
+    heads.main(["grid", *args])
+    titles = [ax.get_title() for ax in drawn[-1].axes if ax.get_title()]
+    assert titles == ["layer 1, head 0", "layer 1, head 1"]
+    assert "layer 0 left out: model.mechanism=deltanet" in drawn[-1]._suptitle.get_text()
+    assert capsys.readouterr().err.splitlines() == [
+        "note: layer 0 left out: model.mechanism=deltanet has no attention weights to draw"]
+    from attnlab.serve import Service
+    from engine.inference import load_run
+    model, cfg, tokenizer, ckpt = load_run(run)         # the page's search: the same rule
+    found = Service(model, cfg, tokenizer, str(ckpt)).search("The king said he was tired", "he", "king")
+    assert {row["layer"] for row in found["ranking"]} == {1}
+
+
+def test_grid_draws_the_layer_asked_for_and_refuses_what_it_does_not_read(tmp_path, monkeypatch):
+    """`grid --layer 9` on a 2-layer model was drawn whole, the option ignored."""
+    from attnlab import heads
+    from common.errors import AttnlabError
+    text = "the trophy did not fit"
+    tok = CharTokenizer(set(text))
+    model = planted_model(tok, "t", "y")
+    monkeypatch.setattr(heads, "load", lambda args: (model, None, tok, tmp_path / "ckpt"))
+    drawn = []
+    monkeypatch.setattr(heads, "save_figure", lambda fig, path, dpi: drawn.append(fig) or path)
+    args = ["--text", text, "--out", str(tmp_path / "g.png")]
+    heads.main(["grid", *args, "--layer", "1"])
+    assert [ax.get_title() for ax in drawn[-1].axes if ax.get_title()] == \
+        ["layer 1, head 0", "layer 1, head 1"]
+    heads.main(["grid", *args])
+    assert len([ax for ax in drawn[-1].axes if ax.get_title()]) == 4
+    for argv, said in ((["grid", "--layer", "9"], "--layer 9: this model has layers 0-1"),
+                       (["grid", "--layer", "-1"], "--layer -1: this model has layers 0-1"),
+                       (["head", "--layer", "2"], "--layer 2: this model has layers 0-1"),
+                       (["grid", "--head", "1"], "heads grid reads every head and takes no --head"),
+                       (["stats", "--layer", "1"], "heads stats reads every head and takes no --layer")):
+        with pytest.raises(AttnlabError, match=re.escape(said)):
+            heads.main([*argv, "--text", text] + (["--out", str(tmp_path / "g.png")]
+                                                  if argv[0] != "stats" else []))

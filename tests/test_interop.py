@@ -2,14 +2,16 @@
 attnlab/evaluate.py, train.py --train.init_from), each checked against transformers'
 own implementation of the architecture: tiny models built here, nothing downloaded."""
 import json
+import re
 import warnings
+from dataclasses import asdict
 
 import pytest
 import torch
 
 from conftest import run_script, train_tiny
 from data.tokenizer import BPETokenizer, CharTokenizer
-from engine.interop import ExportError, export, load_hf_folder
+from engine.interop import ExportError, architecture_for, export, load_hf_folder
 from model import GPT, ModelConfig
 
 transformers = pytest.importorskip("transformers")
@@ -97,6 +99,38 @@ def test_a_model_nothing_expresses_is_refused_before_any_file_is_written(fields,
     with pytest.raises(ExportError, match=f"nearest is .*{blocking}"):
         export(GPT(cfg), cfg, CHARS, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+ENCODER = dict(causal=False, block="postnorm", position="rope", bias=True, readout="mlm")
+
+
+@pytest.mark.parametrize("fields,arch", [
+    (dict(token_mix=4), "GPTNeoXForCausalLM"),                 # what --budget sets on a CPU
+    (dict(n_kv_head=2), "LlamaForCausalLM"),                   # GQA kept: Llama's parts
+    (dict(n_kv_head=1, sliding_window=8), "MistralForCausalLM"),
+    (dict(sliding_window=8, n_global=2, token_mix=4), "MistralForCausalLM"),
+    (dict(position="alibi", qk_norm=True), "GPTNeoXForCausalLM"),
+    (ENCODER, "BertModel"),                                    # the encoder preset's parts
+])
+def test_a_refused_export_names_the_flags_that_make_the_model_exportable(fields, arch):
+    """The flags the refusal ends with, applied to the config, give a model that exports
+    as the architecture it names, and one that keeps the run's own choices where one can
+    (a GQA run is not told to drop its key/value heads)."""
+    cfg = ModelConfig(vocab_size=CHARS.vocab_size, block_size=32, n_layer=1, n_head=4, n_embd=32,
+                      **fields)
+    with pytest.raises(ExportError) as err:
+        architecture_for(cfg, CHARS)
+    said = str(err.value)
+    assert "\n" not in said and f"to export as {arch} " in said, said
+    flags = dict(re.findall(r"--model\.(\w+)=(\S+)", said.split("train with", 1)[1]))
+    assert flags, said
+    fixed = ModelConfig(**{**asdict(cfg), **{k: json.loads(v) if v[0].isdigit() or v in ("true", "false")
+                                             else v for k, v in flags.items()}})
+    assert architecture_for(fixed).hf_class == arch
+    # A BERT-family folder holds no character vocabulary: the run must train with a BPE one.
+    assert ("--data.tokenizer=bpe" in said) == (arch == "BertModel")
+    kept = {k: v for k, v in fields.items() if k in ("n_kv_head",)}
+    assert all(getattr(fixed, k) == v for k, v in kept.items())
 
 
 def gpt2_style_tokenizer(folder):

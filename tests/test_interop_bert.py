@@ -207,3 +207,17 @@ def test_a_feed_forward_width_other_than_4x_maps_to_mlp_hidden(kind, tmp_path):
     reread = type(theirs).from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         torch.testing.assert_close(reread(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
+
+
+def test_an_encoder_with_a_character_vocabulary_is_told_to_train_with_bpe(tmp_path):
+    """The encoder preset trains on characters, which no BERT-family tokenizer.json holds:
+    the refusal says which flag gives a vocabulary that exports."""
+    from data.tokenizer import CharTokenizer
+    from engine.interop import ExportError
+    from model import GPT, ModelConfig
+    chars = CharTokenizer("abcdefgh .")
+    cfg = ModelConfig(vocab_size=chars.vocab_size, block_size=16, n_layer=1, n_head=2, n_embd=16,
+                      causal=False, block="postnorm", position="learned", bias=True, readout="mlm")
+    with pytest.raises(ExportError, match=r"not a character vocabulary: train with --data\.tokenizer=bpe$"):
+        export(GPT(cfg), cfg, chars, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -216,6 +216,7 @@ def test_export_refuses_in_one_line_what_no_architecture_computes(name):
     with pytest.raises(ExportError) as err:
         architecture_for(tiny(mechanism=name))
     assert reason in str(err.value) and "\n" not in str(err.value)
+    assert "train with --model.mechanism=mha" in str(err.value)
 
 
 # -- each entry's facts against what its layer does ------------------------------------

@@ -321,6 +321,22 @@ def test_unknown_option_fails_before_any_work(tmp_path):
     assert not (tmp_path / "LATEST").exists()
 
 
+def test_a_run_given_as_sample_takes_it_is_answered_with_resume_and_init_from_in_one_short_line(tmp_path):
+    """`--resume --run runs/X` was answered with a did-you-mean of --train.run_name and all
+    of train.py's options, 2,700 characters; an unknown option of a parser this large
+    gets its close match (if any) and --help, not the list."""
+    for argv, said in ((["--resume", "--run", "runs/X"], "error: unknown option --run: train.py "
+                        "takes a run to continue as --resume RUN_DIR, and a run, checkpoint or "
+                        "transformers folder to start from as --init_from SRC"),
+                       (["--resum", "runs/X"], "error: unknown option --resum (did you mean "
+                        "'--resume'?); see python train.py --help for its "),
+                       (["--bogus"], "error: unknown option --bogus; see python train.py --help")):
+        proc = run_script("train.py", *argv, f"--train.out_dir={tmp_path}", check=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(said), lines
+        assert len(lines[0]) < 200 and "valid choices" not in lines[0]
+
+
 def test_help_lists_options():
     proc = run_script("train.py", "--help")
     assert "--model.position" in proc.stdout and "--resume" in proc.stdout

@@ -5,7 +5,8 @@
     python -m attnlab.exercises check              # a table of every exercise, and what next
     python -m attnlab.exercises check attention    # one exercise (a name or its number)
     python -m attnlab.exercises check --exercises DIR   # another folder (also: check DIR)
-    python train.py --config tiny --model.attention=yours --model.position=yours
+    python train.py --config exercise --model.attention=yours   # exercise 1 alone is enough
+    python train.py --config exercise --model.attention=yours --model.position=yours
 
 Each stub names the article's sentence it implements, the shapes, its section of
 docs/walkthrough.md and the project's own implementation to read once it passes.
@@ -19,6 +20,9 @@ from common.shell import word
 from engine.cli import Parser, errors_as_lines
 from attnlab.exercises.checks import EXERCISES, Result, find
 from attnlab.exercises.learner import DEFAULT_FOLDER, ExerciseError, check, start
+
+# The preset sized for the learner's code (configs/exercise.toml): tiny writes no words.
+TRAIN_YOURS = "python train.py --config exercise"
 
 
 def parser() -> Parser:
@@ -72,7 +76,7 @@ def main(argv=None) -> int:
     if result.passed:
         print(f"read the project's own: {ex.answer}")
         if ex.trains:
-            print(f"train with yours: python train.py --config tiny {ex.trains}"
+            print(f"train with yours: {TRAIN_YOURS} {ex.trains}"
                   f"{_dir_flag(folder)}")
     elif result.status in ("failed", "not started"):
         verb = "write" if result.status == "not started" else "fix"
@@ -121,8 +125,8 @@ def next_step(results: list[Result], folder: Path) -> str:
     todo = next((r for r in results if r.status in SAYS_WHY), None) \
         or next((r for r in results if r.status == "not started"), None)
     if todo is None:
-        return ("next: every exercise passes. Train with your own code: python train.py "
-                "--config tiny --model.attention=yours --model.position=yours"
+        return (f"next: every exercise passes. Train with your own code: {TRAIN_YOURS} "
+                "--model.attention=yours --model.position=yours"
                 f"{' --exercises ' + str(folder) if _dir_flag(folder) else ''}; the project's own "
                 "answer to each is named at the top of its file")
     ex = todo.exercise

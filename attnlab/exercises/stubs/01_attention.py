@@ -6,7 +6,8 @@ average of the values, weighted by how well each key matches the query."
 Read first: docs/walkthrough.md, sections 2-4 (Scores, Softmax, The weighted sum).
 Check:      python -m attnlab.exercises check attention
 Once it passes, read the project's own: model/attention.py, eager_attention; then train
-with yours: python train.py --config tiny --model.attention=yours
+with yours (this exercise alone is enough):
+    python train.py --config exercise --model.attention=yours
 """
 import math
 

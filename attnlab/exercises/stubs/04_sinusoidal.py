@@ -7,7 +7,7 @@ Each pair of dimensions is a clock turning at its own speed.
 Read first: docs/walkthrough.md, section 7 (Positions).
 Check:      python -m attnlab.exercises check sinusoidal
 Once it passes, read the project's own: model/positions.py, Sinusoidal; then train with
-yours: python train.py --config tiny --model.position=yours (RoPE is used instead
+yours: python train.py --config exercise --model.position=yours (RoPE is used instead
 once exercise 5 passes too).
 """
 import math

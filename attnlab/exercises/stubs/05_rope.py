@@ -8,7 +8,7 @@ and Llama do).
 Read first: docs/walkthrough.md, section 7 (Positions).
 Check:      python -m attnlab.exercises check rope
 Once it passes, read the project's own: model/positions.py, RoPE.rotate; then train
-with yours: python train.py --config tiny --model.position=yours
+with yours: python train.py --config exercise --model.position=yours
 """
 import torch
 
