@@ -15,7 +15,10 @@ def next_token_distribution(logits: torch.Tensor, temperature: float = 1.0,
     logits = logits.float()
     if temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.size(-1)).float()
-    logits = logits / temperature
+    # Shifted so the largest is 0 first (the softmax is the same), and divided by no less than
+    # float32's smallest normal: a temperature of 1e-40 or 1e-320 overflowed to inf (NaN).
+    temperature = max(temperature, torch.finfo(logits.dtype).tiny)
+    logits = (logits - logits.max(-1, keepdim=True).values) / temperature
     if 0 < top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -139,3 +139,15 @@ def test_rows_of_a_batch_are_sampled_each_from_its_own_logits():
     rows = torch.cat([sample_next(batch, temperature=0.5, top_k=2, generator=g) for _ in range(2000)], 1)
     assert set(rows[0].tolist()) == {0, 1} and set(rows[1].tolist()) == {6, 7}
     assert 0.5 < (rows[0] == 0).float().mean() < 0.85             # ~0.73 under T = 0.5
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 1e-40])
+def test_a_tiny_positive_temperature_is_nearly_greedy_not_nan(temperature):
+    """logits / 1e-320 overflowed to inf and the softmax gave NaN (a traceback in sample.py,
+    "internal error" on the page); shifting by the row's maximum first keeps it finite."""
+    logits = torch.tensor([[1.0, 3.0, -2.0, 2.5], [0.0, 0.0, -1.0, -5.0]])
+    probs = next_token_distribution(logits, temperature)
+    assert not probs.isnan().any()
+    assert torch.equal(probs[0], torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    assert torch.equal(probs[1], torch.tensor([0.5, 0.5, 0.0, 0.0]))     # a tie stays a tie
+    assert sample_next(logits, temperature, generator=torch.Generator().manual_seed(0))[0].item() == 1
