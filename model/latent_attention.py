@@ -46,8 +46,10 @@ class LatentState:
 def latent_sizes(config: ModelConfig) -> tuple[int, int]:
     """(r, d_R): the latent's width and the shared rotary key's. By default r = 4·d_h,
     a quarter of MHA's 2·H·d_h at 8 heads (DeepSeek-V2 uses 4·d_h with 128 heads), and
-    d_R = d_h/2, as the paper's d_R = 64 against d_h = 128."""
-    return config.mla_kv_rank or 4 * config.head_dim, config.mla_rope_dim or config.head_dim // 2
+    d_R = d_h/2, as the paper's d_R = 64 against d_h = 128, rounded down to even: RoPE
+    turns pairs, and a head of 18 would give 9."""
+    return (config.mla_kv_rank or 4 * config.head_dim,
+            config.mla_rope_dim or max(2, config.head_dim // 4 * 2))
 
 
 class DecoupledRoPE(nn.Module):

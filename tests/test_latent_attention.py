@@ -146,3 +146,14 @@ def test_each_planted_bug_is_caught_by_its_check(name, line, wrong, check, monke
     caught = check(planted("latent_attention", line, wrong, monkeypatch))
     print(f"{name}: {caught:.3g}")
     assert not caught < 1e-6, f"{name}: the check moved only {caught}"   # NaN counts as caught
+
+
+@pytest.mark.parametrize("n_embd,n_head,rope", [(36, 2, 8), (30, 3, 4), (64, 2, 16), (32, 2, 8)])
+def test_the_default_rotary_width_is_even_for_every_head_size(n_embd, n_head, rope):
+    """head_dim // 2 gave 9 for a head of 18, and the model was refused naming
+    mla_rope_dim, a field the learner never set."""
+    from model import GPT, ModelConfig
+    config = ModelConfig(vocab_size=16, n_layer=1, n_head=n_head, n_embd=n_embd, block_size=8,
+                         mechanism="mla")
+    assert latent.latent_sizes(config)[1] == rope
+    GPT(config)
