@@ -48,6 +48,9 @@ def check(config: ModelConfig) -> None:
         registry, value = f.metadata.get("registry"), getattr(config, f.name)
         names = [n.strip() for n in str(value).split(",")] if f.metadata.get("pattern") else [value]
         for name in names:
+            if f.metadata.get("pattern") and not name:
+                raise ModelError(f"model.{f.name}={value!r} has an empty entry: name one choice "
+                                 "between each pair of commas, with none at either end")
             if registry == "mechanism" and name in NOT_MECHANISMS:
                 raise ModelError(f"model.mechanism={name} is not a mechanism of its own: "
                                  f"{NOT_MECHANISMS[name]}")

@@ -332,6 +332,13 @@ def test_a_pattern_longer_than_the_model_is_refused_not_cut():
         GPT(tiny(n_layer=2, mechanism="linear,mha,mha"))
 
 
+@pytest.mark.parametrize("pattern", ["linear,", "linear,,mha", ",mha"])
+def test_an_empty_entry_in_a_pattern_is_named_as_such(pattern):
+    """It was answered as an unknown mechanism '' with the list of valid ones."""
+    with pytest.raises(ModelError, match="has an empty entry"):
+        GPT(tiny(n_layer=3, mechanism=pattern))
+
+
 def test_names_of_mha_settings_point_to_the_setting_and_name_no_mechanism():
     """The frontier's rows gqa, mqa, window and hybrid are settings of mha or patterns:
     typed as a mechanism, each is answered with the option that gives it."""
