@@ -41,9 +41,8 @@ def unknown_name(key: str, name, valid) -> ModelError:
     return ModelError(f"unknown {key} {name!r}{hint}; valid choices: {', '.join(sorted(valid))}")
 
 
-def check(config: ModelConfig) -> None:
-    """Sizes first, then every variant name, then what the chosen variants need."""
-    config.validate()
+def check_names(config: ModelConfig) -> None:
+    """Every variant name a field gives (one per layer for a pattern) is in its registry."""
     for f in fields(config):
         registry, value = f.metadata.get("registry"), getattr(config, f.name)
         names = [n.strip() for n in str(value).split(",")] if f.metadata.get("pattern") else [value]
@@ -56,6 +55,12 @@ def check(config: ModelConfig) -> None:
                                  f"{NOT_MECHANISMS[name]}")
             if registry and name not in REGISTRIES[registry]:
                 raise unknown_name(f"model.{f.name}", name, REGISTRIES[registry])
+
+
+def check(config: ModelConfig) -> None:
+    """Sizes first, then every variant name, then what the chosen variants need."""
+    config.validate()
+    check_names(config)
     check_mechanisms(config)
     if config.n_global and not config.sliding_window:   # after the mechanisms: some refuse both
         raise ModelError("model.n_global keeps the first tokens visible past a sliding "
