@@ -201,7 +201,7 @@ class Turn(torch.autograd.Function):
     """RoPE's rotation with its backward written out: the gradient turns back by the
     opposite angle (a rotation's transpose is its inverse), three passes again, where
     autograd's backward of the written-out rotation takes about a dozen and keeps x's
-    halves (the time saved on a CPU: docs/benchmarks.md, "--budget on AVX2")."""
+    halves (the time it saves is measured in docs/benchmarks.md)."""
 
     @staticmethod
     def forward(ctx, x, cos2, sin2):
