@@ -204,11 +204,10 @@ NOT_MECHANISMS = {
     "mqa": "use --model.mechanism=mha --model.n_kv_head=1, one key/value head for all query heads",
     "window": "use --model.mechanism=mha --model.sliding_window=W, each query sees its W newest "
               "tokens",
-    "sliding_window": "use --model.mechanism=mha --model.sliding_window=W, each query sees its W "
-                      "newest tokens",
     "hybrid": "name one mechanism per layer, cycled over the layers, e.g. "
               "--model.mechanism=linear,mha",
 }
+NOT_MECHANISMS["sliding_window"] = NOT_MECHANISMS["window"]
 
 
 def layer_names(config: ModelConfig) -> list[str]:
