@@ -23,6 +23,14 @@ if _workers > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 torch.set_num_threads(_threads)
 
+# A suite started in the background by a shell without job control (`pytest &` in a
+# script, a CI runner) inherits SIGINT ignored, and so would every script a test starts,
+# which then cannot be stopped with Ctrl-C as the tests of that promise ask. A handler of
+# Python's own is reset to the default when a script starts, so the scripts see Ctrl-C
+# as a learner's terminal delivers it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # torch.compile's kernels are written for one ATEN_CPU_CAPABILITY and its cache does not
 # tell them apart: the AVX2 rerun (.ci/run) loading the first run's AVX-512 kernels
 # segfaulted. The engine's rule gives each setting its folder, for this process and the
