@@ -251,6 +251,14 @@ def test_a_tokenizer_json_far_larger_than_its_vocabulary_is_refused_unread(folde
     assert f"tokenizer file {path} is {path.stat().st_size:,} bytes, more than the {limit:,}" in message
 
 
+def test_a_shard_with_a_bad_magic_number_says_how_to_prepare_the_folder_again(folder):
+    shard = folder / "train_000000.bin"
+    shard.write_bytes(b"NOTTOKEN" + shard.read_bytes()[8:])
+    assert refusal(folder) == (
+        f"{shard} is not an attnlab token shard (bad magic b'NOTTOKEN'); prepare the folder "
+        f"again from its corpus: python -m data.prepare SOURCE --out {folder} --overwrite")
+
+
 # -- data.prepare on a corpus folder (defect 10) ---------------------------------------
 
 def test_entries_named_like_text_that_are_not_plain_files_are_named_when_passed_over(tmp_path):
