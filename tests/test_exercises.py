@@ -304,6 +304,48 @@ def test_a_missing_or_empty_exercise_file_is_named_as_such(tmp_path, capsys):
         "not started"
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes (POSIX)")
+def test_an_exercise_file_that_is_not_a_plain_file_is_refused_with_its_path(tmp_path, capsys):
+    """A folder or a named pipe at an exercise's name was called missing, and `start`
+    (which keeps whatever holds the name) sent the learner back to `check`: a circle."""
+    mine = tmp_path / "mine"
+    start(mine)
+    names = ["attention", "causal_mask", "multi_head"]
+    for name in names:
+        (mine / BY_NAME[name].filename).unlink()
+    (mine / BY_NAME["attention"].filename).mkdir()
+    os.mkfifo(mine / BY_NAME["causal_mask"].filename)     # never opened: it would wait
+    (mine / BY_NAME["multi_head"].filename).symlink_to(tmp_path / "nothing")
+    for name, what in zip(names, ["a folder", "a named pipe", "a link to nothing"]):
+        result = check(BY_NAME[name], mine)
+        assert result.status == "not a file" and result.message == (
+            f"{mine / BY_NAME[name].filename} is {what}, not an exercise file: move it away, "
+            f"then python -m attnlab.exercises start {mine} puts the stub there")
+    capsys.readouterr()
+    assert tool.main(["start", str(mine)]) == 0              # start keeps them and says why
+    assert capsys.readouterr().out.splitlines()[-1] == f"next: {check(BY_NAME['attention'], mine).message}"
+    (mine / BY_NAME["attention"].filename).rmdir()
+    start(mine)
+    assert check(BY_NAME["attention"], mine).status == "not started"
+
+
+def test_checking_a_folder_with_no_exercise_files_says_how_to_make_them(tmp_path):
+    """`check --exercises /etc` called each of the nine missing and advised
+    `start /etc`; a folder holding none of them is named as such, with the way to make them."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not an exercise")
+    for args in (["check", "--exercises", str(tmp_path / "empty")], ["check", str(tmp_path / "other")],
+                 ["check", "attention", "--exercises", str(tmp_path / "other")]):
+        with pytest.raises(ExerciseError) as err:
+            tool.main(args)
+        folder = Path(args[-1])
+        assert str(err.value) == (
+            f"{folder} holds no exercise files (01_attention.py to 09_linear_rnn.py); make them "
+            "with python -m attnlab.exercises start DIR (a folder of your own, my_attention "
+            "when left out), then check --exercises DIR")
+
+
 def run_tool(*args, cwd):
     return subprocess.run([sys.executable, "-m", "attnlab.exercises", *map(str, args)], cwd=cwd,
                           capture_output=True, text=True, timeout=120,
