@@ -28,9 +28,9 @@ import numpy as np
 from tqdm import tqdm
 
 from common.errors import AttnlabError, DataError
-from common.files import write_json_atomic
-from data.meta import FORMAT, VERSION, DamagedRecord, read_meta, read_progress
-from data.shards import CannotResume, ShardWriter, token_dtype
+from common.files import inside, write_json_atomic
+from data.meta import FORMAT, PROGRESS, VERSION, DamagedRecord, read_meta, read_progress
+from data.shards import CannotResume, ShardWriter, open_shard, shard_name, token_dtype
 from data.sources import Source, SourceSpec, open_source, passed_over_line
 from data.tokenizer import TOKENIZERS, Tokenizer
 
@@ -218,12 +218,10 @@ def _encode_items(items: list[tuple[str, str, bool]], newline_docs: bool,
     return out
 
 
-def _batches(source: Source, skip: int):
-    """Groups of about BATCH_CHARS of text, after skipping the pieces already done."""
+def _batches(pieces):
+    """Groups of about BATCH_CHARS of text from an iterator of pieces."""
     batch, size = [], 0
-    for index, item in enumerate(source.pieces()):
-        if index < skip:
-            continue
+    for item in pieces:
         batch.append(item)
         size += len(item[1])
         if size >= BATCH_CHARS:
@@ -231,6 +229,58 @@ def _batches(source: Source, skip: int):
             batch, size = [], 0
     if batch:
         yield batch
+
+
+def _check_shards_recorded(out: Path, state: dict, shard_tokens: int, dtype: np.dtype) -> None:
+    """progress.json's shards against the folder: each split's token count is its
+    finished shards plus its partial one, the partial one is shorter than a shard, and
+    each finished shard is a full shard of this build on disk. CannotResume (the token
+    pass starts over) when not: a forged or stale record is never built on."""
+    path = out / PROGRESS
+    for s in SPLITS:
+        writer = state["writers"].get(s) or {"shards": 0, "partial_tokens": 0}
+        done, partial = writer["shards"], writer["partial_tokens"]
+        if partial >= shard_tokens or state["counts"][s]["tokens"] != done * shard_tokens + partial:
+            raise CannotResume(f"{path} records {state['counts'][s]['tokens']:,} {s} tokens, "
+                               f"which {done:,} full shards and a partial one of {partial:,} "
+                               f"tokens (of {shard_tokens:,} a shard) cannot hold")
+        for index in range(done):
+            name = shard_name(s, index)
+            try:
+                if inside(out, name) is None:
+                    raise DataError(f"{out / name} leads outside {out}")
+                shard = open_shard(out / name)
+            except DataError as err:
+                why = str(err).split(";")[0]
+                raise CannotResume(f"{path} records {done:,} finished {s} shards, but {why}") from None
+            if len(shard) != shard_tokens or shard.dtype != dtype:
+                raise CannotResume(f"{path} records {out / name} as a full shard of {shard_tokens:,} "
+                                   f"{dtype} tokens, but it holds {len(shard):,} {shard.dtype}")
+
+
+def _after_recorded(source: Source, state: dict, out: Path):
+    """The source's pieces after those progress.json records as encoded, once the
+    skipped ones are found to hold the documents, bytes and characters it counts for
+    them: a record that claims more than the source holds, or other text, would make
+    the build skip text it never encoded. CannotResume (start over) when they differ."""
+    pieces, skip = source.pieces(), state["items"]
+    seen = {s: {"documents": 0, "bytes": 0, "chars": 0} for s in SPLITS}
+    for _, (split, text, doc_end) in zip(range(skip), pieces):
+        c = seen[split]
+        c["documents"] += doc_end
+        c["bytes"] += len(text.encode("utf-8"))
+        c["chars"] += len(text)
+    recorded = {s: {k: state["counts"][s][k] for k in seen[s]} for s in SPLITS}
+    if seen != recorded:
+        raise CannotResume(f"{out / PROGRESS} records {skip:,} pieces of text as encoded, "
+                           f"holding {_said(recorded)}, but the source's first {skip:,} hold "
+                           f"{_said(seen)}")
+    return pieces
+
+
+def _said(counts: dict) -> str:
+    return "; ".join(f"{s}: " + ", ".join(f"{n:,} {k}" for k, n in c.items())
+                     for s, c in counts.items())
 
 
 def _encode_in_order(batches, newline_docs: bool, tok: Tokenizer, num_proc: int, consume) -> None:
@@ -261,6 +311,8 @@ def _encode_in_order(batches, newline_docs: bool, tok: Tokenizer, num_proc: int,
 
 def _encode(source, tok, out, state, shard_tokens, num_proc, log, progress) -> dict:
     dtype = token_dtype(tok.vocab_size)
+    _check_shards_recorded(out, state, shard_tokens, dtype)      # before any file is touched
+    pieces = _after_recorded(source, state, out)
     writers = {s: ShardWriter(out, s, dtype, shard_tokens, state["writers"].get(s)) for s in SPLITS}
     counts = state["counts"]
     done_bytes = counts["train"]["bytes"] + counts["val"]["bytes"]
@@ -288,7 +340,7 @@ def _encode(source, tok, out, state, shard_tokens, num_proc, log, progress) -> d
             last_save = time.monotonic()
 
     try:
-        _encode_in_order(_batches(source, state["items"]), source.newline_docs, tok,
+        _encode_in_order(_batches(pieces), source.newline_docs, tok,
                          num_proc or os.cpu_count() or 1, consume)
     finally:
         bar.close()

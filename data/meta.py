@@ -3,7 +3,8 @@ last by data/build.py: what the folder holds) and progress.json (a build's recor
 how far it got). A prepared folder may come from elsewhere, so each is read only when it
 is a plain file of bounded size and checked against its schema (common/schema.py)
 before any value is used; a damaged one is one error naming it, never a KeyError from
-the code that trusted it. The shard names meta.json gives are confined to the folder
+the code that trusted it. Each is read only where it stays inside the folder once links
+are followed (common/files.py's `inside`), as the shard names meta.json gives are
 where data/shards.py opens them."""
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 from pathlib import Path
 
 from common.errors import DataError
-from common.files import JSON_LIMIT, parse_json_object, read_bounded, read_json
+from common.files import JSON_LIMIT, inside, parse_json_object, read_bounded, read_json
 from common.schema import Field, config_problems, count, first_problems
 
 FORMAT = "attnlab-tokens"
@@ -58,21 +59,27 @@ class DamagedRecord(DataError):
         self.problem = problem
 
 
-def read_checked(path: Path, schema: dict[str, Field]) -> dict | None:
-    """The JSON object in `path` when it fits `schema`; None when there is no such file;
-    DamagedRecord naming it when it is not a plain file, too large, not JSON or breaks
-    the schema."""
+def read_checked(folder: Path, name: str, schema: dict[str, Field]) -> dict | None:
+    """The JSON object in folder/name when it fits `schema`; None when there is no such
+    file; DamagedRecord naming it when it leads outside the folder (a link to a file
+    elsewhere is never read), is not a plain file, is too large, not JSON or breaks the
+    schema."""
+    path = Path(folder) / name
     if not os.path.lexists(path):
         return None
+    found = inside(folder, name)
+    if found is None:
+        raise DamagedRecord(f"{path} leads outside {folder}; a token folder holds its own "
+                            f"{name}")
     try:
-        record = parse_json_object(read_bounded(path, JSON_LIMIT))
+        record = parse_json_object(read_bounded(found, JSON_LIMIT))
     except ValueError as err:
         raise DamagedRecord(f"{path} {err}") from None
     except OSError as err:
         raise DamagedRecord(f"{path} cannot be read ({err.strerror or err})") from None
     problems = config_problems(record, schema)
     if problems:
-        raise DamagedRecord(f"{path} is not a {path.name} that data.prepare writes: "
+        raise DamagedRecord(f"{path} is not a {name} that data.prepare writes: "
                             + first_problems(problems))
     return record
 
@@ -80,16 +87,32 @@ def read_checked(path: Path, schema: dict[str, Field]) -> dict | None:
 def read_meta(folder: Path) -> dict | None:
     """meta.json of a finished build, checked; None when the folder has none."""
     path = Path(folder) / META
-    meta = read_checked(path, META_SCHEMA)
+    meta = read_checked(folder, META, META_SCHEMA)
     if meta is not None and meta["format"] != FORMAT:
         raise DamagedRecord(f"{path} has format {meta['format'][:40]!r}, not {FORMAT!r}; it "
                             "is not a meta.json that data.prepare writes")
+    if meta is not None:
+        _no_shard_twice(path, meta)
     return meta
+
+
+def _no_shard_twice(path: Path, meta: dict) -> None:
+    """A shard is listed once in one split: a name listed twice would read its tokens
+    twice (weighting that text double), and one in both splits would score the model
+    on text it trained on."""
+    seen: dict[str, str] = {}
+    for split in ("train", "val"):
+        for name in meta["splits"][split]["shards"]:
+            if name in seen:
+                where = f"twice in {split}" if seen[name] == split else f"in both {seen[name]} and {split}"
+                raise DamagedRecord(f"{path} lists the shard {name[:200]!r} {where}; a shard "
+                                    "holds tokens of one split, read once")
+            seen[name] = split
 
 
 def read_progress(folder: Path) -> dict | None:
     """progress.json of a build that did not finish, checked; None when there is none."""
-    return read_checked(Path(folder) / PROGRESS, PROGRESS_SCHEMA)
+    return read_checked(folder, PROGRESS, PROGRESS_SCHEMA)
 
 
 def looks_prepared(folder: Path) -> bool:
@@ -99,5 +122,6 @@ def looks_prepared(folder: Path) -> bool:
     folder = Path(folder)
     if not os.path.lexists(folder / META):
         return False
+    found = inside(folder, META)          # a link elsewhere is not read, though it marks the folder
     return any(os.path.lexists(folder / name) for name in ("tokenizer.json", "train_000000.bin")) \
-        or (read_json(folder / META) or {}).get("format") == FORMAT
+        or (found is not None and (read_json(found) or {}).get("format") == FORMAT)

@@ -21,6 +21,7 @@ import numpy as np
 
 from common.errors import DataError
 from common.files import inside, open_plain
+from common.shell import word
 
 MAGIC = b"ATTNTOKS"
 VERSION = 1
@@ -42,23 +43,32 @@ def shard_name(split: str, index: int) -> str:
     return f"{split}_{index:06d}.bin"
 
 
+def prepare_again(path: Path) -> str:
+    """What to do about a damaged shard at `path`: its folder prepared again, with the
+    command that does it (the source is the one the folder was prepared from)."""
+    return (f"prepare the folder again from its corpus: python -m data.prepare SOURCE --out "
+            f"{word(str(Path(path).parent))} --overwrite")
+
+
 def read_header(f, path: Path) -> tuple[np.dtype, int]:
     """The dtype and token count of the open shard `f` (at `path`), checked against its size."""
     raw = f.read(HEADER_BYTES)
     if len(raw) < HEADER_BYTES:
-        raise DataError(f"token shard {path} is shorter than its header; prepare the data again")
+        raise DataError(f"token shard {path} is shorter than its header; {prepare_again(path)}")
     magic, version, itemsize, count = HEADER.unpack(raw)
     if magic != MAGIC:
-        raise DataError(f"{path} is not an attnlab token shard (bad magic {magic!r})")
+        raise DataError(f"{path} is not an attnlab token shard (bad magic {magic!r}); "
+                        f"{prepare_again(path)}")
     if version != VERSION or itemsize not in DTYPES:
         raise DataError(f"token shard {path} has format version {version}, token size "
-                        f"{itemsize}; this attnlab reads version {VERSION} with 2 or 4 bytes")
+                        f"{itemsize}; this attnlab reads version {VERSION} with 2 or 4 bytes: "
+                        f"{prepare_again(path)}")
     expected = HEADER_BYTES + count * itemsize
     size = os.fstat(f.fileno()).st_size
     if size != expected:
         raise DataError(f"token shard {path} is {size:,} bytes but its header promises "
-                        f"{expected:,} ({count:,} tokens); it is truncated or corrupt, "
-                        "prepare the data again")
+                        f"{expected:,} ({count:,} tokens); it is truncated or corrupt: "
+                        f"{prepare_again(path)}")
     return DTYPES[itemsize], count
 
 

@@ -17,10 +17,19 @@ from typing import Iterable
 import numpy as np
 
 from common.errors import TokenizerError
-from common.files import read_bounded, write_text_atomic
+from common.files import inside, read_bounded, write_text_atomic
 
 FILENAME = "tokenizer.json"
 TOKENIZER_LIMIT = 256 << 20    # bytes of tokenizer.json (the largest vocabularies' are ~35 MB)
+
+
+def tokenizer_limit(vocab_size: int) -> int:
+    """The most bytes a tokenizer.json of `vocab_size` tokens may take: 1 KiB a token and
+    1 MiB besides, several times what real ones take, so that the memory and time its
+    reading costs follow the vocabulary a folder claims, not the file."""
+    return min(TOKENIZER_LIMIT, (1 << 20) + 1024 * max(vocab_size, 0))
+
+
 # The mask token under the names the BERT family gives it ([MASK] for the ones added here).
 MASK_NAMES = ("[MASK]", "<mask>")
 
@@ -102,12 +111,18 @@ class Tokenizer:
         return path
 
     @staticmethod
-    def load(directory: str | Path) -> "Tokenizer":
+    def load(directory: str | Path, limit: int = TOKENIZER_LIMIT) -> "Tokenizer":
+        """The tokenizer.json of `directory`, at most `limit` bytes (tokenizer_limit of
+        the vocabulary the folder claims, where it says one)."""
         path = Path(directory) / FILENAME
+        found = inside(directory, FILENAME)
+        if found is None:                 # a link to a file elsewhere is never read
+            raise TokenizerError(f"tokenizer file {path} leads outside {directory}; a folder "
+                                 "holds its own tokenizer.json")
         try:
             # Bounded and a plain file only: a token folder or run may come from elsewhere,
             # and a pipe or a link to /dev/zero in its place would never end.
-            text = read_bounded(path, TOKENIZER_LIMIT).decode("utf-8")
+            text = read_bounded(found, limit).decode("utf-8")
         except FileNotFoundError:
             raise TokenizerError(f"no tokenizer at {path}") from None
         except UnicodeDecodeError as err:
@@ -403,11 +418,11 @@ class WordPieceTokenizer(BPETokenizer):
     @classmethod
     def from_file(cls, path: Path) -> "WordPieceTokenizer":
         try:
-            text = path.read_text(encoding="utf-8")
+            text = read_bounded(path, TOKENIZER_LIMIT).decode("utf-8")
         except FileNotFoundError:
             raise TokenizerError(f"{path.parent} has no tokenizer.json (save the tokenizer with "
                                  "save_pretrained into the same folder)") from None
-        except (OSError, UnicodeDecodeError) as err:
+        except (OSError, ValueError) as err:       # ValueError: not UTF-8, not a plain file, too large
             raise TokenizerError(f"tokenizer file {path} cannot be read ({err})") from None
         return cls.from_json(text, path)
 

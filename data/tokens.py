@@ -24,7 +24,7 @@ from data.build import clear_build, prepare, prepare_key
 from data.meta import DamagedRecord, looks_prepared, read_meta
 from data.shards import Shards
 from data.sources import SourceSpec, local_files, open_source, passed_over_line
-from data.tokenizer import TOKENIZERS, Tokenizer
+from data.tokenizer import TOKENIZERS, Tokenizer, tokenizer_limit
 
 DATA_DIR = Path(__file__).resolve().parent
 BUNDLED_CORPUS = DATA_DIR / "shakespeare" / "plays.txt.gz"
@@ -59,7 +59,8 @@ def open_prepared(folder: Path, meta: dict | None = None) -> TokenData:
     meta = meta or read_meta(folder)
     if meta is None:
         raise DataError(f"{folder} has no meta.json from python -m data.prepare")
-    tok = Tokenizer.load(folder)
+    # Bounded by the vocabulary meta.json claims (checked against the tokenizer below).
+    tok = Tokenizer.load(folder, tokenizer_limit(meta["vocab_size"]))
     if tok.fingerprint() != meta["tokenizer_fingerprint"]:
         raise DataError(f"{folder / 'tokenizer.json'} is not the tokenizer its shards were made "
                         "with (its hash differs from meta.json); prepare the data again")

@@ -34,11 +34,11 @@ import torch
 
 from common.errors import AttnlabError, CheckpointError, TokenizerError
 from common.files import inside, read_bounded, read_json, remove_stale, umask_mode
-from data.tokenizer import Tokenizer
+from data.tokenizer import Tokenizer, tokenizer_limit
 from engine.checkpoint import (CKPT_DIR, load_weights, refuse_non_finite, refuse_too_large_model,
                                use_another)
 from engine.hf_files import (CONFIG_LIMIT, FETCH_AGAIN, MAX_HEADS, MAX_LAYERS,
-                             MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, TOKENIZER_LIMIT, Field,
+                             MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, Field,
                              WeightFiles, checked_config, count, read_folder_bytes,
                              read_folder_json)
 from model import GPT, ModelConfig, ModelError
@@ -661,13 +661,6 @@ def read_run_tokenizer(ckpt: Path, cfg: ModelConfig) -> Tokenizer:
         raise TokenizerError(f"tokenizer file {path} {getattr(err, 'strerror', None) or err}; "
                              f"the checkpoint is incomplete or edited: {use_another(ckpt)}") from None
     return checked_tokenizer(data, path, cfg)
-
-
-def tokenizer_limit(vocab_size: int) -> int:
-    """The most bytes a tokenizer.json of `vocab_size` tokens may take: 1 KiB a token and
-    1 MiB besides, several times what real ones take, so that the memory and time its
-    reading costs follow the model's vocabulary, not the file."""
-    return min(TOKENIZER_LIMIT, (1 << 20) + 1024 * max(vocab_size, 0))
 
 
 def checked_tokenizer(data: bytes, path: Path, cfg: ModelConfig) -> Tokenizer:

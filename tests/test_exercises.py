@@ -6,6 +6,7 @@ import os
 import re
 from pathlib import Path
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -301,6 +302,48 @@ def test_a_missing_or_empty_exercise_file_is_named_as_such(tmp_path, capsys):
     copied, kept = start(mine)
     assert copied == ["03_multi_head.py"] and check(BY_NAME["multi_head"], mine).status == \
         "not started"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes (POSIX)")
+def test_an_exercise_file_that_is_not_a_plain_file_is_refused_with_its_path(tmp_path, capsys):
+    """A folder or a named pipe at an exercise's name was called missing, and `start`
+    (which keeps whatever holds the name) sent the learner back to `check`: a circle."""
+    mine = tmp_path / "mine"
+    start(mine)
+    names = ["attention", "causal_mask", "multi_head"]
+    for name in names:
+        (mine / BY_NAME[name].filename).unlink()
+    (mine / BY_NAME["attention"].filename).mkdir()
+    os.mkfifo(mine / BY_NAME["causal_mask"].filename)     # never opened: it would wait
+    (mine / BY_NAME["multi_head"].filename).symlink_to(tmp_path / "nothing")
+    for name, what in zip(names, ["a folder", "a named pipe", "a link to nothing"]):
+        result = check(BY_NAME[name], mine)
+        assert result.status == "not a file" and result.message == (
+            f"{mine / BY_NAME[name].filename} is {what}, not an exercise file: move it away, "
+            f"then python -m attnlab.exercises start {mine} puts the stub there")
+    capsys.readouterr()
+    assert tool.main(["start", str(mine)]) == 0              # start keeps them and says why
+    assert capsys.readouterr().out.splitlines()[-1] == f"next: {check(BY_NAME['attention'], mine).message}"
+    (mine / BY_NAME["attention"].filename).rmdir()
+    start(mine)
+    assert check(BY_NAME["attention"], mine).status == "not started"
+
+
+def test_checking_a_folder_with_no_exercise_files_says_how_to_make_them(tmp_path):
+    """`check --exercises /etc` called each of the nine missing and advised
+    `start /etc`; a folder holding none of them is named as such, with the way to make them."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not an exercise")
+    for args in (["check", "--exercises", str(tmp_path / "empty")], ["check", str(tmp_path / "other")],
+                 ["check", "attention", "--exercises", str(tmp_path / "other")]):
+        with pytest.raises(ExerciseError) as err:
+            tool.main(args)
+        folder = Path(args[-1])
+        assert str(err.value) == (
+            f"{folder} holds no exercise files (01_attention.py to 09_linear_rnn.py); make them "
+            "with python -m attnlab.exercises start DIR (a folder of your own, my_attention "
+            "when left out), then check --exercises DIR")
 
 
 def run_tool(*args, cwd):
@@ -615,6 +658,58 @@ def test_a_process_the_learners_code_leaves_running_ends_with_its_check(tmp_path
             break
         time.sleep(0.05)
     assert ended()
+
+
+def test_an_interrupt_sent_to_the_group_of_the_learners_parent_leaves_the_checker_standing(tmp_path):
+    """The watcher shared the checker's process group: the learner's code reaching for
+    its parent's group interrupted the checker itself, which ended with a traceback."""
+    ex = EXERCISES[0]
+    write(tmp_path, ex, "import os, signal\nos.killpg(os.getpgid(os.getppid()), signal.SIGINT)\n"
+                        f"def {ex.function}(*args):\n    pass\n")
+    # A session of its own, so that on code without the fix the interrupt ends only it.
+    proc = subprocess.run([sys.executable, "-m", "attnlab.exercises", "check", ex.name,
+                           "--exercises", str(tmp_path)], cwd=ROOT, timeout=200,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, start_new_session=True)
+    assert proc.returncode == 1, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert proc.stdout.startswith(f"exercise 1 ({ex.name}, {ex.title}): failed")
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr
+
+
+def _gone(pid: int) -> bool:
+    """Whether the process `pid` has ended (gone, or a zombie no one has reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads a process's state in /proc")
+@pytest.mark.parametrize("how", ["its child in a session of its own", "an orphan in a session of its own"])
+def test_a_process_that_leaves_the_learners_session_ends_with_its_check(how):
+    """A process the learner's code starts with os.setsid() is in neither its group nor
+    its session, and outlived the check (sleeping here for 300 s); so did one whose parent
+    ended first (a daemon's double fork). Each is killed when the check ends."""
+    from attnlab.exercises import apart
+    read_end, write_end = os.pipe()
+
+    def task():
+        if os.fork() == 0:
+            if how.startswith("an orphan") and os.fork() != 0:
+                os._exit(0)                              # the parent ends; its child lives on
+            os.setsid()
+            os.write(write_end, f"{os.getpid()}\n".encode())
+            time.sleep(300)
+            os._exit(0)
+        return {"started": int(os.read(read_end, 64).decode())}
+    ended = apart.run_apart(task, 60)
+    os.close(read_end), os.close(write_end)
+    pid = ended.said["started"]
+    try:
+        assert _gone(pid)                  # killed before run_apart returned: no waiting here
+    finally:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)               # on code without the fix
 
 
 def test_the_learners_code_runs_with_its_memory_bounded():

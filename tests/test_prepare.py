@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 import data.build as prep
 import data.prepare as prepare_cli
 from common.errors import DataError
-from data.shards import HEADER_BYTES, Shards, open_shard
+from data.shards import HEADER, HEADER_BYTES, Shards, open_shard
 from data.sources import SourceSpec, cut_pieces
 from data.tokenizer import BPETokenizer
 from conftest import ROOT, run_script  # noqa: E402
@@ -389,6 +389,61 @@ def test_a_partial_shard_shorter_than_its_record_restarts_the_token_pass(records
     logs = []
     prep.prepare(spec, out, "bpe", 300, shard_tokens=400, num_proc=1, log=logs.append, progress=False)
     assert any("starting the token pass over" in line for line in logs)
+    for path in (tmp_path / "fresh").glob("*.bin"):
+        assert (out / path.name).read_bytes() == path.read_bytes()
+
+
+def _shard_tokens(path, count: int) -> None:
+    """Rewrite the shard at `path` to hold only its first `count` tokens, header and all."""
+    raw = path.read_bytes()
+    magic, version, itemsize, _ = HEADER.unpack(raw[:HEADER_BYTES])
+    path.write_bytes(HEADER.pack(magic, version, itemsize, count)
+                     + raw[HEADER_BYTES:HEADER_BYTES + count * itemsize])
+
+
+FORGED = {   # a progress.json edited after a stop, and what it would have made the build do
+    "items past the source": lambda p, out: p.update(items=p["items"] + 10**6),    # end at once
+    "items skip text": lambda p, out: p.update(items=p["items"] + 3),             # skip 3 pieces
+    "tokens miscounted": lambda p, out: p["counts"]["train"].update(tokens=p["counts"]["train"]["tokens"] + 5),
+    "a finished shard cut short": lambda p, out: _shard_tokens(out / "train_000000.bin", 100),
+}
+
+
+@pytest.mark.parametrize("forged", FORGED)
+def test_a_forged_progress_json_restarts_the_token_pass_instead_of_skipping_text(
+        forged, records, tmp_path, monkeypatch):
+    """progress.json is checked against what it claims before a build resumes from it:
+    the pieces it skips must hold the documents, bytes and characters it counts, and its
+    token counts must be the shards on disk. Before, each of these resumed: text was
+    skipped, or meta.json counted tokens the shards do not hold."""
+    _, files = records
+    spec = SourceSpec(str(files["jsonl"]))
+    monkeypatch.setattr(prep, "BATCH_CHARS", 300)
+    monkeypatch.setattr(prep, "SAVE_EVERY_S", 0.0)
+    fresh = quiet(spec, tmp_path / "fresh", "bpe", 300, shard_tokens=400, num_proc=1)
+    real, calls = prep._encode_items, {"n": 0}
+
+    def dies(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 12:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(prep, "_encode_items", dies)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        quiet(spec, out, "bpe", 300, shard_tokens=400, num_proc=1)
+    monkeypatch.setattr(prep, "_encode_items", real)
+    progress = json.loads((out / "progress.json").read_text())
+    assert progress["writers"]["train"]["shards"] > 0
+    FORGED[forged](progress, out)
+    (out / "progress.json").write_text(json.dumps(progress))
+    logs = []
+    meta = prep.prepare(spec, out, "bpe", 300, shard_tokens=400, num_proc=1, log=logs.append,
+                        progress=False)
+    said = [line for line in logs if line.endswith("; starting the token pass over")]
+    assert len(said) == 1 and said[0].startswith(f"{out / 'progress.json'} records ")
+    assert meta["splits"] == fresh["splits"]
+    assert sorted(p.name for p in out.glob("*.bin")) == sorted(p.name for p in (tmp_path / "fresh").glob("*.bin"))
     for path in (tmp_path / "fresh").glob("*.bin"):
         assert (out / path.name).read_bytes() == path.read_bytes()
 

@@ -199,6 +199,66 @@ def test_a_shard_named_outside_the_folder_is_never_opened(folder, name):
     assert refusal(folder) == message
 
 
+@pytest.mark.parametrize("where", ["twice in train", "in both train and val"])
+def test_a_shard_listed_twice_in_meta_json_is_refused_naming_meta_json(folder, where):
+    """Before: a shard listed twice was read twice (its text weighted double), and one in
+    both splits scored the model on text it trained on."""
+    def twice(m):
+        train = m["splits"]["train"]
+        split = m["splits"]["train" if where == "twice in train" else "val"]
+        split["shards"] = split["shards"] + train["shards"][:1]
+        split["tokens"] += train["tokens"]             # the counts agree: only the name is wrong
+    edit_meta(folder, twice)
+    message = refusal(folder)
+    assert message.startswith(f"{folder / 'meta.json'} lists the shard 'train_000000.bin' {where}")
+    assert "\n" not in message and "prepare the data again" in message
+
+
+# -- every file of the folder read inside it -------------------------------------------
+
+@pytest.mark.parametrize("name", ["meta.json", "tokenizer.json"])
+def test_a_file_of_the_folder_that_links_outside_it_is_never_read(folder, name):
+    """Before: meta.json and tokenizer.json were read wherever a link led (here to the
+    same file of a folder beside it, which loads as it would have)."""
+    (folder / name).unlink()
+    (folder / name).symlink_to(folder.parent / "other" / name)
+    message = refusal(folder, AttnlabError)
+    assert f"{folder / name} leads outside {folder}" in message and "\n" not in message
+
+
+def test_a_progress_json_that_links_outside_the_folder_is_never_read(tmp_path):
+    (tmp_path / "c.txt").write_text(TEXT)
+    spec, out = SourceSpec(str(tmp_path / "c.txt")), tmp_path / "out"
+    meta = quiet(spec, out)
+    (out / "meta.json").unlink()                     # as if stopped before it was written
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps(build._fresh_state(meta["key"], build.Tokenizer.load(out))))
+    (out / "progress.json").symlink_to(elsewhere)
+    with pytest.raises(DataError) as err:
+        quiet(spec, out)
+    assert str(err.value).startswith(f"{out / 'progress.json'} leads outside {out}")
+    assert "--overwrite" in str(err.value)
+
+
+def test_a_tokenizer_json_far_larger_than_its_vocabulary_is_refused_unread(folder):
+    """Bounded by the vocabulary meta.json claims (1 KiB a token, 1 MiB besides), not only
+    by the 256 MB any tokenizer may take: padding that parses to the same tokenizer."""
+    path = folder / "tokenizer.json"
+    vocab = json.loads((folder / "meta.json").read_text())["vocab_size"]
+    limit = (1 << 20) + 1024 * vocab
+    path.write_text(path.read_text() + " " * limit)
+    message = refusal(folder, AttnlabError)
+    assert f"tokenizer file {path} is {path.stat().st_size:,} bytes, more than the {limit:,}" in message
+
+
+def test_a_shard_with_a_bad_magic_number_says_how_to_prepare_the_folder_again(folder):
+    shard = folder / "train_000000.bin"
+    shard.write_bytes(b"NOTTOKEN" + shard.read_bytes()[8:])
+    assert refusal(folder) == (
+        f"{shard} is not an attnlab token shard (bad magic b'NOTTOKEN'); prepare the folder "
+        f"again from its corpus: python -m data.prepare SOURCE --out {folder} --overwrite")
+
+
 # -- data.prepare on a corpus folder (defect 10) ---------------------------------------
 
 def test_entries_named_like_text_that_are_not_plain_files_are_named_when_passed_over(tmp_path):

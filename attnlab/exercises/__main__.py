@@ -19,7 +19,8 @@ from pathlib import Path
 from common.shell import word
 from engine.cli import Parser, errors_as_lines
 from attnlab.exercises.checks import EXERCISES, Result, find
-from attnlab.exercises.learner import DEFAULT_FOLDER, ExerciseError, check, start
+from attnlab.exercises.learner import (DEFAULT_FOLDER, ExerciseError, check, no_exercise_files,
+                                      start)
 
 # The preset sized for the learner's code (configs/exercise.toml): tiny writes no words.
 TRAIN_YOURS = "python train.py --config exercise"
@@ -63,6 +64,9 @@ def main(argv=None) -> int:
     if not folder.is_dir():
         raise ExerciseError(f"no exercises folder at {folder}; start with python -m "
                             f"attnlab.exercises start {folder}")
+    none_there = no_exercise_files(folder)
+    if none_there:
+        raise ExerciseError(none_there)
     if args.target is None:
         results = [check(ex, folder) for ex in EXERCISES]
         print(table(results, folder))
@@ -98,7 +102,7 @@ def _dir_flag(folder: Path) -> str:
     return "" if folder == Path(DEFAULT_FOLDER) else f" --exercises {word(folder)}"
 
 
-SAYS_WHY = ("failed", "missing", "empty")     # statuses whose message is shown
+SAYS_WHY = ("failed", "missing", "empty", "not a file")     # statuses whose message is shown
 
 
 def one_line(r: Result) -> str:
@@ -130,7 +134,7 @@ def next_step(results: list[Result], folder: Path) -> str:
                 f"{' --exercises ' + str(folder) if _dir_flag(folder) else ''}; the project's own "
                 "answer to each is named at the top of its file")
     ex = todo.exercise
-    if todo.status in ("missing", "empty"):
+    if todo.status in ("missing", "empty", "not a file"):
         return f"next: {todo.message}"
     verb = "fix" if todo.status == "failed" else "write"
     return (f"next: {verb} {ex.function} in {folder / ex.filename} (docs/walkthrough.md "

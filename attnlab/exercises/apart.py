@@ -1,11 +1,15 @@
 """The one runner for the learner's code: a child process of its own session, started
-through a watcher, with a time limit, a memory limit and a cap on what it prints. The
-learner's code is their own, so this guards against mistakes, not malice: a loop, an
-exit, a crash, a flood of prints, a signal sent to its own group or to its parent each
-end as a failed check that says which, and the checker goes on."""
+through a watcher in another session of its own, with a time limit, a memory limit and a
+cap on what it prints. The learner's code is their own, so this guards against mistakes,
+not malice: a loop, an exit, a crash, a flood of prints, a signal sent to its own group,
+to its parent or to its parent's group each end as a failed check that says which, and
+the checker goes on. Nothing it starts outlives the check: on Linux the checker adopts
+the orphans of what it started (a child subreaper) and kills every one left when the
+check ends, even a process that left the learner's session with os.setsid()."""
 from __future__ import annotations
 
 import codecs
+import ctypes
 import json
 import os
 import resource
@@ -21,6 +25,11 @@ OUTPUT_LIMIT = 20_000
 # Bytes the child may add to its address space: the exercises' tensors need megabytes.
 MEMORY_HEADROOM = 4 << 30
 _RESULT_LIMIT = 1 << 16           # the child's answer is one short JSON object
+# prctl options (linux/prctl.h): adopt the orphans of this process's descendants.
+_SET_CHILD_SUBREAPER, _GET_CHILD_SUBREAPER = 36, 37
+# Rounds of the final sweep: each kills one generation of what is left (a tree that keeps
+# forking faster than that is malice, which this does not claim to stop).
+_SWEEP_ROUNDS = 1000
 
 
 @dataclass
@@ -43,6 +52,8 @@ def run_apart(task: Callable[[], dict], limit_s: float) -> Ended:
     out_r, out_w = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
+    before = _children(os.getpid())                    # this process's own, left alone
+    adopted = _adopt_orphans()
     watcher = os.fork()
     if watcher == 0:                                   # never returns
         _watch(task, (answer_r, status_r, out_r), answer_w, out_w, status_w)
@@ -58,6 +69,9 @@ def run_apart(task: Callable[[], dict], limit_s: float) -> Ended:
         if child:                  # it, or anything it started, may still run: none outlives it
             _kill_group(child)
         _kill_and_reap(watcher)
+        _sweep(before)             # what left the learner's group: adopted, so ours to end
+        if adopted is not None:
+            _set_subreaper(adopted)
         for fd in (answer_r, status_r, out_r):
             os.close(fd)
     relay.close()
@@ -122,9 +136,13 @@ class _Relay:
 
 def _watch(task, read_ends, answer_w: int, out_w: int, status_w: int) -> None:
     """The watcher: starts the learner's process, waits for it, says its pid and its exit
-    code. A signal the learner's code sends its parent reaches this process, not the
-    checker; terminal signals are the checker's to act on."""
+    code. A signal the learner's code sends its parent, or its parent's group, reaches
+    this process, not the checker; terminal signals are the checker's to act on."""
     try:
+        # A session of its own: the learner's code reaching for its parent's group
+        # (os.killpg(os.getpgid(os.getppid()), ...)) finds this process alone, never the
+        # checker's group.
+        os.setsid()
         for fd in read_ends:
             os.close(fd)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -215,3 +233,65 @@ def _kill_and_reap(pid: int) -> None:
         os.waitpid(pid, 0)
     except ChildProcessError:
         pass
+
+
+# -- what the learner's code leaves running ------------------------------------------
+
+def _libc_prctl(option: int, value) -> bool:
+    """prctl(option, value) where the C library has it (Linux); whether it succeeded."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    return prctl(option, value, 0, 0, 0) == 0
+
+
+def _adopt_orphans() -> bool | None:
+    """Make this process adopt the orphans of its descendants (Linux's child subreaper)
+    while the learner's code runs: a process it starts in a session of its own then
+    becomes this process's child when its parent ends, where the final sweep finds it
+    (without this it would go to init and run on). Returns the setting to restore, or
+    None where the system has no such setting: there a process that leaves the learner's
+    session may outlive the check (docs/safety.md)."""
+    was = ctypes.c_int(0)
+    if not _libc_prctl(_GET_CHILD_SUBREAPER, ctypes.byref(was)):
+        return None
+    return bool(was.value) if _set_subreaper(True) else None
+
+
+def _set_subreaper(on: bool) -> bool:
+    return _libc_prctl(_SET_CHILD_SUBREAPER, int(on))
+
+
+def _children(pid: int) -> set[int]:
+    """The processes whose parent is `pid`, read from /proc (none where there is no /proc)."""
+    found = set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            # "pid (name) state ppid ...": the name may hold spaces and parentheses.
+            if int(stat[stat.rindex(b")") + 2:].split()[1]) == pid:
+                found.add(int(entry))
+        except (OSError, ValueError, IndexError):       # ended meanwhile
+            continue
+    return found
+
+
+def _sweep(before: set[int]) -> None:
+    """Kill and reap every child of this process but those in `before`, round after
+    round: each one killed leaves its own children orphans, which this process adopts
+    (see _adopt_orphans) and the next round kills, until none is left."""
+    me = os.getpid()
+    for _ in range(_SWEEP_ROUNDS):
+        left = _children(me) - before
+        if not left:
+            return
+        for pid in left:
+            _kill_and_reap(pid)

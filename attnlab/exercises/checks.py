@@ -58,7 +58,7 @@ class Exercise:
 @dataclass
 class Result:
     exercise: Exercise
-    status: str           # "passed", "failed", "not started", "missing" (no file), "empty"
+    status: str   # "passed", "failed", "not started", "missing" (no file), "empty", "not a file"
     message: str = ""
 
     @property

@@ -4,12 +4,15 @@ code), each by its path; nothing else in the folder is read."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import signal
+import stat
 import sys
 from pathlib import Path
 
 from common.errors import AttnlabError
+from common.files import file_kind
 from common.shell import word
 from attnlab.exercises import apart
 from attnlab.exercises.checks import EXERCISES, Exercise, Result, run_check
@@ -72,7 +75,7 @@ class LearnerCodeError(Exception):
     """The learner's file does not import or lacks its function."""
 
 
-STATUSES = ("passed", "failed", "not started", "missing", "empty")
+STATUSES = ("passed", "failed", "not started", "missing", "empty", "not a file")
 # Seconds one exercise's check may take; the reference answers take well under one.
 LIMIT_S = 60.0
 
@@ -83,6 +86,9 @@ def check(ex: Exercise, folder: Path) -> Result:
     a signal from the learner's file is a failed check that says which, never a checker
     that hangs or ends with it."""
     path = folder / ex.filename
+    refused = not_a_file(ex, folder)
+    if refused is not None:
+        return refused
     if path.is_file() and not path.read_bytes().strip():
         return Result(ex, "empty", f"{ex.filename} is empty; write {ex.function} in it, or "
                       f"delete it and run python -m attnlab.exercises start {word(folder)} to get "
@@ -93,6 +99,38 @@ def check(ex: Exercise, folder: Path) -> Result:
     if said.get("status") in STATUSES and isinstance(said.get("message"), str):
         return Result(ex, said["status"][:40], said["message"][:2000])
     return Result(ex, "failed", _how_it_ended(ex, ended))
+
+
+def not_a_file(ex: Exercise, folder: Path) -> Result | None:
+    """A refusal naming folder/ex.filename when something other than a plain file stands
+    there (a folder, a named pipe, a device, a link to nothing); None otherwise. `start`
+    keeps whatever holds the name, so calling it missing would send the learner from
+    `start` to `check` and back. Looked at, never opened: a named pipe would wait."""
+    path = folder / ex.filename
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        if not os.path.islink(path):
+            return None                                   # missing: the child says so
+        what = "a link to nothing"
+    except OSError as err:                                # a loop of links, no permission
+        what = f"not readable ({err.strerror or err})"
+    else:
+        if stat.S_ISREG(info.st_mode):
+            return None
+        what = file_kind(info.st_mode)
+    return Result(ex, "not a file", f"{path} is {what}, not an exercise file: move it away, "
+                  f"then python -m attnlab.exercises start {word(folder)} puts the stub there")
+
+
+def no_exercise_files(folder: Path) -> str | None:
+    """What to say of a folder that holds none of the exercise files (a folder named by
+    mistake, or one made by hand), or None when it holds any."""
+    if any(os.path.lexists(folder / ex.filename) for ex in EXERCISES):
+        return None
+    return (f"{folder} holds no exercise files ({EXERCISES[0].filename} to "
+            f"{EXERCISES[-1].filename}); make them with python -m attnlab.exercises start DIR "
+            f"(a folder of your own, {DEFAULT_FOLDER} when left out), then check --exercises DIR")
 
 
 def _how_it_ended(ex: Exercise, ended: apart.Ended) -> str:
