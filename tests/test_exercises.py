@@ -428,6 +428,14 @@ def test_training_with_the_learners_code_matches_eager_and_rope(corpus, tmp_path
     assert sampled.stdout.startswith("ROMEO:")
 
 
+def plugged(monkeypatch, registry: str, entry) -> None:
+    """`yours` in one registry for this test only, written as plug_in writes it (the
+    registry refuses a `yours` entry written any other way)."""
+    from model import registry as model_registry
+    monkeypatch.setitem(model_registry.REGISTRIES[registry], "yours", entry)
+    monkeypatch.setitem(model_registry._plugged, (registry, "yours"), entry)
+
+
 @pytest.mark.parametrize("n_kv_head", [0, 2])
 def test_the_learners_rope_turns_queries_and_fewer_keys_as_the_projects_does(n_kv_head, monkeypatch):
     """The learner's apply_rope (here the answer key) in place of the project's RoPE gives
@@ -436,10 +444,9 @@ def test_the_learners_rope_turns_queries_and_fewer_keys_as_the_projects_does(n_k
     import importlib
     from attnlab.exercises import plug
     from model import GPT, ModelConfig
-    from model.positions import POSITION_ENCODINGS
     answer = importlib.import_module("attnlab.exercises.solutions.05_rope").apply_rope
-    monkeypatch.setitem(POSITION_ENCODINGS, "yours",
-                        type("YourRoPE", (plug.YourRoPE,), {"learner": staticmethod(answer)}))
+    plugged(monkeypatch, "position",
+            type("YourRoPE", (plug.YourRoPE,), {"learner": staticmethod(answer)}))
     torch.manual_seed(0)
     sizes = dict(vocab_size=20, n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=32, block_size=16)
     project, learners = GPT(ModelConfig(position="rope", **sizes)), GPT(ModelConfig(position="yours", **sizes))
@@ -451,8 +458,7 @@ def test_the_learners_rope_turns_queries_and_fewer_keys_as_the_projects_does(n_k
 def test_a_run_remembers_its_exercises_folder_and_exercises_overrides_it(tmp_path, monkeypatch):
     from attnlab.exercises import plug
     from model import ModelConfig
-    from model.attention import ATTENTION_BACKENDS
-    monkeypatch.setitem(ATTENTION_BACKENDS, "yours", plug.YOUR_BACKEND)
+    plugged(monkeypatch, "attention", plug.YOUR_BACKEND)
     monkeypatch.chdir(tmp_path)
     run, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints" / "step_0000004"
     ckpt.mkdir(parents=True)
@@ -485,10 +491,8 @@ def test_position_yours_is_your_sinusoidal_table_until_rope_passes(tmp_path, mon
     import torch
     from attnlab.exercises import plug
     from model import GPT, ModelConfig
-    from model.attention import ATTENTION_BACKENDS
-    from model.positions import POSITION_ENCODINGS
-    monkeypatch.setitem(ATTENTION_BACKENDS, "yours", plug.YOUR_BACKEND)
-    monkeypatch.setitem(POSITION_ENCODINGS, "yours", plug.YourPositions)
+    plugged(monkeypatch, "attention", plug.YOUR_BACKEND)
+    plugged(monkeypatch, "position", plug.YourPositions)
     monkeypatch.setattr(plug, "_bound", {})
     mine = tmp_path / "mine"
     start(mine)
