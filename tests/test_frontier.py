@@ -119,3 +119,20 @@ def test_every_mechanism_of_the_frontier_is_one_the_model_builds():
     assert {name: frontier.why_not(m) for name, m in frontier.MECHANISMS.items()} == \
         dict.fromkeys(frontier.MECHANISMS)
     assert len(frontier.MECHANISMS) == 8
+
+
+@pytest.mark.parametrize("context", [40, 300])
+def test_the_windows_cache_holds_twice_the_window_as_its_page_says(context):
+    """docs/after_the_article.md said the cache "stops growing at the window"; the rolling
+    buffer keeps 2·W slots, cut back to the newest W-1 when full."""
+    from pathlib import Path
+    from model import GPT, ModelConfig
+    torch.manual_seed(0)
+    window = MECHANISMS["window"].model["sliding_window"]
+    model = GPT(ModelConfig(**{**BASE, **MECHANISMS["window"].model, "vocab_size": 32,
+                               "block_size": 64})).eval()
+    _, held = frontier.decode_at(model, context, 4)
+    want = BASE["n_layer"] * 2 * (2 * window) * BASE["n_embd"] * 4        # K and V, fp32
+    assert held == want == 32_768
+    page = " ".join((Path(__file__).parents[1] / "docs/after_the_article.md").read_text().split())
+    assert "stops growing at twice the window" in page and f"{want:,} bytes at any length" in page
