@@ -260,6 +260,26 @@ def test_every_planted_mistake_gets_the_diagnosis_that_names_it(name, planted, t
     assert result.status == "failed" and words in result.message, result.message
 
 
+def test_two_mistakes_at_once_in_the_linear_step_are_both_named(tmp_path):
+    """No normaliser and the state read before the token joins it gave only "differs
+    from the reference"."""
+    ex, source = BY_NAME["linear_rnn"], CORRECT["linear_rnn"]
+    for line, wrong, _ in (PLANTED["linear_rnn"][0], PLANTED["linear_rnn"][3]):
+        assert line in source
+        source = source.replace(line, wrong)
+    result = check(ex, write(tmp_path, ex, source))
+    assert result.status == "failed" and result.message.startswith("two mistakes at once")
+    assert "not normalised" in result.message and "off by one" in result.message
+
+
+@pytest.mark.parametrize("pair", list(BY_NAME["linear_rnn"].pairs))
+def test_each_pair_of_linear_mistakes_is_told_apart(pair):
+    ex = BY_NAME["linear_rnn"]
+    result = run_check(ex, ex.pairs[pair])
+    assert result.status == "failed", result
+    assert all(ex.mistakes[name][1] in result.message for name in pair), (pair, result.message)
+
+
 @pytest.mark.parametrize("ex", EXERCISES, ids=lambda ex: ex.name)
 def test_each_of_the_checkers_own_variants_is_told_apart(ex):
     # The variants are the checker's evidence: each must be caught by its own message,
