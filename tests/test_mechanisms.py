@@ -271,6 +271,9 @@ def test_a_layer_returns_weights_exactly_when_its_entry_says_it_has_them(name):
     if weights is not None:          # one map per head, nothing on a later key
         assert weights.shape == (1, config.n_head, 7, 7)
         assert torch.all(weights.triu(1) == 0)
+        # Rows that are distributions exactly when the entry says (heads' entropy, colour bar)
+        rows_sum_to_one = torch.allclose(weights.sum(-1), torch.ones(()), atol=1e-5)
+        assert (rows_sum_to_one and bool((weights >= 0).all())) == MECHANISMS[name].weights_sum_to_one
 
 
 def _layer_out(entry, seed=0, n_kv_head=0, window=0, alibi=False, value_embed=False):
