@@ -560,3 +560,14 @@ def test_a_backend_named_for_mechanisms_that_run_no_kernel_is_refused(pattern):
     with pytest.raises(ModelError, match=f"model.attention=eager .* model.mechanism={pattern}"):
         GPT(tiny(attention="eager", mechanism=pattern))
     GPT(tiny(attention="eager", mechanism="linear,mha"))      # mha's layers run it
+
+
+def test_every_fact_of_an_entry_and_of_its_cache_is_documented_where_the_others_are():
+    """docs/architecture.md named neither uses_kernel nor Cache's arguments."""
+    from pathlib import Path
+    page = (Path(__file__).parents[1] / "docs/architecture.md").read_text()
+    for f in fields(Mechanism):
+        assert f"`{f.name}=" in page or f"`{f.name}`" in page, f.name
+    assert "Cache(what, per_token, fixed)" in page and "keys_and_values" in page
+    for f in fields(Cache):
+        assert f"`{f.name}" in page, f.name
