@@ -107,7 +107,8 @@ class DifferentialAttention(nn.Module):
         the two maps when asked for). A backend wants q, k and v of one width, so V's two
         halves go through as heads of their own: four attentions of d_k/2 in one call."""
         H = q1.shape[1]
-        if mask.bias_fn is not None:         # its entry says takes_score_bias=False: so it does
+        # Its entry says takes_score_bias=False: a bias handed in is refused, not misapplied.
+        if mask.bias_fn is not None:
             raise ModelError("differential attention runs its two maps as four sets of heads, "
                              "which ALiBi's per-head score bias does not fit; use another "
                              "model.position")

@@ -112,7 +112,8 @@ class LatentAttention(nn.Module):
         if value_embed is not None:
             raise ModelError("latent attention rebuilds values from the cached latent, which holds "
                              "no token ids for value embeddings: set model.value_embeds=false")
-        if mask.bias_fn is not None:         # its entry says takes_score_bias=False: so it does
+        # Its entry says takes_score_bias=False: a bias handed in is refused, not misapplied.
+        if mask.bias_fn is not None:
             raise ModelError("latent attention's heads have no place for ALiBi's per-head score "
                              "bias; use model.position=rope, or none")
         B, T, _ = x.shape
