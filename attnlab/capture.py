@@ -37,6 +37,7 @@ from typing import Iterable
 
 import torch
 
+from attnlab.plotting import WEIGHT
 from common.errors import AttnlabError
 from model.mechanisms import MECHANISMS, layer_names, mechanisms_of, names_used
 
@@ -75,6 +76,21 @@ def weightless_layers(config) -> dict[int, str]:
     return {i: f"layer {i} is model.mechanism={name}, which has no attention weights to "
                f"draw: {MECHANISMS[name].no_weights}"
             for i, name in enumerate(layer_names(config)) if MECHANISMS[name].no_weights is not None}
+
+
+def not_distributions(config) -> dict[int, str]:
+    """Each layer whose weights are no distribution (a row need not sum to 1, and may go
+    below 0, as differential attention's difference of two maps), and its mechanism."""
+    return {i: name for i, name in enumerate(layer_names(config))
+            if MECHANISMS[name].no_weights is None and not MECHANISMS[name].weights_sum_to_one}
+
+
+def weight_label(config) -> str:
+    """The colour bar's words for this model's maps: a row sums to 1 only where every
+    drawn layer's mechanism makes a distribution."""
+    others = ", ".join(dict.fromkeys(not_distributions(config).values()))
+    return (f"attention weight (rows of model.mechanism={others} need not sum to 1)"
+            if others else WEIGHT)
 
 
 def _hooks_for(model, cache: dict, only: set[str] | None):

@@ -14,7 +14,8 @@ recall of what came earlier falls as the memory shrinks. This command measures t
 same trade on a laptop.
 
 Each mechanism is an entry of MECHANISMS, model config fields over one small base
-model (the retrieval lab's, attnlab/recall.py). Each is trained three times for the
+model (the retrieval lab's, attnlab/recall.py); any other registered model.mechanism
+is measured when named (`--mechanisms differential`). Each is trained three times for the
 same number of steps: as a language model on the bundled corpus (by train.py, as
 attnlab.compare does: val loss and training tokens/s), on the retrieval lab's fact by
 depth and length, and on multi-query associative recall (attnlab/mqar_task.py) with
@@ -81,6 +82,16 @@ MECHANISMS = {
     "hybrid": Mechanism("a linear-attention layer under a softmax one",
                         {"mechanism": "linear,mha"}),
 }
+
+
+def measurable() -> dict[str, Mechanism]:
+    """The rows above, then every other registered model.mechanism, by its name alone: the
+    default run measures the rows, and a mechanism added tomorrow is measured when named."""
+    from model.mechanisms import MECHANISMS as REGISTERED
+    from model.registry import RESERVED
+    others = {n: Mechanism(f"model.mechanism={n}", {"mechanism": n}) for n in REGISTERED
+              if n != RESERVED and n not in MECHANISMS}
+    return {**MECHANISMS, **others}
 
 
 @dataclass
@@ -315,7 +326,8 @@ def whole(lo: int, hi: int):
 def parser() -> Parser:
     p = Parser("python -m attnlab.frontier", __doc__)
     p.add_argument("--mechanisms", nargs="+", default=list(MECHANISMS), metavar="NAME",
-                   help="mechanisms to measure, in this order (default: all): " + ", ".join(MECHANISMS))
+                   help="mechanisms to measure, in this order (default: all of "
+                        + ", ".join(MECHANISMS) + "; any other model.mechanism by its name)")
     p.add_argument("--out", type=out_option, default="runs/frontier",
                    help="folder for frontier.md, .csv, .png and the language models' runs")
     p.add_argument("--quick", action="store_true", help="a test-sized run: a few steps, short "
@@ -356,10 +368,16 @@ def settings_of(args) -> Settings:
     if max(s.pairs) > most:
         raise AttnlabError(f"--pairs {max(s.pairs)}: an MQAR sequence of {s.mqar_length} tokens "
                            f"over {s.keys} keys holds at most {most} pairs")
-    unknown = [m for m in args.mechanisms if m not in MECHANISMS]
+    known = measurable()
+    unknown = [m for m in args.mechanisms if m not in known]
     if unknown:
-        from common.errors import choices_hint
-        raise AttnlabError(f"unknown mechanism {unknown[0]!r}" + choices_hint(unknown[0], MECHANISMS))
+        from common.errors import closest
+        close = closest(unknown[0], sorted(known))
+        others = [n for n in known if n not in MECHANISMS]
+        raise AttnlabError(f"--mechanisms {unknown[0]}: not a mechanism the frontier measures"
+                           + (f" (did you mean {close!r}?)" if close else "")
+                           + f"; it measures {', '.join(MECHANISMS)} by default"
+                           + (f", and by name {', '.join(others)}" if others else ""))
     return s
 
 
@@ -369,16 +387,16 @@ def main(argv=None) -> int:
     out = writable_folder(args.out)        # now, not after the training it would lose
     os.environ["OMP_NUM_THREADS"] = str(s.threads)     # train.py's too: one setting, one run
     torch.set_num_threads(s.threads)
-    chosen = {}
+    chosen, known = {}, measurable()
     for name in dict.fromkeys(args.mechanisms):
-        reason = why_not(MECHANISMS[name])
+        reason = why_not(known[name])
         if reason:
             print(f"{name}: skipped, this model cannot build it yet: {reason}")
         else:
-            chosen[name] = MECHANISMS[name]
+            chosen[name] = known[name]
     if not chosen:
         raise AttnlabError("none of the mechanisms asked for can be built by this model: "
-                           "give some of " + ", ".join(n for n in MECHANISMS if not why_not(MECHANISMS[n])))
+                           "give some of " + ", ".join(n for n in known if not why_not(known[n])))
     from attnlab.recall_task import char_task
     recall_task = char_task(DIGITS, chars=20_000 if args.quick else 200_000)
     rows = []

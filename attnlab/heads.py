@@ -8,8 +8,9 @@ head where one word looks most at another, and what each head tends to do.
     python -m attnlab.heads html   --run runs/NAME --text "..." --out view.html
 
 Rows of a heatmap are the tokens looking (queries), columns the tokens looked at
-(keys); each row sums to 1 and, in a decoder, is zero right of the diagonal (the causal
-mask). --run also takes a BERT-family folder (an encoder: rows see both directions),
+(keys); each row sums to 1 (a softmax's; differential attention's rows sum to 1 - λ and
+may go below 0, drawn on a scale centred on 0, and stats gives them no entropy) and, in a
+decoder, is zero right of the diagonal (the causal mask). --run also takes a BERT-family folder (an encoder: rows see both directions),
 such as the article's all-MiniLM-L6-v2. Layers and heads are numbered from 0 in every
 option, printout and plot (the article counts from 1: its layer 4, head 2 is layer 3,
 head 1 here). In a hybrid (model.mechanism=deltanet,mha) the layers whose mechanism has
@@ -29,9 +30,10 @@ from pathlib import Path
 
 import torch
 
-from attnlab.capture import attention_maps, other_paths, weightless_layers
+from attnlab.capture import (attention_maps, not_distributions, other_paths, weight_label,
+                             weightless_layers)
 from attnlab.options import add_run_options, load, positive, out_option
-from attnlab.plotting import (NUMBERING, check_figure_out, default_out, draw_weights,
+from attnlab.plotting import (NUMBERING, WEIGHT, check_figure_out, default_out, draw_weights,
                               label_tokens, layer_head, make_folder_for, out_path, pyplot,
                               refuse_a_path_through_a_file, save_figure, weight_scale)
 from common.errors import AttnlabError
@@ -133,19 +135,21 @@ def head_stats(weights: torch.Tensor) -> dict:
 FROM_0 = NUMBERING
 
 
-def save_grid(path, tokens, maps, left_out: str = "") -> Path:
+def save_grid(path, tokens, maps, left_out: str = "", label: str = WEIGHT) -> Path:
     """Every layer x head: the tokens beside the first column and under the last row, one
-    colour scale for all (the panels share it, so they compare). A layer whose map is
-    None is not drawn; `left_out` says which and why, under the title."""
+    colour scale for all (the panels share it, so they compare; centred on 0 if a weight
+    is below it). A layer whose map is None is not drawn; `left_out` says which and why,
+    under the title. `label` is the colour bar's (capture.weight_label)."""
     plt = pyplot()
     rows = [(layer, weights) for layer, weights in enumerate(maps) if weights is not None]
+    signed = any(bool((weights < 0).any()) for _, weights in rows)
     L, H = len(rows), rows[0][1].shape[0]
     fig, axes = plt.subplots(L, H, figsize=(2.6 * H + 1.2, 2.6 * L + 0.6), squeeze=False,
                              layout="constrained")
     for row, (layer, weights) in enumerate(rows):
         for head in range(H):
             ax = axes[row][head]
-            image = draw_weights(ax, weights[head].numpy(), layer_head(layer, head))
+            image = draw_weights(ax, weights[head].numpy(), layer_head(layer, head), signed=signed)
             label_tokens(ax, tokens, fontsize=6)
             if head:
                 ax.tick_params(labelleft=False)
@@ -156,18 +160,18 @@ def save_grid(path, tokens, maps, left_out: str = "") -> Path:
                  fontsize=9 if left_out else None)
     fig.supxlabel("token looked at (key)")
     fig.supylabel("token looking (query)")
-    weight_scale(fig, image, axes.ravel().tolist())
+    weight_scale(fig, image, axes.ravel().tolist(), label)
     return save_figure(fig, path, dpi=100)
 
 
-def save_head(path, tokens, weights, layer, head) -> Path:
+def save_head(path, tokens, weights, layer, head, label: str = WEIGHT) -> Path:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 7), layout="constrained")
     image = draw_weights(ax, weights.numpy(), f"{layer_head(layer, head)} (from 0, as "
-                         "--layer/--head)", keys=tokens)
+                         "--layer/--head)", keys=tokens, signed=bool((weights < 0).any()))
     ax.set_xlabel("token looked at (key)")
     ax.set_ylabel("token looking (query)")
-    weight_scale(fig, image, ax)
+    weight_scale(fig, image, ax, label)
     return save_figure(fig, path, dpi=110)
 
 
@@ -284,7 +288,8 @@ def draw_grid(args, tokens, maps, config) -> None:
         maps = [m if l == args.layer else None for l, m in enumerate(maps)]
     else:
         left = left_out(config)
-    print("wrote", save_grid(out_path(args.out, "attention_grid.png"), tokens, maps, left))
+    print("wrote", save_grid(out_path(args.out, "attention_grid.png"), tokens, maps, left,
+                             weight_label(config)))
 
 
 def main(argv=None) -> int:
@@ -323,7 +328,7 @@ def main(argv=None) -> int:
         if not 0 <= head < weights.shape[0]:
             raise AttnlabError(f"--head {head}: this model has heads 0-{weights.shape[0] - 1}")
         print("wrote", save_head(out_path(args.out, f"attention_l{layer}_h{head}.png"), tokens,
-                                 weights[head], layer, head))
+                                 weights[head], layer, head, weight_label(model.config)))
     elif args.what == "search":
         if not (args.source and args.target):
             raise AttnlabError("search needs --from WORD (looking) and --to WORD (looked at)")
@@ -335,15 +340,29 @@ def main(argv=None) -> int:
         for weight, layer, head in ranking[:args.top]:
             print(f"  {layer_head(layer, head)}: {args.source} → {args.target} = {weight:.3f}")
     else:
-        print(f"{FROM_0} (the article counts from 1)")
-        print(f"{'layer':>5} {'head':>4} {'entropy':>8} {'distance':>8} {'prev':>6} {'next':>6} "
-              f"{'first':>6}  pattern")
-        for layer, weights in enumerate(maps):
-            for head in range(0 if weights is None else weights.shape[0]):
-                s = head_stats(weights[head])
-                print(f"{layer:>5} {head:>4} {s['entropy']:8.3f} {s['mean_distance']:8.2f} "
-                      f"{s['previous']:6.2f} {s['next']:6.2f} {s['first']:6.2f}  {s['label']}")
+        print_stats(maps, model.config)
     return 0
+
+
+def print_stats(maps, config) -> None:
+    """One line per head. Entropy measures a distribution: a layer whose rows are none
+    (differential attention's sum to 1 - λ and may go below 0) gets n/a, and a note why."""
+    apart = not_distributions(config)
+    if apart:
+        layers = ", ".join(map(str, apart))
+        names = ", ".join(dict.fromkeys(f"model.mechanism={n}" for n in apart.values()))
+        print(f"note: no entropy for layer{'s' if len(apart) > 1 else ''} {layers}: the "
+              f"weights of {names} are no distribution (a row need not sum to 1 and may go "
+              "below 0), so entropy does not apply", file=sys.stderr)
+    print(f"{FROM_0} (the article counts from 1)")
+    print(f"{'layer':>5} {'head':>4} {'entropy':>8} {'distance':>8} {'prev':>6} {'next':>6} "
+          f"{'first':>6}  pattern")
+    for layer, weights in enumerate(maps):
+        for head in range(0 if weights is None else weights.shape[0]):
+            s = head_stats(weights[head])
+            entropy = "n/a" if layer in apart else f"{s['entropy']:.3f}"
+            print(f"{layer:>5} {head:>4} {entropy:>8} {s['mean_distance']:8.2f} "
+                  f"{s['previous']:6.2f} {s['next']:6.2f} {s['first']:6.2f}  {s['label']}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from attnlab.capture import attention
+from attnlab.capture import attention, weight_label
 from attnlab.lens import ablate
 from attnlab.options import add_run_options, load, positive, out_option
 from attnlab.plotting import (check_figure_out, default_out, draw_weights, layer_head, out_path,
@@ -137,12 +137,13 @@ def plot_heads(model, span: int, heads: dict[str, tuple[int, int]], path: Path,
     plt = pyplot()
     fig, axes = plt.subplots(1, len(heads), figsize=(4.6 * len(heads) + 1, 4.4), squeeze=False,
                              layout="constrained")
+    signed = any(bool((maps[layer][0, head] < 0).any()) for layer, head in heads.values())
     for ax, (title, (layer, head)) in zip(axes[0], heads.items()):
-        image = draw_weights(ax, maps[layer][0, head].float().cpu(), keys=ids)
+        image = draw_weights(ax, maps[layer][0, head].float().cpu(), keys=ids, signed=signed)
         ax.set_title(f"{title}\n{layer_head(layer, head)} (from 0)", fontsize=10)
         ax.set_xlabel("token looked at (key)")
         ax.set_ylabel("token looking (query)")
-    weight_scale(fig, image, axes[0].tolist())
+    weight_scale(fig, image, axes[0].tolist(), weight_label(model.config))
     return save_figure(fig, path)
 
 

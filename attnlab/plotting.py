@@ -106,7 +106,8 @@ def check_figure_out(given: str | None) -> None:
 # One numbering for layers and heads in every option, printout and figure: from 0, as
 # --layer/--head take them and as model.blocks[i] is indexed (the article counts from 1).
 NUMBERING = "layers and heads counted from 0, as --layer/--head take them"
-WEIGHT = "attention weight (each row sums to 1)"
+WEIGHT = "attention weight (each row sums to 1)"    # a softmax's; capture.weight_label
+                                                    # says where a mechanism's do not
 MAX_LABELS = 40                 # more tick labels than this overlap: every k-th is shown
 
 
@@ -132,12 +133,14 @@ def label_tokens(ax, keys, queries=None, fontsize=7) -> None:
         ticks(list(at), [names[i] for i in at], rotation=rotation, fontsize=fontsize)
 
 
-def draw_weights(ax, weights, title: str = "", keys=None, queries=None):
-    """One attention map on a fixed 0-1 scale (so panels compare), its tokens on the
-    axes where given; returns the image, for weight_scale."""
+def draw_weights(ax, weights, title: str = "", keys=None, queries=None, signed: bool = False):
+    """One attention map on a fixed 0-1 scale (so panels compare), or -1 to 1 on a
+    diverging one where weights can go below 0 (`signed`: 0 is white, neither side
+    louder); its tokens on the axes where given; returns the image, for weight_scale."""
     if hasattr(weights, "detach"):         # a tensor: matplotlib wants an array
         weights = weights.detach().float().cpu().numpy()
-    image = ax.imshow(weights, cmap="viridis", vmin=0, vmax=1)
+    scale = dict(cmap="RdBu_r", vmin=-1, vmax=1) if signed else dict(cmap="viridis", vmin=0, vmax=1)
+    image = ax.imshow(weights, **scale)
     if title:
         ax.set_title(title, fontsize=8)
     if keys is not None:

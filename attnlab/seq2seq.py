@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from attnlab.plotting import pyplot, save_figure
+from attnlab.plotting import WEIGHT, pyplot, save_figure
 from attnlab.options import out_option
 from engine.cli import Parser, errors_as_lines
 
@@ -98,7 +98,7 @@ def plot_cross_attention(model, word: str, path: Path) -> Path:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(4.6, 4.2))
     image = ax.imshow(weights.detach().float().numpy(), cmap="viridis", vmin=0, vmax=1)
-    fig.colorbar(image, ax=ax, label="attention weight (each row sums to 1)")
+    fig.colorbar(image, ax=ax, label=WEIGHT)       # cross-attention is always a softmax
     ax.set_xticks(range(n))
     ax.set_xticklabels(list(word))
     ax.set_yticks(range(n + 1))

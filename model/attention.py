@@ -192,9 +192,15 @@ ATTENTION_BACKENDS = {
 def use_attention_kernel(model: nn.Module, kernel: Callable) -> None:
     """The one seam for "run this attention fast": every attention layer of `model` calls
     `kernel` (a backend's signature) from now on, in place of its config's backend."""
+    # Only a `kernel` this seam owns: one a backend gave the layer, or one handed here
+    # before. A mechanism's own attribute of that name (a feature map, say) is its maths.
+    owned = {id(b) for b in ATTENTION_BACKENDS.values()} | {
+        id(b.attend) for b in ATTENTION_BACKENDS.values()}
     for module in model.modules():
-        if callable(getattr(module, "kernel", None)):
-            module.kernel = kernel
+        current = getattr(module, "kernel", None)
+        if id(current) in owned or (current is not None
+                                    and current is getattr(module, "handed_kernel", None)):
+            module.kernel = module.handed_kernel = kernel
 
 
 class MultiHeadAttention(nn.Module):

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.attention import ATTENTION_BACKENDS, eager_attention
-from model.config import ModelConfig
+from model.config import ModelConfig, ModelError
 from model.mask import Mask
 
 
@@ -107,6 +107,11 @@ class DifferentialAttention(nn.Module):
         the two maps when asked for). A backend wants q, k and v of one width, so V's two
         halves go through as heads of their own: four attentions of d_k/2 in one call."""
         H = q1.shape[1]
+        # Its entry says takes_score_bias=False: a bias handed in is refused, not misapplied.
+        if mask.bias_fn is not None:
+            raise ModelError("differential attention runs its two maps as four sets of heads, "
+                             "which ALiBi's per-head score bias does not fit; use another "
+                             "model.position")
         va, vb = v.chunk(2, dim=-1)
         backend = eager_attention if need_weights else self.kernel
         dropout_p = self.dropout if self.training else 0.0

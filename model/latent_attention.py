@@ -112,6 +112,10 @@ class LatentAttention(nn.Module):
         if value_embed is not None:
             raise ModelError("latent attention rebuilds values from the cached latent, which holds "
                              "no token ids for value embeddings: set model.value_embeds=false")
+        # Its entry says takes_score_bias=False: a bias handed in is refused, not misapplied.
+        if mask.bias_fn is not None:
+            raise ModelError("latent attention's heads have no place for ALiBi's per-head score "
+                             "bias; use model.position=rope, or none")
         B, T, _ = x.shape
         H, D, R = self.n_head, self.head_dim, self.rope_dim
         q = self.w_q(x).view(B, T, H, D + R).transpose(1, 2)         # (B, H, T, D + R)

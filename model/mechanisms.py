@@ -10,9 +10,9 @@ comma-separated pattern cycled over the layers (a hybrid: `linear,linear,linear,
 Each entry carries the facts the rest of the project asks about it, so a new mechanism
 is its class, its entry and its test: blocks and the encoder-decoder build `layer`,
 model/gpt.py counts `flops` and runs `init`, the decoders keep `cache`, attnlab's
-lens, page and `heads` read `no_weights`, engine/interop.py reads `export_refusal`,
-model/registry.py checks `follows_mask`, `head_multiple` and `takes_value_embed`,
-generate reads `stream_refusal`.
+lens, page and `heads` read `no_weights` (and `heads` `weights_sum_to_one`),
+engine/interop.py reads `export_refusal`, model/registry.py checks `follows_mask`,
+`head_multiple`, `takes_value_embed` and `uses_kernel`, generate reads `stream_refusal`.
 """
 from __future__ import annotations
 
@@ -127,6 +127,8 @@ class Mechanism:
                                        # kept keys back by the model's RoPE, cannot keep it
     uses_kernel: bool = True           # its softmax runs on the machine's kernel (the seam
                                        # model.attention.use_attention_kernel); else its own maths
+    weights_sum_to_one: bool = True    # each row of its weights is a distribution (none below
+                                       # 0, summing to 1): entropy applies, the scale is 0-1
 
     def __post_init__(self):
         problems = entry_problems(self)
@@ -159,7 +161,7 @@ MECHANISMS = {
         DifferentialAttention, Cache("keys and values", keys_and_values),
         export_refusal="differential attention (two softmax maps subtracted, arXiv:2410.05258) "
                        "is in no transformers architecture",
-        head_multiple=4, takes_score_bias=False),
+        head_multiple=4, takes_score_bias=False, weights_sum_to_one=False),
     # One latent per token, keys and values rebuilt from it (arXiv:2405.04434).
     "mla": Mechanism(
         LatentAttention, Cache("a latent and one rotated key", latent_and_rope_key),

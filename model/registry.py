@@ -10,7 +10,7 @@ from dataclasses import fields
 from model.attention import ATTENTION_BACKENDS
 from model.config import ModelConfig, ModelError
 from model.layers import BLOCKS, MLPS, NORMS
-from model.mechanisms import MECHANISMS, NOT_MECHANISMS, names_used
+from model.mechanisms import MECHANISMS, NOT_MECHANISMS, Mechanism, entry_problems, names_used
 from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
 from model.readout import READOUTS
 
@@ -24,6 +24,24 @@ REGISTRIES = {
     "rope_scaling": ROPE_SCALINGS,
     "readout": READOUTS,
 }
+
+
+# The name the exercises give the learner's own code in every registry (attnlab/exercises/
+# plug.py): an entry of that name written by other code would be run as the learner's.
+RESERVED = "yours"
+_plugged: dict[tuple[str, str], object] = {}     # (registry, name) -> the entry plug_in wrote
+
+
+def plug_in(registry: str, name: str, entry) -> None:
+    """Write the exercises' entry under the reserved name; check_names refuses any other."""
+    REGISTRIES[registry][name] = entry
+    _plugged[(registry, name)] = entry
+
+
+def foreign_reserved(registry: str) -> bool:
+    """Whether the reserved name holds an entry plug_in did not write."""
+    entry = REGISTRIES[registry].get(RESERVED)
+    return entry is not None and entry is not _plugged.get((registry, RESERVED))
 
 
 def _in_order(letters: str, word: str) -> bool:
@@ -55,6 +73,10 @@ def check_names(config: ModelConfig) -> None:
                                  f"{NOT_MECHANISMS[name]}")
             if registry and name not in REGISTRIES[registry]:
                 raise unknown_name(f"model.{f.name}", name, REGISTRIES[registry])
+            if registry and name == RESERVED and foreign_reserved(registry):
+                raise ModelError(f"model.{f.name}={name}: the name {name!r} is kept for the "
+                                 "exercises' code (attnlab/exercises/plug.py); register your "
+                                 "entry under another name")
 
 
 def check(config: ModelConfig) -> None:
@@ -110,10 +132,30 @@ def check(config: ModelConfig) -> None:
                              "sets it from the training data when it is 0")
 
 
+def check_entries(used: list[str]) -> None:
+    """Each used entry is a usable Mechanism, checked as it is read: one written over an
+    entry after the dict was built skipped the check Mechanism makes when it is written."""
+    for name in used:
+        m = MECHANISMS[name]
+        if not isinstance(m, Mechanism):
+            raise ModelError(f"model.mechanism={name}: MECHANISMS[{name!r}] is "
+                             f"{type(m).__name__}, not a Mechanism(layer, cache, ...) entry; "
+                             "register it as model/mechanisms.py's entries are")
+        if entry_problems(m):
+            raise ModelError(f"model.mechanism={name}: its entry is unusable: "
+                             + "; ".join(entry_problems(m)))
+
+
 def check_mechanisms(config: ModelConfig) -> None:
     """What each layer's mechanism needs of the rest of the config."""
     position = POSITION_ENCODINGS[config.position]
     used = names_used(config)
+    check_entries(used)
+    default = ModelConfig.__dataclass_fields__["attention"].default
+    if config.attention != default and not any(MECHANISMS[n].uses_kernel for n in used):
+        raise ModelError(f"model.attention={config.attention} picks the kernel that computes "
+                         f"softmax attention, and model.mechanism={config.mechanism} computes "
+                         f"its own maths with none; leave model.attention={default} with it")
     pattern = config.mechanism.split(",")
     if len(pattern) > config.n_layer:
         raise ModelError(f"model.mechanism names {len(pattern)} layers and the model has "

@@ -261,6 +261,26 @@ def test_every_planted_mistake_gets_the_diagnosis_that_names_it(name, planted, t
     assert result.status == "failed" and words in result.message, result.message
 
 
+def test_two_mistakes_at_once_in_the_linear_step_are_both_named(tmp_path):
+    """No normaliser and the state read before the token joins it gave only "differs
+    from the reference"."""
+    ex, source = BY_NAME["linear_rnn"], CORRECT["linear_rnn"]
+    for line, wrong, _ in (PLANTED["linear_rnn"][0], PLANTED["linear_rnn"][3]):
+        assert line in source
+        source = source.replace(line, wrong)
+    result = check(ex, write(tmp_path, ex, source))
+    assert result.status == "failed" and result.message.startswith("two mistakes at once")
+    assert "not normalised" in result.message and "off by one" in result.message
+
+
+@pytest.mark.parametrize("pair", list(BY_NAME["linear_rnn"].pairs))
+def test_each_pair_of_linear_mistakes_is_told_apart(pair):
+    ex = BY_NAME["linear_rnn"]
+    result = run_check(ex, ex.pairs[pair])
+    assert result.status == "failed", result
+    assert all(ex.mistakes[name][1] in result.message for name in pair), (pair, result.message)
+
+
 @pytest.mark.parametrize("ex", EXERCISES, ids=lambda ex: ex.name)
 def test_each_of_the_checkers_own_variants_is_told_apart(ex):
     # The variants are the checker's evidence: each must be caught by its own message,
@@ -471,6 +491,14 @@ def test_training_with_the_learners_code_matches_eager_and_rope(corpus, tmp_path
     assert sampled.stdout.startswith("ROMEO:")
 
 
+def plugged(monkeypatch, registry: str, entry) -> None:
+    """`yours` in one registry for this test only, written as plug_in writes it (the
+    registry refuses a `yours` entry written any other way)."""
+    from model import registry as model_registry
+    monkeypatch.setitem(model_registry.REGISTRIES[registry], "yours", entry)
+    monkeypatch.setitem(model_registry._plugged, (registry, "yours"), entry)
+
+
 @pytest.mark.parametrize("n_kv_head", [0, 2])
 def test_the_learners_rope_turns_queries_and_fewer_keys_as_the_projects_does(n_kv_head, monkeypatch):
     """The learner's apply_rope (here the answer key) in place of the project's RoPE gives
@@ -479,10 +507,9 @@ def test_the_learners_rope_turns_queries_and_fewer_keys_as_the_projects_does(n_k
     import importlib
     from attnlab.exercises import plug
     from model import GPT, ModelConfig
-    from model.positions import POSITION_ENCODINGS
     answer = importlib.import_module("attnlab.exercises.solutions.05_rope").apply_rope
-    monkeypatch.setitem(POSITION_ENCODINGS, "yours",
-                        type("YourRoPE", (plug.YourRoPE,), {"learner": staticmethod(answer)}))
+    plugged(monkeypatch, "position",
+            type("YourRoPE", (plug.YourRoPE,), {"learner": staticmethod(answer)}))
     torch.manual_seed(0)
     sizes = dict(vocab_size=20, n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=32, block_size=16)
     project, learners = GPT(ModelConfig(position="rope", **sizes)), GPT(ModelConfig(position="yours", **sizes))
@@ -494,8 +521,7 @@ def test_the_learners_rope_turns_queries_and_fewer_keys_as_the_projects_does(n_k
 def test_a_run_remembers_its_exercises_folder_and_exercises_overrides_it(tmp_path, monkeypatch):
     from attnlab.exercises import plug
     from model import ModelConfig
-    from model.attention import ATTENTION_BACKENDS
-    monkeypatch.setitem(ATTENTION_BACKENDS, "yours", plug.YOUR_BACKEND)
+    plugged(monkeypatch, "attention", plug.YOUR_BACKEND)
     monkeypatch.chdir(tmp_path)
     run, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints" / "step_0000004"
     ckpt.mkdir(parents=True)
@@ -528,10 +554,8 @@ def test_position_yours_is_your_sinusoidal_table_until_rope_passes(tmp_path, mon
     import torch
     from attnlab.exercises import plug
     from model import GPT, ModelConfig
-    from model.attention import ATTENTION_BACKENDS
-    from model.positions import POSITION_ENCODINGS
-    monkeypatch.setitem(ATTENTION_BACKENDS, "yours", plug.YOUR_BACKEND)
-    monkeypatch.setitem(POSITION_ENCODINGS, "yours", plug.YourPositions)
+    plugged(monkeypatch, "attention", plug.YOUR_BACKEND)
+    plugged(monkeypatch, "position", plug.YourPositions)
     monkeypatch.setattr(plug, "_bound", {})
     mine = tmp_path / "mine"
     start(mine)

@@ -119,3 +119,40 @@ def test_every_mechanism_of_the_frontier_is_one_the_model_builds():
     assert {name: frontier.why_not(m) for name, m in frontier.MECHANISMS.items()} == \
         dict.fromkeys(frontier.MECHANISMS)
     assert len(frontier.MECHANISMS) == 8
+
+
+@pytest.mark.parametrize("context", [40, 300])
+def test_the_windows_cache_holds_twice_the_window_as_its_page_says(context):
+    """docs/after_the_article.md said the cache "stops growing at the window"; the rolling
+    buffer keeps 2·W slots, cut back to the newest W-1 when full."""
+    from pathlib import Path
+    from model import GPT, ModelConfig
+    torch.manual_seed(0)
+    window = MECHANISMS["window"].model["sliding_window"]
+    model = GPT(ModelConfig(**{**BASE, **MECHANISMS["window"].model, "vocab_size": 32,
+                               "block_size": 64})).eval()
+    _, held = frontier.decode_at(model, context, 4)
+    want = BASE["n_layer"] * 2 * (2 * window) * BASE["n_embd"] * 4        # K and V, fp32
+    assert held == want == 32_768
+    page = " ".join((Path(__file__).parents[1] / "docs/after_the_article.md").read_text().split())
+    assert "stops growing at twice the window" in page and f"{want:,} bytes at any length" in page
+
+
+@pytest.mark.parametrize("asked", ["sigmoid", "difrential"])
+def test_an_unknown_mechanism_is_told_every_mechanism_the_frontier_measures(asked, monkeypatch):
+    from model import mechanisms as registered
+    monkeypatch.setitem(registered.MECHANISMS, "newcomer", registered.MECHANISMS["mha"])
+    with pytest.raises(AttnlabError) as err:
+        main(["--quick", "--mechanisms", "mha", asked])
+    said = str(err.value)
+    assert "\n" not in said and said.startswith(f"--mechanisms {asked}: ")
+    # every row, and every registered mechanism that is no row, measured when named
+    for name in [*MECHANISMS, "differential", "gated_deltanet", "newcomer"]:
+        assert name in said
+    assert ("did you mean 'differential'" in said) == (asked == "difrential")
+
+
+def test_a_registered_mechanism_that_is_no_row_is_measured_by_name():
+    known = frontier.measurable()
+    assert known["differential"].model == {"mechanism": "differential"}
+    assert frontier.why_not(known["differential"]) is None

@@ -369,3 +369,45 @@ def test_grid_draws_the_layer_asked_for_and_refuses_what_it_does_not_read(tmp_pa
         with pytest.raises(AttnlabError, match=re.escape(said)):
             heads.main([*argv, "--text", text] + (["--out", str(tmp_path / "g.png")]
                                                   if argv[0] != "stats" else []))
+
+
+def test_differential_weights_are_labelled_as_no_distribution_and_get_no_entropy(
+        tmp_path, monkeypatch, capsys):
+    """The colour bar said "each row sums to 1" and stats printed an entropy for
+    differential attention, whose rows sum to 1 - λ and may go below 0."""
+    from attnlab import heads
+    from attnlab.plotting import WEIGHT
+    text = "the trophy did not fit"
+    tok = CharTokenizer(set(text))
+    torch.manual_seed(0)
+    for mechanism, sums_to_one in (("differential", False), ("mha", True)):
+        model = GPT(ModelConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=32,
+                                block_size=64, mechanism=mechanism)).eval()
+        monkeypatch.setattr(heads, "load", lambda args: (model, None, tok, tmp_path / "ckpt"))
+        drawn = []
+        monkeypatch.setattr(heads, "save_figure", lambda fig, path, dpi: drawn.append(fig) or path)
+        for what in ("grid", "head"):
+            heads.main([what, "--text", text, "--out", str(tmp_path / "g.png")])
+            label = drawn[-1].axes[-1].get_ylabel()          # the colour bar's
+            assert (label == WEIGHT) == sums_to_one, label
+            assert sums_to_one or "model.mechanism=differential need not sum to 1" in label
+        capsys.readouterr()
+        heads.main(["stats", "--text", text])
+        printed = capsys.readouterr()
+        entropies = [line.split()[2] for line in printed.out.splitlines()[2:]]
+        assert len(entropies) == 4 and (set(entropies) == {"n/a"}) != sums_to_one
+        assert ("entropy does not apply" in printed.err) != sums_to_one
+
+
+def test_weights_below_0_are_drawn_on_a_scale_centred_on_0(tmp_path, monkeypatch):
+    from attnlab import heads
+    drawn = []
+    monkeypatch.setattr(heads, "save_figure", lambda fig, path, dpi: drawn.append(fig) or path)
+    signed, plain = torch.rand(2, 3, 3) - 0.3, torch.rand(2, 3, 3)
+    for maps, cmap, lowest in (([plain, signed], "RdBu_r", -1), ([plain], "viridis", 0)):
+        heads.save_grid(tmp_path / "g.png", list("abc"), maps)
+        heads.save_head(tmp_path / "h.png", list("abc"), maps[-1][0], 0, 0)
+        for fig in drawn[-2:]:
+            images = [im for ax in fig.axes for im in ax.images]
+            assert {im.get_cmap().name for im in images} == {cmap}
+            assert {im.get_clim()[0] for im in images} == {lowest}

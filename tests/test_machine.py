@@ -190,6 +190,20 @@ def test_fit_attention_keeps_a_backend_named_and_replaces_auto(native_bf16):
     assert machine.fit_attention(auto, auto.config, cpu, torch.bfloat16) == "two_matmuls"
 
 
+def test_the_kernel_seam_replaces_only_the_kernel_it_owns():
+    """use_attention_kernel replaced every callable attribute named `kernel`: a mechanism
+    whose feature map is its `kernel` had it swapped for an attention backend."""
+    from model import GPT
+    from model.attention import MultiHeadAttention, use_attention_kernel
+    model = GPT(_cfg(T=16))
+    feature_map = model.blocks[1].mlp.kernel = torch.nn.ELU()        # not the seam's
+    own = model.blocks[0].mlp.kernel = torch.sigmoid
+    for kernel in (machine.two_matmuls, sdpa_attention):              # handed over twice
+        use_attention_kernel(model, kernel)
+        assert all(m.kernel is kernel for m in model.modules() if isinstance(m, MultiHeadAttention))
+    assert model.blocks[1].mlp.kernel is feature_map and model.blocks[0].mlp.kernel is own
+
+
 @pytest.mark.parametrize("mechanism,said", [
     ("linear", "linear its own maths"), ("linear,mha", "two_matmuls for mha; linear its own maths"),
     ("deltanet,mla", "deltanet, mla their own maths"), ("differential", "two_matmuls")])

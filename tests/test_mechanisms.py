@@ -271,6 +271,60 @@ def test_a_layer_returns_weights_exactly_when_its_entry_says_it_has_them(name):
     if weights is not None:          # one map per head, nothing on a later key
         assert weights.shape == (1, config.n_head, 7, 7)
         assert torch.all(weights.triu(1) == 0)
+        # Rows that are distributions exactly when the entry says (heads' entropy, colour bar)
+        rows_sum_to_one = torch.allclose(weights.sum(-1), torch.ones(()), atol=1e-5)
+        assert (rows_sum_to_one and bool((weights >= 0).all())) == MECHANISMS[name].weights_sum_to_one
+
+
+def _layer_out(entry, seed=0, n_kv_head=0, window=0, alibi=False, value_embed=False):
+    """One layer of `entry` alone, built past the registry (which trusts the facts), on
+    7 tokens: its output with one input of the layer's changed."""
+    config = tiny(position="none", n_kv_head=n_kv_head)
+    torch.manual_seed(seed)
+    layer = entry.layer(config, 0).double().eval()
+    x = torch.randn(1, 7, config.n_embd, dtype=torch.float64)
+    ve = torch.randn(1, 7, config.kv_heads * config.head_dim, dtype=torch.float64)
+    bias = POSITION_ENCODINGS["alibi"](config).score_bias() if alibi else None
+    mask = Mask(q_start=0, q_len=7, k_pos=torch.arange(7), window=window, bias_fn=bias)
+    try:                               # a layer may refuse what it has no place for
+        with torch.no_grad():
+            out, _ = layer(x, POSITION_ENCODINGS["none"](config), mask,
+                           value_embed=ve if value_embed else None)
+    except ModelError:
+        return None
+    return out, sum(p.numel() for p in layer.parameters())
+
+
+def fact_mismatches(entry) -> list[str]:
+    """The facts of `entry` its layer contradicts: each says whether an input changes
+    what the layer computes, and here that input is changed and the output compared."""
+    plain = _layer_out(entry)
+    changed = {
+        "takes_value_embed": _layer_out(entry, value_embed=True),
+        "takes_score_bias": _layer_out(entry, alibi=True),
+        "follows_mask": _layer_out(entry, window=2),
+    }
+    found = [fact for fact, out in changed.items()
+             if (out is not None and not torch.equal(out[0], plain[0])) != getattr(entry, fact)]
+    shared = _layer_out(entry, n_kv_head=1)          # 1 key/value head for tiny's 2
+    if (shared is not None and shared[1] != plain[1]) != entry.takes_kv_heads:
+        found.append("takes_kv_heads")
+    return found
+
+
+@pytest.mark.parametrize("name", MECHANISM_NAMES)
+def test_each_does_or_does_not_take_fact_is_what_the_layer_does(name):
+    """The registry refuses a setting by the fact alone, so a false fact passed every
+    other test: here the layer itself is asked."""
+    assert fact_mismatches(MECHANISMS[name]) == []
+
+
+def test_a_layer_that_ignores_what_its_entry_says_it_takes_is_caught():
+    assert fact_mismatches(TOY) == []
+    liar = replace(TOY, takes_value_embed=True, takes_kv_heads=True)
+    assert fact_mismatches(liar) == ["takes_value_embed", "takes_kv_heads"]
+    assert fact_mismatches(replace(MECHANISMS["mha"], takes_score_bias=False,
+                                   follows_mask=False)) == ["takes_score_bias", "follows_mask"]
 
 
 @pytest.mark.parametrize("name", MECHANISM_NAMES)
@@ -384,7 +438,7 @@ def test_each_entrys_flops_agree_with_a_count_of_the_layers_own_multiplies(name,
     of 0, a factor of 2 lost, or T where a chunk belongs (linear at T=256 is 5x off)."""
     from torch.utils.flop_counter import FlopCounterMode
     config = tiny(n_head=4, n_embd=64, block_size=T, linear_chunk=32, mechanism=name,
-                  attention="eager")
+                  attention="eager" if MECHANISMS[name].uses_kernel else "auto")
     model = GPT(config).eval()
     attn = model.blocks[0].attn
     weights = sum(2 * T * m.in_features * m.out_features for m in attn.modules()
@@ -431,7 +485,8 @@ class RunningMean(nn.Module):
 TOY = Mechanism(RunningMean, Cache("a running sum and count", lambda c: 0, lambda c: c.n_embd + 1),
                 no_weights="every earlier token weighs the same; there is no map to draw",
                 export_refusal="a running mean is no transformers layer",
-                follows_mask=False)
+                follows_mask=False, takes_score_bias=False, takes_value_embed=False,
+                takes_kv_heads=False, takes_rotary=False, uses_kernel=False)
 
 
 @pytest.fixture
@@ -477,3 +532,42 @@ def test_a_mechanism_defined_in_a_test_is_listed_and_refused_where_it_should_be(
     assert not any(n.endswith((".pattern", ".q")) for n in capture.names(model))
     with pytest.raises(ModelError, match="sliding_window"):
         GPT(tiny(mechanism=toy, sliding_window=4))
+
+
+# -- what the registry refuses as the entries are read ----------------------------------
+
+def test_an_entry_written_over_after_the_dict_was_built_is_checked_when_read(monkeypatch):
+    """MECHANISMS["mha"] = a bare class skipped the check Mechanism makes when written,
+    and the model failed later with an AttributeError."""
+    monkeypatch.setitem(MECHANISMS, "mha", MECHANISMS["mha"].layer)
+    with pytest.raises(ModelError, match=r"MECHANISMS\['mha'\] is type, not a Mechanism"):
+        GPT(tiny())
+
+
+def test_the_exercises_name_is_refused_to_any_other_entry(monkeypatch):
+    """A mechanism registered as "yours" was taken for the learner's exercise code."""
+    from attnlab.exercises import plug
+    from attnlab.exercises.learner import ExerciseError
+    monkeypatch.setitem(MECHANISMS, "yours", TOY)
+    with pytest.raises(ModelError, match="kept for the exercises' code"):
+        GPT(tiny(mechanism="yours"))
+    with pytest.raises(ExerciseError, match="registered by other code"):
+        plug.install()
+
+
+@pytest.mark.parametrize("pattern", ["linear", "deltanet,mla"])
+def test_a_backend_named_for_mechanisms_that_run_no_kernel_is_refused(pattern):
+    with pytest.raises(ModelError, match=f"model.attention=eager .* model.mechanism={pattern}"):
+        GPT(tiny(attention="eager", mechanism=pattern))
+    GPT(tiny(attention="eager", mechanism="linear,mha"))      # mha's layers run it
+
+
+def test_every_fact_of_an_entry_and_of_its_cache_is_documented_where_the_others_are():
+    """docs/architecture.md named neither uses_kernel nor Cache's arguments."""
+    from pathlib import Path
+    page = (Path(__file__).parents[1] / "docs/architecture.md").read_text()
+    for f in fields(Mechanism):
+        assert f"`{f.name}=" in page or f"`{f.name}`" in page, f.name
+    assert "Cache(what, per_token, fixed)" in page and "keys_and_values" in page
+    for f in fields(Cache):
+        assert f"`{f.name}" in page, f.name

@@ -104,12 +104,26 @@ def test_both_caches_hold_what_the_entry_says(name):
         static.load(cache)
         want = 4 * N_LAYER * (16 * facts.per_token(c) + facts.fixed(c))      # fp32
         assert cache.nbytes() == static.nbytes() == want
-    head_dim = 16
-    # Each paper's count, written out (a new entry's belongs here too).
-    per_layer = {"linear": (0, 2 * (head_dim ** 2 + head_dim)), "deltanet": (0, 2 * head_dim ** 2),
-                 "gated_deltanet": (0, 2 * head_dim ** 2), "mla": (4 * head_dim + head_dim // 2, 0),
-                 "mha": (2 * 2 * head_dim, 0), "differential": (2 * 2 * head_dim, 0)}
-    assert (facts.per_token(c), facts.fixed(c)) == per_layer[name]
+    if name not in PAPER_COUNTS:         # the entry's own Cache is no check on itself
+        pytest.fail(f"no paper's count for mechanism {name!r}: add {name!r}: (numbers per "
+                    "token, fixed numbers) of one layer at 2 heads of d_k = 16 to PAPER_COUNTS "
+                    "in tests/test_mechanisms_in_a_gpt.py, counted from its paper")
+    assert (facts.per_token(c), facts.fixed(c)) == PAPER_COUNTS[name]
+
+
+# Each paper's count for one layer of gpt_with's model (2 heads of d_k = 16), written out
+# apart from the entries' Cache functions; a new entry's belongs here too.
+D = 16
+PAPER_COUNTS = {"linear": (0, 2 * (D ** 2 + D)), "deltanet": (0, 2 * D ** 2),
+                "gated_deltanet": (0, 2 * D ** 2), "mla": (4 * D + D // 2, 0),
+                "mha": (2 * 2 * D, 0), "differential": (2 * 2 * D, 0)}
+
+
+def test_a_mechanism_without_a_paper_count_is_told_what_to_add(monkeypatch):
+    """A new entry met a bare KeyError here."""
+    monkeypatch.setitem(MECHANISMS, "sigmoid", MECHANISMS["mha"])
+    with pytest.raises(pytest.fail.Exception, match="add 'sigmoid': .* to PAPER_COUNTS"):
+        test_both_caches_hold_what_the_entry_says("sigmoid")
 
 
 def test_a_hybrid_of_three_linear_layers_to_one_softmax_layer_trains_and_decodes():

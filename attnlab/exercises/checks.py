@@ -49,6 +49,8 @@ class Exercise:
     # How the function (the learner's, or a planted variant) runs on a case's args: called
     # once, or (a recurrent step) driven token by token.
     call: Callable = lambda fn, args: fn(*args)
+    # (name, name) -> a variant with both of those mistakes, so two at once are named too.
+    pairs: dict = field(default_factory=dict)
 
     @property
     def filename(self) -> str:
@@ -167,13 +169,9 @@ def run_check(ex: Exercise, fn: Callable, folder: Path | None = None) -> Result:
             return Result(ex, "failed", str(d))
         if same(got, want):
             continue
-        for variant, diagnosis in ex.mistakes.values():
-            try:
-                planted = _tuple(ex.call(variant, _clone(case.args)))
-            except RuntimeError:          # a mistake that cannot run on this case's shapes
-                continue
-            if not same(planted, want) and same(got, planted):
-                return Result(ex, "failed", f"{diagnosis} ({case.label})")
+        diagnosis = which_mistake(ex, case, got, want)
+        if diagnosis:
+            return Result(ex, "failed", f"{diagnosis} ({case.label})")
         try:
             message = ex.generic(case, got, want, fn)
         except Exception:             # a generic check that cannot judge this output
@@ -183,6 +181,25 @@ def run_check(ex: Exercise, fn: Callable, folder: Path | None = None) -> Result:
         return Result(ex, "failed", f"differs from the reference ({case.label}): "
                       f"{_largest_difference(got, want)}")
     return Result(ex, "passed")
+
+
+def which_mistake(ex: Exercise, case: Case, got: tuple, want: tuple) -> str | None:
+    """The planted mistake the learner's output equals, else the pair of them it equals."""
+    def made(variant) -> bool:
+        try:
+            planted = _tuple(ex.call(variant, _clone(case.args)))
+        except RuntimeError:              # a mistake that cannot run on this case's shapes
+            return False
+        return not same(planted, want) and same(got, planted)
+
+    for variant, diagnosis in ex.mistakes.values():
+        if made(variant):
+            return diagnosis
+    for (first, second), variant in ex.pairs.items():
+        if made(variant):
+            return (f"two mistakes at once. First, {ex.mistakes[first][1]}. Second, "
+                    f"{ex.mistakes[second][1]}")
+    return None
 
 
 def _largest_difference(got: tuple, want: tuple) -> str:
@@ -493,7 +510,7 @@ EXERCISES = [
              "§8: the cost of attention, and what the field does about it",
              "model/linear_attention.py:recurrent", linear_cases, ref.linear_parallel,
              ref.LINEAR_MISTAKES, linear_generic, trains="--model.mechanism=yours",
-             raised=linear_raised, call=linear_call),
+             raised=linear_raised, call=linear_call, pairs=ref.LINEAR_PAIRS),
 ]
 
 BY_NAME = {ex.name: ex for ex in EXERCISES}

@@ -34,7 +34,7 @@ from attnlab.exercises.checks import BY_NAME
 from attnlab.exercises.learner import DEFAULT_FOLDER, ExerciseError, passed_function
 from attnlab.exercises.reference import over_tokens
 
-NAME = "yours"
+NAME = model_registry.RESERVED
 RECORD = "exercises.json"      # beside a run's config: the folder it was trained with
 _bound: dict = {}              # "attention" -> the learner's function, once prepared
 
@@ -103,9 +103,14 @@ class YourLinearAttention(LinearAttention):
 def install() -> None:
     """Register `yours` in the attention, position and mechanism registries (idempotent).
     The mechanism is linear's entry, its cache and facts, with your layer in it."""
-    ATTENTION_BACKENDS.setdefault(NAME, YOUR_BACKEND)
-    POSITION_ENCODINGS.setdefault(NAME, YourPositions)
-    MECHANISMS.setdefault(NAME, replace(MECHANISMS["linear"], layer=YourLinearAttention))
+    for registry, entry in (("attention", YOUR_BACKEND), ("position", YourPositions),
+                            ("mechanism", replace(MECHANISMS["linear"], layer=YourLinearAttention))):
+        if model_registry.foreign_reserved(registry):
+            raise ExerciseError(f"model.{registry}={NAME}: an entry named {NAME!r} is registered "
+                                "by other code, and the exercises plug the learner's code in "
+                                "under that name; register it under another name")
+        if NAME not in model_registry.REGISTRIES[registry]:
+            model_registry.plug_in(registry, NAME, entry)
 
 
 def _yours(mechanism) -> bool:
@@ -146,14 +151,15 @@ def prepare(config: ModelConfig, folder: Path) -> list[str]:
             except ExerciseError:
                 raise ExerciseError(f"model.position=yours needs exercise 5 (rope) or 4 "
                                     f"(sinusoidal) to pass; {not_rope}") from None
-        POSITION_ENCODINGS[NAME] = type(base.__name__, (base,), {"learner": staticmethod(fn)})
+        model_registry.plug_in("position", NAME,
+                               type(base.__name__, (base,), {"learner": staticmethod(fn)}))
         model_registry.check(config)             # the facts changed: check them again
         notes.append(f"position: yours ({ex.function} in {folder / ex.filename})")
     if mechanism:
         ex = BY_NAME["linear_rnn"]
         layer = type(YourLinearAttention.__name__, (YourLinearAttention,),
                      {"learner": staticmethod(passed_function(ex, folder))})
-        MECHANISMS[NAME] = replace(MECHANISMS[NAME], layer=layer)
+        model_registry.plug_in("mechanism", NAME, replace(MECHANISMS[NAME], layer=layer))
         notes.append(f"mechanism: yours ({ex.function} in {folder / ex.filename})")
     return notes
 

@@ -403,28 +403,40 @@ def linear_parallel(q, k, v, S, z):
             z + phi_k.sum(-2))
 
 
-LINEAR_MISTAKES = {
-    "no_normaliser": (lambda *a: linear_step(*a, normalise=False),
+# Each slip as the reference's settings it changes, so two of them can be planted at once.
+LINEAR_SLIPS = {
+    "no_normaliser": (dict(normalise=False),
                       "the output is not normalised: divide φ(q)ᵀS by φ(q)·z, the sum of the "
                       "weights φ(q)·φ(k_j), so the output is a weighted average of the values "
                       "(as a softmax row sums to 1)"),
-    "phi_elu": (lambda *a: linear_step(*a, phi=torch.nn.functional.elu),
+    "phi_elu": (dict(phi=torch.nn.functional.elu),
                 "φ goes negative: elu(x) lies between -1 and 0 below zero; φ(x) = elu(x) + 1 "
                 "is positive everywhere, so every weight φ(q)·φ(k) is positive and the "
                 "normaliser φ(q)·z cannot cancel towards 0"),
-    "phi_none": (lambda *a: linear_step(*a, phi=lambda x: x),
+    "phi_none": (dict(phi=lambda x: x),
                  "no feature map: q and k are used as they are, so a weight q·k can be "
                  "negative and the normaliser can cross 0; apply φ(x) = elu(x) + 1 (positive "
                  "everywhere) to both first"),
-    "phi_relu": (lambda *a: linear_step(*a, phi=torch.relu),
+    "phi_relu": (dict(phi=torch.relu),
                  "φ = relu is 0 for every negative input: a query whose features are all "
                  "negative reads 0/0; φ(x) = elu(x) + 1 is positive everywhere"),
-    "read_before_update": (lambda *a: linear_step(*a, read="old"),
+    "read_before_update": (dict(read="old"),
                            "off by one: the output read the state before this token's φ(k)vᵀ "
                            "and φ(k) joined it, so a token does not see itself; add them first "
                            "(S_t = S_{t-1} + φ(k_t)v_tᵀ, z_t = z_{t-1} + φ(k_t)), then read "
                            "y_t = φ(q_t)ᵀS_t / φ(q_t)·z_t"),
-    "old_state_returned": (lambda *a: linear_step(*a, returns="old"),
+    "old_state_returned": (dict(returns="old"),
                            "the state returned is the one passed in: return the new S and z, "
                            "which the next token reads (the state carries every earlier token)"),
 }
+
+
+def _planted(**slip):
+    return lambda *a: linear_step(*a, **slip)
+
+
+LINEAR_MISTAKES = {name: (_planted(**slip), why) for name, (slip, why) in LINEAR_SLIPS.items()}
+# Two slips in one step (the feature maps are one choice, so never two of those).
+LINEAR_PAIRS = {(a, b): _planted(**LINEAR_SLIPS[a][0], **LINEAR_SLIPS[b][0])
+                for i, a in enumerate(LINEAR_SLIPS) for b in list(LINEAR_SLIPS)[i + 1:]
+                if not set(LINEAR_SLIPS[a][0]) & set(LINEAR_SLIPS[b][0])}
