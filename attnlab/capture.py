@@ -85,10 +85,11 @@ def not_distributions(config) -> dict[int, str]:
             if MECHANISMS[name].no_weights is None and not MECHANISMS[name].weights_sum_to_one}
 
 
-def weight_label(config) -> str:
-    """The colour bar's words for this model's maps: a row sums to 1 only where every
-    drawn layer's mechanism makes a distribution."""
-    others = ", ".join(dict.fromkeys(not_distributions(config).values()))
+def weight_label(config, layers=None) -> str:
+    """The colour bar's words for the maps of `layers` (every layer by default): a row
+    sums to 1 only where every drawn layer's mechanism makes a distribution."""
+    others = ", ".join(dict.fromkeys(name for layer, name in not_distributions(config).items()
+                                     if layers is None or layer in layers))
     return (f"attention weight (rows of model.mechanism={others} need not sum to 1)"
             if others else WEIGHT)
 

@@ -282,14 +282,15 @@ def left_out(config) -> str:
 def draw_grid(args, tokens, maps, config) -> None:
     """Every layer's heads, or --layer's alone; a hybrid's layers without weights are left
     out, and the figure and one printed line say which and why."""
-    left = ""
+    left, drawn = "", None
     if args.layer is not None:
+        drawn = [args.layer]
         layer_weights(maps, args.layer, weightless_layers(config))
         maps = [m if l == args.layer else None for l, m in enumerate(maps)]
     else:
         left = left_out(config)
     print("wrote", save_grid(out_path(args.out, "attention_grid.png"), tokens, maps, left,
-                             weight_label(config)))
+                             weight_label(config, drawn)))
 
 
 def main(argv=None) -> int:
@@ -328,7 +329,7 @@ def main(argv=None) -> int:
         if not 0 <= head < weights.shape[0]:
             raise AttnlabError(f"--head {head}: this model has heads 0-{weights.shape[0] - 1}")
         print("wrote", save_head(out_path(args.out, f"attention_l{layer}_h{head}.png"), tokens,
-                                 weights[head], layer, head, weight_label(model.config)))
+                                 weights[head], layer, head, weight_label(model.config, [layer])))
     elif args.what == "search":
         if not (args.source and args.target):
             raise AttnlabError("search needs --from WORD (looking) and --to WORD (looked at)")

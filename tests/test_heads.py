@@ -399,6 +399,28 @@ def test_differential_weights_are_labelled_as_no_distribution_and_get_no_entropy
         assert ("entropy does not apply" in printed.err) != sums_to_one
 
 
+def test_a_hybrids_colour_bar_speaks_of_the_layers_drawn(tmp_path, monkeypatch):
+    """On mha,differential, layer 0's figure is a softmax's and says its rows sum to 1;
+    layer 1's and the whole grid's say differential's rows need not."""
+    from attnlab import heads
+    from attnlab.plotting import WEIGHT
+    text = "the trophy did not fit"
+    tok = CharTokenizer(set(text))
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=32,
+                            block_size=64, mechanism="mha,differential")).eval()
+    monkeypatch.setattr(heads, "load", lambda args: (model, None, tok, tmp_path / "ckpt"))
+    drawn = []
+    monkeypatch.setattr(heads, "save_figure", lambda fig, path, dpi: drawn.append(fig) or path)
+    for what, layer, sums_to_one in (("grid", [], False), ("grid", ["--layer", "0"], True),
+                                     ("grid", ["--layer", "1"], False),
+                                     ("head", ["--layer", "0"], True),
+                                     ("head", ["--layer", "1"], False)):
+        heads.main([what, "--text", text, *layer, "--out", str(tmp_path / "g.png")])
+        label = drawn[-1].axes[-1].get_ylabel()
+        assert (label == WEIGHT) == sums_to_one, (what, layer, label)
+
+
 def test_weights_below_0_are_drawn_on_a_scale_centred_on_0(tmp_path, monkeypatch):
     from attnlab import heads
     drawn = []
