@@ -118,6 +118,7 @@ def save_mask_patterns(path: str | Path, length: int = 24, window: int = 6, n_gl
     # Two colours, so the scale is a key: what each means for the score there.
     scale = fig.colorbar(image, ax=list(axes), ticks=[0.25, 0.75], shrink=0.5)
     scale.ax.set_yticklabels(["hidden (-inf)", "may attend"])
+    scale.set_label("the score at (query, key)")
     return save_figure(fig, path, dpi=110)
 
 

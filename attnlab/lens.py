@@ -206,12 +206,17 @@ def show_logit_lens(args, model, tokenizer, show) -> None:
     print("layer " + " ".join(f"{l:>8}" for l in labels))
     for layer, row in enumerate(top):
         print(f"{layer:>5} " + " ".join(f"{show(i):>8}" for i in row))
-    print("wrote", save_layer_map(out_path(args.out, "logit_lens.png"), p_next,
-                         labels[int(model.config.causal):],
+    # A column per position, as in the table above; in a decoder its value is the
+    # probability of the token after it, so the label shows both.
+    columns = ([f"{a}→{b}" for a, b in zip(labels, labels[1:])] if model.config.causal
+               else labels)
+    print("wrote", save_layer_map(out_path(args.out, "logit_lens.png"), p_next, columns,
                          "logit lens: probability of the actual next token after each layer"
                          if model.config.causal else
                          "logit lens: probability of the token itself after each layer",
-                         cmap="viridis", center=False))
+                         xlabel="input token → the next token, whose probability is shown"
+                         if model.config.causal else "input token",
+                         scale="probability", cmap="viridis", center=False))
 
 
 def show_ablation(args, model, tokenizer, show) -> None:
@@ -226,7 +231,8 @@ def show_ablation(args, model, tokenizer, show) -> None:
     print("wrote", save_layer_map(out_path(args.out, "head_ablation.png"), delta,
                          [str(h) for h in range(delta.shape[1])],
                          f"loss change when a head is zero-ablated (base {base:.3f}; "
-                         "layers and heads from 0)"))
+                         "layers and heads from 0)",
+                         xlabel="head (from 0)", scale="loss change (higher: the head mattered)"))
 
 
 def show_patching(args, model, tokenizer, show) -> None:
@@ -245,7 +251,9 @@ def show_patching(args, model, tokenizer, show) -> None:
     for layer, row in enumerate(share):
         print(f"{layer:>5} " + " ".join(f"{v:8.2f}" for v in row))
     print("wrote", save_layer_map(out_path(args.out, "patching.png"), share, labels,
-                         f"activation patching: recovered share of logit({show(answer)})"))
+                         f"activation patching: recovered share of logit({show(answer)})",
+                         xlabel="position patched (its token)",
+                         scale="share recovered (1: all of the clean run's)"))
 
 
 # name on the command line -> (what it is called in a sentence, what runs it)

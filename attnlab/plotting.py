@@ -153,16 +153,21 @@ def weight_scale(fig, image, axes, label: str = WEIGHT) -> None:
     fig.colorbar(image, ax=axes, label=label, shrink=0.8)
 
 
-def save_layer_map(path, values, xlabels, title, ylabel="layer", cmap="RdBu_r", center=True):
-    """A (layers, columns) table of values as a heatmap, centred on 0 unless told not."""
+def save_layer_map(path, values, xlabels, title, *, xlabel: str, scale: str, ylabel="layer",
+                   cmap="RdBu_r", center=True):
+    """A (layers, columns) table of values as a heatmap, centred on 0 unless told not;
+    both axes and the colour bar say what they hold, and a long title wraps."""
+    import textwrap
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(max(4, 0.45 * values.shape[1] + 2), max(2.5, 0.5 * values.shape[0] + 1.5)))
+    width = max(4, 0.45 * values.shape[1] + 2)
+    fig, ax = plt.subplots(figsize=(width, max(2.5, 0.5 * values.shape[0] + 1.5)))
     lim = float(values.abs().max()) or 1.0
     shown_values = values.detach().float().cpu().numpy() if hasattr(values, "detach") else values
     image = ax.imshow(shown_values, cmap=cmap, aspect="auto",
                       **({"vmin": -lim, "vmax": lim} if center else {}))
     label_tokens(ax, xlabels, [str(i) for i in range(values.shape[0])], fontsize=8)
     ax.set_ylabel(f"{ylabel} (from 0)")
-    ax.set_title(title, fontsize=10)
-    fig.colorbar(image, ax=ax)
+    ax.set_xlabel(xlabel)
+    ax.set_title(textwrap.fill(title, int(width * 9)), fontsize=10)
+    fig.colorbar(image, ax=ax, label=scale)
     return save_figure(fig, path)

@@ -169,7 +169,9 @@ def test_every_attention_figure_labels_its_tokens_and_has_a_colour_scale(tmp_pat
     figures = drawn(monkeypatch)
     heads.save_grid(tmp_path / "g.png", tokens, maps)
     heads.save_head(tmp_path / "h.png", tokens, maps[1][0], 1, 0)
-    save_layer_map(tmp_path / "l.png", maps[0][0][:2], tokens, "lens", cmap="viridis", center=False)
+    save_layer_map(tmp_path / "l.png", maps[0][0][:2], tokens, "loss change when a head is "
+                   "zero-ablated (base 2.346; layers and heads counted from 0, as they take them)",
+                   xlabel="head (from 0)", scale="loss change", cmap="viridis", center=False)
     grid, head, lens = figures
     for fig in (grid, head, lens):
         assert colour_scales(fig) == 1
@@ -190,6 +192,13 @@ def test_every_attention_figure_labels_its_tokens_and_has_a_colour_scale(tmp_pat
             keys, queries = labelled(ax)
             assert keys and queries and all(keys) and all(queries), fig
     assert labelled(figures[-1].axes[0])[0] == [str(i) for i in range(8)]
+    for fig in figures:                  # a scale says what it measures; a title fits
+        assert all(ax.get_ylabel() for ax in fig.axes if hasattr(ax, "_colorbar")), fig
+        fig.canvas.draw()
+        for text in [ax.title for ax in fig.axes] + list(fig.texts):
+            box = text.get_window_extent()
+            assert box.x0 >= 0 and box.x1 <= fig.bbox.width, text.get_text()
+    assert lens.axes[0].get_xlabel()
 
 
 def test_titles_and_search_count_layers_and_heads_alike(tmp_path, capsys, monkeypatch):

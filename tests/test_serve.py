@@ -553,6 +553,13 @@ def test_the_page_in_a_real_browser(tiny_run, tmp_path):
         wait.until(lambda d: "done" in d.find_element(By.ID, "status").text)
         driver.find_elements(By.CSS_SELECTOR, ".output .tok")[9].click()
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#grid canvas.head")) == 2 * 2)
+        driver.find_element(By.ID, "tab-mask").click()       # the figure's colours, causal
+        pixel = ("const c = document.getElementById('mask'), cell = c.width / info.mask.length;"
+                 "return Array.from(c.getContext('2d').getImageData("
+                 "(arguments[1] + 0.5) * cell, (arguments[0] + 0.5) * cell, 1, 1).data.slice(0, 3));")
+        assert driver.execute_script(pixel, 1, 0) == [0x21, 0x71, 0xb5]      # query 1, key 0
+        assert driver.execute_script(pixel, 0, 1) == [0xf7, 0xfb, 0xff]      # a later key
+        driver.find_element(By.ID, "tab-generate").click()
         driver.save_screenshot(str(tmp_path / "serve.png"))
         if os.environ.get("ATTNLAB_SCREENSHOT"):
             shutil.copy(tmp_path / "serve.png", os.environ["ATTNLAB_SCREENSHOT"])

@@ -217,11 +217,14 @@ function escapeHtml(text) {
   return text.replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]));
 }
 
+// The colours of `python -m attnlab.figures masks`, so the page and the figure read alike.
+const MAY_ATTEND = "#2171b5", HIDDEN = "#f7fbff";
+
 function drawMask() {
   const canvas = $("mask"), m = info.mask, n = m.length;
   const ctx = canvas.getContext("2d"), cell = canvas.width / n;
   m.forEach((row, q) => row.forEach((ok, k) => {
-    ctx.fillStyle = ok ? "#93c5fd" : "#1e293b";
+    ctx.fillStyle = ok ? MAY_ATTEND : HIDDEN;
     ctx.fillRect(k * cell, q * cell, cell, cell);
   }));
 }
