@@ -219,9 +219,9 @@ def main(argv=None) -> int:
         return 0
     model, _, tokenizer, _ = load(args)
     if args.what == "bank":
-        print(f"cosine of 'bank' in {BANK[0]!r} and {BANK[1]!r}:")
-        for layer, cos in enumerate(bank_cosines(model, tokenizer)):
-            where = "input (embeddings)" if layer == 0 else f"after layer {layer}"
+        print(f"cosine of 'bank' in {BANK[0]!r} and {BANK[1]!r} ({NUMBERING}):")
+        for layer, cos in enumerate(bank_cosines(model, tokenizer), start=-1):
+            where = "input (embeddings)" if layer < 0 else f"after layer {layer}"
             print(f"  {where:<20} {cos:.4f}")
     else:
         print(f"{NUMBERING} (the article counts from 1)")

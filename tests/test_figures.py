@@ -1,4 +1,5 @@
 """The mask-pattern figure (attnlab/figures.py)."""
+import re
 from pathlib import Path
 
 import pytest
@@ -211,7 +212,6 @@ def test_titles_and_search_count_layers_and_heads_alike(tmp_path, capsys, monkey
     run = ["--run", str(tmp_path / "hf"), "--text", "the cat sat on the mat"]
     main(["search", *run, "--from", "mat", "--to", "cat", "--top", "1"])
     note, first = capsys.readouterr().out.splitlines()
-    import re
     layer, head = map(int, re.match(r"  layer (\d+), head (\d+):", first).groups())
     figures = drawn(monkeypatch)
     main(["head", *run, "--layer", str(layer), "--head", str(head), "--out", str(tmp_path / "h.png")])
@@ -221,3 +221,24 @@ def test_titles_and_search_count_layers_and_heads_alike(tmp_path, capsys, monkey
     titles = [ax.get_title() for ax in grid_fig.axes]
     assert titles[0] == "layer 0, head 0" and f"layer {layer}, head {head}" in titles
     assert "counted from 0" in note and "counted from 0" in grid_fig._suptitle.get_text()
+
+
+def test_the_articles_printouts_count_layers_from_0_as_every_other_tool_does(
+        tmp_path, capsys, monkeypatch):
+    """`article bank` printed "after layer 1" for the first layer while `article distance`,
+    on the same model, printed it as layer 0."""
+    from test_interop_bert import _tiny
+
+    from attnlab import article
+    from attnlab.article import main
+    _tiny("bert", tmp_path / "hf")
+    cosines = article.bank_cosines            # the tiny vocabulary has no "bank"
+    monkeypatch.setattr(article, "bank_cosines", lambda model, tokenizer: cosines(
+        model, tokenizer, ("the cat sat", "a cat ran"), "cat"))
+    printed = {}
+    for what in ("bank", "distance"):
+        main([what, "--run", str(tmp_path / "hf")])
+        out = capsys.readouterr().out
+        assert "counted from 0" in out.splitlines()[0], out
+        printed[what] = [int(n) for n in re.findall(r"^\s*(?:after layer )?(\d+)\s", out, re.M)]
+    assert printed["bank"] == printed["distance"] == [0, 1], printed
