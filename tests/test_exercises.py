@@ -125,6 +125,7 @@ PLANTED = {
          'weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), -1)\n'
          '    weights = weights if mask is None else weights * mask', "after the softmax"),
         ('float("-inf")', "0.0", "exp(0) = 1"),
+        ("math.sqrt(q.shape[-1])", "math.sqrt(v.shape[-1])", "divided by √d_v"),
     ],
     "causal_mask": [
         (".tril(diagonal=k_len - q_len)", ".triu()", "the wrong triangle"),

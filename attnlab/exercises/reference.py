@@ -41,6 +41,9 @@ ATTENTION_MISTAKES = {
     "by_d_k": (lambda q, k, v, mask=None: attention(q, k, v, mask, scale=q.shape[-1]),
                "the scores are divided by d_k instead of √d_k (too small by √d_k): the article "
                "scales by the square root of the key size"),
+    "by_d_v": (lambda q, k, v, mask=None: attention(q, k, v, mask, scale=math.sqrt(v.shape[-1])),
+               "the scores are divided by √d_v, the value size, instead of √d_k: the dot product "
+               "sums d_k terms of the query and key, so its spread grows with √d_k"),
     "softmax_axis": (lambda q, k, v, mask=None: attention(q, k, v, mask, softmax_dim=-2),
                      "rows do not sum to 1: the softmax ran over the queries (dim=-2); it goes "
                      "over the keys, the last axis, so each query's weights sum to 1"),
