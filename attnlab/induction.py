@@ -96,9 +96,11 @@ def train_attention_only(vocab: int = 64, span: int = 16, steps: int = 3000, see
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if step == 0:                       # what to expect, said once
+            log(f"the loss falls to about half of ln {vocab} = {math.log(vocab):.2f} once the "
+                "repeated half is learned")
         if step % 500 == 0 or step == steps - 1:
-            log(f"step {step:>4}: loss {loss.item():.3f} (about half of ln {vocab} = "
-                f"{math.log(vocab):.2f} once the repeated half is learned)")
+            log(f"step {step:>4}: loss {loss.item():.3f}")
     return model.eval()
 
 
