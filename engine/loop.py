@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import sys
 import time
 from typing import Callable
 
@@ -99,8 +100,11 @@ def train(run: Run, now: Callable[[], float] = time.perf_counter) -> dict:
     metrics.truncate_after(p.step + (1 if p.step else 0))
     speed, watch = Speedometer(run), DivergenceWatch()
     clock = LimitClock(p, now)
+    # Into a file (train.py > log) the bar writes an update every half second; there one
+    # every half minute says as much and keeps the log readable.
     bar = tqdm(total=bar_total(p, train_cfg), initial=p.step, unit="step", dynamic_ncols=True,
-               mininterval=0.5, desc="train", disable=not run.dist.is_main)
+               mininterval=0.5 if sys.stderr.isatty() else 30, desc="train",
+               disable=not run.dist.is_main)
     result = {"run_dir": str(run.run_dir)}
     with stop_signals(run):
         try:
