@@ -1,6 +1,7 @@
 """Faults inside a run: a diverging loss, and experiment tracking with no network."""
 import json
 import math
+import shutil
 import time
 
 import pytest
@@ -317,3 +318,33 @@ def test_a_full_disk_while_logging_metrics_names_the_file_and_the_resume(corpus,
     message = str(err.value)
     assert str(trainer.run_dir / "metrics.jsonl") in message and "No space left" in message
     assert f"python train.py --resume {trainer.run_dir}" in message
+
+
+TIMES = ("tokens_per_s", "elapsed_s", "mfu")      # what differs from one run to the next
+
+
+def logged(run_dir) -> list[dict]:
+    """A run's metrics lines without the fields that measure time."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in TIMES} for row in rows]
+
+
+def test_a_run_resumed_from_its_step_0_checkpoint_logs_what_one_straight_through_does(
+        corpus, tmp_path, one_thread):
+    """The evaluation at step 0 is the checkpoint's own, so the resume does not repeat it;
+    its metrics line was dropped with the lines past the checkpoint, leaving the resumed
+    run's log one evaluation short of the run's."""
+    from engine.resume import resume_config
+    straight = make_trainer(corpus, tmp_path / "a", "--train.max_iters=4", "--train.eval_interval=2")
+    train(straight)
+    copy = tmp_path / "b" / "r"
+    shutil.copytree(straight.run_dir, copy)
+    for later in checkpoint.list_checkpoints(copy)[1:]:     # killed while writing step 2's
+        shutil.rmtree(later)
+    cfg, run_dir, ckpt = resume_config(str(copy), str(copy.parent), {})
+    assert ckpt.name == "step_0000000" and run_dir == copy
+    train(setup_run(cfg, run_dir=run_dir, resume=ckpt, log=lambda *a: None))
+    mine, theirs = logged(copy), logged(straight.run_dir)
+    assert [(r["step"], sorted(r)) for r in mine] == [(r["step"], sorted(r)) for r in theirs]
+    for resumed, whole in zip(mine, theirs):                # threads may sum in another order
+        assert resumed == pytest.approx(whole, rel=1e-5, abs=0)
