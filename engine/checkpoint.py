@@ -25,6 +25,7 @@ from common.files import file_in_the_way, file_sha256, fsync, inside, read_json,
 from common.schema import Field, config_problems, count, first_problems
 from common.shell import word
 from engine.hf_files import MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, refuse_too_large
+from engine.optim import PARAM_STATE
 from model.layers import block_weights
 
 CKPT_DIR = "checkpoints"
@@ -93,6 +94,72 @@ def optimizer_join(tensors: dict, info: dict) -> dict:
             state.setdefault(int(idx), {}).update(rest)
         out[name] = {"state": state, "param_groups": parts["param_groups"]}
     return out
+
+
+def refuse_unfit_optimizer_state(optimizer, tensors: dict, info, ckpt: Path) -> None:
+    """Before any of it is loaded: the optimizer's tensors in train_state.safetensors
+    (optim.NAME.INDEX.KEY) are those a step of `optimizer` keeps (optim.PARAM_STATE),
+    each of its parameter's shape and dtype, all of a parameter's or none (one never
+    stepped); and state.json's description names the same optimizers and parameters,
+    with no state beside those tensors. The hashes catch damage, not an edit with hashes
+    recomputed: without this a moment of another shape is broadcast into every step, and
+    a missing one stops the first step with a KeyError."""
+    for wrong, name in ((_optimizer_tensor_problems(optimizer.indexed_params(), tensors), TRAIN_STATE),
+                        (_optimizer_info_problems(optimizer, info), "state.json")):
+        if wrong:
+            raise CheckpointError(f"checkpoint file {ckpt / name} does not hold the optimizer state "
+                                  f"of this model ({'; '.join(wrong[:3])}); it is corrupt or edited: "
+                                  f"{use_another(ckpt)}")
+
+
+def _optimizer_tensor_problems(params: dict[str, list], tensors: dict) -> list[str]:
+    """What is wrong with the optim.* tensors of a train state, for the optimizers'
+    parameters `params` ({name: parameters in state_dict order})."""
+    described = lambda shape, dtype: f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
+    expected = {f"optim.{name}.{idx}": {key: described(p.shape, p.dtype) if kind == "param"
+                                        else described((), torch.float32)
+                                        for key, kind in PARAM_STATE.get(name, {}).items()}
+                for name, owned in params.items() for idx, p in enumerate(owned)}
+    problems, found = [], {}
+    for key, tensor in tensors.items():
+        if not key.startswith("optim."):
+            continue
+        owner, _, field = key.rpartition(".")
+        want, have = expected.get(owner, {}).get(field), described(tensor.shape, tensor.dtype)
+        if want is None:
+            problems.append(f"{key[:200]} is no tensor this model's optimizer keeps")
+        elif have != want:
+            problems.append(f"{key} is {have}, not {want}")
+        elif not _finite(tensor):
+            problems.append(f"{key} holds NaN or infinite values")
+        found.setdefault(owner, set()).add(field)
+    for owner, fields in found.items():
+        if owner in expected and (missing := sorted(set(expected[owner]) - fields)):
+            problems.append(f"{owner} lacks {', '.join(missing)}")
+    return problems
+
+
+def _optimizer_info_problems(optimizer, info) -> list[str]:
+    """What is wrong with state.json's `optimizer` entry for `optimizer`: other
+    optimizers, parameters grouped otherwise (a saved index would land on another
+    parameter), or state that is not a tensor."""
+    if not isinstance(info, dict) or set(info) != set(optimizer.named):
+        shown = (", ".join(sorted(info)[:4]) or "none") if isinstance(info, dict) else "nothing"
+        return [f"its optimizer entry names {shown[:200]}, where this run has "
+                f"{', '.join(sorted(optimizer.named))}"]
+    problems = []
+    for name, opt in optimizer.named.items():
+        parts = info[name] if isinstance(info[name], dict) else {}
+        groups = parts.get("param_groups")
+        saved = [g.get("params") if isinstance(g, dict) else None
+                 for g in (groups if isinstance(groups, list) else [])]
+        if saved != [g["params"] for g in opt.state_dict()["param_groups"]]:
+            problems.append(f"optimizer.{name}.param_groups does not hold this model's "
+                            "parameters, grouped as its optimizer groups them")
+        if parts.get("plain_state"):
+            problems.append(f"optimizer.{name}.plain_state holds state that is not a tensor, "
+                            "which no optimizer here keeps")
+    return problems
 
 
 def save(run_dir: Path, step: int, model, optimizer, tensors: dict, state: dict,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -188,6 +189,7 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
     ckpt = ckpt or checkpoint.resolve(run.run_dir, "latest")
     weights, tensors, state = checkpoint.load(ckpt)
     _check_state(state, ckpt)
+    _check_train_state(run, tensors, state, ckpt)
     if run.cfg.train.dtype == "auto":
         run.dtype = _kept_dtype(state, run.device, run.dtype)
         run.kernel = machine.fit_attention(run.model, run.cfg.model, run.device, run.dtype)
@@ -262,6 +264,30 @@ def _check_state(state: dict, ckpt: Path) -> None:
     if said:
         raise CheckpointError(f"checkpoint {ckpt / 'state.json'} holds {' and '.join(said)}; "
                               f"it is corrupt or edited: {checkpoint.use_another(ckpt)}")
+
+
+def _check_train_state(run: Run, tensors: dict, state: dict, ckpt: Path) -> None:
+    """Every tensor of the checkpoint's train state checked against what this run keeps
+    before any is loaded: the optimizer's (checkpoint.refuse_unfit_optimizer_state), and
+    the random streams', each the size and dtype of a generator's state here."""
+    checkpoint.refuse_unfit_optimizer_state(run.optimizer, tensors, state.get("optimizer"), ckpt)
+    own = {"data.generator": run.batches.generator.get_state(), **rng_tensors(run.device)}
+    wrong = [f"{key} is missing" for key in ("data.generator", "rng.cpu") if key not in tensors]
+    for key, tensor in tensors.items():
+        ref = own.get(key)
+        # A GPU's streams on a machine without that GPU: kept, never restored here.
+        other_gpu = ref is None and re.fullmatch(r"rng\.cuda\.\d+", key)
+        if key.startswith("optim."):
+            continue
+        if ref is None and not other_gpu:
+            wrong.append(f"{key[:200]} is no tensor a run keeps")
+        elif tensor.dtype != torch.uint8 or tensor.dim() != 1 or (ref is not None and tensor.shape != ref.shape):
+            wrong.append(f"{key} is {tuple(tensor.shape)} {tensor.dtype}, not a generator's state"
+                         + (f" ({tuple(ref.shape)} torch.uint8)" if ref is not None else ""))
+    if wrong:
+        raise CheckpointError(f"checkpoint file {ckpt / checkpoint.TRAIN_STATE} does not hold "
+                              f"the random streams of a run ({'; '.join(wrong[:3])}); it is "
+                              f"corrupt or edited: {checkpoint.use_another(ckpt)}")
 
 
 def _kept_dtype(state: dict, device: torch.device, picked: torch.dtype) -> torch.dtype:

@@ -2,6 +2,8 @@
 tampering): each file is checked before it costs memory or leads outside its folder."""
 import hashlib
 import json
+import math
+import re
 import shutil
 from pathlib import Path
 
@@ -157,3 +159,76 @@ def test_a_character_tokenizer_names_an_id_it_has_no_character_for():
         with pytest.raises(TokenizerError, match=f"token id {wrong[0]} is past"):
             tok.decode(wrong)
     assert tok.with_mask().decode([2]) == tok.with_mask().mask
+
+
+def forged_train_state(run: Path, tmp_path: Path, change) -> Path:
+    """A copy of `run` whose latest checkpoint's train_state.safetensors is `change`d
+    (a function of its tensors, edited in place; or of them and state.json's dict), with
+    the hashes recomputed."""
+    from safetensors.torch import load_file, save_file
+    copy = edited(run, tmp_path)
+    ckpt = sorted((copy / "checkpoints").iterdir())[-1]
+    tensors = load_file(ckpt / "train_state.safetensors")
+    state = json.loads((ckpt / "state.json").read_text())
+    change(tensors, state)
+    save_file(tensors, ckpt / "train_state.safetensors")
+    state["files"]["train_state.safetensors"] = hashlib.sha256(
+        (ckpt / "train_state.safetensors").read_bytes()).hexdigest()
+    (ckpt / "state.json").write_text(json.dumps(state))
+    return copy
+
+
+def first(tensors):
+    """A moment of a vector parameter (a norm's gain: 32 wide in the tiny preset)."""
+    return next(k for k in sorted(tensors) if k.endswith(".exp_avg") and tensors[k].dim() == 1)
+
+
+def without(key):
+    return lambda t, s: t.pop(first(t) if key == "exp_avg" else key)
+
+
+@pytest.mark.parametrize("change, said, file", [
+    (lambda t, s: t.update({first(t): torch.zeros(1)}), r"exp_avg is \(1,\) float32, not \(32,\) float32",
+     "train_state.safetensors"),
+    (lambda t, s: t.update({first(t): t[first(t)].double()}), r"exp_avg is \(32,\) float64, not \(32,\) "
+     "float32", "train_state.safetensors"),
+    (lambda t, s: t.update({"optim.adamw.0.step": torch.zeros(3)}), r"step is \(3,\) float32, not \(\) float32",
+     "train_state.safetensors"),
+    (without("exp_avg"), r"optim\.adamw\.\d+ lacks exp_avg", "train_state.safetensors"),
+    (lambda t, s: t.update({"optim.adamw.999.exp_avg": torch.zeros(1)}),
+     "optim.adamw.999.exp_avg is no tensor this model's optimizer keeps", "train_state.safetensors"),
+    (lambda t, s: t.update({first(t): torch.full((32,), math.nan)}), "exp_avg holds NaN",
+     "train_state.safetensors"),
+    (without("rng.cpu"), "rng.cpu is missing", "train_state.safetensors"),
+    (lambda t, s: t.update({"data.generator": t["data.generator"][:8]}),
+     r"data.generator is \(8,\) torch.uint8, not a generator's state", "train_state.safetensors"),
+    (lambda t, s: s["optimizer"]["adamw"]["param_groups"].reverse(),
+     "adamw.param_groups does not hold this model's parameters", "state.json"),
+    (lambda t, s: s["optimizer"]["adamw"]["plain_state"].update({"0": {"exp_avg": 1}}),
+     "adamw.plain_state holds state that is not a tensor", "state.json"),
+])
+def test_a_forged_optimizer_state_is_refused_before_the_optimizer_gets_any_of_it(
+        tiny_run, tmp_path, monkeypatch, change, said, file):
+    """The hashes catch damage, not tampering: a moment of another shape was loaded and
+    broadcast into every step; a missing one stopped the first step with KeyError:
+    'exp_avg', a missing random stream the resume with KeyError: 'rng.cpu'."""
+    from engine.optim import Optimizers
+    from engine.resume import resume_config
+    from engine.run import setup_run
+    loaded = []
+    monkeypatch.setattr(Optimizers, "load_state_dict", lambda self, state: loaded.append(state))
+    copy = forged_train_state(tiny_run, tmp_path, change)
+    cfg, run_dir, ckpt = resume_config(str(copy), str(copy.parent), {})
+    with pytest.raises(AttnlabError) as err:
+        setup_run(cfg, run_dir=run_dir, resume=ckpt, log=lambda *a: None)
+    assert re.search(said, str(err.value)), str(err.value)
+    assert str(ckpt / file) in str(err.value) and "corrupt or edited" in str(err.value)
+    assert loaded == []
+
+
+def test_a_forged_optimizer_state_is_one_error_line_from_train_py(tiny_run, tmp_path):
+    copy = forged_train_state(tiny_run, tmp_path, without("exp_avg"))
+    proc = run_script("train.py", "--resume", copy, "--train.max_iters=12", check=False, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert str(copy / "checkpoints" / "step_0000010" / "train_state.safetensors") in errors[0]
