@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from common.errors import CheckpointError
-from common.files import file_in_the_way, file_sha256, fsync, inside, read_json, write_json_atomic
+from common.files import file_in_the_way, file_sha256, fsync, inside, odd_kind, read_json, write_json_atomic
 from common.schema import Field, config_problems, count, first_problems
 from common.shell import word
 from engine.hf_files import MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, refuse_too_large
@@ -324,7 +324,7 @@ def choose(path: str | Path, which: str = "latest") -> tuple[Path, str, bool]:
     step was evaluated (a run stopped before its first evaluation): then the latest,
     which has trained."""
     path = Path(path)
-    if (path / "state.json").is_file():
+    if (path / "state.json").exists():           # one that is not a plain file is refused as such
         return path, "the checkpoint folder given", False
     if not path.exists():
         raise CheckpointError(f"run directory {path} does not exist; train one with "
@@ -378,11 +378,10 @@ def _last_eval(ckpt: Path) -> int | None:
 
 def verified_json(ckpt: Path, name: str) -> dict:
     """One JSON file of a checkpoint, checked against the hash its state.json records."""
-    digest = readable_state(ckpt)["files"].get(name)
-    path, found = ckpt / name, inside(ckpt, name)
-    if not isinstance(digest, str) or found is None or not found.is_file() or file_sha256(found) != digest:
-        raise CheckpointError(f"checkpoint file {path} is missing or corrupt (its hash does not "
-                              f"match state.json); {use_another(ckpt)}")
+    path = ckpt / name
+    wrong = _file_problem(ckpt, name, readable_state(ckpt)["files"].get(name))
+    if wrong:
+        raise CheckpointError(f"{wrong} {use_another(ckpt)}")
     data = read_json(path)
     if data is None:
         raise CheckpointError(f"checkpoint file {path} is not a JSON object")
@@ -440,6 +439,9 @@ def verify(ckpt: Path, train_state: bool = True) -> dict:
 def _read_state(ckpt: Path) -> tuple[dict, str]:
     """(state.json, "") or ({}, what is wrong with it), without the remedy, which looks
     at the run's other checkpoints through here."""
+    if kind := odd_kind(ckpt / "state.json"):
+        return {}, (f"checkpoint file {ckpt / 'state.json'} is {kind}, not a plain file; the "
+                    "checkpoint is incomplete or corrupt:")
     state = read_json(ckpt / "state.json")
     problems = config_problems(state, STATE_SCHEMA) if state is not None else ["not a JSON object"]
     manifest = (state or {}).get("files")
@@ -470,9 +472,20 @@ def _damaged_file(ckpt: Path, state: dict, train_state: bool = True) -> str:
     for name, digest in state["files"].items():
         if name == TRAIN_STATE and not train_state:
             continue
-        file = inside(ckpt, name)                   # _read_state refused any name outside
-        if file is None or not file.is_file() or file_sha256(file) != digest:
-            return f"checkpoint file {ckpt / name} is missing or corrupt (its hash does not match state.json);"
+        if wrong := _file_problem(ckpt, name, digest):
+            return wrong
+    return ""
+
+
+def _file_problem(ckpt: Path, name: str, digest) -> str:
+    """What is wrong with file `name` of `ckpt` against its recorded `digest`, said as a
+    refusal without the remedy; "" where it matches. A folder or a pipe in its place is
+    named for what it is, found without opening it (a pipe's open would wait)."""
+    file = inside(ckpt, name)                   # _read_state refused any name outside
+    if file is not None and (kind := odd_kind(file)):
+        return f"checkpoint file {ckpt / name} is {kind}, not a plain file, so it is not the one saved;"
+    if not isinstance(digest, str) or file is None or not file.is_file() or file_sha256(file) != digest:
+        return f"checkpoint file {ckpt / name} is missing or corrupt (its hash does not match state.json);"
     return ""
 
 

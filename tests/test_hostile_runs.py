@@ -232,3 +232,32 @@ def test_a_forged_optimizer_state_is_one_error_line_from_train_py(tiny_run, tmp_
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert str(copy / "checkpoints" / "step_0000010" / "train_state.safetensors") in errors[0]
+
+
+@pytest.mark.parametrize("name, kind, entry", [
+    ("config.json", "folder", "train.py"),
+    ("config.json", "named pipe", "train.py"),
+    ("checkpoints/step_0000010/config.json", "named pipe", "train.py"),
+    ("checkpoints/step_0000010/state.json", "folder", "train.py"),
+    ("checkpoints/step_0000010/model.safetensors", "named pipe", "sample.py"),
+    ("checkpoints/step_0000010/tokenizer.json", "folder", "sample.py"),
+    ("metrics.jsonl", "named pipe", "train.py"),
+    (".lock", "named pipe", "train.py"),
+    ("best.json", "folder", "train.py"),
+])
+def test_a_run_file_that_is_not_a_plain_file_is_named_for_what_it_is(tiny_run, tmp_path, name, kind, entry):
+    """A run's config.json that was a folder or a pipe was said to be missing, with a cp
+    that cannot help; a pipe is never opened (the open would wait for a writer, here
+    until the timeout), and the error names the path and what stands there."""
+    import os
+    copy = edited(tiny_run, tmp_path)
+    path = copy / name
+    path.unlink()
+    path.mkdir() if kind == "folder" else os.mkfifo(path)
+    cmd = ["train.py", "--resume", copy, "--train.max_iters=12"] if entry == "train.py" else \
+        ["sample.py", "--run", copy, "--max_new_tokens=2"]
+    proc = run_script(*cmd, check=False, timeout=60)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"{path} is a {kind}, not a plain file" in errors[0], errors[0]
+    assert "missing" not in errors[0]
