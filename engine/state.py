@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from common.errors import CheckpointError
+from common.shell import word
 from engine import checkpoint
 from engine.config import RunConfig
 from engine.device import DTYPES, autocast, dtype_name
@@ -173,7 +174,8 @@ def save(run: Run) -> Path | None:
              "data_position": batches["position"],
              "last_eval": p.last_eval, "limit_s": p.limit_s, "last_eval_s": p.last_eval_s,
              "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
-             "autocast": dtype_name(run.dtype)}        # what a resume of `auto` keeps
+             "autocast": dtype_name(run.dtype),        # what a resume of `auto` keeps
+             "tokens": tokens_record(run.data)}
     state = {k: v for k, v in state.items() if v is not None}
     files = {"config.json": run.cfg.to_json(), "tokenizer.json": run.data.tokenizer.to_json()}
     path = checkpoint.save(run.run_dir, p.step, model, optimizer, tensors, state, files,
@@ -189,6 +191,7 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
     ckpt = ckpt or checkpoint.resolve(run.run_dir, "latest")
     weights, tensors, state = checkpoint.load(ckpt)
     _check_state(state, ckpt)
+    refuse_other_tokens(run.data, run.cfg.data.path, state, ckpt)
     _check_train_state(run, tensors, state, ckpt)
     if run.cfg.train.dtype == "auto":
         run.dtype = _kept_dtype(state, run.device, run.dtype)
@@ -241,7 +244,8 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
 # wrong kind (a hand edit) would otherwise fail mid-run, after the run wrote to its folder.
 STATE_KINDS = {"best_val": (int, float), "elapsed_s": (int, float), "last_eval": (int,),
                "data_position": (int,),
-               "wandb_id": (str,), "scaler": (dict,), "optimizer": (dict,), "autocast": (str,)}
+               "wandb_id": (str,), "scaler": (dict,), "optimizer": (dict,), "autocast": (str,),
+               "tokens": (dict,)}
 
 
 def _check_state(state: dict, ckpt: Path) -> None:
@@ -264,6 +268,36 @@ def _check_state(state: dict, ckpt: Path) -> None:
     if said:
         raise CheckpointError(f"checkpoint {ckpt / 'state.json'} holds {' and '.join(said)}; "
                               f"it is corrupt or edited: {checkpoint.use_another(ckpt)}")
+
+
+def tokens_record(data: TokenData) -> dict:
+    """What a checkpoint records of the tokens its run trains on: their folder, and the
+    fingerprint of the tokenizer they were prepared with, which gives each id its text."""
+    return {"folder": str(Path(data.directory).resolve()),
+            "tokenizer_fingerprint": data.meta.get("tokenizer_fingerprint", "")}
+
+
+def refuse_other_tokens(data: TokenData, data_path: str, state: dict, ckpt: Path) -> None:
+    """Refuse to go on from `ckpt` (its state.json `state`) on `data` (data.path
+    `data_path`) where those tokens were prepared with another tokenizer than the ones it
+    trained on: a folder prepared again after the run started holds the same ids for
+    other text, and where the vocabulary's size is the same nothing else would notice.
+    A checkpoint from before the record is not checked."""
+    recorded = state.get("tokens")
+    if not isinstance(recorded, dict):
+        return
+    was, now = recorded.get("tokenizer_fingerprint"), tokens_record(data)
+    if was == now["tokenizer_fingerprint"]:
+        return
+    given = data_path or now["folder"]
+    raise CheckpointError(
+        f"{now['folder']} holds tokens prepared with another tokenizer (fingerprint "
+        f"{now['tokenizer_fingerprint'][:16]}) than {ckpt} was trained on "
+        f"({str(recorded.get('folder'))[:300]}, fingerprint {str(was)[:16]}): its ids would stand "
+        "for other text. Put back the tokens the run trained on, or train a new run on these "
+        f"(python train.py --data.path={word(given)}), or start one from its weights with the "
+        f"corpus's text as data.path, which encodes it with the run's own tokenizer "
+        f"({word(f'--train.init_from={ckpt}')})")
 
 
 def _check_train_state(run: Run, tensors: dict, state: dict, ckpt: Path) -> None:

@@ -261,3 +261,40 @@ def test_a_run_file_that_is_not_a_plain_file_is_named_for_what_it_is(tiny_run, t
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"{path} is a {kind}, not a plain file" in errors[0], errors[0]
     assert "missing" not in errors[0]
+
+
+def test_tokens_prepared_again_with_another_tokenizer_are_refused_on_resume(corpus, tmp_path, one_thread):
+    """A token folder prepared again after the run started, from other text, holds a BPE
+    vocabulary of the same size whose ids stand for other text: the resume went on
+    training on it. The run records the fingerprint of its tokens' tokenizer; a resume
+    in place or a branch is refused naming both, and no branch folder is left behind."""
+    import data.build as build
+    from common.errors import CheckpointError
+    from data.sources import SourceSpec
+    from engine import cli
+    from engine.loop import train
+    from engine.resume import resume_config
+    from engine.run import setup_run
+    text, tokens, quiet = corpus.read_text(), tmp_path / "tokens", lambda *a: None
+    fingerprints = []
+    for i, part in enumerate((text[:30_000], text[30_000:])):
+        (tmp_path / f"{i}.txt").write_text(part)
+        meta = build.prepare(SourceSpec(str(tmp_path / f"{i}.txt")), tokens, "bpe", 300, num_proc=1,
+                             overwrite=bool(i), log=quiet, progress=False)
+        fingerprints.append(meta["tokenizer_fingerprint"])
+        if i == 0:
+            cfg = cli.build("tiny", [f"--data.path={tokens}", f"--train.out_dir={tmp_path / 'runs'}",
+                                     "--train.run_name=r", "--train.max_iters=4", "--train.eval_interval=2"])
+            train(setup_run(cfg, log=quiet))
+    assert fingerprints[0] != fingerprints[1] and meta["vocab_size"] == 300
+    run_dir = tmp_path / "runs" / "r"
+    for given in (run_dir, run_dir / "checkpoints" / "step_0000002"):
+        cfg, target, ckpt = resume_config(str(given), str(run_dir.parent), {})
+        with pytest.raises(CheckpointError) as err:
+            setup_run(cfg, run_dir=target, resume=ckpt, log=quiet)
+        said = str(err.value)
+        assert f"{tokens.resolve()} holds tokens prepared with another tokenizer (fingerprint " \
+               f"{fingerprints[1][:16]}) than {ckpt} was trained on ({tokens.resolve()}, fingerprint " \
+               f"{fingerprints[0][:16]})" in said, said
+        assert f"--train.init_from={ckpt}" in said
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["r"]
