@@ -19,6 +19,7 @@ from engine.config import RunConfig, apply, from_dict, migrate
 from engine.pretrained import SWAPPABLE_MODEL_FIELDS
 from engine.rundir import write_run_files
 from engine.state import Run, recorded_seconds, restore
+from engine.tracking import read_metrics_lines
 
 
 # Training options a resume cannot change, and why: a new value would be recorded and
@@ -297,11 +298,7 @@ def _branch_files(source: Path, ckpt: Path, run_dir: Path) -> None:
     metrics up to its step, and the best checkpoint up to it with its best.json."""
     step = (read_json(ckpt / "state.json") or {}).get("step", 0)
     records = []
-    try:
-        lines = (source / "metrics.jsonl").read_text(errors="replace").splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
+    for line in read_metrics_lines(source / "metrics.jsonl"):
         try:
             record = json.loads(line)
         except ValueError:                    # a torn last line

@@ -348,3 +348,24 @@ def test_a_run_resumed_from_its_step_0_checkpoint_logs_what_one_straight_through
     assert [(r["step"], sorted(r)) for r in mine] == [(r["step"], sorted(r)) for r in theirs]
     for resumed, whole in zip(mine, theirs):                # threads may sum in another order
         assert resumed == pytest.approx(whole, rel=1e-5, abs=0)
+
+
+def test_a_runs_metrics_are_read_bounded_on_resume_and_branch(tmp_path, monkeypatch):
+    """A resume keeps the metrics up to its checkpoint and a branch copies its parent's:
+    both read the whole file, of any size. One past the bound is refused by its size,
+    before it is read, naming it."""
+    from common.errors import AttnlabError
+    from engine import resume, tracking
+    monkeypatch.setattr(tracking, "METRICS_LIMIT", 1000, raising=False)
+    run = tmp_path / "r"
+    run.mkdir()
+    path = run / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0}) for s in range(40)]
+    path.write_text("\n".join(lines[:3]) + "\n")
+    Metrics(run, "disabled", "p", {}, "r").truncate_after(2)
+    assert path.read_text() == "\n".join(lines[:2]) + "\n"
+    path.write_text("\n".join(lines) + "\n")
+    for read in (lambda: Metrics(run, "disabled", "p", {}, "r").truncate_after(2),
+                 lambda: resume._branch_files(run, run / "checkpoints" / "step_0000002", tmp_path / "b")):
+        with pytest.raises(AttnlabError, match=f"{path} is 1,\\d+ bytes, more than the 1,000 it may be"):
+            read()
