@@ -174,7 +174,7 @@ def save(run_dir: Path, step: int, model, optimizer, tensors: dict, state: dict,
     bad = [name for name, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         raise CheckpointError(f"the weights hold NaN or infinite values ({', '.join(bad[:3])}); "
-                              "no checkpoint was written, so the last one stays the last good one")
+                              f"{final} was not written, so the last one stays the last good one")
     tmp.mkdir()
     try:
         _write(tmp, weights, optimizer, tensors, state, files, step)
@@ -448,9 +448,9 @@ def _read_state(ckpt: Path) -> tuple[dict, str]:
     if not problems and not all(isinstance(v, str) for v in manifest.values()):
         problems = ["files holds a hash that is not a string"]
     if problems:
-        return {}, (f"checkpoint {ckpt} has no readable state.json (missing, not JSON, or "
-                    "without its step, a whole number from 0, and file hashes: "
-                    f"{first_problems(problems)}); it is incomplete or corrupt:")
+        return {}, (f"checkpoint {ckpt} has no readable state.json ({ckpt / 'state.json'} is "
+                    "missing, not JSON, or without its step, a whole number from 0, and file "
+                    f"hashes: {first_problems(problems)}); it is incomplete or corrupt:")
     # A name is read from the file, so it may point anywhere: it is hashed or read only
     # where it stays inside the checkpoint's folder.
     outside = [name for name in manifest if inside(ckpt, name) is None]
@@ -462,7 +462,7 @@ def _read_state(ckpt: Path) -> tuple[dict, str]:
         # state.json is not covered by its own hashes: an edited step would resume the
         # schedule, the data and the checkpoint names from somewhere else.
         return {}, (f"checkpoint {ckpt} is named for step {int(named)} but its state.json "
-                    f"says step {state['step']}; it is corrupt or edited:")
+                    f"says step {state['step']} ({ckpt / 'state.json'}); it is corrupt or edited:")
     return state, ""
 
 
@@ -502,12 +502,17 @@ def load(ckpt: Path, train_state: bool = True) -> tuple[dict, dict, dict]:
     optimizer's file is neither checked nor read, so a damaged one blocks a resume alone,
     and the train-state tensors come back empty."""
     state = verify(ckpt, train_state)
-    try:
-        weights = load_file(ckpt / "model.safetensors")
-        tensors = load_file(ckpt / TRAIN_STATE) if train_state else {}
-    except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {ckpt} cannot be read as safetensors ({err})") from None
+    weights = _safetensors(ckpt, "model.safetensors")
+    tensors = _safetensors(ckpt, TRAIN_STATE) if train_state else {}
     return weights, tensors, state
+
+
+def _safetensors(ckpt: Path, name: str) -> dict:
+    try:
+        return load_file(ckpt / name)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint file {ckpt / name} cannot be read as safetensors "
+                              f"({err}); {use_another(ckpt)}") from None
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -518,10 +523,18 @@ def _finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
+def weights_file(origin: Path) -> Path:
+    """The file the weights from `origin` were read from, to name in a refusal: a
+    checkpoint folder's model.safetensors; else `origin` (a transformers folder, whose
+    weights may be several files)."""
+    single = Path(origin) / "model.safetensors"
+    return single if single.is_file() else Path(origin)
+
+
 def refuse_non_finite(weights: dict, origin: Path) -> None:
     bad = [n for n, t in weights.items() if not _finite(t)]
     if bad:
-        raise CheckpointError(f"checkpoint {origin} holds NaN or infinite weights ({', '.join(bad[:3])}); "
+        raise CheckpointError(f"checkpoint {weights_file(origin)} holds NaN or infinite weights ({', '.join(bad[:3])}); "
                               f"{use_another(origin)}")
 
 
@@ -542,7 +555,7 @@ def _refuse_unfit(own: dict, weights: dict, origin: Path, missing: set) -> None:
             f"unexpected {sorted(unexpected)[:4]}" if unexpected else "",
             "shape differs for " + ", ".join(f"{n} {tuple(weights[n].shape)} vs {tuple(own[n].shape)}"
                                              for n in wrong[:3]) if wrong else ""]))
-        raise CheckpointError(f"checkpoint {origin} does not fit this model config: {detail}")
+        raise CheckpointError(f"checkpoint {weights_file(origin)} does not fit this model config: {detail}")
 
 
 def load_weights(model: torch.nn.Module, weights: dict, origin: Path, assign: bool = False,

@@ -215,7 +215,8 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
     try:
         run.optimizer.load_state_dict(opt_state)
     except (ValueError, KeyError, RuntimeError) as err:
-        raise CheckpointError(f"optimizer state in {ckpt} does not fit this model ({err})") from None
+        raise CheckpointError(f"checkpoint file {ckpt / checkpoint.TRAIN_STATE} holds an optimizer state "
+                              f"that does not fit this model ({err}); {checkpoint.use_another(ckpt)}") from None
     for group, hyper in zip(run.optimizer.param_groups, wanted):
         group.update(hyper)
     position = state.get("data_position", -1)
@@ -343,6 +344,7 @@ MAX_SECONDS = 1e9
 def recorded_seconds(state: dict, key: str, ckpt: Path) -> float:
     value = state.get(key, 0.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < MAX_SECONDS:
-        raise CheckpointError(f"checkpoint {ckpt} records {key}={json.dumps(value)} in its state.json, "
-                              f"not a number of seconds; it is corrupt: {checkpoint.use_another(ckpt)}")
+        raise CheckpointError(f"checkpoint {ckpt} records {key}={json.dumps(value)[:100]} in its "
+                              f"state.json ({ckpt / 'state.json'}), not a number of seconds; it is "
+                              f"corrupt: {checkpoint.use_another(ckpt)}")
     return float(value)

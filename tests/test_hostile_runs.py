@@ -298,3 +298,20 @@ def test_tokens_prepared_again_with_another_tokenizer_are_refused_on_resume(corp
                f"{fingerprints[0][:16]})" in said, said
         assert f"--train.init_from={ckpt}" in said
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["r"]
+
+
+@pytest.mark.parametrize("name, replaced", [
+    ("model.safetensors", {"model.safetensors": "not safetensors"}),
+    ("train_state.safetensors", {"train_state.safetensors": "not safetensors"}),
+    ("state.json", {"state": lambda s: {**s, "limit_s": "soon"}}),
+    ("state.json", {"state": lambda s: {k: v for k, v in s.items() if k != "step"}}),
+])
+def test_each_checkpoint_refusal_names_the_file_it_is_about(tiny_run, tmp_path, name, replaced):
+    """Several said `checkpoint DIR ...` and left the reader to guess which of its files."""
+    from engine.resume import resume_config
+    from engine.run import setup_run
+    copy = edited(tiny_run, tmp_path, **replaced)
+    with pytest.raises(AttnlabError) as err:
+        cfg, run_dir, ckpt = resume_config(str(copy), str(copy.parent), {})
+        setup_run(cfg, run_dir=run_dir, resume=ckpt, log=lambda *a: None)
+    assert str(copy / "checkpoints" / "step_0000010" / name) in str(err.value), str(err.value)
