@@ -142,7 +142,7 @@ def _open_run_dir(run: Run, run_dir: Path | None, resume: bool | Path) -> None:
         run.release()                         # for a caller that goes on (a notebook)
         if err.args:
             raise
-        raise KeyboardInterrupt(stopped_line(run, "stopped before training")) from None
+        raise type(err)(stopped_line(run, "stopped before training")) from None
 
 
 def fit_readout(model_cfg, counts: torch.Tensor, log) -> None:

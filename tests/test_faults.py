@@ -369,3 +369,39 @@ def test_a_runs_metrics_are_read_bounded_on_resume_and_branch(tmp_path, monkeypa
                  lambda: resume._branch_files(run, run / "checkpoints" / "step_0000002", tmp_path / "b")):
         with pytest.raises(AttnlabError, match=f"{path} is 1,\\d+ bytes, more than the 1,000 it may be"):
             read()
+
+
+@pytest.mark.parametrize("where", ["write_run_files", "log"])
+def test_a_sigterm_while_a_new_run_is_set_up_removes_its_folder_and_says_so(corpus, tmp_path, where):
+    """SIGTERM (a scheduler's stop, `kill`) ended the process at once: a run folder made
+    and not yet checkpointed was left with its config and tokenizer and no word of it,
+    and the same command made a new one beside it. Now it is stopped as Ctrl-C is: the
+    folder is removed, one line says so, and the status is 143 (128 + SIGTERM). The
+    signal comes as the run's files are written, or just after (the set-up lines)."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    script = f"""
+import os, runpy, signal, sys
+import engine.run, engine.state
+def then_terminated(original):
+    def call(*a, **k):
+        out = original(*a, **k)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return out
+    return call
+if {where!r} == "write_run_files":
+    engine.run.write_run_files = then_terminated(engine.run.write_run_files)
+else:
+    engine.state.Run.summary = then_terminated(engine.state.Run.summary)
+sys.argv = ["train.py", "--config", "tiny", "--data.path={corpus}", "--data.cache_dir={tmp_path / 'cache'}",
+            "--train.out_dir={tmp_path / 'runs'}", "--train.max_iters=4"]
+runpy.run_path("train.py", run_name="__main__")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "before the run had a checkpoint; its folder" in errors[0] and "was removed" in errors[0]
+    assert list((tmp_path / "runs").iterdir()) == []
