@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from common.cpu import refuse_unrunnable_capability, wait_passively_if_busy
-from common.errors import interrupt_at_start
+from common.errors import interrupt_at_start, terminate_as_interrupt
 from common.shell import options, word
 
 refuse_unrunnable_capability()      # before torch loads, which would die of it: common/cpu.py
@@ -84,25 +84,26 @@ def main(argv: list[str]) -> int:
     # --- set up (threads, device, precision, data, model) and train ---
     dist = distributed.setup()
     try:
-        run = setup_run(cfg, run_dir=run_dir, resume=resuming, dist=dist, source=source)
-        # Said only now that the checkpoint has loaded and config.json holds the changes:
-        # a checkpoint refused above leaves the run as it was.
-        if changes and dist.is_main:
-            print(f"resume changes {'; '.join(changes)} (from the first step after "
-                  f"{resuming.name}; recorded in the run's config.json)")
-        try:
-            if dist.is_main:
-                plug.remember(cfg.model, run.run_dir, exercises)
-                if WAITING:                       # said once work starts, not before an error line
-                    print(WAITING, file=sys.stderr)
-            for line in (f"config:\n{describe(cfg)}", run.describe_setup(), run.summary(),
-                         f"run directory: {run.run_dir}"):
-                run.log(line)
-            result = train(run)
-        except KeyboardInterrupt as err:      # before the loop's own handler: name the run
-            if err.args:
-                raise
-            raise KeyboardInterrupt(stopped_line(run, "stopped")) from None
+        with terminate_as_interrupt(dist.world == 1):    # a SIGTERM in set-up: as Ctrl-C
+            run = setup_run(cfg, run_dir=run_dir, resume=resuming, dist=dist, source=source)
+            # Said only now that the checkpoint has loaded and config.json holds the changes:
+            # a checkpoint refused above leaves the run as it was.
+            if changes and dist.is_main:
+                print(f"resume changes {'; '.join(changes)} (from the first step after "
+                      f"{resuming.name}; recorded in the run's config.json)")
+            try:
+                if dist.is_main:
+                    plug.remember(cfg.model, run.run_dir, exercises)
+                    if WAITING:                   # said once work starts, not before an error line
+                        print(WAITING, file=sys.stderr)
+                for line in (f"config:\n{describe(cfg)}", run.describe_setup(), run.summary(),
+                             f"run directory: {run.run_dir}"):
+                    run.log(line)
+                result = train(run)
+            except KeyboardInterrupt as err:      # before the loop's own handler: name the run
+                if err.args:
+                    raise
+                raise type(err)(stopped_line(run, "stopped")) from None
     finally:
         distributed.cleanup(dist)
     return finished(run, result) if dist.is_main else 0

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import difflib
 import os
+import signal
 import sys
+import threading
 from contextlib import contextmanager
 
 
@@ -81,6 +83,31 @@ def friendly_errors(*also: type[Exception]):
         print(f"error: this needs {package}, an optional package: pip install -r "
               f"{EXTRAS_FILE}", file=sys.stderr)
         sys.exit(2)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's or a CI's stop, `kill`) raised as a Ctrl-C is, so that what
+    a Ctrl-C does where it lands is done for it too."""
+
+
+@contextmanager
+def terminate_as_interrupt(active: bool = True):
+    """SIGTERM as Ctrl-C while a run is set up (`active`: one process; under torchrun the
+    launcher stops its processes its own way). Its default ends the process at once: a
+    run folder made and not yet checkpointed was left half-made, with no word of it; as
+    an interrupt, the set-up removes it and says so. The training loop's own handler
+    takes over while it runs."""
+    if not active or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Terminated()
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextmanager

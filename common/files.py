@@ -61,7 +61,7 @@ def read_bounded(path: Path, limit: int) -> bytes:
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise ValueError("is not a plain file")
+            raise ValueError(f"is {file_kind(info.st_mode)}, not a plain file")
         if info.st_size > limit:
             raise ValueError(f"is {info.st_size:,} bytes, more than the {limit:,} it may be")
         with os.fdopen(os.dup(fd), "rb") as f:
@@ -85,6 +85,17 @@ def file_kind(mode: int) -> str:
     if stat.S_ISREG(mode):
         return "a plain file"
     return next((name for test, name in FILE_KINDS if test(mode)), "a special file")
+
+
+def odd_kind(path: Path) -> str | None:
+    """What stands at `path` where a plain file belongs ("a folder", "a named pipe", ...),
+    found by stat alone, never by opening it: opening a pipe waits for a writer. None
+    where a plain file (symlinks followed) or nothing is there."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):               # missing, a dangling link, a NUL in the name
+        return None
+    return None if stat.S_ISREG(mode) else file_kind(mode)
 
 
 def open_plain(path: Path):

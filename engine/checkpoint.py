@@ -21,10 +21,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from common.errors import CheckpointError
-from common.files import file_in_the_way, file_sha256, fsync, inside, read_json, write_json_atomic
+from common.files import file_in_the_way, file_sha256, fsync, inside, odd_kind, read_json, write_json_atomic
 from common.schema import Field, config_problems, count, first_problems
 from common.shell import word
 from engine.hf_files import MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, refuse_too_large
+from engine.optim import PARAM_STATE
 from model.layers import block_weights
 
 CKPT_DIR = "checkpoints"
@@ -95,6 +96,72 @@ def optimizer_join(tensors: dict, info: dict) -> dict:
     return out
 
 
+def refuse_unfit_optimizer_state(optimizer, tensors: dict, info, ckpt: Path) -> None:
+    """Before any of it is loaded: the optimizer's tensors in train_state.safetensors
+    (optim.NAME.INDEX.KEY) are those a step of `optimizer` keeps (optim.PARAM_STATE),
+    each of its parameter's shape and dtype, all of a parameter's or none (one never
+    stepped); and state.json's description names the same optimizers and parameters,
+    with no state beside those tensors. The hashes catch damage, not an edit with hashes
+    recomputed: without this a moment of another shape is broadcast into every step, and
+    a missing one stops the first step with a KeyError."""
+    for wrong, name in ((_optimizer_tensor_problems(optimizer.indexed_params(), tensors), TRAIN_STATE),
+                        (_optimizer_info_problems(optimizer, info), "state.json")):
+        if wrong:
+            raise CheckpointError(f"checkpoint file {ckpt / name} does not hold the optimizer state "
+                                  f"of this model ({'; '.join(wrong[:3])}); it is corrupt or edited: "
+                                  f"{use_another(ckpt)}")
+
+
+def _optimizer_tensor_problems(params: dict[str, list], tensors: dict) -> list[str]:
+    """What is wrong with the optim.* tensors of a train state, for the optimizers'
+    parameters `params` ({name: parameters in state_dict order})."""
+    described = lambda shape, dtype: f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
+    expected = {f"optim.{name}.{idx}": {key: described(p.shape, p.dtype) if kind == "param"
+                                        else described((), torch.float32)
+                                        for key, kind in PARAM_STATE.get(name, {}).items()}
+                for name, owned in params.items() for idx, p in enumerate(owned)}
+    problems, found = [], {}
+    for key, tensor in tensors.items():
+        if not key.startswith("optim."):
+            continue
+        owner, _, field = key.rpartition(".")
+        want, have = expected.get(owner, {}).get(field), described(tensor.shape, tensor.dtype)
+        if want is None:
+            problems.append(f"{key[:200]} is no tensor this model's optimizer keeps")
+        elif have != want:
+            problems.append(f"{key} is {have}, not {want}")
+        elif not _finite(tensor):
+            problems.append(f"{key} holds NaN or infinite values")
+        found.setdefault(owner, set()).add(field)
+    for owner, fields in found.items():
+        if owner in expected and (missing := sorted(set(expected[owner]) - fields)):
+            problems.append(f"{owner} lacks {', '.join(missing)}")
+    return problems
+
+
+def _optimizer_info_problems(optimizer, info) -> list[str]:
+    """What is wrong with state.json's `optimizer` entry for `optimizer`: other
+    optimizers, parameters grouped otherwise (a saved index would land on another
+    parameter), or state that is not a tensor."""
+    if not isinstance(info, dict) or set(info) != set(optimizer.named):
+        shown = (", ".join(sorted(info)[:4]) or "none") if isinstance(info, dict) else "nothing"
+        return [f"its optimizer entry names {shown[:200]}, where this run has "
+                f"{', '.join(sorted(optimizer.named))}"]
+    problems = []
+    for name, opt in optimizer.named.items():
+        parts = info[name] if isinstance(info[name], dict) else {}
+        groups = parts.get("param_groups")
+        saved = [g.get("params") if isinstance(g, dict) else None
+                 for g in (groups if isinstance(groups, list) else [])]
+        if saved != [g["params"] for g in opt.state_dict()["param_groups"]]:
+            problems.append(f"optimizer.{name}.param_groups does not hold this model's "
+                            "parameters, grouped as its optimizer groups them")
+        if parts.get("plain_state"):
+            problems.append(f"optimizer.{name}.plain_state holds state that is not a tensor, "
+                            "which no optimizer here keeps")
+    return problems
+
+
 def save(run_dir: Path, step: int, model, optimizer, tensors: dict, state: dict,
          files: dict[str, str], keep_last: int) -> Path:
     """Write checkpoint `step` atomically; prune to the last `keep_last` plus the best."""
@@ -107,7 +174,7 @@ def save(run_dir: Path, step: int, model, optimizer, tensors: dict, state: dict,
     bad = [name for name, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         raise CheckpointError(f"the weights hold NaN or infinite values ({', '.join(bad[:3])}); "
-                              "no checkpoint was written, so the last one stays the last good one")
+                              f"{final} was not written, so the last one stays the last good one")
     tmp.mkdir()
     try:
         _write(tmp, weights, optimizer, tensors, state, files, step)
@@ -257,7 +324,7 @@ def choose(path: str | Path, which: str = "latest") -> tuple[Path, str, bool]:
     step was evaluated (a run stopped before its first evaluation): then the latest,
     which has trained."""
     path = Path(path)
-    if (path / "state.json").is_file():
+    if (path / "state.json").exists():           # one that is not a plain file is refused as such
         return path, "the checkpoint folder given", False
     if not path.exists():
         raise CheckpointError(f"run directory {path} does not exist; train one with "
@@ -311,11 +378,10 @@ def _last_eval(ckpt: Path) -> int | None:
 
 def verified_json(ckpt: Path, name: str) -> dict:
     """One JSON file of a checkpoint, checked against the hash its state.json records."""
-    digest = readable_state(ckpt)["files"].get(name)
-    path, found = ckpt / name, inside(ckpt, name)
-    if not isinstance(digest, str) or found is None or not found.is_file() or file_sha256(found) != digest:
-        raise CheckpointError(f"checkpoint file {path} is missing or corrupt (its hash does not "
-                              f"match state.json); {use_another(ckpt)}")
+    path = ckpt / name
+    wrong = _file_problem(ckpt, name, readable_state(ckpt)["files"].get(name))
+    if wrong:
+        raise CheckpointError(f"{wrong} {use_another(ckpt)}")
     data = read_json(path)
     if data is None:
         raise CheckpointError(f"checkpoint file {path} is not a JSON object")
@@ -373,15 +439,18 @@ def verify(ckpt: Path, train_state: bool = True) -> dict:
 def _read_state(ckpt: Path) -> tuple[dict, str]:
     """(state.json, "") or ({}, what is wrong with it), without the remedy, which looks
     at the run's other checkpoints through here."""
+    if kind := odd_kind(ckpt / "state.json"):
+        return {}, (f"checkpoint file {ckpt / 'state.json'} is {kind}, not a plain file; the "
+                    "checkpoint is incomplete or corrupt:")
     state = read_json(ckpt / "state.json")
     problems = config_problems(state, STATE_SCHEMA) if state is not None else ["not a JSON object"]
     manifest = (state or {}).get("files")
     if not problems and not all(isinstance(v, str) for v in manifest.values()):
         problems = ["files holds a hash that is not a string"]
     if problems:
-        return {}, (f"checkpoint {ckpt} has no readable state.json (missing, not JSON, or "
-                    "without its step, a whole number from 0, and file hashes: "
-                    f"{first_problems(problems)}); it is incomplete or corrupt:")
+        return {}, (f"checkpoint {ckpt} has no readable state.json ({ckpt / 'state.json'} is "
+                    "missing, not JSON, or without its step, a whole number from 0, and file "
+                    f"hashes: {first_problems(problems)}); it is incomplete or corrupt:")
     # A name is read from the file, so it may point anywhere: it is hashed or read only
     # where it stays inside the checkpoint's folder.
     outside = [name for name in manifest if inside(ckpt, name) is None]
@@ -393,7 +462,7 @@ def _read_state(ckpt: Path) -> tuple[dict, str]:
         # state.json is not covered by its own hashes: an edited step would resume the
         # schedule, the data and the checkpoint names from somewhere else.
         return {}, (f"checkpoint {ckpt} is named for step {int(named)} but its state.json "
-                    f"says step {state['step']}; it is corrupt or edited:")
+                    f"says step {state['step']} ({ckpt / 'state.json'}); it is corrupt or edited:")
     return state, ""
 
 
@@ -403,9 +472,20 @@ def _damaged_file(ckpt: Path, state: dict, train_state: bool = True) -> str:
     for name, digest in state["files"].items():
         if name == TRAIN_STATE and not train_state:
             continue
-        file = inside(ckpt, name)                   # _read_state refused any name outside
-        if file is None or not file.is_file() or file_sha256(file) != digest:
-            return f"checkpoint file {ckpt / name} is missing or corrupt (its hash does not match state.json);"
+        if wrong := _file_problem(ckpt, name, digest):
+            return wrong
+    return ""
+
+
+def _file_problem(ckpt: Path, name: str, digest) -> str:
+    """What is wrong with file `name` of `ckpt` against its recorded `digest`, said as a
+    refusal without the remedy; "" where it matches. A folder or a pipe in its place is
+    named for what it is, found without opening it (a pipe's open would wait)."""
+    file = inside(ckpt, name)                   # _read_state refused any name outside
+    if file is not None and (kind := odd_kind(file)):
+        return f"checkpoint file {ckpt / name} is {kind}, not a plain file, so it is not the one saved;"
+    if not isinstance(digest, str) or file is None or not file.is_file() or file_sha256(file) != digest:
+        return f"checkpoint file {ckpt / name} is missing or corrupt (its hash does not match state.json);"
     return ""
 
 
@@ -422,12 +502,17 @@ def load(ckpt: Path, train_state: bool = True) -> tuple[dict, dict, dict]:
     optimizer's file is neither checked nor read, so a damaged one blocks a resume alone,
     and the train-state tensors come back empty."""
     state = verify(ckpt, train_state)
-    try:
-        weights = load_file(ckpt / "model.safetensors")
-        tensors = load_file(ckpt / TRAIN_STATE) if train_state else {}
-    except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {ckpt} cannot be read as safetensors ({err})") from None
+    weights = _safetensors(ckpt, "model.safetensors")
+    tensors = _safetensors(ckpt, TRAIN_STATE) if train_state else {}
     return weights, tensors, state
+
+
+def _safetensors(ckpt: Path, name: str) -> dict:
+    try:
+        return load_file(ckpt / name)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint file {ckpt / name} cannot be read as safetensors "
+                              f"({err}); {use_another(ckpt)}") from None
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -438,10 +523,18 @@ def _finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
+def weights_file(origin: Path) -> Path:
+    """The file the weights from `origin` were read from, to name in a refusal: a
+    checkpoint folder's model.safetensors; else `origin` (a transformers folder, whose
+    weights may be several files)."""
+    single = Path(origin) / "model.safetensors"
+    return single if single.is_file() else Path(origin)
+
+
 def refuse_non_finite(weights: dict, origin: Path) -> None:
     bad = [n for n, t in weights.items() if not _finite(t)]
     if bad:
-        raise CheckpointError(f"checkpoint {origin} holds NaN or infinite weights ({', '.join(bad[:3])}); "
+        raise CheckpointError(f"checkpoint {weights_file(origin)} holds NaN or infinite weights ({', '.join(bad[:3])}); "
                               f"{use_another(origin)}")
 
 
@@ -462,7 +555,7 @@ def _refuse_unfit(own: dict, weights: dict, origin: Path, missing: set) -> None:
             f"unexpected {sorted(unexpected)[:4]}" if unexpected else "",
             "shape differs for " + ", ".join(f"{n} {tuple(weights[n].shape)} vs {tuple(own[n].shape)}"
                                              for n in wrong[:3]) if wrong else ""]))
-        raise CheckpointError(f"checkpoint {origin} does not fit this model config: {detail}")
+        raise CheckpointError(f"checkpoint {weights_file(origin)} does not fit this model config: {detail}")
 
 
 def load_weights(model: torch.nn.Module, weights: dict, origin: Path, assign: bool = False,

@@ -17,7 +17,7 @@ import sys
 from contextlib import contextmanager
 from dataclasses import MISSING, fields
 
-from common.errors import ConfigError, choices_hint, closest, friendly_errors
+from common.errors import ConfigError, Terminated, choices_hint, closest, friendly_errors
 from engine import config
 from engine.config import RunConfig
 from model import ModelError
@@ -155,4 +155,5 @@ def errors_as_lines(interrupted: str = "nothing half-written was kept; run the s
             raise
         # A KeyboardInterrupt of ours carries what to do next (engine.loop.stop_signals).
         print(f"error: interrupted; {err.args[0] if err.args else interrupted}", file=sys.stderr)
-        sys.exit(130)
+        # The shell's 128 + the signal, as a stop in the loop exits (train.py's finished).
+        sys.exit(143 if isinstance(err, Terminated) else 130)

@@ -28,6 +28,7 @@ from model import registry as model_registry
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 MAX_NEW_TOKENS = 1_000_000          # one sample.py call: hours of text on a CPU already
+MAX_SAMPLES = 10_000                # one sample.py call: more is a loop of calls, each seeded
 
 # The version a run config is saved with (config.json's "version"; none means 1). A
 # config of an older version is migrated when it is read, so old runs and checkpoints
@@ -240,6 +241,15 @@ def _check_sample(sample: SampleConfig) -> None:
         raise ConfigError(f"sample.max_new_tokens={sample.max_new_tokens:,} is more than "
                           f"{MAX_NEW_TOKENS:,} tokens in one go; sample in several runs "
                           "(sample.seed differs each time) or ask for fewer")
+    if sample.num_samples > MAX_SAMPLES:
+        raise ConfigError(f"sample.num_samples={sample.num_samples:,} is more than {MAX_SAMPLES:,} "
+                          "samples in one go; sample in several runs (sample.seed differs each "
+                          "time) or ask for fewer")
+    if sample.num_samples * sample.max_new_tokens > MAX_NEW_TOKENS:
+        raise ConfigError(f"sample.num_samples={sample.num_samples:,} of sample.max_new_tokens="
+                          f"{sample.max_new_tokens:,} is more than {MAX_NEW_TOKENS:,} tokens in "
+                          "one go; sample in several runs (sample.seed differs each time) or ask "
+                          "for fewer")
     if not 0 <= sample.seed < 2 ** 63:
         raise ConfigError(f"sample.seed must be between 0 and 2**63 - 1, got {sample.seed}")
     if sample.explain_top < 1:

@@ -67,7 +67,8 @@ def checked_run_files(ckpt: Path) -> tuple[RunConfig, Tokenizer]:
     try:
         cfg: RunConfig = from_dict(checkpoint.run_config_json(ckpt), str(cfg_path))
     except (ConfigError, ModelError) as err:
-        raise CheckpointError(f"checkpoint {ckpt} has an unreadable config ({err})") from None
+        raise CheckpointError(f"checkpoint file {cfg_path} is an unreadable config ({err}); "
+                              f"{checkpoint.use_another(ckpt)}") from None
     checkpoint.refuse_too_large_model(cfg.model, cfg_path)
     tokenizer = read_run_tokenizer(ckpt, cfg.model)
     refuse_a_tokenizer_not_its_own(tokenizer, cfg, ckpt)

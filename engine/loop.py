@@ -97,7 +97,10 @@ def train(run: Run, now: Callable[[], float] = time.perf_counter) -> dict:
     metrics = Metrics(run.run_dir, train_cfg.wandb if run.dist.is_main else "disabled", train_cfg.wandb_project,
                       run.cfg.to_dict(), run.run_dir.name, p.wandb_id, run.log, write=run.dist.is_main)
     p.wandb_id = metrics.wandb_id
-    metrics.truncate_after(p.step + (1 if p.step else 0))
+    # A resumed run (last_eval set by restore) keeps the records up to its checkpoint's
+    # step, the evaluation there included, even at step 0; a new run starts the file
+    # afresh over what a run of its name stopped before its first checkpoint left.
+    metrics.truncate_after(p.step + 1 if p.last_eval is not None else 0)
     speed, watch = Speedometer(run), DivergenceWatch()
     clock = LimitClock(p, now)
     # Into a file (train.py > log) the bar writes an update every half second; there one

@@ -47,11 +47,24 @@ class Optimizers:
     def state_dict(self) -> dict:
         return {name: opt.state_dict() for name, opt in self.named.items()}
 
+    def indexed_params(self) -> dict[str, list[torch.Tensor]]:
+        """Each optimizer's parameters in the order its state_dict numbers them (0, 1, ...
+        across its groups): the parameter a saved state's index belongs to."""
+        return {name: [p for group in opt.param_groups for p in group["params"]]
+                for name, opt in self.named.items()}
+
     def load_state_dict(self, state: dict) -> None:
         if set(state) != set(self.named):
             raise ValueError(f"saved optimizers {sorted(state)} differ from {sorted(self.named)}")
         for name, opt in self.named.items():
             opt.load_state_dict(state[name])
+
+
+# The tensors each optimizer keeps for a parameter it has stepped: "param" is one of the
+# parameter's shape and dtype (a moment, a momentum buffer), "count" a float32 scalar
+# (AdamW's step count, a tensor so that a fused or captured step can update it in place).
+PARAM_STATE = {"adamw": {"exp_avg": "param", "exp_avg_sq": "param", "step": "count"},
+               "muon": {"momentum_buffer": "param"}}
 
 
 class GroupedMuon(torch.optim.Muon):

@@ -12,13 +12,14 @@ import os
 from pathlib import Path
 
 from common.errors import CheckpointError, ConfigError
-from common.files import file_in_the_way, read_json, write_json_atomic, write_text_atomic
+from common.files import file_in_the_way, odd_kind, read_json, write_json_atomic, write_text_atomic
 from common.shell import options, word
 from engine import checkpoint
 from engine.config import RunConfig, apply, from_dict, migrate
 from engine.pretrained import SWAPPABLE_MODEL_FIELDS
 from engine.rundir import write_run_files
 from engine.state import Run, recorded_seconds, restore
+from engine.tracking import read_metrics_lines
 
 
 # Training options a resume cannot change, and why: a new value would be recorded and
@@ -102,8 +103,10 @@ def _find_checkpoint(resume: str, out_dir: str) -> tuple[Path, Path]:
         path = Path(out_dir) / path                       # a run's name, as --run takes it
     if wrong := checkpoint.misplaced(path):
         raise CheckpointError(f"cannot resume: {wrong}")
-    if (path / "state.json").is_file():                   # a checkpoint folder
+    if (path / "state.json").exists():                    # a checkpoint folder
         run_dir = path.parent.parent
+        if path.parent.name == checkpoint.CKPT_DIR:
+            _refuse_odd_config(run_dir, (checkpoint.list_checkpoints(run_dir) or [path])[-1])
         if path.parent.name != checkpoint.CKPT_DIR or not (run_dir / "config.json").is_file():
             raise CheckpointError(f"cannot resume: {path} is a checkpoint outside a run "
                                   "directory; start a new run from it with "
@@ -113,6 +116,7 @@ def _find_checkpoint(resume: str, out_dir: str) -> tuple[Path, Path]:
         run_dir = path                   # partial writes are cleared by restore(), under the lock
         return run_dir, checkpoint.resolve(run_dir, "latest")
     if found := checkpoint.list_checkpoints(path):
+        _refuse_odd_config(path, found[-1])
         raise CheckpointError(f"cannot resume: {path / 'config.json'} is missing; copy its latest "
                               f"checkpoint's: cp {word(found[-1] / 'config.json')} {word(path / 'config.json')}")
     if not path.exists():
@@ -120,6 +124,16 @@ def _find_checkpoint(resume: str, out_dir: str) -> tuple[Path, Path]:
                               f"in {out_dir}/; give a run directory or its name, or one of its "
                               "checkpoint folders, or --resume alone for the latest run")
     raise CheckpointError(f"cannot resume: {path} is not a run directory (no config.json)")
+
+
+def _refuse_odd_config(run_dir: Path, ckpt: Path) -> None:
+    """A run whose config.json is a folder or a pipe (found without opening it, which
+    for a pipe would wait) is refused for that: copying the checkpoint's over it would
+    not help until it is moved away."""
+    if kind := odd_kind(run_dir / "config.json"):
+        raise CheckpointError(f"cannot resume: {run_dir / 'config.json'} is {kind}, not a plain "
+                              "file; move it out of the way, then copy the checkpoint's in its "
+                              f"place: cp {word(ckpt / 'config.json')} {word(run_dir / 'config.json')}")
 
 
 def _checkpoint_config(run_dir: Path, ckpt: Path) -> tuple[dict, RunConfig]:
@@ -284,11 +298,7 @@ def _branch_files(source: Path, ckpt: Path, run_dir: Path) -> None:
     metrics up to its step, and the best checkpoint up to it with its best.json."""
     step = (read_json(ckpt / "state.json") or {}).get("step", 0)
     records = []
-    try:
-        lines = (source / "metrics.jsonl").read_text(errors="replace").splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
+    for line in read_metrics_lines(source / "metrics.jsonl"):
         try:
             record = json.loads(line)
         except ValueError:                    # a torn last line

@@ -21,7 +21,7 @@ from engine.optim import configure_optimizer
 from engine.pretrained import Pretrained
 from engine.resume import branch, record_parent_weights
 from engine.rundir import claim_fresh_dir, fresh_name, lock_run_dir, stopped_line, write_run_files
-from engine.state import Run, restore
+from engine.state import Run, refuse_other_tokens, restore
 from data.tokenizer import Tokenizer
 from data.tokens import Batches, TokenData, load_tokens
 from model import GPT
@@ -120,6 +120,8 @@ def _open_run_dir(run: Run, run_dir: Path | None, resume: bool | Path) -> None:
     checkpoints; its config and tokenizer written. A Ctrl-C here says which folder to
     go on with."""
     dist, train_cfg = run.dist, run.cfg.train
+    if isinstance(resume, Path):              # before a branch's folder is made for it
+        refuse_other_tokens(run.data, run.cfg.data.path, checkpoint.readable_state(resume), resume)
     run.made_dir = dist.is_main and not run.run_dir.exists()
     try:
         if dist.is_main and not (run_dir or train_cfg.run_name or resume) and dist.world == 1:
@@ -140,7 +142,7 @@ def _open_run_dir(run: Run, run_dir: Path | None, resume: bool | Path) -> None:
         run.release()                         # for a caller that goes on (a notebook)
         if err.args:
             raise
-        raise KeyboardInterrupt(stopped_line(run, "stopped before training")) from None
+        raise type(err)(stopped_line(run, "stopped before training")) from None
 
 
 def fit_readout(model_cfg, counts: torch.Tensor, log) -> None:

@@ -9,11 +9,16 @@ from datetime import datetime
 from pathlib import Path
 
 from common.errors import CheckpointError, ConfigError
-from common.files import file_in_the_way, lock_file, lock_holder, write_text_atomic
+from common.files import file_in_the_way, lock_file, lock_holder, odd_kind, write_text_atomic
 from common.shell import word
 from engine import checkpoint
 from engine.config import RunConfig
 from engine.state import Run
+
+
+# The files a run keeps beside its checkpoints: each is opened, read or replaced as a
+# plain file, and a pipe in its place would make the open wait for a writer.
+RUN_FILES = (".lock", "config.json", "tokenizer.json", "metrics.jsonl", "best.json")
 
 
 def _try_lock_run_dir(run_dir: Path):
@@ -22,8 +27,23 @@ def _try_lock_run_dir(run_dir: Path):
     if blocking := file_in_the_way(run_dir):
         raise ConfigError(f"{blocking} is a file, where the run {run_dir} needs a folder; give "
                           "--train.out_dir a folder (it is made if missing)")
+    refuse_odd_run_files(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     return lock_file(run_dir / ".lock", wait=False)
+
+
+def refuse_odd_run_files(run_dir: Path) -> None:
+    """Before a run opens any of its files: each that is there is a plain file (found
+    without opening it), and its checkpoints/ a folder."""
+    for name in RUN_FILES:
+        if kind := odd_kind(run_dir / name):
+            raise CheckpointError(f"{run_dir / name} is {kind}, not a plain file, where the run "
+                                  f"keeps its {name}; move it out of the way and run the same "
+                                  "command again")
+    ckpts = run_dir / checkpoint.CKPT_DIR
+    if ckpts.exists() and not ckpts.is_dir():
+        raise CheckpointError(f"{ckpts} is not a folder, where the run keeps its checkpoints; "
+                              "move it out of the way and run the same command again")
 
 
 def lock_run_dir(run_dir: Path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -14,6 +15,7 @@ from typing import Callable
 import torch
 
 from common.errors import CheckpointError
+from common.shell import word
 from engine import checkpoint
 from engine.config import RunConfig
 from engine.device import DTYPES, autocast, dtype_name
@@ -172,7 +174,8 @@ def save(run: Run) -> Path | None:
              "data_position": batches["position"],
              "last_eval": p.last_eval, "limit_s": p.limit_s, "last_eval_s": p.last_eval_s,
              "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
-             "autocast": dtype_name(run.dtype)}        # what a resume of `auto` keeps
+             "autocast": dtype_name(run.dtype),        # what a resume of `auto` keeps
+             "tokens": tokens_record(run.data)}
     state = {k: v for k, v in state.items() if v is not None}
     files = {"config.json": run.cfg.to_json(), "tokenizer.json": run.data.tokenizer.to_json()}
     path = checkpoint.save(run.run_dir, p.step, model, optimizer, tensors, state, files,
@@ -188,6 +191,8 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
     ckpt = ckpt or checkpoint.resolve(run.run_dir, "latest")
     weights, tensors, state = checkpoint.load(ckpt)
     _check_state(state, ckpt)
+    refuse_other_tokens(run.data, run.cfg.data.path, state, ckpt)
+    _check_train_state(run, tensors, state, ckpt)
     if run.cfg.train.dtype == "auto":
         run.dtype = _kept_dtype(state, run.device, run.dtype)
         run.kernel = machine.fit_attention(run.model, run.cfg.model, run.device, run.dtype)
@@ -210,7 +215,8 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
     try:
         run.optimizer.load_state_dict(opt_state)
     except (ValueError, KeyError, RuntimeError) as err:
-        raise CheckpointError(f"optimizer state in {ckpt} does not fit this model ({err})") from None
+        raise CheckpointError(f"checkpoint file {ckpt / checkpoint.TRAIN_STATE} holds an optimizer state "
+                              f"that does not fit this model ({err}); {checkpoint.use_another(ckpt)}") from None
     for group, hyper in zip(run.optimizer.param_groups, wanted):
         group.update(hyper)
     position = state.get("data_position", -1)
@@ -239,7 +245,8 @@ def restore(run: Run, ckpt: Path | None = None) -> None:
 # wrong kind (a hand edit) would otherwise fail mid-run, after the run wrote to its folder.
 STATE_KINDS = {"best_val": (int, float), "elapsed_s": (int, float), "last_eval": (int,),
                "data_position": (int,),
-               "wandb_id": (str,), "scaler": (dict,), "optimizer": (dict,), "autocast": (str,)}
+               "wandb_id": (str,), "scaler": (dict,), "optimizer": (dict,), "autocast": (str,),
+               "tokens": (dict,)}
 
 
 def _check_state(state: dict, ckpt: Path) -> None:
@@ -264,6 +271,60 @@ def _check_state(state: dict, ckpt: Path) -> None:
                               f"it is corrupt or edited: {checkpoint.use_another(ckpt)}")
 
 
+def tokens_record(data: TokenData) -> dict:
+    """What a checkpoint records of the tokens its run trains on: their folder, and the
+    fingerprint of the tokenizer they were prepared with, which gives each id its text."""
+    return {"folder": str(Path(data.directory).resolve()),
+            "tokenizer_fingerprint": data.meta.get("tokenizer_fingerprint", "")}
+
+
+def refuse_other_tokens(data: TokenData, data_path: str, state: dict, ckpt: Path) -> None:
+    """Refuse to go on from `ckpt` (its state.json `state`) on `data` (data.path
+    `data_path`) where those tokens were prepared with another tokenizer than the ones it
+    trained on: a folder prepared again after the run started holds the same ids for
+    other text, and where the vocabulary's size is the same nothing else would notice.
+    A checkpoint from before the record is not checked."""
+    recorded = state.get("tokens")
+    if not isinstance(recorded, dict):
+        return
+    was, now = recorded.get("tokenizer_fingerprint"), tokens_record(data)
+    if was == now["tokenizer_fingerprint"]:
+        return
+    given = data_path or now["folder"]
+    raise CheckpointError(
+        f"{now['folder']} holds tokens prepared with another tokenizer (fingerprint "
+        f"{now['tokenizer_fingerprint'][:16]}) than {ckpt} was trained on "
+        f"({str(recorded.get('folder'))[:300]}, fingerprint {str(was)[:16]}): its ids would stand "
+        "for other text. Put back the tokens the run trained on, or train a new run on these "
+        f"(python train.py --data.path={word(given)}), or start one from its weights with the "
+        f"corpus's text as data.path, which encodes it with the run's own tokenizer "
+        f"({word(f'--train.init_from={ckpt}')})")
+
+
+def _check_train_state(run: Run, tensors: dict, state: dict, ckpt: Path) -> None:
+    """Every tensor of the checkpoint's train state checked against what this run keeps
+    before any is loaded: the optimizer's (checkpoint.refuse_unfit_optimizer_state), and
+    the random streams', each the size and dtype of a generator's state here."""
+    checkpoint.refuse_unfit_optimizer_state(run.optimizer, tensors, state.get("optimizer"), ckpt)
+    own = {"data.generator": run.batches.generator.get_state(), **rng_tensors(run.device)}
+    wrong = [f"{key} is missing" for key in ("data.generator", "rng.cpu") if key not in tensors]
+    for key, tensor in tensors.items():
+        ref = own.get(key)
+        # A GPU's streams on a machine without that GPU: kept, never restored here.
+        other_gpu = ref is None and re.fullmatch(r"rng\.cuda\.\d+", key)
+        if key.startswith("optim."):
+            continue
+        if ref is None and not other_gpu:
+            wrong.append(f"{key[:200]} is no tensor a run keeps")
+        elif tensor.dtype != torch.uint8 or tensor.dim() != 1 or (ref is not None and tensor.shape != ref.shape):
+            wrong.append(f"{key} is {tuple(tensor.shape)} {tensor.dtype}, not a generator's state"
+                         + (f" ({tuple(ref.shape)} torch.uint8)" if ref is not None else ""))
+    if wrong:
+        raise CheckpointError(f"checkpoint file {ckpt / checkpoint.TRAIN_STATE} does not hold "
+                              f"the random streams of a run ({'; '.join(wrong[:3])}); it is "
+                              f"corrupt or edited: {checkpoint.use_another(ckpt)}")
+
+
 def _kept_dtype(state: dict, device: torch.device, picked: torch.dtype) -> torch.dtype:
     """The precision `auto` chose for the checkpoint resumed, where this CPU computes it
     natively; else `picked`: a checkpoint trained on a CPU of another kind goes on in the
@@ -283,6 +344,7 @@ MAX_SECONDS = 1e9
 def recorded_seconds(state: dict, key: str, ckpt: Path) -> float:
     value = state.get(key, 0.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < MAX_SECONDS:
-        raise CheckpointError(f"checkpoint {ckpt} records {key}={json.dumps(value)} in its state.json, "
-                              f"not a number of seconds; it is corrupt: {checkpoint.use_another(ckpt)}")
+        raise CheckpointError(f"checkpoint {ckpt} records {key}={json.dumps(value)[:100]} in its "
+                              f"state.json ({ckpt / 'state.json'}), not a number of seconds; it is "
+                              f"corrupt: {checkpoint.use_another(ckpt)}")
     return float(value)

@@ -10,8 +10,28 @@ import os
 from pathlib import Path
 
 from common.errors import AttnlabError
+from common.files import read_bounded
 from common.shell import word
 from engine.checkpoint import list_checkpoints
+
+
+# Far more than a run writes (a line is about 200 bytes: some two million logged steps),
+# and little enough to read whole: a file past it is not one this project wrote.
+METRICS_LIMIT = 512 << 20
+
+
+def read_metrics_lines(path: Path) -> list[str]:
+    """The lines of a run's metrics.jsonl ([] where there is none), read bounded: a
+    file larger than METRICS_LIMIT, or one that is not a plain file, is refused naming
+    it, before it is read whole."""
+    try:
+        data = read_bounded(path, METRICS_LIMIT)
+    except FileNotFoundError:
+        return []
+    except ValueError as err:
+        raise AttnlabError(f"{path} {err}; it is not the metrics a run wrote: move it out of "
+                           "the way and run the same command again") from None
+    return data.decode("utf-8", errors="replace").splitlines()
 
 
 class Metrics:
@@ -44,7 +64,7 @@ class Metrics:
         """On resume: drop records the killed run wrote past its last checkpoint."""
         if not self.write or not self.path.exists():
             return
-        keep = [line for line in self.path.read_text(errors="replace").splitlines()
+        keep = [line for line in read_metrics_lines(self.path)
                 if _step_of(line) is not None and _step_of(line) < step]
         tmp = self.path.with_suffix(".tmp")
         try:

@@ -62,6 +62,10 @@ def test_overrides_beat_presets_and_are_typed():
     (["--sample.top_k=-5"], r"^sample.top_k must not be negative, got -5$"),
     (["--sample.max_new_tokens=-3"], r"^sample.max_new_tokens must not be negative, got -3$"),
     (["--sample.num_samples=0"], r"^sample.num_samples must be at least 1, got 0$"),
+    (["--sample.num_samples=100000000000000000000"], r"^sample.num_samples=100,000,000,000,000,000,000 "
+     r"is more than 10,000 samples in one go"),
+    (["--sample.num_samples=3000", "--sample.max_new_tokens=500"], r"^sample.num_samples=3,000 of "
+     r"sample.max_new_tokens=500 is more than 1,000,000 tokens in one go"),
     (["--train.grad_clip=-1"], r"^train.grad_clip must not be negative, got -1.0$"),
     (["--model.n_layer"], "needs a value"),
     (["n_layer=4"], "unexpected argument"),

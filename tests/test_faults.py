@@ -1,6 +1,7 @@
 """Faults inside a run: a diverging loss, and experiment tracking with no network."""
 import json
 import math
+import shutil
 import time
 
 import pytest
@@ -317,3 +318,90 @@ def test_a_full_disk_while_logging_metrics_names_the_file_and_the_resume(corpus,
     message = str(err.value)
     assert str(trainer.run_dir / "metrics.jsonl") in message and "No space left" in message
     assert f"python train.py --resume {trainer.run_dir}" in message
+
+
+TIMES = ("tokens_per_s", "elapsed_s", "mfu")      # what differs from one run to the next
+
+
+def logged(run_dir) -> list[dict]:
+    """A run's metrics lines without the fields that measure time."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in TIMES} for row in rows]
+
+
+def test_a_run_resumed_from_its_step_0_checkpoint_logs_what_one_straight_through_does(
+        corpus, tmp_path, one_thread):
+    """The evaluation at step 0 is the checkpoint's own, so the resume does not repeat it;
+    its metrics line was dropped with the lines past the checkpoint, leaving the resumed
+    run's log one evaluation short of the run's."""
+    from engine.resume import resume_config
+    straight = make_trainer(corpus, tmp_path / "a", "--train.max_iters=4", "--train.eval_interval=2")
+    train(straight)
+    copy = tmp_path / "b" / "r"
+    shutil.copytree(straight.run_dir, copy)
+    for later in checkpoint.list_checkpoints(copy)[1:]:     # killed while writing step 2's
+        shutil.rmtree(later)
+    cfg, run_dir, ckpt = resume_config(str(copy), str(copy.parent), {})
+    assert ckpt.name == "step_0000000" and run_dir == copy
+    train(setup_run(cfg, run_dir=run_dir, resume=ckpt, log=lambda *a: None))
+    mine, theirs = logged(copy), logged(straight.run_dir)
+    assert [(r["step"], sorted(r)) for r in mine] == [(r["step"], sorted(r)) for r in theirs]
+    for resumed, whole in zip(mine, theirs):                # threads may sum in another order
+        assert resumed == pytest.approx(whole, rel=1e-5, abs=0)
+
+
+def test_a_runs_metrics_are_read_bounded_on_resume_and_branch(tmp_path, monkeypatch):
+    """A resume keeps the metrics up to its checkpoint and a branch copies its parent's:
+    both read the whole file, of any size. One past the bound is refused by its size,
+    before it is read, naming it."""
+    from common.errors import AttnlabError
+    from engine import resume, tracking
+    monkeypatch.setattr(tracking, "METRICS_LIMIT", 1000, raising=False)
+    run = tmp_path / "r"
+    run.mkdir()
+    path = run / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0}) for s in range(40)]
+    path.write_text("\n".join(lines[:3]) + "\n")
+    Metrics(run, "disabled", "p", {}, "r").truncate_after(2)
+    assert path.read_text() == "\n".join(lines[:2]) + "\n"
+    path.write_text("\n".join(lines) + "\n")
+    for read in (lambda: Metrics(run, "disabled", "p", {}, "r").truncate_after(2),
+                 lambda: resume._branch_files(run, run / "checkpoints" / "step_0000002", tmp_path / "b")):
+        with pytest.raises(AttnlabError, match=f"{path} is 1,\\d+ bytes, more than the 1,000 it may be"):
+            read()
+
+
+@pytest.mark.parametrize("where", ["write_run_files", "log"])
+def test_a_sigterm_while_a_new_run_is_set_up_removes_its_folder_and_says_so(corpus, tmp_path, where):
+    """SIGTERM (a scheduler's stop, `kill`) ended the process at once: a run folder made
+    and not yet checkpointed was left with its config and tokenizer and no word of it,
+    and the same command made a new one beside it. Now it is stopped as Ctrl-C is: the
+    folder is removed, one line says so, and the status is 143 (128 + SIGTERM). The
+    signal comes as the run's files are written, or just after (the set-up lines)."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    script = f"""
+import os, runpy, signal, sys
+import engine.run, engine.state
+def then_terminated(original):
+    def call(*a, **k):
+        out = original(*a, **k)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return out
+    return call
+if {where!r} == "write_run_files":
+    engine.run.write_run_files = then_terminated(engine.run.write_run_files)
+else:
+    engine.state.Run.summary = then_terminated(engine.state.Run.summary)
+sys.argv = ["train.py", "--config", "tiny", "--data.path={corpus}", "--data.cache_dir={tmp_path / 'cache'}",
+            "--train.out_dir={tmp_path / 'runs'}", "--train.max_iters=4"]
+runpy.run_path("train.py", run_name="__main__")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "before the run had a checkpoint; its folder" in errors[0] and "was removed" in errors[0]
+    assert list((tmp_path / "runs").iterdir()) == []

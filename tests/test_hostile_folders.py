@@ -212,7 +212,7 @@ CONFIG_CASES = {
 
 CONFIG_MATCH = {"config: a 10^13-parameter model within every cap": "too large for this machine",
                 "config: linked to /dev/zero": "config.json leads outside",
-                "config: a pipe": "config.json is not a plain file",
+                "config: a pipe": "config.json is a named pipe, not a plain file",
                 "config: a sparse 5 GB file": "more than the 4,194,304 it may be",
                 "config: n_head=0": "n_head=0 is outside 1..4,096"}
 

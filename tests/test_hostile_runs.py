@@ -2,6 +2,8 @@
 tampering): each file is checked before it costs memory or leads outside its folder."""
 import hashlib
 import json
+import math
+import re
 import shutil
 from pathlib import Path
 
@@ -157,3 +159,159 @@ def test_a_character_tokenizer_names_an_id_it_has_no_character_for():
         with pytest.raises(TokenizerError, match=f"token id {wrong[0]} is past"):
             tok.decode(wrong)
     assert tok.with_mask().decode([2]) == tok.with_mask().mask
+
+
+def forged_train_state(run: Path, tmp_path: Path, change) -> Path:
+    """A copy of `run` whose latest checkpoint's train_state.safetensors is `change`d
+    (a function of its tensors, edited in place; or of them and state.json's dict), with
+    the hashes recomputed."""
+    from safetensors.torch import load_file, save_file
+    copy = edited(run, tmp_path)
+    ckpt = sorted((copy / "checkpoints").iterdir())[-1]
+    tensors = load_file(ckpt / "train_state.safetensors")
+    state = json.loads((ckpt / "state.json").read_text())
+    change(tensors, state)
+    save_file(tensors, ckpt / "train_state.safetensors")
+    state["files"]["train_state.safetensors"] = hashlib.sha256(
+        (ckpt / "train_state.safetensors").read_bytes()).hexdigest()
+    (ckpt / "state.json").write_text(json.dumps(state))
+    return copy
+
+
+def first(tensors):
+    """A moment of a vector parameter (a norm's gain: 32 wide in the tiny preset)."""
+    return next(k for k in sorted(tensors) if k.endswith(".exp_avg") and tensors[k].dim() == 1)
+
+
+def without(key):
+    return lambda t, s: t.pop(first(t) if key == "exp_avg" else key)
+
+
+@pytest.mark.parametrize("change, said, file", [
+    (lambda t, s: t.update({first(t): torch.zeros(1)}), r"exp_avg is \(1,\) float32, not \(32,\) float32",
+     "train_state.safetensors"),
+    (lambda t, s: t.update({first(t): t[first(t)].double()}), r"exp_avg is \(32,\) float64, not \(32,\) "
+     "float32", "train_state.safetensors"),
+    (lambda t, s: t.update({"optim.adamw.0.step": torch.zeros(3)}), r"step is \(3,\) float32, not \(\) float32",
+     "train_state.safetensors"),
+    (without("exp_avg"), r"optim\.adamw\.\d+ lacks exp_avg", "train_state.safetensors"),
+    (lambda t, s: t.update({"optim.adamw.999.exp_avg": torch.zeros(1)}),
+     "optim.adamw.999.exp_avg is no tensor this model's optimizer keeps", "train_state.safetensors"),
+    (lambda t, s: t.update({first(t): torch.full((32,), math.nan)}), "exp_avg holds NaN",
+     "train_state.safetensors"),
+    (without("rng.cpu"), "rng.cpu is missing", "train_state.safetensors"),
+    (lambda t, s: t.update({"data.generator": t["data.generator"][:8]}),
+     r"data.generator is \(8,\) torch.uint8, not a generator's state", "train_state.safetensors"),
+    (lambda t, s: s["optimizer"]["adamw"]["param_groups"].reverse(),
+     "adamw.param_groups does not hold this model's parameters", "state.json"),
+    (lambda t, s: s["optimizer"]["adamw"]["plain_state"].update({"0": {"exp_avg": 1}}),
+     "adamw.plain_state holds state that is not a tensor", "state.json"),
+])
+def test_a_forged_optimizer_state_is_refused_before_the_optimizer_gets_any_of_it(
+        tiny_run, tmp_path, monkeypatch, change, said, file):
+    """The hashes catch damage, not tampering: a moment of another shape was loaded and
+    broadcast into every step; a missing one stopped the first step with KeyError:
+    'exp_avg', a missing random stream the resume with KeyError: 'rng.cpu'."""
+    from engine.optim import Optimizers
+    from engine.resume import resume_config
+    from engine.run import setup_run
+    loaded = []
+    monkeypatch.setattr(Optimizers, "load_state_dict", lambda self, state: loaded.append(state))
+    copy = forged_train_state(tiny_run, tmp_path, change)
+    cfg, run_dir, ckpt = resume_config(str(copy), str(copy.parent), {})
+    with pytest.raises(AttnlabError) as err:
+        setup_run(cfg, run_dir=run_dir, resume=ckpt, log=lambda *a: None)
+    assert re.search(said, str(err.value)), str(err.value)
+    assert str(ckpt / file) in str(err.value) and "corrupt or edited" in str(err.value)
+    assert loaded == []
+
+
+def test_a_forged_optimizer_state_is_one_error_line_from_train_py(tiny_run, tmp_path):
+    copy = forged_train_state(tiny_run, tmp_path, without("exp_avg"))
+    proc = run_script("train.py", "--resume", copy, "--train.max_iters=12", check=False, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert str(copy / "checkpoints" / "step_0000010" / "train_state.safetensors") in errors[0]
+
+
+@pytest.mark.parametrize("name, kind, entry", [
+    ("config.json", "folder", "train.py"),
+    ("config.json", "named pipe", "train.py"),
+    ("checkpoints/step_0000010/config.json", "named pipe", "train.py"),
+    ("checkpoints/step_0000010/state.json", "folder", "train.py"),
+    ("checkpoints/step_0000010/model.safetensors", "named pipe", "sample.py"),
+    ("checkpoints/step_0000010/tokenizer.json", "folder", "sample.py"),
+    ("metrics.jsonl", "named pipe", "train.py"),
+    (".lock", "named pipe", "train.py"),
+    ("best.json", "folder", "train.py"),
+])
+def test_a_run_file_that_is_not_a_plain_file_is_named_for_what_it_is(tiny_run, tmp_path, name, kind, entry):
+    """A run's config.json that was a folder or a pipe was said to be missing, with a cp
+    that cannot help; a pipe is never opened (the open would wait for a writer, here
+    until the timeout), and the error names the path and what stands there."""
+    import os
+    copy = edited(tiny_run, tmp_path)
+    path = copy / name
+    path.unlink()
+    path.mkdir() if kind == "folder" else os.mkfifo(path)
+    cmd = ["train.py", "--resume", copy, "--train.max_iters=12"] if entry == "train.py" else \
+        ["sample.py", "--run", copy, "--max_new_tokens=2"]
+    proc = run_script(*cmd, check=False, timeout=60)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"{path} is a {kind}, not a plain file" in errors[0], errors[0]
+    assert "missing" not in errors[0]
+
+
+def test_tokens_prepared_again_with_another_tokenizer_are_refused_on_resume(corpus, tmp_path, one_thread):
+    """A token folder prepared again after the run started, from other text, holds a BPE
+    vocabulary of the same size whose ids stand for other text: the resume went on
+    training on it. The run records the fingerprint of its tokens' tokenizer; a resume
+    in place or a branch is refused naming both, and no branch folder is left behind."""
+    import data.build as build
+    from common.errors import CheckpointError
+    from data.sources import SourceSpec
+    from engine import cli
+    from engine.loop import train
+    from engine.resume import resume_config
+    from engine.run import setup_run
+    text, tokens, quiet = corpus.read_text(), tmp_path / "tokens", lambda *a: None
+    fingerprints = []
+    for i, part in enumerate((text[:30_000], text[30_000:])):
+        (tmp_path / f"{i}.txt").write_text(part)
+        meta = build.prepare(SourceSpec(str(tmp_path / f"{i}.txt")), tokens, "bpe", 300, num_proc=1,
+                             overwrite=bool(i), log=quiet, progress=False)
+        fingerprints.append(meta["tokenizer_fingerprint"])
+        if i == 0:
+            cfg = cli.build("tiny", [f"--data.path={tokens}", f"--train.out_dir={tmp_path / 'runs'}",
+                                     "--train.run_name=r", "--train.max_iters=4", "--train.eval_interval=2"])
+            train(setup_run(cfg, log=quiet))
+    assert fingerprints[0] != fingerprints[1] and meta["vocab_size"] == 300
+    run_dir = tmp_path / "runs" / "r"
+    for given in (run_dir, run_dir / "checkpoints" / "step_0000002"):
+        cfg, target, ckpt = resume_config(str(given), str(run_dir.parent), {})
+        with pytest.raises(CheckpointError) as err:
+            setup_run(cfg, run_dir=target, resume=ckpt, log=quiet)
+        said = str(err.value)
+        assert f"{tokens.resolve()} holds tokens prepared with another tokenizer (fingerprint " \
+               f"{fingerprints[1][:16]}) than {ckpt} was trained on ({tokens.resolve()}, fingerprint " \
+               f"{fingerprints[0][:16]})" in said, said
+        assert f"--train.init_from={ckpt}" in said
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["r"]
+
+
+@pytest.mark.parametrize("name, replaced", [
+    ("model.safetensors", {"model.safetensors": "not safetensors"}),
+    ("train_state.safetensors", {"train_state.safetensors": "not safetensors"}),
+    ("state.json", {"state": lambda s: {**s, "limit_s": "soon"}}),
+    ("state.json", {"state": lambda s: {k: v for k, v in s.items() if k != "step"}}),
+])
+def test_each_checkpoint_refusal_names_the_file_it_is_about(tiny_run, tmp_path, name, replaced):
+    """Several said `checkpoint DIR ...` and left the reader to guess which of its files."""
+    from engine.resume import resume_config
+    from engine.run import setup_run
+    copy = edited(tiny_run, tmp_path, **replaced)
+    with pytest.raises(AttnlabError) as err:
+        cfg, run_dir, ckpt = resume_config(str(copy), str(copy.parent), {})
+        setup_run(cfg, run_dir=run_dir, resume=ckpt, log=lambda *a: None)
+    assert str(copy / "checkpoints" / "step_0000010" / name) in str(err.value), str(err.value)

@@ -209,7 +209,7 @@ def test_a_state_json_whose_step_disagrees_with_its_folder_is_refused(run_with_s
     state["step"] = 5
     (ckpt / "state.json").write_text(json.dumps(state))
     with pytest.raises(AttnlabError, match=r"step_0000004 is named for step 4 but its state.json "
-                                           r"says step 5; it is corrupt or edited: use another "
+                                           r"says step 5 \(.*step_0000004/state.json\); it is corrupt or edited: use another "
                                            r"checkpoint: .* also keeps steps 0, 2, 6"):
         loaded(["--run", str(run), "--checkpoint", "4"])
 
