@@ -97,6 +97,7 @@ class LeakRow:
     head: tuple                  # (layer, head) of that head, from 0
     pattern: torch.Tensor        # that head's weights on one validation window (T, T)
     sample: str
+    tokens: list                 # that window's tokens, one by one
 
 
 def train_lm(causal: bool, steps: int, out: Path, data: str = "", log=lambda *a, **k: None,
@@ -163,14 +164,15 @@ def leak(steps: int = LEAK_STEPS, runs: Path | None = None, data: str = "",
                 last = torch.nn.functional.cross_entropy(model(x).logits[:, -1].float(), y[:, -1]).item()
             mass, head, pattern = next_position_mass(model, x)
             rows.append(LeakRow(causal, sum(tail) / len(tail), val, curve, last, mass, head, pattern,
-                                write(model, run.data.tokenizer, LEAK_PROMPT, sample_tokens)))
+                                write(model, run.data.tokenizer, LEAK_PROMPT, sample_tokens),
+                                [run.data.tokenizer.decode([i]) for i in x[0].tolist()]))
     return rows
 
 
 def leak_figure(rows: list[LeakRow], path: Path) -> Path:
-    from attnlab.plotting import pyplot, save_figure
+    from attnlab.plotting import label_tokens, pyplot, save_figure, weight_scale
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.5), layout="constrained")
     for r in rows:
         steps, losses = zip(*r.curve)
         axes[0].plot(steps, losses, label="causal" if r.causal else "model.causal=false")
@@ -179,10 +181,12 @@ def leak_figure(rows: list[LeakRow], path: Path) -> Path:
     axes[0].legend()
     for ax, r in zip(axes[1:], rows):
         T = min(24, r.pattern.shape[0])
-        ax.imshow(r.pattern[:T, :T].numpy(), cmap="viridis", vmin=0, vmax=1)
-        ax.set(xlabel="key position", ylabel="query position",
+        image = ax.imshow(r.pattern[:T, :T].numpy(), cmap="viridis", vmin=0, vmax=1)
+        label_tokens(ax, r.tokens[:T])
+        ax.set(xlabel="key (looked at)", ylabel="query (looking)",
                title=f"{'causal' if r.causal else 'causal=false'}, layer {r.head[0]} head {r.head[1]}: "
                      f"{r.next_mass:.2f} on i+1")
+    weight_scale(fig, image, list(axes[1:]))
     return save_figure(fig, path)
 
 

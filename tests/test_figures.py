@@ -186,6 +186,10 @@ def test_every_attention_figure_labels_its_tokens_and_has_a_colour_scale(tmp_pat
                          tmp_path / "i.png")
     seq2seq.plot_cross_attention(seq2seq.train(steps=2, log=lambda *a: None), "attention",
                                  tmp_path / "c.png")
+    from attnlab.article import LeakRow, leak_figure
+    leak_figure([LeakRow(causal, 1.0, 1.0, [(0, 4.0), (1, 2.0)], 1.0, 0.5, (0, 1), m[0], "",
+                         tokens) for causal, m in ((True, maps[0]), (False, maps[1]))],
+                tmp_path / "leak.png")
     save_mask_patterns(tmp_path / "m.png", length=8, window=3, n_global=1)
     for fig in figures[3:]:
         assert colour_scales(fig) == 1
