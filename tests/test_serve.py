@@ -553,6 +553,9 @@ def test_the_page_in_a_real_browser(tiny_run, tmp_path):
         wait.until(lambda d: "done" in d.find_element(By.ID, "status").text)
         driver.find_elements(By.CSS_SELECTOR, ".output .tok")[9].click()
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#grid canvas.head")) == 2 * 2)
+        ends = ("const c = document.getElementById('scale'), x = c.getContext('2d');"
+                "return [0, c.width - 1].map(i => Array.from(x.getImageData(i, 0, 1, 1).data.slice(0, 3)));")
+        assert driver.execute_script(ends) == [[247, 251, 255], [47, 81, 165]]   # heat(0), heat(1)
         driver.find_element(By.ID, "tab-mask").click()       # the figure's colours, causal
         pixel = ("const c = document.getElementById('mask'), cell = c.width / info.mask.length;"
                  "return Array.from(c.getContext('2d').getImageData("

@@ -148,6 +148,16 @@ function heat(value) {                                   // 0 -> pale, 1 -> dark
   return `rgb(${Math.round(247 - 200 * v)}, ${Math.round(251 - 170 * v)}, ${Math.round(255 - 90 * v)})`;
 }
 
+// The grid's colour scale, drawn once: each head's row is shaded against its own largest
+// weight, so the scale runs from 0 to that, not to 1.
+function drawScale() {
+  const canvas = $("scale"), ctx = canvas.getContext("2d");
+  for (let x = 0; x < canvas.width; x++) {
+    ctx.fillStyle = heat(x / (canvas.width - 1));
+    ctx.fillRect(x, 0, 1, canvas.height);
+  }
+}
+
 function drawGrid(att) {
   const grid = $("grid");
   grid.innerHTML = "";
@@ -258,4 +268,5 @@ $("stop").addEventListener("click", () => stop("stopped"));
 $("search").addEventListener("click", search);
 $("tab-generate").addEventListener("click", () => tab("generate"));
 $("tab-mask").addEventListener("click", () => tab("mask"));
+drawScale();
 loadInfo();
