@@ -131,7 +131,8 @@ def refuse_what_cannot_write(cfg, run) -> None:
         raise ConfigError(f"this run is an encoder trained to fill in blanks "
                           f"(train.objective={cfg.train.objective}), not to write text left to "
                           f"right; fill one in: python -m attnlab.fill --run {word(run)} "
-                          "--text \"To be, or not to [MASK]\"")
+                          "--text \"To be, or not to [MASK]\", or sample another run with "
+                          "--run DIR")
     from model.readout import READOUTS
     # A decoder's plain output layer trained with no mask is the leak; an encoder (BERT and
     # the like) is refused by the model itself, pointing to fill.

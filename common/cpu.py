@@ -80,12 +80,16 @@ def refuse_unrunnable_capability(env=os.environ, cpuinfo: str = "/proc/cpuinfo")
         sys.exit(2)
 
 
-def check_tool_start(argv=None, env=os.environ, cpuinfo: str = "/proc/cpuinfo") -> None:
+def check_tool_start(argv=None, env=os.environ, cpuinfo: str = "/proc/cpuinfo",
+                     busy=None) -> None:
     """For a package's __init__ (attnlab, data): where `python -m PACKAGE.TOOL` is starting
-    that tool, the check its start makes before torch loads; imported by other code (a
-    notebook, a test) it does nothing: importing changes nothing and checks nothing."""
+    that tool, what train.py and sample.py do before torch loads (refuse a capability this
+    CPU cannot run; threads that wait asleep beside other work, said by no line, since a
+    tool's first line may be its answer or its error); imported by other code (a notebook,
+    a test) it does nothing: importing changes nothing and checks nothing."""
     if (sys.argv if argv is None else argv)[:1] == ["-m"]:
         refuse_unrunnable_capability(env, cpuinfo)
+        wait_passively_if_busy(env, busy=busy or busy_cores)
 
 
 WAIT_POLICY = "PASSIVE"

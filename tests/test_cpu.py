@@ -164,3 +164,15 @@ def test_threads_wait_asleep_only_when_other_work_holds_the_cpu():
                   {"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "1000"}):
         env = dict(given)
         assert wait_passively_if_busy(env, busy=lambda: 2.0) is None and env == given
+
+
+def test_a_tool_started_beside_other_work_waits_asleep_as_the_scripts_do(tmp_path):
+    """python -m attnlab.induction spun its threads against other work and took 16 times
+    its quiet time; imported (a notebook, a test), the package changes nothing."""
+    from common.cpu import check_tool_start
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t: avx2 avx512f avx512_bf16\n")
+    for argv, want in ((["-m"], {"OMP_WAIT_POLICY": "PASSIVE"}), (["x.py"], {}), ([""], {})):
+        env = {}
+        check_tool_start(argv, env, str(cpuinfo), busy=lambda: 1.5)
+        assert env == want, argv

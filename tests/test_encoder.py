@@ -192,6 +192,7 @@ def test_an_encoder_run_is_refused_by_sample_and_filled_by_fill(encoder20):
     assert refused.returncode != 0
     line, = [l for l in refused.stderr.splitlines() if l.startswith("error:")]
     assert "python -m attnlab.fill --run" in line and "Traceback" not in refused.stderr
+    assert line.endswith("or sample another run with --run DIR")     # a learner who meant a decoder
     model, _, tokenizer, _ = load_run(run.run_dir)
     (position, guesses), = fill(model, tokenizer, "To be, or not to [MASK]e", top=3)
     assert position == len("To be, or not to ") and len(guesses) == 3
