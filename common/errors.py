@@ -40,12 +40,14 @@ def _in_order(letters: str, word: str) -> bool:
 
 
 def closest(name: str, valid) -> str | None:
-    """The valid name a misspelling most likely meant: one it abbreviates (its letters in
-    order from the first: attn, attention), else one difflib rates at least 0.7 alike (its
-    own cutoff, 0.6, matched 'bogus' to 'yours': three letters of five). model/registry.py
-    keeps the same rule, as model/ imports nothing of the project's."""
+    """The valid name a misspelling most likely meant: the same but for capitals (MHA,
+    mha), one it abbreviates (its letters in order from the first: attn, attention), else
+    one difflib rates at least 0.7 alike (its own cutoff, 0.6, matched 'bogus' to 'yours':
+    three letters of five). model/registry.py keeps the same rule, as model/ imports
+    nothing of the project's."""
+    same = [v for v in valid if v.lower() == name.lower()]            # MHA, Rope
     short = [v for v in valid if len(name) >= 3 and v[:1] == name[:1] and _in_order(name, v)]
-    close = difflib.get_close_matches(name, short, n=1, cutoff=0) or \
+    close = same or difflib.get_close_matches(name, short, n=1, cutoff=0) or \
         difflib.get_close_matches(name, list(valid), n=1, cutoff=0.7)
     return close[0] if close else None
 

@@ -52,8 +52,9 @@ def _in_order(letters: str, word: str) -> bool:
 def unknown_name(key: str, name, valid) -> ModelError:
     # The rule of common/errors.py's closest(), kept here: model/ lifts out with torch alone.
     name = str(name)
+    same = [v for v in valid if v.lower() == name.lower()]
     short = [v for v in valid if len(name) >= 3 and v[:1] == name[:1] and _in_order(name, v)]
-    close = difflib.get_close_matches(name, short, n=1, cutoff=0) or \
+    close = same or difflib.get_close_matches(name, short, n=1, cutoff=0) or \
         difflib.get_close_matches(name, list(valid), n=1, cutoff=0.7)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return ModelError(f"unknown {key} {name!r}{hint}; valid choices: {', '.join(sorted(valid))}")

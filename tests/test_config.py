@@ -206,7 +206,8 @@ NAMES = ["alibi", "learned", "none", "rope", "sinusoidal", "yours", "attention",
 
 
 @pytest.mark.parametrize("given,suggested", [("bogus", None), ("rpoe", "rope"), ("sinusoid", "sinusoidal"),
-                                             ("attn", "attention"), ("l", None), ("xyz", None)])
+                                             ("attn", "attention"), ("l", None), ("xyz", None),
+                                             ("ROPE", "rope"), ("Alibi", "alibi")])
 def test_a_misspelt_name_is_matched_only_to_a_name_close_to_it(given, suggested):
     """'bogus' used to be answered with "did you mean 'yours'?" (three letters of five).
     The model's registries and the config's keys keep the same rule (model/ imports
