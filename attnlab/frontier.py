@@ -254,6 +254,25 @@ def columns(s: Settings) -> list[str]:
             + [f"recall_{f}x" for f in s.factors] + [f"mqar_{p}" for p in s.pairs] + ["about"])
 
 
+# What each column holds, printed under the table and written with it.
+MEANING = {
+    "params": "parameters of the model",
+    "val_loss": "validation loss of the language model on the bundled plays (nats per token)",
+    "train_tokens_per_s": "training tokens per second of that run",
+    "decode_ms_at_N": "milliseconds to decode one token after a cache of N tokens",
+    "cache_bytes_per_token": "bytes the cache grows by with each token (keys and values, or "
+                             "MLA's latent)",
+    "state_bytes": "bytes the cache holds whatever the length: a recurrent state, or a "
+                   "window's rolling buffer",
+    "recall_Nx": "the retrieval lab's fact found at N times the trained length, all depths",
+    "mqar_N": "multi-query associative recall with N key-value pairs",
+}
+
+
+def legend() -> list[str]:
+    return [f"- `{name}`: {meaning}" for name, meaning in MEANING.items()]
+
+
 def cell(key: str, value) -> str:
     if isinstance(value, str):
         return value
@@ -276,6 +295,7 @@ def write_table(rows: list[dict], s: Settings, out: Path, header: str) -> None:
     shown = cols[:-1]
     lines = [header, "", "| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(cell(c, r[c]) for c in shown) + " |" for r in rows]
+    lines += ["", *legend()]
     write_text_atomic(out / "frontier.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -3,6 +3,7 @@ the cache's size per token read from the model's own cache (exact ratios for GQA
 MQA), a mechanism the model cannot build skipped in one line, and options refused at
 parse time."""
 import csv
+import re
 
 import pytest
 import torch
@@ -48,7 +49,11 @@ def test_the_command_at_test_size_writes_every_column_and_skips_what_cannot_be_b
     assert float(rows["mqa"]["cache_bytes_per_token"]) * BASE["n_head"] == \
         float(rows["mha"]["cache_bytes_per_token"])
     assert (out / "frontier.png").stat().st_size > 0
-    assert "| mha |" in (out / "frontier.md").read_text()
+    written = (out / "frontier.md").read_text()
+    assert "| mha |" in written
+    for column in expected[1:-1]:          # each column says what it holds, under the table
+        generic = re.sub(r"_(\d+)(x?)$", r"_N\2", column)
+        assert f"- `{generic}`: " in written, column
     assert not (earlier / "checkpoints" / "stale").exists()        # replaced, not refused
 
 
