@@ -113,10 +113,10 @@ def header(ckpt, model, cfg, s, device, dtype, decode: str) -> str:
     attention kernel that pays on this machine is handed to the model here."""
     from engine.device import dtype_name
     from engine.machine import fit_attention, why_dtype
-    from engine.state import mixing
+    from engine.state import mixing, position_words
     kernel = fit_attention(model, cfg.model, device, dtype)
     why = why_dtype(device, dtype, s.dtype, cfg.model.n_embd, "sample.dtype")
-    return (f"[{ckpt}: {cfg.model.position} positions{mixing(cfg.model)}, "
+    return (f"[{ckpt}: {position_words(cfg.model)}{mixing(cfg.model)}, "
             f"{model.num_params() / 1e6:.2f}M parameters, {dtype_name(dtype)} weights{why}, "
             f"attention {kernel}, decode {decode}; temperature {s.temperature}, "
             f"top-k {s.top_k}, top-p {s.top_p}, seed {s.seed}]")

@@ -96,7 +96,7 @@ class Run:
                    if READOUTS[c.readout].shortlisted else "")
         mix = mixing(c)
         return (f"model: {c.n_layer} layers x {c.n_head} heads, {c.n_embd} wide, context "
-                f"{c.block_size}, {c.position} positions{mix}, {mechanism_words(c)}, "
+                f"{c.block_size}, {position_words(c)}{mix}, {mechanism_words(c)}, "
                 f"{c.attention} attention{readout}: "
                 f"{m.num_params() / 1e6:.2f}M parameters ({m.num_params(True) / 1e6:.2f}M "
                 f"non-embedding), {m.flops_per_token() / 1e6:.1f} MFLOPs per token (train)")
@@ -131,6 +131,23 @@ def mechanism_words(c) -> str:
         said.append(f"a window of {c.sliding_window}"
                     + (f", plus {c.n_global} global tokens" if c.n_global else ""))
     return f"{c.mechanism} mechanism" + (f" ({'; '.join(said)})" if said else "")
+
+
+def position_words(c) -> str:
+    """model.position for the summary line, and the mechanisms that do not turn q and k by
+    a rotary one: linear attention and the delta rule take order from their causal sums,
+    MLA from a decoupled key of its own (their entries' takes_rotary)."""
+    from model.mechanisms import MECHANISMS, layer_names
+    from model.positions import POSITION_ENCODINGS
+    if not POSITION_ENCODINGS[c.position].rotary:
+        return f"{c.position} positions"
+    unturned = [n for n in dict.fromkeys(layer_names(c)) if not MECHANISMS[n].takes_rotary]
+    if not unturned:
+        return f"{c.position} positions"
+    names = ", ".join(unturned)
+    if len(unturned) == len(set(layer_names(c))):
+        return f"{c.position} positions (model.mechanism={names} finds order its own way)"
+    return f"{c.position} positions (not in the {names} layers, which find order their own way)"
 
 
 def mixing(c) -> str:

@@ -344,6 +344,18 @@ def test_the_summary_line_says_the_settings_that_change_what_mha_attends_to():
     assert mechanism_words(tiny(n_kv_head=2)) == mechanism_words(tiny()) == "mha mechanism"
 
 
+@pytest.mark.parametrize("name", MECHANISM_NAMES)
+def test_the_summary_line_says_when_a_rotary_position_turns_nothing(name):
+    """linear and deltanet runs said "rope positions" while their layers turn nothing by
+    it; the words follow the entry's takes_rotary, which a test above holds to the layer."""
+    from engine.state import position_words
+    own_way = not MECHANISMS[name].takes_rotary
+    assert ("own way" in position_words(tiny(mechanism=name))) == own_way
+    assert position_words(tiny(mechanism=name, position="learned")) == "learned positions"
+    mixed = position_words(tiny(mechanism=f"{name},mha", n_layer=2))
+    assert (f"not in the {name} layers" in mixed) == (own_way and name != "mha")
+
+
 @pytest.mark.parametrize("bad", [dict(head_multiple=0), dict(no_weights=""),
                                  dict(export_refusal="two\nlines"), dict(flops=0),
                                  dict(cache=("keys", 2))])
