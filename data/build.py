@@ -20,6 +20,7 @@ import collections
 import functools
 import multiprocessing
 import os
+import signal
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -283,6 +284,12 @@ def _said(counts: dict) -> str:
                      for s, c in counts.items())
 
 
+def _worker_start() -> None:
+    """Ctrl-C reaches every process of the terminal's group: the workers leave it to the
+    parent, which stops them and says what was kept, instead of each printing a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _encode_in_order(batches, newline_docs: bool, tok: Tokenizer, num_proc: int, consume) -> None:
     """Encode each batch, in `num_proc` worker processes when more than one, and hand
     the results to `consume(results, n_items)` in document order."""
@@ -290,7 +297,7 @@ def _encode_in_order(batches, newline_docs: bool, tok: Tokenizer, num_proc: int,
         for batch in batches:
             consume(_encode_items(batch, newline_docs, tok), len(batch))
         return
-    pool = multiprocessing.get_context("spawn").Pool(num_proc)
+    pool = multiprocessing.get_context("spawn").Pool(num_proc, initializer=_worker_start)
     tok_json = tok.to_json()
     try:
         # At most two tasks per process in flight: memory stays flat however fast

@@ -92,22 +92,37 @@ def read_meta(folder: Path) -> dict | None:
         raise DamagedRecord(f"{path} has format {meta['format'][:40]!r}, not {FORMAT!r}; it "
                             "is not a meta.json that data.prepare writes")
     if meta is not None:
-        _no_shard_twice(path, meta)
+        _no_shard_twice(Path(folder), path, meta)
     return meta
 
 
-def _no_shard_twice(path: Path, meta: dict) -> None:
+def _no_shard_twice(folder: Path, path: Path, meta: dict) -> None:
     """A shard is listed once in one split: a name listed twice would read its tokens
     twice (weighting that text double), and one in both splits would score the model
-    on text it trained on."""
-    seen: dict[str, str] = {}
+    on text it trained on. A shard is its file, not its spelling: ./a.bin, a link to
+    a.bin and a hard link of it are a.bin again."""
+    seen: dict[object, str] = {}
     for split in ("train", "val"):
         for name in meta["splits"][split]["shards"]:
-            if name in seen:
-                where = f"twice in {split}" if seen[name] == split else f"in both {seen[name]} and {split}"
-                raise DamagedRecord(f"{path} lists the shard {name[:200]!r} {where}; a shard "
-                                    "holds tokens of one split, read once")
-            seen[name] = split
+            key = _file_identity(folder, name)
+            if key in seen:
+                where = f"twice in {split}" if seen[key] == split else f"in both {seen[key]} and {split}"
+                raise DamagedRecord(f"{path} lists the shard {name[:200]!r} {where} (under this "
+                                    "name or another for the same file); a shard holds tokens "
+                                    "of one split, read once")
+            seen[key] = split
+
+
+def _file_identity(folder: Path, name):
+    """What a shard name reads: its file's device and inode where it is a file inside the
+    folder (stat opens nothing, so a FIFO does not block), else the name as given (a name
+    leading outside is refused where the shard is opened)."""
+    found = inside(folder, name)
+    try:
+        info = os.stat(found) if found is not None else None
+    except OSError:
+        info = None
+    return (info.st_dev, info.st_ino) if info is not None else (found or name)
 
 
 def read_progress(folder: Path) -> dict | None:

@@ -22,7 +22,7 @@ from pathlib import Path
 if __package__ in (None, ""):       # run as a file (python data/prepare.py): find the project
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.errors import DataError, friendly_errors
+from common.errors import DataError, friendly_errors, terminate_as_interrupt
 from common.shell import word
 from data.build import prepare
 from data.sources import SourceSpec
@@ -82,11 +82,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+INTERRUPTED = ("error: interrupted; the tokens written so far are kept: run the same "
+               "command again, which resumes")
+
+
 def main(argv=None) -> None:
     with friendly_errors():
         args = build_parser().parse_args(argv)
         try:
-            run(args)
+            with terminate_as_interrupt():       # a scheduler's stop as a Ctrl-C
+                run(args)
+        except KeyboardInterrupt:
+            if os.environ.get("ATTNLAB_DEBUG"):
+                raise
+            print(INTERRUPTED, file=sys.stderr)
+            sys.exit(130)
         except OSError as err:
             if os.environ.get("ATTNLAB_DEBUG"):
                 raise

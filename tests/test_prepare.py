@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import data.build as prep
 import data.prepare as prepare_cli
-from common.errors import DataError
+from common.errors import DataError, Terminated
 from data.shards import HEADER, HEADER_BYTES, Shards, open_shard
 from data.sources import SourceSpec, cut_pieces
 from data.tokenizer import BPETokenizer
@@ -522,3 +522,25 @@ def test_a_malformed_jsonl_is_refused_in_one_line_with_no_log_line_before_it(tmp
         load_tokens(str(path), "char", cache_dir=str(tmp_path / "c"), log=lambda *a: None)
     captured = capfd.readouterr()
     assert "Failed to load JSON" not in captured.err + captured.out
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, Terminated])
+def test_a_stopped_preparation_says_in_one_line_that_it_resumes(stop, tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or SIGTERM, raised as one) printed a traceback ending in KeyboardInterrupt,
+    with no word that the same command resumes."""
+    def stopped(args):
+        raise stop()
+    monkeypatch.setattr(prepare_cli, "run", stopped)
+    with pytest.raises(SystemExit) as ended:
+        prepare_cli.main([str(tmp_path / "a.txt"), "--out", str(tmp_path / "out")])
+    assert ended.value.code == 130
+    assert capsys.readouterr().err.splitlines() == [prepare_cli.INTERRUPTED]
+
+
+def test_the_encoding_workers_leave_ctrl_c_to_the_parent():
+    """Ctrl-C reaches every process of the terminal's group: each worker printed its own
+    KeyboardInterrupt traceback."""
+    import multiprocessing
+    import signal
+    with multiprocessing.get_context("spawn").Pool(1, initializer=prep._worker_start) as pool:
+        assert pool.apply(signal.getsignal, (signal.SIGINT,)) == signal.SIG_IGN

@@ -214,6 +214,32 @@ def test_a_shard_listed_twice_in_meta_json_is_refused_naming_meta_json(folder, w
     assert "\n" not in message and "prepare the data again" in message
 
 
+@pytest.mark.parametrize("alias", ["./", ".//", "symlink", "hardlink"])
+@pytest.mark.parametrize("where", ["twice in train", "in both train and val"])
+def test_a_shard_listed_again_under_another_name_is_refused(folder, where, alias):
+    """Before: ./train_000000.bin, or a link to it inside the folder, was a new name, so
+    the check for a shard listed twice passed and val scored the model on training text."""
+    first = "train_000000.bin"
+    if alias in ("./", ".//"):
+        again = alias + first
+    else:
+        again = "again.bin"
+        if alias == "symlink":
+            (folder / again).symlink_to(first)
+        else:
+            os.link(folder / first, folder / again)
+
+    def twice(m):
+        train = m["splits"]["train"]
+        split = m["splits"]["train" if where == "twice in train" else "val"]
+        split["shards"] = split["shards"] + [again]
+        split["tokens"] += train["tokens"] // len(train["shards"])
+    edit_meta(folder, twice)
+    message = refusal(folder)
+    assert message.startswith(f"{folder / 'meta.json'} lists the shard {again!r} {where}"), message
+    assert "\n" not in message
+
+
 # -- every file of the folder read inside it -------------------------------------------
 
 @pytest.mark.parametrize("name", ["meta.json", "tokenizer.json"])
