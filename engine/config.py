@@ -29,6 +29,7 @@ from model import registry as model_registry
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 MAX_NEW_TOKENS = 1_000_000          # one sample.py call: hours of text on a CPU already
 MAX_SAMPLES = 10_000                # one sample.py call: more is a loop of calls, each seeded
+MAX_RUN_NAME = 200                  # bytes: a folder name is at most 255, and a branch adds to it
 
 # The version a run config is saved with (config.json's "version"; none means 1). A
 # config of an older version is migrated when it is read, so old runs and checkpoints
@@ -196,6 +197,9 @@ class RunConfig:
             raise ConfigError(f"train.run_name={name!r} must be a plain folder name inside "
                               "train.out_dir (no '/', '..' or '~'); set train.out_dir for "
                               "another place")
+        if len(name.encode()) > MAX_RUN_NAME:      # a folder name's limit is 255 bytes
+            raise ConfigError(f"train.run_name is {len(name.encode())} bytes long; give a name of "
+                              f"at most {MAX_RUN_NAME} (a branch adds '-from-STEP' to it)")
         if not 0 <= train.seed < 2 ** 63:
             raise ConfigError(f"train.seed must be between 0 and 2**63 - 1, got {train.seed}")
         if train.time_limit < 0:

@@ -69,6 +69,7 @@ def test_overrides_beat_presets_and_are_typed():
     (["--train.grad_clip=-1"], r"^train.grad_clip must not be negative, got -1.0$"),
     (["--model.n_layer"], "needs a value"),
     (["n_layer=4"], "unexpected argument"),
+    (["--train.run_name=" + "a" * 300], "300 bytes long; give a name of at most 200"),
 ])
 def test_bad_configuration_is_refused_with_a_reason(args, message):
     with pytest.raises(ConfigError, match=message):
