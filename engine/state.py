@@ -336,10 +336,22 @@ def _check_train_state(run: Run, tensors: dict, state: dict, ckpt: Path) -> None
         elif tensor.dtype != torch.uint8 or tensor.dim() != 1 or (ref is not None and tensor.shape != ref.shape):
             wrong.append(f"{key} is {tuple(tensor.shape)} {tensor.dtype}, not a generator's state"
                          + (f" ({tuple(ref.shape)} torch.uint8)" if ref is not None else ""))
+        elif key in ("data.generator", "rng.cpu") and (refused := _refused_state(tensor)):
+            wrong.append(f"{key} is a state torch refuses ({refused})")
     if wrong:
         raise CheckpointError(f"checkpoint file {ckpt / checkpoint.TRAIN_STATE} does not hold "
                               f"the random streams of a run ({'; '.join(wrong[:3])}); it is "
                               f"corrupt or edited: {checkpoint.use_another(ckpt)}")
+
+
+def _refused_state(tensor: torch.Tensor) -> str:
+    """Why torch will not take `tensor` as a CPU generator's state ("" where it will): the
+    right size can still be an invalid Mersenne Twister state (all zeros)."""
+    try:
+        torch.Generator().set_state(tensor)
+    except (ValueError, RuntimeError) as err:
+        return str(err)[:200]
+    return ""
 
 
 def _kept_dtype(state: dict, device: torch.device, picked: torch.dtype) -> torch.dtype:
