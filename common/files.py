@@ -157,8 +157,9 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     except BaseException as failed:
         with contextlib.suppress(OSError):  # a full disk leaves no half-written file behind
             tmp.unlink(missing_ok=True)
-        if isinstance(failed, OSError) and failed.filename == str(tmp):
-            # say the file the user asked for, not the temporary name they never gave
+        if isinstance(failed, OSError) and failed.filename in (str(tmp), None):
+            # say the file the user asked for, not the temporary name they never gave (a
+            # full disk's error from write() names no file at all)
             raise OSError(failed.errno, failed.strerror, str(path)) from None
         raise
 

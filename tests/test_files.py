@@ -37,6 +37,20 @@ def test_a_failed_write_names_the_file_asked_for_not_its_temporary_name(tmp_path
     assert ".tmp-" not in str(failed.value)
 
 
+def test_a_full_disk_names_the_file_being_written(tmp_path, monkeypatch):
+    """write() on a full disk raises ENOSPC with no file name, so the error line said
+    only "No space left on device"."""
+    import errno
+    from pathlib import Path
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with pytest.raises(OSError) as failed:
+        write_text_atomic(tmp_path / "state.json", "{}")
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(tmp_path / "state.json")
+
+
 @pytest.mark.parametrize("text,kind", [("null", "null"), ("[1]", "list"), ('"x"', "string"),
                                        ("3", "number"), ("true", "true or false")])
 def test_json_that_is_not_an_object_is_named_in_json_words(text, kind):
