@@ -216,10 +216,14 @@ def lock_file(path: Path, wait: bool):
     except BlockingIOError:
         f.close()
         return None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+    except OSError as err:                # a full disk's write names no file
+        f.close()
+        raise OSError(err.errno, err.strerror, str(path)) from None
     return f
 
 
