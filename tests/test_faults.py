@@ -1,6 +1,7 @@
 """Faults inside a run: a diverging loss, and experiment tracking with no network."""
 import json
 import math
+import os
 import shutil
 import time
 
@@ -399,7 +400,7 @@ sys.argv = ["train.py", "--config", "tiny", "--data.path={corpus}", "--data.cach
 runpy.run_path("train.py", run_name="__main__")
 """
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 143, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

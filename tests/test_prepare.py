@@ -365,12 +365,14 @@ def test_train_data_path_prepares_record_files_on_first_use(records, tmp_path):
     assert logs == [] and np.array_equal(np.asarray(again.train), np.asarray(data.train))
 
 
-def test_a_partial_shard_shorter_than_its_record_restarts_the_token_pass(records, tmp_path, monkeypatch):
+def fresh_and_stopped(records, tmp_path, monkeypatch):
+    """A whole build into fresh/ and the same build into out/ stopped at its 12th batch of
+    small pieces, with progress saved at each: (spec, fresh's meta, out)."""
     _, files = records
     spec = SourceSpec(str(files["jsonl"]))
     monkeypatch.setattr(prep, "BATCH_CHARS", 300)
     monkeypatch.setattr(prep, "SAVE_EVERY_S", 0.0)
-    quiet(spec, tmp_path / "fresh", "bpe", 300, shard_tokens=400, num_proc=1)
+    fresh = quiet(spec, tmp_path / "fresh", "bpe", 300, shard_tokens=400, num_proc=1)
     real, calls = prep._encode_items, {"n": 0}
 
     def dies(*args, **kwargs):
@@ -383,6 +385,11 @@ def test_a_partial_shard_shorter_than_its_record_restarts_the_token_pass(records
     with pytest.raises(KeyboardInterrupt):
         quiet(spec, out, "bpe", 300, shard_tokens=400, num_proc=1)
     monkeypatch.setattr(prep, "_encode_items", real)
+    return spec, fresh, out
+
+
+def test_a_partial_shard_shorter_than_its_record_restarts_the_token_pass(records, tmp_path, monkeypatch):
+    spec, _, out = fresh_and_stopped(records, tmp_path, monkeypatch)
     partial = next(out.glob("train_*.bin.partial"))
     assert json.loads((out / "progress.json").read_text())["writers"]["train"]["partial_tokens"] > 0
     partial.write_bytes(partial.read_bytes()[:HEADER_BYTES])     # lost what progress recorded
@@ -416,23 +423,7 @@ def test_a_forged_progress_json_restarts_the_token_pass_instead_of_skipping_text
     the pieces it skips must hold the documents, bytes and characters it counts, and its
     token counts must be the shards on disk. Before, each of these resumed: text was
     skipped, or meta.json counted tokens the shards do not hold."""
-    _, files = records
-    spec = SourceSpec(str(files["jsonl"]))
-    monkeypatch.setattr(prep, "BATCH_CHARS", 300)
-    monkeypatch.setattr(prep, "SAVE_EVERY_S", 0.0)
-    fresh = quiet(spec, tmp_path / "fresh", "bpe", 300, shard_tokens=400, num_proc=1)
-    real, calls = prep._encode_items, {"n": 0}
-
-    def dies(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 12:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-    monkeypatch.setattr(prep, "_encode_items", dies)
-    out = tmp_path / "out"
-    with pytest.raises(KeyboardInterrupt):
-        quiet(spec, out, "bpe", 300, shard_tokens=400, num_proc=1)
-    monkeypatch.setattr(prep, "_encode_items", real)
+    spec, fresh, out = fresh_and_stopped(records, tmp_path, monkeypatch)
     progress = json.loads((out / "progress.json").read_text())
     assert progress["writers"]["train"]["shards"] > 0
     FORGED[forged](progress, out)
