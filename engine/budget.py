@@ -35,8 +35,12 @@ from model.readout import READOUTS, SHORTLIST_COVERAGE, head_macs, shortlist_for
 # 5-7 tokens per parameter beat or tied the one nearest 20 (docs/benchmarks.md, "Tokens
 # per parameter").
 TOKENS_PER_PARAM = 10.0
-LADDER = [  # (n_layer, n_embd): depth grows with width, as in GPT-2's and nanoGPT's sizes
-    (2, 64), (3, 96), (4, 128), (4, 160), (5, 192), (6, 256), (6, 320), (6, 384),
+# (n_layer, n_embd), by parameters: depth grows with width, as in GPT-2's and nanoGPT's
+# sizes, except 2 x 128 beside 3 x 96. On a CPU a layer costs a step a fixed time besides
+# its arithmetic, so at about the same parameters two layers 128 wide take more steps than
+# three 96 wide and end lower (docs/benchmarks.md, "Width before depth").
+LADDER = [
+    (2, 64), (3, 96), (2, 128), (4, 128), (4, 160), (5, 192), (6, 256), (6, 320), (6, 384),
     (8, 512), (10, 640), (12, 768), (16, 1024), (24, 1024), (24, 1536),
 ]
 EVAL_SHARE = 0.06            # of the budget, for all evaluations together
