@@ -16,6 +16,7 @@ import capability  # noqa: F401  (first: refuses an ATEN_CPU_CAPABILITY this CPU
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,7 +31,9 @@ CHILD = """import json, sys
 import engine.budget as budget
 budget.LADDER = [tuple(r) for r in json.loads(sys.argv[1])] or budget.LADDER
 import train
-sys.exit(train.main(sys.argv[2:]))"""
+from engine.cli import errors_as_lines
+with errors_as_lines():
+    sys.exit(train.main(sys.argv[2:]))"""
 
 
 def run(rung: str, budget: str, seed: int, corpus: Path, workdir: Path) -> tuple[float, int]:
@@ -43,7 +46,8 @@ def run(rung: str, budget: str, seed: int, corpus: Path, workdir: Path) -> tuple
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "WANDB_MODE": "disabled"})
     if proc.returncode:
-        raise SystemExit(f"{rung} seed {seed} failed:\n{proc.stderr[-2000:]}")
+        said = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+        raise SystemExit(f"{said} ({rung}, seed {seed})")
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if "val_loss" in r][-1]
     return last["val_loss"], last["step"]
@@ -58,6 +62,9 @@ def main() -> int:
     p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
                    help="the text each run trains on (default: tiny Shakespeare)")
     args = p.parse_args()
+    bad = [r for r in args.rungs if not re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", r)]
+    if bad:
+        p.error(f"--rungs {' '.join(bad)}: give each as LAYERSxWIDTH, such as 2x128")
     print(f"machine: {cpu_model()}; ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'default')}")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
