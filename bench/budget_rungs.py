@@ -53,19 +53,41 @@ def run(rung: str, budget: str, seed: int, corpus: Path, workdir: Path) -> tuple
     return last["val_loss"], last["step"]
 
 
+def refuse_bad_input(p: argparse.ArgumentParser, args) -> None:
+    """A mistyped budget or rung is refused before the first run, not minutes later."""
+    from common.errors import ConfigError
+    from engine.budget import budget_seconds, sized
+    from model.config import ModelConfig
+    try:
+        budget_seconds(args.budget, {})
+    except ConfigError as e:
+        p.error(str(e))
+    for rung in args.rungs:
+        if not re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", rung):
+            p.error(f"--rungs {rung}: give each as LAYERSxWIDTH, such as 2x128")
+        try:
+            sized(ModelConfig(), *map(int, rung.split("x"))).validate()
+        except Exception as e:             # the model's own refusal, in its words
+            p.error(f"--rungs {rung}: {e}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--budget", default="68s", help="the time each run is given (train.py --budget)")
+    p.add_argument("--budget", default="68s",
+                   help="the time each run is given, as train.py --budget takes it; a minute or "
+                        "more, since the plan's probes take seconds (default: 68s)")
     p.add_argument("--rungs", nargs="+", default=["3x96", "2x128", "3x128"],
-                   help="LAYERSxWIDTH sizes, each run alone; the planner's own pick runs too")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1337, 1], help="train.seed of each run")
+                   help="LAYERSxWIDTH sizes, each run alone; the planner's own pick runs first "
+                        "(default: 3x96 2x128 3x128)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1337, 1],
+                   help="train.seed of each run; every rung runs once per seed (default: 1337 1)")
     p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
                    help="the text each run trains on (default: tiny Shakespeare)")
     args = p.parse_args()
-    bad = [r for r in args.rungs if not re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", r)]
-    if bad:
-        p.error(f"--rungs {' '.join(bad)}: give each as LAYERSxWIDTH, such as 2x128")
-    print(f"machine: {cpu_model()}; ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'default')}")
+    refuse_bad_input(p, args)
+    runs = (1 + len(args.rungs)) * len(args.seeds)
+    print(f"machine: {cpu_model()}; ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'default')}; "
+          f"{runs} runs of {args.budget}", flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rung in ["planner", *args.rungs]:
@@ -81,4 +103,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit("stopped: no table; the runs so far are printed above")

@@ -286,6 +286,13 @@ def test_a_budget_no_plan_can_come_of_is_refused_before_any_work(value, says, mo
     assert parse_duration("168h") == 7 * 24 * 3600          # a week is the longest
 
 
+def test_a_budget_with_its_unit_apart_is_read_as_one_duration(monkeypatch):
+    """`--budget 30 s`: argparse alone would refuse the unit as an unknown argument."""
+    budget_main(monkeypatch, "--budget", "30", "s")
+    with pytest.raises(ConfigError, match="a budget of 5 s is too short"):
+        budget_main(monkeypatch, "--budget", "5", "s")
+
+
 def test_options_the_plan_sets_are_refused_next_to_budget_and_the_rest_are_kept(monkeypatch):
     with pytest.raises(ConfigError) as refused:
         budget_main(monkeypatch, "--budget", "1m", "--train.max_iters=5", "--model.n_layer=7",
