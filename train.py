@@ -199,14 +199,13 @@ def budget_joined(argv: list[str]) -> list[str]:
     for an option, and would say --budget has none instead of that it is no duration.
     `--budget 30 s` as `--budget=30s`: argparse would call the unit an unknown argument."""
     out = list(argv)
-    for i in range(len(out) - 1):
-        if out[i] == "--budget" and re.match(r"-[\d.]", out[i + 1]):
-            out[i:i + 2] = [f"--budget={out[i + 1]}"]
-            break
-        if out[i] == "--budget" and i + 2 < len(out) and re.fullmatch(r"[\d.]+", out[i + 1]) \
-                and re.fullmatch(r"[hms]", out[i + 2]):
-            out[i:i + 3] = [f"--budget={out[i + 1]}{out[i + 2]}"]
-            break
+    if "--budget" not in out[:-1]:
+        return out
+    i = out.index("--budget")
+    if re.match(r"-[\d.]", out[i + 1]):
+        out[i:i + 2] = [f"--budget={out[i + 1]}"]
+    elif re.fullmatch(r"[\d.]+", out[i + 1]) and re.fullmatch(r"[hms]", "".join(out[i + 2:i + 3])):
+        out[i:i + 3] = [f"--budget={out[i + 1]}{out[i + 2]}"]
     return out
 
 

@@ -22,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from capability import cpu_model
 from cpu_recipe import DEFAULT_CORPUS
-from decode_state import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 # Runs train.main in a child whose ladder is the rung given (argv[1]: "[]" keeps it).
@@ -57,7 +57,7 @@ def refuse_bad_input(p: argparse.ArgumentParser, args) -> None:
     """A mistyped budget or rung is refused before the first run, not minutes later."""
     from common.errors import ConfigError
     from engine.budget import budget_seconds, sized
-    from model.config import ModelConfig
+    from model.config import ModelConfig, ModelError
     try:
         budget_seconds(args.budget, {})
     except ConfigError as e:
@@ -67,7 +67,7 @@ def refuse_bad_input(p: argparse.ArgumentParser, args) -> None:
             p.error(f"--rungs {rung}: give each as LAYERSxWIDTH, such as 2x128")
         try:
             sized(ModelConfig(), *map(int, rung.split("x"))).validate()
-        except Exception as e:             # the model's own refusal, in its words
+        except ModelError as e:            # the model's own refusal, in its words
             p.error(f"--rungs {rung}: {e}")
 
 
@@ -86,7 +86,8 @@ def main() -> int:
     args = p.parse_args()
     refuse_bad_input(p, args)
     runs = (1 + len(args.rungs)) * len(args.seeds)
-    print(f"machine: {cpu_model()}; ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'default')}; "
+    from engine.machine import describe_cpu
+    print(f"machine: {cpu_model()} ({describe_cpu()}); "
           f"{runs} runs of {args.budget}", flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

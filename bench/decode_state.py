@@ -24,17 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from attnlab.frontier import Mechanism, Settings, decode_columns  # noqa: E402
 from engine.machine import describe_cpu  # noqa: E402
+from capability import cpu_model  # noqa: E402
 
 STATES = ("linear", "deltanet")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("model name")), "an unnamed CPU")
-    except OSError:
-        return "an unnamed CPU"
 
 
 def main() -> int:
