@@ -171,12 +171,11 @@ class Block(nn.Module):
         self.mlp = mlp(config)
         self.mix = TokenMix(config, layer_idx) if config.token_mix else None
 
-    def attention_input(self, x, cache):
-        return x if self.mix is None else self.mix(x, cache)
-
     def forward(self, x, positions, mask, cache=None, need_weights=False, value_embed=None):
-        a, weights = self.attn(self.attention_input(self.norm_attn(x), cache), positions, mask,
-                               cache, need_weights, value_embed)
+        h = self.norm_attn(x)
+        if self.mix is not None:               # Canon layers' mix of the newest positions
+            h = self.mix(h, cache)
+        a, weights = self.attn(h, positions, mask, cache, need_weights, value_embed)
         x = x + a
         x = x + self.mlp(self.norm_mlp(x))
         return x, weights
@@ -192,24 +191,14 @@ class PostNormBlock(Block):
     final_norm = False
 
     def forward(self, x, positions, mask, cache=None, need_weights=False, value_embed=None):
-        a, weights = self.attn(self.attention_input(x, cache), positions, mask, cache,
-                               need_weights, value_embed)
+        h = x if self.mix is None else self.mix(x, cache)
+        a, weights = self.attn(h, positions, mask, cache, need_weights, value_embed)
         x = self.norm_attn(x + a)
         x = self.norm_mlp(x + self.mlp(x))
         return x, weights
 
 
 BLOCKS = {"prenorm": Block, "postnorm": PostNormBlock}
-
-
-class NoTokenTypes(nn.Module):
-    """No segment embeddings (model.n_token_types=0): the input is left as it is."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-
-    def forward(self, x, token_types=None):
-        return x
 
 
 class TokenTypes(nn.Module):
@@ -227,17 +216,6 @@ class TokenTypes(nn.Module):
         return x + self.table(token_types)
 
 
-def token_types(config: ModelConfig) -> nn.Module:
-    return (TokenTypes if config.n_token_types else NoTokenTypes)(config)
-
-
-class NoValueEmbeddings(nn.Module):
-    """No value embeddings (model.value_embeds=false): nothing is added to any value."""
-
-    def forward(self, layer: int, idx: torch.Tensor):
-        return None
-
-
 class ValueEmbeddings(nn.ModuleList):
     """Value embeddings (modded-nanogpt): per layer, a learned vector per token added to
     that token's value, V = x·W_V + E_V[token], so a token's identity reaches every
@@ -248,25 +226,9 @@ class ValueEmbeddings(nn.ModuleList):
         kv_width = config.kv_heads * config.head_dim
         super().__init__(nn.Embedding(config.vocab_size, kv_width) for _ in range(config.n_layer))
 
-    def forward(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
-        return self[layer](idx)                                        # (B, T, H_kv·d_k)
 
 
-def value_embeddings(config: ModelConfig) -> nn.Module:
-    return ValueEmbeddings(config) if config.value_embeds else NoValueEmbeddings()
-
-
-class NoSkips(nn.Module):
-    """No skips across blocks (model.skip_connections=false): each block reads the last."""
-
-    def join(self, layer: int, x, saved: list, weights):
-        return x
-
-    def keep(self, layer: int, x, saved: list) -> None:
-        pass
-
-
-class UNetSkips(NoSkips):
+class UNetSkips(nn.Module):
     """U-net skips (modded-nanogpt): the output of block i of the first half is added,
     times a learned weight, to the input of its mirror block n_layer-1-i, so a late
     layer reads early features without the middle layers carrying them. `saved` is the

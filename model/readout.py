@@ -35,53 +35,6 @@ SHORTLIST_COVERAGE = 0.95
 TAIL_DIVISOR = 4          # the tail's projection is n_embd / 4 wide (torch's default, Grave et al.'s)
 
 
-class LinearOutput(nn.Module):
-    """The output layer as one matrix (after BERT's transform, where there is one) and
-    the soft cap where set: logits for every entry, and their cross-entropy. Holds no
-    weights of its own: it reads the model's head_transform, lm_head and softcap, whose
-    names checkpoints keep."""
-
-    def forward(self, model, h, targets):
-        logits = model.softcap(model.lm_head(model.head_transform(h)))  # (B, T, vocab)
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)),
-                                       targets.reshape(-1), ignore_index=-1)
-
-
-class AdaptiveOutput(nn.Module):
-    """The adaptive softmax (model.adaptive). Training needs only the targets'
-    probabilities, which is what makes it cheap; the whole distribution only when no
-    target is given."""
-
-    def forward(self, model, h, targets):
-        if targets is not None:
-            return None, model.adaptive.loss(h, targets)
-        return model.adaptive(h), None
-
-
-class NoOutput(nn.Module):
-    """An encoder kept without a head: hidden states only, and no loss to take."""
-
-    def forward(self, model, h, targets):
-        if targets is not None:
-            raise ModelError("this encoder has no output layer (model.readout=none), so "
-                             "there is no loss to take; give it a head to train it")
-        return None, None
-
-
-class SoftCap(nn.Module):
-    """Soft-capping (Gemma 2, modded-nanogpt): c·tanh(z/c) is z for small logits and
-    never beyond ±c, so no token's score can run away early in training."""
-
-    def __init__(self, cap: float):
-        super().__init__()
-        self.cap = cap
-
-    def forward(self, logits):
-        return self.cap * torch.tanh(logits / self.cap)
-
-
 @dataclass(frozen=True)
 class Readout:
     """An output layer and the facts the rest of the project asks about it, so no code
@@ -94,16 +47,13 @@ class Readout:
     plain: bool = False          # one linear layer over the whole vocabulary and nothing
                                  # else: what GPT-2, Llama and the rest have, and what
                                  # zero_head, logit_softcap and --budget's choice work on
-    output: type = LinearOutput  # how the model turns final hidden states into (logits, loss)
 
 
 READOUTS = {
     "full": Readout(shares_embedding=True, plain=True),   # softmax over every entry
-    "adaptive": Readout(shares_embedding=False, shortlisted=True,   # shortlist and narrow tail
-                        output=AdaptiveOutput),
+    "adaptive": Readout(shares_embedding=False, shortlisted=True),  # shortlist and narrow tail
     "mlm": Readout(shares_embedding=True, transform=True),          # BERT's masked-LM head
-    "none": Readout(shares_embedding=False, scores_tokens=False,    # hidden states only
-                    output=NoOutput),
+    "none": Readout(shares_embedding=False, scores_tokens=False),   # hidden states only
 }
 
 
@@ -119,13 +69,6 @@ class MaskedLMTransform(nn.Module):
 
     def forward(self, h):
         return self.norm(F.gelu(self.dense(h)))
-
-
-class NoOutputLayer(nn.Module):
-    """An encoder kept without a head (readout `none`): there are no token scores."""
-
-    def forward(self, h):
-        return None
 
 
 def shortlist_for(counts: torch.Tensor, coverage: float = SHORTLIST_COVERAGE) -> int:
@@ -168,6 +111,13 @@ class AdaptiveReadout(nn.Module):
 
     def set_frequencies(self, counts: torch.Tensor) -> None:
         self.rank.copy_(frequency_rank(counts.to(self.rank.device)))
+
+    def logits_and_loss(self, h: torch.Tensor, targets: torch.Tensor | None):
+        """Training needs only the targets' probabilities, which is what makes it cheap:
+        (None, loss) with targets, the whole distribution (logits, None) without."""
+        if targets is not None:
+            return None, self.loss(h, targets)
+        return self(h), None
 
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean -log P(target) over the positions whose target is not -1: the formula

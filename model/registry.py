@@ -5,7 +5,7 @@ tested the day it lands."""
 from __future__ import annotations
 
 import difflib
-from dataclasses import fields
+from dataclasses import astuple, fields
 
 from model.attention import ATTENTION_BACKENDS
 from model.config import ModelConfig, ModelError
@@ -81,7 +81,10 @@ def check_names(config: ModelConfig) -> None:
 
 
 def check(config: ModelConfig) -> None:
-    """Sizes first, then every variant name, then what the chosen variants need."""
+    """Sizes first, then every variant name, then what the chosen variants need. A config
+    that passes is marked with its values (`checked_as`), so the model built from it does
+    not check it again; a field changed later changes the values, and the next build checks."""
+    config.checked_as = None
     config.validate()
     check_names(config)
     check_mechanisms(config)
@@ -131,6 +134,7 @@ def check(config: ModelConfig) -> None:
             raise ModelError(f"model.readout_shortlist={config.readout_shortlist} must be between 1 "
                              f"and the vocabulary size less one ({config.vocab_size - 1}); a run "
                              "sets it from the training data when it is 0")
+    config.checked_as = astuple(config)
 
 
 def check_entries(used: list[str]) -> None:

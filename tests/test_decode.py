@@ -10,6 +10,7 @@ import torch
 
 from model import GPT, REGISTRIES, ModelConfig
 from model.cache import EMPTY
+from model.decode import decodes_with_rolling_cache, static_cache
 
 BACKENDS = sorted(set(REGISTRIES["attention"]) - {"flex"})   # flex: in test_model, once
 CASES = [(0, 0, 0), (2, 0, 0), (0, 5, 0), (2, 5, 2)]         # (n_kv_head, window, n_global)
@@ -32,13 +33,13 @@ def test_static_cache_steps_equal_the_full_forward_pass(attention, position, n_k
                      sliding_window=window, n_global=n_global)).eval()
     # A rolling cache runs 2.5x past the context (and 8x past a window of 5); the
     # others fill the context, which is also past any window.
-    T = 40 if model.decodes_with_rolling_cache else 16
+    T = 40 if decodes_with_rolling_cache(model) else 16
     x = torch.randint(0, 40, (2, T))
     with torch.no_grad():
         full = model(x).logits
         cache = model.new_cache(16)
         model(x[:, :4], cache=cache)
-        static = model.new_static_cache(16)
+        static = static_cache(model, 16)
         static.load(cache)
         buffers = (static.k[0].data_ptr(), static.nbytes())
         steps = [model(x[:, t:t + 1], cache=static).logits for t in range(4, T)]
@@ -58,7 +59,7 @@ def test_a_windowed_static_cache_holds_exactly_the_keys_the_next_query_can_see()
     x = torch.randint(0, 40, (1, 30))
     with torch.no_grad():
         model(x[:, :3], cache=cache)
-        static = model.new_static_cache(16)
+        static = static_cache(model, 16)
         static.load(cache)
         for t in range(3, 30):
             model(x[:, t:t + 1], cache=static)
@@ -95,7 +96,7 @@ def test_static_cache_refuses_chunks_and_a_graph_off_cuda():
     model = GPT(tiny()).eval()
     cache = model.new_cache(16)
     model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
-    static = model.new_static_cache(16)
+    static = static_cache(model, 16)
     static.load(cache)
     with pytest.raises(ValueError, match="one token per step"):
         model(torch.zeros(1, 2, dtype=torch.long), cache=static)
@@ -126,13 +127,13 @@ def test_token_mix_decodes_in_chunks_and_static_steps_as_the_full_pass_reads(blo
     with torch.no_grad():
         for layer in model.blocks:
             layer.mix.taps.normal_(0, 0.5)           # trained weights, not the zeros of a new model
-        T = 40 if model.decodes_with_rolling_cache else 16
+        T = 40 if decodes_with_rolling_cache(model) else 16
         x = torch.randint(0, 40, (2, T))
         full = model(x).logits
         cache = model.new_cache(16)
         chunks = [model(x[:, a:b], cache=cache).logits for a, b in ((0, 4), (4, 5), (5, 8))]
         torch.testing.assert_close(torch.cat(chunks, 1), full[:, :8], atol=2e-5, rtol=0)
-        static = model.new_static_cache(16)
+        static = static_cache(model, 16)
         static.load(cache)
         steps = [model(x[:, t:t + 1], cache=static).logits for t in range(8, T)]
     torch.testing.assert_close(torch.cat(steps, 1), full[:, 8:], atol=2e-5, rtol=0)
@@ -156,7 +157,7 @@ def test_the_static_cache_is_kept_for_the_next_call_and_remade_when_the_weights_
     """Recording a graph costs as much as dozens of tokens, so a model's static cache
     (and recorded step) serves its next generate call; a model whose weights moved
     (another dtype) gets a new one, and either way draws the growing cache's tokens."""
-    from model.gpt import _KEPT_STEPS
+    from model.decode import _KEPT_STEPS
     torch.manual_seed(0)
     model = GPT(tiny(position="rope")).eval()
     prompt = torch.randint(0, 40, (1, 5))
@@ -206,7 +207,7 @@ def test_a_decoding_step_computes_ropes_angles_once_not_once_a_layer():
     with torch.no_grad():
         cache = model.new_cache(16)
         model(x[:, :5], cache=cache)
-        static = model.new_static_cache(16)
+        static = static_cache(model, 16)
         static.load(cache)
         with Count() as count:
             step = model(x[:, 5:], cache=static).logits
@@ -219,7 +220,7 @@ def test_a_kept_static_cache_serves_only_a_call_like_the_one_that_made_it():
     """Another batch, autocast, inference mode, training mode or a hook set (which a
     recorded graph would skip) each need a cache of their own: the kept one is not
     taken, and every call draws the growing cache's tokens."""
-    from model.gpt import _KEPT_STEPS
+    from model.decode import _KEPT_STEPS
     torch.manual_seed(0)
     model = GPT(tiny(position="rope")).eval()
     prompt = torch.randint(0, 40, (2, 5))

@@ -10,6 +10,7 @@ import torch
 from conftest import run_script, train_tiny
 from model.config import ModelConfig, ModelError
 from model.deltanet import DeltaNet, GatedDeltaNet
+from model.decode import static_cache
 from model.gpt import GPT
 from model.latent_attention import LatentAttention
 from model.linear_attention import LinearAttention
@@ -100,7 +101,7 @@ def test_both_caches_hold_what_the_entry_says(name):
         cache = model.new_cache(16)
         with torch.no_grad():
             model(torch.zeros(1, length, dtype=torch.long), cache=cache)
-        static = model.new_static_cache(16)
+        static = static_cache(model, 16)
         static.load(cache)
         want = 4 * N_LAYER * (16 * facts.per_token(c) + facts.fixed(c))      # fp32
         assert cache.nbytes() == static.nbytes() == want

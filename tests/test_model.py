@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from model import GPT, REGISTRIES, ModelConfig
+from model.decode import decodes_with_rolling_cache
 from model.mask import Mask
 
 
@@ -225,7 +226,7 @@ def test_rolling_cache_stays_bounded_and_matches_the_full_pass_past_window_and_c
         sizes.add(cache.nbytes())
     assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
     assert len(sizes) == 1 and cache.capacity == 2 + 2 * 6       # n_global + 2W slots, always
-    assert model.decodes_with_rolling_cache
+    assert decodes_with_rolling_cache(model)
 
 
 def test_rolling_generation_runs_far_past_the_context_with_bounded_memory():
@@ -236,7 +237,7 @@ def test_rolling_generation_runs_far_past_the_context_with_bounded_memory():
 
 def test_learned_positions_generate_past_the_context_by_shifting():
     model = GPT(tiny(position="learned", block_size=8)).eval()
-    assert not model.decodes_with_rolling_cache
+    assert not decodes_with_rolling_cache(model)
     assert len(list(model.generate(torch.zeros(1, 3, dtype=torch.long), 50))) == 50
 
 

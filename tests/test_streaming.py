@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from model import GPT, ModelConfig
+from model.decode import stream_cache
 from model.positions import POSITION_ENCODINGS
 
 
@@ -20,7 +21,7 @@ def tiny(position: str, n_layer: int = 2, block_size: int = 32) -> GPT:
 def test_the_sink_cache_keeps_its_memory_and_positions_bounded_over_a_long_generation(position):
     model = tiny(position, block_size=24)
     window, sinks = 10, 4
-    cache = model.new_stream_cache(window, sinks)
+    cache = stream_cache(model, window, sinks)
     ids = torch.randint(0, 40, (1, 8 * model.config.block_size))
     sizes, lengths = set(), []
     with torch.no_grad():
@@ -45,7 +46,7 @@ def test_right_after_rolling_a_step_equals_a_fresh_pass_over_the_kept_tokens(pos
     # renumbers (keys turned back by the shift) they must be the keys of a fresh pass.
     model = tiny(position, n_layer=1)
     window, sinks = 8, 3
-    cache = model.new_stream_cache(window, sinks)
+    cache = stream_cache(model, window, sinks)
     ids = torch.randint(0, 40, (1, 90))
     rolled = 0
     with torch.no_grad():
