@@ -39,8 +39,9 @@ import torch
 
 from attnlab.plotting import WEIGHT
 from common.errors import AttnlabError
-from model.mechanisms import MECHANISMS, layer_names, mechanisms_of, names_used
+from model.mechanisms import MECHANISMS, names_used
 
+from model.layers import layer_names, mechanisms_of
 PER_LAYER = ("resid_pre", "q", "k", "v", "pattern", "z", "attn_out", "mlp_out", "resid_post")
 
 

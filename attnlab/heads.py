@@ -37,7 +37,7 @@ from attnlab.plotting import (NUMBERING, WEIGHT, check_figure_out, default_out, 
                               label_tokens, layer_head, make_folder_for, out_path, pyplot,
                               refuse_a_path_through_a_file, save_figure, weight_scale)
 from common.errors import AttnlabError
-from model.mechanisms import layer_names
+from model.layers import layer_names
 from common.files import write_text_atomic
 from engine.cli import Parser, errors_as_lines
 

@@ -1,7 +1,7 @@
-"""The ways engine/machine.py can compute attention on a CPU in bf16, timed side by side:
-the formula as two bf16 matmuls (`two_matmuls`), torch's kernel on fp32 copies
-(`fp32_copies`), torch's kernel in bf16 (`sdpa`) and the formula as written
-(`eager_attention`, in bf16), forward + backward, and one-query decoding steps.
+"""The backends engine/machine.py can pick for attention on a CPU in bf16, timed side by
+side: the formula as written (`eager`, model/attention.py's eager_attention, what `auto`
+runs on a CPU with native bf16) and torch's kernel in bf16 (`sdpa`), forward + backward,
+and one-query decoding steps.
 
     python bench/cpu_attention_routes.py                 # the shapes behind the thresholds
     python bench/cpu_attention_routes.py --repeats 5 --shapes 16,3,128,32
@@ -9,13 +9,12 @@ the formula as two bf16 matmuls (`two_matmuls`), torch's kernel on fp32 copies
 
 A kernel timed alone can mislead (its inputs hot in cache, no casts around it), so
 `--steps` also times training steps of the --budget rungs and presets under bf16
-autocast with each kernel handed to the model (model.attention.use_attention_kernel),
-and in fp32 as the reference, interleaved round by round.
+autocast with each backend set on the model (model.attention.use_backend), and in fp32
+as the reference, interleaved round by round.
 
-The thresholds in engine/machine.py (CPU_MATMUL_MAX_SCORES, CPU_FP32_MAX_DECODE_KEYS)
-come from these figures on a CPU with native bf16; docs/benchmarks.md has them with
-their machine and date. On a CPU without native bf16 (AVX2) every bf16 column is
-emulated and the fp32 copies are taken at any length.
+engine/machine.py's choice of `eager` for bf16 on a CPU comes from these figures on a CPU
+with native bf16; docs/benchmarks.md has them with their machine and date. On a CPU
+without native bf16 (AVX2) every bf16 column is emulated, and `auto` trains in fp32.
 """
 from __future__ import annotations
 
@@ -27,15 +26,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine.machine import fp32_copies, native_bf16, two_matmuls  # noqa: E402
-from model.attention import eager_attention, sdpa_attention  # noqa: E402
-from model.mask import Mask  # noqa: E402
+from engine.machine import native_bf16  # noqa: E402
+from model.attention import ATTENTION_BACKENDS, Mask  # noqa: E402
 
-ROUTES = {"two_matmuls": two_matmuls, "fp32_copies": fp32_copies, "sdpa": sdpa_attention,
-          "eager": eager_attention}
+ROUTES = {name: ATTENTION_BACKENDS[name].attend for name in ("eager", "sdpa")}
 # (batch, heads, queries, keys, d_k): training shapes, then decoding steps over a cache
 TRAINING = [(16, 3, 128, 128, 32), (64, 6, 256, 256, 64), (8, 6, 512, 512, 64), (8, 6, 1024, 1024, 64)]
 DECODING = [(1, 6, 1, 256, 64), (1, 6, 1, 1024, 64), (1, 12, 1, 512, 64), (8, 12, 1, 1024, 64)]
@@ -75,16 +71,16 @@ STEP_SHAPES = [(3, 64, 64, 32), (3, 96, 128, 16), (4, 128, 128, 16)]
 
 def step_times(shapes, rounds: int = 3, steps: int = 20) -> None:
     """ms a training step (Muon, the cpu preset's optimizer) for each shape: bf16
-    autocast with each kernel handed to the model, and fp32 throughout."""
+    autocast with each backend set on the model, and fp32 throughout."""
     from dataclasses import replace
     from engine import cli
     from engine.budget import sized
     from engine.device import autocast
     from engine.optim import configure_optimizer
     from model import GPT
-    from model.attention import use_attention_kernel
+    from model.attention import use_backend
     cpu = torch.device("cpu")
-    kernels = [(name, fn, torch.bfloat16) for name, fn in ROUTES.items()] + [("fp32", sdpa_attention, torch.float32)]
+    kernels = [(name, name, torch.bfloat16) for name in ROUTES] + [("fp32", "sdpa", torch.float32)]
     print(f"\ntraining steps, ms (best of {rounds} rounds of {steps}, interleaved):")
     print("| layers x width, context, batch | " + " | ".join(n for n, _, _ in kernels) + " |")
     print("|---|" + "---|" * len(kernels))
@@ -98,7 +94,7 @@ def step_times(shapes, rounds: int = 3, steps: int = 20) -> None:
         for name, kernel, dtype in kernels:
             torch.manual_seed(0)
             model = GPT(cfg.model)
-            use_attention_kernel(model, kernel)
+            use_backend(model, kernel)
             runs[name] = (model, configure_optimizer(model, cfg.train, cpu), dtype)
         best = dict.fromkeys(runs, float("inf"))
         scaler = torch.amp.GradScaler("cpu", enabled=False)

@@ -9,8 +9,9 @@ quiet machine and a busy one.
   width bf16 pays to train and to sample; `pick_dtype` reads it;
 * the thread count (`fix_threads`): decided at the start, recorded in the run's config
   (train.threads) and reused on resume; it never changes while a run trains;
-* the attention kernel the model runs (`fit_attention`), handed to it when it is placed
-  on its device through model.attention.use_attention_kernel;
+* the attention backend `auto` runs (`fit_attention`): an entry of model/attention.py's
+  ATTENTION_BACKENDS, set on the model's layers through model.attention.use_backend when
+  it is placed on its device;
 * torch.compile and the folder its kernels are cached in (`compiled`);
 * the machine's load, read by --budget to plan (`read_machine`), never to decide numerics.
 
@@ -20,21 +21,17 @@ The ATEN_CPU_CAPABILITY check each script makes before anything else is common/c
 from __future__ import annotations
 
 import functools
-import math
 import os
 import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from common.cpu import cpu_flags, cpu_ticks
 from common.errors import ConfigError
-from model.attention import (ATTENTION_BACKENDS, banded_attention, flex_attention,
-                             sdpa_attention, sdpa_mask, use_attention_kernel)
+from model.attention import ATTENTION_BACKENDS, use_backend
 from model.flex import CUDA_MIN_HEAD_DIM
-from model.mask import Mask
 from model.mechanisms import MECHANISMS, names_used
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -189,76 +186,39 @@ def fix_threads(train_cfg, say: Callable[[str], None] = print, env=os.environ) -
 
 
 # --- Attention ---------------------------------------------------------------------------------
-# bf16 on a CPU with native bf16: the formula as two bf16 batched matmuls is faster than
-# torch's bf16 kernel and than the formula written out (eager) up to this many scores per
-# batch row and head; past it torch's kernel wins, and the scores would fill memory
-# (docs/benchmarks.md, "CPU attention routes").
-CPU_MATMUL_MAX_SCORES = 512 * 1024
-# A one-query decoding step pays the matmuls' fixed cost; over a cache of up to this many
-# elements of K, fp32 copies through torch's kernel are faster (the same section).
-CPU_FP32_MAX_DECODE_KEYS = 2 ** 18
 # Banded attention pays once the band (2·W keys per block of W queries) is a small share
 # of the T keys a masked dense kernel reads; at T = 4·W (context 128, a window of 32, the
 # README's example) the dense path was faster, in fp32 and far more in bf16
-# (docs/benchmarks.md, "The machine room (2026-12-05)").
+# (docs/benchmarks.md, "The machine room").
 BAND_PAYS_FROM = 16                 # T / W
 
 
-def two_matmuls(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
-    """eager_attention's formula, fused for bf16 on a CPU: the scale and the mask (the
-    one rule's additive form) go into the first matmul (baddbmm, one oneDNN call) and
-    the softmax reads bf16 scores (fp32 inside). Tested equal to eager_attention and to
-    the float64 reference; torch's kernel directly where the matmuls do not pay."""
-    *lead, Tq, D = q.shape
-    Tk = k.shape[-2]
-    if need_weights or Tq * Tk > CPU_MATMUL_MAX_SCORES:
-        attn_mask, is_causal = sdpa_mask(mask, q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal), None
-    if Tq == 1 and k.numel() <= CPU_FP32_MAX_DECODE_KEYS:
-        return fp32_copies(q, k, v, mask, dropout_p)
-    bias = torch.zeros((), dtype=q.dtype) if mask.sees_everything and mask.bias is None \
-        else mask.additive(q.dtype)
-    if bias.dim() > 2:                 # per batch row or head: one (Tq, Tk) per matmul
-        bias = bias.expand(*lead, Tq, Tk).reshape(-1, Tq, Tk)
-    scores = torch.baddbmm(bias, q.reshape(-1, Tq, D), k.reshape(-1, Tk, D).transpose(1, 2),
-                           alpha=1 / math.sqrt(D))
-    weights = F.dropout(torch.softmax(scores, dim=-1), dropout_p)
-    return torch.bmm(weights, v.reshape(-1, Tk, v.shape[-1])).view(*lead, Tq, v.shape[-1]), None
-
-
-def fp32_copies(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
-    """torch's kernel on fp32 copies: bf16 where this CPU would emulate it, and decoding
-    steps over a short cache."""
-    attn_mask, is_causal = sdpa_mask(mask, torch.float32)
-    with torch.autocast("cpu", enabled=False):
-        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=attn_mask,
-                                             dropout_p=dropout_p, is_causal=is_causal)
-    return out.to(q.dtype), None
-
-
-def attention_kernel(model_cfg, device: torch.device, dtype: torch.dtype) -> Callable:
-    """The kernel `auto` runs, chosen once for this model, device and precision."""
+def attention_backend(model_cfg, device: torch.device, dtype: torch.dtype) -> str:
+    """The entry of model/attention.py's ATTENTION_BACKENDS that `auto` runs, chosen once
+    for this model, device and precision."""
     window, T = model_cfg.sliding_window, model_cfg.block_size
     if window and T >= BAND_PAYS_FROM * window:       # long enough for the band to pay
         if device.type == "cuda" and model_cfg.dropout == 0 and model_cfg.head_dim >= CUDA_MIN_HEAD_DIM:
-            return flex_attention            # block-sparse: skips the tiles the window hides
-        return banded_attention
-    if device.type == "cpu" and dtype == torch.bfloat16:
-        return two_matmuls if native_bf16() else fp32_copies
-    return sdpa_attention
+            return "flex"                    # block-sparse: skips the tiles the window hides
+        return "banded"
+    if device.type == "cpu" and dtype == torch.bfloat16 and native_bf16():
+        # The formula as written, in bf16: at a small model's lengths its matmuls run on
+        # the CPU's bf16 units, where torch's fused CPU kernel does not pay
+        # (docs/benchmarks.md, "CPU attention routes").
+        return "eager"
+    return "sdpa"
 
 
 def fit_attention(model, model_cfg, device: torch.device, dtype: torch.dtype) -> str:
-    """Hand the model the attention kernel for this machine where its config says `auto`
-    (a backend named is kept as it is); returns the kernel's name for the device line.
+    """Set the model's attention backend for this machine where its config says `auto`
+    (a backend named is kept as it is); returns its name for the device line.
     FlexAttention compiles when first called, so its cache folder is set here too."""
     compile_cache_folder()
     if ATTENTION_BACKENDS.get(model_cfg.attention) is not ATTENTION_BACKENDS["auto"]:
         return kernel_words(model_cfg, model_cfg.attention)
-    kernel = attention_kernel(model_cfg, device, dtype)
-    use_attention_kernel(model, kernel)
-    return kernel_words(model_cfg, kernel.__name__.removesuffix("_attention"))
+    name = attention_backend(model_cfg, device, dtype)
+    use_backend(model, name)
+    return kernel_words(model_cfg, name)
 
 
 def kernel_words(model_cfg, kernel: str) -> str:

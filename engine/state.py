@@ -137,7 +137,8 @@ def position_words(c) -> str:
     """model.position for the summary line, and the mechanisms that do not turn q and k by
     a rotary one: linear attention and the delta rule take order from their causal sums,
     MLA from a decoupled key of its own (their entries' takes_rotary)."""
-    from model.mechanisms import MECHANISMS, layer_names
+    from model.mechanisms import MECHANISMS
+    from model.layers import layer_names
     from model.positions import POSITION_ENCODINGS
     if not POSITION_ENCODINGS[c.position].rotary:
         return f"{c.position} positions"

@@ -12,11 +12,12 @@ signature, `backend(q, k, v, mask, dropout_p, need_weights) -> (out, weights | N
   with T·W instead of T² (Longformer's banded attention, arXiv:2004.05150);
 * `flex` hands the same rule to torch's FlexAttention, which compiles it into a
   kernel that skips fully masked blocks (model/flex.py);
-* `auto`, the default, is sdpa here; a training run's engine hands each attention
-  layer the kernel that pays on its machine when it places the model on its device
-  (engine/machine.py, through `use_attention_kernel`), so forward calls one kernel.
+* `auto`, the default, is sdpa here; a run's engine picks, once, the entry that pays on
+  its machine (engine/machine.py: on a CPU that computes bf16 natively, `eager` itself,
+  this file's formula in bf16) and sets it on every layer through `use_backend`, and
+  its `device:` line names the entry. No other copy of the formula runs anywhere.
 
-The mask rule they all follow is in model/mask.py. Each backend is registered with
+The mask rule they all follow is in model/mask.py; `Mask` below is one pass's use of it. Each backend is registered with
 the facts other code asks about it (can it return weights, does it need a window).
 tests/test_attention.py::test_every_backend_matches_the_float64_reference proves every
 backend equal to a float64 NumPy reference, forward and backward.
@@ -25,16 +26,111 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.config import ModelConfig
+from model.config import ModelConfig, ModelError
 from model.flex import attend as flex_attend
-from model.mask import Mask, rule
+from model.mask import rule, visible
+
+
+@dataclass
+class Mask:
+    """What each query may see: queries at positions [q_start, q_start + q_len),
+    keys at the absolute positions `k_pos` (in the order they are stored; a rolling
+    cache keeps only some). Built once per forward pass and shared by every layer.
+
+    Kept as positions rather than a tensor because the fast paths need none: training
+    (keys 0..T-1, no window) is plain causal, and one decoded token with no window sees
+    every cached key. Absolute positions keep the rule right when a short query meets a
+    long cache, where SDPA's `is_causal` (aligned to the top-left corner) would not be.
+    `bias_fn(q_pos, k_pos)` adds a score bias per head (ALiBi).
+
+    Cross-attention (decoder queries over encoder keys, the article's third kind) and an
+    encoder's self-attention are not causal: every key is visible except padding,
+    given as `key_padding`, (B, Tk) and True where a key is only filler.
+
+    A step over a StaticKVCache passes `q_start` as a (1,) device tensor: its position
+    changes from one replay of a recorded CUDA graph to the next, so no decision may
+    depend on its value; such a mask always applies `dense` (it also hides empty slots)."""
+    q_start: int | torch.Tensor
+    q_len: int
+    k_pos: torch.Tensor
+    k_first: int = 0                 # the smallest key position (known without a sync)
+    window: int = 0
+    n_global: int = 0
+    bias_fn: Callable | None = None
+    causal: bool = True
+    key_padding: torch.Tensor | None = None
+    # What every layer of this pass would compute alike from the positions (RoPE's
+    # angles), made by the first layer that asks: one set of kernels a pass, not one a
+    # layer, which is most of a decoding step's launches on a GPU.
+    shared: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @classmethod
+    def over(cls, q_start: int, q_len: int, k_len: int, device=None, **kw) -> "Mask":
+        """Queries at [q_start, q_start + q_len) against keys at positions 0..k_len-1."""
+        return cls(q_start, q_len, torch.arange(k_len, device=device), **kw)
+
+    @property
+    def k_len(self) -> int:
+        return self.k_pos.shape[0]
+
+    @property
+    def on_device(self) -> bool:
+        """The query position is a device tensor (a static-cache step)."""
+        return isinstance(self.q_start, torch.Tensor)
+
+    @cached_property
+    def q_pos(self) -> torch.Tensor:
+        return self.q_start + torch.arange(self.q_len, device=self.k_pos.device)
+
+    @property
+    def is_whole_sequence(self) -> bool:
+        """Causal attention whose queries and keys are the same positions 0..T-1
+        (training, evaluation, a prefill with no cache before it): the case the
+        block-wise paths (banded, flex) handle."""
+        return (self.causal and self.key_padding is None and not self.on_device
+                and self.q_start == 0 and self.q_len == self.k_len)
+
+    @property
+    def is_square_causal(self) -> bool:
+        return self.is_whole_sequence and not self.window and self.bias_fn is None
+
+    @property
+    def sees_everything(self) -> bool:
+        if self.key_padding is not None:
+            return False
+        if not self.causal:                        # no padding, no order: every key counts
+            return True
+        if self.on_device:                         # empty slots and the window: mask always
+            return False
+        # One query, every key at or before it and inside its window: nothing to hide.
+        return self.q_len == 1 and (not self.window or self.q_start - self.k_first < self.window)
+
+    @cached_property
+    def dense(self) -> torch.Tensor:
+        """True where a key is visible: (Tq, Tk), or (B, 1, Tq, Tk) with padding."""
+        ok = visible(self.q_pos, self.k_pos, self.window, self.n_global, self.causal)
+        if self.key_padding is not None:
+            ok = ok & ~self.key_padding[:, None, None, :]
+        return ok
+
+    @cached_property
+    def bias(self) -> torch.Tensor | None:
+        if self.bias_fn is None:
+            return None
+        return self.bias_fn(self.q_pos[:, None], self.k_pos[None, :])      # (H, Tq, Tk)
+
+    def additive(self, dtype) -> torch.Tensor:
+        """Bias and mask as one float matrix: bias where visible, -inf elsewhere."""
+        bias = self.bias if self.bias is not None else torch.zeros((), device=self.k_pos.device)
+        return bias.to(dtype).masked_fill(~self.dense, float("-inf"))
 
 
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -54,9 +150,10 @@ def eager_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: b
         # Hidden keys get -inf before the softmax: exp(-inf) = 0, so their weight is
         # exactly zero and no information flows from the future (or beyond the window).
         scores = scores.masked_fill(~mask.dense, float("-inf"))
-    # Softmax over the keys turns each row of scores into weights that sum to 1
-    # (computed in at least fp32 so low-precision rows still sum to 1).
-    weights = torch.softmax(at_least_fp32(scores), dim=-1).to(q.dtype)
+    # Softmax over the keys turns each row of scores into weights that sum to 1 (torch
+    # computes a bf16 or fp16 softmax in fp32 inside and rounds once, so low-precision
+    # rows still sum to 1 up to that rounding; ALiBi's fp32 bias makes fp32 weights).
+    weights = torch.softmax(scores, dim=-1).to(q.dtype)
     # The output is the weighted average of the values.
     out = F.dropout(weights, dropout_p) @ v                          # (B, H, Tq, d_k)
     return out, (weights if need_weights else None)
@@ -189,18 +286,14 @@ ATTENTION_BACKENDS = {
 }
 
 
-def use_attention_kernel(model: nn.Module, kernel: Callable) -> None:
-    """The one seam for "run this attention fast": every attention layer of `model` calls
-    `kernel` (a backend's signature) from now on, in place of its config's backend."""
-    # Only a `kernel` this seam owns: one a backend gave the layer, or one handed here
-    # before. A mechanism's own attribute of that name (a feature map, say) is its maths.
-    owned = {id(b) for b in ATTENTION_BACKENDS.values()} | {
-        id(b.attend) for b in ATTENTION_BACKENDS.values()}
+def use_backend(model: nn.Module, name: str) -> None:
+    """Every softmax-attention layer of `model` runs ATTENTION_BACKENDS[name] from now on:
+    the engine's pick for `auto`, made once when a run places the model on its machine. A
+    layer with no kernel (a mechanism with maths of its own) keeps none."""
+    attend = ATTENTION_BACKENDS[name].attend
     for module in model.modules():
-        current = getattr(module, "kernel", None)
-        if id(current) in owned or (current is not None
-                                    and current is getattr(module, "handed_kernel", None)):
-            module.kernel = module.handed_kernel = kernel
+        if isinstance(module, (MultiHeadAttention, CrossAttention)) and module.kernel is not None:
+            module.kernel = attend
 
 
 class MultiHeadAttention(nn.Module):
@@ -214,7 +307,9 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
+        self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head or config.n_head          # 0: one per query head
+        self.head_dim = config.n_embd // config.n_head               # d_k
         qkv_out = (self.n_head + 2 * self.n_kv_head) * self.head_dim
         self.w_qkv = nn.Linear(config.n_embd, qkv_out, bias=config.bias)
         self.w_o = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -229,6 +324,16 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x, positions, mask: Mask, cache=None, need_weights: bool = False,
                 value_embed=None):
+        B, T, C = x.shape
+        q, k, v = self.project(x, positions, mask, cache, value_embed)
+        y, weights = self.attend(q, k, v, mask, need_weights)        # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, C)                       # heads side by side
+        return self.resid_dropout(self.w_o(y)), weights
+
+    def project(self, x, positions, mask: Mask, cache=None, value_embed=None):
+        """What every mechanism built on multi-head attention shares (differential,
+        sigmoid): q (B, H, T, D) and the keys and values (B, H, T_keys, D) it attends to,
+        earlier tokens' from the cache included, with positions and QK-norm applied."""
         B, T, C = x.shape
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
         # Q = x·W_Q, K = x·W_K, V = x·W_V, as one matmul cut into the three.
@@ -245,7 +350,7 @@ class MultiHeadAttention(nn.Module):
             # QK-norm (arXiv:2302.05442; the modded-nanogpt speedruns): every query and key
             # scaled to unit RMS, so |q·k|/√d_k <= √d_k whatever the weights grow to, and
             # the softmax cannot saturate into the one-hot corner at a high learning rate.
-            q, k = F.rms_norm(q, (D,)), F.rms_norm(k, (D,))
+            q, k = self.normalise(q), self.normalise(k)
         # Positions: RoPE turns queries and keys by their positions (others leave them).
         q = positions.rotate_in_pass(q, mask.q_start, mask.shared)
         k = positions.rotate_in_pass(k, mask.q_start, mask.shared)
@@ -255,11 +360,28 @@ class MultiHeadAttention(nn.Module):
         if H_kv != H:                        # each key/value head serves H / H_kv query heads
             k = k.repeat_interleave(H // H_kv, dim=1)
             v = v.repeat_interleave(H // H_kv, dim=1)
-        # Only eager forms the weights; the fused kernels never materialise them.
+        return q, k, v
+
+    def normalise(self, x):
+        """QK-norm of queries or keys (B, heads, T, D): each head's vector to unit RMS."""
+        return F.rms_norm(x, (x.shape[-1],))
+
+    def attend(self, q, k, v, mask: Mask, need_weights: bool = False):
+        """softmax(Q·Kᵀ/√d_k)·V through the backend (only eager forms the weights, the
+        fused kernels never materialise them). A mechanism that changes the formula
+        overrides this, and only this."""
         dropout_p = self.dropout if self.training else 0.0
-        y, weights = (eager_attention if need_weights else self.kernel)(q, k, v, mask, dropout_p, need_weights)
-        y = y.transpose(1, 2).reshape(B, T, C)                       # heads side by side
-        return self.resid_dropout(self.w_o(y)), weights
+        return (eager_attention if need_weights else self.kernel)(q, k, v, mask, dropout_p, need_weights)
+
+
+def residual_init(module: nn.Module, config: ModelConfig) -> None:
+    """GPT-2: the layer that writes into the residual stream starts scaled by
+    1/√(2·n_layer), so the stream's variance does not grow with depth."""
+    if not isinstance(getattr(module, "w_o", None), nn.Linear):
+        raise ModelError(f"{type(module).__name__} has no w_o, the nn.Linear that writes into "
+                         "the residual stream (the article's W_O, which the lens ablates "
+                         "through); name it w_o, or give its Mechanism entry an init= of its own")
+    nn.init.normal_(module.w_o.weight, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
 
 
 class CrossAttention(nn.Module):

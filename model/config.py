@@ -40,8 +40,9 @@ class ModelConfig:
                                  "(grouped-query/multi-query by model.n_kv_head); a comma-separated "
                                  "list is cycled over the layers (a hybrid)", registry="mechanism",
                           pattern=True)
-    attention: str = _opt("auto", "attention backend; auto = cpu on a CPU, else sdpa, with a "
-                                   "window flex on CUDA and banded elsewhere", registry="attention")
+    attention: str = _opt("auto", "attention backend (model/attention.py); auto = the one that "
+                                   "pays on the machine: eager for bf16 on a CPU with native bf16, "
+                                   "flex or banded for a long window, else sdpa", registry="attention")
     position: str = _opt("rope", "position encoding", registry="position")
     position_offset: int = _opt(0, "learned positions: position p reads table row p + offset "
                                    "(RoBERTa keeps its first two rows for padding: 2)")

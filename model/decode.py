@@ -15,7 +15,8 @@ import torch.nn as nn
 
 from model.cache import CapturedStep, KVCache, StaticKVCache
 from model.config import ModelError
-from model.mechanisms import MECHANISMS, layer_names
+from model.mechanisms import MECHANISMS
+from model.layers import layer_names
 from model.sampling import sample_next
 
 # How generate keeps earlier tokens: none, a growing cache, a static one, a CUDA graph.

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from model.attention import at_least_fp32
 from model.config import ModelConfig, ModelError
-from model.mask import Mask
+from model.attention import Mask
 
 # Row convention below: the state is stored as Sᵀ, (B, H, D_k, D_v), so that a row of
 # queries reads it as q·Sᵀ and rows of keys write into it as kᵀ·u.

@@ -21,9 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention import ATTENTION_BACKENDS, eager_attention
+from model.attention import MultiHeadAttention, eager_attention
 from model.config import ModelConfig, ModelError
-from model.mask import Mask
+from model.attention import Mask
 
 
 def lambda_init(layer_idx: int) -> float:
@@ -40,21 +40,14 @@ def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs[..., 0].flatten(-2), pairs[..., 1].flatten(-2)
 
 
-class DifferentialAttention(nn.Module):
+class DifferentialAttention(MultiHeadAttention):
     """n_head differential heads, each with d_k = n_embd / n_head: queries and keys split
     into two halves of d_k/2, values d_k wide (the paper's 2d). The projections, hook
-    points, cache and backends are multi-head attention's; the maths after them is not."""
+    points, positions, cache and backends are multi-head attention's (`project`); the
+    maths after them (`attend`) and QK-norm per half (`normalise`) are its own."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
-        qkv_out = (self.n_head + 2 * self.n_kv_head) * self.head_dim
-        self.w_qkv = nn.Linear(config.n_embd, qkv_out, bias=config.bias)
-        self.w_o = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.kernel = ATTENTION_BACKENDS[config.attention]
-        self.qk_norm, self.dropout = config.qk_norm, config.dropout
-        self.resid_dropout = nn.Dropout(config.dropout)
+        super().__init__(config, layer_idx)
         self.lambda_init = lambda_init(layer_idx)
         # The paper's (1 − λ_init): with it the normalised heads start at the scale of a
         # plain Transformer's, so its learning rates and initialisation carry over.
@@ -65,42 +58,30 @@ class DifferentialAttention(nn.Module):
         self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (
             nn.Parameter(torch.empty(d).normal_(0.0, 0.1)) for _ in range(4))
         self.head_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)   # one per head, shared gains
-        self.hook_q, self.hook_k, self.hook_v = nn.Identity(), nn.Identity(), nn.Identity()
 
     def lam(self) -> torch.Tensor:
         """λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init, a scalar for the layer."""
         return (torch.exp(self.lambda_q1 @ self.lambda_k1) - torch.exp(self.lambda_q2 @ self.lambda_k2)
                 + self.lambda_init)
 
-    def forward(self, x, positions, mask: Mask, cache=None, need_weights: bool = False,
-                value_embed=None):
-        B, T, C = x.shape
-        H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
-        q, k, v = self.w_qkv(x).split([H * D, H_kv * D, H_kv * D], dim=-1)
-        q = q.view(B, T, H, D).transpose(1, 2)                       # (B, H, T, D)
-        k = k.view(B, T, H_kv, D).transpose(1, 2)                    # (B, H_kv, T, D)
-        v = v.view(B, T, H_kv, D).transpose(1, 2)                    # (B, H_kv, T, D)
-        if value_embed is not None:
-            v = v + value_embed.view(B, T, H_kv, D).transpose(1, 2)
-        # Positions turn whole pairs, so they go on before the halves are cut.
-        q = positions.rotate_in_pass(q, mask.q_start, mask.shared)
-        k = positions.rotate_in_pass(k, mask.q_start, mask.shared)
-        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        if cache is not None:                # the same keys and values as plain attention
-            k, v = cache.update(self.layer_idx, k, v)
-        if H_kv != H:
-            k, v = k.repeat_interleave(H // H_kv, dim=1), v.repeat_interleave(H // H_kv, dim=1)
+    def normalise(self, x):
+        """Each half is a query or key of its own, so QK-norm scales each half to unit RMS
+        (a rotation keeps each pair's length, so before or after RoPE is the same)."""
+        first, second = halves(x)
+        d = first.shape[-1]
+        pairs = torch.stack((F.rms_norm(first, (d,)).unflatten(-1, (2, -1)),
+                             F.rms_norm(second, (d,)).unflatten(-1, (2, -1))), dim=-1)
+        return pairs.flatten(-3)                       # back to the rotate-half layout
+
+    def attend(self, q, k, v, mask: Mask, need_weights: bool = False):
         (q1, q2), (k1, k2) = halves(q), halves(k)                    # each (B, H, T*, D/2)
-        if self.qk_norm:                     # each half is a query or key of its own
-            q1, q2, k1, k2 = (F.rms_norm(t, (D // 2,)) for t in (q1, q2, k1, k2))
         y1, y2, weights = self.two_maps(q1, k1, q2, k2, v, mask, need_weights)
         lam = self.lam().to(y1.dtype)
         y = y1 - lam * y2                                            # (B, H, T, D)
         y = self.head_norm(y) * self.out_scale
         if weights is not None:              # what the heatmaps draw: the difference map
             weights = weights[0] - lam * weights[1]
-        y = y.transpose(1, 2).reshape(B, T, C)
-        return self.resid_dropout(self.w_o(y)), weights
+        return y, weights
 
     def two_maps(self, q1, k1, q2, k2, v, mask: Mask, need_weights: bool):
         """softmax(Q₁K₁ᵀ/√d)·V and softmax(Q₂K₂ᵀ/√d)·V through the model's backend (and

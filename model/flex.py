@@ -15,7 +15,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from model.mask import Mask, rule
+from model.mask import rule
 
 
 # From this length on, the block mask is built by a compiled function that never holds

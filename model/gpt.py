@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from model.decode import generate as generate_tokens
 from model.cache import KVCache
 from model.config import ModelConfig, ModelError
-from model.layers import BLOCKS, NORMS, TokenTypes, UNetSkips, ValueEmbeddings
-from model.mask import Mask
-from model.mechanisms import MECHANISMS, layer_names
+from model.layers import BLOCKS, NORMS, TokenTypes, UNetSkips, ValueEmbeddings, layer_names
+from model.attention import Mask
+from model.mechanisms import MECHANISMS
 from model.positions import POSITION_ENCODINGS
 from model.readout import READOUTS, AdaptiveReadout, MaskedLMTransform, head_macs
 from model.registry import check as check_config
@@ -94,8 +94,7 @@ class GPT(nn.Module):
         # and U-net skips with one weight each, from 1 (a plain sum at the start).
         self.value_embeds = ValueEmbeddings(config) if config.value_embeds else None
         self.skips = UNetSkips(config.n_layer) if config.skip_connections else None
-        self.register_parameter("skip_weights", nn.Parameter(torch.ones(config.n_layer // 2))
-                                if config.skip_connections else None)
+        self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2)) if config.skip_connections else None
         self.norm_f = NORMS[config.norm](config) if block.final_norm else None
         readout = READOUTS[config.readout]
         # BERT's masked-LM head puts a dense layer, GELU and a LayerNorm first and gives
@@ -109,7 +108,7 @@ class GPT(nn.Module):
             # The same matrix reads tokens in and scores them out (arXiv:1608.05859).
             self.lm_head.weight = self.wte.weight
         # Which layers have attention weights to return: a hybrid's DeltaNet layers have none.
-        self.has_weights = [MECHANISMS[n].no_weights is None for n in layer_names(config)]
+        self.has_weights = [block.mechanism.no_weights is None for block in self.blocks]
         if not self.wte.weight.is_meta:      # on the meta device (sizes only) no values exist
             self._init_all(config)
 
@@ -118,8 +117,8 @@ class GPT(nn.Module):
         # GPT-2: scale the layers that write into the residual stream by 1/√(2·n_layer),
         # so the stream's variance does not grow with depth; each mechanism says how its
         # own layer starts (Mechanism.init).
-        for block, name in zip(self.blocks, layer_names(config)):
-            MECHANISMS[name].init(block.attn, config)
+        for block in self.blocks:
+            block.mechanism.init(block.attn, config)
             if block.mlp.has_weights:
                 nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
         if config.zero_head:

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from model.attention import eager_attention, sdpa_attention
 from model.config import ModelConfig, ModelError
-from model.mask import Mask
+from model.attention import Mask
 from model.positions import turn
 
 

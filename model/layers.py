@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.config import ModelConfig
-from model.mechanisms import build_layer
+from model.mechanisms import MECHANISMS, Mechanism
 
 
 def layer_norm(config: ModelConfig) -> nn.Module:
@@ -152,6 +152,22 @@ class TokenMix(nn.Module):
         return out
 
 
+def layer_names(config: ModelConfig) -> list[str]:
+    """The mechanism of each layer: model.mechanism's names cycled over the layers."""
+    names = [n.strip() for n in config.mechanism.split(",")]
+    return [names[i % len(names)] for i in range(config.n_layer)]
+
+
+def mechanisms_of(config: ModelConfig) -> list[Mechanism]:
+    """Each layer's entry, in order (names checked by model/registry.py first)."""
+    return [MECHANISMS[n] for n in layer_names(config)]
+
+
+def build_layer(config: ModelConfig, layer_idx: int) -> nn.Module:
+    """The attention module of layer `layer_idx`, as model.mechanism says."""
+    return mechanisms_of(config)[layer_idx].layer(config, layer_idx)
+
+
 class Block(nn.Module):
     """x + attention(norm(x)), then x + mlp(norm(x)): pre-norm residual (GPT-2), which
     keeps an identity path from input to output so deep stacks train stably. The
@@ -164,7 +180,9 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.norm_attn = NORMS[config.norm](config)
-        self.attn = build_layer(config, layer_idx)        # model.mechanism's, for this layer
+        # model.mechanism's entry for this layer (its facts), and the layer it builds.
+        self.mechanism = MECHANISMS[layer_names(config)[layer_idx]]
+        self.attn = self.mechanism.layer(config, layer_idx)
         mlp = MLPS[config.mlp]
         # An MLP that is not there (attention-only models) needs no norm in front of it.
         self.norm_mlp = NORMS[config.norm](config) if mlp.has_weights else nn.Identity()

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from model.attention import at_least_fp32
 from model.config import ModelConfig, ModelError
-from model.mask import Mask
+from model.attention import Mask
 
 # The paper's code adds 1e-6 to the normaliser: exp(x) underflows to 0 below x = -87 in
 # fp32 and bf16, and a query whose every feature did would divide 0 by 0.

@@ -4,7 +4,7 @@ A *backend* (model/attention.py: eager, sdpa, banded, flex) computes the same
 softmax(Q·Kᵀ/√d_k)·V faster and is tested equal to the formula. A *mechanism* changes
 the formula itself: plain multi-head attention (with grouped-query and multi-query as
 its n_kv_head < n_head forms), differential attention, and the linear, delta-rule and
-latent answers of issue 53. One config field, model.mechanism, names one, or a
+latent answers to attention's cost, and sigmoid attention. One config field, model.mechanism, names one, or a
 comma-separated pattern cycled over the layers (a hybrid: `linear,linear,linear,mha`).
 
 Each entry carries the facts the rest of the project asks about it, so a new mechanism
@@ -12,7 +12,7 @@ is its class, its entry and its test: blocks and the encoder-decoder build `laye
 model/gpt.py counts `flops` and runs `init`, the decoders keep `cache`, attnlab's
 lens, page and `heads` read `no_weights` (and `heads` `weights_sum_to_one`),
 engine/interop.py reads `export_refusal`, model/registry.py checks `follows_mask`,
-`head_multiple`, `takes_value_embed` and `uses_kernel`, generate reads `stream_refusal`.
+`head_multiple`, `takes_value_embed`, `takes_qk_norm` and `uses_kernel`, generate reads `stream_refusal`.
 """
 from __future__ import annotations
 
@@ -21,12 +21,13 @@ from typing import Callable
 
 import torch.nn as nn
 
-from model.attention import MultiHeadAttention
+from model.attention import MultiHeadAttention, residual_init
 from model.config import ModelConfig, ModelError
 from model.deltanet import DeltaNet, GatedDeltaNet
 from model.differential import DifferentialAttention
 from model.latent_attention import LatentAttention, latent_sizes
 from model.linear_attention import LinearAttention
+from model.sigmoid_attention import SigmoidAttention
 
 
 @dataclass(frozen=True)
@@ -55,16 +56,6 @@ def score_flops(config: ModelConfig, context: int) -> float:
     """Forward FLOPs per token of one layer beyond its weight matrices: Q·Kᵀ and the
     weighted sum, 2·d_model·T multiply-adds each (PaLM, arXiv:2204.02311, appendix B)."""
     return 4 * config.n_embd * context
-
-
-def residual_init(module: nn.Module, config: ModelConfig) -> None:
-    """GPT-2: the layer that writes into the residual stream starts scaled by
-    1/√(2·n_layer), so the stream's variance does not grow with depth."""
-    if not isinstance(getattr(module, "w_o", None), nn.Linear):
-        raise ModelError(f"{type(module).__name__} has no w_o, the nn.Linear that writes into "
-                         "the residual stream (the article's W_O, which the lens ablates "
-                         "through); name it w_o, or give its Mechanism entry an init= of its own")
-    nn.init.normal_(module.w_o.weight, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
 
 
 def latent_and_rope_key(config: ModelConfig) -> int:
@@ -121,12 +112,13 @@ class Mechanism:
     takes_score_bias: bool = True      # adds a position's score bias (ALiBi) head by head
     takes_value_embed: bool = True     # adds model.value_embeds' per-token vector to its values
     takes_kv_heads: bool = True        # shares keys and values over model.n_kv_head groups (GQA)
+    takes_qk_norm: bool = True         # scales its queries and keys to unit RMS (model.qk_norm)
     takes_rotary: bool = True          # turns q and k by the model's RoPE; else order comes
                                        # another way (its causal sums, or a RoPE of its own)
     stream_refusal: str | None = None  # why a streaming cache (generate's sinks), which turns
                                        # kept keys back by the model's RoPE, cannot keep it
-    uses_kernel: bool = True           # its softmax runs on the machine's kernel (the seam
-                                       # model.attention.use_attention_kernel); else its own maths
+    uses_kernel: bool = True           # its softmax runs on the backend set by name
+                                       # (model.attention.use_backend); else its own maths
     weights_sum_to_one: bool = True    # each row of its weights is a distribution (none below
                                        # 0, summing to 1): entropy applies, the scale is 0-1
 
@@ -162,6 +154,11 @@ MECHANISMS = {
         export_refusal="differential attention (two softmax maps subtracted, arXiv:2410.05258) "
                        "is in no transformers architecture",
         head_multiple=4, takes_score_bias=False, weights_sum_to_one=False),
+    # A sigmoid per score in place of the softmax over the row (arXiv:2409.04431).
+    "sigmoid": Mechanism(
+        SigmoidAttention, Cache("keys and values", keys_and_values),
+        export_refusal="sigmoid attention (arXiv:2409.04431) is in no transformers architecture",
+        takes_score_bias=False, uses_kernel=False, weights_sum_to_one=False),
     # One latent per token, keys and values rebuilt from it (arXiv:2405.04434).
     "mla": Mechanism(
         LatentAttention, Cache("a latent and one rotated key", latent_and_rope_key),
@@ -170,7 +167,7 @@ MECHANISMS = {
         flops=latent_flops, takes_score_bias=False, takes_value_embed=False,
         stream_refusal="its cache holds latents, which carry no position to renumber, and "
                        "keys turned by its own small RoPE, not the model's",
-        takes_kv_heads=False, takes_rotary=False, uses_kernel=False),
+        takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
     # A kernel φ(q)·φ(k) in place of the softmax, a fixed-size sum as its cache. It has
     # weights to draw (normalised kernel rows) for a whole text; decoding keeps no keys.
     "linear": Mechanism(
@@ -178,7 +175,7 @@ MECHANISMS = {
         export_refusal="causal linear attention (arXiv:2006.16236) is in no transformers "
                        "architecture",
         flops=linear_flops, follows_mask=False, takes_score_bias=False,
-        takes_kv_heads=False, takes_rotary=False, uses_kernel=False),
+        takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
     # The delta rule: a state corrected, not only added to, by each token.
     "deltanet": Mechanism(
         DeltaNet, Cache("a fixed-size state S", lambda c: 0, delta_state),
@@ -186,7 +183,7 @@ MECHANISMS = {
                    "exists (arXiv:2406.06484)",
         export_refusal="DeltaNet (arXiv:2406.06484) is in no transformers architecture",
         flops=delta_flops, follows_mask=False, takes_score_bias=False,
-        takes_kv_heads=False, takes_rotary=False, uses_kernel=False),
+        takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
     "gated_deltanet": Mechanism(
         GatedDeltaNet, Cache("a fixed-size state S", lambda c: 0, delta_state),
         no_weights="each token fades and rewrites a d_k x d_k state, so no weight per "
@@ -194,7 +191,7 @@ MECHANISMS = {
         export_refusal="Gated DeltaNet (arXiv:2412.06464) is in no transformers architecture "
                        "this model's blocks fit",
         flops=delta_flops, follows_mask=False, takes_score_bias=False,
-        takes_kv_heads=False, takes_rotary=False, uses_kernel=False),
+        takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
 }
 
 
@@ -212,24 +209,8 @@ NOT_MECHANISMS = {
 NOT_MECHANISMS["sliding_window"] = NOT_MECHANISMS["window"]
 
 
-def layer_names(config: ModelConfig) -> list[str]:
-    """The mechanism of each layer: model.mechanism's names cycled over the layers."""
-    names = [n.strip() for n in config.mechanism.split(",")]
-    return [names[i % len(names)] for i in range(config.n_layer)]
-
-
 def names_used(config: ModelConfig) -> list[str]:
     """The mechanisms some layer uses, each once: read from the pattern, never a list as long as
     n_layer, so a config asking for absurdly many layers is refused by its size, not by a hang."""
     names = [n.strip() for n in config.mechanism.split(",")]
     return list(dict.fromkeys(names[:max(config.n_layer, 0)]))
-
-
-def mechanisms_of(config: ModelConfig) -> list[Mechanism]:
-    """Each layer's entry, in order (names checked by model/registry.py first)."""
-    return [MECHANISMS[n] for n in layer_names(config)]
-
-
-def build_layer(config: ModelConfig, layer_idx: int) -> nn.Module:
-    """The attention module of layer `layer_idx`, as model.mechanism says."""
-    return mechanisms_of(config)[layer_idx].layer(config, layer_idx)

@@ -139,7 +139,7 @@ class RoPE(PositionEncoding):
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
-        d = config.head_dim
+        d = config.n_embd // config.n_head            # each head's d_k
         inv_freq = config.rope_theta ** (-torch.arange(0, d, 2).float() / d)
         inv_freq, self.mscale = ROPE_SCALINGS[config.rope_scaling].scale(inv_freq, config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from model.registry import check as check_config
 from model.attention import CrossAttention
 from model.config import ModelConfig, ModelError
-from model.layers import MLPS, NORMS
-from model.mechanisms import build_layer, MECHANISMS, names_used
-from model.mask import Mask
+from model.mechanisms import MECHANISMS, names_used
+from model.layers import MLPS, NORMS, build_layer
+from model.attention import Mask
 from model.positions import POSITION_ENCODINGS
 
 

@@ -11,7 +11,7 @@ import torch
 from conftest import ROOT
 from model.cache import KVCache
 from model.config import ModelConfig
-from model.mask import Mask
+from model.attention import Mask
 from model.positions import POSITION_ENCODINGS
 
 B, T, HEADS, WIDTH = 2, 11, 2, 16            # T is a multiple of no chunk size tried

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from model.attention import ATTENTION_BACKENDS, MultiHeadAttention, eager_attention
-from model.mask import Mask, visible
+from model.attention import Mask
+from model.mask import visible
 from model.config import ModelConfig
 from model.positions import POSITION_ENCODINGS, PositionEncoding
 from reference import attention as reference_attention, mask_rule

@@ -232,8 +232,8 @@ def test_the_probe_times_real_text_with_the_vocabulary_ranked(corpus, tmp_path, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_probe_times_the_attention_kernel_the_run_runs(dtype, monkeypatch):
-    """The run hands its model the machine's kernel (engine.machine.fit_attention: two
-    matmuls in bf16 on AMX), the probe timed the model's default: on the Xeon it measured
+    """The run sets its model's backend for the machine (engine.machine.fit_attention: the
+    formula in bf16 on AMX); the probe once timed the model's default instead: on the Xeon it measured
     16 steps/s where the run made 29, and chose sizes for the slower machine."""
     import engine.budget as budget
     from engine import machine

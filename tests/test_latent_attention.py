@@ -11,7 +11,7 @@ import reference
 from mechanism_checks import (B, HEADS, T, TOLERANCE, WIDTH, causality_leak, config, decode_error,
                               decoded, inputs, layer, matrix, planted, whole)
 from model.attention import MultiHeadAttention
-from model.mask import Mask
+from model.attention import Mask
 
 # Tiny models spend their time in dispatch: a second thread only adds waiting for it.
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -10,7 +10,7 @@ import model.linear_attention as linear
 import reference
 from mechanism_checks import (B, HEADS, T, TOLERANCE, WIDTH, bias, causality_leak, decode_error,
                               decoded, inputs, layer, matrix, planted, whole)
-from model.mask import Mask
+from model.attention import Mask
 
 # Tiny models spend their time in dispatch: a second thread only adds waiting for it.
 pytestmark = pytest.mark.usefixtures("one_thread")

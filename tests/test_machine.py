@@ -1,6 +1,6 @@
-"""engine/machine.py: the machine in one room. Its attention kernels equal the formula
-(eager_attention) and the float64 reference; `auto` is chosen once, from the config and
-the machine's kind, and handed to the model through its one seam; precision and threads
+"""engine/machine.py: the machine in one room. `auto` names an entry of model/attention.py's
+backends, chosen once from the config and the machine's kind and set on the model by name
+(no copy of the formula runs outside model/); precision and threads
 are decided from facts, never from a timing or the load, so the same command gives the
 same numbers on a quiet and a busy machine, and across a kill -9 and a resume."""
 import json
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from engine import machine
-from model.attention import eager_attention, sdpa_attention, banded_attention, flex_attention
+from model.attention import ATTENTION_BACKENDS, eager_attention, sdpa_attention
 from model.config import ModelConfig
-from model.mask import Mask
+from model.attention import Mask
 from reference import attention as reference_attention, mask_rule
 from test_attention import MASKS, _inputs
 
@@ -28,21 +28,21 @@ F = torch.nn.functional
 
 @pytest.fixture
 def native_bf16(monkeypatch):
-    """The room's kernels as on a CPU with native bf16, whatever this one has: their
+    """The room's choice as on a CPU with native bf16, whatever this one has: the
     arithmetic is the same, only slower where bf16 is emulated."""
     monkeypatch.setattr(machine, "native_bf16", lambda: True)
 
 
-# --- the kernels against the formula -----------------------------------------------------
+# --- what runs in bf16 on a CPU is the formula itself, or torch's kernel ------------------
 @pytest.mark.parametrize("position", ["none", "alibi"])
 @pytest.mark.parametrize("mask_name", sorted(MASKS))
-@pytest.mark.parametrize("kernel", [machine.two_matmuls, machine.fp32_copies], ids=lambda k: k.__name__)
-def test_the_bf16_kernels_equal_the_formula_and_the_float64_reference(kernel, mask_name, position):
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_the_bf16_backends_equal_the_float64_reference(backend, mask_name, position):
     """Every mask (causal, a chunk after a cache, a decoding step, a window, global tokens)
-    and ALiBi's bias, forward and backward: within bf16's rounding of the formula in
-    float64 on the same rounded inputs, and of eager_attention itself run in bf16. Scores
-    in bf16 keep 8 bits, so the bound is 1% of the norm; a lost 1/√d_k, a hidden diagonal
-    or an inverted mask is 10-100x beyond it."""
+    and ALiBi's bias, forward and backward, in bf16 as autocast runs them on a CPU: within
+    bf16's rounding of the formula in float64 on the same rounded inputs. Scores in bf16
+    keep 8 bits, so the bound is 1% of the norm; a lost 1/√d_k, a hidden diagonal or an
+    inverted mask is 10-100x beyond it."""
     q_start, q_len, k_len, window, n_global = MASKS[mask_name]
     q64, k64, v64, _, bias_fn = _inputs(MASKS[mask_name], position)
     q, k, v = (t.bfloat16().requires_grad_() for t in (q64, k64, v64))
@@ -51,94 +51,51 @@ def test_the_bf16_kernels_equal_the_formula_and_the_float64_reference(kernel, ma
     bias = None if mask.bias is None else mask.bias.double().numpy()
     ref, _, backward = reference_attention(*(t.detach().double().numpy() for t in (q, k, v)),
                                            allowed, bias)
-    out, _ = kernel(q, k, v, mask)
-    formula, _ = eager_attention(q.detach(), k.detach(), v.detach(), mask)
+    out, _ = ATTENTION_BACKENDS[backend](q, k, v, mask)
     assert out.dtype == torch.bfloat16
     rel = lambda x, r: np.linalg.norm(x.detach().double().numpy() - r) / np.linalg.norm(r)
     assert rel(out, ref) < 1e-2
-    assert rel(out, formula.double().numpy()) < 1e-2
     d_out = torch.from_numpy(np.random.default_rng(1).standard_normal(ref.shape)).bfloat16()
     out.backward(d_out)
     for name, t, expected in zip("qkv", (q, k, v), backward(d_out.double().numpy())):
         assert rel(t.grad, expected) < 2e-2, name
 
 
-@pytest.mark.parametrize("mask_name", sorted(MASKS))
-def test_the_kernels_in_fp32_equal_the_float64_reference(mask_name):
-    """Handed fp32 (a layer autocast leaves in fp32), the kernels are exact to fp32."""
-    q_start, q_len, k_len, window, n_global = MASKS[mask_name]
-    q64, k64, v64, _, _ = _inputs(MASKS[mask_name], "none")
-    mask = Mask.over(q_start, q_len, k_len, window=window, n_global=n_global)
-    allowed = mask_rule(range(q_start, q_start + q_len), range(k_len), window, n_global)
-    ref, _, _ = reference_attention(q64.numpy(), k64.numpy(), v64.numpy(), allowed)
-    for kernel in (machine.two_matmuls, machine.fp32_copies):
-        out, _ = kernel(q64.float(), k64.float(), v64.float(), mask)
-        np.testing.assert_allclose(out.numpy(), ref, atol=2e-5, rtol=1e-5, err_msg=kernel.__name__)
+def test_no_second_copy_of_the_formula_runs_outside_model():
+    """The engine names an entry of model/attention.py's registry; it computes nothing."""
+    source = (ROOT / "engine" / "machine.py").read_text(encoding="utf-8")
+    for written in ("softmax", "baddbmm", "scaled_dot_product_attention", "bmm("):
+        assert written not in source, written
 
 
-# (q_len, k_len, route): bf16 takes two matmuls up to 512 x 1,024 scores per row and head,
-# except a one-query step over at most 2^18 elements of K (8,192 keys of 2 x 16 here),
-# which takes torch's kernel on fp32 copies; beyond, torch's kernel in bf16.
-ROUTES = [(64, 64, "matmuls"), (1, 300, "fp32"), (1, 8192, "fp32"), (1, 8193, "matmuls"),
-          (512, 1024, "matmuls"), (513, 1024, "torch"), (1024, 1024, "torch")]
-
-
-@pytest.mark.parametrize("q_len,k_len,route", ROUTES)
-def test_two_matmuls_takes_the_route_its_length_pays_for(q_len, k_len, route):
-    """Each route told apart by its output: the fp32 route equals torch's fp32 kernel
-    rounded, the torch route torch's kernel in bf16, and the matmuls neither."""
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 2, n, 16, dtype=torch.bfloat16) for n in (q_len, k_len, k_len))
-    mask = Mask.over(k_len - q_len, q_len, k_len)
-    out, _ = machine.two_matmuls(q, k, v, mask)
-    kernel_mask = dict(is_causal=True) if q_len == k_len else dict(attn_mask=mask.dense)
-    as_is = F.scaled_dot_product_attention(q, k, v, **kernel_mask)
-    as_fp32 = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kernel_mask).bfloat16()
-    if route == "torch":
-        assert torch.equal(out, as_is)
-    elif route == "fp32":
-        assert not torch.equal(as_fp32, as_is) and torch.equal(out, as_fp32)
-    else:
-        assert not torch.equal(out, as_is) and not torch.equal(out, as_fp32)
-
-
-def test_two_matmuls_drops_weights_in_training_only():
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 2, 32, 16).bfloat16() for _ in range(3))
-    mask = Mask.over(0, 32, 32)
-    drop = lambda p: machine.two_matmuls(q, k, v, mask, p)[0]
-    assert not torch.equal(drop(0.5), drop(0.5)) and torch.equal(drop(0.0), drop(0.0))
-
-
-# --- auto: chosen once, handed through the seam -----------------------------------------------
+# --- auto: chosen once, set by name -----------------------------------------------------------
 def _cfg(T=128, **kw):
     return ModelConfig(**{"vocab_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32,
                           "block_size": T, **kw})
 
 
 @pytest.mark.parametrize("device,dtype,window,T,native,expected", [
-    ("cpu", torch.float32, 0, 128, True, sdpa_attention),
-    ("cpu", torch.bfloat16, 0, 128, True, machine.two_matmuls),
-    ("cpu", torch.bfloat16, 0, 128, False, machine.fp32_copies),
+    ("cpu", torch.float32, 0, 128, True, "sdpa"),
+    ("cpu", torch.bfloat16, 0, 128, True, "eager"),
+    ("cpu", torch.bfloat16, 0, 128, False, "sdpa"),
     # the README's window example, context 128 and a window of 32: the dense path
-    ("cpu", torch.float32, 32, 128, True, sdpa_attention),
-    ("cpu", torch.bfloat16, 32, 128, True, machine.two_matmuls),
-    ("cpu", torch.float32, 32, 32 * machine.BAND_PAYS_FROM - 1, True, sdpa_attention),
-    ("cpu", torch.float32, 32, 32 * machine.BAND_PAYS_FROM, True, banded_attention),
-    ("cuda", torch.bfloat16, 0, 128, True, sdpa_attention),
-    ("cuda", torch.bfloat16, 32, 32 * machine.BAND_PAYS_FROM, True, flex_attention),
-    ("cuda", torch.bfloat16, 32, 128, True, sdpa_attention)])
-def test_auto_takes_the_band_only_where_it_pays_and_the_cpu_kernel_for_bf16(
+    ("cpu", torch.float32, 32, 128, True, "sdpa"),
+    ("cpu", torch.bfloat16, 32, 128, True, "eager"),
+    ("cpu", torch.float32, 32, 32 * machine.BAND_PAYS_FROM - 1, True, "sdpa"),
+    ("cpu", torch.float32, 32, 32 * machine.BAND_PAYS_FROM, True, "banded"),
+    ("cuda", torch.bfloat16, 0, 128, True, "sdpa"),
+    ("cuda", torch.bfloat16, 32, 32 * machine.BAND_PAYS_FROM, True, "flex"),
+    ("cuda", torch.bfloat16, 32, 128, True, "sdpa")])
+def test_auto_takes_the_band_only_where_it_pays_and_the_formula_for_cpu_bf16(
         device, dtype, window, T, native, expected, monkeypatch):
     monkeypatch.setattr(machine, "native_bf16", lambda: native)
     cfg = _cfg(T=T, sliding_window=window, n_embd=64, n_head=2)
-    assert machine.attention_kernel(cfg, torch.device(device), dtype) is expected
+    assert machine.attention_backend(cfg, torch.device(device), dtype) == expected
 
 
 def _calls_from_forward(layer, x, positions, mask, need_weights=False):
     """The Python calls on the way from MultiHeadAttention.forward to torch's
-    scaled_dot_product_attention or baddbmm, or to eager_attention: the forward itself
-    counted as 0, so a kernel its forward calls directly is 1 call away."""
+    scaled_dot_product_attention, or to eager_attention: the forward itself counted as 0."""
     paths, stack = [], []
 
     def profile(frame, event, arg):
@@ -146,8 +103,8 @@ def _calls_from_forward(layer, x, positions, mask, need_weights=False):
             stack.append(frame.f_code.co_name)
         elif event == "return" and stack:
             stack.pop()
-        elif event == "c_call" and getattr(arg, "__name__", "") in (
-                "scaled_dot_product_attention", "baddbmm") and "forward" in stack:
+        elif event == "c_call" and getattr(arg, "__name__", "") == "scaled_dot_product_attention" \
+                and "forward" in stack:
             paths.append(stack[len(stack) - stack[::-1].index("forward"):] + [arg.__name__])
         if event == "call" and frame.f_code.co_name == "eager_attention":
             paths.append(stack[len(stack) - stack[::-1].index("forward"):])
@@ -159,54 +116,55 @@ def _calls_from_forward(layer, x, positions, mask, need_weights=False):
     return paths
 
 
-@pytest.mark.parametrize("kernel,path", [
-    (sdpa_attention, ["sdpa_attention", "scaled_dot_product_attention"]),
-    (machine.two_matmuls, ["two_matmuls", "baddbmm"])])
-def test_forward_reaches_the_formula_in_one_call_and_the_kernel_in_two(kernel, path):
-    """What a learner counts with a profiler: the engine's kernel, handed over once by
-    use_attention_kernel, is forward's own call, and it calls torch directly."""
+@pytest.mark.parametrize("backend,path", [
+    ("sdpa", ["attend", "sdpa_attention", "scaled_dot_product_attention"]),
+    ("eager", ["attend", "eager_attention"])])
+def test_forward_reaches_the_formula_through_attend_and_nothing_else(backend, path):
+    """What a learner counts with a profiler: forward calls `attend` (the one method a
+    mechanism overrides), which calls the backend set once by name, which calls torch."""
     from model import GPT
-    from model.attention import MultiHeadAttention, use_attention_kernel
+    from model.attention import MultiHeadAttention, use_backend
     model = GPT(_cfg(T=16, position="none"))
-    use_attention_kernel(model, kernel)
+    use_backend(model, backend)
     layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    assert layers and all(m.kernel is kernel for m in layers)
+    assert layers and all(m.kernel is ATTENTION_BACKENDS[backend].attend for m in layers)
     x = torch.randn(1, 16, 32, dtype=torch.bfloat16)
     positions = model.positions
     layer = layers[0].to(torch.bfloat16)
     mask = Mask.over(0, 16, 16)
     assert _calls_from_forward(layer, x, positions, mask) == [path]
-    assert _calls_from_forward(layer, x, positions, mask, need_weights=True) == [["eager_attention"]]
+    assert _calls_from_forward(layer, x, positions, mask, need_weights=True) == [["attend", "eager_attention"]]
 
 
 def test_fit_attention_keeps_a_backend_named_and_replaces_auto(native_bf16):
     from model import GPT
     from model.attention import MultiHeadAttention
     cpu = torch.device("cpu")
-    named = GPT(_cfg(attention="eager"))
-    assert machine.fit_attention(named, named.config, cpu, torch.bfloat16) == "eager"
-    assert all(m.kernel is eager_attention for m in named.modules() if isinstance(m, MultiHeadAttention))
+    named = GPT(_cfg(attention="sdpa"))
+    assert machine.fit_attention(named, named.config, cpu, torch.bfloat16) == "sdpa"
+    assert all(m.kernel is sdpa_attention for m in named.modules() if isinstance(m, MultiHeadAttention))
     auto = GPT(_cfg())
-    assert machine.fit_attention(auto, auto.config, cpu, torch.bfloat16) == "two_matmuls"
+    assert machine.fit_attention(auto, auto.config, cpu, torch.bfloat16) == "eager"
+    assert all(m.kernel is eager_attention for m in auto.modules() if isinstance(m, MultiHeadAttention))
 
 
-def test_the_kernel_seam_replaces_only_the_kernel_it_owns():
-    """use_attention_kernel replaced every callable attribute named `kernel`: a mechanism
-    whose feature map is its `kernel` had it swapped for an attention backend."""
+def test_use_backend_sets_only_attention_layers():
+    """A module's own attribute named `kernel` (a feature map) is its maths, not a backend."""
     from model import GPT
-    from model.attention import MultiHeadAttention, use_attention_kernel
+    from model.attention import MultiHeadAttention, use_backend
     model = GPT(_cfg(T=16))
-    feature_map = model.blocks[1].mlp.kernel = torch.nn.ELU()        # not the seam's
-    own = model.blocks[0].mlp.kernel = torch.sigmoid
-    for kernel in (machine.two_matmuls, sdpa_attention):              # handed over twice
-        use_attention_kernel(model, kernel)
-        assert all(m.kernel is kernel for m in model.modules() if isinstance(m, MultiHeadAttention))
-    assert model.blocks[1].mlp.kernel is feature_map and model.blocks[0].mlp.kernel is own
+    feature_map = model.blocks[1].mlp.kernel = torch.nn.ELU()
+    for backend in ("eager", "sdpa"):                                 # set twice
+        use_backend(model, backend)
+        assert all(m.kernel is ATTENTION_BACKENDS[backend].attend
+                   for m in model.modules() if isinstance(m, MultiHeadAttention))
+    assert model.blocks[1].mlp.kernel is feature_map
 
 
 @pytest.mark.parametrize("mechanism,said", [
-    ("linear", "linear its own maths"), ("linear,mha", "two_matmuls for mha; linear its own maths"),
-    ("deltanet,mla", "deltanet, mla their own maths"), ("differential", "two_matmuls")])
+    ("linear", "linear its own maths"), ("linear,mha", "eager for mha; linear its own maths"),
+    ("deltanet,mla", "deltanet, mla their own maths"), ("differential", "eager"),
+    ("sigmoid", "sigmoid its own maths")])
 def test_the_device_line_names_a_kernel_only_for_the_layers_that_run_it(native_bf16, mechanism, said):
     from model import GPT
     model = GPT(_cfg(mechanism=mechanism))

@@ -17,8 +17,9 @@ from engine import config as run_config
 from engine.interop import ExportError, architecture_for
 from model import GPT, ModelConfig, ModelError, differential
 from model.differential import DifferentialAttention
-from model.mask import Mask
-from model.mechanisms import MECHANISMS, Cache, Mechanism, layer_names
+from model.attention import Mask
+from model.mechanisms import MECHANISMS, Cache, Mechanism
+from model.layers import layer_names
 from model.positions import POSITION_ENCODINGS
 from reference import differential_attention, mask_rule
 
@@ -276,10 +277,11 @@ def test_a_layer_returns_weights_exactly_when_its_entry_says_it_has_them(name):
         assert (rows_sum_to_one and bool((weights >= 0).all())) == MECHANISMS[name].weights_sum_to_one
 
 
-def _layer_out(entry, seed=0, n_kv_head=0, window=0, alibi=False, value_embed=False):
+def _layer_out(entry, seed=0, n_kv_head=0, window=0, alibi=False, value_embed=False,
+               qk_norm=False):
     """One layer of `entry` alone, built past the registry (which trusts the facts), on
     7 tokens: its output with one input of the layer's changed."""
-    config = tiny(position="none", n_kv_head=n_kv_head)
+    config = tiny(position="none", n_kv_head=n_kv_head, qk_norm=qk_norm)
     torch.manual_seed(seed)
     layer = entry.layer(config, 0).double().eval()
     x = torch.randn(1, 7, config.n_embd, dtype=torch.float64)
@@ -303,6 +305,7 @@ def fact_mismatches(entry) -> list[str]:
         "takes_value_embed": _layer_out(entry, value_embed=True),
         "takes_score_bias": _layer_out(entry, alibi=True),
         "follows_mask": _layer_out(entry, window=2),
+        "takes_qk_norm": _layer_out(entry, qk_norm=True),
     }
     found = [fact for fact, out in changed.items()
              if (out is not None and not torch.equal(out[0], plain[0])) != getattr(entry, fact)]
@@ -321,8 +324,8 @@ def test_each_does_or_does_not_take_fact_is_what_the_layer_does(name):
 
 def test_a_layer_that_ignores_what_its_entry_says_it_takes_is_caught():
     assert fact_mismatches(TOY) == []
-    liar = replace(TOY, takes_value_embed=True, takes_kv_heads=True)
-    assert fact_mismatches(liar) == ["takes_value_embed", "takes_kv_heads"]
+    liar = replace(TOY, takes_value_embed=True, takes_kv_heads=True, takes_qk_norm=True)
+    assert fact_mismatches(liar) == ["takes_value_embed", "takes_qk_norm", "takes_kv_heads"]
     assert fact_mismatches(replace(MECHANISMS["mha"], takes_score_bias=False,
                                    follows_mask=False)) == ["takes_score_bias", "follows_mask"]
 
@@ -497,7 +500,7 @@ class RunningMean(nn.Module):
 TOY = Mechanism(RunningMean, Cache("a running sum and count", lambda c: 0, lambda c: c.n_embd + 1),
                 no_weights="every earlier token weighs the same; there is no map to draw",
                 export_refusal="a running mean is no transformers layer",
-                follows_mask=False, takes_score_bias=False, takes_value_embed=False,
+                follows_mask=False, takes_score_bias=False, takes_value_embed=False, takes_qk_norm=False,
                 takes_kv_heads=False, takes_rotary=False, uses_kernel=False)
 
 

@@ -117,14 +117,15 @@ def test_both_caches_hold_what_the_entry_says(name):
 D = 16
 PAPER_COUNTS = {"linear": (0, 2 * (D ** 2 + D)), "deltanet": (0, 2 * D ** 2),
                 "gated_deltanet": (0, 2 * D ** 2), "mla": (4 * D + D // 2, 0),
-                "mha": (2 * 2 * D, 0), "differential": (2 * 2 * D, 0)}
+                "mha": (2 * 2 * D, 0), "differential": (2 * 2 * D, 0),
+                "sigmoid": (2 * 2 * D, 0)}     # the keys and values it scores, as mha's
 
 
 def test_a_mechanism_without_a_paper_count_is_told_what_to_add(monkeypatch):
     """A new entry met a bare KeyError here."""
-    monkeypatch.setitem(MECHANISMS, "sigmoid", MECHANISMS["mha"])
-    with pytest.raises(pytest.fail.Exception, match="add 'sigmoid': .* to PAPER_COUNTS"):
-        test_both_caches_hold_what_the_entry_says("sigmoid")
+    monkeypatch.setitem(MECHANISMS, "relu_attention", MECHANISMS["mha"])
+    with pytest.raises(pytest.fail.Exception, match="add 'relu_attention': .* to PAPER_COUNTS"):
+        test_both_caches_hold_what_the_entry_says("relu_attention")
 
 
 def test_a_hybrid_of_three_linear_layers_to_one_softmax_layer_trains_and_decodes():

@@ -8,7 +8,7 @@ import torch
 
 from model import GPT, REGISTRIES, ModelConfig
 from model.decode import decodes_with_rolling_cache
-from model.mask import Mask
+from model.attention import Mask
 
 
 def tiny(**kw) -> ModelConfig:
@@ -303,7 +303,7 @@ def test_qk_norm_is_rms_normalised_queries_and_keys_in_the_articles_formula():
     divided by their root mean square (over that head's d_k), then the formula."""
     import numpy as np
     from model.attention import MultiHeadAttention
-    from model.mask import Mask
+    from model.attention import Mask
     from model.positions import POSITION_ENCODINGS
     from reference import attention as reference, mask_rule
     cfg = tiny(position="none", qk_norm=True)
@@ -349,7 +349,7 @@ def test_value_embeddings_add_each_tokens_vector_to_its_value_in_the_articles_fo
     (E the rows of the tokens), then softmax(Q·Kᵀ/√d_k)·V and W_O."""
     import numpy as np
     from model.attention import MultiHeadAttention
-    from model.mask import Mask
+    from model.attention import Mask
     from model.positions import POSITION_ENCODINGS
     from reference import attention as reference, mask_rule
     cfg = tiny(position="none", n_kv_head=2)

@@ -3,7 +3,7 @@ eager_attention, the article's formula one line per idea."""
 import torch
 
 from model.attention import eager_attention
-from model.mask import Mask
+from model.attention import Mask
 
 
 def scaled_dot_product_attention(q, k, v, mask=None):

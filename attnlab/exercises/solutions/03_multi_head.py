@@ -4,7 +4,7 @@ import torch
 
 from model.attention import MultiHeadAttention
 from model.config import ModelConfig
-from model.mask import Mask
+from model.attention import Mask
 from model.positions import PositionEncoding
 
 

@@ -4,7 +4,7 @@ absolute positions, so the new queries at T_past.. see every cached key."""
 import torch
 
 from model.attention import eager_attention
-from model.mask import Mask
+from model.attention import Mask
 
 
 def decode_step(q, k, v, cache_k, cache_v):

@@ -1,0 +1,94 @@
+"""The core a learner came for, kept readable: building the default model and one training
+forward with its loss runs few lines of the project's code, in few files (nanoGPT's
+model.py runs 83 of its lines for the same). `sys.settrace` records every line of a
+project file that runs; a budget is each configuration's count when it was last made
+smaller, so a line added to the default path is added on purpose (raise the budget here,
+with the reason) and never by a stand-in module or a check that runs on every build.
+
+What is traced is what train.py does with the model (engine/run.py): the config is
+checked once when it is read (model/registry.py marks it), then the model is built and
+run, on the backend the engine picks for this precision."""
+import collections
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from model import GPT, ModelConfig
+from model.attention import use_backend
+from model.registry import check
+
+# (fields over the cpu preset's model, backend, precision) -> (lines, files)
+BUDGETS = {
+    "cpu preset, fp32 (sdpa)": ({}, "sdpa", torch.float32, 169, 4),
+    "cpu preset, bf16 (the formula)": ({}, "eager", torch.bfloat16, 171, 4),
+    "learned positions": ({"position": "learned"}, "sdpa", torch.float32, 153, 4),
+    "linear attention": ({"mechanism": "linear"}, "sdpa", torch.float32, 149, 6),
+}
+CPU_PRESET = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=65)
+
+
+def traced(fields: dict, backend: str, dtype: torch.dtype) -> dict[str, set[int]]:
+    """{project file: its line numbers that ran} for a build and one forward with a loss."""
+    config = ModelConfig(**{**CPU_PRESET, **fields})
+    check(config)                               # as the engine does when it reads a config
+    g = torch.Generator().manual_seed(0)
+    idx, targets = (torch.randint(0, 65, (2, 16), generator=g) for _ in range(2))
+    lines: dict[str, set[int]] = collections.defaultdict(set)
+    root = str(ROOT)
+
+    def tracer(frame, event, arg):
+        name = frame.f_code.co_filename
+        if not name.startswith(root) or "/tests/" in name:
+            return None
+        if event == "line":
+            lines[name].add(frame.f_lineno)
+        return tracer
+
+    torch.manual_seed(0)
+    sys.settrace(tracer)
+    try:
+        model = GPT(config)
+        use_backend(model, backend)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            model(idx, targets)
+    finally:
+        sys.settrace(None)
+    return lines
+
+
+@pytest.mark.parametrize("name", sorted(BUDGETS))
+def test_the_path_of_one_forward_stays_within_its_budget(name):
+    fields, backend, dtype, most_lines, most_files = BUDGETS[name]
+    lines = traced(fields, backend, dtype)
+    count = sum(len(v) for v in lines.values())
+    where = ", ".join(f"{k.removeprefix(str(ROOT) + '/')} {len(v)}" for k, v in sorted(lines.items()))
+    assert len(lines) <= most_files, f"{name}: {len(lines)} files ({where})"
+    assert count <= most_lines, f"{name}: {count} lines ({where})"
+
+
+def test_the_default_path_runs_no_stand_in_and_no_check():
+    """No module that does nothing is built, and a checked config is not checked again."""
+    model = GPT(ModelConfig(**CPU_PRESET))
+    names = {type(m).__name__ for m in model.modules()}
+    assert not names & {"NoSkips", "NoTokenTypes", "NoValueEmbeddings", "SoftCap", "NoOutputLayer"}
+    stand_ins = [n for n, m in model.named_modules() if type(m).__name__ == "Identity"
+                 and not n.rsplit(".", 1)[-1].startswith("hook_")]
+    assert stand_ins == []
+    files = traced({}, "sdpa", torch.float32)
+    assert not any(f.endswith(("registry.py", "config.py", "readout.py", "mechanisms.py"))
+                   for f in files)
+
+
+def test_the_tracer_sees_a_line_added_to_the_path(monkeypatch):
+    """The count is real: a forward that also runs one more project function counts its lines."""
+    before = sum(len(v) for v in traced({}, "sdpa", torch.float32).values())
+    real = GPT.logits_and_loss
+
+    def logits_and_loss(self, h, targets=None):
+        self.num_params()                        # model/gpt.py lines not on the path
+        return real(self, h, targets)
+    monkeypatch.setattr(GPT, "logits_and_loss", logits_and_loss)
+    after = sum(len(v) for v in traced({}, "sdpa", torch.float32).values())
+    assert after > before
