@@ -42,7 +42,8 @@ def val_loss(model, tokens, length: int, batches: int, batch_size: int) -> float
 def schemes(cfg, factor: int):
     """(label, model config) pairs to evaluate a trained model with at this factor:
     as trained, and with each RoPE scaling when its positions rotate."""
-    from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
+    from model.positions import POSITION_ENCODINGS
+    from model.rope_scaling import ROPE_SCALINGS
     yield cfg.position, cfg
     if POSITION_ENCODINGS[cfg.position].rotary:          # at 1x each scaling is plain RoPE
         for kind, scaling in ROPE_SCALINGS.items():

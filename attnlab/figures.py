@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 
 from model.attention import eager_attention
-from model.attention import Mask
-from model.mask import visible
+from model.attention import Mask, visible
 from common.errors import AttnlabError
 from attnlab.plotting import (check_figure_out, default_out, label_tokens, out_path, pyplot,
                               refuse_a_path_through_a_file, save_figure)

@@ -214,7 +214,7 @@ class Service:
 
     def info(self) -> dict:
         from attnlab.capture import other_paths
-        from model.mask import visible
+        from model.attention import visible
         c = self.cfg.model
         T = min(c.block_size, 32)
         pos = torch.arange(T)

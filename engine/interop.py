@@ -44,7 +44,8 @@ from engine.hf_files import (CONFIG_LIMIT, FETCH_AGAIN, MAX_HEADS, MAX_LAYERS,
 from model import GPT, ModelConfig, ModelError
 from model.layers import BLOCKS, MLPS, NORMS
 from model.mechanisms import MECHANISMS, names_used
-from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
+from model.positions import POSITION_ENCODINGS
+from model.rope_scaling import ROPE_SCALINGS
 from model.readout import READOUTS
 
 

@@ -1,14 +1,15 @@
 """A decoder-only Transformer built from the pieces of the attention article.
 
-Read in this order: config.py (the one model configuration: sizes, and variants named
-by strings), mask.py (the one mask rule), attention.py (the formula, its backends and
-multi-head attention; flex.py is its FlexAttention path), mechanisms.py (what a
-layer's attention computes: multi-head, or differential.py's difference of two maps,
-each entry with its facts), positions.py (none,
-sinusoidal, learned, RoPE, ALiBi), layers.py (norms, MLP, the residual block),
-readout.py (the output layer, and the adaptive softmax for large vocabularies), gpt.py
-(the whole model and generation from it), cache.py (the KV caches it decodes with),
-sampling.py (logits to tokens), seq2seq.py (an encoder-decoder, through cross-attention);
+One forward pass of the default model reads in four files: gpt.py (the model: embeddings,
+the blocks, the output layer), layers.py (the block: norms, the MLP, attention around a
+residual), attention.py (the mask rule, the formula, its backends and multi-head
+attention) and positions.py (RoPE and the other encodings); config.py holds the fields.
+Around them: mechanisms.py (what a layer's attention computes, each entry with its facts:
+differential.py, sigmoid_attention.py, linear_attention.py, deltanet.py,
+latent_attention.py), extras.py (parts a config adds), readout.py (other output layers),
+rope_scaling.py (RoPE past its context), flex.py (FlexAttention), decode.py and cache.py
+(generation and its caches), sampling.py (logits to tokens), seq2seq.py (an
+encoder-decoder, through cross-attention), meta.py (building without values);
 registry.py lists every variant and checks a config.
 The folder imports torch and itself only: copy it out and it runs."""
 from model.config import ModelConfig, ModelError

@@ -17,7 +17,7 @@ signature, `backend(q, k, v, mask, dropout_p, need_weights) -> (out, weights | N
   this file's formula in bf16) and sets it on every layer through `use_backend`, and
   its `device:` line names the entry. No other copy of the formula runs anywhere.
 
-The mask rule they all follow is in model/mask.py; `Mask` below is one pass's use of it. Each backend is registered with
+The mask rule they all follow is written once below (`rule`), and `Mask` is one pass's use of it. Each backend is registered with
 the facts other code asks about it (can it return weights, does it need a window).
 tests/test_attention.py::test_every_backend_matches_the_float64_reference proves every
 backend equal to a float64 NumPy reference, forward and backward.
@@ -36,7 +36,31 @@ import torch.nn.functional as F
 
 from model.config import ModelConfig, ModelError
 from model.flex import attend as flex_attend
-from model.mask import rule, visible
+
+
+def rule(q, k, window: int = 0, n_global: int = 0, causal: bool = True):
+    """The one mask rule, on absolute positions (broadcastable tensors): a query at
+    position q may look at a key at position k when the key is not ahead of it and,
+    with a sliding window W, at most W-1 positions behind it, unless the key is one
+    of the first n_global positions, which every later query may see (global tokens /
+    attention sinks, arXiv:2004.05150, arXiv:2309.17453). Not causal (an encoder):
+    every key, ahead or behind (a window needs causal order; the config refuses both)."""
+    if not causal:
+        return torch.ones(torch.broadcast_shapes(q.shape, k.shape), dtype=torch.bool,
+                          device=k.device)
+    ok = k <= q
+    if window:
+        near = (q - k) < window
+        if n_global:
+            near = near | (k < n_global)
+        ok = ok & near
+    return ok
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0, n_global: int = 0,
+            causal: bool = True):
+    """The rule as a bool (Tq, Tk) matrix, True where the key is visible."""
+    return rule(q_pos[:, None], k_pos[None, :], window, n_global, causal)
 
 
 @dataclass
@@ -67,6 +91,7 @@ class Mask:
     bias_fn: Callable | None = None
     causal: bool = True
     key_padding: torch.Tensor | None = None
+    rule = staticmethod(rule)        # the one rule, for a kernel that compiles its own mask
     # What every layer of this pass would compute alike from the positions (RoPE's
     # angles), made by the first layer that asks: one set of kernels a pass, not one a
     # layer, which is most of a decoding step's launches on a GPU.

@@ -46,8 +46,28 @@ def generate(model, idx, max_new_tokens: int, temperature: float = 1.0, top_k: i
              use_cache: bool = True, on_step=None, decode: str = "cache",
              sinks: int | None = None, stream_window: int = 0,
              forced: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
-    """model.generate's work (its docstring says what each argument does): refuse what
-    cannot run, then a generator of (B, 1) tokens."""
+    """Yield (B, 1) new tokens one at a time, so a caller can print them as they come.
+
+    `decode` says how earlier tokens are kept (DECODERS): re-read in `full` every
+    step (also `use_cache=False`), in a growing `cache`, in a preallocated `static`
+    cache stepped by tensors alone, or that step replayed as a CUDA `graph`. The three
+    caches give the same logits up to rounding, so the same tokens for the same seed;
+    `full` agrees with them within the context (past it, it slides the context one
+    token at a time where a cache re-reads the newest half).
+
+    A windowed model with relative positions decodes from a rolling cache with no
+    limit. Otherwise the model sees at most block_size tokens: with a cache, when
+    it fills up the oldest half of the context is dropped and the rest is re-read
+    in one pass (positions restart at 0), so every token is still predicted from
+    between block_size/2 and block_size tokens of context. `on_step(logits, token)`,
+    if given, sees each step's last-position logits and the token drawn from them.
+
+    `sinks` streams past the context from a rolling cache instead: the first `sinks`
+    tokens and the newest `stream_window` (default (block_size - sinks) // 2, so
+    renumbered positions stay inside the context) are kept, for ever (StreamingLLM,
+    arXiv:2309.17453); sinks=0 keeps the window alone. It decodes from the growing
+    cache whatever `decode` says. `forced` (B, N) tokens are fed instead of sampled
+    (teacher forcing), so `on_step` sees the logits the model gives a known text."""
     model.check_generates()
     decode = decode_mode(model, decode, use_cache, sinks, idx.device)
     return _generate(model, idx, max_new_tokens, temperature, top_k, top_p, generator,

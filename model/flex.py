@@ -15,7 +15,6 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from model.mask import rule
 
 
 # From this length on, the block mask is built by a compiled function that never holds
@@ -34,9 +33,10 @@ def _kernel():
 
 
 @functools.lru_cache(maxsize=16)
-def block_mask(length: int, window: int, n_global: int, device: str):
-    """The block mask of a whole sequence of `length` tokens. It depends on nothing
-    else, so every layer and every step of the same length reuses one."""
+def block_mask(length: int, window: int, n_global: int, device: str, rule):
+    """The block mask of a whole sequence of `length` tokens under the mask rule (model/
+    attention.py's `rule`, handed in). It depends on nothing else, so every layer and
+    every step of the same length reuses one."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -74,7 +74,7 @@ CHECK_ELEMENTS = 1 << 24
 
 
 def attend(q, k, v, mask: Mask) -> torch.Tensor:
-    """softmax(Q·Kᵀ/√d_k + bias, masked by the rule)·V for a whole sequence."""
+    """softmax(Q·Kᵀ/√d_k + bias, masked by the mask's rule)·V for a whole sequence."""
     if not fits(q):                              # decided by shapes alone: traces as well
         if not torch.compiler.is_compiling():
             _warn_once(q, f"heads narrower than {CUDA_MIN_HEAD_DIM} on a GPU")
@@ -125,7 +125,7 @@ def _fused(q, k, v, mask: Mask) -> torch.Tensor:
         padded_k = padded_q if k is q else F.pad(k, (0, 0, 0, padded - T))
         v = padded_q if v is q else padded_k if v is k else F.pad(v, (0, 0, 0, padded - T))
         q, k = padded_q, padded_k
-    blocks = block_mask(padded, mask.window, mask.n_global, str(q.device))
+    blocks = block_mask(padded, mask.window, mask.n_global, str(q.device), mask.rule)
     out = _kernel()(q, k, v, score_mod=_score_mod(mask), block_mask=blocks)
     return out[:, :, :T] if padded != T else out
 

@@ -17,13 +17,14 @@ import torch.nn.functional as F
 from model.decode import generate as generate_tokens
 from model.cache import KVCache
 from model.config import ModelConfig, ModelError
-from model.layers import BLOCKS, NORMS, TokenTypes, UNetSkips, ValueEmbeddings, layer_names
+from model.extras import TokenTypes, UNetSkips, ValueEmbeddings
+from model.layers import BLOCKS, NORMS, layer_names
 from model.attention import Mask
 from model.mechanisms import MECHANISMS
+from model.meta import Unfilled
 from model.positions import POSITION_ENCODINGS
 from model.readout import READOUTS, AdaptiveReadout, MaskedLMTransform, head_macs
 from model.registry import check as check_config
-from torch.overrides import TorchFunctionMode
 
 
 class Output(NamedTuple):
@@ -33,37 +34,12 @@ class Output(NamedTuple):
     hidden: torch.Tensor | None = None       # (B, T, C) the last hidden states, normalised
 
 
-# What torch.nn's initialisers do: random draws, and (skipped only on the meta device,
-# where tensors hold no values) constant fills. A mode sees nn.init's functions
-# themselves, and a tensor's own methods.
-_DRAWS = {nn.init.normal_, nn.init.uniform_, nn.init.trunc_normal_, nn.init.kaiming_uniform_,
-          nn.init.kaiming_normal_, nn.init.xavier_uniform_, nn.init.xavier_normal_,
-          nn.init.orthogonal_, torch.Tensor.normal_, torch.Tensor.uniform_}
-_FILLS = _DRAWS | {nn.init.zeros_, nn.init.ones_, nn.init.constant_, torch.Tensor.fill_,
-                   torch.Tensor.zero_}
-
-
-class _Unfilled(TorchFunctionMode):
-    """Build modules without their initial values: weights that are about to be replaced
-    by a checkpoint's are left as allocated (never written, so the pages are never
-    touched), and on the meta device nothing runs at all. On meta, torch routes normal_
-    through its Python reference, whose first call imports torch._dynamo: seconds and
-    ~70 MB for a model that has no values anyway."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        target = args[0] if args else kwargs.get("tensor")      # nn.init passes it by name
-        if isinstance(target, torch.Tensor) and (func in _DRAWS or (func in _FILLS and target.is_meta)):
-            return target
-        return func(*args, **kwargs)
-
-
 class GPT(nn.Module):
     @classmethod
     def skeleton(cls, config: ModelConfig) -> "GPT":
         """The model's modules, names and shapes on the meta device: no memory, no values
         and no initialiser run (for sizes, and to check a checkpoint against)."""
-        with torch.device("meta"), _Unfilled():
+        with torch.device("meta"), Unfilled():
             return cls(config)
 
     @classmethod
@@ -71,7 +47,7 @@ class GPT(nn.Module):
         """The model with its weights allocated but not initialised (the random draws are
         skipped, so their memory is not touched) and every buffer computed: for weights
         that load_state_dict(..., assign=True) is about to replace."""
-        with torch.device(device), _Unfilled():
+        with torch.device(device), Unfilled():
             return cls(config)
 
     def __init__(self, config: ModelConfig):
@@ -199,7 +175,7 @@ class GPT(nn.Module):
         return Output(logits, loss, attentions if return_attention else None, h)
 
     def mask_for(self, T: int, device, cache: KVCache | None, attention_mask) -> Mask:
-        """The pass's one Mask (model/mask.py): T queries from the cache's length (0
+        """The pass's one Mask (model/attention.py): T queries from the cache's length (0
         without one), the keys the cache holds, the window and the padding."""
         c = self.config
         start, k_pos, k_first, window, n_global = 0, None, 0, c.sliding_window, c.n_global
@@ -258,26 +234,9 @@ class GPT(nn.Module):
                  sinks: int | None = None, stream_window: int = 0,
                  forced: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
         """Yield (B, 1) new tokens one at a time, so a caller can print them as they come.
-
-        `decode` says how earlier tokens are kept (DECODERS): re-read in `full` every
-        step (also `use_cache=False`), in a growing `cache`, in a preallocated `static`
-        cache stepped by tensors alone, or that step replayed as a CUDA `graph`. The three
-        caches give the same logits up to rounding, so the same tokens for the same seed;
-        `full` agrees with them within the context (past it, it slides the context one
-        token at a time where a cache re-reads the newest half).
-
-        A windowed model with relative positions decodes from a rolling cache with no
-        limit. Otherwise the model sees at most block_size tokens: with a cache, when
-        it fills up the oldest half of the context is dropped and the rest is re-read
-        in one pass (positions restart at 0), so every token is still predicted from
-        between block_size/2 and block_size tokens of context. `on_step(logits, token)`,
-        if given, sees each step's last-position logits and the token drawn from them.
-
-        `sinks` streams past the context from a rolling cache instead: the first `sinks`
-        tokens and the newest `stream_window` (default (block_size - sinks) // 2, so
-        renumbered positions stay inside the context) are kept, for ever (StreamingLLM,
-        arXiv:2309.17453); sinks=0 keeps the window alone. It decodes from the growing
-        cache whatever `decode` says. `forced` (B, N) tokens are fed instead of sampled
-        (teacher forcing), so `on_step` sees the logits the model gives a known text."""
+        `decode` says how earlier tokens are kept: re-read in `full` every step, in a
+        growing `cache`, a preallocated `static` cache, or that step replayed as a CUDA
+        `graph`; `sinks` streams past the context (StreamingLLM); `forced` tokens are fed
+        instead of sampled. model/decode.py does the work and says the rest."""
         return generate_tokens(self, idx, max_new_tokens, temperature, top_k, top_p, generator,
                                use_cache, on_step, decode, sinks, stream_window, forced)

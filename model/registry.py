@@ -11,7 +11,8 @@ from model.attention import ATTENTION_BACKENDS
 from model.config import ModelConfig, ModelError
 from model.layers import BLOCKS, MLPS, NORMS
 from model.mechanisms import MECHANISMS, NOT_MECHANISMS, Mechanism, entry_problems, names_used
-from model.positions import POSITION_ENCODINGS, ROPE_SCALINGS
+from model.positions import POSITION_ENCODINGS
+from model.rope_scaling import ROPE_SCALINGS
 from model.readout import READOUTS
 
 REGISTRIES = {

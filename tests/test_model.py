@@ -443,7 +443,7 @@ def test_token_mix_adds_the_weighted_rows_before_each_position_as_defined():
     zero where t - j < 0. A shift the wrong way reads the future; one off reads the
     wrong neighbour; a dropped w[0] leaves the row itself unweighted."""
     import numpy as np
-    from model.layers import TokenMix
+    from model.extras import TokenMix
     torch.manual_seed(0)
     mix = TokenMix(tiny(token_mix=3), 0)
     with torch.no_grad():

@@ -7,7 +7,7 @@ from model.attention import Mask
 
 
 def scaled_dot_product_attention(q, k, v, mask=None):
-    # eager_attention reads its mask from positions (model/mask.py). An arbitrary
+    # eager_attention reads its mask from positions (model/attention.py). An arbitrary
     # pattern goes in as the Mask's dense matrix; an all-False padding row tells the Mask
     # that something may be hidden, so eager applies that matrix.
     rule = Mask.over(0, q.shape[-2], k.shape[-2], device=q.device, causal=False)

@@ -5,7 +5,7 @@ query are set to −∞ before the softmax, so those keys get exactly zero weigh
 
 Read first: docs/walkthrough.md, section 5 (The causal mask).
 Check:      python -m attnlab.exercises check causal_mask
-Once it passes, read the project's own: model/mask.py, rule (one rule on absolute
+Once it passes, read the project's own: model/attention.py, rule (one rule on absolute
 positions, used by every backend).
 """
 import torch

@@ -8,7 +8,7 @@ pass at those positions, without recomputing the past.
 Read first: docs/walkthrough.md, section 8 (the KV cache).
 Check:      python -m attnlab.exercises check kv_cache
 Once it passes, read the project's own: model/cache.py, KVCache.update, and
-model/mask.py, Mask (absolute positions, so a short query after a long cache is right).
+model/attention.py, Mask (absolute positions, so a short query after a long cache is right).
 """
 import math
 

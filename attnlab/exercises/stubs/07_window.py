@@ -6,7 +6,7 @@ plus the first n_global keys, never a key ahead of it.
 
 Read first: docs/walkthrough.md, section 8 (The cost of attention).
 Check:      python -m attnlab.exercises check window
-Once it passes, read the project's own: model/mask.py, rule.
+Once it passes, read the project's own: model/attention.py, rule.
 """
 import torch
 
