@@ -8,14 +8,17 @@ quiet machine and a busy one.
 * the CPU's kind (`CPU_KINDS`): whether it computes bf16 natively, and from what model
   width bf16 pays to train and to sample; `pick_dtype` reads it;
 * the thread count (`fix_threads`): decided at the start, recorded in the run's config
-  (train.threads) and reused on resume; it never changes while a run trains;
+  (train.threads) and reused on resume; it never changes while a run trains; torch's
+  thread count is set through `use_threads` only;
 * the attention kernel the model runs (`fit_attention`), handed to it when it is placed
   on its device through model.attention.use_attention_kernel;
 * torch.compile and the folder its kernels are cached in (`compiled`);
 * the machine's load, read by --budget to plan (`read_machine`), never to decide numerics.
 
-The ATEN_CPU_CAPABILITY check each script makes before anything else is common/cpu.py's
-(`check_capability`), on the ground floor, because it must run before torch loads.
+What must be settled before torch loads is common/cpu.py's, on the ground floor: the
+ATEN_CPU_CAPABILITY check each script makes before anything else
+(`refuse_unrunnable_capability`), how threads wait, the instruction-set settings
+(`ISA_SETTINGS`) and the load from which the machine counts as busy (`BUSY_CORES`).
 """
 from __future__ import annotations
 
@@ -40,9 +43,9 @@ from model.mechanisms import MECHANISMS, names_used
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # --- The CPU's kind ----------------------------------------------------------------------
-# Settings that hold torch to AVX2 or less on any CPU, the way bench/cpu_kinds.py makes
-# an AVX-512 machine stand in for an AVX2 one: ATen's kernels (ATEN_CPU_CAPABILITY) and
-# oneDNN's (ONEDNN_MAX_CPU_ISA, formerly DNNL_MAX_CPU_ISA).
+# The values of common/cpu.py's ISA_SETTINGS that hold torch to AVX2 or less on any CPU,
+# the way bench/cpu_kinds.py makes an AVX-512 machine stand in for an AVX2 one: ATen's
+# kernels and oneDNN's (read under either of its names).
 ATEN_BELOW_AVX512 = ("default", "avx2")
 ONEDNN_BELOW_AVX512 = ("sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2")
 
@@ -165,6 +168,22 @@ def why_dtype(device: torch.device, dtype: torch.dtype, name: str, n_embd: int,
 
 
 # --- Threads ---------------------------------------------------------------------------------
+# torch's thread count is set here and nowhere else (use_threads). Decoding one token reads
+# every weight once and does little arithmetic: one thread decodes as fast as two, and a
+# page that serves the model leaves the other cores to its server (docs/benchmarks.md,
+# "bf16 weights to sample").
+DECODE_THREADS = 1
+
+
+def use_threads(count: int, env=None) -> int:
+    """Set torch's thread count in this process to `count`; with `env` (os.environ), its
+    OMP_NUM_THREADS too, so the scripts this process starts take the same count. Returns it."""
+    if env is not None:
+        env["OMP_NUM_THREADS"] = str(count)
+    torch.set_num_threads(count)
+    return count
+
+
 def threads_from_env(env=os.environ) -> int | None:
     """The thread count OMP_NUM_THREADS asks for (its first number); None where unset."""
     first = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
@@ -184,8 +203,7 @@ def fix_threads(train_cfg, say: Callable[[str], None] = print, env=os.environ) -
         say(f"threads: {train_cfg.threads}, as the run's config records (train.threads), not "
             f"the {asked} OMP_NUM_THREADS asks for, so the numbers are the run's own; give "
             f"--train.threads={asked} to change it")
-    torch.set_num_threads(train_cfg.threads)
-    return train_cfg.threads
+    return use_threads(train_cfg.threads)
 
 
 # --- Attention ---------------------------------------------------------------------------------
@@ -200,7 +218,7 @@ CPU_FP32_MAX_DECODE_KEYS = 2 ** 18
 # Banded attention pays once the band (2·W keys per block of W queries) is a small share
 # of the T keys a masked dense kernel reads; at T = 4·W (context 128, a window of 32, the
 # README's example) the dense path was faster, in fp32 and far more in bf16
-# (docs/benchmarks.md, "The machine room (2026-12-05)").
+# (docs/benchmarks.md, "The machine room").
 BAND_PAYS_FROM = 16                 # T / W
 
 

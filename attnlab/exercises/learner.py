@@ -153,8 +153,8 @@ def _how_it_ended(ex: Exercise, ended: apart.Ended) -> str:
 
 def _check_in_child(ex: Exercise, folder: Path) -> dict:
     """The check itself, in the child: its status and message, for the parent."""
-    import torch
-    torch.set_num_threads(1)                  # no thread pool of the parent's is used here
+    from engine.machine import use_threads
+    use_threads(1)                            # no thread pool of the parent's is used here
     status, message = _check_here(ex, folder)
     return {"status": status, "message": message}
 
