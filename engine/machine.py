@@ -94,8 +94,9 @@ CPU_KINDS = {
     # only where arithmetic, not overhead, sets the time.
     "native-bf16": CpuKind(True, 256, None, "native bf16",
                            "bf16 autocast on a CPU"),
-    # Without native bf16 torch emulates a bf16 matmul element by element, some 30 times
-    # slower than fp32: nothing is computed in bf16 at all.
+    # Without native bf16 torch emulates a bf16 matmul element by element, many times
+    # slower than fp32 (docs/benchmarks.md, "Muon's Newton-Schulz iterations"): nothing is
+    # computed in bf16 at all.
     "no-bf16": CpuKind(False, None, None, "no native bf16: torch would emulate it",
                        "Held to AVX2 against a real AVX2 CPU"),
 }
