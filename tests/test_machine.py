@@ -289,6 +289,7 @@ def test_the_machine_is_said_once():
               if "MKL_ENABLE_INSTRUCTIONS" in p.read_text()}
     assert listed == {"common/cpu.py"}, listed
     assert set(cpu.held_to_avx2()) < set(cpu.ISA_SETTINGS) and "DNNL_MAX_CPU_ISA" not in cpu.held_to_avx2()
+    assert machine.held_below_avx512(cpu.held_to_avx2()) and not machine.held_below_avx512({})
 
 
 def test_importing_the_packages_changes_no_environment_variable():
