@@ -53,6 +53,7 @@ from attnlab.plotting import pyplot, save_figure
 from common.errors import AttnlabError
 from common.files import writable_folder, write_text_atomic
 from engine.cli import Parser, errors_as_lines
+from engine.machine import use_threads
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class Mechanism:
 
 
 # The base model has 4 heads: GQA shares each key/value head between 2 of them, MQA one
-# between all 4. The entries after the window are mechanisms of issue 53, each a choice
+# between all 4. The entries after the window change the attention's maths, each a choice
 # of model.mechanism (model/mechanisms.py); the hybrid is a per-layer pattern of two.
 MECHANISMS = {
     "mha": Mechanism("multi-head attention: 4 query heads, 4 key/value heads"),
@@ -405,8 +406,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     s = settings_of(args)
     out = writable_folder(args.out)        # now, not after the training it would lose
-    os.environ["OMP_NUM_THREADS"] = str(s.threads)     # train.py's too: one setting, one run
-    torch.set_num_threads(s.threads)
+    use_threads(s.threads, os.environ)                  # train.py's too: one setting, one run
     chosen, known = {}, measurable()
     for name in dict.fromkeys(args.mechanisms):
         reason = why_not(known[name])

@@ -603,14 +603,12 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     sock = listen(args.host, args.port)            # a bad --host or --port before the model loads
     from engine.device import pick_device, pick_dtype
+    from engine.machine import DECODE_THREADS, use_threads
     device = pick_device(args.device)
     model, cfg, tokenizer, ckpt = load(args)
     model = model.to(pick_dtype(cfg.sample.dtype, device, cfg.model.n_embd, decoding=True))
-    # Decoding one token reads every weight once and does little arithmetic: one torch
-    # thread decodes as fast as two here (255 and 257 tokens/s at 6 x 384, 45 and 45 at
-    # 12 x 768, batch 1 on 2 cores), and leaves a core to the server.
-    if device.type == "cpu":
-        torch.set_num_threads(1)
+    if device.type == "cpu":             # decoding gains nothing from more threads
+        use_threads(DECODE_THREADS)
     if not is_loopback(args.host):
         print(f"warning: listening on {args.host}, not only this machine: anyone who can reach "
               "it can use the model, and the page has no login", file=sys.stderr)

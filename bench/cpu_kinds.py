@@ -1,7 +1,7 @@
 """Every CPU figure under both CPU kinds in one go: this CPU as it is ("native"), and
-held to AVX2 ("avx2": ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2 and
-MKL_ENABLE_INSTRUCTIONS=AVX2, which make torch's own kernels, oneDNN and MKL run their
-AVX2 code, as on a CPU without AVX-512 and without native bf16).
+held to AVX2 ("avx2": common/cpu.py's ISA_SETTINGS at their AVX2 values, which make
+torch's own kernels, oneDNN and MKL run their AVX2 code, as on a CPU without AVX-512 and
+without native bf16).
 
     python bench/cpu_kinds.py                    # matmuls and training steps (a few minutes)
     python bench/cpu_kinds.py --busy             # and a step with the other cores busy
@@ -40,12 +40,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from common.cpu import held_to_avx2  # noqa: E402
 
-KINDS = {
-    "native": {},
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-}
+KINDS = {"native": {}, "avx2": held_to_avx2()}
 MICRO = ["capability", "matmul", "bmm", "step", "cputime"]
 BUDGET = "145s"              # nanoGPT's CPU recipe's wall time on a 2-core AVX2 CPU
 

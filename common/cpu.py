@@ -9,8 +9,11 @@ How torch's OpenMP threads wait, which OpenMP reads once, when torch loads: by d
 they spin a while at the end of each parallel piece of work, which makes a small model's
 many short operations fast on a quiet machine; where other programs hold a core, the
 thread they wait for may not be running and the spinning takes its core, and a step
-costs several times more (docs/benchmarks.md, "Threads on a busy machine"). Either way
-the threads compute the same numbers; only the time differs.
+costs several times more (docs/benchmarks.md, "The machine room"). Either way the
+threads compute the same numbers; only the time differs.
+
+The settings that hold torch below the instruction set the CPU has (ISA_SETTINGS), which
+torch also reads once, when it loads.
 """
 from __future__ import annotations
 
@@ -23,6 +26,18 @@ import time
 # for FMA3. torch compares the setting's value case-sensitively and ignores any other.
 NEEDS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"),
          "avx2": ("avx2", "fma")}
+
+# The settings that hold torch's kernels below what the CPU can do: ATen's own, oneDNN's
+# (under its former name too) and MKL's. Each with the value that holds it to AVX2, which
+# makes an AVX-512 machine run the code a CPU without AVX-512 and native bf16 runs
+# (bench/cpu_kinds.py, .ci/run); None: read where it is set, never set here.
+ISA_SETTINGS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                "DNNL_MAX_CPU_ISA": None, "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def held_to_avx2() -> dict[str, str]:
+    """The environment that holds torch, oneDNN and MKL to AVX2 (set before torch loads)."""
+    return {name: value for name, value in ISA_SETTINGS.items() if value}
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str] | None:
@@ -93,7 +108,10 @@ def check_tool_start(argv=None, env=os.environ, cpuinfo: str = "/proc/cpuinfo",
 
 
 WAIT_POLICY = "PASSIVE"
-BUSY_CORES = 0.5            # other work, in cores, from which passive waiting pays
+# Other programs' work, in cores, from which the machine counts as busy: torch's threads
+# then wait asleep (passive waiting pays), and a matmul probe of the CPU's peak reads low
+# and is not kept (engine/device.py).
+BUSY_CORES = 0.5
 WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 

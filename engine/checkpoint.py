@@ -55,7 +55,7 @@ def storage_ptr(tensor: torch.Tensor) -> int:
 
 def model_tensors(model: torch.nn.Module, whole=lambda t: t) -> dict[str, torch.Tensor]:
     """The state dict with tied tensors stored once (safetensors refuses shared memory),
-    on the CPU; `whole` turns a sharded tensor into the full one (attnlab/sharding.py)."""
+    on the CPU; `whole` turns a sharded tensor into the full one (engine/sharding.py)."""
     seen, out = set(), {}
     for name, tensor in model.state_dict().items():
         ptr = storage_ptr(tensor)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from common.cpu import BUSY_CORES, ISA_SETTINGS
 from common.errors import ConfigError
 from common.files import read_json, write_json_atomic
 from engine.machine import DTYPES, other_cores, pick_dtype, read_machine
@@ -93,26 +94,19 @@ def peak_flops(device_type: str, dtype_name: str, device_name: str = "") -> floa
 
 
 # A probe runs on every core torch uses, so other programs' work while it runs makes it
-# read low (a busy 2-core machine once read 8.5 GFLOP/s in fp32, a tenth of what it does
-# quiet), and every later run on the quiet machine showed an MFU of several hundred
-# percent. So only a probe during which other programs held less than half a core is
-# kept (engine/machine.py's measure of a busy machine), and the kept figure only ever
-# rises: it is a peak.
+# read low (a busy machine can read a tenth of its quiet peak), and every later run on
+# the quiet machine would show an MFU of several hundred percent. So only a probe during
+# which other programs held less than BUSY_CORES is kept (the machine's load as
+# engine/machine.py reads it), and the kept figure only ever rises: it is a peak.
 PEAKS_FILE = "cpu_peak_flops.json"
-BUSY_CORES = 0.5                # other programs' work, in cores, that makes a probe read low
 PEAKS_FORMAT = 2                # entries {"flops", "other_cores"}; older files' bare numbers
 #                                 recorded nothing about the machine's load, so they are measured again
 
 
-# The settings that hold torch's kernels, oneDNN and MKL below what the CPU can do
-# (bench/cpu_kinds.py's "avx2" kind): a peak measured under them is not the CPU's own.
-ISA_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
-                "MKL_ENABLE_INSTRUCTIONS")
-
-
 def cpu_peak_key(dtype_name: str) -> str:
     """What a kept peak is a peak of: the CPU, the instruction set torch runs its kernels
-    at and the settings that lower it, threads, precision and torch."""
+    at and the settings that lower it (ISA_SETTINGS: a peak measured under them is not
+    the CPU's own), threads, precision and torch."""
     held = " ".join(f"{name}={os.environ[name]}" for name in ISA_SETTINGS if os.environ.get(name))
     return (f"{cpu_name()} | {torch.backends.cpu.get_cpu_capability()}"
             f"{' ' + held if held else ''} | {torch.get_num_threads()} threads | {dtype_name} | "

@@ -5,7 +5,7 @@
              --rdzv-endpoint=HOST:29500 train.py --config gpu      # on each machine
 
 Every process holds the whole model (DDP), or with train.parallel=fsdp a shard of it
-(attnlab/sharding.py). The global batch stays what the config
+(engine/sharding.py). The global batch stays what the config
 says, batch_size × grad_accum sequences per step, whatever the number of processes:
 all ranks draw the same sequence of micro-batches and rank r trains on micro-batches
 r, r + N, r + 2N, ..., so N processes do the work of one with the same data, and a

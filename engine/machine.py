@@ -8,15 +8,18 @@ quiet machine and a busy one.
 * the CPU's kind (`CPU_KINDS`): whether it computes bf16 natively, and from what model
   width bf16 pays to train and to sample; `pick_dtype` reads it;
 * the thread count (`fix_threads`): decided at the start, recorded in the run's config
-  (train.threads) and reused on resume; it never changes while a run trains;
+  (train.threads) and reused on resume; it never changes while a run trains; torch's
+  thread count is set through `use_threads` only;
 * the attention backend `auto` runs (`fit_attention`): an entry of model/attention.py's
   ATTENTION_BACKENDS, set on the model's layers through model.attention.use_backend when
   it is placed on its device;
 * torch.compile and the folder its kernels are cached in (`compiled`);
 * the machine's load, read by --budget to plan (`read_machine`), never to decide numerics.
 
-The ATEN_CPU_CAPABILITY check each script makes before anything else is common/cpu.py's
-(`check_capability`), on the ground floor, because it must run before torch loads.
+What must be settled before torch loads is common/cpu.py's, on the ground floor: the
+ATEN_CPU_CAPABILITY check each script makes before anything else
+(`refuse_unrunnable_capability`), how threads wait, the instruction-set settings
+(`ISA_SETTINGS`) and the load from which the machine counts as busy (`BUSY_CORES`).
 """
 from __future__ import annotations
 
@@ -37,9 +40,9 @@ from model.mechanisms import MECHANISMS, names_used
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # --- The CPU's kind ----------------------------------------------------------------------
-# Settings that hold torch to AVX2 or less on any CPU, the way bench/cpu_kinds.py makes
-# an AVX-512 machine stand in for an AVX2 one: ATen's kernels (ATEN_CPU_CAPABILITY) and
-# oneDNN's (ONEDNN_MAX_CPU_ISA, formerly DNNL_MAX_CPU_ISA).
+# The values of common/cpu.py's ISA_SETTINGS that hold torch to AVX2 or less on any CPU,
+# the way bench/cpu_kinds.py makes an AVX-512 machine stand in for an AVX2 one: ATen's
+# kernels and oneDNN's (read under either of its names).
 ATEN_BELOW_AVX512 = ("default", "avx2")
 ONEDNN_BELOW_AVX512 = ("sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2")
 
@@ -88,8 +91,9 @@ CPU_KINDS = {
     # only where arithmetic, not overhead, sets the time.
     "native-bf16": CpuKind(True, 256, None, "native bf16",
                            "bf16 autocast on a CPU"),
-    # Without native bf16 torch emulates a bf16 matmul element by element, some 30 times
-    # slower than fp32: nothing is computed in bf16 at all.
+    # Without native bf16 torch emulates a bf16 matmul element by element, many times
+    # slower than fp32 (docs/benchmarks.md, "Muon's Newton-Schulz iterations"): nothing is
+    # computed in bf16 at all.
     "no-bf16": CpuKind(False, None, None, "no native bf16: torch would emulate it",
                        "Held to AVX2 against a real AVX2 CPU"),
 }
@@ -162,6 +166,22 @@ def why_dtype(device: torch.device, dtype: torch.dtype, name: str, n_embd: int,
 
 
 # --- Threads ---------------------------------------------------------------------------------
+# torch's thread count is set here and nowhere else (use_threads). Decoding one token reads
+# every weight once and does little arithmetic: one thread decodes as fast as two, and a
+# page that serves the model leaves the other cores to its server (docs/benchmarks.md,
+# "bf16 weights to sample").
+DECODE_THREADS = 1
+
+
+def use_threads(count: int, env=None) -> int:
+    """Set torch's thread count in this process to `count`; with `env` (os.environ), its
+    OMP_NUM_THREADS too, so the scripts this process starts take the same count. Returns it."""
+    if env is not None:
+        env["OMP_NUM_THREADS"] = str(count)
+    torch.set_num_threads(count)
+    return count
+
+
 def threads_from_env(env=os.environ) -> int | None:
     """The thread count OMP_NUM_THREADS asks for (its first number); None where unset."""
     first = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
@@ -181,8 +201,7 @@ def fix_threads(train_cfg, say: Callable[[str], None] = print, env=os.environ) -
         say(f"threads: {train_cfg.threads}, as the run's config records (train.threads), not "
             f"the {asked} OMP_NUM_THREADS asks for, so the numbers are the run's own; give "
             f"--train.threads={asked} to change it")
-    torch.set_num_threads(train_cfg.threads)
-    return train_cfg.threads
+    return use_threads(train_cfg.threads)
 
 
 # --- Attention ---------------------------------------------------------------------------------

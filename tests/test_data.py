@@ -294,7 +294,7 @@ def test_an_unknown_sampling_is_refused():
 
 
 def test_a_data_path_that_names_nothing_says_to_check_it_before_preparing_one(tmp_path):
-    """data/nope.txt was answered only with how to prepare a dataset there; a typo is the
+    """A path to no file was answered only with how to prepare a dataset there; a typo is the
     likelier cause, so the path is questioned first, with the file of its folder it most
     likely meant, or the folder on the way that is missing."""
     (tmp_path / "plays").mkdir()

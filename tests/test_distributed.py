@@ -1,4 +1,4 @@
-"""Data parallelism through torchrun (attnlab/distributed.py): two CPU processes with
+"""Data parallelism through torchrun (engine/distributed.py): two CPU processes with
 the gloo backend train exactly what one process trains with the same global batch,
 and a checkpoint resumes on a different number of processes."""
 import json

@@ -779,8 +779,8 @@ def test_the_learners_step_makes_linear_attentions_sums_in_the_layer(tmp_path):
 
 
 def linear_entry():
-    """linear's mechanism entry: issue 53's in model/mechanisms.py once it lands; until
-    then a stand-in with the facts a GPT needs to build and train it."""
+    """linear's mechanism entry: model/mechanisms.py's where it has one, else a stand-in
+    with the facts a GPT needs to build and train it."""
     from model.linear_attention import LinearAttention
     from model.mechanisms import MECHANISMS, Cache, Mechanism
     return MECHANISMS.get("linear") or Mechanism(

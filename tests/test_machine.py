@@ -212,8 +212,42 @@ def test_threads_are_decided_once_recorded_and_kept_with_one_line_where_the_env_
         assert torch.get_num_threads() == 2 and len(said) == 1
         assert said[0].startswith("threads: 2, as the run's config records (train.threads)")
         assert machine.fix_threads(TrainConfig(threads=2), said.append, env={}) == 2 and len(said) == 1
+        env = {}                                     # the frontier's: its train.py runs too
+        assert machine.use_threads(1, env) == 1 and env == {"OMP_NUM_THREADS": "1"}
+        assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def _code_files(*folders: str) -> list[Path]:
+    return [p for folder in folders for p in sorted((ROOT / folder).rglob("*.py"))
+            if "__pycache__" not in p.parts]
+
+
+SHIPPED = ("common", "data", "model", "engine", "attnlab")
+
+
+def test_the_machine_is_said_once():
+    """The thread count, the busy threshold and the instruction-set settings are each
+    defined in one place and used from there: torch's thread count is set through
+    engine/machine.py (use_threads) and nowhere else in the shipped code; BUSY_CORES and
+    the settings that hold torch to AVX2 are common/cpu.py's, since they must be known
+    before torch loads, and every script and bench that holds torch to AVX2 takes them
+    from there (MKL_ENABLE_INSTRUCTIONS is named only where the list is)."""
+    shipped = _code_files(*SHIPPED) + [ROOT / "train.py", ROOT / "sample.py"]
+    setters = {p.relative_to(ROOT).as_posix() for p in shipped if "set_num_threads(" in p.read_text()}
+    assert setters == {"engine/machine.py"}, setters
+    busy = {p.relative_to(ROOT).as_posix() for p in shipped + _code_files("bench")
+            if "BUSY_CORES =" in p.read_text()}
+    assert busy == {"common/cpu.py"}, busy
+    from common import cpu
+    from engine import device
+    assert device.BUSY_CORES is cpu.BUSY_CORES and device.ISA_SETTINGS is cpu.ISA_SETTINGS
+    listed = {p.relative_to(ROOT).as_posix() for p in shipped + _code_files("bench") + [ROOT / ".ci" / "run"]
+              if "MKL_ENABLE_INSTRUCTIONS" in p.read_text()}
+    assert listed == {"common/cpu.py"}, listed
+    assert set(cpu.held_to_avx2()) < set(cpu.ISA_SETTINGS) and "DNNL_MAX_CPU_ISA" not in cpu.held_to_avx2()
+    assert machine.held_below_avx512(cpu.held_to_avx2()) and not machine.held_below_avx512({})
 
 
 def test_importing_the_packages_changes_no_environment_variable():

@@ -1,4 +1,4 @@
-"""Optimizers (attnlab/optim.py): AdamW alone or Muon beside it, saved and resumed."""
+"""Optimizers (engine/optim.py): AdamW alone or Muon beside it, saved and resumed."""
 import json
 
 import numpy as np

@@ -14,6 +14,7 @@ from pathlib import Path
 from common.errors import AttnlabError
 from common.files import file_kind
 from common.shell import word
+from engine.machine import use_threads
 from attnlab.exercises import apart
 from attnlab.exercises.checks import EXERCISES, Exercise, Result, run_check
 
@@ -153,8 +154,7 @@ def _how_it_ended(ex: Exercise, ended: apart.Ended) -> str:
 
 def _check_in_child(ex: Exercise, folder: Path) -> dict:
     """The check itself, in the child: its status and message, for the parent."""
-    import torch
-    torch.set_num_threads(1)                  # no thread pool of the parent's is used here
+    use_threads(1)                            # no thread pool of the parent's is used here
     status, message = _check_here(ex, folder)
     return {"status": status, "message": message}
 
