@@ -27,7 +27,9 @@ from model.deltanet import DeltaNet, GatedDeltaNet
 from model.differential import DifferentialAttention
 from model.latent_attention import LatentAttention, latent_sizes
 from model.linear_attention import LinearAttention
+from model.gated_attention import GatedAttention
 from model.sigmoid_attention import SigmoidAttention
+from model.sink_attention import SinkAttention
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,17 @@ MECHANISMS = {
         SigmoidAttention, Cache("keys and values", keys_and_values),
         export_refusal="sigmoid attention (arXiv:2409.04431) is in no transformers architecture",
         takes_score_bias=False, uses_kernel=False, weights_sum_to_one=False),
+    # A sigmoid gate from the layer's input on each head's output (arXiv:2505.06708).
+    "gated": Mechanism(
+        GatedAttention, Cache("keys and values", keys_and_values),
+        export_refusal="gated attention (arXiv:2505.06708) comes in transformers only inside "
+                       "Qwen3-Next, whose layers this model's blocks do not fit"),
+    # One learned logit per head in the softmax's denominator (gpt-oss).
+    "sinks": Mechanism(
+        SinkAttention, Cache("keys and values", keys_and_values),
+        export_refusal="learned attention sinks come in transformers only inside gpt-oss, "
+                       "whose layers this model's blocks do not fit",
+        uses_kernel=False, weights_sum_to_one=False),
     # One latent per token, keys and values rebuilt from it (arXiv:2405.04434).
     "mla": Mechanism(
         LatentAttention, Cache("a latent and one rotated key", latent_and_rope_key),
