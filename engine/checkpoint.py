@@ -631,9 +631,8 @@ def _refuse_other_model(origin: Path) -> None:
     config = (read_json(origin / "config.json") or {}).get("model")
     if saved == config:
         return
-    differ = sorted(k for k in {*(saved or {}), *(config or {})}
-                    if (saved or {}).get(k) != (config or {}).get(k)) if isinstance(saved, dict) \
-        and isinstance(config, dict) else []
+    both = isinstance(saved, dict) and isinstance(config, dict)
+    differ = sorted(k for k in {*saved, *config} if saved.get(k) != config.get(k)) if both else []
     said = ", ".join(f"model.{k}={saved.get(k)!r:.40} in the weights, {config.get(k)!r:.40} in "
                      "config.json" for k in differ[:2]) or "its model section"
     raise CheckpointError(f"checkpoint {origin / 'model.safetensors'} was saved for another model "
