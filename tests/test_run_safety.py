@@ -132,7 +132,7 @@ def test_a_yours_typed_on_the_command_line_takes_my_attention_and_one_from_a_fil
         assert plug.folder_for(ModelConfig(), None, "runs/x") is None
         assert plug.folder_for(config, None, None) == Path("my_attention")
         assert plug.folder_for(config, "mine", "runs/x") == Path("mine")
-        with pytest.raises(AttnlabError, match=r"runs/x runs your own code \(model.attention"):
+        with pytest.raises(AttnlabError, match=r"runs/x asks for your own code \(model.attention"):
             plug.folder_for(config, None, "runs/x")
         assert plug.typed(config, {"attention": "yours"})
         assert not plug.typed(config, {"position": "rope"})

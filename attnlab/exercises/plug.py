@@ -191,7 +191,7 @@ def folder_for(config: ModelConfig, given: str | None, read_from: str | Path | N
         return Path(given)
     if read_from is None:
         return Path(DEFAULT_FOLDER)
-    raise ExerciseError(f"{read_from} runs your own code (model.{used[0]}=yours), and a file "
-                        "never says where code is: name your exercises folder on the command "
-                        f"line with --exercises DIR ({DEFAULT_FOLDER} if python -m attnlab."
-                        "exercises start made it)")
+    raise ExerciseError(f"{read_from} asks for your own code (model.{used[0]}=yours), and no "
+                        "file says where that code is: give your exercises folder on the command "
+                        f"line with --exercises DIR ({DEFAULT_FOLDER}, where python -m "
+                        "attnlab.exercises start puts it)")
