@@ -91,8 +91,8 @@ def out_option(text: str) -> str:
 def add_run_options(parser: argparse.ArgumentParser, what: str = "run directory or name, "
                     "checkpoint folder, or transformers folder", run: bool = True,
                     aliases: tuple[str, ...] = (), without: str = f"the latest run in {RUNS}/ that trained, past step 0") -> None:
-    """--run (unless run=False: a tool that names its models otherwise), --checkpoint and
-    --device. `aliases` are older spellings of --run the tool still accepts; `without`
+    """--run and --exercises (unless run=False: a tool that names its models otherwise),
+    --checkpoint and --device. `aliases` are older spellings of --run the tool still accepts; `without`
     says what the tool does when --run is not given."""
     group = parser.add_argument_group("the model read")
     if run:

@@ -5,6 +5,7 @@ then renamed over the target)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import glob
 import hashlib
@@ -214,7 +215,14 @@ def lock_file(path: Path, wait: bool):
     holds it and `wait` is False."""
     # Never through a symbolic link: the lock's pid is written into the file it opens,
     # which must be the folder's own (ELOOP where `path` is a link).
-    f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666), "r+")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise OSError(err.errno, "a symbolic link where a lock file belongs (remove the "
+                          "link)", str(path)) from None
+        raise
+    f = os.fdopen(fd, "r+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
