@@ -29,10 +29,6 @@ def parser() -> Parser:
     p = Parser("python sample.py", __doc__, usage="python sample.py [--run DIR] "
                "[--checkpoint best|latest|STEP] [--device D] [--KEY=VALUE ...]")
     add_run_options(p)
-    p.add_argument("--exercises", metavar="DIR", default=None,
-                   help="where a run trained with attention or position `yours` finds your "
-                        "code (python -m attnlab.exercises; default: the folder it was "
-                        "trained with, else my_attention)")
     p.set_defaults(device="auto")
     add_config_options(p, sections=("sample",), short=("sample",))
     return p
@@ -54,7 +50,7 @@ def main(argv: list[str]) -> int:
     run = find_run(args.run)          # a folder, or a run's name in runs/
 
     def bind_yours(cfg):
-        for note in plug.prepare(cfg.model, plug.folder_for(args.exercises, run)):
+        for note in plug.prepare(cfg.model, plug.folder_for(cfg.model, args.exercises, run)):
             print(note, file=sys.stderr)
     model, cfg, tokenizer, ckpt = load_run(run, args.checkpoint, device,
                                            before_build=bind_yours,

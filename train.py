@@ -47,9 +47,10 @@ def parser() -> Parser:
                    "size and steps that fit TIME (90s, 5m, 1h) and stop on time with a final "
                    "evaluation")
     p.add_argument("--exercises", metavar="DIR", default=None,
-                   help="where --model.attention=yours and --model.position=yours find your "
-                        "code (python -m attnlab.exercises; default: the folder a resumed run "
-                        "recorded, else my_attention)")
+                   help="where --model.attention=yours, --model.position=yours and "
+                        "--model.mechanism=yours find your code (python -m attnlab.exercises; "
+                        "default: my_attention where yours is named on this command line; a "
+                        "run resumed or started from that uses yours needs it given)")
     add_config_options(p)
     p.add_argument("--init_from", dest="train.init_from", metavar="SRC", help="the same as "
                    "--train.init_from: start from a run, checkpoint or transformers folder",
@@ -75,9 +76,7 @@ def main(argv: list[str]) -> int:
         print(found)
         return 0
     cfg, run_dir, resuming, source, changes = found
-    # --exercises, else the folder recorded by the run of the checkpoint resumed (or the
-    # run started from); a resume may branch into a new run, which has no record yet.
-    exercises = plug.folder_for(args.exercises, resuming or cfg.train.init_from or None)
+    exercises = exercises_folder(args, cfg, resuming)
     for note in plug.prepare(cfg.model, exercises):
         print(note)
 
@@ -92,10 +91,8 @@ def main(argv: list[str]) -> int:
                 print(f"resume changes {'; '.join(changes)} (from the first step after "
                       f"{resuming.name}; recorded in the run's config.json)")
             try:
-                if dist.is_main:
-                    plug.remember(cfg.model, run.run_dir, exercises)
-                    if WAITING:                   # said once work starts, not before an error line
-                        print(WAITING, file=sys.stderr)
+                if dist.is_main and WAITING:      # said once work starts, not before an error line
+                    print(WAITING, file=sys.stderr)
                 for line in (f"config:\n{describe(cfg)}", run.describe_setup(), run.summary(),
                              f"run directory: {run.run_dir}"):
                     run.log(line)
@@ -106,7 +103,19 @@ def main(argv: list[str]) -> int:
                 raise type(err)(stopped_line(run, "stopped")) from None
     finally:
         distributed.cleanup(dist)
-    return finished(run, result) if dist.is_main else 0
+    return finished(run, result, exercises) if dist.is_main else 0
+
+
+def exercises_folder(args, cfg, resuming) -> Path | None:
+    """Where the learner's code for a `yours` in the config comes from: --exercises; else
+    my_attention where this command line named every `yours` itself. A `yours` that comes
+    from a file (the run resumed, the run started from, a preset file) needs --exercises:
+    a run someone shares must never choose the code it runs (attnlab/exercises/plug.py)."""
+    from attnlab.exercises import plug
+    from engine.cli import overrides_of
+    read_from = None if plug.typed(cfg.model, overrides_of(args).get("model", {})) else \
+        (resuming or cfg.train.init_from or f"--config {args.preset or cfg.preset}")
+    return plug.folder_for(cfg.model, args.exercises, read_from)
 
 
 def refuse_clashes(args) -> None:
@@ -175,8 +184,9 @@ def new_config(args, started: float):
     return cfg, None, False, source, []
 
 
-def finished(run, result: dict) -> int:
-    """The last line and the exit status."""
+def finished(run, result: dict, exercises: Path | None = None) -> int:
+    """The last line and the exit status; the sampling command names the exercises
+    folder the run's `yours` came from, which sample.py needs to be told."""
     if result.get("interrupted"):
         # The shell's convention, 128 + the signal: 130 for Ctrl-C, 143 for a SIGTERM
         # (a scheduler's or a CI's stop), so a caller can tell the two apart.
@@ -186,7 +196,8 @@ def finished(run, result: dict) -> int:
     if objective.writes:
         print(f"done at step {result['step']}: best val loss {result['best_val']:.4f} "
               f"({run.data.bits(result['best_val']):.3f} {run.data.bits_unit}); "
-              f"sample with: python sample.py --run {word(run.run_dir)}")
+              f"sample with: python sample.py --run {word(run.run_dir)}"
+              + (f" --exercises {word(exercises.resolve())}" if exercises else ""))
     else:
         print(f"done at step {result['step']}: best {objective.loss_name} "
               f"{result['best_val']:.4f}; fill in blanks with: python -m attnlab.fill "

@@ -10,6 +10,8 @@ same way in each (sample.py and every `python -m attnlab.<tool>`):
                    latest is used and one line says so (engine.checkpoint.choose)
   --device         auto (default: CUDA, then Apple's MPS, then the CPU), cpu, cuda,
                    cuda:N or mps
+  --exercises DIR  the learner's folder, for a run trained with `yours`: given here
+                   or refused, never read from the run
 
 A tool adds them and loads its model in two lines:
 
@@ -89,13 +91,20 @@ def out_option(text: str) -> str:
 def add_run_options(parser: argparse.ArgumentParser, what: str = "run directory or name, "
                     "checkpoint folder, or transformers folder", run: bool = True,
                     aliases: tuple[str, ...] = (), without: str = f"the latest run in {RUNS}/ that trained, past step 0") -> None:
-    """--run (unless run=False: a tool that names its models otherwise), --checkpoint and
-    --device. `aliases` are older spellings of --run the tool still accepts; `without`
+    """--run and --exercises (unless run=False: a tool that names its models otherwise),
+    --checkpoint and --device. `aliases` are older spellings of --run the tool still accepts; `without`
     says what the tool does when --run is not given."""
     group = parser.add_argument_group("the model read")
     if run:
         group.add_argument("--run", *aliases, dest="run", default="", metavar="DIR",
                            help=f"{what} (default: {without})")
+    if run:
+        # The learner's code of a run trained with `yours` comes from here alone: a run's
+        # own files never say where code is (attnlab/exercises/plug.py).
+        group.add_argument("--exercises", metavar="DIR", default=None,
+                           help="your exercises folder, for a run trained with your own code "
+                                "(model.attention, position or mechanism `yours`); no default: "
+                                "a run never chooses the code it runs")
     group.add_argument("--checkpoint", type=checkpoint_choice, default=DEFAULT_CHECKPOINT,
                        metavar="WHICH", help="best (lowest validation loss; the latest where "
                        "nothing after step 0 was evaluated), latest, or a step number "
@@ -136,7 +145,8 @@ def load(args: argparse.Namespace, before_build=None, log=None):
     plug.install()          # a run trained with your attention (`yours`) opens here too
 
     def build(cfg):
-        for note in plug.prepare(cfg.model, plug.folder_for(None, run)):
+        folder = plug.folder_for(cfg.model, getattr(args, "exercises", None), run)
+        for note in plug.prepare(cfg.model, folder):
             (log or (lambda line: print(line, file=sys.stderr)))(note)
         if before_build is not None:
             before_build(cfg)

@@ -5,6 +5,7 @@ then renamed over the target)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import glob
 import hashlib
@@ -151,6 +152,8 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     remove_stale(path.parent, prefix)     # what a killed write of this file left behind
     tmp = path.with_name(f"{prefix}{os.getpid()}")
     try:
+        # Made afresh: a link left under the temporary name is removed, never written through.
+        tmp.unlink(missing_ok=True)
         tmp.write_bytes(data)
         fsync(tmp)
         os.replace(tmp, path)
@@ -210,7 +213,16 @@ def lock_file(path: Path, wait: bool):
     """An exclusive lock on `path` (created if missing), held until the returned file
     is closed or the process ends, however it ends. Returns None when another process
     holds it and `wait` is False."""
-    f = open(path, "a+")
+    # Never through a symbolic link: the lock's pid is written into the file it opens,
+    # which must be the folder's own (ELOOP where `path` is a link).
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise OSError(err.errno, "a symbolic link where a lock file belongs (remove the "
+                          "link)", str(path)) from None
+        raise
+    f = os.fdopen(fd, "r+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:

@@ -74,7 +74,32 @@ def open_prepared(folder: Path, meta: dict | None = None) -> TokenData:
             raise DataError(f"the {s} shards in {folder} hold token id {shards.max()}, outside "
                             f"the tokenizer's vocabulary of {tok.vocab_size}; they were not made "
                             "with this tokenizer: prepare the data again")
+    _refuse_val_as_train(folder, splits["train"], splits["val"])
     return TokenData(splits["train"], splits["val"], tok, meta, folder)
+
+
+def _refuse_val_as_train(folder: Path, train: Shards, val: Shards) -> None:
+    """A validation split that holds the training split's very tokens (its shards copied
+    over) would score the model on text it trained on: a val loss that falls with
+    memorising, which a user reads as learning. A split of one corpus never gives two
+    equal halves unless the text is itself repeated, so it is refused, not warned of.
+    Compared only when the counts agree, so a real split costs nothing here."""
+    if len(val) != len(train) or not len(val):
+        return
+    if val.dtype == train.dtype and _digest(val) == _digest(train):
+        raise DataError(f"the val shards in {folder} ({', '.join(val.names)[:200]}) hold the very "
+                        f"tokens of its train shards ({', '.join(train.names)[:200]}), so the "
+                        "validation loss would be measured on training text; prepare the data "
+                        "again (python -m data.prepare) from the corpus")
+
+
+def _digest(shards: Shards, size: int = 1 << 24) -> str:
+    """A hash of a split's tokens, read shard after shard in slices (no whole copy)."""
+    h = hashlib.sha256()
+    for a in shards.arrays:
+        for start in range(0, len(a), size):
+            h.update(np.ascontiguousarray(a[start:start + size]).tobytes())
+    return h.hexdigest()
 
 
 def _meta_agrees(folder: Path, meta: dict, tok: Tokenizer, splits: dict) -> None:

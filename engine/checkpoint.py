@@ -11,6 +11,7 @@ file against its recorded hash and refuses a corrupt folder, naming it.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from common.errors import CheckpointError
@@ -31,6 +33,7 @@ from model.layers import block_weights
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
 TRAIN_STATE = "train_state.safetensors"
+SAVED_FOR = "attnlab_model"     # model.safetensors' header: the model section it was saved with
 
 # What state.json must hold before any of it is used; the fields a resume reads beyond
 # these are checked by engine/state.py, which says what each is for.
@@ -162,10 +165,32 @@ def _optimizer_info_problems(optimizer, info) -> list[str]:
     return problems
 
 
+def own_root(run_dir: Path) -> Path:
+    """The run's checkpoints/ folder, refused where it is a symbolic link: what a run
+    writes and prunes is inside its own folder, never in one a link leads to (another
+    run's). engine/rundir.py refuses it with the other links before the run starts; this
+    holds for every writer."""
+    root = Path(run_dir) / CKPT_DIR
+    if root.is_symlink():
+        raise CheckpointError(f"{root} is a symbolic link, and a run writes only files of its "
+                              "own folder; replace the link with the folder itself (or remove "
+                              "it) and run the same command again")
+    return root
+
+
+def linked_checkpoints(run_dir: Path) -> list[Path]:
+    """What in the run's checkpoints/ folder is a symbolic link (a step folder, a
+    temporary one): never written, read as the run's latest, or pruned through."""
+    root = Path(run_dir) / CKPT_DIR
+    if root.is_symlink() or not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_symlink())
+
+
 def save(run_dir: Path, step: int, model, optimizer, tensors: dict, state: dict,
          files: dict[str, str], keep_last: int) -> Path:
     """Write checkpoint `step` atomically; prune to the last `keep_last` plus the best."""
-    root = Path(run_dir) / CKPT_DIR
+    root = own_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:07d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
@@ -199,7 +224,13 @@ def save(run_dir: Path, step: int, model, optimizer, tensors: dict, state: dict,
 
 def _write(tmp: Path, weights: dict, optimizer, tensors: dict, state: dict,
            files: dict[str, str], step: int) -> None:
-    save_file(weights, tmp / "model.safetensors")
+    # The model section of the config saved beside the weights, in the weights file's
+    # own header: a config.json edited to another model of the same shapes (linear
+    # attention's weights under a config that says mha), its hash recomputed, is
+    # refused where the weights are loaded (`_refuse_other_model`).
+    model = json.loads(files["config.json"]).get("model") if "config.json" in files else None
+    save_file(weights, tmp / "model.safetensors",
+              metadata={SAVED_FOR: json.dumps(model, sort_keys=True)} if model else None)
     opt_tensors, opt_info = optimizer_split(optimizer)
     save_file({**opt_tensors, **tensors}, tmp / TRAIN_STATE)
     for name, text in files.items():
@@ -223,7 +254,7 @@ def copy_checkpoint(ckpt: Path, run_dir: Path) -> Path:
             os.link(src, dst)
         except OSError:
             shutil.copy2(src, dst)
-    root = Path(run_dir) / CKPT_DIR
+    root = own_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / ckpt.name
     tmp = root / f".tmp-{ckpt.name}-{os.getpid()}"
@@ -252,7 +283,10 @@ def best_step(run_dir: Path) -> int | None:
 def prune(run_dir: Path, keep_last: int) -> None:
     ckpts = list_checkpoints(run_dir)
     best = best_step(run_dir)
+    own_root(run_dir)
     for path in ckpts[:-keep_last]:
+        if path.is_symlink():                  # removed through, it would be another's
+            continue
         if best is None or path.name != f"{PREFIX}{best:07d}":
             shutil.rmtree(path, ignore_errors=True)
 
@@ -283,10 +317,11 @@ def _steps(ckpts: list[Path]) -> str:
 
 def remove_partial(run_dir: Path) -> None:
     """Temporary folders left by a write that was killed."""
-    root = Path(run_dir) / CKPT_DIR
+    root = own_root(run_dir)
     if root.is_dir():
         for path in root.glob(".tmp-*"):
-            shutil.rmtree(path, ignore_errors=True)
+            if not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def misplaced(path: Path) -> str | None:
@@ -336,7 +371,7 @@ def choose(path: str | Path, which: str = "latest") -> tuple[Path, str, bool]:
         if (path / "config.json").is_file():
             raise CheckpointError(f"run {path} holds no checkpoint (its {CKPT_DIR}/ has no "
                                   f"{PREFIX}NNNNNNN/ folder): it stopped before its first one, or "
-                                  "they were removed; train it again, or point at another run")
+                                  f"they were removed; {train_into(path)}, or point at another run")
         if any(path.glob("*.safetensors")) or (path / "tokenizer.json").exists():
             raise CheckpointError(f"{path} has weights but no config.json: a transformers "
                                   "folder needs the config.json save_pretrained writes beside "
@@ -549,13 +584,60 @@ def refuse_misfit(skeleton: torch.nn.Module, weights: dict, origin: Path) -> Non
 def _refuse_unfit(own: dict, weights: dict, origin: Path, missing: set) -> None:
     unexpected = set(weights) - set(own)
     wrong = [n for n in weights if n in own and weights[n].shape != own[n].shape]
-    if missing or unexpected or wrong:
+    # load_state_dict casts whatever it is given: int32 weights would load as floats
+    # silently. A float of another width (a transformers folder's fp16) is a weight.
+    kind = [n for n in weights if n in own and n not in wrong and _dtype_misfit(weights[n], own[n])]
+    if missing or unexpected or wrong or kind:
         detail = "; ".join(filter(None, [
             f"missing {sorted(missing)[:4]}" if missing else "",
             f"unexpected {sorted(unexpected)[:4]}" if unexpected else "",
             "shape differs for " + ", ".join(f"{n} {tuple(weights[n].shape)} vs {tuple(own[n].shape)}"
-                                             for n in wrong[:3]) if wrong else ""]))
+                                             for n in wrong[:3]) if wrong else "",
+            "dtype differs for " + ", ".join(f"{n} {_dtype(weights[n])} vs {_dtype(own[n])}"
+                                             for n in kind[:3]) if kind else ""]))
         raise CheckpointError(f"checkpoint {weights_file(origin)} does not fit this model config: {detail}")
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _dtype_misfit(given: torch.Tensor, own: torch.Tensor) -> bool:
+    if own.is_floating_point():
+        return not given.is_floating_point()
+    return given.dtype != own.dtype
+
+
+def _refuse_other_model(origin: Path) -> None:
+    """A checkpoint whose weights file records the model section it was saved with
+    (SAVED_FOR), held against its config.json: the names and shapes of two mechanisms
+    can be the same (linear attention's and multi-head's), so a config.json edited from
+    one to the other, its hash recomputed, would load the weights into the other's maths
+    without a word. A file saved before this was recorded has nothing to hold it to."""
+    origin = Path(origin)
+    if not (origin / "state.json").is_file() or not (origin / "config.json").is_file():
+        return                                       # a transformers folder
+    try:
+        with safe_open(origin / "model.safetensors", "pt") as f:
+            saved = (f.metadata() or {}).get(SAVED_FOR)
+    except (SafetensorError, OSError, ValueError):
+        return                                       # the load itself says what is wrong
+    if saved is None:
+        return
+    try:
+        saved = json.loads(saved)
+    except ValueError:
+        saved = None
+    config = (read_json(origin / "config.json") or {}).get("model")
+    if saved == config:
+        return
+    both = isinstance(saved, dict) and isinstance(config, dict)
+    differ = sorted(k for k in {*saved, *config} if saved.get(k) != config.get(k)) if both else []
+    said = ", ".join(f"model.{k}={saved.get(k)!r:.40} in the weights, {config.get(k)!r:.40} in "
+                     "config.json" for k in differ[:2]) or "its model section"
+    raise CheckpointError(f"checkpoint {origin / 'model.safetensors'} was saved for another model "
+                          f"than its config.json describes ({said}); the config is edited: "
+                          f"{use_another(origin)}")
 
 
 def load_weights(model: torch.nn.Module, weights: dict, origin: Path, assign: bool = False,
@@ -570,11 +652,20 @@ def load_weights(model: torch.nn.Module, weights: dict, origin: Path, assign: bo
     tied = {n: m for n in own if n not in weights for m in weights
             if m in own and storage_ptr(own[n]) == storage_ptr(own[m])}
     _refuse_unfit(own, weights, origin, missing=set(own) - set(weights) - set(tied))
+    _refuse_other_model(origin)
     model.load_state_dict(weights, strict=False, assign=assign)
     if assign:
         for name, source in tied.items():        # assign= replaced the shared tensor on one side
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, model.get_parameter(source))
+
+
+def train_into(run: Path) -> str:
+    """How to train a run that holds no checkpoint yet: into its own folder again, by
+    its name (set-up keeps its folder and writes its config and tokenizer afresh)."""
+    return (f"train into it again with python train.py --config PRESET "
+            f"{word(f'--train.out_dir={run.parent}')} {word(f'--train.run_name={run.name}')} "
+            "(the preset and options it was started with)")
 
 
 def latest_run(out_dir: str | Path = "runs", log=None, other: str = "--run DIR",
@@ -602,6 +693,16 @@ def latest_run(out_dir: str | Path = "runs", log=None, other: str = "--run DIR",
     if not found:
         # The way on trains into this folder, where the next look for a run will find it.
         into = "" if out_dir == Path("runs") else " " + word(f"--train.out_dir={out_dir}")
+        # A run that stopped before its first checkpoint (a crash in set-up) leaves its
+        # config and tokenizer: named, so that the folder a user sees is accounted for.
+        begun = sorted(r for r in (out_dir.iterdir() if out_dir.is_dir() else ())
+                       if r.is_dir() and (r / "config.json").is_file())
+        if begun:
+            raise CheckpointError(f"no trained run found in {out_dir}/: {begun[-1]} stopped "
+                                  "before its first checkpoint" + (f" (and {len(begun) - 1} more)"
+                                                                   if len(begun) > 1 else "")
+                                  + f"; {train_into(begun[-1])}, train a new one with `python "
+                                  f"train.py{into}`, or pass a run directory")
         raise CheckpointError(f"no trained run found in {out_dir}/ (no run directory there "
                               f"holds a checkpoint); train one with `python train.py{into}`, "
                               "or pass a run directory")

@@ -366,9 +366,18 @@ def apply_to(obj, section: str, values: dict, origin: str) -> None:
 
 
 def preset_path(name: str) -> Path:
+    """configs/NAME.toml for a preset's name; a path the user gives to a .toml file of
+    their own as it is. A name stays a name: `..` or a folder in it would read a file
+    outside configs/ (../../etc/passwd as TOML), and a file in the working folder that
+    happens to be called `cpu` is not the cpu preset."""
     path = Path(name)
-    if path.suffix == ".toml" or path.exists():
+    if path.suffix == ".toml":
         return path
+    if not name or "\0" in name or path.name != name or name in (".", ".."):
+        available = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+        raise ConfigError(f"--config {name[:200]!r} is neither a preset's name nor a .toml "
+                          f"file: give a name from configs/ ({', '.join(available)}) or the "
+                          "path to a .toml file of your own")
     return CONFIG_DIR / f"{name}.toml"
 
 

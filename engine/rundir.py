@@ -34,7 +34,16 @@ def _try_lock_run_dir(run_dir: Path):
 
 def refuse_odd_run_files(run_dir: Path) -> None:
     """Before a run opens any of its files: each that is there is a plain file (found
-    without opening it), and its checkpoints/ a folder."""
+    without opening it), its checkpoints/ a folder, and none of them, nor a checkpoint
+    in that folder, a symbolic link. Every file a run writes or removes is its own: a
+    link in a run someone shares would have the lock truncate the file it points to, or
+    the checkpoints be written (and the old ones pruned) in another run's folder."""
+    for path in [*(run_dir / name for name in RUN_FILES), run_dir / checkpoint.CKPT_DIR,
+                 *checkpoint.linked_checkpoints(run_dir)]:
+        if path.is_symlink():
+            raise CheckpointError(f"{path} is a symbolic link, and a run writes only files of "
+                                  "its own folder; replace the link with the file or folder "
+                                  "itself (or remove it) and run the same command again")
     for name in RUN_FILES:
         if kind := odd_kind(run_dir / name):
             raise CheckpointError(f"{run_dir / name} is {kind}, not a plain file, where the run "

@@ -452,7 +452,7 @@ def test_exercise_1_alone_is_enough_to_train_with_your_attention(corpus, tmp_pat
     out = run_script(*tiny(corpus, tmp_path, "one", "--model.attention=yours",
                            f"--exercises={mine}"))
     assert "attention: yours (scaled_dot_product_attention in" in out.stdout
-    assert (tmp_path / "runs" / "one" / "exercises.json").is_file()
+    assert not (tmp_path / "runs" / "one" / "exercises.json").exists()   # a run names no code
 
 
 def tiny(corpus, out, name, *extra):
@@ -472,8 +472,8 @@ def test_training_with_the_learners_code_matches_eager_and_rope(corpus, tmp_path
     # run through the registries' `yours` entries in the real loop.
     mine = tmp_path / "mine"
     shutil.copytree(SOLUTIONS, mine)
-    # Trained from tmp_path with a relative folder: the run records it absolute, and
-    # sample.py, run elsewhere from the hint train.py prints, finds it there.
+    # Trained from tmp_path with a relative folder: the hint train.py prints names it
+    # absolute, so sample.py, run elsewhere from that hint, finds it there.
     yours = run_script(ROOT / "train.py", *tiny(corpus, tmp_path, "yours",
                        "--model.attention=yours", "--model.position=yours",
                        "--exercises=mine")[1:], cwd=tmp_path)
@@ -482,10 +482,8 @@ def test_training_with_the_learners_code_matches_eager_and_rope(corpus, tmp_path
     run_script(*tiny(corpus, tmp_path, "eager", "--model.attention=eager", "--model.position=rope"))
     a, b = step_losses(tmp_path / "runs" / "yours"), step_losses(tmp_path / "runs" / "eager")
     assert len(a) == len(b) == 4 and a == pytest.approx(b, rel=1e-5, abs=1e-6)
-    assert json.loads((tmp_path / "runs" / "yours" / "exercises.json").read_text()) == \
-        {"folder": str(mine.resolve())}
     hint = yours.stdout.split("sample with: python sample.py ")[1].split()
-    assert hint == ["--run", str(tmp_path / "runs" / "yours")]
+    assert hint == ["--run", str(tmp_path / "runs" / "yours"), "--exercises", str(mine.resolve())]
     sampled = run_script(ROOT / "sample.py", *hint, "--max_new_tokens=8", "--device=cpu",
                          "--prompt=ROMEO:", cwd=tmp_path / "runs")
     assert f"position: yours (apply_rope in {mine.resolve()}" in sampled.stderr
@@ -519,24 +517,21 @@ def test_the_learners_rope_turns_queries_and_fewer_keys_as_the_projects_does(n_k
     torch.testing.assert_close(learners(x).logits, project(x).logits, atol=1e-5, rtol=0)
 
 
-def test_a_run_remembers_its_exercises_folder_and_exercises_overrides_it(tmp_path, monkeypatch):
+def test_a_run_trained_with_yours_needs_the_folder_on_the_command_line(tmp_path, monkeypatch):
+    """A run names no code: exercises.json, which once recorded the learner's folder, is
+    never read, and only --exercises (or, for a `yours` typed on train.py's command
+    line, my_attention) says where the learner's code is."""
     from attnlab.exercises import plug
     from model import ModelConfig
     plugged(monkeypatch, "attention", plug.YOUR_BACKEND)
     monkeypatch.chdir(tmp_path)
-    run, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints" / "step_0000004"
-    ckpt.mkdir(parents=True)
-    (ckpt / "state.json").write_text("{}")
-    plug.remember(ModelConfig(attention="eager"), run, tmp_path / "mine")
-    assert not (run / "exercises.json").exists()             # not trained with yours
-    assert plug.folder_for(None, run) == plug.Path("my_attention")
-    plug.remember(ModelConfig(attention="yours"), run, plug.Path("mine"))
-    for where in (run, ckpt):
-        assert plug.folder_for(None, where) == tmp_path / "mine"
-        assert plug.folder_for("other", where) == plug.Path("other")
-    (run / "exercises.json").write_text("[not an object")
-    with pytest.raises(ExerciseError, match=f"{run / 'exercises.json'} does not name an exercises"):
-        plug.folder_for(None, run)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "exercises.json").write_text(json.dumps({"folder": str(tmp_path / "mine")}))
+    assert plug.folder_for(ModelConfig(attention="eager"), None, run) is None
+    assert plug.folder_for(ModelConfig(attention="yours"), "other", run) == plug.Path("other")
+    with pytest.raises(ExerciseError, match="--exercises DIR"):
+        plug.folder_for(ModelConfig(attention="yours"), None, run)
 
 
 def test_training_with_yours_is_refused_until_the_exercise_passes(corpus, tmp_path):
@@ -815,9 +810,7 @@ def test_mechanism_yours_is_linear_with_your_step_once_exercise_9_passes(tmp_pat
     out, want = yours(ids, ids), theirs(ids, ids)
     assert torch.allclose(out.logits, want.logits, atol=1e-5)
     out.loss.backward()
-    (tmp_path / "run").mkdir()
-    plug.remember(config, tmp_path / "run", mine)
-    assert plug.folder_for(None, tmp_path / "run") == mine.resolve()
+    assert plug.folder_for(config, str(mine), tmp_path / "run") == mine
 
 
 def test_training_with_your_linear_step_matches_linear(corpus, tmp_path):

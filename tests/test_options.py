@@ -301,7 +301,8 @@ def test_a_run_trained_with_your_attention_opens_in_every_tool_that_reads_one(co
     run = train_tiny(corpus, tmp_path, "yours", "--model.attention=yours", f"--exercises={mine}",
                      "--train.max_iters=2", "--train.eval_interval=2")
     lines = []
-    model, cfg, _, _ = load(parser().parse_args(["--run", str(run), "--device", "cpu"]),
+    model, cfg, _, _ = load(parser().parse_args(["--run", str(run), "--device", "cpu",
+                                                 "--exercises", str(mine)]),
                             log=lines.append)
     assert f"attention: yours (scaled_dot_product_attention in {mine / '01_attention.py'})" in lines
     assert model.config.attention == cfg.model.attention

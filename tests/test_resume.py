@@ -635,8 +635,10 @@ def test_a_runs_odd_checkpoint_folders_are_named_for_what_they_are(run20, tmp_pa
         proc = run_script(*cmd, check=False)
         assert proc.returncode == 2 and proc.stderr.strip() == (
             f"error: run {copy} holds no checkpoint (its checkpoints/ has no step_NNNNNNN/ folder): "
-            "it stopped before its first one, or they were removed; train it again, or point "
-            "at another run"), proc.stderr
+            "it stopped before its first one, or they were removed; train into it again with "
+            f"python train.py --config PRESET --train.out_dir={copy.parent} "
+            f"--train.run_name={copy.name} (the preset and options it was started with), or "
+            "point at another run"), proc.stderr
 
 
 def test_a_run_reading_in_passes_resumes_with_exactly_the_losses_of_one_straight_through(corpus, tmp_path):

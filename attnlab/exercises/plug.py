@@ -5,7 +5,8 @@ registries.
 added, so `--model.attention=yours`, `--model.position=yours` and `--model.mechanism=yours`
 pass the config's checks and appear in --help. `prepare(config, folder)` then loads the
 learner's functions from their folder, refusing any exercise that has not passed its
-check, and binds them:
+check, and binds them. The folder comes from the command line (`folder_for`), never from
+a run's files:
 
 * attention: exercise 1's scaled_dot_product_attention, given the mask the project's
   rule builds (causal, window, padding) as a bool matrix;
@@ -23,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from common.files import read_json, write_json_atomic
 from model import registry as model_registry
 from model.attention import ATTENTION_BACKENDS, Backend
 from model.config import ModelConfig
@@ -35,7 +35,6 @@ from attnlab.exercises.learner import DEFAULT_FOLDER, ExerciseError, passed_func
 from attnlab.exercises.reference import over_tokens
 
 NAME = model_registry.RESERVED
-RECORD = "exercises.json"      # beside a run's config: the folder it was trained with
 _bound: dict = {}              # "attention" -> the learner's function, once prepared
 
 
@@ -126,9 +125,12 @@ def chosen(config: ModelConfig) -> tuple[bool, bool, bool]:
             any(_yours(MECHANISMS.get(name)) for name in names_used(config)))
 
 
-def prepare(config: ModelConfig, folder: Path) -> list[str]:
+def prepare(config: ModelConfig, folder: Path | None) -> list[str]:
     """Load and bind the learner's code the config asks for; lines saying what is used.
-    Refuses (ExerciseError) an exercise that is missing or has not passed."""
+    Refuses (ExerciseError) an exercise that is missing or has not passed; nothing to do
+    where `folder` is None (folder_for: the config picks no `yours`)."""
+    if folder is None:
+        return []
     attention, position, mechanism = chosen(config)
     notes = []
     if attention:
@@ -164,27 +166,32 @@ def prepare(config: ModelConfig, folder: Path) -> list[str]:
     return notes
 
 
-def remember(config: ModelConfig, run_dir: Path, folder: Path) -> None:
-    """Record in the run the (absolute) folder its `yours` entries were loaded from, so
-    that sampling or resuming it finds the same code without being told again."""
-    if any(chosen(config)):
-        write_json_atomic(Path(run_dir) / RECORD, {"folder": str(Path(folder).resolve())})
+KINDS = ("attention", "position", "mechanism")     # the fields `chosen` answers for, in order
 
 
-def folder_for(given: str | None, run: str | Path | None) -> Path:
-    """The exercises folder: `given` (--exercises) when set, else the one the run at `run`
-    (a run directory or one of its checkpoint folders) recorded, else my_attention."""
+def typed(config: ModelConfig, model_options: dict) -> bool:
+    """Whether every `yours` the config picks was named by `model_options`, the model
+    options of this command line (`--model.attention=yours`)."""
+    named = {key: [n.strip() for n in str(value).split(",")] for key, value in model_options.items()}
+    return all(NAME in named.get(kind, ()) for kind, on in zip(KINDS, chosen(config)) if on)
+
+
+def folder_for(config: ModelConfig, given: str | None, read_from: str | Path | None) -> Path | None:
+    """The folder the learner's code for `config` comes from; None where the config
+    picks no `yours`. `given` is --exercises. A `yours` typed on this command line
+    (`read_from` None) may leave it out for my_attention, the folder `exercises start`
+    makes. A config read from a file (`read_from` names it: a run, a checkpoint, a
+    preset) may not: a run someone shares must never choose code to run, so the folder
+    comes from the learner's command line alone, and a run records only *that* it was
+    trained with the learner's code (its config says `yours`), never where that was."""
+    used = [kind for kind, on in zip(KINDS, chosen(config)) if on]
+    if not used:
+        return None
     if given:
         return Path(given)
-    if run is not None:
-        run = Path(run)
-        # A checkpoint folder (it holds state.json) sits two levels below its run.
-        for place in (run, run.parent.parent) if (run / "state.json").is_file() else (run,):
-            path = place / RECORD
-            if path.exists():
-                folder = (read_json(path) or {}).get("folder")
-                if not isinstance(folder, str) or not folder:
-                    raise ExerciseError(f"{path} does not name an exercises folder; pass "
-                                        "--exercises DIR")
-                return Path(folder)
-    return Path(DEFAULT_FOLDER)
+    if read_from is None:
+        return Path(DEFAULT_FOLDER)
+    raise ExerciseError(f"{read_from} asks for your own code (model.{used[0]}=yours), and no "
+                        "file says where that code is: give your exercises folder on the command "
+                        f"line with --exercises DIR ({DEFAULT_FOLDER}, where python -m "
+                        "attnlab.exercises start puts it)")
