@@ -319,3 +319,15 @@ def test_each_checkpoint_refusal_names_the_file_it_is_about(tiny_run, tmp_path, 
         cfg, run_dir, ckpt = resume_config(str(copy), str(copy.parent), {})
         setup_run(cfg, run_dir=run_dir, resume=ckpt, log=lambda *a: None)
     assert str(copy / "checkpoints" / "step_0000010" / name) in str(err.value), str(err.value)
+
+
+def test_a_config_edited_to_a_huge_field_outside_the_old_list_is_refused_naming_it(tiny_run, tmp_path):
+    """mlp_hidden (like mla_kv_rank, n_token_types, position_offset) was left out of the
+    size check, and loading built a 10^11-row matrix: a RuntimeError traceback."""
+    from engine.inference import load_run
+    copy = edited(tiny_run, tmp_path, **{"config.json": lambda c: {
+        **c, "model": {**c["model"], "mlp_hidden": 10 ** 11}}})
+    with pytest.raises(AttnlabError) as err:
+        load_run(copy)
+    assert "too large for this machine" in str(err.value) and "config.json" in str(err.value)
+    assert "mlp" in str(err.value)
