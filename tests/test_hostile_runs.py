@@ -331,3 +331,25 @@ def test_a_config_edited_to_a_huge_field_outside_the_old_list_is_refused_naming_
         load_run(copy)
     assert "too large for this machine" in str(err.value) and "config.json" in str(err.value)
     assert "mlp" in str(err.value)
+
+
+@pytest.mark.parametrize("entry", [["sample.py", "--max_new_tokens=5", "--run"],
+                                   ["-m", "attnlab.heads", "grid", "--text", "KING", "--run"]])
+def test_a_tokenizer_whose_normalizer_panics_the_library_is_one_error_line(tiny_run, tmp_path, entry):
+    """The run's characters in export's tokenizer.json form, cut by the byte-level
+    pre-tokenizer after a Replace normalizer of an empty pattern: the Rust library
+    panicked as the tokenizer was first used (a PanicException traceback). The file is
+    refused before the library builds it."""
+    from data.tokenizer import CharTokenizer
+    from engine.interop import hf_tokenizer
+    own = json.loads((tiny_run / "checkpoints" / "step_0000010" / "tokenizer.json").read_text())
+    form = json.loads(hf_tokenizer(CharTokenizer(own["chars"])).backend_tokenizer.to_str())
+    form["normalizer"] = {"type": "Replace", "pattern": {"Regex": ""}, "content": "x"}
+    form["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                             "use_regex": True}
+    copy = edited(tiny_run, tmp_path, **{"tokenizer.json": json.dumps(form)})
+    proc = run_script(*entry, copy, check=False, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(errors) == 1 and "tokenizer.json" in errors[0] and "Replace" in errors[0]
+    assert "panicked" not in proc.stderr
