@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import json
 import re
+import threading
 from pathlib import Path
 from typing import Iterable
 
@@ -175,6 +176,28 @@ def library(call, *args):
         raise TokenizerError(f"the tokenizer failed inside the tokenizers library ({reason}); "
                              "its tokenizer.json is damaged or was not written by this "
                              "project: prepare the data again or use another run") from None
+
+
+# Byte-level BPE learns and encodes within pre-tokens (a run of letters, of digits, of
+# other symbols or of white space), and learning costs the square of a pre-token's
+# length: a line of 500K letters took minutes, and Ctrl-C waited for the Rust library.
+# A run longer than LONGEST_RUN characters is cut into pieces of that length before BPE
+# sees it, so the cost grows with the text, not with its longest word; text without such
+# a run (any prose) is handed over exactly as it is.
+LONGEST_RUN = 1000
+LONG_RUN = re.compile(r"\S{%d,}|\s{%d,}" % (LONGEST_RUN + 1, LONGEST_RUN + 1))
+
+
+def bounded_runs(text: str) -> list[str]:
+    """`text` in pieces, cut only inside runs of more than LONGEST_RUN characters without
+    a space (or of white space alone), so no piece holds a longer run; [text] when it has
+    none."""
+    cuts = [at for run in LONG_RUN.finditer(text)
+            for at in range(run.start() + LONGEST_RUN, run.end(), LONGEST_RUN)]
+    if not cuts:
+        return [text]
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 # The mask token under the names the BERT family gives it ([MASK] for the ones added here).
@@ -424,7 +447,8 @@ class BPETokenizer(Tokenizer):
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size, special_tokens=[cls.END_OF_TEXT], show_progress=False,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        hf.train_from_iterator(texts, trainer=trainer)
+        pieces = (piece for text in texts for piece in bounded_runs(text))
+        waited_for(lambda: library(hf.train_from_iterator, pieces, trainer))
         return cls(hf)
 
     @classmethod
@@ -456,6 +480,9 @@ class BPETokenizer(Tokenizer):
         return self._encoding(text).ids
 
     def _encoding(self, text: str):
+        pieces = bounded_runs(text)
+        if len(pieces) > 1:                  # as encode_array cuts them: the same ids
+            return _Joined(pieces, [self._encoding(piece) for piece in pieces])
         try:
             return library(self.hf.encode, text)
         except TokenizerError:
@@ -484,7 +511,7 @@ class BPETokenizer(Tokenizer):
                               + f"; remove them from the text ({err})")
 
     def encode_array(self, text: str) -> np.ndarray:
-        pieces = self.PIECE_BOUNDARY.split(text)
+        pieces = [piece for part in bounded_runs(text) for piece in self.PIECE_BOUNDARY.split(part)]
         cache = self._cache
         new = [p for p in set(pieces) if p not in cache]
         if new:
@@ -532,6 +559,41 @@ class BPETokenizer(Tokenizer):
 
     def to_json(self) -> str:
         return self.hf.to_str()
+
+
+def waited_for(call):
+    """call() in a thread of its own, waited for in short joins. Python runs a signal's
+    handler only between its own instructions, and the Rust library learns its merges
+    without returning for as long as that takes: a Ctrl-C waited for the end. The
+    library lets go of the interpreter while it works, so the waiting thread takes the
+    Ctrl-C at once; the worker is a daemon and ends with the process."""
+    done: list = []
+
+    def work():
+        try:
+            done.append((call(), None))
+        except BaseException as err:         # handed to the waiting thread, raised there
+            done.append((None, err))
+    worker = threading.Thread(target=work, name="tokenizer", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+    result, err = done[0]
+    if err is not None:
+        raise err
+    return result
+
+
+class _Joined:
+    """The encodings of consecutive pieces of one text as one: ids in order, each
+    piece's character offsets moved by the length of the pieces before it."""
+
+    def __init__(self, pieces: list[str], parts):
+        self.ids, self.offsets, at = [], [], 0
+        for piece, part in zip(pieces, parts):
+            self.ids += part.ids
+            self.offsets += [(a + at, b + at) for a, b in part.offsets]
+            at += len(piece)
 
 
 def one_token_per_character(hf) -> list[str] | None:
