@@ -177,6 +177,10 @@ def check_mechanisms(config: ModelConfig) -> None:
             others = ", ".join(n for n, p in POSITION_ENCODINGS.items() if not p.biases_scores)
             raise ModelError(f"model.mechanism={name} has no place for model.position="
                              f"{config.position}'s per-head score bias; use one of {others}")
+        if config.value_embeds and not m.takes_value_embed:
+            raise ModelError(f"model.mechanism={name} rebuilds its values from what it caches, "
+                             "with no place for a per-token value vector: set "
+                             "model.value_embeds=false with it")
         if config.value_embeds and m.takes_value_embed and not m.takes_kv_heads \
                 and config.kv_heads != config.n_head:
             # The value table is sized for the shared key/value heads; this layer keeps a
@@ -185,10 +189,6 @@ def check_mechanisms(config: ModelConfig) -> None:
                              f"model.n_head={config.n_head} heads, and model.value_embeds' "
                              f"table is sized for model.n_kv_head={config.n_kv_head} shared "
                              "heads: set model.n_kv_head=0 or model.value_embeds=false")
-        if config.value_embeds and not m.takes_value_embed:
-            raise ModelError(f"model.mechanism={name} rebuilds its values from what it caches, "
-                             "with no place for a per-token value vector: set "
-                             "model.value_embeds=false with it")
         if not m.follows_mask and (config.sliding_window or config.n_global or not config.causal):
             raise ModelError(f"model.mechanism={name} reads every earlier token, causally, and "
                              "no mask: leave model.sliding_window and model.n_global at 0 and "
