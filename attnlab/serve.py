@@ -117,8 +117,8 @@ class ModelThread:
             if future.set_running_or_notify_cancel():     # False: the caller left
                 try:
                     future.set_result(fn(*args))
-                except Exception as err:
-                    future.set_exception(err)
+                except BaseException as err:              # the thread lives on: see survivable
+                    future.set_exception(survivable(err))
             return False
         self._add(turn)
         return await asyncio.wrap_future(future)
@@ -144,6 +144,18 @@ class ModelThread:
             self.ready.notify()
 
 
+def survivable(err: BaseException) -> Exception:
+    """What the model thread hands its caller for `err`: an Exception as it is; anything
+    else (a Rust library's panic arrives as pyo3's PanicException, a BaseException) as a
+    RuntimeError naming it. Letting it through would end the model thread, and every
+    request after it would wait for ever, Ctrl-C's included."""
+    if isinstance(err, Exception):
+        return err
+    wrapped = RuntimeError(f"{type(err).__name__}: {err}")
+    wrapped.__cause__ = err
+    return wrapped
+
+
 class Stream:
     """One generation on its way to its client: the model thread puts each step's events
     in `queue` as soon as they are made (a list, then END or the exception that ended
@@ -166,8 +178,8 @@ class Stream:
             item = next(self.steps)
         except StopIteration:
             item, more = self.END, False
-        except Exception as err:
-            item, more = err, False
+        except BaseException as err:           # the thread lives on: see survivable
+            item, more = survivable(err), False
         if not more:
             self.owner.streams.discard(self)
         try:

@@ -33,7 +33,7 @@ from common.files import inside, write_json_atomic
 from data.meta import FORMAT, PROGRESS, VERSION, DamagedRecord, read_meta, read_progress
 from data.shards import CannotResume, ShardWriter, open_shard, shard_name, token_dtype
 from data.sources import Source, SourceSpec, open_source, passed_over_line
-from data.tokenizer import TOKENIZERS, Tokenizer
+from data.tokenizer import TOKENIZERS, Tokenizer, tokenizer_limit
 
 BATCH_CHARS = 1 << 20                  # text per encoding task
 SAVE_EVERY_S = 10.0                    # how often progress is recorded between shards
@@ -183,6 +183,12 @@ def _train_tokenizer(source: Source, kind: str, vocab_size: int, sample_bytes: i
         bar.close()
     if blank:
         raise _empty(source)
+    size, limit = len(tok.to_json().encode()), tokenizer_limit(tok.vocab_size)
+    if size > limit:             # train.py would refuse the folder's tokenizer.json for it
+        raise DataError(f"the {kind} tokenizer learned from {source.spec.source} takes "
+                        f"{size:,} bytes, more than the {limit:,} a tokenizer of "
+                        f"{tok.vocab_size:,} tokens may; its text repeats too little to learn "
+                        "from: use a larger, more varied corpus, or --tokenizer char")
     return tok
 
 

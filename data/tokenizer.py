@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import json
 import re
+import threading
 from pathlib import Path
 from typing import Iterable
 
@@ -28,6 +29,175 @@ def tokenizer_limit(vocab_size: int) -> int:
     1 MiB besides, several times what real ones take, so that the memory and time its
     reading costs follow the vocabulary a folder claims, not the file."""
     return min(TOKENIZER_LIMIT, (1 << 20) + 1024 * max(vocab_size, 0))
+
+
+# -- what a Hugging Face tokenizer.json may hold before the Rust library builds it --
+# The library panics on some inputs it accepts (a Replace normalizer with an empty
+# pattern) and allocates whatever a padding length asks, so a file is held to the
+# structure this project writes and reads (byte-level BPE, the character form export
+# writes, the BERT family's WordPiece) before it is built.
+VOCAB_LIMIT = 1 << 20          # tokens (the largest real vocabularies hold about 256K)
+PAD_LIMIT = 1 << 16            # a fixed padding or truncation length, in tokens
+WORD_LIMIT = 1 << 10           # WordPiece's longest word, in characters
+SEQUENCE_LIMIT = 8             # parts of a Sequence normalizer, pre-tokenizer or decoder
+PARTS = {
+    # part: {type: the fields it may hold besides "type"}; None for a part may be absent
+    "normalizer": {
+        "BertNormalizer": {"clean_text", "handle_chinese_chars", "strip_accents", "lowercase"},
+        "Lowercase": set(), "NFC": set(), "NFD": set(), "NFKC": set(), "NFKD": set(),
+        "StripAccents": set(), "Strip": {"strip_left", "strip_right"},
+    },
+    "pre_tokenizer": {
+        "ByteLevel": {"add_prefix_space", "trim_offsets", "use_regex"},
+        "BertPreTokenizer": set(), "Whitespace": set(), "WhitespaceSplit": set(),
+        "Split": {"pattern", "behavior", "invert"},
+    },
+    "decoder": {
+        "ByteLevel": {"add_prefix_space", "trim_offsets", "use_regex"},
+        "Fuse": set(), "WordPiece": {"prefix", "cleanup"},
+    },
+    "post_processor": {
+        "ByteLevel": {"add_prefix_space", "trim_offsets", "use_regex"},
+        "TemplateProcessing": {"single", "pair", "special_tokens"},
+        "BertProcessing": {"sep", "cls"},
+        "RobertaProcessing": {"sep", "cls", "trim_offsets", "add_prefix_space"},
+    },
+    "model": {
+        "BPE": {"dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix",
+                "fuse_unk", "byte_fallback", "ignore_merges", "vocab", "merges"},
+        "WordLevel": {"vocab", "unk_token"},
+        "WordPiece": {"unk_token", "continuing_subword_prefix", "max_input_chars_per_word", "vocab"},
+    },
+}
+SEQUENCE_KEYS = {"normalizer": "normalizers", "pre_tokenizer": "pretokenizers",
+                 "decoder": "decoders", "post_processor": "processors"}
+# The one regular expression a Split may use: export's one-token-per-character pattern.
+# Any other goes to the Rust regex engine, whose panics end the process or its thread.
+CHARACTER_SPLIT = {"Regex": r"[\s\S]"}
+TOP_LEVEL = {"version", "truncation", "padding", "added_tokens", "normalizer", "pre_tokenizer",
+             "post_processor", "decoder", "model"}
+
+
+def structure_problem(data) -> str | None:
+    """What in a parsed Hugging Face tokenizer.json is outside the allow-list (PARTS and
+    the bounds above), in words; None when it may be built."""
+    if not isinstance(data, dict):
+        return "is not a JSON object"
+    unknown = sorted(set(data) - TOP_LEVEL)
+    if unknown:
+        return f"has the field {unknown[0]!r}, which no tokenizer this project reads has"
+    for part in ("normalizer", "pre_tokenizer", "post_processor", "decoder", "model"):
+        wrong = _part_problem(part, data.get(part), depth=0)
+        if wrong:
+            return wrong
+    model = data.get("model")
+    if not isinstance(model, dict):
+        return "has no model"
+    vocab, merges = model.get("vocab"), model.get("merges", [])
+    if not isinstance(vocab, (dict, list)) or len(vocab) > VOCAB_LIMIT:
+        return f"has a vocabulary that is not a table of at most {VOCAB_LIMIT:,} tokens"
+    if not isinstance(merges, list) or len(merges) > VOCAB_LIMIT:
+        return f"has merges that are not a list of at most {VOCAB_LIMIT:,}"
+    if model.get("dropout") not in (None, 0, 0.0):
+        return "has BPE dropout, which would encode the same text differently each time"
+    if not _bounded(model.get("max_input_chars_per_word", 0), WORD_LIMIT):
+        return f"has a WordPiece word limit above {WORD_LIMIT:,} characters"
+    added = data.get("added_tokens", [])
+    if not isinstance(added, list) or len(added) > VOCAB_LIMIT:
+        return f"has added tokens that are not a list of at most {VOCAB_LIMIT:,}"
+    return _padding_problem(data.get("padding")) or _truncation_problem(data.get("truncation"))
+
+
+def _part_problem(part: str, value, depth: int) -> str | None:
+    if value is None:
+        return None if part != "model" else "has no model"
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "Sequence" and part in SEQUENCE_KEYS and depth == 0:
+        parts = value.get(SEQUENCE_KEYS[part])
+        if set(value) != {"type", SEQUENCE_KEYS[part]} or not isinstance(parts, list) \
+                or len(parts) > SEQUENCE_LIMIT:
+            return f"has a {part} Sequence that is not a list of at most {SEQUENCE_LIMIT} parts"
+        for item in parts:
+            if item is None or (wrong := _part_problem(part, item, depth + 1)):
+                return wrong or f"has an empty part in its {part} Sequence"
+        return None
+    allowed = PARTS[part]
+    if kind not in allowed:
+        return (f"has a {part} of type {kind!r}; the {part}s this project reads are "
+                + ", ".join(sorted(allowed)))
+    extra = sorted(set(value) - allowed[kind] - {"type"})
+    if extra:
+        return f"has a {kind} {part} with the field {extra[0]!r}, which it does not take"
+    if kind == "Split" and value.get("pattern") != CHARACTER_SPLIT \
+            and not (isinstance(value.get("pattern"), dict) and set(value["pattern"]) == {"String"}):
+        return ("has a Split pre-tokenizer with a regular expression; the one this project "
+                "reads splits every character (export's form)")
+    return None
+
+
+def _bounded(value, limit: int) -> bool:
+    return value is None or (type(value) is int and 0 <= value <= limit)
+
+
+def _padding_problem(padding) -> str | None:
+    if padding is None:
+        return None
+    strategy = padding.get("strategy") if isinstance(padding, dict) else None
+    fixed = strategy.get("Fixed") if isinstance(strategy, dict) else None
+    if not (strategy == "BatchLongest" or (isinstance(strategy, dict) and set(strategy) == {"Fixed"}
+                                           and _bounded(fixed, PAD_LIMIT))) \
+            or not _bounded(padding.get("pad_to_multiple_of"), PAD_LIMIT):
+        return f"pads to a length that is not a whole number of at most {PAD_LIMIT:,} tokens"
+    return None
+
+
+def _truncation_problem(truncation) -> str | None:
+    if truncation is None:
+        return None
+    if not isinstance(truncation, dict) or not _bounded(truncation.get("max_length"), PAD_LIMIT) \
+            or not _bounded(truncation.get("stride", 0), PAD_LIMIT):
+        return f"truncates to a length that is not a whole number of at most {PAD_LIMIT:,} tokens"
+    return None
+
+
+def library(call, *args):
+    """call(*args) into the Rust `tokenizers` library, a panic in it raised as a
+    TokenizerError. pyo3 raises a Rust panic as PanicException, a BaseException and not
+    an Exception, so `except Exception` lets it through: it ended sample.py with a
+    traceback and killed the page's model thread."""
+    try:
+        return call(*args)
+    except Exception:
+        raise
+    except BaseException as err:
+        if type(err).__name__ != "PanicException":
+            raise                      # KeyboardInterrupt, SystemExit: not the library's
+        reason = (str(err).strip().splitlines() or ["no reason given"])[0]
+        raise TokenizerError(f"the tokenizer failed inside the tokenizers library ({reason}); "
+                             "its tokenizer.json is damaged or was not written by this "
+                             "project: prepare the data again or use another run") from None
+
+
+# Byte-level BPE learns and encodes within pre-tokens (a run of letters, of digits, of
+# other symbols or of white space), and learning costs the square of a pre-token's
+# length: a line of 500K letters took minutes, and Ctrl-C waited for the Rust library.
+# A run longer than LONGEST_RUN characters is cut into pieces of that length before BPE
+# sees it, so the cost grows with the text, not with its longest word; text without such
+# a run (any prose) is handed over exactly as it is.
+LONGEST_RUN = 1000
+LONG_RUN = re.compile(r"\S{%d,}|\s{%d,}" % (LONGEST_RUN + 1, LONGEST_RUN + 1))
+
+
+def bounded_runs(text: str) -> list[str]:
+    """`text` in pieces, cut only inside runs of more than LONGEST_RUN characters without
+    a space (or of white space alone), so no piece holds a longer run; [text] when it has
+    none."""
+    cuts = [at for run in LONG_RUN.finditer(text)
+            for at in range(run.start() + LONGEST_RUN, run.end(), LONGEST_RUN)]
+    if not cuts:
+        return [text]
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 # The mask token under the names the BERT family gives it ([MASK] for the ones added here).
@@ -277,7 +447,8 @@ class BPETokenizer(Tokenizer):
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size, special_tokens=[cls.END_OF_TEXT], show_progress=False,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        hf.train_from_iterator(texts, trainer=trainer)
+        pieces = (piece for text in texts for piece in bounded_runs(text))
+        waited_for(lambda: library(hf.train_from_iterator, pieces, trainer))
         return cls(hf)
 
     @classmethod
@@ -288,7 +459,16 @@ class BPETokenizer(Tokenizer):
     def from_json(cls, text: str, path: Path | str = "<string>") -> "BPETokenizer":
         from tokenizers import Tokenizer as HFTokenizer
         try:
-            return cls(HFTokenizer.from_str(text))
+            wrong = structure_problem(json.loads(text))
+        except (ValueError, RecursionError):
+            wrong = "is not valid JSON"
+        if wrong:
+            raise TokenizerError(f"tokenizer file {path} {wrong}; use a tokenizer.json this "
+                                 "project wrote (python -m data.prepare, or export)")
+        try:
+            return cls(library(HFTokenizer.from_str, text))
+        except TokenizerError as err:
+            raise TokenizerError(f"tokenizer file {path}: {err}") from None
         except Exception as err:  # tokenizers raises plain Exception for bad files
             raise TokenizerError(f"tokenizer file {path} cannot be read ({err})") from None
 
@@ -300,8 +480,13 @@ class BPETokenizer(Tokenizer):
         return self._encoding(text).ids
 
     def _encoding(self, text: str):
+        pieces = bounded_runs(text)
+        if len(pieces) > 1:                  # as encode_array cuts them: the same ids
+            return _Joined(pieces, [self._encoding(piece) for piece in pieces])
         try:
-            return self.hf.encode(text)
+            return library(self.hf.encode, text)
+        except TokenizerError:
+            raise
         except Exception as err:   # a tokenizer without a byte fallback or [UNK] token
             raise self._cannot_encode([text], err) from None
 
@@ -310,13 +495,13 @@ class BPETokenizer(Tokenizer):
         tokenizer of characters) this tokenizer has no token for."""
         def fails(piece):
             try:
-                self.hf.encode(piece)
+                library(self.hf.encode, piece)
             except Exception:
                 return True
             return False
         cut = self.hf.pre_tokenizer
-        pieces = {p for text in texts for p, _ in cut.pre_tokenize_str(text)} if cut is not None \
-            else {c for text in texts for c in text}
+        pieces = {p for text in texts for p, _ in library(cut.pre_tokenize_str, text)} \
+            if cut is not None else {c for text in texts for c in text}
         unknown = sorted(p for p in pieces if fails(p))
         if not unknown:
             return TokenizerError(f"this tokenizer cannot encode the text ({err})")
@@ -326,7 +511,7 @@ class BPETokenizer(Tokenizer):
                               + f"; remove them from the text ({err})")
 
     def encode_array(self, text: str) -> np.ndarray:
-        pieces = self.PIECE_BOUNDARY.split(text)
+        pieces = [piece for part in bounded_runs(text) for piece in self.PIECE_BOUNDARY.split(part)]
         cache = self._cache
         new = [p for p in set(pieces) if p not in cache]
         if new:
@@ -334,7 +519,9 @@ class BPETokenizer(Tokenizer):
                 cache.clear()
             encode = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)  # no offsets: faster
             try:
-                encodings = encode(new)
+                encodings = library(encode, new)
+            except TokenizerError:
+                raise
             except Exception as err:
                 raise self._cannot_encode(new, err) from None
             for piece, encoding in zip(new, encodings):
@@ -361,7 +548,7 @@ class BPETokenizer(Tokenizer):
         return type(self)(hf)
 
     def decode(self, ids):
-        return self.hf.decode(list(ids))
+        return library(self.hf.decode, list(ids))
 
     def spans(self, text):
         return list(self._encoding(text).offsets)
@@ -372,6 +559,41 @@ class BPETokenizer(Tokenizer):
 
     def to_json(self) -> str:
         return self.hf.to_str()
+
+
+def waited_for(call):
+    """call() in a thread of its own, waited for in short joins. Python runs a signal's
+    handler only between its own instructions, and the Rust library learns its merges
+    without returning for as long as that takes: a Ctrl-C waited for the end. The
+    library lets go of the interpreter while it works, so the waiting thread takes the
+    Ctrl-C at once; the worker is a daemon and ends with the process."""
+    done: list = []
+
+    def work():
+        try:
+            done.append((call(), None))
+        except BaseException as err:         # handed to the waiting thread, raised there
+            done.append((None, err))
+    worker = threading.Thread(target=work, name="tokenizer", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+    result, err = done[0]
+    if err is not None:
+        raise err
+    return result
+
+
+class _Joined:
+    """The encodings of consecutive pieces of one text as one: ids in order, each
+    piece's character offsets moved by the length of the pieces before it."""
+
+    def __init__(self, pieces: list[str], parts):
+        self.ids, self.offsets, at = [], [], 0
+        for piece, part in zip(pieces, parts):
+            self.ids += part.ids
+            self.offsets += [(a + at, b + at) for a, b in part.offsets]
+            at += len(piece)
 
 
 def one_token_per_character(hf) -> list[str] | None:
@@ -386,8 +608,8 @@ def one_token_per_character(hf) -> list[str] | None:
         return None
     text = "".join(chars)
     try:
-        forward, backward = hf.encode(text).ids, hf.encode(text[::-1]).ids
-        same_text = hf.decode(forward) == text
+        forward, backward = library(hf.encode, text).ids, library(hf.encode, text[::-1]).ids
+        same_text = library(hf.decode, forward) == text
     except Exception:
         return None
     ids = list(range(len(chars)))

@@ -132,22 +132,39 @@ def budget_seconds(text: str, overrides: dict[str, dict[str, str]]) -> float:
     return budget_s
 
 
+def model_sizes(model_cfg) -> tuple[int, int, str]:
+    """(parameters, buffer numbers, its largest tensor in words or "") of a model of
+    `model_cfg`, counted on the model itself built on the meta device (GPT.skeleton:
+    every shape, no memory), so every field that sizes a tensor counts, a new one
+    included, with no list of fields to fall behind. A vocabulary not yet known (0 until
+    the tokenizer is read) counts as two tokens. Building costs time per layer, not per
+    weight, so a depth whose W_O matrices alone (n_embd² numbers a layer, which every
+    mechanism has) could not fit is counted from that lower bound without building."""
+    from model import GPT
+    layers_alone = model_cfg.n_layer * model_cfg.n_embd ** 2
+    if 4 * layers_alone > (available_bytes(torch.device("cpu")) or 64 << 30):
+        return layers_alone, 0, ""
+    sized = replace(model_cfg, vocab_size=model_cfg.vocab_size or 2,
+                    readout_shortlist=model_cfg.readout_shortlist or 1)
+    skeleton = GPT.skeleton(sized)
+    tensors = dict(skeleton.named_parameters()) | dict(skeleton.named_buffers())
+    name, largest = max(tensors.items(), key=lambda item: item[1].numel())
+    return (sum(p.numel() for p in skeleton.parameters()),
+            sum(b.numel() for b in skeleton.buffers()),
+            f"{name}, {' x '.join(f'{n:,}' for n in largest.shape)}")
+
+
 def training_bytes(cfg) -> tuple[int, int]:
-    """(parameters, bytes) that training cfg needs at least, computed without building
-    anything: 12 bytes a parameter (fp32 weights, gradients and one optimizer moment;
-    AdamW keeps two) plus the activations backward keeps, 34·T·d + 5·H·T² bytes a layer
-    and sequence at 16 bits (Korthikanti et al., arXiv:2205.05198, section 4). Both are
-    lower bounds, so a model refused for them could not have fitted."""
+    """(parameters, bytes) that training cfg needs at least: 12 bytes a parameter (fp32
+    weights, gradients and one optimizer moment; AdamW keeps two), 4 a buffer number,
+    plus the activations backward keeps, 34·T·d + 5·H·T² bytes a layer and sequence at
+    16 bits (Korthikanti et al., arXiv:2205.05198, section 4). Both are lower bounds, so
+    a model refused for them could not have fitted."""
     m, t = cfg.model, cfg.train
-    vocab = max(m.vocab_size, 1)
-    if READOUTS[m.readout].shortlisted:
-        readout = head_macs(m.n_embd, vocab, max(m.readout_shortlist, 1), tail_share=1.0)
-    else:
-        readout = 0 if m.tie_embeddings else vocab * m.n_embd
-    params = int(m.n_layer * 12 * m.n_embd ** 2 + vocab * m.n_embd + readout)
+    params, buffers, _ = model_sizes(m)
     per_layer = 34 * m.block_size * m.n_embd + 5 * m.n_head * m.block_size ** 2
     activations = m.n_layer * t.batch_size * per_layer
-    return params, 12 * params + activations
+    return params, 12 * params + 4 * buffers + activations
 
 
 def available_bytes(device) -> int | None:
@@ -169,12 +186,15 @@ def refuse_what_cannot_fit(cfg, device) -> None:
     params, need = training_bytes(cfg)
     have = available_bytes(device)
     if have is not None and need > have:
+        largest = model_sizes(cfg.model)[2]
         raise ConfigError(
             f"this model has about {params:,.3g} parameters and training it takes at least "
             f"{need / 2**30:,.3g} GiB (weights, gradients, optimizer state and activations at "
             f"batch {cfg.train.batch_size}), but this {device.type} has {have / 2**30:,.1f} GiB "
-            "free; make model.n_layer, model.n_embd, model.block_size or train.batch_size "
-            "smaller (python train.py --budget TIME picks a size that fits)")
+            "free; " + (f"its largest tensor is {largest}: make the field that sizes it, or "
+                        if largest else "make ")
+            + "model.n_layer, model.n_embd, model.block_size or train.batch_size smaller "
+            "(python train.py --budget TIME picks a size that fits)")
 
 
 def heads_for(n_embd: int) -> int:

@@ -28,7 +28,6 @@ from common.schema import Field, config_problems, count, first_problems
 from common.shell import word
 from engine.hf_files import MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, refuse_too_large
 from engine.optim import PARAM_STATE
-from model.layers import block_weights
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
@@ -437,19 +436,18 @@ def run_config_json(ckpt: Path) -> dict:
     return data
 
 
-def model_weights(cfg) -> int:
-    """About how many weights a model of ModelConfig `cfg` holds, from the config alone:
-    its blocks, positions, token embedding and (untied) output layer."""
-    return (cfg.n_layer * block_weights(cfg) + cfg.block_size * cfg.n_embd
-            + (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.n_embd)
-
-
 def refuse_too_large_model(cfg, path: Path) -> None:
     """The one size check before a model is built from a config read from a file (a
     run's or a transformers folder's): refused, naming `path`, when loading it would
-    take more memory than this machine has free."""
-    from engine.budget import available_bytes
-    refuse_too_large(model_weights(cfg), path, available_bytes(torch.device("cpu")))
+    take more memory than this machine has free. The sizes are the built model's
+    (engine.budget.model_sizes), so no field that sizes a tensor is left out."""
+    from engine.budget import available_bytes, model_sizes
+    from model import ModelError
+    try:
+        params, buffers, largest = model_sizes(cfg)
+    except ModelError as err:
+        raise CheckpointError(f"{path}: {err}") from None
+    refuse_too_large(params, path, available_bytes(torch.device("cpu")), buffers, largest)
 
 
 def readable_state(ckpt: Path) -> dict:

@@ -109,17 +109,22 @@ def checked_config(config: dict, schema: dict[str, Field], path: Path) -> dict:
     return config
 
 
-def refuse_too_large(params: int, path: Path, memory: int | None) -> None:
+def refuse_too_large(params: int, path: Path, memory: int | None, buffers: int = 0,
+                     largest: str = "") -> None:
     """Before anything is allocated: a model of `params` parameters is mapped and used
     as float32, 4 bytes a parameter, with room for a file of another precision converted
     beside its mapping and the tensors the mapping rebuilds: 8 bytes a parameter at
-    most. Refuse it when that is more than the `memory` free (None: unknown, then 64 GiB)."""
-    need, have = 8 * params, memory if memory is not None else 64 << 30
+    most, and 4 for each number of its `buffers` (computed, not read). Refuse it when
+    that is more than the `memory` free (None: unknown, then 64 GiB); `largest` names
+    its largest tensor, in words."""
+    need, have = 8 * params + 4 * buffers, memory if memory is not None else 64 << 30
     if need > have:
         raise CheckpointError(
-            f"{path} describes a model of about {params:,.3g} parameters, which takes "
-            f"{need / 2**30:,.3g} GiB to load, and {have / 2**30:,.1f} GiB is free; it is "
-            "too large for this machine (or its config.json is wrong)")
+            f"{path} describes a model of about {params:,.3g} parameters"
+            + (f" and {buffers:,.3g} buffer numbers" if 4 * buffers > have / 8 else "")
+            + f", which takes {need / 2**30:,.3g} GiB to load, and {have / 2**30:,.1f} GiB is "
+            "free; it is too large for this machine (or its config.json is wrong"
+            + (f": its largest tensor is {largest}" if largest else "") + ")")
 
 
 # -- the safetensors files ----------------------------------------------------------

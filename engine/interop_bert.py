@@ -38,10 +38,10 @@ from engine.interop import (ARCHITECTURES, BPE_FLAG, Architecture, ExportError, 
                             _needs, _refuse_unless, _with_mlp_width,
                             refuse_ids_past_vocab)
 from engine.hf_files import (FETCH_AGAIN, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB,
-                             MAX_WIDTH, TOKENIZER_LIMIT, Field, count, read_folder_bytes,
-                             refuse_too_large)
+                             MAX_WIDTH, TOKENIZER_LIMIT, Field, count, read_folder_bytes)
+from engine.checkpoint import refuse_too_large_model
 from model import GPT, ModelConfig, ModelError
-from model.layers import BLOCKS, MLPS, block_weights
+from model.layers import BLOCKS, MLPS
 from model.readout import READOUTS
 
 # The one LayerNorm epsilon DistilBERT uses everywhere (it is not in its config).
@@ -320,19 +320,16 @@ def _load(family_name: str, arch: Architecture):
 def _checked_config(arch: Architecture, config: dict, config_path: Path) -> ModelConfig:
     """The ModelConfig that config.json describes, refused (naming the file) when it is
     broken or larger than this machine's memory, before anything is read or built."""
-    from engine.budget import available_bytes
     try:
         cfg = arch.from_hf_config(config)
     except (KeyError, TypeError, ValueError, ModelError, CheckpointError) as err:
         raise CheckpointError(f"{config_path}: {err}") from None
-    # The size the config describes, refused before anything is read or built (its
-    # message names the file).
-    refuse_too_large(cfg.n_layer * block_weights(cfg) + cfg.block_size * cfg.n_embd
-                     + 2 * cfg.vocab_size * cfg.n_embd, config_path,
-                     available_bytes(torch.device("cpu")))
+    # The size the config describes, counted on the model built on the meta device
+    # (every size and variant checked, no memory), refused before anything is read or
+    # built; its message names the file.
     try:
-        GPT.skeleton(cfg)                 # every size and variant checked, no memory
-    except (KeyError, TypeError, ValueError, ModelError, CheckpointError) as err:
+        refuse_too_large_model(cfg, config_path)
+    except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{config_path}: {err}") from None
     return cfg
 

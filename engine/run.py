@@ -90,6 +90,7 @@ def _build_model(cfg: RunConfig, data: TokenData, device: torch.device, log,
         counts = torch.from_numpy(data.train.counts(cfg.model.vocab_size))
         fit_readout(cfg.model, counts, log)
         cfg.validate()                        # the shortlist against the vocabulary
+    refuse_what_cannot_fit(cfg, device)       # again, now that the vocabulary is known
     model = GPT(cfg.model)
     if counts is not None:
         model.adaptive.set_frequencies(counts)

@@ -108,7 +108,8 @@ class ModelConfig:
         for f in fields(self):
             if f.name in ("vocab_size", "n_kv_head", "sliding_window", "n_global",
                           "rope_original_context", "readout_shortlist", "position_offset",
-                          "n_token_types", "mlp_hidden", "token_mix") and getattr(self, f.name) < 0:
+                          "n_token_types", "mlp_hidden", "token_mix", "mla_kv_rank",
+                          "mla_rope_dim") and getattr(self, f.name) < 0:
                 raise ModelError(f"model.{f.name} must not be negative, got {getattr(self, f.name)} "
                                  f"(model.{f.name}: {f.metadata['help']})")
         if self.token_mix > self.block_size:

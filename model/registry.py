@@ -190,6 +190,14 @@ def check_mechanisms(config: ModelConfig) -> None:
             raise ModelError(f"model.mechanism={name} rebuilds its values from what it caches, "
                              "with no place for a per-token value vector: set "
                              "model.value_embeds=false with it")
+        if config.value_embeds and m.takes_value_embed and not m.takes_kv_heads \
+                and config.kv_heads != config.n_head:
+            # The value table is sized for the shared key/value heads; this layer keeps a
+            # value for every query head, so the two widths cannot both be met.
+            raise ModelError(f"model.mechanism={name} keeps a value for each of the "
+                             f"model.n_head={config.n_head} heads, and model.value_embeds' "
+                             f"table is sized for model.n_kv_head={config.n_kv_head} shared "
+                             "heads: set model.n_kv_head=0 or model.value_embeds=false")
         if not m.follows_mask and (config.sliding_window or config.n_global or not config.causal):
             raise ModelError(f"model.mechanism={name} reads every earlier token, causally, and "
                              "no mask: leave model.sliding_window and model.n_global at 0 and "

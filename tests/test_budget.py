@@ -503,3 +503,53 @@ def test_a_budget_reads_the_text_in_passes_and_decays_over_the_run_unless_told_o
     # Without --budget: random windows as nanoGPT reads, the preset's decay over the last 60%.
     assert (cli.build("cpu", []).data.sampling, cli.build("cpu", []).train.decay_frac) == ("random", 0.6)
     assert cli.build("cpu", []).model.token_mix == 0
+
+
+# -- the memory bound: every field that sizes a tensor, counted on the built shapes --
+
+HUGE = 10 ** 11
+SIZING_FIELDS = [                    # (the field, what else it needs)
+    ("mla_kv_rank", ["--model.mechanism=mla"]),
+    ("mla_rope_dim", ["--model.mechanism=mla"]),
+    ("n_token_types", []),
+    ("position_offset", ["--model.position=learned"]),
+    ("mlp_hidden", []),
+]
+
+
+@pytest.mark.parametrize("field, needs", SIZING_FIELDS, ids=[f for f, _ in SIZING_FIELDS])
+def test_the_memory_bound_counts_every_field_that_sizes_a_tensor(field, needs, monkeypatch):
+    """A field the bound left out built a tensor of 10^11 rows and died of the allocation
+    with a traceback: the bound is the built model's own count, so each is refused."""
+    from engine import budget
+    monkeypatch.setattr(budget, "available_bytes", lambda device: 8 << 30)
+    cfg = cli.build("tiny", needs + [f"--model.{field}={HUGE}"])
+    with pytest.raises(ConfigError, match=r"GiB free; its largest tensor is \S+, [0-9, x]*[0-9]{3},[0-9]{3},[0-9]{3},[0-9]{3}"):
+        budget.refuse_what_cannot_fit(cfg, torch.device("cpu"))
+    small = cli.build("tiny", needs + [f"--model.{field}=4"])
+    budget.refuse_what_cannot_fit(small, torch.device("cpu"))        # a small one trains
+
+
+def test_the_counted_sizes_are_the_built_models_own():
+    """Against a model built for real, with every sizing field set: its parameters and
+    buffers, number for number (the vocabulary is the one a run sets from its data)."""
+    from engine.budget import model_sizes
+    from model import GPT
+    for extra in (["--model.mechanism=mla", "--model.mla_kv_rank=24", "--model.mla_rope_dim=6",
+                   "--model.mlp_hidden=40"],
+                  ["--model.position=learned", "--model.position_offset=5",
+                   "--model.n_token_types=3", "--model.value_embeds=true"]):
+        cfg = cli.build("tiny", extra).model
+        cfg.vocab_size = 65
+        real = GPT(cfg)
+        params, buffers, _ = model_sizes(cfg)
+        assert params == sum(p.numel() for p in real.parameters())
+        assert buffers == sum(b.numel() for b in real.buffers())
+
+
+def test_a_huge_field_on_the_command_line_is_one_error_line(corpus, tmp_path):
+    proc = run_script(*tiny_args(corpus, tmp_path, "huge", f"--model.mlp_hidden={HUGE}"),
+                      check=False, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(errors) == 1 and "mlp" in errors[0] and "GiB free" in errors[0]

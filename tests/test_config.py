@@ -50,6 +50,14 @@ def test_overrides_beat_presets_and_are_typed():
     (["--model.sliding_window=300", "--model.block_size=256"], "larger than the context"),
     (["--model.sliding_window=-1"], "must not be negative"),
     (["--model.mlp_hidden=-64"], "mlp_hidden must not be negative"),
+    (["--model.mechanism=mla", "--model.mla_rope_dim=-2"], "mla_rope_dim must not be negative"),
+    (["--model.mechanism=mla", "--model.mla_kv_rank=-8"], "mla_kv_rank must not be negative"),
+    # A layer that keeps a value per query head beside a value table sized for shared heads.
+    (["--model.mechanism=linear,mha", "--model.n_head=4", "--model.n_kv_head=2",
+      "--model.value_embeds=true"], r"model.n_kv_head=2 shared heads: set model.n_kv_head=0 or "
+     r"model.value_embeds=false"),
+    (["--model.mechanism=mha,deltanet", "--model.n_head=4", "--model.n_kv_head=1",
+      "--model.value_embeds=true"], r"model.mechanism=deltanet keeps a value for each"),
     # A value of the wrong kind or sign says what the option takes (its help).
     (["--model.token_mix=abc"], r"must be an integer, got 'abc' \(model.token_mix: before attention.*0 = off\)$"),
     (["--model.token_mix=-1"], r"must not be negative, got -1 \(model.token_mix: before attention.*0 = off\)$"),

@@ -830,3 +830,24 @@ def test_list_names_every_exercise_in_order_with_its_file(capsys):
     lines = [l for l in capsys.readouterr().out.splitlines() if l[:3].strip().isdigit()]
     assert [l.split()[1] for l in lines] == [ex.name for ex in EXERCISES]
     assert all(ex.filename in l and ex.section in l for ex, l in zip(EXERCISES, lines))
+
+
+def test_an_exercise_file_too_large_to_be_one_is_refused_by_its_size_unread(tmp_path, monkeypatch):
+    """The checker read the whole file to see whether it was blank: a 12 GB sparse file
+    ended it with a MemoryError traceback. A file past FILE_LIMIT is refused by its size
+    in one error line, before a byte is read (a sparse 64 MB file here: the same path)."""
+    from attnlab.exercises import learner
+    mine = tmp_path / "mine"
+    start(mine)
+    os.truncate(mine / "02_causal_mask.py", 64 << 20)                # sparse: no disk used
+    read = []
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda p: read.append(p.name) or real(p))
+    with pytest.raises(learner.ExerciseError, match=r"02_causal_mask.py is 67,108,864 bytes, more "
+                       r"than the 1,048,576 an exercise file may be; move it away"):
+        check(BY_NAME["causal_mask"], mine)
+    assert "02_causal_mask.py" not in read
+    proc = run_script("-m", "attnlab.exercises", "check", mine, check=False, timeout=200)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr
+    assert "02_causal_mask.py is 67,108,864 bytes" in errors[0]

@@ -319,3 +319,37 @@ def test_each_checkpoint_refusal_names_the_file_it_is_about(tiny_run, tmp_path, 
         cfg, run_dir, ckpt = resume_config(str(copy), str(copy.parent), {})
         setup_run(cfg, run_dir=run_dir, resume=ckpt, log=lambda *a: None)
     assert str(copy / "checkpoints" / "step_0000010" / name) in str(err.value), str(err.value)
+
+
+def test_a_config_edited_to_a_huge_field_outside_the_old_list_is_refused_naming_it(tiny_run, tmp_path):
+    """mlp_hidden (like mla_kv_rank, n_token_types, position_offset) was left out of the
+    size check, and loading built a 10^11-row matrix: a RuntimeError traceback."""
+    from engine.inference import load_run
+    copy = edited(tiny_run, tmp_path, **{"config.json": lambda c: {
+        **c, "model": {**c["model"], "mlp_hidden": 10 ** 11}}})
+    with pytest.raises(AttnlabError) as err:
+        load_run(copy)
+    assert "too large for this machine" in str(err.value) and "config.json" in str(err.value)
+    assert "mlp" in str(err.value)
+
+
+@pytest.mark.parametrize("entry", [["sample.py", "--max_new_tokens=5", "--run"],
+                                   ["-m", "attnlab.heads", "grid", "--text", "KING", "--run"]])
+def test_a_tokenizer_whose_normalizer_panics_the_library_is_one_error_line(tiny_run, tmp_path, entry):
+    """The run's characters in export's tokenizer.json form, cut by the byte-level
+    pre-tokenizer after a Replace normalizer of an empty pattern: the Rust library
+    panicked as the tokenizer was first used (a PanicException traceback). The file is
+    refused before the library builds it."""
+    from data.tokenizer import CharTokenizer
+    from engine.interop import hf_tokenizer
+    own = json.loads((tiny_run / "checkpoints" / "step_0000010" / "tokenizer.json").read_text())
+    form = json.loads(hf_tokenizer(CharTokenizer(own["chars"])).backend_tokenizer.to_str())
+    form["normalizer"] = {"type": "Replace", "pattern": {"Regex": ""}, "content": "x"}
+    form["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                             "use_regex": True}
+    copy = edited(tiny_run, tmp_path, **{"tokenizer.json": json.dumps(form)})
+    proc = run_script(*entry, copy, check=False, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(errors) == 1 and "tokenizer.json" in errors[0] and "Replace" in errors[0]
+    assert "panicked" not in proc.stderr

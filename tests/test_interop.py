@@ -362,7 +362,8 @@ def test_a_foreign_tokenizer_without_an_unknown_token_names_the_characters_it_la
         with pytest.raises(TokenizerError, match="no token for 'what'; remove them"):
             call("to be or what")
     single = Backend(models.WordLevel({c: i for i, c in enumerate("abc ")}, unk_token=None))
-    single.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # (a Split by any other regular expression is refused before it is built)
+    single.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok = Tokenizer.parse(single.to_str())
     assert tok.kind == "bpe"                     # no decoder that joins characters: not ours
     with pytest.raises(TokenizerError, match="no token for 'Z', 'é'; remove them"):

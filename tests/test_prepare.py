@@ -535,3 +535,82 @@ def test_the_encoding_workers_leave_ctrl_c_to_the_parent():
     import signal
     with multiprocessing.get_context("spawn").Pool(1, initializer=prep._worker_start) as pool:
         assert pool.apply(signal.getsignal, (signal.SIGINT,)) == signal.SIG_IGN
+
+
+# -- unbounded work: a line with no spaces, a Ctrl-C in the library, one character ----
+
+LONGEST_RUN = 1000                 # the bound on a run BPE sees: data.tokenizer.LONGEST_RUN
+
+
+def test_bpe_never_learns_from_a_run_longer_than_its_bound():
+    """BPE learns within pre-tokens, at a cost that grows with the square of one's
+    length: a line of 500K letters took 83 s (and of 2M, hours). Runs past LONGEST_RUN
+    are cut before the trainer sees them, so no token is longer than that (and the space
+    a word takes before it), the cost is linear in the text, and encoding cuts them the
+    same way."""
+    line = "ab" * 6000 + " " * 2500 + "x" * 1500           # runs of 12,000, 2,500 and 1,500
+    tok = BPETokenizer.train([line], 400)
+    longest = max(len(token) for token in tok.hf.get_vocab())
+    assert longest <= LONGEST_RUN + 1, longest
+    from data import tokenizer
+    from data.tokenizer import LONG_RUN, bounded_runs
+    assert tokenizer.LONGEST_RUN == LONGEST_RUN
+    pieces = bounded_runs(line)
+    assert "".join(pieces) == line and not any(LONG_RUN.search(p) for p in pieces)
+    text = "the cat sat " + line + " on a mat"
+    assert tok.encode_array(text).tolist() == tok.encode(text)
+    spans = tok.spans(text)
+    assert "".join(text[a:b] for a, b in spans) == text and len(spans) == len(tok.encode(text))
+    prose = "\n".join(documents(50))
+    assert bounded_runs(prose) == [prose]                   # prose is handed over untouched
+
+
+def test_a_one_character_corpus_prepares_a_tokenizer_train_py_reads(tmp_path):
+    """A file of one letter repeated made BPE learn tokens as long as the line (at 2M
+    letters, a tokenizer.json past the size its vocabulary allows, which train.py then
+    refused). Its runs are now cut, and the folder loads as train.py loads it."""
+    (tmp_path / "a.txt").write_text("a" * 20_000 + "\n")
+    quiet(SourceSpec(str(tmp_path / "a.txt")), tmp_path / "out", "bpe", 300)
+    data = open_prepared(tmp_path / "out")
+    longest = max(len(token) for token in data.tokenizer.hf.get_vocab())
+    assert longest <= LONGEST_RUN + 1, longest
+
+
+def test_a_tokenizer_too_large_for_its_vocabulary_is_refused_at_prepare_time(tmp_path, monkeypatch):
+    """The safety net behind the cut: whatever makes a learned tokenizer.json larger
+    than the limit train.py reads it under is said by prepare, in one line, before a
+    shard is written."""
+    (tmp_path / "a.txt").write_text("\n".join(documents(50)))
+    monkeypatch.setattr(prep, "tokenizer_limit", lambda vocab_size: 1000)
+    with pytest.raises(DataError, match=r"the bpe tokenizer learned from .*a.txt takes [0-9,]+ "
+                                        r"bytes, more than the 1,000 a tokenizer of"):
+        quiet(SourceSpec(str(tmp_path / "a.txt")), tmp_path / "out", "bpe", 300)
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+
+
+def test_ctrl_c_while_bpe_learns_is_honoured_at_once(tmp_path):
+    """The Rust trainer does not return to Python until it is done, so a Ctrl-C waited
+    for the end (78 s on a 500K-letter line). Training runs in a thread of its own and
+    the main thread takes the signal. The corpus here would take the old code hours, so
+    a wait to the end fails the test rather than passing slowly."""
+    import random
+    import signal
+    rng = random.Random(0)
+    (tmp_path / "long.txt").write_text("".join(rng.choice("abcdefgh") for _ in range(3_000_000)))
+    proc = subprocess.Popen([sys.executable, "-m", "data.prepare", str(tmp_path / "long.txt"),
+                             "--out", str(tmp_path / "out"), "--num-proc", "1"],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    seen = ""
+    while "bpe tokenizer" not in seen:                       # the trainer is starting
+        seen += proc.stderr.read(1)
+        assert seen or proc.poll() is None
+    time.sleep(2)                  # into the Rust library (not a timing the test relies on)
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("Ctrl-C waited for the tokenizer to finish learning")
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == prepare_cli.INTERRUPTED

@@ -611,3 +611,60 @@ def test_the_pages_first_prompt_is_a_speaker_as_the_bundled_plays_write_one():
     with gzip.open(ROOT / "data" / "shakespeare" / "plays.txt.gz", "rt", encoding="utf-8") as f:
         plays = f.read()
     assert prompt.endswith("\n") and plays.count("\n\n" + prompt) > 100
+
+
+def test_a_tokenizer_that_panics_leaves_the_model_thread_serving(tiny_run):
+    """The Rust tokenizer's panic (a BaseException) ended the model thread: every request
+    after it waited for ever, and Ctrl-C did not stop the server. Now the prompt is
+    refused in one line and the next request is answered. (The tokenizer is built in
+    memory: a file with this normalizer is refused before it is built.)"""
+    from tokenizers import Regex, normalizers
+    from data.tokenizer import BPETokenizer
+    model, cfg, tokenizer, ckpt = load_run(tiny_run)
+    hostile = BPETokenizer.train(["First Citizen: speak, speak.\n" * 20], 300)
+    hostile.hf.normalizer = normalizers.Replace(Regex(""), "x")
+    answers = {}
+
+    def ask():
+        with TestClient(create_app(Service(model, cfg, hostile, str(ckpt))),
+                        base_url="http://127.0.0.1:8000") as c:
+            answers["generate"] = c.get("/api/generate", params={"prompt": "KING", "max_new_tokens": "3"})
+            answers["step"] = c.post("/api/step", json={"ids": [1, 2, 3], "index": 2,
+                                                        "settings": {"temperature": "0"}})
+    worker = threading.Thread(target=ask, daemon=True)
+    worker.start()
+    worker.join(timeout=300)              # only a broken server waits this long
+    assert "step" in answers, "the model thread stopped answering"
+    assert answers["generate"].status_code == 400
+    assert "tokenizers library" in answers["generate"].json()["error"]
+    assert answers["step"].status_code == 200 and answers["step"].json()["candidates"]
+
+
+def test_the_model_thread_outlives_any_base_exception():
+    """Whatever a library raises that is not an Exception reaches its caller as a
+    RuntimeError naming it, and the thread takes the next turn."""
+    import asyncio
+    from attnlab.serve import ModelThread
+
+    class PanicException(BaseException):
+        pass
+
+    def panics():
+        raise PanicException("index out of bounds")
+
+    def steps():
+        yield [1]
+        raise PanicException("in a stream")
+
+    async def main():
+        thread = ModelThread()
+        try:
+            with pytest.raises(RuntimeError, match="PanicException: index out of bounds"):
+                await asyncio.wait_for(thread.call(panics), 300)   # only a dead thread waits
+            stream = thread.stream(steps())
+            items = [await asyncio.wait_for(stream.queue.get(), 300) for _ in range(2)]
+            assert items[0] == [1] and isinstance(items[1], RuntimeError)
+            assert await asyncio.wait_for(thread.call(lambda: 42), 300) == 42
+        finally:
+            thread.close()
+    asyncio.run(main())

@@ -68,3 +68,85 @@ def test_a_mask_token_is_added_after_every_other_id_and_survives_saving():
         assert again.mask_id == masked.mask_id and again.encode("to be[MASK]or") == ids
     char = CharTokenizer.train(text).with_mask()
     assert char.spans("a[MASK]b".replace("a", "t").replace("b", "o")) == [(0, 1), (1, 7), (7, 8)]
+
+
+# -- a hostile tokenizer.json: held to what this project writes before it is built ----
+
+def hf_form(**parts) -> dict:
+    """A byte-level BPE tokenizer.json as this project writes it, `parts` replaced."""
+    import json
+    return {**json.loads(BPETokenizer.train([TEXT], 300).to_json()), **parts}
+
+
+PANICS = {"type": "Replace", "pattern": {"Regex": ""}, "content": "x"}   # the library panics
+HOSTILE = {
+    "a normalizer with a regular expression": (dict(normalizer=PANICS), "normalizer of type 'Replace'"),
+    "a normalizer Sequence hiding one": (dict(normalizer={"type": "Sequence", "normalizers": [
+        {"type": "NFC"}, PANICS]}), "normalizer of type 'Replace'"),
+    "a padding of 50M tokens": (dict(padding={"strategy": {"Fixed": 50_000_000}, "direction": "Right",
+                                              "pad_to_multiple_of": None, "pad_id": 0,
+                                              "pad_type_id": 0, "pad_token": "<|endoftext|>"}),
+                                "pads to a length"),
+    "a padding of 1e9 tokens": (dict(padding={"strategy": {"Fixed": 10 ** 9}, "direction": "Right",
+                                              "pad_to_multiple_of": None, "pad_id": 0,
+                                              "pad_type_id": 0, "pad_token": "<|endoftext|>"}),
+                                "pads to a length"),
+    "a truncation past any context": (dict(truncation={"max_length": 10 ** 12, "strategy": "LongestFirst",
+                                                       "stride": 0, "direction": "Right"}),
+                                      "truncates to a length"),
+    "a Split by a regular expression": (dict(pre_tokenizer={"type": "Split", "pattern": {"Regex": "(a*)*b"},
+                                                            "behavior": "Isolated", "invert": False}),
+                                        "Split pre-tokenizer with a regular expression"),
+    "a decoder of another kind": (dict(decoder={"type": "Replace", "pattern": {"String": "a"},
+                                                "content": "b"}), "decoder of type 'Replace'"),
+    "BPE dropout": (dict(model={**hf_form()["model"], "dropout": 0.5}), "BPE dropout"),
+    "a field no tokenizer has": (dict(extra=1), "the field 'extra'"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_a_hostile_tokenizer_file_is_refused_before_the_library_builds_it(name, tmp_path):
+    """A Replace normalizer with an empty pattern made the Rust library panic (a
+    PanicException traceback, a dead page thread); a fixed padding of 50M tokens took
+    5.6 GB on the first encode and 1e9 aborted the process: each is refused by what the
+    file says, in one error naming it, and nothing is built."""
+    import json
+    parts, says = HOSTILE[name]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(hf_form(**parts)))
+    with pytest.raises(TokenizerError) as err:
+        Tokenizer.load(tmp_path)
+    assert str(tmp_path / "tokenizer.json") in str(err.value) and says in str(err.value)
+
+
+def test_the_forms_this_project_writes_and_reads_pass_the_check(tmp_path):
+    """Its own BPE and character forms, export's, and the BERT family's WordPiece (with
+    its 128-token padding and truncation) are all built as before."""
+    import json
+    from conftest import wordpiece_tokenizer
+    from data.tokenizer import WordPieceTokenizer, structure_problem
+    from engine.interop import hf_tokenizer
+    bpe, char = BPETokenizer.train([TEXT], 300), CharTokenizer.train(TEXT)
+    for tok in (bpe, char):
+        hf_tokenizer(tok).save_pretrained(tmp_path / tok.kind)
+        again = Tokenizer.load(tmp_path / tok.kind)
+        assert type(again) is type(tok) and again.encode(TEXT[:100]) == tok.encode(TEXT[:100])
+    wordpiece = json.loads(wordpiece_tokenizer().to_str())
+    wordpiece["padding"] = {"strategy": {"Fixed": 128}, "direction": "Right", "pad_to_multiple_of": None,
+                            "pad_id": 0, "pad_type_id": 0, "pad_token": "[PAD]"}
+    wordpiece["truncation"] = {"max_length": 128, "strategy": "LongestFirst", "stride": 0,
+                               "direction": "Right"}
+    assert structure_problem(wordpiece) is None
+    assert WordPieceTokenizer.from_json(json.dumps(wordpiece)).encode("the cat sat") == [2, 5, 6, 7, 3]
+
+
+def test_a_panic_in_the_library_is_a_tokenizer_error():
+    """A tokenizer built in memory (no file to check) whose normalizer panics: pyo3
+    raises the panic as a BaseException, which `except Exception` let through; every
+    call that encodes says so as a TokenizerError instead."""
+    from tokenizers import Regex, normalizers
+    tok = BPETokenizer.train([TEXT], 300)
+    tok.hf.normalizer = normalizers.Replace(Regex(""), "x")
+    for call in (tok.encode, tok.encode_array, tok.spans):
+        with pytest.raises(TokenizerError, match="failed inside the tokenizers library"):
+            call("Speak, speak.")
+    assert tok.decode([70, 71]) == BPETokenizer.train([TEXT], 300).decode([70, 71])

@@ -47,12 +47,31 @@ def start(folder: Path) -> tuple[list[str], list[str]]:
     return copied, kept
 
 
+# Bytes an exercise file may hold: a solution is a few KB, and the file is read whole
+# (a sparse file of 12 GB took the checker down with a MemoryError).
+FILE_LIMIT = 1 << 20
+
+
+def refuse_a_huge_file(path: Path) -> None:
+    """ExerciseError when the plain file at `path` holds more than FILE_LIMIT bytes;
+    told by its size, before a byte is read."""
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        return                                  # missing or unreadable: said elsewhere
+    if size > FILE_LIMIT:
+        raise ExerciseError(f"{path} is {size:,} bytes, more than the {FILE_LIMIT:,} an exercise "
+                            "file may be; move it away, then python -m attnlab.exercises start "
+                            f"{word(path.parent)} puts the stub back")
+
+
 def load(ex: Exercise, folder: Path):
     """The learner's function for `ex` from `folder`, or None when its file is missing.
     Raises LearnerCodeError when the file cannot be imported."""
     path = folder / ex.filename
     if not path.is_file():
         return None
+    refuse_a_huge_file(path)
     spec = importlib.util.spec_from_file_location(f"my_attention_{ex.number:02d}_{ex.name}", path)
     module = importlib.util.module_from_spec(spec)
     saved, sys.dont_write_bytecode = sys.dont_write_bytecode, True   # no __pycache__ in their folder
@@ -90,6 +109,7 @@ def check(ex: Exercise, folder: Path) -> Result:
     refused = not_a_file(ex, folder)
     if refused is not None:
         return refused
+    refuse_a_huge_file(path)
     if path.is_file() and not path.read_bytes().strip():
         return Result(ex, "empty", f"{ex.filename} is empty; write {ex.function} in it, or "
                       f"delete it and run python -m attnlab.exercises start {word(folder)} to get "
