@@ -112,13 +112,6 @@ class NoMLP(nn.Module):
         return torch.zeros_like(x)
 
 
-def block_weights(config: ModelConfig) -> int:
-    """About how many weights one block holds (attention's four n_embd x n_embd
-    matrices and the MLP's), counted from the config alone: nothing is built."""
-    mlp = MLPS[config.mlp]
-    return 4 * config.n_embd ** 2 + mlp.matrices * config.n_embd * mlp.width(config)
-
-
 MLPS = {"gelu": GeluMLP, "gelu_tanh": GeluTanhMLP, "swiglu": SwiGLU, "relu2": ReluSquaredMLP,
         "none": NoMLP}
 
