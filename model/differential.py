@@ -35,7 +35,13 @@ def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., d_k) -> two (..., d_k/2): the even and the odd rotation pairs. RoPE turns
     dimension i with i + d_k/2 ("rotate half"), so each half takes whole pairs, laid out
     rotate-half again; half 1's frequencies are exactly those of RoPE at d_k/2, half 2's
-    lie between them, and both maps see near and far offsets alike."""
+    lie between them, and both maps see near and far offsets alike.
+
+    The paper's code turns each half by a RoPE of its own at d_k/2, so its two maps turn
+    at the same frequencies. Here q and k are turned once, by the model's RoPE at d_k, in
+    the prologue every mechanism shares: the cache then holds keys turned as every other
+    layer's are, and a streaming cache renumbers them with the model's one shift. The
+    price is maps at interleaved frequencies (tests/test_mechanisms.py pins which)."""
     pairs = x.unflatten(-1, (2, x.shape[-1] // 4, 2))       # (..., rotate half, pair j, parity)
     return pairs[..., 0].flatten(-2), pairs[..., 1].flatten(-2)
 

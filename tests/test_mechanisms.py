@@ -586,3 +586,20 @@ def test_every_fact_of_an_entry_and_of_its_cache_is_documented_where_the_others_
     assert "Cache(what, per_token, fixed)" in page and "keys_and_values" in page
     for f in fields(Cache):
         assert f"`{f.name}" in page, f.name
+
+
+def test_differential_halves_turn_at_the_even_and_the_odd_frequencies_of_the_models_rope():
+    """What model/differential.py's halves says: turned once by the model's RoPE at d_k, half
+    1 turns at RoPE(d_k/2)'s frequencies (the model's even ones), half 2 at the odd ones
+    between them; the paper's code gives both halves the even ones."""
+    from model.differential import halves
+    config = tiny(n_embd=32, n_head=2)                       # d_k = 16: 8 pairs, 4 per half
+    rope = POSITION_ENCODINGS["rope"](config)
+    D, T = 16, 6
+    x = torch.zeros(1, 1, T, D, dtype=torch.float64)
+    x[..., : D // 2] = 1.0                                   # every pair starts at angle 0
+    turned = rope.rotate(x, 0)
+    for half, expected in zip(halves(turned), (rope.inv_freq[0::2], rope.inv_freq[1::2])):
+        first, second = half[..., : D // 4], half[..., D // 4:]
+        angle = torch.atan2(second, first)[0, 0]                 # (T, D/4): pair j at position p
+        assert torch.allclose(angle[1], expected.double(), atol=1e-6)
