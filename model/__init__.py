@@ -5,8 +5,8 @@ the blocks, the output layer), layers.py (the block: norms, the MLP, attention a
 residual), attention.py (the mask rule, the formula, its backends and multi-head
 attention) and positions.py (RoPE and the other encodings); config.py holds the fields.
 Around them: mechanisms.py (what a layer's attention computes, each entry with its facts:
-differential.py, sigmoid_attention.py, linear_attention.py, deltanet.py,
-latent_attention.py), extras.py (parts a config adds), readout.py (other output layers),
+differential.py, sigmoid_attention.py, gated_attention.py, sink_attention.py,
+linear_attention.py, deltanet.py, latent_attention.py), extras.py (parts a config adds), readout.py (other output layers),
 rope_scaling.py (RoPE past its context), flex.py (FlexAttention), decode.py and cache.py
 (generation and its caches), sampling.py (logits to tokens), seq2seq.py (an
 encoder-decoder, through cross-attention), meta.py (building without values);

@@ -2,8 +2,9 @@
 
     Attention(Q, K, V) = softmax(Q·Kᵀ / √d_k + mask) · V
 
-`eager_attention` below writes it out one line per idea; it is the only place the
-formula is written. The other backends compute the same thing faster and share its
+`eager_attention` below writes it out one line per idea; it is the only place this
+formula is written (a mechanism that changes it writes its own change beside its
+paper: model/mechanisms.py). The other backends compute the same thing faster and share its
 signature, `backend(q, k, v, mask, dropout_p, need_weights) -> (out, weights | None)`:
 
 * `sdpa` is torch's F.scaled_dot_product_attention (FlashAttention on supported GPUs,
@@ -15,7 +16,8 @@ signature, `backend(q, k, v, mask, dropout_p, need_weights) -> (out, weights | N
 * `auto`, the default, is sdpa here; a run's engine picks, once, the entry that pays on
   its machine (engine/machine.py: on a CPU that computes bf16 natively, `eager` itself,
   this file's formula in bf16) and sets it on every layer through `use_backend`, and
-  its `device:` line names the entry. No other copy of the formula runs anywhere.
+  its `device:` line names the entry. No copy of this formula runs outside this file;
+  a mechanism that changes the formula writes its own (model/sink_attention.py).
 
 The mask rule they all follow is written once below (`rule`), and `Mask` is one pass's use of it. Each backend is registered with
 the facts other code asks about it (can it return weights, does it need a window).
@@ -394,7 +396,9 @@ class MultiHeadAttention(nn.Module):
     def attend(self, q, k, v, mask: Mask, need_weights: bool = False):
         """softmax(Q·Kᵀ/√d_k)·V through the backend (only eager forms the weights, the
         fused kernels never materialise them). A mechanism that changes the formula
-        overrides this, and only this."""
+        overrides this (model/sigmoid_attention.py); one that changes what is done with
+        its output overrides forward and calls project and attend
+        (model/gated_attention.py)."""
         dropout_p = self.dropout if self.training else 0.0
         return (eager_attention if need_weights else self.kernel)(q, k, v, mask, dropout_p, need_weights)
 

@@ -8,6 +8,7 @@ folder: its error type is its own, and its fields carry their help text in plain
 dataclass metadata (the same keys as common/fields.py writes)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 
@@ -101,6 +102,13 @@ class ModelConfig:
     def validate(self) -> None:
         """Refuse impossible sizes before any work, saying why. Variant names and what
         each variant needs are checked by model.registry.check, which knows them."""
+        for f in fields(self):               # the Python API meets no command-line parser
+            value = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ModelError(f"model.{f.name} must be a whole number, got {value!r}")
+            if f.type == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise ModelError(f"model.{f.name} must be a finite number, got {value!r}")
         for name in ("block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -4,7 +4,7 @@ A *backend* (model/attention.py: eager, sdpa, banded, flex) computes the same
 softmax(Q·Kᵀ/√d_k)·V faster and is tested equal to the formula. A *mechanism* changes
 the formula itself: plain multi-head attention (with grouped-query and multi-query as
 its n_kv_head < n_head forms), differential attention, and the linear, delta-rule and
-latent answers to attention's cost, and sigmoid attention. One config field, model.mechanism, names one, or a
+latent answers to attention's cost, and sigmoid, gated and sink attention. One config field, model.mechanism, names one, or a
 comma-separated pattern cycled over the layers (a hybrid: `linear,linear,linear,mha`).
 
 Each entry carries the facts the rest of the project asks about it, so a new mechanism

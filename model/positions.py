@@ -3,7 +3,7 @@
 Attention by itself is permutation-equivariant: shuffle the input tokens and the
 outputs shuffle the same way (tests/test_attention.py,
 test_without_positions_attention_is_permutation_equivariant, proves it). Every
-encoding here is one of two hooks, so the attention code has no branches:
+encoding here is one of three hooks, so the attention code has no branches:
 
 * `embed(x, start)` adds a vector per absolute position to the token embeddings
   (sinusoidal, learned), as in "Attention Is All You Need" (arXiv:1706.03762);

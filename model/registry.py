@@ -183,9 +183,9 @@ def check_mechanisms(config: ModelConfig) -> None:
             raise ModelError(f"model.mechanism={name} has no place for model.position="
                              f"{config.position}'s per-head score bias; use one of {others}")
         if config.qk_norm and not m.takes_qk_norm:
-            raise ModelError(f"model.mechanism={name} has no softmax scores for model.qk_norm to "
-                             "bound (it forms its queries and keys its own way): set "
-                             "model.qk_norm=false with it")
+            raise ModelError(f"model.mechanism={name} does not scale its queries and keys by "
+                             "model.qk_norm (its entry says takes_qk_norm=False: it forms or "
+                             "bounds them its own way): set model.qk_norm=false with it")
         if config.value_embeds and not m.takes_value_embed:
             raise ModelError(f"model.mechanism={name} rebuilds its values from what it caches, "
                              "with no place for a per-token value vector: set "

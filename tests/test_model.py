@@ -528,3 +528,14 @@ def test_the_forward_pass_computes_what_it_did_before_its_switches_became_module
     x, y = torch.randint(0, 60, (2, 16)), torch.randint(0, 60, (2, 16))
     assert model(x, y).loss.item() == pytest.approx(loss, rel=1e-5)
     assert model(x).logits.double().sum().item() == pytest.approx(logit_sum, rel=1e-4, abs=1e-3)
+
+
+@pytest.mark.parametrize("field,value", [("vocab_size", 1.5), ("n_kv_head", 1.0), ("sliding_window", 2.5),
+                                         ("n_layer", True), ("dropout", "0.1"),
+                                         ("logit_softcap", float("nan")), ("rope_theta", float("inf"))])
+def test_the_python_api_refuses_a_value_of_the_wrong_kind_in_one_line(field, value):
+    """A config made in Python meets no command-line parser: a float where a count belongs
+    gave a torch traceback from nn.Embedding, and nan or inf ran to a nan loss."""
+    from model.config import ModelError
+    with pytest.raises(ModelError, match=f"model.{field} must be a"):
+        GPT(ModelConfig(**{"vocab_size": 5, field: value}))
