@@ -19,14 +19,23 @@ head's key is [k_C; k_rope], each head's query [q_C; RoPE(q_R)], and the scores 
 divided by √(d_h + d_R), the length of the dot product. The cache holds c_kv and k_rope:
 (r + d_R) numbers per token and layer (its entry's Cache in model/mechanisms.py).
 
+Decoding never rebuilds the cache's keys and values (section 2.1.2). For head h,
+q_C·k_Cᵀ = q_C·(c_kv·W_UK,h)ᵀ = (q_C·W_UK,hᵀ)·c_kvᵀ, and the weighted sum of values is
+Σ_j w_j·c_kv,j·W_UV,h = (w·c_kv)·W_UV,h: W_UK is folded into the query and W_UV into
+the output, so a step reads the r + d_R cached numbers per token and nothing larger
+(`absorbed`). A whole sequence still rebuilds k_C and v once (`up_projected`); `absorbs`
+counts which of the two is less work.
+
 The queries here are projected at full rank; the paper also compresses them, which
 saves activation memory in training and changes nothing in the cache."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from model.attention import eager_attention, sdpa_attention
 from model.config import ModelConfig, ModelError
@@ -120,16 +129,66 @@ class LatentAttention(nn.Module):
         H, D, R = self.n_head, self.head_dim, self.rope_dim
         q = self.w_q(x).view(B, T, H, D + R).transpose(1, 2)         # (B, H, T, D + R)
         q_c, q_r = q.split([D, R], dim=-1)
-        q = torch.cat([q_c, self.rope(q_r, mask.q_start)], dim=-1)
+        q_r = self.rope(q_r, mask.q_start)
         c_kv, k_rope = self.cache_entry(x, mask.q_start)
         if cache is not None:                # each kept once, as a (B, 1, T, ·) "head"
             c_kv, k_rope = (t.squeeze(1) for t in cache.update(
                 self.layer_idx, c_kv.unsqueeze(1), k_rope.unsqueeze(1)))
-        k, v = self.keys_values(LatentState(c_kv, k_rope))
-        # The article's formula, per head; eager when the weights are wanted. The scale is
-        # 1/√(d_h + d_R), the length of q and k, as the paper has it.
-        backend = eager_attention if need_weights else sdpa_attention
-        dropout_p = self.dropout if self.training else 0.0
-        y, weights = backend(q, k, v, mask, dropout_p, need_weights)  # (B, H, T, D)
+        state = LatentState(c_kv, k_rope)
+        attend = self.absorbed if self.absorbs(T, c_kv.shape[1]) else self.up_projected
+        y, weights = attend(q_c, q_r, state, mask, need_weights)      # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, H * D)                    # heads side by side
         return self.resid_dropout(self.w_o(y)), weights
+
+    def absorbs(self, q_len: int, k_len: int) -> bool:
+        """Whether the absorbed form is fewer multiplications for q_len queries over k_len
+        keys (per head, the shared rotary part costing both the same). Rebuilding k_C and
+        v costs k_len·r·d_h, and each score and output then reads d_h numbers; absorbing
+        folds each query and output through an r×d_h matrix, q_len·r·d_h, but each score
+        and output reads the r-wide latent instead. One query over a long cache: absorb.
+        A whole sequence (training, a prefill): with r > d_h its T² scores outweigh
+        rebuilding T keys, so it is up-projected, as the paper does for training."""
+        r, D = self.rank, self.head_dim
+        return q_len * k_len * (r - D) + q_len * r * D < k_len * r * D
+
+    def up_projected(self, q_c, q_r, state: LatentState, mask: Mask, need_weights: bool):
+        """Every head's keys and values rebuilt from the latents, then the article's
+        formula, per head; eager when the weights are wanted. The scale is 1/√(d_h + d_R),
+        the length of q and k, as the paper has it."""
+        q = torch.cat([q_c, q_r], dim=-1)                             # (B, H, Tq, D + R)
+        k, v = self.keys_values(state)
+        backend = eager_attention if need_weights else sdpa_attention
+        dropout_p = self.dropout if self.training else 0.0
+        return backend(q, k, v, mask, dropout_p, need_weights)
+
+    def absorbed(self, q_c, q_r, state: LatentState, mask: Mask, need_weights: bool):
+        """The same attention computed on the latents (arXiv:2405.04434, section 2.1.2):
+        W_UK folded into each query, W_UV applied after the weighted sum. Every head reads
+        the one latent and the one rotary key, so the heads are rows of one product:
+        the cache is read once a step, not once a head."""
+        B, H, Tq, D = q_c.shape
+        Tk = state.c_kv.shape[1]
+        w_uk, w_uv = self.w_ukv.weight.view(2, H, D, self.rank).unbind(0)   # (H, D, r) each
+        # Scaling the queries rather than the scores: the same 1/√(d_h + d_R), on H·(r + d_R)
+        # numbers instead of H·Tk.
+        scale = 1.0 / math.sqrt(D + self.rope_dim)
+        q_latent = (q_c @ w_uk) * scale                               # (B, H, Tq, r): q_C·W_UK
+        q_rope = q_r * scale
+        # q_C·k_Cᵀ + q_R·k_Rᵀ for every head at once. W_UK's bias, if any, would add q_C·b_K
+        # to every score of a row alike, which the softmax does not see: it is left out.
+        scores = torch.baddbmm(q_rope.reshape(B, H * Tq, -1) @ state.k_rope.transpose(1, 2),
+                               q_latent.reshape(B, H * Tq, -1), state.c_kv.transpose(1, 2))
+        scores = scores.view(B, H, Tq, Tk)
+        if not mask.sees_everything:
+            # Hidden keys get -inf: exp(-inf) = 0, no weight from the future or an empty slot.
+            scores = scores.masked_fill(~mask.dense, float("-inf"))
+        weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)),
+                                dim=-1).to(q_c.dtype)
+        dropped = F.dropout(weights, self.dropout if self.training else 0.0)
+        # (w·c_kv)·W_UV: the weighted sum of latents, then each head's value projection.
+        mixed = torch.bmm(dropped.view(B, H * Tq, Tk), state.c_kv).view(B, H, Tq, self.rank)
+        out = mixed @ w_uv.transpose(-2, -1)                          # (B, H, Tq, D)
+        if self.w_ukv.bias is not None:      # Σ_j w_j·b_V: b_V itself, unless dropout thinned w
+            b_v = self.w_ukv.bias.view(2, H, 1, D)[1]
+            out = out + dropped.sum(-1, keepdim=True) * b_v
+        return out, (weights if need_weights else None)
