@@ -4,12 +4,18 @@ The article's formula is untouched, softmax(Q·Kᵀ/√d)·V, per head; what cha
 decoder must keep for earlier tokens. Multi-head attention caches every head's key and
 value, 2·H·d_h numbers per token and layer. MLA caches one latent vector per token,
 
-    c_kv = x·W_DKV                      (r numbers, r = model.mla_kv_rank ≪ 2·H·d_h)
+    c_kv = RMSNorm(x·W_DKV)             (r numbers, r = model.mla_kv_rank ≪ 2·H·d_h)
 
 and rebuilds every head's key and value from it when they are read:
-k_C = c_kv·W_UK, v = c_kv·W_UV. A key rebuilt from c_kv cannot carry RoPE: a rotation
-depends on the key's position, so it would have to sit between W_UK and the query, and
-the up-projection could no longer be folded into the query's weights at inference time
+k_C = c_kv·W_UK, v = c_kv·W_UV. The norm is DeepSeek-V2's (section 3.1.2: "additional
+RMS Norm layers after the compressed latent vectors"; `kv_a_layernorm` in its code).
+Without it a key or value is x through two small random matrices, so it starts 0.02·√r
+times the size of multi-head attention's, and a small model learned no recall in the
+steps that taught multi-head attention (measured in docs/benchmarks.md).
+
+A key rebuilt from c_kv cannot carry RoPE: a rotation depends on the key's position, so
+it would have to sit between W_UK and the query, and the up-projection could no longer
+be folded into the query's weights at inference time
 (the paper's reason, section 2.1.3). So position travels in a separate, small key,
 
     k_rope = RoPE(x·W_KR)               (d_R numbers, shared by every head),
@@ -95,6 +101,7 @@ class LatentAttention(nn.Module):
                              f"model.mla_kv_rank not negative; got {self.rope_dim}, {self.rank}")
         self.w_q = nn.Linear(config.n_embd, H * (D + self.rope_dim), bias=config.bias)
         self.w_dkv = nn.Linear(config.n_embd, self.rank, bias=config.bias)    # W_DKV: down
+        self.kv_norm = nn.RMSNorm(self.rank, eps=config.norm_eps)          # the latent at unit RMS
         self.w_kr = nn.Linear(config.n_embd, self.rope_dim, bias=config.bias)  # W_KR
         self.w_ukv = nn.Linear(self.rank, 2 * H * D, bias=config.bias)       # W_UK, W_UV: up
         self.w_o = nn.Linear(H * D, config.n_embd, bias=config.bias)
@@ -103,9 +110,9 @@ class LatentAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def cache_entry(self, x, start):
-        """What a token leaves behind: its latent (B, T, r) and its shared key, turned
-        once, by its own position (B, T, d_R)."""
-        return self.w_dkv(x), self.rope(self.w_kr(x), start)
+        """What a token leaves behind: its latent, normalised (B, T, r), and its shared
+        key, turned once, by its own position (B, T, d_R)."""
+        return self.kv_norm(self.w_dkv(x)), self.rope(self.w_kr(x), start)
 
     def keys_values(self, state: LatentState):
         """Every head's keys (B, H, Tk, d_h + d_R) and values (B, H, Tk, d_h), rebuilt

@@ -38,9 +38,9 @@ def reference_error(module=latent, cls=None, form=None) -> float:
     x = inputs()
     y = whole(m, x).detach().numpy()
     W = {"q": matrix(m.w_q), "dkv": matrix(m.w_dkv), "ukv": matrix(m.w_ukv), "kr": matrix(m.w_kr),
-         "o": matrix(m.w_o)}
-    theta = config().rope_theta
-    ref = np.stack([reference.latent_attention(x[b].numpy(), W, HEADS, D, ROPE, theta)
+         "o": matrix(m.w_o), "kv_norm": m.kv_norm.weight.detach().numpy()}
+    theta, eps = config().rope_theta, config().norm_eps
+    ref = np.stack([reference.latent_attention(x[b].numpy(), W, HEADS, D, ROPE, theta, eps)
                     for b in range(B)])
     return float(np.abs(y - ref).max())
 
@@ -154,7 +154,7 @@ class CachesKeysAndValues(latent.LatentAttention):
         return False
 
     def cache_entry(self, x, start):
-        return self.w_ukv(self.w_dkv(x)), self.rope(self.w_kr(x), start)
+        return self.w_ukv(self.kv_norm(self.w_dkv(x))), self.rope(self.w_kr(x), start)
 
     def keys_values(self, state):
         B_, Tk, _ = state.c_kv.shape
@@ -201,15 +201,17 @@ def in_form(check, form):
 
 
 ROPE_READ = "        k_rope = state.k_rope.unsqueeze(1)"
-ROPE_MADE = "        return self.w_dkv(x), self.rope(self.w_kr(x), start)\n"
+ROPE_MADE = "        return self.kv_norm(self.w_dkv(x)), self.rope(self.w_kr(x), start)\n"
 # (what the bug is, the text as written, the text with the bug, the check that catches it)
 PLANTED = [
     ("the shared key rotated again when read from the cache", ROPE_READ,
      "        k_rope = self.rope(state.k_rope, 0).unsqueeze(1)", in_form(reference_error, "up-projected")),
     ("the shared key never rotated", ROPE_MADE,
-     "        return self.w_dkv(x), self.w_kr(x)\n", reference_error),
+     "        return self.kv_norm(self.w_dkv(x)), self.w_kr(x)\n", reference_error),
     ("a new key rotated as if at position 0 (decoding only)", ROPE_MADE,
-     "        return self.w_dkv(x), self.rope(self.w_kr(x), 0)\n", decoding_error),
+     "        return self.kv_norm(self.w_dkv(x)), self.rope(self.w_kr(x), 0)\n", decoding_error),
+    ("the latent not normalised", ROPE_MADE,
+     "        return self.w_dkv(x), self.rope(self.w_kr(x), start)\n", reference_error),
     ("the queries' rotary part not rotated", "q_r = self.rope(q_r, mask.q_start)", "q_r = q_r",
      reference_error),
     ("no causal mask", "        return backend(q, k, v, mask, dropout_p, need_weights)",
@@ -275,3 +277,23 @@ def test_a_float64_gpt_decodes_from_the_latent_as_its_full_forward(cache_kind):
         pieces += [model(idx[:, t:t + 1], cache=cache).logits for t in range(6, 20)]
     assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-12
     assert rebuilt == [6, 6]                                 # the prompt's, in each layer only
+
+
+def test_keys_and_values_start_as_large_as_multi_head_attentions():
+    """At the model's initialisation (weights of std 0.02), multi-head attention's key of a
+    unit-RMS input has an RMS of 0.02·√C. A latent key is the input through two such
+    matrices, 0.02·√r times smaller again, unless the latent is normalised first (as
+    DeepSeek-V2 does); without the norm a small model learned no recall in the steps
+    that taught multi-head attention (docs/benchmarks.md)."""
+    from model import GPT, ModelConfig
+    torch.manual_seed(0)
+    C = 64
+    attn = GPT(ModelConfig(vocab_size=16, n_layer=2, n_head=4, n_embd=C, block_size=32,
+                           mechanism="mla")).blocks[0].attn
+    x = torch.randn(4, 32, C, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        k, v = attn.keys_values(latent.LatentState(*attn.cache_entry(x, 0)))
+    mha = 0.02 * C ** 0.5
+    for t in (k[..., :attn.head_dim], v):
+        rms = t.pow(2).mean().sqrt().item()
+        assert mha / 2 < rms < 2 * mha, (rms, mha)
