@@ -51,11 +51,20 @@ from model.positions import turn
 
 @dataclass
 class LatentState:
-    """What one layer reads for the tokens so far: the latent c_kv (B, T, r) and the
-    rotated shared key k_rope (B, T, d_R). Both grow by one row a token; the model's
-    cache keeps them as its two growing tensors, one "head" each (`update`)."""
-    c_kv: torch.Tensor
-    k_rope: torch.Tensor
+    """What one layer reads for the tokens so far: each token's latent c_kv (r numbers)
+    and rotated shared key k_rope (d_R) side by side, one row of r + d_R a token,
+    (B, T, r + d_R). Side by side, the absorbed form's scores are one product over the
+    row, where two products and a sum would pass over the scores twice more."""
+    latent: torch.Tensor
+    rank: int
+
+    @property
+    def c_kv(self) -> torch.Tensor:                                   # (B, T, r)
+        return self.latent[..., :self.rank]
+
+    @property
+    def k_rope(self) -> torch.Tensor:                                 # (B, T, d_R)
+        return self.latent[..., self.rank:]
 
 
 def latent_sizes(config: ModelConfig) -> tuple[int, int]:
@@ -110,9 +119,9 @@ class LatentAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def cache_entry(self, x, start):
-        """What a token leaves behind: its latent, normalised (B, T, r), and its shared
-        key, turned once, by its own position (B, T, d_R)."""
-        return self.kv_norm(self.w_dkv(x)), self.rope(self.w_kr(x), start)
+        """What a token leaves behind (B, T, r + d_R): its latent, normalised, and its
+        shared key, turned once, by its own position."""
+        return torch.cat([self.kv_norm(self.w_dkv(x)), self.rope(self.w_kr(x), start)], dim=-1)
 
     def keys_values(self, state: LatentState):
         """Every head's keys (B, H, Tk, d_h + d_R) and values (B, H, Tk, d_h), rebuilt
@@ -137,12 +146,14 @@ class LatentAttention(nn.Module):
         q = self.w_q(x).view(B, T, H, D + R).transpose(1, 2)         # (B, H, T, D + R)
         q_c, q_r = q.split([D, R], dim=-1)
         q_r = self.rope(q_r, mask.q_start)
-        c_kv, k_rope = self.cache_entry(x, mask.q_start)
-        if cache is not None:                # each kept once, as a (B, 1, T, ·) "head"
-            c_kv, k_rope = (t.squeeze(1) for t in cache.update(
-                self.layer_idx, c_kv.unsqueeze(1), k_rope.unsqueeze(1)))
-        state = LatentState(c_kv, k_rope)
-        attend = self.absorbed if self.absorbs(T, c_kv.shape[1]) else self.up_projected
+        latent = self.cache_entry(x, mask.q_start)
+        if cache is not None:
+            # Kept once, as a (B, 1, T, r + d_R) "head" of keys. The values are the latent
+            # itself, so the cache's value slot keeps nothing: (B, 1, T, 0).
+            latent = cache.update(self.layer_idx, latent.unsqueeze(1),
+                                  latent.new_empty(B, 1, T, 0))[0].squeeze(1)
+        state = LatentState(latent, self.rank)
+        attend = self.absorbed if self.absorbs(T, latent.shape[1]) else self.up_projected
         y, weights = attend(q_c, q_r, state, mask, need_weights)      # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, H * D)                    # heads side by side
         return self.resid_dropout(self.w_o(y)), weights
@@ -174,24 +185,21 @@ class LatentAttention(nn.Module):
         the one latent and the one rotary key, so the heads are rows of one product:
         the cache is read once a step, not once a head."""
         B, H, Tq, D = q_c.shape
-        Tk = state.c_kv.shape[1]
+        Tk = state.latent.shape[1]
         w_uk, w_uv = self.w_ukv.weight.view(2, H, D, self.rank).unbind(0)   # (H, D, r) each
-        # Scaling the queries rather than the scores: the same 1/√(d_h + d_R), on H·(r + d_R)
-        # numbers instead of H·Tk.
-        scale = 1.0 / math.sqrt(D + self.rope_dim)
-        q_latent = (q_c @ w_uk) * scale                               # (B, H, Tq, r): q_C·W_UK
-        q_rope = q_r * scale
-        # q_C·k_Cᵀ + q_R·k_Rᵀ for every head at once. W_UK's bias, if any, would add q_C·b_K
-        # to every score of a row alike, which the softmax does not see: it is left out.
-        scores = torch.baddbmm(q_rope.reshape(B, H * Tq, -1) @ state.k_rope.transpose(1, 2),
-                               q_latent.reshape(B, H * Tq, -1), state.c_kv.transpose(1, 2))
+        # [q_C·W_UK | q_R]·[c_kv | k_R]ᵀ = q_C·k_Cᵀ + q_R·k_Rᵀ, every head's row at once. The
+        # scale 1/√(d_h + d_R) goes on the queries, H·(r + d_R) numbers instead of H·Tk.
+        # W_UK's bias, if any, would add q_C·b_K to every score of a row alike, which the
+        # softmax does not see: it is left out.
+        q = torch.cat([q_c @ w_uk, q_r], dim=-1) / math.sqrt(D + self.rope_dim)
+        scores = torch.bmm(q.reshape(B, H * Tq, -1), state.latent.transpose(1, 2))
         scores = scores.view(B, H, Tq, Tk)
         if not mask.sees_everything:
             # Hidden keys get -inf: exp(-inf) = 0, no weight from the future or an empty slot.
             scores = scores.masked_fill(~mask.dense, float("-inf"))
         weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)),
                                 dim=-1).to(q_c.dtype)
-        dropped = F.dropout(weights, self.dropout if self.training else 0.0)
+        dropped = F.dropout(weights, self.dropout) if self.training and self.dropout else weights
         # (w·c_kv)·W_UV: the weighted sum of latents, then each head's value projection.
         mixed = torch.bmm(dropped.view(B, H * Tq, Tk), state.c_kv).view(B, H, Tq, self.rank)
         out = mixed @ w_uv.transpose(-2, -1)                          # (B, H, Tq, D)

@@ -154,13 +154,14 @@ class CachesKeysAndValues(latent.LatentAttention):
         return False
 
     def cache_entry(self, x, start):
-        return self.w_ukv(self.kv_norm(self.w_dkv(x))), self.rope(self.w_kr(x), start)
+        return torch.cat([self.w_ukv(self.kv_norm(self.w_dkv(x))), self.rope(self.w_kr(x), start)], -1)
 
     def keys_values(self, state):
-        B_, Tk, _ = state.c_kv.shape
+        B_, Tk, _ = state.latent.shape
         H = self.n_head
-        k_c, v = state.c_kv.view(B_, Tk, 2 * H, self.head_dim).transpose(1, 2).split(H, dim=1)
-        k_rope = state.k_rope.unsqueeze(1).expand(B_, H, Tk, self.rope_dim)
+        kv, k_rope = state.latent.split([2 * H * self.head_dim, self.rope_dim], dim=-1)
+        k_c, v = kv.reshape(B_, Tk, 2 * H, self.head_dim).transpose(1, 2).split(H, dim=1)
+        k_rope = k_rope.unsqueeze(1).expand(B_, H, Tk, self.rope_dim)
         return torch.cat([k_c, k_rope], dim=-1), v
 
 
@@ -171,12 +172,12 @@ class CachesRopePerHead(latent.LatentAttention):
         return False
 
     def cache_entry(self, x, start):
-        c_kv, k_rope = super().cache_entry(x, start)
-        return c_kv, k_rope.repeat(1, 1, self.n_head)
+        entry = super().cache_entry(x, start)
+        return torch.cat([entry, entry[..., self.rank:].repeat(1, 1, self.n_head - 1)], -1)
 
     def keys_values(self, state):
-        one_key = state.k_rope[..., :self.rope_dim]
-        return super().keys_values(latent.LatentState(state.c_kv, one_key))
+        one_key = state.latent[..., :self.rank + self.rope_dim]
+        return super().keys_values(latent.LatentState(one_key, self.rank))
 
 
 @pytest.mark.parametrize("cls", [CachesKeysAndValues, CachesRopePerHead],
@@ -201,17 +202,17 @@ def in_form(check, form):
 
 
 ROPE_READ = "        k_rope = state.k_rope.unsqueeze(1)"
-ROPE_MADE = "        return self.kv_norm(self.w_dkv(x)), self.rope(self.w_kr(x), start)\n"
+ROPE_MADE = "self.rope(self.w_kr(x), start)], dim=-1)\n"
+NORMED = "torch.cat([self.kv_norm(self.w_dkv(x)), "
 # (what the bug is, the text as written, the text with the bug, the check that catches it)
 PLANTED = [
     ("the shared key rotated again when read from the cache", ROPE_READ,
      "        k_rope = self.rope(state.k_rope, 0).unsqueeze(1)", in_form(reference_error, "up-projected")),
     ("the shared key never rotated", ROPE_MADE,
-     "        return self.kv_norm(self.w_dkv(x)), self.w_kr(x)\n", reference_error),
+     "self.w_kr(x)], dim=-1)\n", reference_error),
     ("a new key rotated as if at position 0 (decoding only)", ROPE_MADE,
-     "        return self.kv_norm(self.w_dkv(x)), self.rope(self.w_kr(x), 0)\n", decoding_error),
-    ("the latent not normalised", ROPE_MADE,
-     "        return self.w_dkv(x), self.rope(self.w_kr(x), start)\n", reference_error),
+     "self.rope(self.w_kr(x), 0)], dim=-1)\n", decoding_error),
+    ("the latent not normalised", NORMED, "torch.cat([self.w_dkv(x), ", reference_error),
     ("the queries' rotary part not rotated", "q_r = self.rope(q_r, mask.q_start)", "q_r = q_r",
      reference_error),
     ("no causal mask", "        return backend(q, k, v, mask, dropout_p, need_weights)",
@@ -219,11 +220,10 @@ PLANTED = [
      "dropout_p, need_weights)", in_form(leak, "up-projected")),
     ("no causal mask in the absorbed form", "        if not mask.sees_everything:",
      "        if False:", in_form(leak, "absorbed")),
-    ("the absorbed scores without the rotary part",
-     "torch.baddbmm(q_rope.reshape(B, H * Tq, -1) @ state.k_rope.transpose(1, 2),",
-     "torch.baddbmm(torch.zeros(B, H * Tq, Tk, dtype=q_c.dtype),", in_form(reference_error, "absorbed")),
-    ("the absorbed rotary scores not scaled", "        q_rope = q_r * scale",
-     "        q_rope = q_r", in_form(reference_error, "absorbed")),
+    ("the absorbed scores without the rotary part", "torch.cat([q_c @ w_uk, q_r], dim=-1)",
+     "torch.cat([q_c @ w_uk, 0 * q_r], dim=-1)", in_form(reference_error, "absorbed")),
+    ("the absorbed scores not scaled", " / math.sqrt(D + self.rope_dim)\n", "\n",
+     in_form(reference_error, "absorbed")),
     ("W_UV's bias left out of the absorbed output",
      "            out = out + dropped.sum(-1, keepdim=True) * b_v", "            out = out", forms_error),
     ("the absorbed form chosen for a whole sequence",
@@ -292,7 +292,7 @@ def test_keys_and_values_start_as_large_as_multi_head_attentions():
                            mechanism="mla")).blocks[0].attn
     x = torch.randn(4, 32, C, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        k, v = attn.keys_values(latent.LatentState(*attn.cache_entry(x, 0)))
+        k, v = attn.keys_values(latent.LatentState(attn.cache_entry(x, 0), attn.rank))
     mha = 0.02 * C ** 0.5
     for t in (k[..., :attn.head_dim], v):
         rms = t.pow(2).mean().sqrt().item()
