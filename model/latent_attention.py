@@ -165,7 +165,8 @@ class LatentAttention(nn.Module):
         folds each query and output through an r×d_h matrix, q_len·r·d_h, but each score
         and output reads the r-wide latent instead. One query over a long cache: absorb.
         A whole sequence (training, a prefill): with r > d_h its T² scores outweigh
-        rebuilding T keys, so it is up-projected, as the paper does for training."""
+        rebuilding T keys, so it is up-projected, as the paper does for training (both
+        forms timed in docs/latent_attention.md)."""
         r, D = self.rank, self.head_dim
         return q_len * k_len * (r - D) + q_len * r * D < k_len * r * D
 
