@@ -4,12 +4,18 @@ The article's formula is untouched, softmax(Q·Kᵀ/√d)·V, per head; what cha
 decoder must keep for earlier tokens. Multi-head attention caches every head's key and
 value, 2·H·d_h numbers per token and layer. MLA caches one latent vector per token,
 
-    c_kv = x·W_DKV                      (r numbers, r = model.mla_kv_rank ≪ 2·H·d_h)
+    c_kv = RMSNorm(x·W_DKV)             (r numbers, r = model.mla_kv_rank ≪ 2·H·d_h)
 
 and rebuilds every head's key and value from it when they are read:
-k_C = c_kv·W_UK, v = c_kv·W_UV. A key rebuilt from c_kv cannot carry RoPE: a rotation
-depends on the key's position, so it would have to sit between W_UK and the query, and
-the up-projection could no longer be folded into the query's weights at inference time
+k_C = c_kv·W_UK, v = c_kv·W_UV. The norm is DeepSeek-V2's (section 3.1.2: "additional
+RMS Norm layers after the compressed latent vectors"; `kv_a_layernorm` in its code).
+Without it a key or value is x through two small random matrices, so it starts 0.02·√r
+times the size of multi-head attention's, and a small model learned no recall in the
+steps that taught multi-head attention (measured in docs/benchmarks.md).
+
+A key rebuilt from c_kv cannot carry RoPE: a rotation depends on the key's position, so
+it would have to sit between W_UK and the query, and the up-projection could no longer
+be folded into the query's weights at inference time
 (the paper's reason, section 2.1.3). So position travels in a separate, small key,
 
     k_rope = RoPE(x·W_KR)               (d_R numbers, shared by every head),
@@ -19,28 +25,45 @@ head's key is [k_C; k_rope], each head's query [q_C; RoPE(q_R)], and the scores 
 divided by √(d_h + d_R), the length of the dot product. The cache holds c_kv and k_rope:
 (r + d_R) numbers per token and layer (its entry's Cache in model/mechanisms.py).
 
+Decoding never rebuilds the cache's keys and values (section 2.1.2). For head h,
+q_C·k_Cᵀ = q_C·(c_kv·W_UK,h)ᵀ = (q_C·W_UK,hᵀ)·c_kvᵀ, and the weighted sum of values is
+Σ_j w_j·c_kv,j·W_UV,h = (w·c_kv)·W_UV,h: W_UK is folded into the query and W_UV into
+the output, so a step reads the r + d_R cached numbers per token and nothing larger
+(`absorbed`). A whole sequence still rebuilds k_C and v once (`up_projected`); `absorbs`
+counts which of the two is less work.
+
 The queries here are projected at full rank; the paper also compresses them, which
 saves activation memory in training and changes nothing in the cache."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from model.attention import eager_attention, sdpa_attention
+from model.attention import Mask, eager_attention, sdpa_attention
 from model.config import ModelConfig, ModelError
-from model.attention import Mask
 from model.positions import turn
 
 
 @dataclass
 class LatentState:
-    """What one layer reads for the tokens so far: the latent c_kv (B, T, r) and the
-    rotated shared key k_rope (B, T, d_R). Both grow by one row a token; the model's
-    cache keeps them as its two growing tensors, one "head" each (`update`)."""
-    c_kv: torch.Tensor
-    k_rope: torch.Tensor
+    """What one layer reads for the tokens so far: each token's latent c_kv (r numbers)
+    and rotated shared key k_rope (d_R) side by side, one row of r + d_R a token,
+    (B, T, r + d_R). Side by side, the absorbed form's scores are one product over the
+    row, where two products and a sum would pass over the scores twice more."""
+    latent: torch.Tensor
+    rank: int
+
+    @property
+    def c_kv(self) -> torch.Tensor:                                   # (B, T, r)
+        return self.latent[..., :self.rank]
+
+    @property
+    def k_rope(self) -> torch.Tensor:                                 # (B, T, d_R)
+        return self.latent[..., self.rank:]
 
 
 def latent_sizes(config: ModelConfig) -> tuple[int, int]:
@@ -86,6 +109,7 @@ class LatentAttention(nn.Module):
                              f"model.mla_kv_rank not negative; got {self.rope_dim}, {self.rank}")
         self.w_q = nn.Linear(config.n_embd, H * (D + self.rope_dim), bias=config.bias)
         self.w_dkv = nn.Linear(config.n_embd, self.rank, bias=config.bias)    # W_DKV: down
+        self.kv_norm = nn.RMSNorm(self.rank, eps=config.norm_eps)          # the latent at unit RMS
         self.w_kr = nn.Linear(config.n_embd, self.rope_dim, bias=config.bias)  # W_KR
         self.w_ukv = nn.Linear(self.rank, 2 * H * D, bias=config.bias)       # W_UK, W_UV: up
         self.w_o = nn.Linear(H * D, config.n_embd, bias=config.bias)
@@ -94,9 +118,9 @@ class LatentAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def cache_entry(self, x, start):
-        """What a token leaves behind: its latent (B, T, r) and its shared key, turned
-        once, by its own position (B, T, d_R)."""
-        return self.w_dkv(x), self.rope(self.w_kr(x), start)
+        """What a token leaves behind (B, T, r + d_R): its latent, normalised, and its
+        shared key, turned once, by its own position."""
+        return torch.cat([self.kv_norm(self.w_dkv(x)), self.rope(self.w_kr(x), start)], dim=-1)
 
     def keys_values(self, state: LatentState):
         """Every head's keys (B, H, Tk, d_h + d_R) and values (B, H, Tk, d_h), rebuilt
@@ -120,16 +144,66 @@ class LatentAttention(nn.Module):
         H, D, R = self.n_head, self.head_dim, self.rope_dim
         q = self.w_q(x).view(B, T, H, D + R).transpose(1, 2)         # (B, H, T, D + R)
         q_c, q_r = q.split([D, R], dim=-1)
-        q = torch.cat([q_c, self.rope(q_r, mask.q_start)], dim=-1)
-        c_kv, k_rope = self.cache_entry(x, mask.q_start)
-        if cache is not None:                # each kept once, as a (B, 1, T, ·) "head"
-            c_kv, k_rope = (t.squeeze(1) for t in cache.update(
-                self.layer_idx, c_kv.unsqueeze(1), k_rope.unsqueeze(1)))
-        k, v = self.keys_values(LatentState(c_kv, k_rope))
-        # The article's formula, per head; eager when the weights are wanted. The scale is
-        # 1/√(d_h + d_R), the length of q and k, as the paper has it.
-        backend = eager_attention if need_weights else sdpa_attention
-        dropout_p = self.dropout if self.training else 0.0
-        y, weights = backend(q, k, v, mask, dropout_p, need_weights)  # (B, H, T, D)
+        q_r = self.rope(q_r, mask.q_start)
+        latent = self.cache_entry(x, mask.q_start)
+        if cache is not None:
+            # Kept once, as a (B, 1, T, r + d_R) "head" of keys. The values are the latent
+            # itself, so the cache's value slot keeps nothing: (B, 1, T, 0).
+            latent = cache.update(self.layer_idx, latent.unsqueeze(1),
+                                  latent.new_empty(B, 1, T, 0))[0].squeeze(1)
+        state = LatentState(latent, self.rank)
+        attend = self.absorbed if self.absorbs(T, latent.shape[1]) else self.up_projected
+        y, weights = attend(q_c, q_r, state, mask, need_weights)      # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, H * D)                    # heads side by side
         return self.resid_dropout(self.w_o(y)), weights
+
+    def absorbs(self, q_len: int, k_len: int) -> bool:
+        """Whether the absorbed form is fewer multiplications for q_len queries over k_len
+        keys (per head, the shared rotary part costing both the same). Rebuilding k_C and
+        v costs k_len·r·d_h, and each score and output then reads d_h numbers; absorbing
+        folds each query and output through an r×d_h matrix, q_len·r·d_h, but each score
+        and output reads the r-wide latent instead. One query over a long cache: absorb.
+        A whole sequence (training, a prefill): with r > d_h its T² scores outweigh
+        rebuilding T keys, so it is up-projected, as the paper does for training (both
+        forms timed in docs/latent_attention.md)."""
+        r, D = self.rank, self.head_dim
+        return q_len * k_len * (r - D) + q_len * r * D < k_len * r * D
+
+    def up_projected(self, q_c, q_r, state: LatentState, mask: Mask, need_weights: bool):
+        """Every head's keys and values rebuilt from the latents, then the article's
+        formula, per head; eager when the weights are wanted. The scale is 1/√(d_h + d_R),
+        the length of q and k, as the paper has it."""
+        q = torch.cat([q_c, q_r], dim=-1)                             # (B, H, Tq, D + R)
+        k, v = self.keys_values(state)
+        backend = eager_attention if need_weights else sdpa_attention
+        dropout_p = self.dropout if self.training else 0.0
+        return backend(q, k, v, mask, dropout_p, need_weights)
+
+    def absorbed(self, q_c, q_r, state: LatentState, mask: Mask, need_weights: bool):
+        """The same attention computed on the latents (arXiv:2405.04434, section 2.1.2):
+        W_UK folded into each query, W_UV applied after the weighted sum. Every head reads
+        the one latent and the one rotary key, so the heads are rows of one product:
+        the cache is read once a step, not once a head."""
+        B, H, Tq, D = q_c.shape
+        Tk = state.latent.shape[1]
+        w_uk, w_uv = self.w_ukv.weight.view(2, H, D, self.rank).unbind(0)   # (H, D, r) each
+        # [q_C·W_UK | q_R]·[c_kv | k_R]ᵀ = q_C·k_Cᵀ + q_R·k_Rᵀ, every head's row at once. The
+        # scale 1/√(d_h + d_R) goes on the queries, H·(r + d_R) numbers instead of H·Tk.
+        # W_UK's bias, if any, would add q_C·b_K to every score of a row alike, which the
+        # softmax does not see: it is left out.
+        q = torch.cat([q_c @ w_uk, q_r], dim=-1) / math.sqrt(D + self.rope_dim)
+        scores = torch.bmm(q.reshape(B, H * Tq, -1), state.latent.transpose(1, 2))
+        scores = scores.view(B, H, Tq, Tk)
+        if not mask.sees_everything:
+            # Hidden keys get -inf: exp(-inf) = 0, no weight from the future or an empty slot.
+            scores = scores.masked_fill(~mask.dense, float("-inf"))
+        weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)),
+                                dim=-1).to(q_c.dtype)
+        dropped = F.dropout(weights, self.dropout) if self.training and self.dropout else weights
+        # (w·c_kv)·W_UV: the weighted sum of latents, then each head's value projection.
+        mixed = torch.bmm(dropped.view(B, H * Tq, Tk), state.c_kv).view(B, H, Tq, self.rank)
+        out = mixed @ w_uv.transpose(-2, -1)                          # (B, H, Tq, D)
+        if self.w_ukv.bias is not None:      # Σ_j w_j·b_V: b_V itself, unless dropout thinned w
+            b_v = self.w_ukv.bias.view(2, H, 1, D)[1]
+            out = out + dropped.sum(-1, keepdim=True) * b_v
+        return out, (weights if need_weights else None)

@@ -139,19 +139,33 @@ class RoPE(PositionEncoding):
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
-        d = config.n_embd // config.n_head            # each head's d_k
-        inv_freq = config.rope_theta ** (-torch.arange(0, d, 2).float() / d)
-        scaling, self.mscale = ROPE_SCALINGS[config.rope_scaling], 1.0
-        if scaling.stretches:                # past the training context, on request
-            inv_freq, self.mscale = scaling.scale(inv_freq, config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._build(config.block_size)
+        self._build(torch.promote_types(torch.get_default_dtype(), torch.float32))
 
-    def _build(self, length: int):
-        angle = torch.arange(length, device=self.inv_freq.device).float()[:, None] * self.inv_freq
+    def _build(self, dtype: torch.dtype, device=None):
+        """The frequencies and the cos/sin tables of block_size positions, computed in
+        `dtype`: float32 for a model that trains in float32 or bf16, float64 for a float64
+        model, whose angles would otherwise carry float32's error (7e-7 of a radian
+        at position 1000), a million times what its checks against references allow."""
+        c = self.config
+        d = c.n_embd // c.n_head                       # each head's d_k
+        inv_freq = c.rope_theta ** (-torch.arange(0, d, 2, dtype=dtype, device=device) / d)
+        scaling, self.mscale = ROPE_SCALINGS[c.rope_scaling], 1.0
+        if scaling.stretches:                # past the training context, on request
+            inv_freq, self.mscale = scaling.scale(inv_freq, c)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        angle = torch.arange(c.block_size, dtype=dtype, device=device)[:, None] * inv_freq
         # YaRN's temperature: q and k each scaled by mscale, scores by mscale².
         self.register_buffer("cos", angle.cos() * self.mscale, persistent=False)  # (length, d/2)
         self.register_buffer("sin", angle.sin() * self.mscale, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # model.double() casts the tables' numbers, not the way they were made: float32
+        # angles cast up keep their float32 error. Tables cast to float64 are made again
+        # from the formula in float64; any other cast keeps what it gives, as before.
+        super()._apply(fn, recurse)
+        if self.cos.dtype == torch.float64 and self.inv_freq.dtype == torch.float64:
+            self._build(torch.float64, self.cos.device)
+        return self
 
     def rotate(self, x, start):
         # x: (B, heads, T, D), the queries or the keys of T positions from start.
@@ -174,7 +188,7 @@ class RoPE(PositionEncoding):
             # Past the table (longer evaluation, endless decoding from a rolling cache)
             # or at a position held on the device: the angles of these positions alone,
             # so memory does not grow with position.
-            pos = (start + torch.arange(T, device=x.device)).float()
+            pos = (start + torch.arange(T, device=x.device)).to(self.inv_freq.dtype)
             angle = pos[:, None] * self.inv_freq
             cos, sin = angle.cos() * self.mscale, angle.sin() * self.mscale
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)

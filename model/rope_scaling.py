@@ -30,7 +30,7 @@ def _ntk(inv_freq, config):
     # NTK-aware: the base grows to theta·s^(d/(d-2)); the fastest pair keeps its speed.
     d = 2 * inv_freq.numel()
     base = config.rope_theta * config.rope_factor ** (d / (d - 2))
-    return base ** (-torch.arange(0, d, 2).float() / d), 1.0
+    return base ** (-torch.arange(0, d, 2, dtype=inv_freq.dtype, device=inv_freq.device) / d), 1.0
 
 
 def _yarn(inv_freq, config):

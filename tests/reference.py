@@ -103,13 +103,14 @@ def rope(x, positions, theta):
     return out
 
 
-def latent_attention(x, W, n_head, head_dim, rope_dim, theta):
+def latent_attention(x, W, n_head, head_dim, rope_dim, theta, eps):
     """Multi-head latent attention, DeepSeek-V2 (arXiv:2405.04434) eqs. 9-19, for one
     sequence x (T, C), queries at full rank. W holds the matrices as x @ W: "q"
     (C, H·(d_h + d_R)), per head [q_C | q_R]; "dkv" (C, r); "ukv" (r, 2·H·d_h), every
-    head's k_C and then every head's v; "kr" (C, d_R); "o" (H·d_h, C)."""
+    head's k_C and then every head's v; "kr" (C, d_R); "o" (H·d_h, C); and "kv_norm" (r,),
+    the gain of the RMS norm on the latent (section 3.1.2; its code's kv_a_layernorm)."""
     T, H, D, R = len(x), n_head, head_dim, rope_dim
-    c_kv = x @ W["dkv"]                                               # eq. 9: the latent
+    c_kv = rms_norm(x @ W["dkv"], W["kv_norm"], eps)                  # eq. 9: the latent
     kv = c_kv @ W["ukv"]                                              # eqs. 10, 11
     k_rope = rope(x @ W["kr"], range(T), theta)                       # eq. 15: one, shared
     q_all = x @ W["q"]

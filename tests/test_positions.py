@@ -54,6 +54,52 @@ def test_rope_forward_and_backward_match_a_float64_numpy_rotation():
     np.testing.assert_allclose(x.grad.numpy(), turn(w.numpy(), -1), atol=1e-6)
 
 
+def numpy_rope(x, positions, inv_freq):
+    """The rotation in float64 NumPy: pair (x[i], x[i + d/2]) at position p turns by p·f_i."""
+    import numpy as np
+    angle = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq
+    d = x.shape[-1]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle),
+                           x2 * np.cos(angle) + x1 * np.sin(angle)], axis=-1)
+
+
+@pytest.mark.parametrize("scaling", ["none", "ntk"])
+@pytest.mark.parametrize("made", ["GPT(...).double()", "RoPE(...).double()",
+                                  "float32, .double(), .float(), .double()"])
+def test_a_float64_models_rope_turns_by_float64_angles(scaling, made):
+    """A float64 model turns q and k by angles computed in float64, in its table (positions
+    below block_size) and past it: within 1e-12 of NumPy, where tables built in float32
+    and cast up miss by 1e-7 and more (the angle of position 1000 carries float32's error)."""
+    import numpy as np
+    d, block = 16, 1024
+    config = ModelConfig(vocab_size=8, n_layer=1, n_head=2, n_embd=2 * d, block_size=block,
+                         rope_scaling=scaling, rope_factor=4.0)
+    if made.startswith("GPT"):
+        rope = GPT(config).double().positions
+    elif made.startswith("RoPE"):
+        rope = RoPE(config).double()
+    else:
+        rope = RoPE(config).double().float().double()
+    theta = 10000.0 * (4.0 ** (d / (d - 2)) if scaling == "ntk" else 1.0)
+    inv_freq = theta ** (-np.arange(0, d, 2) / d)
+    x = torch.randn(1, 2, 24, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for start in (0, 997, block - 12, 50_000):              # in the table, across its end, past it
+        expected = numpy_rope(x.numpy(), start + np.arange(24), inv_freq)
+        assert np.abs(rope.rotate(x, start).numpy() - expected).max() < 1e-12, start
+    assert rope.cos.dtype == rope.inv_freq.dtype == torch.float64
+
+
+def test_a_float32_models_rope_keeps_its_float32_tables():
+    rope = RoPE(ModelConfig(vocab_size=8, n_head=2, n_embd=32, block_size=64))
+    reference = 10000.0 ** (-torch.arange(0, 16, 2).float() / 16)
+    assert rope.cos.dtype == rope.inv_freq.dtype == torch.float32
+    assert torch.equal(rope.inv_freq, reference)
+    assert torch.equal(rope.cos, (torch.arange(64).float()[:, None] * reference).cos())
+    assert GPT(ModelConfig(vocab_size=8, n_layer=1, n_head=2, n_embd=32, block_size=64)
+               ).to(torch.bfloat16).positions.cos.dtype == torch.bfloat16     # a cast as before
+
+
 def test_learned_positions_refuse_sequences_past_their_table():
     model = GPT(ModelConfig(vocab_size=8, n_layer=1, n_head=2, n_embd=16, block_size=8,
                             position="learned"))

@@ -22,11 +22,11 @@ from model.registry import check
 
 # (fields over the cpu preset's model, backend, precision) -> (lines, files)
 BUDGETS = {
-    "cpu preset, fp32 (sdpa)": ({}, "sdpa", torch.float32, 173, 4),
-    "cpu preset, bf16 (the formula)": ({}, "eager", torch.bfloat16, 185, 4),
+    "cpu preset, fp32 (sdpa)": ({}, "sdpa", torch.float32, 174, 4),
+    "cpu preset, bf16 (the formula)": ({}, "eager", torch.bfloat16, 186, 4),
     "learned positions": ({"position": "learned"}, "sdpa", torch.float32, 157, 4),
     # its own maths (model/linear_attention.py) and the config's head size
-    "linear attention": ({"mechanism": "linear"}, "sdpa", torch.float32, 152, 6),
+    "linear attention": ({"mechanism": "linear"}, "sdpa", torch.float32, 153, 6),
 }
 CPU_PRESET = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=65)
 
