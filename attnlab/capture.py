@@ -140,9 +140,9 @@ def _hooks_for(model, cache: dict, only: set[str] | None):
                 (block.mlp, "post", mlp_post)]
 
     def final(module, args, output):
-        if want("final_norm"):
-            cache["final_norm"] = output.detach()
-    out.append((model.norm_f, "post", final))
+        if want("final_norm"):                 # a post-norm stack's last block hands it on
+            cache["final_norm"] = (output[0] if isinstance(output, tuple) else output).detach()
+    out.append((model.norm_f if model.norm_f is not None else model.blocks[-1], "post", final))
     return out
 
 

@@ -148,7 +148,8 @@ def logit_lens(model, ids: torch.Tensor):
     (layers, T) probabilities each layer gives the actual next token."""
     L = model.config.n_layer
     logits, cache = run_with_cache(model, ids, only=[f"blocks.{l}.resid_post" for l in range(L)])
-    per_layer = torch.stack([model.readout(model.norm_f(cache[f"blocks.{l}.resid_post"]))[0]
+    final = model.norm_f if model.norm_f is not None else (lambda h: h)   # post-norm: none
+    per_layer = torch.stack([model.readout(final(cache[f"blocks.{l}.resid_post"]))[0]
                              for l in range(L)]).float()               # (L, T, V)
     probs = torch.softmax(per_layer, -1)
     # A decoder predicts the next token; an encoder's masked-LM head the token itself.
