@@ -194,9 +194,11 @@ class GPT(nn.Module):
         their mean cross-entropy against `targets` where given."""
         if self.adaptive is not None:        # scores only the targets while training
             return self.adaptive.logits_and_loss(h, targets)
-        if self.lm_head is None:
-            raise ModelError("this encoder has no output layer (model.readout=none): its hidden "
-                             "states cannot be read as token scores, and no loss can be taken")
+        if self.lm_head is None:             # an encoder kept without a head: hidden states only
+            if targets is not None:
+                raise ModelError("this encoder has no output layer (model.readout=none), so "
+                                 "there is no loss to take; give it a head to train it")
+            return None, None
         if self.head_transform is not None:
             h = self.head_transform(h)
         logits = self.lm_head(h)                                     # (B, T, vocab)
@@ -212,6 +214,9 @@ class GPT(nn.Module):
     def readout(self, h: torch.Tensor) -> torch.Tensor:
         """Scores for every vocabulary entry from final-norm hidden states (B, T, C):
         the output layer alone, for tools that read the residual stream through it."""
+        if self.lm_head is None and self.adaptive is None:
+            raise ModelError("this encoder has no output layer (model.readout=none): its hidden "
+                             "states cannot be read as token scores")
         return self.logits_and_loss(h)[0]
 
     def new_cache(self, max_len: int) -> KVCache:
