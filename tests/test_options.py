@@ -358,3 +358,20 @@ def test_fill_shows_every_token_when_top_is_past_the_vocabulary():
                             causal=False)).eval()
     (_, guesses), = fill(model, tok, "a[MASK]", top=100)
     assert len(guesses) == tok.vocab_size
+
+
+def test_evaluate_reads_a_gzipped_corpus_as_train_does(run_with_steps, corpus, tmp_path, capsys):
+    """`evaluate --data data/shakespeare/plays.txt.gz` refused the corpus train.py reads
+    ("not UTF-8 text"); its loss is the plain text's."""
+    import gzip
+    text = Path(corpus).read_text(encoding="utf-8")[-2000:]
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "t.txt.gz").write_bytes(gzip.compress(text.encode("utf-8")))
+    scores = []
+    for name in ("t.txt", "t.txt.gz"):
+        main_of("evaluate")(["--run", str(run_with_steps), "--data", str(tmp_path / name)])
+        scores.append([l for l in capsys.readouterr().out.splitlines() if l.startswith("attnlab ")])
+    assert scores[0] == scores[1] and scores[0]
+    (tmp_path / "bad.gz").write_bytes(b"not a gzip")
+    with pytest.raises(Exception, match="bad.gz is not readable gzip"):
+        main_of("evaluate")(["--run", str(run_with_steps), "--data", str(tmp_path / "bad.gz")])
