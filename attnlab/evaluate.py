@@ -90,22 +90,38 @@ def load_for_comparison(folder: Path, tokenizer):
                            f"({str(err).splitlines()[0][:300]})") from None
 
 
+# Bytes of text scored at most (after gunzip): a gzip that unpacks without end is refused.
+MAX_TEXT_BYTES = 1 << 28
+
+
+def read_text(path: Path) -> tuple[str, Path]:
+    """The text of --data, gunzipped where it ends in .gz, as train.py reads a corpus file
+    (data.sources.reading: plain files only, one error line for a damaged gzip)."""
+    from data.sources import reading
+    if not path.is_file():
+        raise AttnlabError(f"--data {path} is not a file; give a UTF-8 text file (.gz allowed)")
+    with reading(path) as f:
+        data = f.read(MAX_TEXT_BYTES + 1)
+    if len(data) > MAX_TEXT_BYTES:
+        raise AttnlabError(f"--data {path} holds more than {MAX_TEXT_BYTES >> 20:,} MiB of text; "
+                           "score a part of it")
+    try:
+        return data.decode("utf-8"), path
+    except UnicodeDecodeError as err:
+        raise AttnlabError(f"--data {path} is not UTF-8 text ({err})") from None
+
+
 def main(argv=None) -> int:
     parser = Parser("python -m attnlab.evaluate", __doc__)
     add_run_options(parser)
-    parser.add_argument("--data", required=True, help="a UTF-8 text file to score")
+    parser.add_argument("--data", required=True, help="a UTF-8 text file to score (.gz "
+                        "allowed, as train.py's data.path: data/shakespeare/plays.txt.gz)")
     parser.add_argument("--stride", type=int, default=0,
                         help="tokens the window moves each time (default: half the context)")
     parser.add_argument("--compare", default="", help="a transformers folder to score the same way")
     args = parser.parse_args(argv)
     from engine.device import pick_device
-    path = Path(args.data)
-    if not path.is_file():
-        raise AttnlabError(f"--data {path} is not a file; give a UTF-8 text file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise AttnlabError(f"--data {path} is not UTF-8 text ({err})") from None
+    text, path = read_text(Path(args.data))
     device = pick_device(args.device)
     model, cfg, tokenizer, ckpt = load(args)
     ids = tokenizer.encode(text)

@@ -20,9 +20,14 @@ import torch
 
 from common.errors import AttnlabError
 from common.files import write_text_atomic
-from attnlab.options import add_run_options, find_run, out_option
+from attnlab.options import add_run_options, find_run, out_option, whole
 from attnlab.plotting import pyplot, save_figure
 from engine.cli import Parser, errors_as_lines
+
+
+# Tokens in one evaluation batch (--batch_size x factor x context): each holds a row of
+# logits over the vocabulary, so a batch past this needs more memory than a laptop has.
+MAX_BATCH_TOKENS = 1 << 16
 
 
 def find_runs(folder: Path) -> list[Path]:
@@ -64,6 +69,11 @@ def evaluate_run(run: Path, factors, batches: int, batch_size: int, which: str =
     data_cfg = cfg.data
     data = load_tokens(data_cfg.path, data_cfg.tokenizer, data_cfg.vocab_size, data_cfg.val_fraction, data_cfg.cache_dir, log=lambda *a: None)
     T = cfg.model.block_size
+    if batch_size * max(factors) * T > MAX_BATCH_TOKENS:
+        raise AttnlabError(f"{run}: --batch_size {batch_size} x --factors {max(factors)} x its "
+                           f"context of {T:,} tokens is {batch_size * max(factors) * T:,} tokens "
+                           f"a batch; this tool reads at most {MAX_BATCH_TOKENS:,}: give a "
+                           "smaller --batch_size or smaller --factors")
     rows = []
     for f in factors:
         for label, mcfg in schemes(cfg.model, f):
@@ -122,9 +132,12 @@ def main(argv=None) -> int:
     parser.add_argument("--from", dest="folder", default="", help="a folder of runs (compare's output)")
     parser.add_argument("--runs", nargs="*", default=[], help="run directories (or names in runs/)")
     add_run_options(parser, run=False)
-    parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--batches", type=int, default=10, help="validation batches per point")
-    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--factors", type=whole(1, 64), nargs="+", default=[1, 2, 4, 8],
+                        help="lengths to test, as multiples of each run's context (1 to 64)")
+    parser.add_argument("--batches", type=whole(1, 1000), default=10,
+                        help="validation batches per point (1 to 1,000; default 10)")
+    parser.add_argument("--batch_size", type=whole(1, 256), default=8,
+                        help="sequences per batch (1 to 256; default 8)")
     parser.add_argument("--out", type=out_option, default=None, help="output folder (default: --from, or "
                         "figures/, which git ignores)")
     args = parser.parse_args(argv)
@@ -132,8 +145,6 @@ def main(argv=None) -> int:
     if not runs:
         raise AttnlabError("no runs to evaluate: give --from FOLDER (from attnlab.compare) "
                            "or --runs DIR [DIR ...]")
-    if any(f < 1 for f in args.factors):
-        raise AttnlabError("--factors must be whole numbers of at least 1")
     out = Path(args.out or args.folder or "figures")
     out.mkdir(parents=True, exist_ok=True)
     from engine.device import pick_device

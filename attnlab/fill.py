@@ -15,7 +15,7 @@ import torch
 
 from common.errors import AttnlabError
 from attnlab.capture import check_context
-from attnlab.options import add_run_options, load
+from attnlab.options import add_run_options, load, whole
 from engine.cli import Parser, errors_as_lines
 from model.readout import READOUTS
 
@@ -41,7 +41,7 @@ def fill(model, tokenizer, text: str, top: int = 5) -> list[tuple[int, list[tupl
     probs = torch.softmax(model(idx).logits[0].float(), dim=-1)
     out = []
     for i in where:
-        p, tok = probs[i].topk(top)
+        p, tok = probs[i].topk(min(top, probs.size(-1)))
         out.append((i, list(zip(tokenizer.token_strings(tok.tolist()), p.tolist()))))
     return out
 
@@ -50,7 +50,8 @@ def main(argv=None) -> int:
     parser = Parser("python -m attnlab.fill", __doc__)
     add_run_options(parser, "a masked-LM folder (BertForMaskedLM and the like) or run")
     parser.add_argument("--text", required=True, help="text with [MASK] where a word is missing")
-    parser.add_argument("--top", type=int, default=5, help="guesses shown per blank")
+    parser.add_argument("--top", type=whole(1, 100), default=5,
+                        help="guesses shown per blank (1 to 100; default 5)")
     args = parser.parse_args(argv)
     model, _, tokenizer, _ = load(args)
     for position, guesses in fill(model, tokenizer, args.text, args.top):

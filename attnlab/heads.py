@@ -341,6 +341,10 @@ def main(argv=None) -> int:
         for weight, layer, head in ranking[:args.top]:
             print(f"  {layer_head(layer, head)}: {args.source} → {args.target} = {weight:.3f}")
     else:
+        if len(tokens) < 2:     # every statistic averages over the queries after the first
+            raise AttnlabError(f"the text is {len(tokens)} token; heads stats averages over the "
+                               "tokens after the first, so give a --text of at least 2 tokens "
+                               "(a sentence shows the patterns)")
         print_stats(maps, model.config)
     return 0
 

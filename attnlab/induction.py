@@ -30,7 +30,7 @@ import torch
 
 from attnlab.capture import attention, weight_label
 from attnlab.lens import ablate
-from attnlab.options import add_run_options, load, positive, out_option
+from attnlab.options import add_run_options, load, positive, out_option, whole
 from attnlab.plotting import (check_figure_out, default_out, draw_weights, layer_head, out_path,
                               pyplot, save_figure, weight_scale)
 from common.errors import AttnlabError
@@ -41,6 +41,10 @@ INDUCTION_THRESHOLD = 0.5          # a head scoring this on random repeats copie
 # Spread evenly over a causal prefix of 20-40 tokens, a head gives the token just before
 # about a tenth of its weight; one that gives it 0.3 or more is looking for it.
 PREVIOUS_THRESHOLD = 0.3
+# Spans of span/2..span tokens, tested at 3/4 of it, need 4 at least to leave 2. The
+# longest keeps a batch's attention maps (32 sequences x 4 heads x (2·span)^2, kept for the
+# backward pass) within a laptop's memory; the circuit shows at 16.
+MAX_SPAN = 128
 
 
 def repeated_sequences(n: int, span: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -178,15 +182,13 @@ def main(argv=None) -> int:
                     without="train a 2-layer model and detect them in it")
     parser.set_defaults(run=None)
     parser.add_argument("--steps", type=positive, default=3000, help="training steps (default 3000)")
-    parser.add_argument("--span", type=int, default=16, help="length of the repeated span "
-                        "(at least 4; default 16)")
+    parser.add_argument("--span", type=whole(4, MAX_SPAN), default=16, help="length of the "
+                        f"repeated span (4 to {MAX_SPAN}; default 16)")
     parser.add_argument("--out", type=out_option, default=None, help="folder for the figure "
                         "(induction_heads.png), or its own file name ending in .png, .svg or "
                         ".pdf (default: figures/induction, which git ignores; with --run, the "
                         "run's figures/)")
     args = parser.parse_args(argv)
-    if args.span < 4:            # spans of span/2..span tokens, tested at 3/4 of it: 2 at least
-        raise AttnlabError(f"--span must be at least 4, got {args.span}")
     if args.run is not None:
         return detect(args)
     check_figure_out(args.out or "")

@@ -429,6 +429,11 @@ def test_model(args, depths, out: Path) -> None:
     model, cfg, tokenizer, ckpt = load(args)
     task = TokenTask(tokenizer, filler_text(), args.digits)
     context = args.context or cfg.model.block_size
+    need = task.overhead() + 8
+    if context < need:
+        given = f"--context {context}" if args.context else f"{ckpt}'s context of {context} tokens"
+        raise AttnlabError(f"{given} cannot hold the task's fact, question and some filler in "
+                           f"this tokenizer: give --context {need} or more")
     from model.positions import POSITION_ENCODINGS
     if POSITION_ENCODINGS[cfg.model.position].has_length_limit and context > cfg.model.block_size:
         raise AttnlabError(f"--context {context} is past {ckpt}'s {cfg.model.position} positions: "

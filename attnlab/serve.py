@@ -26,8 +26,9 @@ API (JSON errors are {"error": "..."} with status 400, 403, 413 or 415):
                                      "event: done" at the end ("event: error" if it failed)
   POST /api/step {"ids": [...], "index": i, "settings": {temperature, top_k, top_p}}
                                      what produced token i: per layer and head, the
-                                     weights its query gave each earlier token, and the
-                                     candidates [[token, p_before, p_after, id]]
+                                     weights its query gave each earlier token (null for a
+                                     layer with none, and "no_attention" says why), and
+                                     the candidates [[token, p_before, p_after, id]]
   POST /api/search {"text", "from", "to"}          attnlab.heads search, ranked
 """
 from __future__ import annotations
@@ -68,6 +69,11 @@ USER_ERRORS = (AttnlabError, ModelError, ValueError)
 class ServerStopping(AttnlabError):
     def __init__(self):
         super().__init__("the server was stopped (Ctrl-C); start it again to go on")
+
+
+def layers(numbers) -> str:
+    """'layer 2' or 'layers 0, 2'."""
+    return f"layer{'s' * (len(numbers) > 1)} {', '.join(map(str, numbers))}"
 
 
 class BadRequest(AttnlabError):
@@ -295,8 +301,10 @@ class Service:
         before it (per layer, per head, over every token it could see, from the eager
         path, so every backend can show it) and the candidates it was drawn from, before
         and after temperature / top-k / top-p (recomputed: the same weights and
-        settings as during generation)."""
-        from attnlab.capture import attention
+        settings as during generation). A layer whose mechanism keeps no weight per earlier
+        token (DeltaNet, linear attention) reads null, and `no_attention` says why in one
+        line; the candidates are there all the same."""
+        from attnlab.capture import attention, no_weights, weightless_layers
         from model.sampling import next_token_distribution
         V = self.cfg.model.vocab_size
         if not (isinstance(ids, list) and len(ids) <= MAX_IDS
@@ -308,17 +316,32 @@ class Service:
             raise BadRequest(f"index must point at a token after the first (1..{len(ids) - 1})")
         start = max(0, index - self.cfg.model.block_size)
         context = torch.tensor([ids[start:index]], device=next(self.model.parameters()).device)
-        logits, maps = attention(self.model, context)
+        skipped = weightless_layers(self.cfg.model)
+        if len(skipped) == self.cfg.model.n_layer:
+            logits, maps = self.model(context).logits, [None] * len(skipped)
+        else:
+            logits, maps = attention(self.model, context, per_layer=True)
+        why = no_weights(self.cfg.model)
+        if why and len(skipped) < self.cfg.model.n_layer:
+            why = f"{layers(skipped)}: {why}"
+        # Weights that overflowed are no picture (and NaN is no JSON): said, not drawn.
+        broken = [l for l, m in enumerate(maps) if m is not None and not m[0, :, -1].isfinite().all()]
+        if broken:
+            maps = [None if l in broken else m for l, m in enumerate(maps)]
+            why = "; ".join(filter(None, [why, f"{layers(broken)}: the weights overflowed to "
+                                          "inf or NaN (the model's numbers are out of float range)"]))
         logits = logits[:, -1].float()
-        before = torch.softmax(logits[0], -1)
+        before = next_token_distribution(logits, 1.0)[0]     # softmax, kept finite if logits overflowed
         after = next_token_distribution(logits, sample.temperature, sample.top_k, sample.top_p)[0]
         chosen = ids[index]
         top = torch.topk(before, min(TOP, before.numel())).indices.tolist()
         top += [chosen] if chosen not in top else []
         b, a = before.tolist(), after.tolist()
         return {"keys": list(range(start, index)), "chosen": chosen,
-                "weights": [[[round(w, 5) for w in head.tolist()] for head in layer[0, :, -1].float()]
+                "weights": [None if layer is None else
+                            [[round(w, 5) for w in head.tolist()] for head in layer[0, :, -1].float()]
                             for layer in maps],
+                "no_attention": why,
                 "candidates": [[self.tokenizer.decode([i]), round(b[i], 6), round(a[i], 6), i] for i in top]}
 
     def check_search(self, text, source, target) -> None:

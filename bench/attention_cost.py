@@ -1,8 +1,13 @@
 """The cost of attention against sequence length: full causal O(T²) against a
 sliding window O(T·W), for each backend, forward and forward+backward.
 
-    python bench/attention_cost.py                       # CPU (and CUDA when present)
+    python bench/attention_cost.py                       # quick: T up to 2,048, a minute or two
+    python bench/attention_cost.py --full                # T up to 16,384: over 10 minutes on 2 cores
     python bench/attention_cost.py --lengths 256 1024 4096 --window 256 --plot cost.png
+
+On a CPU it runs the cases twice (times here, memory in a child process, see below).
+bench/out/attention_cost.json is written after every case, so `python -m attnlab.figures
+cost` draws what has been measured even from a sweep stopped part way.
 
 Time is the best of a few repetitions. Memory is the extra peak over what was in use
 before the call: on CUDA torch's allocator statistics, on a CPU the process's peak
@@ -36,6 +41,8 @@ CASES = [("sdpa causal", "sdpa", False), ("eager causal", "eager", False),
          ("sdpa + window mask", "sdpa", True), ("eager + window mask", "eager", True),
          ("banded window", "banded", True), ("flex window", "flex", True),
          ("flex causal", "flex", False)]
+QUICK_LENGTHS = [256, 512, 1024, 2048]
+FULL_LENGTHS = [256, 512, 1024, 2048, 4096, 8192, 16384]
 EAGER_MAX_T = 4096           # eager keeps T×T scores and weights (and their gradients)
 DENSE_MASK_MAX_T = 8192      # sdpa with a T×T mask falls back to its math path
 
@@ -108,9 +115,11 @@ def cpu_memory_pass(argv: list[str]) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+",
-                        default=[256, 512, 1024, 2048, 4096, 8192, 16384],
-                        help="sequence lengths T to time")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None,
+                        help="sequence lengths T to time (default: " + " ".join(map(str, QUICK_LENGTHS))
+                        + ", a minute or two on 2 quiet CPU cores)")
+    parser.add_argument("--full", action="store_true", help="the full sweep, T = "
+                        + " ".join(map(str, FULL_LENGTHS)) + ": over 10 minutes on a 2-core CPU")
     parser.add_argument("--window", type=int, default=256, help="the window W of the windowed rows")
     parser.add_argument("--batch", type=int, default=1, help="batch size B")
     parser.add_argument("--heads", type=int, default=6, help="attention heads H")
@@ -124,6 +133,9 @@ def main():
                         help="auto: bfloat16 on CUDA (what training uses there), float32 on CPU")
     parser.add_argument("--memory-pass", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.full and args.lengths:
+        parser.error("--full is a set of lengths of its own; give --full or --lengths, not both")
+    args.lengths = args.lengths or (FULL_LENGTHS if args.full else QUICK_LENGTHS)
     memory_pass = args.memory_pass
     passed = [a for a in sys.argv[1:] if a != "--memory-pass"]
     if "--devices" in passed:                    # the child gets --devices cpu of its own
@@ -133,6 +145,12 @@ def main():
             j += 1
         passed = passed[:i] + passed[j:]
     devices = args.devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+    if not memory_pass:
+        print(f"T = {' '.join(map(str, args.lengths))} on {', '.join(devices)}: "
+              + ("over 10 minutes on a 2-core CPU" if max(args.lengths) > 4096 else
+                 "a minute or two on 2 quiet CPU cores" if max(args.lengths) <= 2048 else
+                 "a few minutes on a 2-core CPU")
+              + f"; each case is added to {OUT_JSON} as it is timed", flush=True)
     rows = []
     for dev in devices:
         device = torch.device(dev)
@@ -159,6 +177,7 @@ def main():
                     if not memory_pass:
                         print(f"{dev:>4} {label:<20} {rows[-1][2]:<7} T={T:>6}: "
                               f"{t * 1e3:9.2f} ms", flush=True)
+                        write_rows(rows)
     if memory_pass:
         print(json.dumps([{"backend": l, "pass": m, "T": T, "extra_bytes": mem}
                           for d, l, m, T, t, mem in rows]))
@@ -194,13 +213,22 @@ def main():
                     print(f"{dev} {mode} T={T}: banded window / sdpa causal = "
                           f"{band[T][0] / ref[T][0]:.3f}x time, "
                           f"{band[T][1] / max(ref[T][1], 1):.3f}x extra memory")
-    out = Path(__file__).resolve().parent / "out"
-    out.mkdir(exist_ok=True)
-    (out / "attention_cost.json").write_text(json.dumps(
-        [{"device": d, "backend": l, "pass": m, "T": T, "seconds": t, "extra_bytes": mem}
-         for d, l, m, T, t, mem in rows], indent=1))
+    write_rows(rows)
     if args.plot:
         plot(rows, args)
+
+
+OUT_JSON = Path(__file__).resolve().parent / "out" / "attention_cost.json"
+
+
+def write_rows(rows) -> None:
+    """Every case measured so far, replacing the file whole (a reader never meets half
+    of it); on a CPU the memory column is 0 until the memory pass has run."""
+    OUT_JSON.parent.mkdir(exist_ok=True)
+    part = OUT_JSON.with_suffix(".json.part")
+    part.write_text(json.dumps([{"device": d, "backend": l, "pass": m, "T": T, "seconds": t,
+                                 "extra_bytes": mem} for d, l, m, T, t, mem in rows], indent=1))
+    os.replace(part, OUT_JSON)
 
 
 def plot(rows, args):

@@ -174,7 +174,7 @@ class StepExplainer:
         self.steps: list[dict] = []
 
     def __call__(self, logits: torch.Tensor, token: torch.Tensor) -> None:
-        before = torch.softmax(logits[0].float(), dim=-1)              # the model's own belief
+        before = next_token_distribution(logits[:1], 1.0)[0]           # the model's own belief
         after = next_token_distribution(logits[:1], *self.settings)[0]   # what is sampled from
         top = torch.topk(before, min(self.show, before.numel()))
         chosen = int(token[0, 0])

@@ -376,8 +376,9 @@ def diverged(run: Run, what: str, value: float) -> TrainingDiverged:
 
 @contextlib.contextmanager
 def stop_signals(run: Run):
-    """Ctrl-C or SIGTERM asks the loop to save and stop after the current step; a
-    second one stops at once. Under torchrun, Ctrl-C reaches every process at once and
+    """Ctrl-C or SIGTERM asks the loop to save and stop after the current step (a step
+    cut short has drawn its batch and dropout masks and may have moved weights, so its
+    state would not resume to the same losses); a second one stops at once. Under torchrun, Ctrl-C reaches every process at once and
     stops them all, so the handshake is for a single process."""
     def on_signal(signum, frame):
         if run.stop_signal is not None:

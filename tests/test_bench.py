@@ -62,3 +62,47 @@ def test_each_bench_scripts_help_says_what_it_does_and_what_each_option_does(pat
     silent = [action.option_strings[0] for action in parser._actions
               if action.option_strings and not action.help]
     assert not silent, f"{path.name}: options without help text: {silent}"
+
+
+def attention_cost():
+    path = ROOT / "bench" / "attention_cost.py"
+    spec = importlib.util.spec_from_file_location("bench_attention_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+def test_attention_costs_default_is_quick_and_the_full_sweep_is_named():
+    """The walkthrough's `python bench/attention_cost.py` ran past 10 minutes (T up to
+    16,384) with no word of how long; the long sweep is now --full, its time stated."""
+    parser = parser_of(ROOT / "bench" / "attention_cost.py")
+    helps = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings}
+    assert "a minute or two" in helps["--lengths"] and "over 10 minutes" in helps["--full"]
+    module = attention_cost()
+    assert max(module.QUICK_LENGTHS) <= 2048 and max(module.FULL_LENGTHS) == 16384
+
+
+def test_attention_cost_writes_each_case_as_it_is_timed(tmp_path, monkeypatch):
+    """The results were written only at the end, so a sweep stopped part way left
+    `attnlab.figures cost` an empty panel."""
+    import json
+    module = attention_cost()
+    monkeypatch.setattr(module, "OUT_JSON", tmp_path / "attention_cost.json")
+    timed = []
+
+    def measure(*args, **kwargs):
+        if len(timed) == 3:
+            raise KeyboardInterrupt                    # stopped part way
+        timed.append(args)
+        return 0.001 * len(timed), 0
+    monkeypatch.setattr(module, "measure", measure)
+    monkeypatch.setattr(sys, "argv", ["attention_cost.py", "--devices", "cpu", "--plot", ""])
+    with pytest.raises(KeyboardInterrupt):
+        module.main()
+    rows = json.loads((tmp_path / "attention_cost.json").read_text())
+    assert [r["seconds"] for r in rows] == [0.001, 0.002, 0.003]
+    assert list(tmp_path.iterdir()) == [tmp_path / "attention_cost.json"]      # no part file left

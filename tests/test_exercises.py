@@ -851,3 +851,45 @@ def test_an_exercise_file_too_large_to_be_one_is_refused_by_its_size_unread(tmp_
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr
     assert "02_causal_mask.py is 67,108,864 bytes" in errors[0]
+
+
+def test_an_exception_message_past_the_answer_pipes_size_is_a_failure_that_names_it(tmp_path):
+    """A message over 64 KB made the child's JSON answer too long: cut at the limit it did
+    not parse, and the check read it as sys.exit()/os._exit()."""
+    ex = EXERCISES[0]
+    result = check(ex, write(tmp_path, ex, f"def {ex.function}(*args):\n"
+                                           "    raise ValueError('too big ' * 20_000)\n"))
+    assert result.status == "failed" and "ValueError" in result.message
+    assert "sys.exit()" not in result.message and len(result.message) <= 2000
+
+
+def test_the_answer_of_a_check_too_long_to_send_is_said_not_read_as_an_exit():
+    from attnlab.exercises import apart
+    ended = apart.run_apart(lambda: {"message": "x" * (1 << 17)}, 60)
+    assert ended.said == {"too_long": (1 << 17) + len('{"message": ""}')} and ended.code == 0
+
+
+def test_an_exercise_that_stops_itself_is_named_not_called_a_loop(tmp_path, monkeypatch):
+    """A process stopped by SIGSTOP neither ends nor runs: the checker waited out its time
+    limit and called it a loop that never ends."""
+    from attnlab.exercises import learner
+    monkeypatch.setattr(learner, "LIMIT_S", 30.0)
+    ex = EXERCISES[0]
+    result = check(ex, write(tmp_path, ex, f"import os, signal\ndef {ex.function}(*args):\n"
+                                           "    os.kill(os.getpid(), signal.SIGSTOP)\n"))
+    assert result.status == "failed" and "stopped the process that checked it (SIGSTOP" in result.message
+    assert "loop" not in result.message
+
+
+def test_control_characters_the_learner_prints_reach_the_terminal_as_escapes(tmp_path):
+    """An ANSI escape in the learner's print (or exception) reached the terminal raw: it
+    could clear the screen or recolour and hide the checker's own lines."""
+    ex = EXERCISES[0]
+    write(tmp_path, ex, f"def {ex.function}(*args):\n"
+                        "    print('\\x1b[2J\\x1b[31mred\\rback\\u202eflip\\tok')\n"
+                        "    raise ValueError('\\x1b]0;title\\x07')\n")
+    proc = run_script("-m", "attnlab.exercises", "check", ex.name, "--exercises", tmp_path,
+                      check=False, timeout=200)
+    assert "\\x1b[2J\\x1b[31mred\\x0dback\\u202eflip\tok" in proc.stdout
+    assert "\\x1b]0;title\\x07" in proc.stdout
+    assert not any(c in proc.stdout + proc.stderr for c in "\x1b\r\x07\u202e")

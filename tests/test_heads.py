@@ -162,6 +162,20 @@ def test_stats_says_its_layers_and_heads_are_counted_from_0(tmp_path, capsys):
     assert header.split()[:2] == ["layer", "head"] and rows[0].split()[:2] == ["0", "0"]
 
 
+
+def test_stats_refuses_a_text_of_one_token_rather_than_print_nan(corpus, tmp_path, capsys):
+    """A 1-token text has no query after the first: stats printed nan and called every
+    head a first-token (sink) head."""
+    from conftest import train_tiny
+
+    from attnlab.heads import main
+    from common.errors import AttnlabError
+    run = train_tiny(corpus, tmp_path, "r", "--train.max_iters=1")
+    with pytest.raises(AttnlabError, match="the text is 1 token; heads stats averages over the "
+                       "tokens after the first, so give a --text of at least 2 tokens"):
+        main(["stats", "--run", str(run), "--text", "e"])
+    assert "sink" not in capsys.readouterr().out
+
 # -- words are whole words; every tool says the same about the context; numbering ---
 
 def test_search_refuses_a_word_found_only_inside_another():

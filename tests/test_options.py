@@ -306,3 +306,73 @@ def test_a_run_trained_with_your_attention_opens_in_every_tool_that_reads_one(co
                             log=lines.append)
     assert f"attention: yours (scaled_dot_product_attention in {mine / '01_attention.py'})" in lines
     assert model.config.attention == cfg.model.attention
+
+
+@pytest.mark.parametrize("tool, argv, message", [
+    ("induction", ["--span", "100000"], "argument --span: '100000' is not a whole number from 4 to 128"),
+    ("induction", ["--span", "3"], "argument --span: '3' is not a whole number from 4 to 128"),
+    ("extrapolate", ["--runs", "x", "--batches", "0"], "argument --batches: '0' is not a whole number from 1 to 1,000"),
+    ("extrapolate", ["--runs", "x", "--batch_size", "100000000"], "argument --batch_size: '100000000' is not a whole number from 1 to 256"),
+    ("extrapolate", ["--runs", "x", "--factors", "1", "100000"], "argument --factors: '100000' is not a whole number from 1 to 64"),
+    ("fill", ["--text", "a [MASK]", "--top", "-1"], "argument --top: '-1' is not a whole number from 1 to 100"),
+    ("fill", ["--text", "a [MASK]", "--top", "0"], "argument --top: '0' is not a whole number from 1 to 100"),
+    ("fill", ["--text", "a [MASK]", "--top", "100000000"], "from 1 to 100"),
+])
+def test_an_option_out_of_its_range_is_refused_while_parsing(tool, argv, message, tmp_path,
+                                                             monkeypatch):
+    """Each of these was a traceback or an unbounded allocation: induction --span 100000
+    took 5.3 GB with no output, extrapolate --batches 0 divided by zero, fill --top -1 was
+    "selected index k out of range" and --top 0 printed nothing."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        main_of(tool)(argv)
+
+
+def test_a_batch_past_the_tokens_extrapolate_reads_is_refused_before_any_work(run_with_steps,
+                                                                              tmp_path):
+    with pytest.raises(AttnlabError, match=r"is 524,288 tokens a batch; this tool reads at "
+                       r"most 65,536: give a smaller --batch_size or smaller --factors"):
+        main_of("extrapolate")(["--runs", str(run_with_steps), "--batch_size", "256",
+                                "--factors", "1", "64", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--context", "16"], r"--context 16 cannot hold the task's fact, question and some filler"),
+    ([], r"context of 32 tokens cannot hold the task's fact, question and some filler"),
+])
+def test_recall_refuses_a_context_too_short_for_its_task_in_one_line(tmp_path, argv, message):
+    """`recall --model RUN --context 16` was a ValueError traceback from the task."""
+    from conftest import ROOT, train_tiny
+    run = train_tiny(ROOT / "data" / "shakespeare" / "plays.txt.gz", tmp_path, "r",
+                     "--train.max_iters=1")          # the plays hold every character the task writes
+    with pytest.raises(AttnlabError, match=message + r" in this tokenizer: give --context \d+ or more"):
+        main_of("recall")(["--model", str(run), *argv, "--factors", "1", "--out", str(tmp_path / "out")])
+
+
+def test_fill_shows_every_token_when_top_is_past_the_vocabulary():
+    import torch
+    from attnlab.fill import fill
+    from data.tokenizer import CharTokenizer
+    from model import GPT, ModelConfig
+    tok = CharTokenizer("ab ").with_mask()
+    model = GPT(ModelConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=1, n_embd=8, block_size=8,
+                            causal=False)).eval()
+    (_, guesses), = fill(model, tok, "a[MASK]", top=100)
+    assert len(guesses) == tok.vocab_size
+
+
+def test_evaluate_reads_a_gzipped_corpus_as_train_does(run_with_steps, corpus, tmp_path, capsys):
+    """`evaluate --data data/shakespeare/plays.txt.gz` refused the corpus train.py reads
+    ("not UTF-8 text"); its loss is the plain text's."""
+    import gzip
+    text = Path(corpus).read_text(encoding="utf-8")[-2000:]
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "t.txt.gz").write_bytes(gzip.compress(text.encode("utf-8")))
+    scores = []
+    for name in ("t.txt", "t.txt.gz"):
+        main_of("evaluate")(["--run", str(run_with_steps), "--data", str(tmp_path / name)])
+        scores.append([l for l in capsys.readouterr().out.splitlines() if l.startswith("attnlab ")])
+    assert scores[0] == scores[1] and scores[0]
+    (tmp_path / "bad.gz").write_bytes(b"not a gzip")
+    with pytest.raises(Exception, match="bad.gz is not readable gzip"):
+        main_of("evaluate")(["--run", str(run_with_steps), "--data", str(tmp_path / "bad.gz")])

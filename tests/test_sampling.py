@@ -151,3 +151,33 @@ def test_a_tiny_positive_temperature_is_nearly_greedy_not_nan(temperature):
     assert torch.equal(probs[0], torch.tensor([0.0, 1.0, 0.0, 0.0]))
     assert torch.equal(probs[1], torch.tensor([0.5, 0.5, 0.0, 0.0]))     # a tie stays a tie
     assert sample_next(logits, temperature, generator=torch.Generator().manual_seed(0))[0].item() == 1
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-46, 5e-324])
+def test_a_top_p_below_float32s_range_keeps_the_likeliest_token(top_p):
+    """top_p compared with float32 sums rounds 1e-300 to 0, which dropped every token:
+    a softmax over -inf gave NaN and torch.multinomial a traceback."""
+    probs = next_token_distribution(LOGITS, 1.0, top_p=top_p)
+    assert torch.equal(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0, 0.0]]))
+    assert sample_next(LOGITS, 1.0, top_p=top_p).item() == 0
+
+
+@pytest.mark.parametrize("row, expected", [
+    ([1.0, float("inf"), 0.0, float("nan")], [0.0, 1.0, 0.0, 0.0]),     # +inf wins, NaN scores nothing
+    ([float("inf"), float("inf"), 0.0, 1.0], [0.5, 0.5, 0.0, 0.0]),
+    ([float("nan")] * 4, [0.25] * 4),                                   # nothing finite: uniform
+    ([float("-inf")] * 4, [0.25] * 4),
+    ([3e38, -3e38, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]),                    # finite, but the gap overflows
+])
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.5, top_k=2),
+                                      dict(temperature=2.0, top_p=0.9), dict(temperature=float("inf"))])
+def test_logits_that_overflowed_still_give_a_distribution(row, expected, settings):
+    """Weights scaled by 1e30 are finite but overflow in the forward pass: the logits come
+    out inf or NaN, and the softmax handed torch.multinomial NaN (a traceback)."""
+    logits = torch.tensor([row])
+    probs = next_token_distribution(logits, **settings)
+    assert torch.isfinite(probs).all() and probs.sum().item() == pytest.approx(1.0)
+    if settings == dict(temperature=1.0):
+        assert probs[0].tolist() == pytest.approx(expected)
+    drawn = sample_next(logits.expand(50, -1), generator=torch.Generator().manual_seed(0), **settings)
+    assert (probs[0][drawn[:, 0]] > 0).all()

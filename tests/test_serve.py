@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from conftest import ROOT, run_script, train_tiny
 
@@ -668,3 +669,42 @@ def test_the_model_thread_outlives_any_base_exception():
         finally:
             thread.close()
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("mechanism, drawn", [("deltanet", [False, False]), ("deltanet,mha", [False, True])])
+def test_a_step_in_a_model_without_attention_weights_keeps_its_candidates(corpus, tmp_path,
+                                                                            mechanism, drawn):
+    """A click on a token of a DeltaNet model (or a hybrid with a DeltaNet layer) was a 400
+    for the whole step, and the sampler's candidates vanished with the attention."""
+    run = train_tiny(corpus, tmp_path, "r", f"--model.mechanism={mechanism}", "--train.max_iters=4")
+    model, cfg, tokenizer, ckpt = load_run(run)
+    with TestClient(create_app(Service(model, cfg, tokenizer, str(ckpt))),
+                    base_url="http://127.0.0.1:8000") as c:
+        events = stream(c, prompt="KING", max_new_tokens="6", temperature="0.9", seed="3")
+        ids = events[0]["prompt_ids"] + [e["id"] for e in events if "token" in e]
+        response = c.post("/api/step", json={"ids": ids, "index": len(ids) - 1,
+                                             "settings": {"temperature": "0.9"}})
+        assert response.status_code == 200, response.json()
+        step = response.json()
+    assert [w is not None for w in step["weights"]] == drawn
+    assert "deltanet has no attention weights to draw" in step["no_attention"]
+    assert "\n" not in step["no_attention"] and ("layer 0:" in step["no_attention"]) == any(drawn)
+    assert ids[-1] in [c[3] for c in step["candidates"]]
+    assert sum(c[2] for c in step["candidates"]) <= 1 + 1e-4
+
+
+def test_a_step_of_a_model_whose_logits_overflow_is_finite_json(tiny_run):
+    """Finite weights scaled by 1e30 overflow to inf and NaN in the forward pass: the page's
+    step said "internal error" (NaN is no JSON) and sampling was a multinomial traceback."""
+    model, cfg, tokenizer, ckpt = load_run(tiny_run)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1e30)
+    with TestClient(create_app(Service(model, cfg, tokenizer, str(ckpt))),
+                    base_url="http://127.0.0.1:8000") as c:
+        events = stream(c, prompt="KING", max_new_tokens="5", top_p="0.9")
+        ids = events[0]["prompt_ids"] + [e["id"] for e in events if "token" in e]
+        assert len(ids) == len(events[0]["prompt_ids"]) + 5
+        response = c.post("/api/step", json={"ids": ids, "index": len(ids) - 1, "settings": {}})
+        assert response.status_code == 200, response.text
+        assert all(0 <= b <= 1 and 0 <= a <= 1 for _, b, a, _ in response.json()["candidates"])

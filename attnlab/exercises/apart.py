@@ -12,6 +12,7 @@ import codecs
 import ctypes
 import json
 import os
+import re
 import resource
 import select
 import signal
@@ -37,11 +38,26 @@ class Ended:
     """How the learner's code ended: what it answered when it got that far (or
     {"raised": name} for what stops a program, such as KeyboardInterrupt), whether the
     limit stopped it, its exit code (negative: the signal; None: the watcher was killed
-    before it could say), and how many printed characters were not shown."""
+    before it could say), how many printed characters were not shown, and the signal that
+    stopped it (SIGSTOP: a process paused, not looping, then killed) or 0."""
     said: dict | None
     timed_out: bool
     code: int | None
     printed_more: int               # characters of output not shown
+    stopped: int = 0
+
+
+# Characters that steer a terminal rather than print: C0 and C1 controls (an ANSI escape
+# starts with ESC, 0x1b; a carriage return overwrites the line) and Unicode's invisible
+# and bidirectional marks. Shown as escapes, so the learner's output cannot clear the
+# screen, recolour it, or hide or reorder the checker's own lines. Newline and tab stay.
+_STEERING = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """`text` with every character that steers a terminal written as an escape (\\x1b)."""
+    return _STEERING.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100
+                         else f"\\u{ord(m[0]):04x}", text)
 
 
 def run_apart(task: Callable[[], dict], limit_s: float) -> Ended:
@@ -66,6 +82,7 @@ def run_apart(task: Callable[[], dict], limit_s: float) -> Ended:
     finally:
         child = _first_int(read[status_r], 0)
         code = _first_int(read[status_r], 1)
+        stopped = _first_int(read[status_r], 2) or 0
         if child:                  # it, or anything it started, may still run: none outlives it
             _kill_group(child)
         _kill_and_reap(watcher)
@@ -75,7 +92,8 @@ def run_apart(task: Callable[[], dict], limit_s: float) -> Ended:
         for fd in (answer_r, status_r, out_r):
             os.close(fd)
     relay.close()
-    return Ended(_answer(read[answer_r]), timed_out, None if timed_out else code, relay.dropped)
+    return Ended(_answer(read[answer_r]), timed_out, None if timed_out else code, relay.dropped,
+                 0 if timed_out else stopped)
 
 
 def _gather(read: dict, answer_r: int, status_r: int, out_r: int, relay: "_Relay",
@@ -121,7 +139,7 @@ class _Relay:
         self.shown = self.dropped = 0
 
     def write(self, chunk: bytes) -> None:
-        text = self.decoder.decode(chunk)
+        text = printable(self.decoder.decode(chunk))
         room = max(OUTPUT_LIMIT - self.shown, 0)
         if room:
             sys.stdout.write(text[:room])
@@ -154,8 +172,14 @@ def _watch(task, read_ends, answer_w: int, out_w: int, status_w: int) -> None:
         os.close(answer_w)
         os.close(out_w)
         os.write(status_w, f"{child}\n".encode())
-        _, status = os.waitpid(child, 0)
-        os.write(status_w, f"{os.waitstatus_to_exitcode(status)}\n".encode())
+        # WUNTRACED: a process that stopped itself (SIGSTOP) would otherwise sit until the
+        # time limit and be called a loop.
+        _, status = os.waitpid(child, os.WUNTRACED)
+        stopped = os.WSTOPSIG(status) if os.WIFSTOPPED(status) else 0
+        if stopped:
+            _kill_group(child)
+            _, status = os.waitpid(child, 0)
+        os.write(status_w, f"{os.waitstatus_to_exitcode(status)}\n{stopped}\n".encode())
     finally:
         os._exit(0)
 
@@ -180,7 +204,10 @@ def _learner(task, answer_w: int, out_w: int) -> None:
             return
         except BaseException as err:                       # KeyboardInterrupt and its kind
             said = {"raised": type(err).__name__}
-        os.write(answer_w, json.dumps(said).encode()[:_RESULT_LIMIT])
+        answer = json.dumps(said).encode()
+        # Cut short, the JSON would not parse and the answer would read as an exit.
+        os.write(answer_w, answer if len(answer) <= _RESULT_LIMIT else
+                 json.dumps({"too_long": len(answer)}).encode())
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:

@@ -98,6 +98,8 @@ class LearnerCodeError(Exception):
 STATUSES = ("passed", "failed", "not started", "missing", "empty", "not a file")
 # Seconds one exercise's check may take; the reference answers take well under one.
 LIMIT_S = 60.0
+# Characters of a check's message shown (an exception's message may be any length).
+MESSAGE_LIMIT = 2000
 
 
 def check(ex: Exercise, folder: Path) -> Result:
@@ -118,7 +120,7 @@ def check(ex: Exercise, folder: Path) -> Result:
     ended = apart.run_apart(lambda: _check_in_child(ex, folder), LIMIT_S)
     said = ended.said or {}
     if said.get("status") in STATUSES and isinstance(said.get("message"), str):
-        return Result(ex, said["status"][:40], said["message"][:2000])
+        return Result(ex, said["status"][:40], apart.printable(said["message"][:MESSAGE_LIMIT]))
     return Result(ex, "failed", _how_it_ended(ex, ended))
 
 
@@ -158,8 +160,15 @@ def _how_it_ended(ex: Exercise, ended: apart.Ended) -> str:
     if ended.timed_out:
         return (f"{ex.filename} did not finish within {LIMIT_S:g} s and was stopped: a loop "
                 f"that never ends, in {ex.function} or at import?")
+    if ended.stopped:
+        return (f"{ex.filename} stopped the process that checked it "
+                f"({signal.Signals(ended.stopped).name}: os.kill(os.getpid(), signal.SIGSTOP) "
+                "in it?); the check was ended")
+    if "too_long" in (ended.said or {}):
+        return (f"{ex.filename} gave the checker an answer of {ended.said['too_long']:,} bytes "
+                "(a message that long?); the check was ended")
     if "raised" in (ended.said or {}):
-        return (f"{ex.filename} raised {str(ended.said['raised'])[:40]}, which stops a program; "
+        return (f"{ex.filename} raised {apart.printable(str(ended.said['raised'])[:40])}, which stops a program; "
                 f"{ex.function} returns its result instead")
     code = ended.code
     if code is None:
@@ -176,7 +185,8 @@ def _check_in_child(ex: Exercise, folder: Path) -> dict:
     """The check itself, in the child: its status and message, for the parent."""
     use_threads(1)                            # no thread pool of the parent's is used here
     status, message = _check_here(ex, folder)
-    return {"status": status, "message": message}
+    # The parent shows this much; cut here, a long exception message still fits the answer.
+    return {"status": status, "message": message[:MESSAGE_LIMIT]}
 
 
 def _check_here(ex: Exercise, folder: Path) -> tuple[str, str]:

@@ -87,7 +87,8 @@ class YourSinusoidal(YourPositions):
 
 class YourLinearAttention(LinearAttention):
     """Linear attention whose sums your linear_attention_step makes: the RNN form, token
-    by token, in place of the chunked parallel form (the same numbers, more slowly)."""
+    by token, in place of the chunked parallel form: the same sums in another order, so
+    equal within float rounding at each step, near linear's losses over a run, and slower."""
     learner = None             # set on the subclass prepare() makes
 
     def sums(self, q, k, v, state):

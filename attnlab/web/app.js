@@ -158,10 +158,17 @@ function drawScale() {
   }
 }
 
+// A layer whose mechanism keeps no weight per earlier token (DeltaNet, linear attention)
+// comes as null, with the reason in no_attention; the candidates are drawn all the same.
 function drawGrid(att) {
-  const grid = $("grid");
+  const grid = $("grid"), note = $("no-attention");
   grid.innerHTML = "";
-  const layers = att.weights.length, heads = att.weights[0].length;
+  $("enlarged").innerHTML = "";
+  note.textContent = att.no_attention || "";
+  note.hidden = !att.no_attention;
+  const drawn = att.weights.flatMap((w, l) => (w ? [l] : []));
+  if (!drawn.length) return;
+  const layers = att.weights.length, heads = att.weights[drawn[0]].length;
   grid.style.gridTemplateColumns = `auto repeat(${heads}, auto)`;
   grid.appendChild(document.createElement("span"));
   for (let h = 0; h < heads; h++) {
@@ -175,6 +182,14 @@ function drawGrid(att) {
     label.className = "label";
     label.textContent = `layer ${l}`;
     grid.appendChild(label);
+    if (!att.weights[l]) {
+      const none = document.createElement("span");
+      none.className = "label";
+      none.style.gridColumn = `span ${heads}`;
+      none.textContent = "no attention weights";
+      grid.appendChild(none);
+      continue;
+    }
     for (let h = 0; h < heads; h++) {
       const row = att.weights[l][h];
       const canvas = document.createElement("canvas");
@@ -191,7 +206,7 @@ function drawGrid(att) {
       grid.appendChild(canvas);
     }
   }
-  enlarge(att, layers - 1, 0);
+  enlarge(att, drawn[drawn.length - 1], 0);
 }
 
 function enlarge(att, layer, head) {
