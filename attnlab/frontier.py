@@ -20,7 +20,9 @@ any other registered model.mechanism is measured when named (`--mechanisms
 differential`). Each is trained twice: as a language model on the bundled corpus (by
 train.py, as attnlab.compare does: val loss and training tokens/s), and on multi-query
 associative recall (attnlab/mqar_task.py, Zoology's task) with 1..N key-value pairs at
-the longest MQAR length, then tested at every length and number of pairs that fits.
+the longest MQAR length, then tested at every length and number of pairs that fits; the
+MQAR models train in a second process, on the second core, while this one runs the
+language models and times decoding.
 Beside every MQAR score stands its floor: what a model that never matches a query to
 its key scores on the same examples (1/N). Decoding is timed one token at a time after
 a cache filled with `context` tokens, and the bytes that cache holds are read from it
@@ -40,11 +42,14 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import multiprocessing
 import os
 import shutil
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -241,6 +246,7 @@ def mqar(mechanism: Mechanism, s: Settings) -> dict:
     most pairs it holds (RoPE and the convolution see only offsets, so the shorter
     lengths test the same lookup with the pairs nearer)."""
     from attnlab.mqar_task import score, train
+    torch.set_num_threads(s.threads)         # in a worker process too
     task = mqar_task(s)
     model = train(task, {**BASE, **mechanism.model}, max(s.mqar_lengths), s.mqar_steps,
                   batch=s.mqar_batch, lr=s.mqar_lr, log=lambda line: None)
@@ -255,15 +261,23 @@ def mqar_floors(s: Settings) -> dict:
             for n, p in mqar_cells(s)}
 
 
-def measure(name: str, mechanism: Mechanism, s: Settings, out: Path, bar) -> dict:
+def measure(name: str, mechanism: Mechanism, s: Settings, out: Path, bar, recall) -> dict:
+    """One row: the language model and the decoding here, and the MQAR cells from
+    `recall`, a future of `mqar` running beside them."""
     row = {"mechanism": name, "about": mechanism.about}
     for stage, work in (("language model", lambda: language_model(name, mechanism, s, out)),
-                        ("MQAR", lambda: mqar(mechanism, s)),
-                        ("decoding", lambda: decode_columns(mechanism, s, s.vocab))):
+                        ("decoding", lambda: decode_columns(mechanism, s, s.vocab)),
+                        ("MQAR", recall.result)):
         bar.set_description(f"{name}: {stage}")
         row.update(work())
         bar.update()
     return row
+
+
+def helpers(s: Settings) -> int:
+    """Processes to train the MQAR models in, beside this one: one while a second core is
+    free for it (each model uses s.threads), else none."""
+    return 1 if (os.cpu_count() or 1) >= 2 * s.threads else 0
 
 
 # ---------------------------------------------------------------- the table and the figure
@@ -398,7 +412,7 @@ def parser() -> Parser:
                    "short contexts, a few examples (seconds per mechanism; its numbers are "
                    "noise, and its table says so)")
     p.add_argument("--steps", type=whole(1, 100_000), default=None,
-                   help=f"training steps of each model (default {Settings.steps}; --quick {QUICK['steps']})")
+                   help=f"training steps of each language model (default {Settings.steps}; --quick {QUICK['steps']})")
     p.add_argument("--contexts", type=whole(16, 65_536), nargs="+", default=None, metavar="N",
                    help="contexts (tokens in the cache) to time decoding at, 2 to 5 of them "
                         f"(default {' '.join(map(str, Settings.contexts))})")
@@ -451,6 +465,16 @@ def settings_of(args) -> Settings:
     return s
 
 
+class Later:
+    """A future that runs its call when asked for the result (one process, one core)."""
+
+    def __init__(self, call, *args):
+        self.call, self.args = call, args
+
+    def result(self):
+        return self.call(*self.args)
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     s = settings_of(args)
@@ -472,10 +496,20 @@ def main(argv=None) -> int:
     floors = mqar_floors(s)
     last = f"mqar_{max(s.mqar_lengths)}_{max(p for n, p in mqar_cells(s) if n == max(s.mqar_lengths))}"
     rows = []
-    with tqdm(total=3 * len(chosen), unit="stage", dynamic_ncols=True) as bar:
+    # The MQAR models train one after another in a second process (a second core) while
+    # this one runs the language models and times the decoding: the whole takes about
+    # the longer of the two queues, not their sum.
+    with ExitStack() as stack:
+        bar = stack.enter_context(tqdm(total=3 * len(chosen), unit="stage", dynamic_ncols=True))
+        if helpers(s):
+            pool = stack.enter_context(ProcessPoolExecutor(
+                helpers(s), mp_context=multiprocessing.get_context("spawn")))
+            recall = {n: pool.submit(mqar, m, s) for n, m in chosen.items()}
+        else:
+            recall = {n: Later(mqar, m, s) for n, m in chosen.items()}
         for name, mechanism in chosen.items():
             started = time.perf_counter()
-            rows.append(measure(name, mechanism, s, out, bar))
+            rows.append(measure(name, mechanism, s, out, bar, recall[name]))
             bar.write(f"{name}: val loss {rows[-1]['val_loss']:.3f}, {last} "
                       f"{rows[-1][last]:.0%} (floor {floors[last]:.0%}), "
                       f"{time.perf_counter() - started:.0f} s")
