@@ -97,8 +97,10 @@ MECHANISMS = {
                           {"mechanism": "deltanet"}),
     "gated_deltanet": Mechanism("the gated delta rule (arXiv:2412.06464): a state that "
                                 "also fades", {"mechanism": "gated_deltanet"}),
-    "hybrid": Mechanism("a linear-attention layer under a softmax one",
-                        {"mechanism": "linear,mha"}),
+    # Softmax first: with the layers the other way round (linear,mha) the model did not
+    # learn MQAR's lookup in the frontier's steps (docs/after_the_article.md).
+    "hybrid": Mechanism("a softmax layer under a linear-attention one",
+                        {"mechanism": "mha,linear"}),
 }
 
 
