@@ -116,7 +116,7 @@ def measurable() -> dict[str, Mechanism]:
 
 @dataclass
 class Settings:
-    """One run's sizes: the defaults fit about 15 minutes on 2 quiet cores; --quick is a test."""
+    """One run's sizes: the defaults take about 18 minutes on 2 cores; --quick is a test."""
     steps: int = 600                 # training steps of each language model
     contexts: tuple = (1024, 4096, 16384)   # decode timed with a cache of this many tokens
     decode_steps: int = 12           # tokens decoded (2 untimed) at each context
@@ -137,7 +137,7 @@ OUT, QUICK_OUT = "runs/frontier", "runs/frontier-quick"
 # Said in the table of a --quick run, where a reader meets its numbers.
 QUICK_NOTE = ("--quick: a test of the command, not a measurement: a few steps a model, so "
               "every val loss and MQAR cell below is noise. The measurement is "
-              "`python -m attnlab.frontier` (about 15 minutes on 2 quiet cores).")
+              "`python -m attnlab.frontier` (about 18 minutes on 2 cores).")
 
 
 def mqar_cells(s: Settings) -> list[tuple[int, int]]:
