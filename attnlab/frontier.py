@@ -1,9 +1,9 @@
 """The recall-against-memory frontier: what each attention mechanism keeps to decode the
 next token, and what it can still recall with it, side by side.
 
-    python -m attnlab.frontier --out runs/frontier                  # every mechanism
+    python -m attnlab.frontier                                      # every mechanism
     python -m attnlab.frontier --mechanisms mha gqa mqa window --out runs/frontier-kv
-    python -m attnlab.frontier --quick --mechanisms mha mqa --out runs/frontier-quick
+    python -m attnlab.frontier --quick                              # a test of the command
 
 Softmax attention keeps every earlier token's key and value, so its memory grows with
 the text; grouped-query (GQA) and multi-query (MQA) attention share keys and values
@@ -14,21 +14,27 @@ recall of what came earlier falls as the memory shrinks. This command measures t
 same trade on a laptop.
 
 Each mechanism is an entry of MECHANISMS, model config fields over one small base
-model (the retrieval lab's, attnlab/recall.py); any other registered model.mechanism
-is measured when named (`--mechanisms differential`). Each is trained three times for the
-same number of steps: as a language model on the bundled corpus (by train.py, as
-attnlab.compare does: val loss and training tokens/s), on the retrieval lab's fact by
-depth and length, and on multi-query associative recall (attnlab/mqar_task.py) with
-1..N key-value pairs, tested at each N. Decoding is timed one token at a time after a
-cache filled with `context` tokens, and the bytes that cache holds are read from it
+model (BASE: the retrieval lab's 2 layers of 64, with the short causal convolution
+that Based, DeltaNet and Gated DeltaNet put before their mixers, for every row alike);
+any other registered model.mechanism is measured when named (`--mechanisms
+differential`). Each is trained twice: as a language model on the bundled corpus (by
+train.py, as attnlab.compare does: val loss and training tokens/s), and on multi-query
+associative recall (attnlab/mqar_task.py, Zoology's task) with 1..N key-value pairs at
+the longest MQAR length, then tested at every length and number of pairs that fits; the
+MQAR models train in a second process, on the second core, while this one runs the
+language models and times decoding.
+Beside every MQAR score stands its floor: what a model that never matches a query to
+its key scores on the same examples (1/N). Decoding is timed one token at a time after
+a cache filled with `context` tokens, and the bytes that cache holds are read from it
 (the model's own cache says its size), so a mechanism that keeps something else than
 keys and values reports its own. An entry whose config this model cannot build yet
 (a mechanism not registered on this branch) is skipped with one line.
 
-Writes into --out: frontier.md and frontier.csv (one row per mechanism) and
-frontier.png (recall against memory per token, one point per mechanism, log x), and
-keeps the language models' run folders under lm/ (a run of the same mechanism into
-the same folder replaces them). Timings are of this machine at this
+Writes into --out (runs/frontier; with --quick, runs/frontier-quick): frontier.md and
+frontier.csv (one row per mechanism, and the floor's row) and frontier.png (MQAR
+accuracy against memory per token at the longest length, and against the number of
+pairs), and keeps the language models' run folders under lm/ (a run of the same
+mechanism into the same folder replaces them). Timings are of this machine at this
 moment: other work on it makes them slower and noisier.
 """
 from __future__ import annotations
@@ -36,11 +42,14 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import multiprocessing
 import os
 import shutil
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -58,10 +67,17 @@ from engine.machine import use_threads
 
 @dataclass(frozen=True)
 class Mechanism:
-    """A mechanism to measure: model config fields over the base model (recall.BASE)."""
+    """A mechanism to measure: model config fields over the base model (BASE)."""
     about: str
     model: dict = field(default_factory=dict)
 
+
+# The retrieval lab's small model (2 layers, 4 heads, 64 wide), with a causal convolution
+# over each position and the 3 before it ahead of every mixer: Based (arXiv:2402.18668)
+# and the DeltaNet and Gated DeltaNet models (arXiv:2406.06484, arXiv:2412.06464) put one
+# there, and it hands each token its predecessor, so a key and its value meet in one
+# position and the lookup MQAR asks for is learned in hundreds of steps, not thousands.
+BASE = dict(n_layer=2, n_head=4, n_embd=64, mlp="gelu", position="rope", token_mix=4)
 
 # The base model has 4 heads: GQA shares each key/value head between 2 of them, MQA one
 # between all 4. The entries after the window change the attention's maths, each a choice
@@ -80,8 +96,12 @@ MECHANISMS = {
                         {"mechanism": "linear"}),
     "deltanet": Mechanism("the delta rule (arXiv:2406.06484): a state of fixed size",
                           {"mechanism": "deltanet"}),
-    "hybrid": Mechanism("a linear-attention layer under a softmax one",
-                        {"mechanism": "linear,mha"}),
+    "gated_deltanet": Mechanism("the gated delta rule (arXiv:2412.06464): a state that "
+                                "also fades", {"mechanism": "gated_deltanet"}),
+    # Softmax first: with the layers the other way round (linear,mha) the model did not
+    # learn MQAR's lookup in the frontier's steps (docs/after_the_article.md).
+    "hybrid": Mechanism("a softmax layer under a linear-attention one",
+                        {"mechanism": "mha,linear"}),
 }
 
 
@@ -97,30 +117,39 @@ def measurable() -> dict[str, Mechanism]:
 
 @dataclass
 class Settings:
-    """One run's sizes: the defaults fit about 15 minutes on 2 cores; --quick is a test."""
-    steps: int = 600                 # training steps of each of a mechanism's three models
+    """One run's sizes: the defaults take about 18 minutes on 2 cores; --quick is a test."""
+    steps: int = 600                 # training steps of each language model
     contexts: tuple = (1024, 4096, 16384)   # decode timed with a cache of this many tokens
     decode_steps: int = 12           # tokens decoded (2 untimed) at each context
-    factors: tuple = (1, 2, 4)       # retrieval lab: lengths, as multiples of its context
-    depths: tuple = (0.0, 0.5, 1.0)
-    recall_context: int = 96
-    pairs: tuple = (1, 2, 4, 8)      # MQAR: key-value pairs tested (trained on 1..max)
-    mqar_length: int = 64
-    keys: int = 32                   # MQAR keys, and as many values (chance 1/keys)
-    examples: int = 32               # examples per recall cell and per MQAR pair count
+    mqar_steps: int = 800            # MQAR training steps, at the longest length
+    mqar_batch: int = 32
+    mqar_lr: float = 3e-3
+    mqar_lengths: tuple = (64, 128)  # MQAR tested at each; trained at the longest
+    pairs: tuple = (1, 2, 4, 8, 16, 32)   # tested where they fit (4 tokens a pair)
+    vocab: int = 256                 # MQAR tokens: keys the lower half, values the upper
+    examples: int = 256              # test examples per MQAR cell
     threads: int = 1
 
 
-DIGITS = 2                           # of the retrieval lab's answer: chance 1%
+QUICK = dict(steps=4, contexts=(32, 64), decode_steps=3, mqar_steps=4, mqar_lengths=(16, 32),
+             pairs=(1, 2, 4, 8), examples=8)
+OUT, QUICK_OUT = "runs/frontier", "runs/frontier-quick"
 
-QUICK = dict(steps=4, contexts=(32, 64), decode_steps=3, factors=(1, 2), depths=(0.0, 1.0),
-             recall_context=64, pairs=(2, 4), mqar_length=32, keys=8, examples=2)
+# Said in the table of a --quick run, where a reader meets its numbers.
+QUICK_NOTE = ("--quick: a test of the command, not a measurement: a few steps a model, so "
+              "every val loss and MQAR cell below is noise. The measurement is "
+              "`python -m attnlab.frontier` (about 18 minutes on 2 cores).")
+
+
+def mqar_cells(s: Settings) -> list[tuple[int, int]]:
+    """(length, pairs) of every MQAR cell: each length with every number of pairs it holds."""
+    from attnlab.mqar_task import most_pairs
+    return [(n, p) for n in s.mqar_lengths for p in s.pairs if p <= most_pairs(n)]
 
 
 def why_not(mechanism: Mechanism) -> str | None:
     """None where the model builds this entry's config; else why not, in one line (a
     field or a name this branch does not have yet)."""
-    from attnlab.recall import BASE
     from model import GPT, ModelConfig, ModelError
     fields = {**BASE, **mechanism.model, "vocab_size": 8, "block_size": 64}
     unknown = sorted(set(fields) - set(ModelConfig.__dataclass_fields__))
@@ -135,7 +164,6 @@ def why_not(mechanism: Mechanism) -> str | None:
 
 def model_args(mechanism: Mechanism) -> str:
     """train.py options for the base model with this entry's fields over it."""
-    from attnlab.recall import BASE
     return " ".join(f"--model.{k}={v}" for k, v in {**BASE, **mechanism.model}.items())
 
 
@@ -179,7 +207,6 @@ def memory_per_token(row: dict, length: int) -> float:
 
 
 def decode_columns(mechanism: Mechanism, s: Settings, vocab_size: int) -> dict:
-    from attnlab.recall import BASE
     from model import GPT, ModelConfig
     torch.manual_seed(0)
     cfg = ModelConfig(**{**BASE, **mechanism.model, "vocab_size": vocab_size,
@@ -193,7 +220,7 @@ def decode_columns(mechanism: Mechanism, s: Settings, vocab_size: int) -> dict:
     return row
 
 
-# ---------------------------------------------------------------- the three trainings
+# ---------------------------------------------------------------- the two trainings
 
 # train.py options every language model gets (a test adds its own token cache folder).
 LM_OPTIONS = ["--train.eval_iters=10", "--train.wandb=disabled"]
@@ -212,47 +239,60 @@ def language_model(name: str, mechanism: Mechanism, s: Settings, out: Path) -> d
     return {"params": r["params"], "val_loss": r["val_loss"], "train_tokens_per_s": r["tokens_per_s"]}
 
 
-def retrieval(mechanism: Mechanism, s: Settings, task) -> dict:
-    """The retrieval lab's fact (attnlab/recall.py): share of whole answers right, over
-    every depth, at each length."""
-    from attnlab.recall import Variant, grid, train_variant
-    model = train_variant(task, Variant(mechanism.about, mechanism.model), s.recall_context,
-                          s.steps, log=lambda line: None)
-    rows = grid(model, task, s.recall_context, s.factors, s.depths, s.examples)
-    return {f"recall_{f}x": statistics.mean(r["correct"] for r in rows if r["factor"] == f)
-            for f in s.factors}
+def mqar_task(s: Settings):
+    from attnlab.mqar_task import MQARTask, most_pairs
+    return MQARTask(s.vocab, min(max(p for _, p in mqar_cells(s)), most_pairs(max(s.mqar_lengths))))
 
 
 def mqar(mechanism: Mechanism, s: Settings) -> dict:
-    """MQAR accuracy at each number of key-value pairs, of a model trained on 1..max."""
-    from attnlab.mqar_task import MQARTask, score
-    from attnlab.recall import Variant, train_variant
-    task = MQARTask(s.keys, s.keys, max(s.pairs))
-    model = train_variant(task, Variant(mechanism.about, mechanism.model), s.mqar_length,
-                          s.steps, log=lambda line: None)
-    return {f"mqar_{p}": score(model, task, s.mqar_length, p, s.examples) for p in s.pairs}
+    """MQAR accuracy in every cell, of one model trained at the longest length on 1..the
+    most pairs it holds (RoPE and the convolution see only offsets, so the shorter
+    lengths test the same lookup with the pairs nearer)."""
+    from attnlab.mqar_task import score, train
+    use_threads(s.threads)                   # in a worker process too
+    task = mqar_task(s)
+    model = train(task, {**BASE, **mechanism.model}, max(s.mqar_lengths), s.mqar_steps,
+                  batch=s.mqar_batch, lr=s.mqar_lr, log=lambda line: None)
+    return {f"mqar_{n}_{p}": score(model, task, n, p, s.examples)[0] for n, p in mqar_cells(s)}
 
 
-def measure(name: str, mechanism: Mechanism, s: Settings, out: Path, recall_task, bar) -> dict:
+def mqar_floors(s: Settings) -> dict:
+    """The key-blind floor of every MQAR cell, on the examples each model is scored on."""
+    from attnlab.mqar_task import floor, test_batch
+    task = mqar_task(s)
+    return {f"mqar_{n}_{p}": floor(*test_batch(task, n, p, s.examples), s.vocab)
+            for n, p in mqar_cells(s)}
+
+
+def measure(name: str, mechanism: Mechanism, s: Settings, out: Path, bar, recall) -> dict:
+    """One row: the language model and the decoding here, and the MQAR cells from
+    `recall`, a future of `mqar` running beside them."""
     row = {"mechanism": name, "about": mechanism.about}
     for stage, work in (("language model", lambda: language_model(name, mechanism, s, out)),
-                        ("retrieval", lambda: retrieval(mechanism, s, recall_task)),
-                        ("MQAR", lambda: mqar(mechanism, s)),
-                        ("decoding", lambda: decode_columns(mechanism, s,
-                                                            recall_task.tokenizer.vocab_size))):
+                        ("decoding", lambda: decode_columns(mechanism, s, s.vocab)),
+                        ("MQAR", recall.result)):
         bar.set_description(f"{name}: {stage}")
         row.update(work())
         bar.update()
     return row
 
 
+def helpers(s: Settings) -> int:
+    """Processes to train the MQAR models in, beside this one: one while a second core is
+    free for it (each model uses s.threads), else none."""
+    return 1 if (os.cpu_count() or 1) >= 2 * s.threads else 0
+
+
 # ---------------------------------------------------------------- the table and the figure
+
+FLOOR = "key-blind floor"        # the floor's row: a model that never matches a query to its key
+
 
 def columns(s: Settings) -> list[str]:
     return (["mechanism", "params", "val_loss", "train_tokens_per_s"]
             + [f"decode_ms_at_{n}" for n in s.contexts]
             + ["cache_bytes_per_token", "state_bytes"]
-            + [f"recall_{f}x" for f in s.factors] + [f"mqar_{p}" for p in s.pairs] + ["about"])
+            + [f"mqar_{n}_{p}" for n, p in mqar_cells(s)] + ["about"])
 
 
 # What each column holds, printed under the table and written with it.
@@ -265,8 +305,9 @@ MEANING = {
                              "MLA's latent)",
     "state_bytes": "bytes the cache holds whatever the length: a recurrent state, or a "
                    "window's rolling buffer",
-    "recall_Nx": "the retrieval lab's fact found at N times the trained length, all depths",
-    "mqar_N": "multi-query associative recall with N key-value pairs",
+    "mqar_L_N": "multi-query associative recall, N key-value pairs in L tokens: share of "
+                "queries answered, and in brackets the key-blind floor (guessing among the "
+                "example's N values, 1/N), which a score must beat to show any recall",
 }
 
 
@@ -274,11 +315,11 @@ def legend() -> list[str]:
     return [f"- `{name}`: {meaning}" for name, meaning in MEANING.items()]
 
 
-def cell(key: str, value) -> str:
+def cell(key: str, value, floor: float | None = None) -> str:
     if isinstance(value, str):
         return value
-    if key.startswith(("recall_", "mqar_")):
-        return f"{value:.0%}"
+    if key.startswith("mqar_"):
+        return f"{value:.0%} ({floor:.0%})" if floor is not None else f"{value:.0%}"
     if key == "val_loss":
         return f"{value:.3f}"
     if key.startswith("decode_ms"):
@@ -286,46 +327,63 @@ def cell(key: str, value) -> str:
     return f"{value:,.0f}"
 
 
-def write_table(rows: list[dict], s: Settings, out: Path, header: str) -> None:
+def write_table(rows: list[dict], floors: dict, s: Settings, out: Path, header: list[str]) -> None:
     cols = columns(s)
     text = io.StringIO(newline="")
-    w = csv.DictWriter(text, cols)
+    w = csv.DictWriter(text, cols, restval="")
     w.writeheader()
     w.writerows({c: r[c] for c in cols} for r in rows)
+    w.writerow({"mechanism": FLOOR, **floors,
+                "about": "a model that never matches a query to its key: 1/N"})
     write_text_atomic(out / "frontier.csv", text.getvalue())
     shown = cols[:-1]
-    lines = [header, "", "| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
-    lines += ["| " + " | ".join(cell(c, r[c]) for c in shown) + " |" for r in rows]
+    lines = [*header, "", "| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+    lines += ["| " + " | ".join(cell(c, r[c], floors.get(c)) for c in shown) + " |" for r in rows]
     lines += ["", *legend()]
     write_text_atomic(out / "frontier.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
-def plot(rows: list[dict], s: Settings, out: Path) -> Path:
-    """Recall against memory per token of context, one point per mechanism: MQAR at the
-    most pairs, and the retrieval lab's fact at the trained length."""
+MARKERS = "osD^vP*Xhp<>"
+
+
+def plot(rows: list[dict], floors: dict, s: Settings, out: Path, note: str = "") -> Path:
+    """Based's recall-memory frontier (arXiv:2402.18668, figure 2): MQAR accuracy at the
+    longest length and the most pairs it holds, against the bytes each mechanism keeps
+    per token of that context (log x); and beside it accuracy against the number of
+    pairs at that length. Each mechanism is named once, in a legend outside the axes,
+    so no two names can overlap however close their points lie."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
-    panels = ((axes[0], f"mqar_{max(s.pairs)}", s.mqar_length,
-               f"MQAR, {max(s.pairs)} pairs in {s.mqar_length} tokens", 1 / s.keys),
-              (axes[1], f"recall_{min(s.factors)}x", s.recall_context * min(s.factors),
-               f"retrieval lab, {s.recall_context * min(s.factors)} tokens", 10.0 ** -DIGITS))
-    for ax, key, length, title, chance in panels:
-        for r in rows:
-            x = max(memory_per_token(r, length), 1e-3)     # log axis: nothing at 0
-            ax.scatter(x, r[key], s=40)
-            ax.annotate(r["mechanism"], (x, r[key]), textcoords="offset points", xytext=(5, 4),
-                        fontsize=8)
-        ax.axhline(chance, color="red", linewidth=1, label=f"chance {chance:.0%}")
-        ax.set_xscale("log")
+    length = max(s.mqar_lengths)
+    pairs = [p for n, p in mqar_cells(s) if n == length]
+    key = f"mqar_{length}_{max(pairs)}"
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, r in enumerate(rows):
+        style = dict(color=colours[i % len(colours)], marker=MARKERS[i % len(MARKERS)])
+        x = max(memory_per_token(r, length), 1e-3)     # log axis: nothing at 0
+        left.scatter(x, r[key], s=50, label=r["mechanism"], **style)
+        right.plot(pairs, [r[f"mqar_{length}_{p}"] for p in pairs], label=r["mechanism"],
+                   linewidth=1.2, **style)
+    left.axhline(floors[key], color="black", linestyle="--", linewidth=1)
+    right.plot(pairs, [floors[f"mqar_{length}_{p}"] for p in pairs], color="black",
+               linestyle="--", linewidth=1, label=FLOOR)
+    left.set_xscale("log")
+    left.set_xlabel(f"cache or state bytes per token, at {length} tokens of context")
+    left.set_title(f"MQAR, {max(pairs)} pairs in {length} tokens (dashed: key-blind floor)",
+                   fontsize=9)
+    right.set_xscale("log", base=2)
+    right.set_xticks(pairs, [str(p) for p in pairs])
+    right.set_xlabel(f"key-value pairs in {length} tokens")
+    right.set_title("MQAR against the number of pairs", fontsize=9)
+    for ax in (left, right):
         ax.set_ylim(-0.03, 1.03)
-        ax.set_xlabel(f"cache or state bytes per token, at {length} tokens of context")
-        ax.set_ylabel("accuracy")
-        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("accuracy at the queries")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle("Recall against memory (Zoology arXiv:2312.04927, Based arXiv:2402.18668)",
-                 fontsize=10)
+    right.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.suptitle("Recall against memory (Zoology arXiv:2312.04927, Based arXiv:2402.18668)"
+                 + (f"\n{note}" if note else ""), fontsize=9)
+    fig.tight_layout()
     return save_figure(fig, out / "frontier.png")
 
 
@@ -349,20 +407,26 @@ def parser() -> Parser:
     p.add_argument("--mechanisms", nargs="+", default=list(MECHANISMS), metavar="NAME",
                    help="mechanisms to measure, in this order (default: all of "
                         + ", ".join(MECHANISMS) + "; any other model.mechanism by its name)")
-    p.add_argument("--out", type=out_option, default="runs/frontier",
-                   help="folder for frontier.md, .csv, .png and the language models' runs")
-    p.add_argument("--quick", action="store_true", help="a test-sized run: a few steps, short "
-                   "contexts, a few examples (seconds per mechanism; the numbers mean nothing)")
+    p.add_argument("--out", type=out_option, default=None,
+                   help=f"folder for frontier.md, .csv, .png and the language models' runs "
+                        f"(default {OUT}; with --quick, {QUICK_OUT}, so a test never "
+                        "replaces a measurement)")
+    p.add_argument("--quick", action="store_true", help="a test of the command: a few steps, "
+                   "short contexts, a few examples (seconds per mechanism; its numbers are "
+                   "noise, and its table says so)")
     p.add_argument("--steps", type=whole(1, 100_000), default=None,
-                   help=f"training steps of each model (default {Settings.steps}; --quick {QUICK['steps']})")
+                   help=f"training steps of each language model (default {Settings.steps}; --quick {QUICK['steps']})")
     p.add_argument("--contexts", type=whole(16, 65_536), nargs="+", default=None, metavar="N",
                    help="contexts (tokens in the cache) to time decoding at, 2 to 5 of them "
                         f"(default {' '.join(map(str, Settings.contexts))})")
     p.add_argument("--pairs", type=whole(1, 64), nargs="+", default=None, metavar="N",
-                   help="MQAR key-value pairs to test; the model trains on 1 to the largest "
+                   help="MQAR key-value pairs to test, each at every length that holds it; "
+                        "the model trains on 1 to the largest that fits "
                         f"(default {' '.join(map(str, Settings.pairs))})")
-    p.add_argument("--examples", type=whole(1, 1024), default=None,
-                   help=f"examples per recall cell and per MQAR pair count (default {Settings.examples})")
+    p.add_argument("--mqar_steps", type=whole(1, 100_000), default=None,
+                   help=f"MQAR training steps (default {Settings.mqar_steps}; --quick {QUICK['mqar_steps']})")
+    p.add_argument("--examples", type=whole(1, 4096), default=None,
+                   help=f"test examples per MQAR cell (default {Settings.examples})")
     p.add_argument("--threads", type=whole(1, os.cpu_count() or 1), default=Settings.threads,
                    help="torch threads, here and in train.py (default 1: models this small spend "
                         "their time in dispatch, and a second thread on a busy machine waits)")
@@ -372,7 +436,7 @@ def parser() -> Parser:
 def settings_of(args) -> Settings:
     """The run's sizes, checked: --quick's, then what was given over them."""
     s = Settings(**(QUICK if args.quick else {}), threads=args.threads)
-    for key in ("steps", "examples"):
+    for key in ("steps", "mqar_steps", "examples"):
         if getattr(args, key) is not None:
             setattr(s, key, getattr(args, key))
     if args.contexts is not None:
@@ -385,10 +449,12 @@ def settings_of(args) -> Settings:
                            f"room for the {s.decode_steps} tokens decoded after the cache")
     if args.pairs is not None:
         s.pairs = tuple(sorted(set(args.pairs)))
-    most = min(s.mqar_length // 4, s.keys)
+    from attnlab.mqar_task import most_pairs
+    most = most_pairs(max(s.mqar_lengths))
     if max(s.pairs) > most:
-        raise AttnlabError(f"--pairs {max(s.pairs)}: an MQAR sequence of {s.mqar_length} tokens "
-                           f"over {s.keys} keys holds at most {most} pairs")
+        raise AttnlabError(f"--pairs {max(s.pairs)}: an MQAR sequence of {max(s.mqar_lengths)} "
+                           f"tokens holds at most {most} pairs (4 tokens a pair: the pair and "
+                           "a query's slot)")
     known = measurable()
     unknown = [m for m in args.mechanisms if m not in known]
     if unknown:
@@ -402,10 +468,20 @@ def settings_of(args) -> Settings:
     return s
 
 
+class Later:
+    """A future that runs its call when asked for the result (one process, one core)."""
+
+    def __init__(self, call, *args):
+        self.call, self.args = call, args
+
+    def result(self):
+        return self.call(*self.args)
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     s = settings_of(args)
-    out = writable_folder(args.out)        # now, not after the training it would lose
+    out = writable_folder(args.out or (QUICK_OUT if args.quick else OUT))   # now, not after the training
     use_threads(s.threads, os.environ)                  # train.py's too: one setting, one run
     chosen, known = {}, measurable()
     for name in dict.fromkeys(args.mechanisms):
@@ -417,19 +493,36 @@ def main(argv=None) -> int:
     if not chosen:
         raise AttnlabError("none of the mechanisms asked for can be built by this model: "
                            "give some of " + ", ".join(n for n in known if not why_not(known[n])))
-    from attnlab.recall_task import char_task
-    recall_task = char_task(DIGITS, chars=20_000 if args.quick else 200_000)
+    if args.quick:
+        print(QUICK_NOTE)
+    floors = mqar_floors(s)
+    last = f"mqar_{max(s.mqar_lengths)}_{max(p for n, p in mqar_cells(s) if n == max(s.mqar_lengths))}"
     rows = []
-    with tqdm(total=4 * len(chosen), unit="stage", dynamic_ncols=True) as bar:
+    # The MQAR models train one after another in a second process (a second core) while
+    # this one runs the language models and times the decoding: the whole takes about
+    # the longer of the two queues, not their sum.
+    with ExitStack() as stack:
+        bar = stack.enter_context(tqdm(total=3 * len(chosen), unit="stage", dynamic_ncols=True))
+        if helpers(s):
+            pool = stack.enter_context(ProcessPoolExecutor(
+                helpers(s), mp_context=multiprocessing.get_context("spawn")))
+            recall = {n: pool.submit(mqar, m, s) for n, m in chosen.items()}
+        else:
+            recall = {n: Later(mqar, m, s) for n, m in chosen.items()}
         for name, mechanism in chosen.items():
-            rows.append(measure(name, mechanism, s, out, recall_task, bar))
-            bar.write(f"{name}: val loss {rows[-1]['val_loss']:.3f}, MQAR at {max(s.pairs)} pairs "
-                      f"{rows[-1][f'mqar_{max(s.pairs)}']:.0%}")
-    header = (f"Frontier, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
-              f"{s.threads} thread(s) of {os.cpu_count()} cores, {s.steps} steps per model; "
-              "timings are this machine's at this moment (other work makes them slower).")
-    write_table(rows, s, out, header)
-    written = plot(rows, s, out)
+            started = time.perf_counter()
+            rows.append(measure(name, mechanism, s, out, bar, recall[name]))
+            bar.write(f"{name}: val loss {rows[-1]['val_loss']:.3f}, {last} "
+                      f"{rows[-1][last]:.0%} (floor {floors[last]:.0%}), "
+                      f"{time.perf_counter() - started:.0f} s")
+    header = [f"Frontier, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
+              f"{s.threads} thread(s) of {os.cpu_count()} cores, {s.steps} steps per language "
+              f"model and {s.mqar_steps} per MQAR model; timings are this machine's at this "
+              "moment (other work makes them slower)."]
+    if args.quick:
+        header = [f"**{QUICK_NOTE}**", "", *header]
+    write_table(rows, floors, s, out, header)
+    written = plot(rows, floors, s, out, note="--quick: every score is noise" if args.quick else "")
     print(f"wrote {out}/frontier.md, frontier.csv and {written}")
     return 0
 

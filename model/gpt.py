@@ -24,7 +24,7 @@ from model.mechanisms import MECHANISMS
 from model.meta import Unfilled
 from model.positions import POSITION_ENCODINGS
 from model.readout import READOUTS, AdaptiveReadout, MaskedLMTransform, head_macs
-from model.registry import check as check_config
+from model.registry import CHECKED, check as check_config
 
 
 class Output(NamedTuple):
@@ -52,7 +52,7 @@ class GPT(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        if getattr(config, "checked_as", None) != astuple(config):
+        if CHECKED.get(id(config)) != astuple(config):
             check_config(config)                 # sizes and names (model/registry.py), once
         if config.vocab_size <= 0:
             raise ModelError("model.vocab_size must be set (it comes from the tokenizer)")

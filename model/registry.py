@@ -5,6 +5,7 @@ tested the day it lands."""
 from __future__ import annotations
 
 import difflib
+import weakref
 from dataclasses import astuple, fields
 
 from model.attention import ATTENTION_BACKENDS
@@ -81,11 +82,16 @@ def check_names(config: ModelConfig) -> None:
                                  "entry under another name")
 
 
+# id(config) -> the config's values when it passed `check`, while the config lives: the
+# model built from it does not check it again, and a field changed since changes the
+# values, so the next build checks. Kept here, not on the config, so vars(config) stays
+# its fields.
+CHECKED: dict[int, tuple] = {}
+
+
 def check(config: ModelConfig) -> None:
-    """Sizes first, then every variant name, then what the chosen variants need. A config
-    that passes is marked with its values (`checked_as`), so the model built from it does
-    not check it again; a field changed later changes the values, and the next build checks."""
-    config.checked_as = None
+    """Sizes first, then every variant name, then what the chosen variants need."""
+    CHECKED.pop(id(config), None)
     config.validate()
     check_names(config)
     check_mechanisms(config)
@@ -135,7 +141,9 @@ def check(config: ModelConfig) -> None:
             raise ModelError(f"model.readout_shortlist={config.readout_shortlist} must be between 1 "
                              f"and the vocabulary size less one ({config.vocab_size - 1}); a run "
                              "sets it from the training data when it is 0")
-    config.checked_as = astuple(config)
+    if id(config) not in CHECKED:
+        weakref.finalize(config, CHECKED.pop, id(config), None)
+    CHECKED[id(config)] = astuple(config)
 
 
 def check_entries(used: list[str]) -> None:

@@ -1,7 +1,9 @@
 """The frontier command (attnlab/frontier.py): one row per mechanism with every column,
-the cache's size per token read from the model's own cache (exact ratios for GQA and
-MQA), a mechanism the model cannot build skipped in one line, and options refused at
-parse time."""
+the key-blind floor beside every MQAR score, a --quick run that says its cells are
+noise and writes to its own folder, a figure whose names cannot overlap, the cache's
+size per token read from the model's own cache (exact ratios for GQA and MQA), a
+mechanism the model cannot build skipped in one line, and options refused at parse
+time."""
 import csv
 import re
 
@@ -9,8 +11,7 @@ import pytest
 import torch
 
 from attnlab import frontier
-from attnlab.frontier import MECHANISMS, Mechanism, Settings, decode_columns, main
-from attnlab.recall import BASE
+from attnlab.frontier import BASE, MECHANISMS, Mechanism, Settings, decode_columns, main
 from common.errors import AttnlabError, ConfigError
 
 
@@ -34,27 +35,90 @@ def test_the_command_at_test_size_writes_every_column_and_skips_what_cannot_be_b
     assert len(skipped) == 1 and "skipped" in skipped[0] and "nowhere" in skipped[0]
     with open(out / "frontier.csv", newline="") as f:
         rows = {r["mechanism"]: r for r in csv.DictReader(f)}
-    assert list(rows) == ["mha", "mqa"]
+    assert list(rows) == ["mha", "mqa", frontier.FLOOR]
     s = Settings(**frontier.QUICK)
+    cells = [f"mqar_{n}_{p}" for n in s.mqar_lengths for p in s.pairs if 4 * p <= n]
+    assert cells == ["mqar_16_1", "mqar_16_2", "mqar_16_4", "mqar_32_1", "mqar_32_2",
+                     "mqar_32_4", "mqar_32_8"]
     expected = ["mechanism", "params", "val_loss", "train_tokens_per_s",
                 *(f"decode_ms_at_{n}" for n in s.contexts), "cache_bytes_per_token",
-                "state_bytes", *(f"recall_{f}x" for f in s.factors), *(f"mqar_{p}" for p in s.pairs),
-                "about"]
+                "state_bytes", *cells, "about"]
     assert list(rows["mha"]) == expected
-    for row in rows.values():
-        assert all(row[c] != "" for c in expected)
-        assert float(row[f"decode_ms_at_{max(s.contexts)}"]) > 0       # measured, whatever its value
-        assert 0 <= float(row[f"mqar_{max(s.pairs)}"]) <= 1
+    for name in ("mha", "mqa"):
+        assert all(rows[name][c] != "" for c in expected)
+        assert float(rows[name][f"decode_ms_at_{max(s.contexts)}"]) > 0   # measured, whatever its value
+        assert all(0 <= float(rows[name][c]) <= 1 for c in cells)
+    # The floor's row: a key-blind guess among the N values of each example, 1/N.
+    floors = rows[frontier.FLOOR]
+    assert [float(floors[c]) for c in cells] == pytest.approx([1, 1 / 2, 1 / 4, 1, 1 / 2, 1 / 4, 1 / 8])
     # MQA keeps one key/value head of the base model's four: a quarter of the bytes, exactly.
     assert float(rows["mqa"]["cache_bytes_per_token"]) * BASE["n_head"] == \
         float(rows["mha"]["cache_bytes_per_token"])
     assert (out / "frontier.png").stat().st_size > 0
     written = (out / "frontier.md").read_text()
-    assert "| mha |" in written
+    # The table itself says a --quick run's cells are noise, before any of them.
+    assert written.index("noise") < written.index("| mha |")
+    assert "--quick" in printed.split("| mha |")[0] and "noise" in printed.split("| mha |")[0]
+    # Beside every MQAR score, in the same cell, its floor.
+    mha = next(line for line in written.splitlines() if line.startswith("| mha |"))
+    shown = mha.strip("|").split("|")
+    at = expected.index("mqar_32_8")
+    assert re.fullmatch(r" \d+% \(12%\) ", shown[at]), shown[at]
     for column in expected[1:-1]:          # each column says what it holds, under the table
-        generic = re.sub(r"_(\d+)(x?)$", r"_N\2", column)
+        generic = "mqar_L_N" if column.startswith("mqar") else re.sub(r"_(\d+)$", r"_N", column)
         assert f"- `{generic}`: " in written, column
     assert not (earlier / "checkpoints" / "stale").exists()        # replaced, not refused
+
+
+def test_quick_writes_to_its_own_folder_and_the_full_run_to_runs_frontier(monkeypatch, tmp_path):
+    """A learner's --quick must not replace the measurement the docs point to."""
+    seen = []
+    monkeypatch.setattr(frontier, "writable_folder", lambda path: seen.append(path) or 1 / 0)
+    for argv in (["--quick"], []):
+        with pytest.raises(ZeroDivisionError):
+            main(argv + ["--mechanisms", "mha"])
+    assert [str(p) for p in seen] == ["runs/frontier-quick", "runs/frontier"]
+    with pytest.raises(ZeroDivisionError):
+        main(["--quick", "--out", str(tmp_path / "mine")])
+    assert str(seen[-1]) == str(tmp_path / "mine")
+
+
+def fake_rows(names, memory, scores):
+    s = Settings(**frontier.QUICK)
+    rows = []
+    for name, bytes_, score in zip(names, memory, scores):
+        row = {"mechanism": name, "cache_bytes_per_token": bytes_, "state_bytes": 0}
+        row.update({f"mqar_{n}_{p}": score for n, p in frontier.mqar_cells(s)})
+        rows.append(row)
+    floors = {f"mqar_{n}_{p}": 1 / p for n, p in frontier.mqar_cells(s)}
+    return rows, floors, s
+
+
+def test_no_two_names_in_the_figure_overlap(tmp_path, monkeypatch):
+    """Mechanisms with the same memory and the same score (linear and deltanet at the floor,
+    gqa beside mha) each keep a readable name: no text of the figure covers another."""
+    names = ["mha", "gqa", "mqa", "linear", "deltanet", "gated_deltanet", "hybrid", "window"]
+    rows, floors, s = fake_rows(names, [1024, 1024, 1024, 0, 0, 0, 512, 0],
+                                [1.0, 1.0, 1.0, 0.12, 0.12, 0.12, 1.0, 0.12])
+    made = []
+    from attnlab import plotting
+    real = plotting.save_figure
+    monkeypatch.setattr(frontier, "save_figure", lambda fig, path: made.append(fig) or real(fig, path))
+    frontier.plot(rows, floors, s, tmp_path, note="--quick: every score is noise")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    fig = made[0]
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    from matplotlib.text import Text
+    texts = [t for t in dict.fromkeys(fig.findobj(Text)) if t.get_visible() and t.get_text().strip()]
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
+    for name in names:
+        assert sum(text == name for text, _ in boxes) == 1, name
+    named = [(text, box) for text, box in boxes if text in names]
+    for i, (a, box_a) in enumerate(named):
+        for b, box_b in named[i + 1:]:
+            assert not box_a.overlaps(box_b), (a, b)
 
 
 @pytest.mark.parametrize("n_head", [4, 8])
@@ -106,7 +170,7 @@ def test_the_memory_facts_come_from_the_cache_the_model_makes(monkeypatch):
     (["--contexts", "8", "64"], "--contexts"),
     (["--contexts", "64"], "2 to 5"),
     (["--pairs", "100"], "--pairs"),
-    (["--pairs", "32"], "at most 16"),
+    (["--pairs", "33"], "at most 32"),
     (["--mechanisms", "gqaa"], "did you mean 'gqa'"),
     (["--threads", "999"], "--threads"),
     (["--examples", "x"], "--examples"),
@@ -120,10 +184,10 @@ def test_bad_options_are_refused_before_any_work(argv, words, tmp_path):
 
 def test_every_mechanism_of_the_frontier_is_one_the_model_builds():
     """The table names the mechanisms the model registers (model.mechanism), so none of
-    its eight rows is skipped."""
+    its nine rows is skipped."""
     assert {name: frontier.why_not(m) for name, m in frontier.MECHANISMS.items()} == \
         dict.fromkeys(frontier.MECHANISMS)
-    assert len(frontier.MECHANISMS) == 8
+    assert len(frontier.MECHANISMS) == 9
 
 
 @pytest.mark.parametrize("context", [40, 300])
@@ -143,7 +207,7 @@ def test_the_windows_cache_holds_twice_the_window_as_its_page_says(context):
     assert "stops growing at twice the window" in page and f"{want:,} bytes at any length" in page
 
 
-@pytest.mark.parametrize("asked", ["sigmoid", "difrential"])
+@pytest.mark.parametrize("asked", ["cosine", "difrential"])
 def test_an_unknown_mechanism_is_told_every_mechanism_the_frontier_measures(asked, monkeypatch):
     from model import mechanisms as registered
     monkeypatch.setitem(registered.MECHANISMS, "newcomer", registered.MECHANISMS["mha"])
