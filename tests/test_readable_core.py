@@ -119,3 +119,27 @@ def test_the_tracer_sees_a_line_added_to_the_path(monkeypatch):
     monkeypatch.setattr(GPT, "logits_and_loss", logits_and_loss)
     after = sum(len(v) for v in traced({}, "sdpa", torch.float32).values())
     assert after > before
+
+
+def test_an_attention_only_model_builds_no_mlp_and_its_tools_know():
+    """model.mlp=none (the setting of the induction-head papers): no MLP and no norm in front
+    of one is built, the pass is attention alone, the lens's cache has no mlp_out, and
+    switching off an MLP that is not there is refused in one line."""
+    from attnlab.capture import run_with_cache
+    from attnlab.lens import ablate
+    from common.errors import AttnlabError
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**{**CPU_PRESET, "n_layer": 2, "mlp": "none"}))
+    assert all(b.mlp is None and b.norm_mlp is None for b in model.blocks)
+    assert not any("mlp" in name for name, _ in model.named_parameters())
+    x = torch.randint(0, 65, (1, 12))
+    block = model.blocks[0]
+    h = x_in = model.drop(model.wte(x))
+    mask = model.mask_for(12, x.device, None, None)
+    out, _ = block(x_in, model.positions, mask)
+    assert torch.equal(out, h + block.attn(block.norm_attn(h), model.positions, mask)[0])
+    logits, cache = run_with_cache(model, x)
+    assert "blocks.0.attn_out" in cache and not any(k.endswith("mlp_out") for k in cache)
+    with pytest.raises(AttnlabError, match="no MLP"):
+        with ablate(model, mlps=[1]):
+            pass
