@@ -34,6 +34,10 @@ class ModelConfig:
                                   "included); 0 = every earlier token")
     n_global: int = _opt(0, "with a window: the first N tokens stay visible to every "
                             "later token (global tokens / attention sinks)")
+    full_attention_every: int = _opt(0, "with a sliding window, every Nth layer sees the whole "
+                                        "context instead (gpt-oss alternates: 2; Gemma 3 has "
+                                        "five windowed layers to one global: 6); 0 = every "
+                                        "layer windowed")
     causal: bool = _opt(True, "each token sees only itself and earlier tokens (a decoder, the "
                               "article's masked self-attention); false = every token sees the "
                               "whole sequence (an encoder, BERT's bidirectional self-attention)")
@@ -114,7 +118,7 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelError(f"model.{name} must be a positive integer, got {value!r}")
         for f in fields(self):
-            if f.name in ("vocab_size", "n_kv_head", "sliding_window", "n_global",
+            if f.name in ("vocab_size", "n_kv_head", "sliding_window", "n_global", "full_attention_every",
                           "rope_original_context", "readout_shortlist", "position_offset",
                           "n_token_types", "mlp_hidden", "token_mix", "mla_kv_rank",
                           "mla_rope_dim") and getattr(self, f.name) < 0:

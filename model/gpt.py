@@ -7,7 +7,7 @@ behind an `if`; generation (model/decode.py) reads the model through forward and
 new_cache."""
 from __future__ import annotations
 
-from dataclasses import astuple
+from dataclasses import astuple, replace
 from typing import NamedTuple
 
 import torch
@@ -188,8 +188,13 @@ class GPT(nn.Module):
         return self.logits_and_loss(h)[0]
 
     def new_cache(self, max_len: int) -> KVCache:
-        return KVCache(self.config.n_layer, max_len, self.config.sliding_window,
-                       self.config.n_global)
+        return KVCache(self.config.n_layer, max_len, self.kept_window(), self.config.n_global)
+
+    def kept_window(self) -> int:
+        """The window a cache may roll over: the model's, unless a layer sees everything
+        (model.full_attention_every), when every key is kept and each windowed layer's
+        mask hides the old ones."""
+        return 0 if self.config.full_attention_every else self.config.sliding_window
 
     def check_generates(self) -> None:
         """ModelError, saying why, for a model that cannot write text token by token."""
@@ -216,7 +221,8 @@ class GPT(nn.Module):
 
 
 # Fields that, set, ask for a part the plain GPT does not have (GPTWithVariants builds it).
-VARIANT_FIELDS = ("n_token_types", "value_embeds", "skip_connections", "logit_softcap")
+VARIANT_FIELDS = ("n_token_types", "value_embeds", "skip_connections", "logit_softcap",
+                  "full_attention_every")
 
 
 def wants_variants(config: ModelConfig) -> bool:
@@ -293,13 +299,15 @@ class GPTWithVariants(GPT):
         if self.norm_emb is not None:
             x = self.norm_emb(x)
         x = self.drop(x)
+        # gpt-oss and Gemma 3: a few layers see the whole context, the rest their window.
+        whole = replace(mask, window=0, n_global=0) if self.config.full_attention_every else mask
         attentions, saved = [], []
         for i, block in enumerate(self.blocks):
             if self.skips is not None:
                 x = self.skips.join(i, x, saved, self.skip_weights)
             value_embed = self.value_embeds[i](idx) if self.value_embeds is not None else None
-            x, weights = block(x, self.positions, mask, cache,
-                               return_attention and block.has_weights, value_embed)
+            x, weights = block(x, self.positions, whole if self.sees_everything(i) else mask,
+                               cache, return_attention and block.has_weights, value_embed)
             if self.skips is not None:
                 self.skips.keep(i, x, saved)
             attentions.append(weights)
@@ -308,6 +316,19 @@ class GPTWithVariants(GPT):
         h = self.norm_f(x) if self.norm_f is not None else x
         logits, loss = self.logits_and_loss(h, targets)
         return Output(logits, loss, attentions if return_attention else None, h)
+
+    def sees_everything(self, layer: int) -> bool:
+        """Layer `layer` of a windowed model with model.full_attention_every=N is one of the
+        full ones: layers N-1, 2N-1, ... (transformers' layer_types for gpt-oss, Gemma 3)."""
+        every = self.config.full_attention_every
+        return bool(every) and (layer + 1) % every == 0
+
+    def mask_for(self, T: int, device, cache: KVCache | None, attention_mask) -> Mask:
+        mask = super().mask_for(T, device, cache, attention_mask)
+        if self.config.full_attention_every and cache is not None and not cache.window:
+            # The cache keeps every key for the full layers; the others still see their window.
+            mask = replace(mask, window=self.config.sliding_window, n_global=self.config.n_global)
+        return mask
 
     def logits_and_loss(self, h, targets=None):
         if self.adaptive is not None:        # scores only the targets while training
