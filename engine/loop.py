@@ -19,7 +19,7 @@ from common.files import write_json_atomic
 from common.shell import word
 from engine import checkpoint
 from engine.device import Utilisation, dtype_name, synchronize
-from engine.objectives import masked_accuracy
+from engine.objectives import auxiliary_loss, masked_accuracy
 from engine.optim import LR_SCHEDULES
 from engine.rundir import stopped_line
 from engine.state import EVAL_DRAWS, Run, save
@@ -210,7 +210,10 @@ def train_step(run: Run, time_used: float = 0.0) -> tuple[torch.Tensor, torch.Te
         with no_sync:
             with run.autocast():
                 loss = run.train_forward(x, y).loss
-            run.scaler.scale(loss * dist.world / train_cfg.grad_accum).backward()
+            # A layer's own loss (the sparse indexer's KL) trains only its parameters; the
+            # logged loss stays the objective's, comparable between mechanisms.
+            learned = loss + auxiliary_loss(run.model)
+            run.scaler.scale(learned * dist.world / train_cfg.grad_accum).backward()
         total += loss.detach() / train_cfg.grad_accum
     run.optimizer.unscale_(run.scaler)
     norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(),

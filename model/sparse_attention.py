@@ -183,7 +183,7 @@ class SparseAttention(MultiHeadAttention):
         over the queries: p is the main attention at the chosen keys, summed over heads and
         L1-normalised, detached (the main model learns from the language-model loss alone)."""
         seen = seen[:, 0]                                            # (B, Tq, k)
-        p = weights.detach().float().sum(1)                          # (B, Tq, k)
+        p = at_least_fp32(weights.detach()).sum(1)                   # (B, Tq, k)
         p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
         rows = seen.any(-1)                  # a query that sees a key (padding may leave none)
         logits = index.gather(-1, chosen[:, 0]).masked_fill(~seen, float("-inf"))
