@@ -86,6 +86,12 @@ def sparse_flops(config: ModelConfig, context: int) -> float:
     return score_flops(config, context) + 2 * heads * (dim + 1) * context
 
 
+def sparse_maps(config: ModelConfig) -> int:
+    # The heads' weights, the indexer's H_I products and their ReLU in fp32 (twice the
+    # bytes of a 16-bit map each, so counted twice), and the chosen keys' mask.
+    return config.n_head + 4 * sparse_sizes(config)[1] + 1
+
+
 def linear_state(config: ModelConfig) -> int:
     # S = Σ φ(k)vᵀ (d_k × d_k) and z = Σ φ(k) (d_k) per head, at any length (arXiv:2006.16236).
     return config.n_head * config.head_dim * (config.head_dim + 1)
@@ -138,6 +144,8 @@ class Mechanism:
                                        # (model.attention.use_backend); else its own maths
     weights_sum_to_one: bool = True    # each row of its weights is a distribution (none below
                                        # 0, summing to 1): entropy applies, the scale is 0-1
+    score_maps: Callable[[ModelConfig], int] = lambda c: c.n_head   # T×T maps a layer keeps
+                                       # for backward, for engine/budget.py's memory bound
 
     def __post_init__(self):
         problems = entry_problems(self)
@@ -149,7 +157,7 @@ class Mechanism:
 def entry_problems(entry: Mechanism) -> list[str]:
     """What makes an entry unusable, found when it is written rather than when a tool
     first asks it: each reason is the one line a user reads after "error: ...: "."""
-    problems = [f"{name} must be callable" for name in ("layer", "flops", "init")
+    problems = [f"{name} must be callable" for name in ("layer", "flops", "init", "score_maps")
                 if not callable(getattr(entry, name))]
     if not isinstance(entry.cache, Cache):
         problems.append("cache must be a Cache(what, per_token, fixed)")
@@ -193,7 +201,7 @@ MECHANISMS = {
         export_refusal="DeepSeek sparse attention (arXiv:2512.02556) comes in transformers only "
                        "inside DeepSeek-V3.2, whose latent attention and experts this model's "
                        "blocks do not fit",
-        flops=sparse_flops,
+        flops=sparse_flops, score_maps=sparse_maps,
         stream_refusal="its cache keeps each token's indexer key beside its keys, in one row "
                        "the model's RoPE cannot turn back as a whole",
         uses_kernel=False),

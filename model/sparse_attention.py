@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from model.attention import Mask, MultiHeadAttention, at_least_fp32
 from model.config import ModelConfig, ModelError
+from model.positions import POSITION_ENCODINGS
 
 
 def sparse_sizes(config: ModelConfig) -> tuple[int, int, int]:
@@ -59,10 +60,10 @@ class SparseAttention(MultiHeadAttention):
         super().__init__(config, layer_idx)
         self.kernel = None                  # its own masked softmax: no backend computes it
         self.top_k, self.indexer_heads, self.indexer_dim = sparse_sizes(config)
-        if self.indexer_dim < self.head_dim:
+        if POSITION_ENCODINGS[config.position].rotary and self.indexer_dim < self.head_dim:
             raise ModelError(f"model.indexer_dim={self.indexer_dim} is below the head size "
                              f"d_k = {self.head_dim}: its first d_k dimensions turn by the model's "
-                             "positions; give at least d_k, or 0 for d_k")
+                             "RoPE; give at least d_k, or 0 for d_k")
         H_I, d_I = self.indexer_heads, self.indexer_dim
         self.w_iq = nn.Linear(config.n_embd, H_I * d_I, bias=config.bias)    # q^I_{t,j}
         self.w_ik = nn.Linear(config.n_embd, d_I, bias=config.bias)          # k^I_s
