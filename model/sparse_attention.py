@@ -56,6 +56,10 @@ def sparse_sizes(config: ModelConfig) -> tuple[int, int, int]:
 
 
 class SparseAttention(MultiHeadAttention):
+    # DeepSeek's first stage when True: dense attention, the indexer's loss over every visible
+    # key (set by the training step for train.indexer_warmup's steps).
+    dense_warmup = False
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         self.kernel = None                  # its own masked softmax: no backend computes it
@@ -69,7 +73,6 @@ class SparseAttention(MultiHeadAttention):
         self.w_ik = nn.Linear(config.n_embd, d_I, bias=config.bias)          # k^I_s
         self.ik_norm = nn.LayerNorm(d_I, eps=config.norm_eps, bias=config.bias)
         self.w_iw = nn.Linear(config.n_embd, H_I, bias=config.bias)          # w_{t,j}
-        self.dense_warmup = False           # DeepSeek's first stage: dense attention, S = all
         self.aux_loss: torch.Tensor | None = None   # the indexer's KL, after a training pass
 
     def forward(self, x, positions, mask: Mask, cache=None, need_weights: bool = False,

@@ -291,6 +291,41 @@ def test_a_train_step_teaches_the_indexer(corpus, tmp_path):
     assert not torch.equal(before, run.model.blocks[0].attn.w_iq.weight.detach())
 
 
+def test_the_dense_warm_up_trains_the_indexer_alone_then_sparse_training_goes_on(corpus, tmp_path):
+    """train.indexer_warmup=2 of 3 steps: after two, only the indexers have moved and the
+    layers still attend densely; the third trains the whole model, sparse."""
+    from engine import cli
+    from engine.loop import train
+    from engine.run import setup_run
+    def cfg(steps):
+        return cli.build("tiny", [f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                                  f"--train.out_dir={tmp_path / 'r'}", "--train.run_name=warm",
+                                  f"--train.max_iters={steps}", "--model.mechanism=sparse",
+                                  "--train.indexer_warmup=2", "--train.eval_interval=100"])
+    run = setup_run(cfg(2), log=lambda *a, **k: None)
+    attn = run.model.blocks[0].attn
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    train(run)
+    moved = {n.split(".")[-2] for n, p in run.model.named_parameters() if not torch.equal(before[n], p)}
+    assert moved == set(INDEXER) and attn.dense_warmup
+    run = setup_run(cfg(3), run_dir=tmp_path / "r" / "warm", resume=True, log=lambda *a, **k: None)
+    train(run)
+    assert not run.model.blocks[0].attn.dense_warmup
+    assert not torch.equal(before["blocks.0.attn.w_qkv.weight"], run.model.blocks[0].attn.w_qkv.weight)
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--train.indexer_warmup=5"], "model.mechanism=mha has none: add --model.mechanism=sparse"),
+    (["--model.mechanism=sparse", "--train.indexer_warmup=-1"], "must not be negative"),
+])
+def test_an_indexer_warm_up_without_an_indexer_is_one_line(args, said):
+    from common.errors import ConfigError
+    from engine import cli
+    with pytest.raises(ConfigError, match=said) as err:
+        cli.build("tiny", args)
+    assert "\n" not in str(err.value)
+
+
 def test_a_bad_size_is_one_line_saying_what_to_give():
     from model import GPT, ModelConfig, ModelError
     base = dict(vocab_size=40, n_layer=1, n_head=2, n_embd=32, mechanism="sparse")
