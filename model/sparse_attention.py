@@ -90,7 +90,10 @@ class SparseAttention(MultiHeadAttention):
         index = self.index_scores(q_i, k_i, w)                       # (B, Tq, Tk)
         visible = mask.dense if mask.dense.dim() == 4 else mask.dense[None, None]
         chosen = self.select(index, visible, mask.k_pos)             # (B, 1, Tq, k)
+        # Whether each chosen key is one the query may see: with fewer than k visible, not all.
         seen = visible.expand(B, 1, T, visible.shape[-1]).gather(-1, chosen)
+        # A decoding step (few queries, a long cache) gathers its k keys; a whole sequence
+        # forms the masked T×T scores, where T gathers of k keys would copy more than it saves.
         attend = self.gathered if T * chosen.shape[-1] < k.shape[2] else self.masked
         y, weights = attend(q, k, v, mask, chosen, seen)              # (B, H, T, D)
         self.aux_loss = (self.indexer_loss(index, weights, chosen, seen)

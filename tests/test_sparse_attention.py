@@ -337,7 +337,7 @@ def test_a_bad_size_is_one_line_saying_what_to_give():
         assert "\n" not in str(err.value)
 
 
-def test_the_indexer_equals_transformers_deepseek_v32_indexer():
+def test_the_indexer_equals_transformers_deepseek_v32_indexer(monkeypatch):
     """transformers' DeepseekV32Indexer, given this layer's weights, chooses the same keys
     from scores equal to float32's rounding: it computes them in float32 (`.float()`)
     whatever the model's dtype, so float64 agreement is not on offer."""
@@ -366,11 +366,9 @@ def test_the_indexer_equals_transformers_deepseek_v32_indexer():
     def seen_topk(self, *a, **kw):
         scores.append(self)
         return original(self, *a, **kw)
-    torch.Tensor.topk = seen_topk
-    try:
-        chosen = theirs(x, x, cos_sin, causal, None)                 # (B, T, k)
-    finally:
-        torch.Tensor.topk = original
+    monkeypatch.setattr(torch.Tensor, "topk", seen_topk)          # to read the scores it ranks
+    chosen = theirs(x, x, cos_sin, causal, None)                     # (B, T, k)
+    monkeypatch.undo()
     ours = torch.from_numpy(index_reference(module, x.numpy()))
     with torch.no_grad():
         positions = POSITION_ENCODINGS["rope"](config()).double()
