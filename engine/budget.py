@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.errors import ConfigError
-from engine.machine import HELD, fit_attention, fix_threads, other_cores, pick_dtype, read_machine
+from engine.machine import HELD, built_for, fix_threads, other_cores, pick_dtype, read_machine
 from model.mechanisms import MECHANISMS
 from model.readout import READOUTS, SHORTLIST_COVERAGE, head_macs, shortlist_for
 
@@ -278,8 +278,7 @@ def measure(cfg, device, dtype, seconds: float, batch=None, counts=None) -> floa
     from engine.optim import configure_optimizer
     from model import GPT
     train_cfg = cfg.train
-    model = GPT(cfg.model).to(device)
-    fit_attention(model, cfg.model, device, dtype)    # the kernel the run will run
+    model = GPT(built_for(cfg.model, device, dtype)).to(device)     # the kernel the run will run
     opt = configure_optimizer(model, train_cfg, device)
     ctx = autocast(device, dtype)
     scaler = torch.amp.GradScaler(device.type, enabled=False)

@@ -6,8 +6,8 @@ smaller, so a line added to the default path is added on purpose (raise the budg
 with the reason) and never by a stand-in module or a check that runs on every build.
 
 What is traced is what train.py does with the model (engine/run.py): the config is
-checked once when it is read (model/registry.py marks it), then the model is built and
-run, on the backend the engine picks for this precision."""
+checked once when it is read (model/registry.py marks it), then the model is built, with
+the backend the engine picked for this precision named in its config, and run."""
 import collections
 import sys
 from pathlib import Path
@@ -17,24 +17,26 @@ import torch
 
 from conftest import ROOT
 from model import GPT, ModelConfig
-from model.attention import use_backend
 from model.registry import check
 
 # (fields over the cpu preset's model, backend, precision) -> (lines, files)
 BUDGETS = {
-    "cpu preset, fp32 (sdpa)": ({}, "sdpa", torch.float32, 174, 4),
-    "cpu preset, bf16 (the formula)": ({}, "eager", torch.bfloat16, 186, 4),
-    "learned positions": ({"position": "learned"}, "sdpa", torch.float32, 157, 4),
-    # its own maths (model/linear_attention.py) and the config's head size
-    "linear attention": ({"mechanism": "linear"}, "sdpa", torch.float32, 153, 6),
+    "cpu preset, fp32 (sdpa)": ({}, "sdpa", torch.float32, 153, 4),
+    "cpu preset, bf16 (the formula)": ({}, "eager", torch.bfloat16, 167, 4),
+    "learned positions": ({"position": "learned"}, "sdpa", torch.float32, 135, 4),
+    # its own maths (model/linear_attention.py, no kernel: auto stays auto) and the
+    # config's head size
+    "linear attention": ({"mechanism": "linear"}, "auto", torch.float32, 139, 6),
 }
 CPU_PRESET = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=65)
 
 
 def traced(fields: dict, backend: str, dtype: torch.dtype) -> dict[str, set[int]]:
     """{project file: its line numbers that ran} for a build and one forward with a loss."""
-    config = ModelConfig(**{**CPU_PRESET, **fields})
-    check(config)                               # as the engine does when it reads a config
+    # The engine names the backend it chose in the config it builds from (engine/machine.py,
+    # built_for), and checks a config once, when it reads it.
+    config = ModelConfig(**{**CPU_PRESET, **fields, "attention": backend})
+    check(config)
     g = torch.Generator().manual_seed(0)
     idx, targets = (torch.randint(0, 65, (2, 16), generator=g) for _ in range(2))
     lines: dict[str, set[int]] = collections.defaultdict(set)
@@ -52,7 +54,6 @@ def traced(fields: dict, backend: str, dtype: torch.dtype) -> dict[str, set[int]
     sys.settrace(tracer)
     try:
         model = GPT(config)
-        use_backend(model, backend)
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             model(idx, targets)
     finally:
