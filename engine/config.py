@@ -25,6 +25,7 @@ from engine.objectives import OBJECTIVES
 from engine.optim import LR_SCHEDULES
 from model import REGISTRIES, ModelConfig, ModelError
 from model import registry as model_registry
+from model.mechanisms import MECHANISMS, names_used
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 MAX_NEW_TOKENS = 1_000_000          # one sample.py call: hours of text on a CPU already
@@ -83,6 +84,9 @@ class TrainConfig:
                         choices=tuple(LR_SCHEDULES))
     decay_frac: float = opt(0.3, "wsd: the share of the steps after warm-up spent decaying")
     warmup_iters: int = opt(100, "steps of linear warm-up from 0 to lr")
+    indexer_warmup: int = opt(0, "sparse attention (DSA): the first N steps train only the "
+                                 "lightning indexers, against dense attention, the rest of the "
+                                 "model frozen (DeepSeek-V3.2's warm-up); 0 = sparse from step 0")
     weight_decay: float = opt(0.1, "AdamW decoupled weight decay (matrices only)")
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.99, "AdamW beta2")
@@ -176,6 +180,13 @@ class RunConfig:
             raise ConfigError(f"train.final_eval_iters must not be negative, got {train.final_eval_iters}")
         if train.warmup_iters < 0:
             raise ConfigError(f"train.warmup_iters must not be negative, got {train.warmup_iters}")
+        if train.indexer_warmup < 0:
+            raise ConfigError(f"train.indexer_warmup must not be negative, got {train.indexer_warmup}")
+        if train.indexer_warmup and not any(hasattr(MECHANISMS[n].layer, "dense_warmup")
+                                            for n in names_used(self.model)):
+            raise ConfigError(f"train.indexer_warmup trains a sparse layer's lightning indexer, "
+                              f"and model.mechanism={self.model.mechanism} has none: add "
+                              "--model.mechanism=sparse, or leave it 0")
         if train.muon_momentum_warmup < 0:
             raise ConfigError(f"train.muon_momentum_warmup must not be negative, got {train.muon_momentum_warmup}")
         if not (train.lr > 0 and train.muon_lr > 0):
