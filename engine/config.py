@@ -192,6 +192,10 @@ class RunConfig:
             raise ConfigError("train.parallel=fsdp splits each matrix across processes, and "
                               "Muon orthogonalises whole matrices: use train.optimizer=adamw "
                               "with fsdp, or train.parallel=ddp with muon")
+        if train.optimizer == "muon" and getattr(REGISTRIES["mlp"][self.model.mlp], "routes_tokens", False):
+            raise ConfigError(f"train.optimizer=muon orthogonalises two-dimensional matrices, and "
+                              f"model.mlp={self.model.mlp} keeps each layer's experts stacked in "
+                              "one tensor of three: use train.optimizer=adamw with it")
         name = train.run_name
         if name and (name in (".", "..") or "/" in name or "\\" in name or name.startswith("~")):
             raise ConfigError(f"train.run_name={name!r} must be a plain folder name inside "

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from model.config import ModelConfig
 from model.extras import TokenMix
 from model.mechanisms import MECHANISMS, Mechanism
+from model.moe import MixtureOfExperts
 
 
 def layer_norm(config: ModelConfig) -> nn.Module:
@@ -113,7 +114,7 @@ class NoMLP(nn.Module):
 
 
 MLPS = {"gelu": GeluMLP, "gelu_tanh": GeluTanhMLP, "swiglu": SwiGLU, "relu2": ReluSquaredMLP,
-        "none": NoMLP}
+        "none": NoMLP, "moe": MixtureOfExperts}
 
 
 def layer_names(config: ModelConfig) -> list[str]:
