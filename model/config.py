@@ -131,13 +131,7 @@ class ModelConfig:
                           "moe_bias_rate") and getattr(self, f.name) < 0:
                 raise ModelError(f"model.{f.name} must not be negative, got {getattr(self, f.name)} "
                                  f"(model.{f.name}: {f.metadata['help']})")
-        if self.moe_experts < 1:
-            raise ModelError(f"model.moe_experts must be at least 1, got {self.moe_experts} "
-                             "(the routed experts each token chooses from)")
-        if not 1 <= self.moe_top_k <= self.moe_experts:
-            raise ModelError(f"model.moe_top_k={self.moe_top_k} must be between 1 and "
-                             f"model.moe_experts={self.moe_experts}: each token goes to that "
-                             "many of the routed experts")
+        self._validate_experts()
         if self.token_mix > self.block_size:
             raise ModelError(f"model.token_mix={self.token_mix} mixes in more positions than the "
                              f"context model.block_size={self.block_size} holds; give at most "
@@ -172,3 +166,13 @@ class ModelConfig:
             raise ModelError(f"model.norm_eps must be in (0, 1), got {self.norm_eps}")
         if not self.rope_theta > 0:
             raise ModelError(f"model.rope_theta must be positive, got {self.rope_theta}")
+
+    def _validate_experts(self) -> None:
+        """The mixture of experts' counts (model.mlp=moe): k of at least one routed expert."""
+        if self.moe_experts < 1:
+            raise ModelError(f"model.moe_experts must be at least 1, got {self.moe_experts} "
+                             "(the routed experts each token chooses from)")
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ModelError(f"model.moe_top_k={self.moe_top_k} must be between 1 and "
+                             f"model.moe_experts={self.moe_experts}: each token goes to that "
+                             "many of the routed experts")
