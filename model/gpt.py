@@ -135,6 +135,8 @@ class GPT(nn.Module):
         c = self.config
         T = seq_len or c.block_size
         matmul_weights = self.num_params(non_embedding=True)
+        # A mixture of experts multiplies by only the experts a token is routed to (model/moe.py).
+        matmul_weights -= sum(getattr(block.mlp, "idle_weights", 0) for block in self.blocks)
         if self.adaptive is not None:
             # the tail counted for the 5% of tokens a 95% shortlist leaves it (the default rule)
             matmul_weights += head_macs(c.n_embd, c.vocab_size, c.readout_shortlist)

@@ -65,6 +65,9 @@ class MixtureOfExperts(nn.Module):
         self.proj = ExpertLinear(experts, hidden, config.n_embd, config.bias)
         # e_i, each routed expert's centroid: u·e_i is token u's affinity logit for expert i.
         self.router = nn.Linear(config.n_embd, self.n_routed, bias=False)
+        # The routed experts' weights a token does not use: model FLOPs count only the k it does.
+        per_expert = sum(p[0].numel() for p in (*self.fc.parameters(), *self.proj.parameters()))
+        self.idle_weights = (self.n_routed - self.top_k) * per_expert
         self.dropout = nn.Dropout(config.dropout)
         # b_i: picks the experts, never weights them. Saved with the weights (a buffer), so a
         # resumed run goes on choosing as the unbroken one would; float32 whatever the model

@@ -285,3 +285,12 @@ def test_the_memory_bound_counts_every_expert():
         cfg = moe_config(moe_experts=experts)
         assert model_sizes(cfg)[0] == sum(p.numel() for p in GPT(cfg).parameters())
     assert model_sizes(moe_config(moe_experts=16))[0] > model_sizes(moe_config(moe_experts=4))[0]
+
+
+def test_model_flops_count_only_the_experts_a_token_uses():
+    """More routed experts at the same top_k add weights but no work a token, except the
+    router's scores against each expert: 6 FLOPs (forward and backward) per router weight."""
+    few, many = (GPT(moe_config(moe_experts=n)) for n in (4, 16))
+    n_embd, n_layer = few.config.n_embd, few.config.n_layer
+    assert many.num_params() > few.num_params() + 12 * 3 * n_embd * 8 * n_layer
+    assert many.flops_per_token() - few.flops_per_token() == 6 * 12 * n_embd * n_layer
