@@ -222,18 +222,18 @@ def train_step(run: Run, time_used: float = 0.0) -> tuple[torch.Tensor, torch.Te
     run.optimizer.step(run.scaler)
     run.scaler.update()
     run.optimizer.zero_grad()
-    after_step(run)
+    after_step(run.model, run.dist.sum)
     return total, norm, batch
 
 
-def after_step(run: Run) -> None:
+def after_step(model: torch.nn.Module, reduce=lambda counts: counts) -> None:
     """Once per optimizer step, each module with an `after_step` updates what it keeps
-    across steps from all the step's micro-batches, summed over processes by `run.dist.sum`
+    across steps from all the step's micro-batches, summed over processes by `reduce`
     (a mixture of experts' balancing bias, from the experts' load). Inside forward it would
-    run once per micro-batch."""
-    for module in run.model.modules():
+    run once per micro-batch. Every loop that steps an optimizer calls it."""
+    for module in model.modules():
         if hasattr(module, "after_step"):
-            module.after_step(run.dist.sum)
+            module.after_step(reduce)
 
 
 @torch.no_grad()

@@ -294,3 +294,12 @@ def test_model_flops_count_only_the_experts_a_token_uses():
     n_embd, n_layer = few.config.n_embd, few.config.n_layer
     assert many.num_params() > few.num_params() + 12 * 3 * n_embd * 8 * n_layer
     assert many.flops_per_token() - few.flops_per_token() == 6 * 12 * n_embd * n_layer
+
+
+def test_the_recall_tasks_own_loop_moves_the_bias_too():
+    """attnlab/mqar_task.py steps its own optimizer; it calls the same hook as train.py."""
+    from attnlab.mqar_task import MQARTask, train as train_mqar
+    fields = dict(n_layer=1, n_head=2, n_embd=16, mlp="moe", moe_experts=4, moe_top_k=1)
+    model = train_mqar(MQARTask(vocab_size=16, pairs=2), fields, length=16, steps=3, batch=4,
+                       log=lambda *a: None)
+    assert model.blocks[0].mlp.balance_bias.abs().sum() > 0
