@@ -3,12 +3,15 @@
 its balancing bias picks experts without weighting them, moves by the paper's rule once
 per optimizer step, and resumes exactly."""
 import json
+import socket
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 from common.errors import ConfigError
+from conftest import run_script
 from engine import cli
 from engine.inference import load_run
 from engine.loop import train
@@ -303,3 +306,24 @@ def test_the_recall_tasks_own_loop_moves_the_bias_too():
     model = train_mqar(MQARTask(vocab_size=16, pairs=2), fields, length=16, steps=3, batch=4,
                        log=lambda *a: None)
     assert model.blocks[0].mlp.balance_bias.abs().sum() > 0
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="gloo over TCP on localhost")
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_count_every_token_as_one_process_does(corpus, tmp_path, parallel):
+    """Under torchrun each process routes its own micro-batches; the load is summed over
+    them before the bias moves, so two processes end with one process's bias exactly."""
+    def options(name):
+        return ["--config", "tiny", f"--data.path={corpus}", f"--data.cache_dir={tmp_path / 'c'}",
+                f"--train.out_dir={tmp_path / 'r'}", f"--train.run_name={name}",
+                "--train.grad_accum=2", "--train.max_iters=6", "--train.eval_interval=6",
+                "--model.mlp=moe", "--model.moe_bias_rate=0.01"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_script("train.py", *options("one"))
+    run_script("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(port), "train.py", *options("two"),
+               f"--train.parallel={parallel}", timeout=300)
+    one, two = _biases(tmp_path / "r" / "one"), _biases(tmp_path / "r" / "two")
+    assert any(any(b) for b in one) and one == two
