@@ -327,3 +327,35 @@ def test_two_processes_count_every_token_as_one_process_does(corpus, tmp_path, p
                f"--train.parallel={parallel}", timeout=300)
     one, two = _biases(tmp_path / "r" / "one"), _biases(tmp_path / "r" / "two")
     assert any(any(b) for b in one) and one == two
+
+
+# --- the tool --------------------------------------------------------------------------
+
+def test_the_routing_view_reads_what_forward_routed(corpus, tmp_path, capsys):
+    from attnlab import experts
+    run = setup_run(_cfg(corpus, tmp_path, "view", "--train.max_iters=4"), log=lambda *a, **k: None)
+    train(run)
+    model, _, tokenizer, _ = load_run(run.run_dir, "latest")
+    text = "To be, or not to be"
+    tokens, routes = experts.routing(model, tokenizer, text)
+    assert list(routes) == ["blocks.0.mlp", "blocks.1.mlp"] and len(tokens) == len(tokenizer.encode(text))
+    model.train()                               # forward counts its picks in training mode
+    model(torch.tensor([tokenizer.encode(text)]))
+    for name, (weights, chosen) in routes.items():
+        layer = model.get_submodule(name)
+        assert torch.equal(torch.bincount(chosen.flatten(), minlength=layer.n_routed), layer.picks)
+        assert (weights[:, :-1] >= weights[:, 1:]).all()                 # heaviest first
+        torch.testing.assert_close(weights.sum(-1), torch.ones(len(tokens)))
+    capsys.readouterr()
+    assert experts.main(["--run", str(run.run_dir), "--checkpoint", "latest", "--text", text]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("blocks.0.mlp: expert") and out[1].split()[0] == "share"
+    assert sum(map(float, out[1].split()[1:])) == pytest.approx(2.0)      # top-2: each token twice
+    assert sum(line.startswith(f"{t:>4} ") for t in range(len(tokens)) for line in out) == len(tokens)
+
+
+def test_the_routing_view_refuses_a_model_without_experts():
+    from attnlab import experts
+    from common.errors import AttnlabError
+    with pytest.raises(AttnlabError, match="no mixture of experts .model.mlp=gelu."):
+        experts.routing(GPT(moe_config(mlp="gelu", moe_experts=8, moe_shared=1, moe_hidden=0)), None, "x")
