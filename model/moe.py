@@ -46,6 +46,9 @@ class MixtureOfExperts(nn.Module):
     has_weights = True
     routes_tokens = True    # the model.moe_* fields are this MLP's; model/registry.py checks
     matrices = 3            # per expert: gate, up and down
+    # model/decode.py asks: a recorded CUDA graph replays fixed shapes and no host syncs.
+    graph_refusal = ("a mixture of experts hands each expert the tokens routed to it, a number "
+                     "that changes from step to step")
 
     @staticmethod
     def width(config: ModelConfig) -> int:

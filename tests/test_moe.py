@@ -359,3 +359,31 @@ def test_the_routing_view_refuses_a_model_without_experts():
     from common.errors import AttnlabError
     with pytest.raises(AttnlabError, match="no mixture of experts .model.mlp=gelu."):
         experts.routing(GPT(moe_config(mlp="gelu", moe_experts=8, moe_shared=1, moe_hidden=0)), None, "x")
+
+
+# --- decoding ---------------------------------------------------------------------------
+
+def test_decoding_from_each_cache_gives_the_full_forwards_tokens():
+    torch.manual_seed(0)
+    model = GPT(moe_config()).eval()
+    prompt = torch.randint(0, 40, (1, 5))
+    runs = {decode: torch.cat(list(model.generate(prompt.clone(), 8, temperature=0, decode=decode)), 1)
+            for decode in ("full", "cache", "static")}
+    assert torch.equal(runs["full"], runs["cache"]) and torch.equal(runs["full"], runs["static"])
+
+
+def test_a_cuda_graph_is_refused_and_auto_steps_the_static_cache_on_cuda():
+    """A recorded graph replays fixed shapes; the experts' share of tokens varies by step."""
+    from engine.inference import pick_decode
+    from model import ModelError
+    from model.decode import decode_mode
+    model, plain = GPT(moe_config()), GPT(moe_config(mlp="gelu", moe_experts=8, moe_shared=1,
+                                                     moe_hidden=0))
+    cuda = torch.device("cuda")                 # a name only: nothing runs on it
+    assert pick_decode("auto", cuda, model) == "static" and pick_decode("auto", cuda, plain) == "graph"
+    assert pick_decode("auto", "cpu", model) == "cache"
+    with pytest.raises(ConfigError, match="sample.decode=graph replays one recorded step, and a mixture"):
+        pick_decode("graph", cuda, model)
+    with pytest.raises(ModelError, match="decode='graph' replays one recorded step"):
+        decode_mode(model, "graph", True, None, cuda)
+    assert decode_mode(plain, "graph", True, None, cuda) == "graph"
