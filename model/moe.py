@@ -91,11 +91,15 @@ class MixtureOfExperts(nn.Module):
 
     def route(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens u (N, C) -> (weights g (N, k), chosen experts (N, k)): DeepSeek-V3's gate."""
-        logits = self.router(u)                                   # (N, E_routed)
+        # In float32 at least, autocast or not, as transformers' DeepSeek-V3 gate computes
+        # (the paper keeps its gating out of FP8, section 3.3.1): in bf16, affinities a little
+        # apart round to ties, and the picks would follow the rounding.
+        dtype = torch.promote_types(u.dtype, torch.float32)
+        with torch.autocast(u.device.type, enabled=False):
+            logits = F.linear(u.to(dtype), self.router.weight.to(dtype))     # (N, E_routed)
         # Sigmoid affinities, each expert scored on its own (eq. 15): unlike a softmax over
-        # the experts, one expert's score does not fall because another's rose. In float32
-        # at least, as the paper keeps its gating: picks decided in bf16 would flip on ties.
-        scores = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+        # the experts, one expert's score does not fall because another's rose.
+        scores = torch.sigmoid(logits)
         chosen = (scores + self.balance_bias).topk(self.top_k, dim=-1).indices   # the bias picks (eq. 16)
         picked = scores.gather(-1, chosen)                        # ... and s_i, not s_i + b_i, weights
         return picked / picked.sum(-1, keepdim=True), chosen      # normalised over the k chosen (eq. 13)

@@ -89,6 +89,17 @@ def test_the_bias_changes_which_experts_are_picked_but_not_their_weights():
     torch.testing.assert_close(weights, picked / picked.sum(-1, keepdim=True), rtol=0, atol=1e-15)
 
 
+def test_the_gate_runs_in_float32_under_bf16_autocast():
+    """The picks and weights do not follow bf16's rounding of the affinities."""
+    m = layer().float()
+    u = torch.randn(64, 16)
+    weights, chosen = m.route(u)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        weights_bf16, chosen_bf16 = m.route(u)
+    assert weights_bf16.dtype == torch.float32
+    assert torch.equal(chosen, chosen_bf16) and torch.equal(weights, weights_bf16)
+
+
 def test_the_bias_moves_by_the_papers_rule_once_per_step_from_the_steps_whole_load():
     """b_i += γ·sign(mean load - load_i), from the tokens of all the step's micro-batches;
     here 4 tokens of top-2 picks: loads 5/4, 1/4, 2/4 and 0 (mean 2/4)."""
@@ -173,9 +184,9 @@ def copy_theirs_to_ours(theirs, m):
 
 
 def compare_with_deepseek(m, theirs):
-    """transformers computes its gate in float32 whatever the model's dtype (the paper keeps
-    its gating in FP32), so the picks are compared exactly and the gate weights to float32's
-    precision; given the same gate, the experts and their weighted sum agree to 1e-12."""
+    """transformers computes its gate in float32 whatever the model's dtype, so the picks
+    are compared exactly and the gate weights to float32's precision; given the same gate,
+    the experts and their weighted sum agree to 1e-12."""
     x = torch.randn(4, 6, m.router.in_features, dtype=torch.float64)
     u = x.reshape(-1, x.shape[-1])
     _, their_weights, their_chosen = theirs.gate(u)
