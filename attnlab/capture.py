@@ -48,11 +48,12 @@ PER_LAYER = ("resid_pre", "q", "k", "v", "pattern", "z", "attn_out", "mlp_out", 
 def layer_reads(model, layer: int) -> tuple[str, ...]:
     """The names of PER_LAYER that layer `layer` has: a mechanism without attention
     weights (its entry's no_weights) has no pattern, one without q, k, v hook points or
-    an output matrix W_O has no q, k, v or z."""
+    an output matrix W_O has no q, k, v or z, an attention-only block no mlp_out."""
     attn = model.blocks[layer].attn
     missing = set() if mechanisms_of(model.config)[layer].no_weights is None else {"pattern"}
     missing |= {n for n in "qkv" if not hasattr(attn, f"hook_{n}")}
     missing |= set() if hasattr(attn, "w_o") else {"z"}
+    missing |= set() if model.blocks[layer].mlp is not None else {"mlp_out"}   # model.mlp=none
     return tuple(n for n in PER_LAYER if n not in missing)
 
 
@@ -137,7 +138,7 @@ def _hooks_for(model, cache: dict, only: set[str] | None):
                 (block.attn, "post", attn_post),
                 *((getattr(block.attn, f"hook_{n}"), "post", read(n)) for n in "qkv" if n in has),
                 *([(block.attn.w_o, "pre", w_o_pre)] if "z" in has else []),
-                (block.mlp, "post", mlp_post)]
+                *([(block.mlp, "post", mlp_post)] if "mlp_out" in has else [])]
 
     def final(module, args, output):
         if want("final_norm"):                 # a post-norm stack's last block hands it on

@@ -71,6 +71,9 @@ def ablate(model, heads: Iterable[tuple[int, int]] = (), mlps: Iterable[int] = (
         hooks.append((model.blocks[layer].attn.w_o, "pre", w_o_pre))
     for layer in mlps:
         _layer_head(model, layer)
+        if model.blocks[layer].mlp is None:
+            raise AttnlabError(f"layer {layer} has no MLP to switch off (model.mlp=none): "
+                               "ablate its heads instead")
 
         def mlp_post(module, args, output, layer=layer):
             if mode == "zero":

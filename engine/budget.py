@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.errors import ConfigError
-from engine.machine import HELD, fit_attention, fix_threads, other_cores, pick_dtype, read_machine
+from engine.machine import HELD, built_for, fix_threads, other_cores, pick_dtype, read_machine
+from model.mechanisms import MECHANISMS
 from model.readout import READOUTS, SHORTLIST_COVERAGE, head_macs, shortlist_for
 
 # Chinchilla's compute-optimal ratio is about 20 (Hoffmann et al., arXiv:2203.15556),
@@ -158,12 +159,18 @@ def training_bytes(cfg) -> tuple[int, int]:
     """(parameters, bytes) that training cfg needs at least: 12 bytes a parameter (fp32
     weights, gradients and one optimizer moment; AdamW keeps two), 4 a buffer number,
     plus the activations backward keeps, 34·T·d + 5·H·T² bytes a layer and sequence at
-    16 bits (Korthikanti et al., arXiv:2205.05198, section 4). Both are lower bounds, so
+    16 bits (Korthikanti et al., arXiv:2205.05198, section 4), H the T×T maps the layer's
+    mechanism keeps (its entry's score_maps: the heads, and a sparse layer's indexer heads
+    too). Both are lower bounds, so
     a model refused for them could not have fitted."""
     m, t = cfg.model, cfg.train
     params, buffers, _ = model_sizes(m)
-    per_layer = 34 * m.block_size * m.n_embd + 5 * m.n_head * m.block_size ** 2
-    activations = m.n_layer * t.batch_size * per_layer
+    # Counted per name of the pattern, which is cycled over the layers: a list n_layer long
+    # would hang on an absurd n_layer before the bound could refuse it.
+    names = [n.strip() for n in m.mechanism.split(",")]
+    maps = sum(MECHANISMS[n].score_maps(m) * (m.n_layer // len(names) + (i < m.n_layer % len(names)))
+               for i, n in enumerate(names))
+    activations = t.batch_size * (34 * m.n_layer * m.block_size * m.n_embd + 5 * maps * m.block_size ** 2)
     return params, 12 * params + 4 * buffers + activations
 
 
@@ -271,8 +278,7 @@ def measure(cfg, device, dtype, seconds: float, batch=None, counts=None) -> floa
     from engine.optim import configure_optimizer
     from model import GPT
     train_cfg = cfg.train
-    model = GPT(cfg.model).to(device)
-    fit_attention(model, cfg.model, device, dtype)    # the kernel the run will run
+    model = GPT(built_for(cfg.model, device, dtype)).to(device)     # the kernel the run will run
     opt = configure_optimizer(model, train_cfg, device)
     ctx = autocast(device, dtype)
     scaler = torch.amp.GradScaler(device.type, enabled=False)

@@ -25,6 +25,7 @@ from engine.objectives import OBJECTIVES
 from engine.optim import LR_SCHEDULES
 from model import REGISTRIES, ModelConfig, ModelError
 from model import registry as model_registry
+from model.mechanisms import MECHANISMS, names_used
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 MAX_NEW_TOKENS = 1_000_000          # one sample.py call: hours of text on a CPU already
@@ -83,6 +84,9 @@ class TrainConfig:
                         choices=tuple(LR_SCHEDULES))
     decay_frac: float = opt(0.3, "wsd: the share of the steps after warm-up spent decaying")
     warmup_iters: int = opt(100, "steps of linear warm-up from 0 to lr")
+    indexer_warmup: int = opt(0, "sparse attention (DSA): the first N steps train only the "
+                                 "lightning indexers, against dense attention, the rest of the "
+                                 "model frozen (DeepSeek-V3.2's warm-up); 0 = sparse from step 0")
     weight_decay: float = opt(0.1, "AdamW decoupled weight decay (matrices only)")
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.99, "AdamW beta2")
@@ -176,6 +180,13 @@ class RunConfig:
             raise ConfigError(f"train.final_eval_iters must not be negative, got {train.final_eval_iters}")
         if train.warmup_iters < 0:
             raise ConfigError(f"train.warmup_iters must not be negative, got {train.warmup_iters}")
+        if train.indexer_warmup < 0:
+            raise ConfigError(f"train.indexer_warmup must not be negative, got {train.indexer_warmup}")
+        if train.indexer_warmup and not any(hasattr(MECHANISMS[n].layer, "dense_warmup")
+                                            for n in names_used(self.model)):
+            raise ConfigError(f"train.indexer_warmup trains a sparse layer's lightning indexer, "
+                              f"and model.mechanism={self.model.mechanism} has none: add "
+                              "--model.mechanism=sparse, or leave it 0")
         if train.muon_momentum_warmup < 0:
             raise ConfigError(f"train.muon_momentum_warmup must not be negative, got {train.muon_momentum_warmup}")
         if not (train.lr > 0 and train.muon_lr > 0):
@@ -188,14 +199,7 @@ class RunConfig:
             raise ConfigError(f"train.min_lr must be between 0 and train.lr={train.lr}, got {train.min_lr}")
         if not (0 <= train.beta1 < 1 and 0 <= train.beta2 < 1):
             raise ConfigError("train.beta1 and train.beta2 must be in [0, 1)")
-        if train.parallel == "fsdp" and train.optimizer == "muon":
-            raise ConfigError("train.parallel=fsdp splits each matrix across processes, and "
-                              "Muon orthogonalises whole matrices: use train.optimizer=adamw "
-                              "with fsdp, or train.parallel=ddp with muon")
-        if train.optimizer == "muon" and getattr(REGISTRIES["mlp"][self.model.mlp], "routes_tokens", False):
-            raise ConfigError(f"train.optimizer=muon orthogonalises two-dimensional matrices, and "
-                              f"model.mlp={self.model.mlp} keeps each layer's experts stacked in "
-                              "one tensor of three: use train.optimizer=adamw with it")
+        self._check_muon()
         name = train.run_name
         if name and (name in (".", "..") or "/" in name or "\\" in name or name.startswith("~")):
             raise ConfigError(f"train.run_name={name!r} must be a plain folder name inside "
@@ -215,6 +219,18 @@ class RunConfig:
         if not 0.0 < self.data.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction must be between 0 and 1, got {self.data.val_fraction}")
         _check_sample(sample)
+
+    def _check_muon(self) -> None:
+        """What Muon, which orthogonalises whole two-dimensional matrices, cannot train."""
+        train = self.train
+        if train.parallel == "fsdp" and train.optimizer == "muon":
+            raise ConfigError("train.parallel=fsdp splits each matrix across processes, and "
+                              "Muon orthogonalises whole matrices: use train.optimizer=adamw "
+                              "with fsdp, or train.parallel=ddp with muon")
+        if train.optimizer == "muon" and getattr(REGISTRIES["mlp"][self.model.mlp], "routes_tokens", False):
+            raise ConfigError(f"train.optimizer=muon orthogonalises two-dimensional matrices, and "
+                              f"model.mlp={self.model.mlp} keeps each layer's experts stacked in "
+                              "one tensor of three: use train.optimizer=adamw with it")
 
 
 def _check_train_fits_model(cfg: RunConfig) -> None:

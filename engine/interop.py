@@ -104,6 +104,9 @@ def _common_refusals(cfg: ModelConfig, decoder: bool = True) -> list[str]:
         # Every architecture here computes the article's multi-head attention; one that
         # computes another mechanism names it in its own blockers.
         out.append(f"model.mechanism={cfg.mechanism} (needs mha in every layer)")
+    if cfg.full_attention_every:
+        out.append(f"model.full_attention_every={cfg.full_attention_every} (full layers among "
+                   "windowed ones: none of these architectures mixes them)")
     if cfg.n_global:
         out.append(f"model.n_global={cfg.n_global} (global tokens: no architecture has them)")
     if cfg.qk_norm:

@@ -19,7 +19,7 @@ from common.files import write_json_atomic
 from common.shell import word
 from engine import checkpoint
 from engine.device import Utilisation, dtype_name, synchronize
-from engine.objectives import masked_accuracy
+from engine.objectives import auxiliary_loss, masked_accuracy, warm_indexers
 from engine.optim import LR_SCHEDULES
 from engine.rundir import stopped_line
 from engine.state import EVAL_DRAWS, Run, save
@@ -192,6 +192,11 @@ def train_step(run: Run, time_used: float = 0.0) -> tuple[torch.Tensor, torch.Te
     run.optimizer.set_lr(lr / train_cfg.lr)
     run.optimizer.set_muon_momentum(muon_momentum_at(at, train_cfg))
     run.progress.last_lr = run.optimizer.param_groups[0]["lr"]     # logged: the rate used
+    # DeepSeek-V3.2's dense warm-up: the indexers learn from dense attention while the rest of
+    # the model is frozen (its loss is not backpropagated, so its weights get no gradient).
+    warming = run.progress.step < train_cfg.indexer_warmup
+    if train_cfg.indexer_warmup:
+        warm_indexers(run.model, warming)
     total = torch.zeros((), device=run.device)
     mine = [m for m in range(train_cfg.grad_accum) if m % dist.world == dist.rank]
     for m in range(train_cfg.grad_accum):
@@ -211,7 +216,10 @@ def train_step(run: Run, time_used: float = 0.0) -> tuple[torch.Tensor, torch.Te
         with no_sync:
             with run.autocast():
                 loss = run.train_forward(x, y).loss
-            run.scaler.scale(loss * dist.world / train_cfg.grad_accum).backward()
+            # A layer's own loss (the sparse indexer's KL) trains only its parameters; the
+            # logged loss stays the objective's, comparable between mechanisms.
+            learned = auxiliary_loss(run.model) + (0.0 if warming else loss)
+            run.scaler.scale(learned * dist.world / train_cfg.grad_accum).backward()
         total += loss.detach() / train_cfg.grad_accum
     run.optimizer.unscale_(run.scaler)
     norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(),

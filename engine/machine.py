@@ -10,9 +10,10 @@ quiet machine and a busy one.
 * the thread count (`fix_threads`): decided at the start, recorded in the run's config
   (train.threads) and reused on resume; it never changes while a run trains; torch's
   thread count is set through `use_threads` only;
-* the attention backend `auto` runs (`fit_attention`): an entry of model/attention.py's
-  ATTENTION_BACKENDS, set on the model's layers through model.attention.use_backend when
-  it is placed on its device;
+* the attention backend `auto` runs: an entry of model/attention.py's ATTENTION_BACKENDS,
+  named in the config a run builds its model from (`built_for`), so each layer takes it
+  when it is built; a model that exists already (loaded to sample, or resumed in another
+  precision) is set through model.attention.use_backend (`fit_attention`);
 * torch.compile and the folder its kernels are cached in (`compiled`);
 * the machine's load, read by --budget to plan (`read_machine`), never to decide numerics.
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple
 
 import torch
@@ -226,6 +227,17 @@ def attention_backend(model_cfg, device: torch.device, dtype: torch.dtype) -> st
         # (docs/benchmarks.md, "CPU attention routes").
         return "eager"
     return "sdpa"
+
+
+def built_for(model_cfg, device: torch.device, dtype: torch.dtype):
+    """The model config a run builds its model from: `auto` replaced by the backend chosen
+    for this machine and precision, so every layer takes its kernel when it is built
+    (model/attention.py, MultiHeadAttention.__init__). The run's own config keeps `auto`,
+    so a resume on another machine chooses again."""
+    if (ATTENTION_BACKENDS.get(model_cfg.attention) is not ATTENTION_BACKENDS["auto"]
+            or not any(MECHANISMS[n].uses_kernel for n in names_used(model_cfg))):
+        return model_cfg                     # named by the user, or no layer runs a kernel
+    return replace(model_cfg, attention=attention_backend(model_cfg, device, dtype))
 
 
 def fit_attention(model, model_cfg, device: torch.device, dtype: torch.dtype) -> str:

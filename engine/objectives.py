@@ -48,6 +48,22 @@ OBJECTIVES = {
 }
 
 
+def auxiliary_loss(model: torch.nn.Module) -> torch.Tensor | float:
+    """The losses a model's layers leave as `aux_loss` in a training pass, summed, for the
+    step to add to the objective's: DeepSeek sparse attention's indexer learns from its KL
+    to the main attention alone (model/sparse_attention.py). 0 where no layer has one."""
+    losses = [m.aux_loss for m in model.modules() if getattr(m, "aux_loss", None) is not None]
+    return sum(losses) if losses else 0.0
+
+
+def warm_indexers(model: torch.nn.Module, on: bool) -> None:
+    """Put every layer with a lightning indexer in, or out of, DeepSeek-V3.2's dense warm-up
+    (model/sparse_attention.py: dense attention, the indexer's KL over every visible key)."""
+    for m in model.modules():
+        if hasattr(m, "dense_warmup"):
+            m.dense_warmup = on
+
+
 def draw_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
     """The masking draw for batch `index` of a stream: a function of (seed, index) alone,
     so a resumed run masks each step exactly as the run it continues would have, and

@@ -43,10 +43,10 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
     refuse_what_cannot_fit(cfg, device)       # before the data or the model costs anything
     torch.manual_seed(train_cfg.seed)
     data = _load_data(cfg, dist, log, _given_tokenizer(cfg, run_dir, resume, source))
-    model = _build_model(cfg, data, device, log, resume, source)
-    distributed_model, sharded = _distribute(model, train_cfg, dist, device)
     dtype = pick_dtype(train_cfg.dtype, device, cfg.model.n_embd)
-    kernel = machine.fit_attention(model, cfg.model, device, dtype)
+    model = _build_model(cfg, data, device, log, resume, source, dtype)
+    distributed_model, sharded = _distribute(model, train_cfg, dist, device)
+    kernel = machine.kernel_words(cfg.model, model.config.attention)
     run = Run(cfg, dist, device, dtype, data,
               batches=Batches(data.train, train_cfg.batch_size, cfg.model.block_size, device,
                               seed=train_cfg.seed, sampling=cfg.data.sampling),
@@ -82,16 +82,17 @@ def _given_tokenizer(cfg: RunConfig, run_dir: Path | None, resume: bool | Path,
 
 
 def _build_model(cfg: RunConfig, data: TokenData, device: torch.device, log,
-                 resume: bool | Path, source: Pretrained | None) -> GPT:
-    """The model on its device: a source's weights, or new ones, an adaptive readout's
-    shortlist ranked by the training tokens (a new model only)."""
+                 resume: bool | Path, source: Pretrained | None, dtype: torch.dtype) -> GPT:
+    """The model on its device with the attention kernel chosen for this machine and
+    precision: a source's weights, or new ones, an adaptive readout's shortlist ranked by
+    the training tokens (a new model only)."""
     counts = None
     if READOUTS[cfg.model.readout].shortlisted and not resume and source is None:
         counts = torch.from_numpy(data.train.counts(cfg.model.vocab_size))
         fit_readout(cfg.model, counts, log)
         cfg.validate()                        # the shortlist against the vocabulary
     refuse_what_cannot_fit(cfg, device)       # again, now that the vocabulary is known
-    model = GPT(cfg.model)
+    model = GPT(machine.built_for(cfg.model, device, dtype))
     if counts is not None:
         model.adaptive.set_frequencies(counts)
     if source is not None:

@@ -122,8 +122,8 @@ class Mask:
         """Causal attention whose queries and keys are the same positions 0..T-1
         (training, evaluation, a prefill with no cache before it): the case the
         block-wise paths (banded, flex) handle."""
-        return (self.causal and self.key_padding is None and not self.on_device
-                and self.q_start == 0 and self.q_len == self.k_len)
+        return (self.causal and self.key_padding is None and isinstance(self.q_start, int)
+                and self.q_start == 0 and self.q_len == self.k_pos.shape[0])
 
     @property
     def is_square_causal(self) -> bool:
@@ -365,9 +365,8 @@ class MultiHeadAttention(nn.Module):
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
         # Q = x·W_Q, K = x·W_K, V = x·W_V, as one matmul cut into the three.
         q, k, v = self.w_qkv(x).split([H * D, H_kv * D, H_kv * D], dim=-1)
-        q = q.view(B, T, H, D).transpose(1, 2)                       # (B, H, T, D)
-        k = k.view(B, T, H_kv, D).transpose(1, 2)                    # (B, H_kv, T, D)
-        v = v.view(B, T, H_kv, D).transpose(1, 2)                    # (B, H_kv, T, D)
+        # Each to (B, its heads, T, d_k): q has H heads, k and v have H_kv.
+        q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))
         if value_embed is not None:
             # Value embeddings: what a token hands on when attended to is no longer only a
             # function of the residual stream; a per-token vector is added to it, so the

@@ -34,6 +34,10 @@ class ModelConfig:
                                   "included); 0 = every earlier token")
     n_global: int = _opt(0, "with a window: the first N tokens stay visible to every "
                             "later token (global tokens / attention sinks)")
+    full_attention_every: int = _opt(0, "with a sliding window, every Nth layer sees the whole "
+                                        "context instead (gpt-oss alternates: 2; Gemma 3 has "
+                                        "five windowed layers to one global: 6); 0 = every "
+                                        "layer windowed")
     causal: bool = _opt(True, "each token sees only itself and earlier tokens (a decoder, the "
                               "article's masked self-attention); false = every token sees the "
                               "whole sequence (an encoder, BERT's bidirectional self-attention)")
@@ -100,6 +104,11 @@ class ModelConfig:
                                "0 = 4 x head_dim (DeepSeek-V2's ratio)")
     mla_rope_dim: int = _opt(0, "latent attention (MLA): width of the shared rotary key k_rope; "
                                 "0 = head_dim / 2 (DeepSeek-V2's ratio)")
+    sparse_top_k: int = _opt(0, "sparse attention (DSA): the keys each query attends to, chosen by "
+                                "the lightning indexer; 0 = block_size / 4")
+    indexer_heads: int = _opt(4, "sparse attention (DSA): the lightning indexer's heads")
+    indexer_dim: int = _opt(0, "sparse attention (DSA): the width of each indexer query and key; "
+                               "0 = head_dim (at least head_dim: that many turn by RoPE)")
 
     @property
     def head_dim(self) -> int:
@@ -124,11 +133,10 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelError(f"model.{name} must be a positive integer, got {value!r}")
         for f in fields(self):
-            if f.name in ("vocab_size", "n_kv_head", "sliding_window", "n_global",
+            if f.name in ("vocab_size", "n_kv_head", "sliding_window", "n_global", "full_attention_every",
                           "rope_original_context", "readout_shortlist", "position_offset",
                           "n_token_types", "mlp_hidden", "token_mix", "mla_kv_rank",
-                          "mla_rope_dim", "moe_shared", "moe_hidden",
-                          "moe_bias_rate") and getattr(self, f.name) < 0:
+                          "mla_rope_dim", "sparse_top_k", "indexer_dim") and getattr(self, f.name) < 0:
                 raise ModelError(f"model.{f.name} must not be negative, got {getattr(self, f.name)} "
                                  f"(model.{f.name}: {f.metadata['help']})")
         self._validate_experts()
@@ -152,6 +160,10 @@ class ModelConfig:
             raise ModelError("model.sliding_window limits how far back a query looks; with "
                              "model.causal=false every token sees the whole sequence: set one "
                              "or the other")
+        if self.indexer_heads <= 0:
+            raise ModelError(f"model.indexer_heads must be a positive integer, got "
+                             f"{self.indexer_heads} (model.indexer_heads: the lightning indexer's "
+                             "heads; 4 is the default)")
         if not self.rope_factor >= 1.0:
             raise ModelError(f"model.rope_factor must be at least 1, got {self.rope_factor}")
         if self.zero_head and self.tie_embeddings:
@@ -169,6 +181,10 @@ class ModelConfig:
 
     def _validate_experts(self) -> None:
         """The mixture of experts' counts (model.mlp=moe): k of at least one routed expert."""
+        for name in ("moe_shared", "moe_hidden", "moe_bias_rate"):
+            if getattr(self, name) < 0:
+                raise ModelError(f"model.{name} must not be negative, got {getattr(self, name)} "
+                                 f"(model.{name}: {self.__dataclass_fields__[name].metadata['help']})")
         if self.moe_experts < 1:
             raise ModelError(f"model.moe_experts must be at least 1, got {self.moe_experts} "
                              "(the routed experts each token chooses from)")

@@ -25,8 +25,7 @@ DECODERS = ("full", "cache", "static", "graph")
 
 def static_cache(model, max_len: int) -> StaticKVCache:
     """A preallocated cache for `model`, stepped by tensors alone."""
-    c = model.config
-    return StaticKVCache(c.n_layer, max_len, c.sliding_window, c.n_global)
+    return StaticKVCache(model.config.n_layer, max_len, model.kept_window(), model.config.n_global)
 
 
 def stream_cache(model, window: int, sinks: int) -> KVCache:
@@ -37,8 +36,9 @@ def stream_cache(model, window: int, sinks: int) -> KVCache:
 
 def decodes_with_rolling_cache(model) -> bool:
     """A windowed model whose positions are relative (or absent) can decode for ever
-    from a rolling cache; learned and sinusoidal positions are absolute."""
-    return bool(model.config.sliding_window) and not model.positions.absolute
+    from a rolling cache; learned and sinusoidal positions are absolute, and a layer that
+    sees the whole context (model.full_attention_every) needs every key."""
+    return bool(model.kept_window()) and not model.positions.absolute
 
 
 def generate(model, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,

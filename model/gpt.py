@@ -7,7 +7,7 @@ behind an `if`; generation (model/decode.py) reads the model through forward and
 new_cache."""
 from __future__ import annotations
 
-from dataclasses import astuple
+from dataclasses import astuple, replace
 from typing import NamedTuple
 
 import torch
@@ -50,43 +50,38 @@ class GPT(nn.Module):
         with torch.device(device), Unfilled():
             return cls(config)
 
+    def __new__(cls, config: ModelConfig | None = None, *args, **kwargs):
+        # GPT(config) is the plain model the article builds; a config that asks for a part
+        # beyond it (segment or value embeddings, U-net skips, post-norm, another readout,
+        # soft-capped logits) builds GPTWithVariants, below, which adds those parts.
+        if config is not None and CHECKED.get(id(config)) != astuple(config):
+            check_config(config)                 # sizes and names (model/registry.py), once
+        if cls is GPT and config is not None and wants_variants(config):
+            cls = GPTWithVariants
+        return super().__new__(cls)
+
     def __init__(self, config: ModelConfig):
         super().__init__()
-        if CHECKED.get(id(config)) != astuple(config):
-            check_config(config)                 # sizes and names (model/registry.py), once
         if config.vocab_size <= 0:
             raise ModelError("model.vocab_size must be set (it comes from the tokenizer)")
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)    # token -> vector
-        # BERT's segment embeddings (one learned vector per sentence of a pair), or none.
-        self.token_types = TokenTypes(config) if config.n_token_types else None
         self.positions = POSITION_ENCODINGS[config.position](config)
-        block = BLOCKS[config.block]
-        # A post-norm stack (BERT) normalises the summed embeddings and has no final norm.
-        self.norm_emb = NORMS[config.norm](config) if block.norms_embeddings else None
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(block(config, i) for i in range(config.n_layer))
-        # Value embeddings (a learned vector per token added to its values in every layer)
-        # and U-net skips with one weight each, from 1 (a plain sum at the start).
-        self.value_embeds = ValueEmbeddings(config) if config.value_embeds else None
-        self.skips = UNetSkips(config.n_layer) if config.skip_connections else None
-        self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2)) if config.skip_connections else None
-        self.norm_f = NORMS[config.norm](config) if block.final_norm else None
-        readout = READOUTS[config.readout]
-        # BERT's masked-LM head puts a dense layer, GELU and a LayerNorm first and gives
-        # every vocabulary entry a bias; the plain output layer is one matrix; the adaptive
-        # softmax (model/readout.py) has matrices of its own; an encoder may have none.
-        self.head_transform = MaskedLMTransform(config) if readout.transform else None
-        self.lm_head = (nn.Linear(config.n_embd, config.vocab_size, bias=readout.transform)
-                        if readout.scores_tokens and not readout.shortlisted else None)
-        self.adaptive = AdaptiveReadout(config) if readout.shortlisted else None
+        self.blocks = nn.ModuleList(BLOCKS[config.block](config, i) for i in range(config.n_layer))
+        self.norm_f = NORMS[config.norm](config)
+        self.lm_head = self.output_layer(config)
         if config.tie_embeddings:
             # The same matrix reads tokens in and scores them out (arXiv:1608.05859).
             self.lm_head.weight = self.wte.weight
-        # Which layers have attention weights to return: a hybrid's DeltaNet layers have none.
-        self.has_weights = [block.mechanism.no_weights is None for block in self.blocks]
-        if not self.wte.weight.is_meta:      # on the meta device (sizes only) no values exist
+        # Values are drawn once every part exists (a subclass draws when it has built its
+        # own); on the meta device (sizes only) no values exist.
+        if type(self) is GPT and not self.wte.weight.is_meta:
             self._init_all(config)
+
+    def output_layer(self, config: ModelConfig) -> nn.Module | None:
+        """Scores every vocabulary entry from a hidden state: one matrix, n_embd -> vocab."""
+        return nn.Linear(config.n_embd, config.vocab_size, bias=False)
 
     def _init_all(self, config: ModelConfig):
         self.apply(self._init_weights)
@@ -95,7 +90,7 @@ class GPT(nn.Module):
         # own layer starts (Mechanism.init).
         for block in self.blocks:
             block.mechanism.init(block.attn, config)
-            if block.mlp.has_weights:
+            if block.mlp is not None:
                 nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
         if config.zero_head:
             # Every logit 0 at the start: the first steps move the readout towards the
@@ -110,22 +105,17 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def num_params(self, non_embedding: bool = False) -> int:
-        """Parameters, counting a tied matrix once; non_embedding leaves out the
-        token and position tables (the usual count for scaling laws) and an adaptive
-        readout."""
+        """Parameters, counting a tied matrix once; non_embedding leaves out the lookup
+        tables (tokens, positions: the usual count for scaling laws). An untied output
+        layer stays in the count (its matmul does work), once."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            n -= self.wte.weight.numel()
-            n -= sum(p.numel() for p in self.positions.parameters())
-            if self.value_embeds is not None:
-                n -= sum(p.numel() for p in self.value_embeds.parameters())
-            if self.adaptive is not None:
-                # Left out like the tied readout it replaces: the adaptive softmax exists to
-                # make a large vocabulary cheap, not to add capacity to the model.
-                n -= sum(p.numel() for p in self.adaptive.parameters())
-            # An untied output layer stays in the count (its matmul does work), once: it is
-            # already among the parameters.
+            n -= sum(p.numel() for table in self.tables() for p in table.parameters())
         return n
+
+    def tables(self) -> list[nn.Module]:
+        """The parts num_params(non_embedding=True) leaves out."""
+        return [self.wte, self.positions]
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (forward + backward): 6 per weight that multiplies
@@ -134,15 +124,15 @@ class GPT(nn.Module):
         12·L·d·T, arXiv:2204.02311, appendix B)."""
         c = self.config
         T = seq_len or c.block_size
-        matmul_weights = self.num_params(non_embedding=True)
+        matmul_weights = self.num_params(non_embedding=True) + self.readout_macs()
         # A mixture of experts multiplies by only the experts a token is routed to (model/moe.py).
         matmul_weights -= sum(getattr(block.mlp, "idle_weights", 0) for block in self.blocks)
-        if self.adaptive is not None:
-            # the tail counted for the 5% of tokens a 95% shortlist leaves it (the default rule)
-            matmul_weights += head_macs(c.n_embd, c.vocab_size, c.readout_shortlist)
-        elif c.tie_embeddings:
-            matmul_weights += self.lm_head.weight.numel()
         return int(6 * matmul_weights + 3 * sum(MECHANISMS[n].flops(c, T) for n in layer_names(c)))
+
+    def readout_macs(self) -> int:
+        """The output layer's multiplies per token that num_params(non_embedding=True)
+        does not already count: a tied matrix is counted there as the token table."""
+        return self.lm_head.weight.numel() if self.config.tie_embeddings else 0
 
     def forward(self, idx, targets=None, cache: KVCache | None = None,
                 return_attention: bool = False, attention_mask: torch.Tensor | None = None,
@@ -154,25 +144,16 @@ class GPT(nn.Module):
         T = idx.shape[1]
         mask = self.mask_for(T, idx.device, cache, attention_mask)   # what each query sees
         x = self.wte(idx)                                            # (B, T, C)
-        if self.token_types is not None:     # token, then segment, then position: BERT's order
-            x = self.token_types(x, token_types)
         x = self.positions.embed(x, mask.q_start)      # absolute positions add a vector here
-        if self.norm_emb is not None:
-            x = self.norm_emb(x)
         x = self.drop(x)
-        attentions, saved = [], []
-        for i, block in enumerate(self.blocks):
-            if self.skips is not None:
-                x = self.skips.join(i, x, saved, self.skip_weights)
-            value_embed = self.value_embeds[i](idx) if self.value_embeds is not None else None
+        attentions = []
+        for block in self.blocks:
             x, weights = block(x, self.positions, mask, cache,
-                               return_attention and self.has_weights[i], value_embed)
-            if self.skips is not None:
-                self.skips.keep(i, x, saved)
+                               return_attention and block.has_weights)
             attentions.append(weights)
         if cache is not None:
             cache.end(T)
-        h = self.norm_f(x) if self.norm_f is not None else x
+        h = self.norm_f(x)
         logits, loss = self.logits_and_loss(h, targets)
         return Output(logits, loss, attentions if return_attention else None, h)
 
@@ -194,20 +175,7 @@ class GPT(nn.Module):
     def logits_and_loss(self, h, targets=None):
         """Scores for every vocabulary entry from the final hidden states (B, T, C), and
         their mean cross-entropy against `targets` where given."""
-        if self.adaptive is not None:        # scores only the targets while training
-            return self.adaptive.logits_and_loss(h, targets)
-        if self.lm_head is None:             # an encoder kept without a head: hidden states only
-            if targets is not None:
-                raise ModelError("this encoder has no output layer (model.readout=none), so "
-                                 "there is no loss to take; give it a head to train it")
-            return None, None
-        if self.head_transform is not None:
-            h = self.head_transform(h)
         logits = self.lm_head(h)                                     # (B, T, vocab)
-        if self.config.logit_softcap:
-            # Soft-capping (Gemma 2): c·tanh(z/c) is z for small logits and never beyond ±c.
-            cap = self.config.logit_softcap
-            logits = cap * torch.tanh(logits / cap)
         if targets is None:
             return logits, None
         return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)),
@@ -216,14 +184,19 @@ class GPT(nn.Module):
     def readout(self, h: torch.Tensor) -> torch.Tensor:
         """Scores for every vocabulary entry from final-norm hidden states (B, T, C):
         the output layer alone, for tools that read the residual stream through it."""
-        if self.lm_head is None and self.adaptive is None:
+        if not READOUTS[self.config.readout].scores_tokens:
             raise ModelError("this encoder has no output layer (model.readout=none): its hidden "
                              "states cannot be read as token scores")
         return self.logits_and_loss(h)[0]
 
     def new_cache(self, max_len: int) -> KVCache:
-        return KVCache(self.config.n_layer, max_len, self.config.sliding_window,
-                       self.config.n_global)
+        return KVCache(self.config.n_layer, max_len, self.kept_window(), self.config.n_global)
+
+    def kept_window(self) -> int:
+        """The window a cache may roll over: the model's, unless a layer sees everything
+        (model.full_attention_every), when every key is kept and each windowed layer's
+        mask hides the old ones."""
+        return 0 if self.config.full_attention_every else self.config.sliding_window
 
     def check_generates(self) -> None:
         """ModelError, saying why, for a model that cannot write text token by token."""
@@ -231,7 +204,7 @@ class GPT(nn.Module):
             raise ModelError("this model is an encoder (model.causal=false): every token sees "
                              "the whole text, the future included, so it cannot write one token "
                              "after another; fill in a [MASK] instead (python -m attnlab.fill)")
-        if self.lm_head is None and self.adaptive is None:
+        if not READOUTS[self.config.readout].scores_tokens:
             raise ModelError("this model has no output layer (model.readout=none), so it scores "
                              "no tokens and cannot generate")
 
@@ -247,3 +220,134 @@ class GPT(nn.Module):
         instead of sampled. model/decode.py does the work and says the rest."""
         return generate_tokens(self, idx, max_new_tokens, temperature, top_k, top_p, generator,
                                use_cache, on_step, decode, sinks, stream_window, forced)
+
+
+# Fields that, set, ask for a part the plain GPT does not have (GPTWithVariants builds it).
+VARIANT_FIELDS = ("n_token_types", "value_embeds", "skip_connections", "logit_softcap",
+                  "full_attention_every")
+
+
+def wants_variants(config: ModelConfig) -> bool:
+    """Does the config ask for a part the plain GPT does not have?"""
+    return (any(getattr(config, name) for name in VARIANT_FIELDS)
+            or not READOUTS[config.readout].plain or not BLOCKS[config.block].plain)
+
+
+class GPTWithVariants(GPT):
+    """The GPT with the parts a config adds to the article's, each built only when its
+    field asks for it: BERT's segment embeddings, its norm after the embeddings and its
+    masked-LM head (model/readout.py), value embeddings and U-net skips across the stack
+    (model/extras.py), soft-capped logits, the adaptive softmax, or no output layer at
+    all (an encoder kept for its hidden states). GPT(config) builds this class when the
+    config asks for any of them; the names of the plain parts are kept, so checkpoints
+    read the same either way."""
+    PASS_ORDER = ("wte", "token_types", "positions", "norm_emb", "drop", "blocks", "value_embeds",
+                  "skips", "norm_f", "head_transform", "lm_head", "adaptive")
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        block = BLOCKS[config.block]
+        # BERT's segment embeddings (one learned vector per sentence of a pair), and the
+        # post-norm stack's norm of the summed embeddings (it has no final norm).
+        self.token_types = TokenTypes(config) if config.n_token_types else None
+        self.norm_emb = NORMS[config.norm](config) if block.norms_embeddings else None
+        if not block.final_norm:
+            self.norm_f = None
+        # Value embeddings (a learned vector per token added to its values in every layer)
+        # and U-net skips with one weight each, from 1 (a plain sum at the start).
+        self.value_embeds = ValueEmbeddings(config) if config.value_embeds else None
+        self.skips = UNetSkips(config.n_layer) if config.skip_connections else None
+        self.skip_weights = (nn.Parameter(torch.ones(config.n_layer // 2))
+                             if config.skip_connections else None)
+        # The parts in the order the pass meets them, so the values drawn for each are those
+        # a model built in one piece draws from the same seed.
+        rank = {name: i for i, name in enumerate(self.PASS_ORDER)}
+        self._modules = dict(sorted(self._modules.items(), key=lambda item: rank.get(item[0], len(rank))))
+        if not self.wte.weight.is_meta:
+            self._init_all(config)
+
+    def output_layer(self, config: ModelConfig) -> nn.Module | None:
+        # BERT's masked-LM head puts a dense layer, GELU and a LayerNorm first and gives
+        # every vocabulary entry a bias; the adaptive softmax (model/readout.py) has
+        # matrices of its own; an encoder may have no output layer at all.
+        readout = READOUTS[config.readout]
+        self.head_transform = MaskedLMTransform(config) if readout.transform else None
+        lm_head = (nn.Linear(config.n_embd, config.vocab_size, bias=readout.transform)
+                   if readout.scores_tokens and not readout.shortlisted else None)
+        self.adaptive = AdaptiveReadout(config) if readout.shortlisted else None
+        return lm_head
+
+    def tables(self) -> list[nn.Module]:
+        # The adaptive softmax is left out like the tied readout it replaces: it exists to
+        # make a large vocabulary cheap, not to add capacity to the model.
+        return super().tables() + [m for m in (self.value_embeds, self.adaptive) if m is not None]
+
+    def readout_macs(self) -> int:
+        if self.adaptive is not None:
+            # the tail counted for the 5% of tokens a 95% shortlist leaves it (the default rule)
+            c = self.config
+            return head_macs(c.n_embd, c.vocab_size, c.readout_shortlist)
+        return super().readout_macs()
+
+    def forward(self, idx, targets=None, cache: KVCache | None = None,
+                return_attention: bool = False, attention_mask: torch.Tensor | None = None,
+                token_types: torch.Tensor | None = None) -> Output:
+        T = idx.shape[1]
+        mask = self.mask_for(T, idx.device, cache, attention_mask)
+        x = self.wte(idx)
+        if self.token_types is not None:     # token, then segment, then position: BERT's order
+            x = self.token_types(x, token_types)
+        x = self.positions.embed(x, mask.q_start)
+        if self.norm_emb is not None:
+            x = self.norm_emb(x)
+        x = self.drop(x)
+        # gpt-oss and Gemma 3: a few layers see the whole context, the rest their window.
+        whole = replace(mask, window=0, n_global=0) if self.config.full_attention_every else mask
+        attentions, saved = [], []
+        for i, block in enumerate(self.blocks):
+            if self.skips is not None:
+                x = self.skips.join(i, x, saved, self.skip_weights)
+            value_embed = self.value_embeds[i](idx) if self.value_embeds is not None else None
+            x, weights = block(x, self.positions, whole if self.sees_everything(i) else mask,
+                               cache, return_attention and block.has_weights, value_embed)
+            if self.skips is not None:
+                self.skips.keep(i, x, saved)
+            attentions.append(weights)
+        if cache is not None:
+            cache.end(T)
+        h = self.norm_f(x) if self.norm_f is not None else x
+        logits, loss = self.logits_and_loss(h, targets)
+        return Output(logits, loss, attentions if return_attention else None, h)
+
+    def sees_everything(self, layer: int) -> bool:
+        """Layer `layer` of a windowed model with model.full_attention_every=N is one of the
+        full ones: layers N-1, 2N-1, ... (transformers' layer_types for gpt-oss, Gemma 3)."""
+        every = self.config.full_attention_every
+        return bool(every) and (layer + 1) % every == 0
+
+    def mask_for(self, T: int, device, cache: KVCache | None, attention_mask) -> Mask:
+        mask = super().mask_for(T, device, cache, attention_mask)
+        if self.config.full_attention_every and cache is not None and not cache.window:
+            # The cache keeps every key for the full layers; the others still see their window.
+            mask = replace(mask, window=self.config.sliding_window, n_global=self.config.n_global)
+        return mask
+
+    def logits_and_loss(self, h, targets=None):
+        if self.adaptive is not None:        # scores only the targets while training
+            return self.adaptive.logits_and_loss(h, targets)
+        if self.lm_head is None:             # an encoder kept without a head: hidden states only
+            if targets is not None:
+                raise ModelError("this encoder has no output layer (model.readout=none), so "
+                                 "there is no loss to take; give it a head to train it")
+            return None, None
+        if self.head_transform is not None:
+            h = self.head_transform(h)
+        logits = self.lm_head(h)
+        if self.config.logit_softcap:
+            # Soft-capping (Gemma 2): c·tanh(z/c) is z for small logits and never beyond ±c.
+            cap = self.config.logit_softcap
+            logits = cap * torch.tanh(logits / cap)
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)),
+                                       targets.reshape(-1), ignore_index=-1)

@@ -95,10 +95,11 @@ class ReluSquaredMLP(GeluMLP):
         return self.dropout(self.proj(F.relu(self.fc(x)).square()))
 
 
-class NoMLP(nn.Module):
+class AttentionOnly:
     """No feed-forward at all: an attention-only Transformer, the setting in which
     Olsson et al. (2022, "In-context Learning and Induction Heads") found induction
-    heads: every computation is attention, so each can be read off the patterns."""
+    heads: every computation is attention, so each can be read off the patterns. The
+    entry's facts only: a block with it builds no MLP and no norm in front of one."""
     has_weights = False
     matrices = 0
 
@@ -106,15 +107,9 @@ class NoMLP(nn.Module):
     def width(config: ModelConfig) -> int:
         return 0
 
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-
-    def forward(self, x):
-        return torch.zeros_like(x)
-
 
 MLPS = {"gelu": GeluMLP, "gelu_tanh": GeluTanhMLP, "swiglu": SwiGLU, "relu2": ReluSquaredMLP,
-        "none": NoMLP, "moe": MixtureOfExperts}
+        "none": AttentionOnly, "moe": MixtureOfExperts}
 
 
 def layer_names(config: ModelConfig) -> list[str]:
@@ -141,6 +136,7 @@ class Block(nn.Module):
     The class attributes are the facts the model asks about a block."""
     norms_embeddings = False   # a norm between the embeddings and the first block
     final_norm = True          # a norm after the last block
+    plain = True               # the article's GPT block: nothing for GPTWithVariants to add
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -149,10 +145,15 @@ class Block(nn.Module):
         self.mechanism = MECHANISMS[layer_names(config)[layer_idx]]
         self.attn = self.mechanism.layer(config, layer_idx)
         mlp = MLPS[config.mlp]
-        # An MLP that is not there (attention-only models) needs no norm in front of it.
-        self.norm_mlp = NORMS[config.norm](config) if mlp.has_weights else nn.Identity()
-        self.mlp = mlp(config)
+        # An attention-only model (model.mlp=none) has no MLP and no norm in front of it.
+        self.norm_mlp = NORMS[config.norm](config) if mlp.has_weights else None
+        self.mlp = mlp(config) if mlp.has_weights else None
         self.mix = TokenMix(config, layer_idx) if config.token_mix else None
+
+    @property
+    def has_weights(self) -> bool:
+        """Has attention weights to return: a recurrent layer (DeltaNet) has none."""
+        return self.mechanism.no_weights is None
 
     def forward(self, x, positions, mask, cache=None, need_weights=False, value_embed=None):
         h = self.norm_attn(x)
@@ -160,7 +161,8 @@ class Block(nn.Module):
             h = self.mix(h, cache)
         a, weights = self.attn(h, positions, mask, cache, need_weights, value_embed)
         x = x + a
-        x = x + self.mlp(self.norm_mlp(x))
+        if self.mlp is not None:
+            x = x + self.mlp(self.norm_mlp(x))
         return x, weights
 
 
@@ -172,12 +174,14 @@ class PostNormBlock(Block):
     checkpoint's two LayerNorms per layer map one to one onto norm_attn and norm_mlp."""
     norms_embeddings = True
     final_norm = False
+    plain = False
 
     def forward(self, x, positions, mask, cache=None, need_weights=False, value_embed=None):
         h = x if self.mix is None else self.mix(x, cache)
         a, weights = self.attn(h, positions, mask, cache, need_weights, value_embed)
         x = self.norm_attn(x + a)
-        x = self.norm_mlp(x + self.mlp(x))
+        if self.mlp is not None:
+            x = self.norm_mlp(x + self.mlp(x))
         return x, weights
 
 

@@ -4,7 +4,8 @@ A *backend* (model/attention.py: eager, sdpa, banded, flex) computes the same
 softmax(Q·Kᵀ/√d_k)·V faster and is tested equal to the formula. A *mechanism* changes
 the formula itself: plain multi-head attention (with grouped-query and multi-query as
 its n_kv_head < n_head forms), differential attention, and the linear, delta-rule and
-latent answers to attention's cost, and sigmoid, gated and sink attention. One config field, model.mechanism, names one, or a
+latent answers to attention's cost, and sigmoid, gated, sink and sparse (DSA) attention. One
+config field, model.mechanism, names one, or a
 comma-separated pattern cycled over the layers (a hybrid: `linear,linear,linear,mha`).
 
 Each entry carries the facts the rest of the project asks about it, so a new mechanism
@@ -30,6 +31,7 @@ from model.linear_attention import LinearAttention
 from model.gated_attention import GatedAttention
 from model.sigmoid_attention import SigmoidAttention
 from model.sink_attention import SinkAttention
+from model.sparse_attention import SparseAttention, sparse_sizes
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,25 @@ def latent_flops(config: ModelConfig, context: int) -> float:
     """Softmax attention's, with each head's query and key d_h + d_R long (arXiv:2405.04434)."""
     _, rope_dim = latent_sizes(config)
     return 2 * config.n_head * (2 * config.head_dim + rope_dim) * context
+
+
+def keys_values_and_index_key(config: ModelConfig) -> int:
+    # DSA keeps multi-head attention's keys and values and one indexer key of d_I a token.
+    return keys_and_values(config) + sparse_sizes(config)[2]
+
+
+def sparse_flops(config: ModelConfig, context: int) -> float:
+    """A whole sequence's: softmax attention's masked scores and weighted sum (4·d·T), and
+    the indexer's H_I dot products of d_I and their weighted sum per key (2·H_I·(d_I + 1)·T).
+    A decoding step's softmax reads only k keys (arXiv:2512.02556, section 2.1)."""
+    _, heads, dim = sparse_sizes(config)
+    return score_flops(config, context) + 2 * heads * (dim + 1) * context
+
+
+def sparse_maps(config: ModelConfig) -> int:
+    # The heads' weights, the indexer's H_I products and their ReLU in fp32 (twice the
+    # bytes of a 16-bit map each, so counted twice), and the chosen keys' mask.
+    return config.n_head + 4 * sparse_sizes(config)[1] + 1
 
 
 def linear_state(config: ModelConfig) -> int:
@@ -123,6 +144,8 @@ class Mechanism:
                                        # (model.attention.use_backend); else its own maths
     weights_sum_to_one: bool = True    # each row of its weights is a distribution (none below
                                        # 0, summing to 1): entropy applies, the scale is 0-1
+    score_maps: Callable[[ModelConfig], int] = lambda c: c.n_head   # T×T maps a layer keeps
+                                       # for backward, for engine/budget.py's memory bound
 
     def __post_init__(self):
         problems = entry_problems(self)
@@ -134,7 +157,7 @@ class Mechanism:
 def entry_problems(entry: Mechanism) -> list[str]:
     """What makes an entry unusable, found when it is written rather than when a tool
     first asks it: each reason is the one line a user reads after "error: ...: "."""
-    problems = [f"{name} must be callable" for name in ("layer", "flops", "init")
+    problems = [f"{name} must be callable" for name in ("layer", "flops", "init", "score_maps")
                 if not callable(getattr(entry, name))]
     if not isinstance(entry.cache, Cache):
         problems.append("cache must be a Cache(what, per_token, fixed)")
@@ -172,6 +195,16 @@ MECHANISMS = {
         export_refusal="learned attention sinks come in transformers only inside gpt-oss, "
                        "whose layers this model's blocks do not fit",
         uses_kernel=False, weights_sum_to_one=False),
+    # Each query's softmax over the k keys a lightning indexer scores highest (DeepSeek-V3.2).
+    "sparse": Mechanism(
+        SparseAttention, Cache("keys and values, and one indexer key", keys_values_and_index_key),
+        export_refusal="DeepSeek sparse attention (arXiv:2512.02556) comes in transformers only "
+                       "inside DeepSeek-V3.2, whose latent attention and experts this model's "
+                       "blocks do not fit",
+        flops=sparse_flops, score_maps=sparse_maps,
+        stream_refusal="its cache keeps each token's indexer key beside its keys, in one row "
+                       "the model's RoPE cannot turn back as a whole",
+        uses_kernel=False),
     # One latent per token, keys and values rebuilt from it (arXiv:2405.04434).
     "mla": Mechanism(
         LatentAttention, Cache("a latent and one rotated key", latent_and_rope_key),

@@ -153,18 +153,25 @@ class RoPE(PositionEncoding):
         if scaling.stretches:                # past the training context, on request
             inv_freq, self.mscale = scaling.scale(inv_freq, c)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        angle = torch.arange(c.block_size, dtype=dtype, device=device)[:, None] * inv_freq
-        # YaRN's temperature: q and k each scaled by mscale, scores by mscale².
-        self.register_buffer("cos", angle.cos() * self.mscale, persistent=False)  # (length, d/2)
-        self.register_buffer("sin", angle.sin() * self.mscale, persistent=False)
+        cos2, sin2 = self.turns_at(torch.arange(c.block_size, dtype=dtype, device=device))
+        self.register_buffer("cos2", cos2, persistent=False)               # (length, d)
+        self.register_buffer("sin2", sin2, persistent=False)
+
+    def turns_at(self, pos: torch.Tensor):
+        """(cos, cos) and (-sin, sin) of the angles of positions `pos`, (len(pos), d): what
+        `turn` takes. YaRN's temperature is in both: q and k each scaled by mscale, scores
+        by mscale²."""
+        angle = pos[:, None] * self.inv_freq
+        cos, sin = angle.cos() * self.mscale, angle.sin() * self.mscale
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     def _apply(self, fn, recurse=True):
         # model.double() casts the tables' numbers, not the way they were made: float32
         # angles cast up keep their float32 error. Tables cast to float64 are made again
         # from the formula in float64; any other cast keeps what it gives, as before.
         super()._apply(fn, recurse)
-        if self.cos.dtype == torch.float64 and self.inv_freq.dtype == torch.float64:
-            self._build(torch.float64, self.cos.device)
+        if self.cos2.dtype == torch.float64 and self.inv_freq.dtype == torch.float64:
+            self._build(torch.float64, self.cos2.device)
         return self
 
     def rotate(self, x, start):
@@ -180,21 +187,15 @@ class RoPE(PositionEncoding):
         return Turn.apply(x, *shared[key])
 
     def _turns(self, x, start):
-        """(cos, cos) and (-sin, sin) of the angles of x's T positions from start."""
+        """What `turn` takes for x's T positions from start, in x's precision."""
         T = x.shape[-2]
-        if isinstance(start, int) and start + T <= self.cos.shape[0]:
-            cos, sin = self.cos[start:start + T], self.sin[start:start + T]
-        else:
-            # Past the table (longer evaluation, endless decoding from a rolling cache)
-            # or at a position held on the device: the angles of these positions alone,
-            # so memory does not grow with position.
-            pos = (start + torch.arange(T, device=x.device)).to(self.inv_freq.dtype)
-            angle = pos[:, None] * self.inv_freq
-            cos, sin = angle.cos() * self.mscale, angle.sin() * self.mscale
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        # Each pair (x1[i], x2[i]) turns by its angle: a 2-D rotation matrix, written out
-        # (turn, below), with its own backward.
-        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        if isinstance(start, int) and start + T <= self.cos2.shape[0]:
+            return self.cos2[start:start + T].to(x.dtype), self.sin2[start:start + T].to(x.dtype)
+        # Past the table (longer evaluation, endless decoding from a rolling cache) or at a
+        # position held on the device: the angles of these positions alone, so memory does
+        # not grow with position.
+        pos = (start + torch.arange(T, device=x.device)).to(self.inv_freq.dtype)
+        return tuple(t.to(x.dtype) for t in self.turns_at(pos))
 
     def shift(self, k, delta):
         # Rotations compose: turning a key at p by delta·θ_i more puts it at p + delta.

@@ -99,6 +99,7 @@ def check(config: ModelConfig) -> None:
         raise ModelError("model.n_global keeps the first tokens visible past a sliding "
                          "window; set model.sliding_window too (without a window every "
                          "token is visible anyway)")
+    check_full_layers(config)
     backend = ATTENTION_BACKENDS[config.attention]
     position = POSITION_ENCODINGS[config.position]
     if backend.needs_window and not config.sliding_window:
@@ -145,6 +146,22 @@ def check(config: ModelConfig) -> None:
     if id(config) not in CHECKED:
         weakref.finalize(config, CHECKED.pop, id(config), None)
     CHECKED[id(config)] = astuple(config)
+
+
+def check_full_layers(config: ModelConfig) -> None:
+    """model.full_attention_every: which layers of a windowed model see everything."""
+    every = config.full_attention_every
+    if not every:
+        return
+    if not config.sliding_window:
+        raise ModelError(f"model.full_attention_every={every} makes every {every}th layer see "
+                         "the whole context instead of a sliding window; set "
+                         "model.sliding_window too (without one every layer sees it all)")
+    if every == 1 or every > config.n_layer:
+        raise ModelError(f"model.full_attention_every={every} leaves "
+                         f"{'no windowed' if every == 1 else 'no full'} layer among "
+                         f"model.n_layer={config.n_layer}; give 2 to {config.n_layer} "
+                         "(2 alternates, as gpt-oss; 6 is Gemma 3's five to one)")
 
 
 def check_entries(used: list[str]) -> None:

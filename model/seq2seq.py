@@ -33,11 +33,11 @@ class EncoderBlock(nn.Module):
         super().__init__()
         self.norm_attn, self.norm_mlp = NORMS[config.norm](config), NORMS[config.norm](config)
         self.attn = build_layer(config, layer_idx)
-        self.mlp = MLPS[config.mlp](config)
+        self.mlp = MLPS[config.mlp](config) if MLPS[config.mlp].has_weights else None
 
     def forward(self, x, positions, mask):
         x = x + self.attn(self.norm_attn(x), positions, mask)[0]
-        return x + self.mlp(self.norm_mlp(x))
+        return x + self.mlp(self.norm_mlp(x)) if self.mlp is not None else x
 
 
 class DecoderBlock(nn.Module):
@@ -49,13 +49,13 @@ class DecoderBlock(nn.Module):
         self.norm_self, self.norm_cross, self.norm_mlp = (NORMS[config.norm](config) for _ in range(3))
         self.self_attn = build_layer(config, layer_idx)
         self.cross = CrossAttention(config)
-        self.mlp = MLPS[config.mlp](config)
+        self.mlp = MLPS[config.mlp](config) if MLPS[config.mlp].has_weights else None
 
     def forward(self, x, positions, mask, memory, key_padding, need_weights=False):
         x = x + self.self_attn(self.norm_self(x), positions, mask)[0]
         a, weights = self.cross(self.norm_cross(x), memory, key_padding, need_weights)
         x = x + a
-        return x + self.mlp(self.norm_mlp(x)), weights
+        return (x + self.mlp(self.norm_mlp(x)) if self.mlp is not None else x), weights
 
 
 # Decoder-only options this model does not build, and model.causal, which it sets per

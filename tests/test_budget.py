@@ -514,6 +514,8 @@ SIZING_FIELDS = [                    # (the field, what else it needs)
     ("n_token_types", []),
     ("position_offset", ["--model.position=learned"]),
     ("mlp_hidden", []),
+    ("indexer_heads", ["--model.mechanism=sparse"]),
+    ("indexer_dim", ["--model.mechanism=sparse", "--model.position=none"]),   # RoPE: 16 at least
 ]
 
 
@@ -528,6 +530,18 @@ def test_the_memory_bound_counts_every_field_that_sizes_a_tensor(field, needs, m
         budget.refuse_what_cannot_fit(cfg, torch.device("cpu"))
     small = cli.build("tiny", needs + [f"--model.{field}=4"])
     budget.refuse_what_cannot_fit(small, torch.device("cpu"))        # a small one trains
+
+
+def test_the_activation_bound_counts_a_sparse_layers_indexer_maps():
+    """Each indexer head keeps a T×T map of products (and their ReLU) in fp32 for backward,
+    beside the heads' weights: 4 maps of 5 bytes a head, and 1 for the chosen keys."""
+    from engine.budget import training_bytes
+    args = ["--model.mechanism=sparse,mha", "--model.indexer_heads=3", "--model.n_layer=3"]
+    sparse, plain = cli.build("tiny", args), cli.build("tiny", ["--model.n_layer=3"])
+    t, b = sparse.model.block_size, sparse.train.batch_size
+    extra = training_bytes(sparse)[1] - 12 * training_bytes(sparse)[0]
+    base = training_bytes(plain)[1] - 12 * training_bytes(plain)[0]
+    assert extra - base == 2 * b * 5 * (4 * 3 + 1) * t ** 2        # the two sparse layers
 
 
 def test_the_counted_sizes_are_the_built_models_own():

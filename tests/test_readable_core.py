@@ -6,8 +6,8 @@ smaller, so a line added to the default path is added on purpose (raise the budg
 with the reason) and never by a stand-in module or a check that runs on every build.
 
 What is traced is what train.py does with the model (engine/run.py): the config is
-checked once when it is read (model/registry.py marks it), then the model is built and
-run, on the backend the engine picks for this precision."""
+checked once when it is read (model/registry.py marks it), then the model is built, with
+the backend the engine picked for this precision named in its config, and run."""
 import collections
 import sys
 from pathlib import Path
@@ -17,24 +17,26 @@ import torch
 
 from conftest import ROOT
 from model import GPT, ModelConfig
-from model.attention import use_backend
 from model.registry import check
 
 # (fields over the cpu preset's model, backend, precision) -> (lines, files)
 BUDGETS = {
-    "cpu preset, fp32 (sdpa)": ({}, "sdpa", torch.float32, 174, 4),
-    "cpu preset, bf16 (the formula)": ({}, "eager", torch.bfloat16, 186, 4),
-    "learned positions": ({"position": "learned"}, "sdpa", torch.float32, 157, 4),
-    # its own maths (model/linear_attention.py) and the config's head size
-    "linear attention": ({"mechanism": "linear"}, "sdpa", torch.float32, 153, 6),
+    "cpu preset, fp32 (sdpa)": ({}, "sdpa", torch.float32, 153, 4),
+    "cpu preset, bf16 (the formula)": ({}, "eager", torch.bfloat16, 167, 4),
+    "learned positions": ({"position": "learned"}, "sdpa", torch.float32, 135, 4),
+    # its own maths (model/linear_attention.py, no kernel: auto stays auto) and the
+    # config's head size
+    "linear attention": ({"mechanism": "linear"}, "auto", torch.float32, 139, 6),
 }
 CPU_PRESET = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=65)
 
 
 def traced(fields: dict, backend: str, dtype: torch.dtype) -> dict[str, set[int]]:
     """{project file: its line numbers that ran} for a build and one forward with a loss."""
-    config = ModelConfig(**{**CPU_PRESET, **fields})
-    check(config)                               # as the engine does when it reads a config
+    # The engine names the backend it chose in the config it builds from (engine/machine.py,
+    # built_for), and checks a config once, when it reads it.
+    config = ModelConfig(**{**CPU_PRESET, **fields, "attention": backend})
+    check(config)
     g = torch.Generator().manual_seed(0)
     idx, targets = (torch.randint(0, 65, (2, 16), generator=g) for _ in range(2))
     lines: dict[str, set[int]] = collections.defaultdict(set)
@@ -52,7 +54,6 @@ def traced(fields: dict, backend: str, dtype: torch.dtype) -> dict[str, set[int]
     sys.settrace(tracer)
     try:
         model = GPT(config)
-        use_backend(model, backend)
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             model(idx, targets)
     finally:
@@ -118,3 +119,27 @@ def test_the_tracer_sees_a_line_added_to_the_path(monkeypatch):
     monkeypatch.setattr(GPT, "logits_and_loss", logits_and_loss)
     after = sum(len(v) for v in traced({}, "sdpa", torch.float32).values())
     assert after > before
+
+
+def test_an_attention_only_model_builds_no_mlp_and_its_tools_know():
+    """model.mlp=none (the setting of the induction-head papers): no MLP and no norm in front
+    of one is built, the pass is attention alone, the lens's cache has no mlp_out, and
+    switching off an MLP that is not there is refused in one line."""
+    from attnlab.capture import run_with_cache
+    from attnlab.lens import ablate
+    from common.errors import AttnlabError
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**{**CPU_PRESET, "n_layer": 2, "mlp": "none"}))
+    assert all(b.mlp is None and b.norm_mlp is None for b in model.blocks)
+    assert not any("mlp" in name for name, _ in model.named_parameters())
+    x = torch.randint(0, 65, (1, 12))
+    block = model.blocks[0]
+    h = x_in = model.drop(model.wte(x))
+    mask = model.mask_for(12, x.device, None, None)
+    out, _ = block(x_in, model.positions, mask)
+    assert torch.equal(out, h + block.attn(block.norm_attn(h), model.positions, mask)[0])
+    logits, cache = run_with_cache(model, x)
+    assert "blocks.0.attn_out" in cache and not any(k.endswith("mlp_out") for k in cache)
+    with pytest.raises(AttnlabError, match="no MLP"):
+        with ablate(model, mlps=[1]):
+            pass
