@@ -184,6 +184,22 @@ def test_any_link_a_run_would_write_or_prune_through_is_refused(base, tmp_path, 
         assert outside.read_text() == ""
 
 
+@pytest.mark.parametrize("tool", [["attnlab.heads", "grid"], ["attnlab.heads", "head"],
+                                  ["attnlab.heads", "html"], ["attnlab.lens", "logit"],
+                                  ["attnlab.lens", "ablate"], ["attnlab.induction"]])
+def test_a_figures_folder_that_is_a_link_is_refused(base, tmp_path, tool):
+    """A run's figures/ linked elsewhere: every tool that writes there by default wrote
+    its figure or page through the link, outside the run."""
+    copy = copied(base, tmp_path)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (copy / "figures").symlink_to(outside)
+    text = ["--text", "To be or not"] if len(tool) > 1 else []
+    line = one_error(run_script("-m", *tool, "--run", copy, *text, check=False))
+    assert f"{copy / 'figures'} is a symbolic link" in line and "--out" in line, line
+    assert not list(outside.iterdir())
+
+
 def test_the_lock_and_an_atomic_write_never_open_through_a_link(tmp_path):
     """Below the run's own check: the lock's open and an atomic write's temporary file."""
     import os
