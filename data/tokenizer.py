@@ -157,6 +157,13 @@ def _truncation_problem(truncation) -> str | None:
     if not isinstance(truncation, dict) or not _bounded(truncation.get("max_length"), PAD_LIMIT) \
             or not _bounded(truncation.get("stride", 0), PAD_LIMIT):
         return f"truncates to a length that is not a whole number of at most {PAD_LIMIT:,} tokens"
+    # Switched off when built (BPETokenizer), but no real file cuts every text to nothing,
+    # and a stride not below the length makes the library panic on the first encode.
+    length, stride = truncation.get("max_length"), truncation.get("stride") or 0
+    if length == 0:
+        return "truncates every text to 0 tokens"
+    if length is not None and stride >= length:
+        return f"truncates to {length} tokens with a stride of {stride}, not below that length"
     return None
 
 
@@ -431,6 +438,12 @@ class BPETokenizer(Tokenizer):
     CACHE_LIMIT = 1_000_000
 
     def __init__(self, hf_tokenizer):
+        # A text is encoded as it is, and the model's context (model.block_size) is the
+        # only limit: a file's padding or truncation (a sentence-transformers file pads and
+        # cuts every text to 128 tokens, its training batches; a forged one to 0) would
+        # pad or cut a prompt, a corpus or a page's text without a word.
+        hf_tokenizer.no_padding()
+        hf_tokenizer.no_truncation()
         self.hf = hf_tokenizer
         self._cache: dict[str, list[int]] = {}
 
@@ -628,14 +641,6 @@ class WordPieceTokenizer(BPETokenizer):
     kind = "wordpiece"
     needs_every_symbol = False
     sized_by_setting = False       # the vocabulary comes with the model
-
-    def __init__(self, hf_tokenizer):
-        # A sentence-transformers file pads and truncates every text to 128 tokens (its
-        # training batches); here a text is encoded as it is, and the model's context
-        # (model.block_size) is the only limit.
-        hf_tokenizer.no_padding()
-        hf_tokenizer.no_truncation()
-        super().__init__(hf_tokenizer)
 
     @classmethod
     def from_file(cls, path: Path) -> "WordPieceTokenizer":
