@@ -159,7 +159,9 @@ class RunConfig:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
-    def validate(self) -> None:
+    def validate(self, training: bool = True) -> None:
+        """Refuses what no run could do; with `training`, also what this machine cannot
+        train (a config read to sample or study a run trains nothing)."""
         try:
             model_registry.check(self.model)      # sizes, variant names, what variants need
         except ModelError as err:
@@ -207,21 +209,23 @@ class RunConfig:
         for name in ("weight_decay", "grad_clip"):
             if getattr(train, name) < 0:
                 raise ConfigError(f"train.{name} must not be negative, got {getattr(train, name)}")
-        _check_train_fits_model(self)
+        _check_train_fits_model(self, training)
         if not 0.0 < self.data.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction must be between 0 and 1, got {self.data.val_fraction}")
         _check_sample(sample)
 
 
-def _check_train_fits_model(cfg: RunConfig) -> None:
-    """Refuses a training objective or device the model's own choices rule out."""
+def _check_train_fits_model(cfg: RunConfig, training: bool) -> None:
+    """Refuses a training objective the model's own choices rule out, and (`training`) a
+    backend with no backward on the device training would use: a flex run trained on a
+    GPU samples on a CPU, where flex's forward works."""
     train = cfg.train
     if OBJECTIVES[train.objective].bidirectional and cfg.model.causal:
         raise ConfigError(f"train.objective={train.objective} guesses a hidden token from "
                           "the words on both sides of it, and model.causal=true hides the "
                           "words after it; set model.causal=false (the encoder preset does)")
     backend = REGISTRIES["attention"][cfg.model.attention]
-    if not backend.trains_on_cpu and train.device in ("cpu", "auto"):
+    if training and not backend.trains_on_cpu and train.device in ("cpu", "auto"):
         from engine.device import pick_device
         if pick_device(train.device).type == "cpu":
             trainable = ", ".join(n for n, b in REGISTRIES["attention"].items() if b.trains_on_cpu)
@@ -430,7 +434,7 @@ def from_dict(data: dict, origin: str) -> RunConfig:
             cfg.parent = dict(values) if isinstance(values, dict) else {}
         elif section != "version":
             apply(cfg, section, values, origin)
-    cfg.validate()
+    cfg.validate(training=False)      # to sample or study; a resume checks it again to train
     return cfg
 
 
