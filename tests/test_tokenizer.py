@@ -100,6 +100,18 @@ HOSTILE = {
     "a truncation whose stride is its length": (dict(truncation={"max_length": 2, "strategy": "LongestFirst",
                                                                  "stride": 5, "direction": "Right"}),
                                                 "with a stride of 5"),
+    "a template naming a special token it does not define": (dict(post_processor={
+        "type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "[X]", "type_id": 0}},
+                                                 {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [], "special_tokens": {}}), "names the special token '[X]' it does not define"),
+    "a template without the text": (dict(post_processor={
+        "type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}],
+        "pair": [], "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [256],
+                                                         "tokens": ["<|endoftext|>"]}}}),
+                                     "does not hold the text (A) once"),
+    "a special token's id past the vocabulary": (dict(post_processor={
+        "type": "BertProcessing", "sep": ["<|endoftext|>", 10 ** 9], "cls": ["<|endoftext|>", 256]}),
+                                                 "sep is not a token of its vocabulary"),
     "a Split by a regular expression": (dict(pre_tokenizer={"type": "Split", "pattern": {"Regex": "(a*)*b"},
                                                             "behavior": "Isolated", "invert": False}),
                                         "Split pre-tokenizer with a regular expression"),
@@ -163,6 +175,23 @@ def test_a_files_padding_or_truncation_never_cuts_or_pads_a_text(setting, tmp_pa
     tok = Tokenizer.load(tmp_path)
     assert tok.encode(text) == plain and tok.encode_array(text).tolist() == plain
     assert tok.decode(tok.encode("to be")) == "to be"
+
+
+def test_a_panics_own_text_is_not_printed_and_other_output_is_passed_on(capfd, monkeypatch):
+    """The library's panic hook wrote "thread '<unnamed>' panicked at ..." (and with
+    RUST_BACKTRACE a whole backtrace) to stderr before the one error line; what a call
+    writes there without panicking still reaches stderr."""
+    import os
+    from tokenizers import Regex, normalizers
+    from data.tokenizer import library
+    monkeypatch.setenv("RUST_BACKTRACE", "1")
+    tok = BPETokenizer.train([TEXT], 300)
+    tok.hf.normalizer = normalizers.Replace(Regex(""), "x")
+    capfd.readouterr()
+    with pytest.raises(TokenizerError):
+        tok.encode("Speak, speak.")
+    library(os.write, 2, b"kept\n")
+    assert capfd.readouterr().err == "kept\n"
 
 
 def test_a_panic_in_the_library_is_a_tokenizer_error():
