@@ -19,6 +19,7 @@ from pathlib import Path
 
 from common.errors import ConfigError, choices_hint
 from common.fields import opt
+from common.files import odd_kind
 from data.tokenizer import TOKENIZERS
 from data.tokens import SAMPLINGS
 from engine.objectives import OBJECTIVES
@@ -387,6 +388,9 @@ def preset_path(name: str) -> Path:
 
 def load_preset(cfg: RunConfig, name: str) -> None:
     path = preset_path(name)
+    if kind := odd_kind(path):        # found by stat: opening a named pipe waits for a writer
+        raise ConfigError(f"--config {path} is {kind}, not a regular file; give a preset's "
+                          "name from configs/ or the path to a .toml file")
     if not path.is_file():
         available = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
         raise ConfigError(f"no preset {name!r} (looked for {path})" + choices_hint(name, available))

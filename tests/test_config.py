@@ -271,3 +271,14 @@ def test_sample_py_samples_a_flex_run_on_a_cpu(corpus, tmp_path):
     assert proc.returncode == 0 and "attention flex" in proc.stderr, proc.stderr[-2000:]
     again = run_script("train.py", "--resume", run, "--train.max_iters=4", check=False)
     assert again.returncode == 2 and "no backward on CPU" in again.stderr, again.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["a named pipe", "a folder"])
+def test_a_config_path_that_is_not_a_regular_file_is_named_for_what_it_is(kind, tmp_path):
+    """A named pipe given as --config was reported as a missing preset, with the list of
+    presets, though the path was there."""
+    import os
+    path = tmp_path / "mine.toml"
+    os.mkfifo(path) if kind == "a named pipe" else path.mkdir()
+    with pytest.raises(ConfigError, match=f"^--config {path} is {kind}, not a regular file; "):
+        config.load_preset(config.RunConfig(), str(path))
