@@ -313,11 +313,16 @@ def field_types(cls) -> dict[str, type]:
     return {f.name: hints[f.name] for f in fields(cls)}
 
 
-def convert(key: str, raw, typ: type):
-    """Convert a command-line string (or a TOML/JSON value) to the field's type."""
+def convert(key: str, raw, typ: type, typed: bool = False):
+    """Convert a command-line string (or a TOML/JSON value) to the field's type. A file
+    (`typed`) writes a switch as a boolean: a string there ("yes", "false") is refused,
+    where the command line's words (true/false, yes/no, on/off, 1/0) are read."""
     if typ is bool:
         if isinstance(raw, bool):
             return raw
+        if typed and isinstance(raw, str):
+            raise ConfigError(f"{key} takes true or false, written without quotes in a file, "
+                              f"got the string {raw!r}")
         if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "on"):
             return True
         if isinstance(raw, str) and raw.lower() in ("false", "0", "no", "off"):
@@ -347,26 +352,28 @@ def convert(key: str, raw, typ: type):
     raise ConfigError(f"{key} has an unsupported type {typ}")
 
 
-def apply(cfg: RunConfig, section: str, values: dict, origin: str) -> None:
-    """Set section.key = value for each entry, checking keys and types."""
+def apply(cfg: RunConfig, section: str, values: dict, origin: str, typed: bool = False) -> None:
+    """Set section.key = value for each entry, checking keys and types (`typed`: read
+    from a TOML or JSON file, whose values carry their type)."""
     if section not in SECTIONS:
         raise ConfigError(f"unknown config section {section!r} in {origin}"
                           + choices_hint(section, SECTIONS))
     if not isinstance(values, dict):
         raise ConfigError(f"[{section}] in {origin} must be a table of key = value")
-    apply_to(getattr(cfg, section), section, values, origin)
+    apply_to(getattr(cfg, section), section, values, origin, typed)
 
 
-def apply_to(obj, section: str, values: dict, origin: str) -> None:
+def apply_to(obj, section: str, values: dict, origin: str, typed: bool = False) -> None:
     types = field_types(SECTIONS[section])
     helps = {f.name: f.metadata.get("help", "") for f in fields(SECTIONS[section])}
     for key, raw in values.items():
         if key not in types:
             raise ConfigError(f"unknown key {section}.{key} in {origin}" + choices_hint(key, types))
         try:
-            value = convert(f"{section}.{key}", raw, types[key])
+            value = convert(f"{section}.{key}", raw, types[key], typed)
         except ConfigError as err:   # a value of the wrong kind: say what the option takes
-            raise ConfigError(f"{err} ({section}.{key}: {helps[key]})" if helps[key] else str(err)) from None
+            said = f"{err} ({section}.{key}: {helps[key]})" if helps[key] else str(err)
+            raise ConfigError(f"{origin}: {said}" if typed else said) from None
         setattr(obj, key, value)
 
 
@@ -399,7 +406,7 @@ def load_preset(cfg: RunConfig, name: str) -> None:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"preset {path} is not valid TOML: {err}") from None
     for section, values in data.items():
-        apply(cfg, section, values, str(path))
+        apply(cfg, section, values, str(path), typed=True)
     cfg.preset = path.stem
 
 
@@ -437,7 +444,7 @@ def from_dict(data: dict, origin: str) -> RunConfig:
         elif section == "parent":
             cfg.parent = dict(values) if isinstance(values, dict) else {}
         elif section != "version":
-            apply(cfg, section, values, origin)
+            apply(cfg, section, values, origin, typed=True)
     cfg.validate(training=False)      # to sample or study; a resume checks it again to train
     return cfg
 

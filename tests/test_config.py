@@ -282,3 +282,20 @@ def test_a_config_path_that_is_not_a_regular_file_is_named_for_what_it_is(kind, 
     os.mkfifo(path) if kind == "a named pipe" else path.mkdir()
     with pytest.raises(ConfigError, match=f"^--config {path} is {kind}, not a regular file; "):
         config.load_preset(config.RunConfig(), str(path))
+
+
+@pytest.mark.parametrize("written", ['"yes"', '"true"', '"false"'])
+def test_a_switch_written_as_a_string_in_a_file_is_refused_saying_it_takes_true_or_false(written, tmp_path):
+    """qk_norm = "yes" in a preset (or a run's config.json) was read as true, and a run's
+    config.json saying "yes" beside weights trained without QK-norm sampled with it; the
+    command line's words stay."""
+    path = tmp_path / "mine.toml"
+    path.write_text(f"[model]\nqk_norm = {written}\n")
+    with pytest.raises(ConfigError, match=f"^{path}: model.qk_norm takes true or false, .*got the "
+                                          f"string {written[1:-1]!r}"):
+        config.load_preset(config.RunConfig(), str(path))
+    saved = config.RunConfig().to_dict()
+    saved["model"]["qk_norm"] = written[1:-1]
+    with pytest.raises(ConfigError, match="model.qk_norm takes true or false"):
+        config.from_dict(saved, "config.json")
+    assert cli.build("tiny", ["--model.qk_norm=yes"]).model.qk_norm is True
