@@ -1,5 +1,5 @@
 """Kimi Delta Attention: the gated delta rule with one decay per channel of the key, not
-one per head (Kimi Team, "Kimi Linear", arXiv:2510.26692, section 3).
+one per head (Kimi Team, "Kimi Linear", arXiv:2510.26692).
 
 Gated DeltaNet (model/deltanet.py) fades the whole state by one α_t per head before each
 delta step. KDA gives every one of the d_k key channels its own α_t[c] ∈ (0, 1):
@@ -25,8 +25,9 @@ Training uses the chunked form (`chunk`): the UT transform of Gated DeltaNet, wi
 product k_iᵀ k_t inside a chunk taken through the fading between i and t channel by
 channel. That fading is a C × C × d_k tensor per head and chunk (masked before exp, so
 a strong decay cannot overflow), where Gated DeltaNet's is C × C: d_k times the memory
-and elementwise work of its chunk, the same matrix products. Decoding keeps S, d_k × d_v
-per head, as DeltaNet does."""
+and elementwise work of its chunk, the same matrix products. (The paper's kernel avoids
+that tensor with a constrained diagonal-plus-low-rank form worked in sub-chunks: faster,
+not simpler.) Decoding keeps S, d_k × d_v per head, as DeltaNet does."""
 from __future__ import annotations
 
 import torch

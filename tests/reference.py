@@ -90,7 +90,7 @@ def delta_rule(q, k, v, beta, alpha=None):
 
 
 def kda_rule(q, k, v, beta, alpha):
-    """Kimi Delta Attention as Kimi Linear (arXiv:2510.26692, section 3) writes it, S of
+    """Kimi Delta Attention as Kimi Linear (arXiv:2510.26692) writes it, S of
     d_k × d_v: S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ, o_t = S_tᵀ q_t,
     from S_0 = 0. q, k: (T, d_k) (unit keys); v: (T, d_v); beta: (T,); alpha: (T, d_k),
     one decay per key channel."""

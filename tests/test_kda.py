@@ -254,6 +254,27 @@ def test_the_channels_start_with_memories_of_different_lengths():
     assert alpha[0, 0] > 0.998 and alpha[-1, -1] < 0.25
 
 
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_the_memory_bound_counts_the_fading_the_layer_keeps_for_backward(chunk):
+    """engine/budget.py counts 5 bytes an entry of `score_maps` T×T maps: for KDA that must
+    not exceed the C × C × d_k tensors (the fading and the faded keys, fp32) the layer's
+    backward keeps, and must not fall far below them (the default, a map a head, would)."""
+    from model.mechanisms import MECHANISMS
+    config = kda.ModelConfig(vocab_size=8, n_head=2, n_embd=32, block_size=32, linear_chunk=chunk)
+    m = kda.KimiDeltaAttention(config, 0)
+    C, H, Dh = min(chunk, 32), 2, 16
+    kept = {}
+
+    def pack(t):                        # each storage once, however many views of it are saved
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        whole(m, torch.randn(1, 32, 32, requires_grad=True))
+    fading = sum(n for n in kept.values() if n >= H * C * C * Dh * 4)
+    counted = 5 * MECHANISMS["kda"].score_maps(config) * 32 ** 2
+    assert fading / 2 <= counted <= fading
+
+
 def test_the_chunked_forms_gradients_equal_the_recurrent_forms():
     def grads(form):
         tensors = [t.clone().requires_grad_() for t in rule_inputs()]
