@@ -81,17 +81,18 @@ def chunk(q, k, v, beta, log_alpha, state):
     C = q.shape[-2]
     left, Gamma = fading(log_alpha)                                  # (B, H, C, C, D), (B, H, C, D)
     faded = left * k.unsqueeze(-3)        # [t, i]: k_i ⊙ Γ_t/Γ_i, 0 for i > t: (B, H, C, C, D)
-    # Each row t of `faded` against k_t (for A) and q_t (for the outputs): one matrix
-    # product per token, (C × D) @ (D × 1).
-    A = (beta.unsqueeze(-1) * (faded @ k.unsqueeze(-1)).squeeze(-1)).tril(-1)   # i < t only
+    # Each row t of `faded` against k_t (for A) and q_t (for the outputs), in one product
+    # per token, (C × D) @ (D × 2): two columns, as a CPU runs a batch of matrix-vector
+    # products many times slower than one of thin matrices.
+    with_k, with_q = (faded @ torch.stack([k, q], dim=-1)).unbind(-1)  # (B, H, C_t, C_i) each
+    A = (beta.unsqueeze(-1) * with_k).tril(-1)                       # i < t only
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     T = torch.linalg.solve_triangular(eye + A, torch.diag_embed(beta), upper=False)
     W, U = T @ (Gamma * k), T @ v                                    # (B, H, C, D) each
     new = U - W @ state                    # u_t: each token's write, after the state's part
     # o_t = S_tᵀ q_t: the faded state before the chunk, plus what is left of every write
     # up to and including t.
-    reads = (faded @ q.unsqueeze(-1)).squeeze(-1)                    # (B, H, C_t, C_i)
-    out = (Gamma * q) @ state + reads @ new
+    out = (Gamma * q) @ state + with_q @ new
     last = left[:, :, -1]                                            # (B, H, C, D): Γ_C/Γ_i
     return out, Gamma[:, :, -1, :, None] * state + (last * k).transpose(-2, -1) @ new
 

@@ -291,7 +291,7 @@ def test_the_chunked_forms_gradients_equal_the_recurrent_forms():
 
 FADE = "        state = log_alpha[:, :, t, :, None].exp() * state\n"
 WRITE = "        state = state + k_t.unsqueeze(-1) * (b_t * (v_t - held)).unsqueeze(-2)\n"
-A_LINE = "    A = (beta.unsqueeze(-1) * (faded @ k.unsqueeze(-1)).squeeze(-1)).tril(-1)"
+A_LINE = "    A = (beta.unsqueeze(-1) * with_k).tril(-1)"
 CARRY = "    return out, Gamma[:, :, -1, :, None] * state + (last * k).transpose(-2, -1) @ new\n"
 SOURCE = (ROOT / "model" / "kda.py").read_text(encoding="utf-8")
 STEP = SOURCE[SOURCE.index(FADE):SOURCE.index(WRITE) + len(WRITE)]     # fade, read, write
@@ -313,7 +313,7 @@ PLANTED = [
     ("beta missing from the erase term", WRITE, WRITE.replace("(b_t * (v_t - held))",
                                                               "(b_t * v_t - held)"), rule_error),
     ("beta missing from the UT transform", A_LINE,
-     "    A = ((faded @ k.unsqueeze(-1)).squeeze(-1)).tril(-1)", rule_error),
+     "    A = with_k.tril(-1)", rule_error),
     ("chunk: the faded state before the chunk read unfaded in the erase",
      "W, U = T @ (Gamma * k), T @ v", "W, U = T @ k, T @ v", recurrent_error),
     ("chunk: the state handed on not faded", CARRY,
