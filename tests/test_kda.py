@@ -287,6 +287,22 @@ def test_the_chunked_forms_gradients_equal_the_recurrent_forms():
         assert torch.isfinite(g).all() and (g - w).abs().max() < 1e-9
 
 
+def test_kimi_linears_pattern_of_three_kda_layers_to_one_latent_layer_decodes_as_it_passes():
+    """Kimi Linear's 3:1 hybrid with latent attention: three layers keep a state, the
+    fourth its latents, and decoding token by token gives the whole pass's logits."""
+    from model.gpt import GPT
+    torch.manual_seed(0)
+    model = GPT(kda.ModelConfig(vocab_size=16, n_layer=4, n_head=2, n_embd=32, block_size=32,
+                                linear_chunk=8, mechanism="kda,kda,kda,mla")).double().eval()
+    idx = torch.randint(0, 16, (1, 20), generator=torch.Generator().manual_seed(6))
+    cache = model.new_cache(20)
+    with torch.no_grad():
+        steps = [model(idx[:, :5], cache=cache).logits]
+        steps += [model(idx[:, t:t + 1], cache=cache).logits for t in range(5, 20)]
+        assert (torch.cat(steps, 1) - model(idx).logits).abs().max() < 1e-9
+    assert sorted(cache.states) == [0, 1, 2] and cache.k[3] is not None
+
+
 # -- the slips each check is for -----------------------------------------------------------
 
 FADE = "        state = log_alpha[:, :, t, :, None].exp() * state\n"
