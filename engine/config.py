@@ -199,10 +199,7 @@ class RunConfig:
             raise ConfigError(f"train.min_lr must be between 0 and train.lr={train.lr}, got {train.min_lr}")
         if not (0 <= train.beta1 < 1 and 0 <= train.beta2 < 1):
             raise ConfigError("train.beta1 and train.beta2 must be in [0, 1)")
-        if train.parallel == "fsdp" and train.optimizer == "muon":
-            raise ConfigError("train.parallel=fsdp splits each matrix across processes, and "
-                              "Muon orthogonalises whole matrices: use train.optimizer=adamw "
-                              "with fsdp, or train.parallel=ddp with muon")
+        self._check_muon()
         name = train.run_name
         if name and (name in (".", "..") or "/" in name or "\\" in name or name.startswith("~")):
             raise ConfigError(f"train.run_name={name!r} must be a plain folder name inside "
@@ -222,6 +219,18 @@ class RunConfig:
         if not 0.0 < self.data.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction must be between 0 and 1, got {self.data.val_fraction}")
         _check_sample(sample)
+
+    def _check_muon(self) -> None:
+        """What Muon, which orthogonalises whole two-dimensional matrices, cannot train."""
+        train = self.train
+        if train.parallel == "fsdp" and train.optimizer == "muon":
+            raise ConfigError("train.parallel=fsdp splits each matrix across processes, and "
+                              "Muon orthogonalises whole matrices: use train.optimizer=adamw "
+                              "with fsdp, or train.parallel=ddp with muon")
+        if train.optimizer == "muon" and getattr(REGISTRIES["mlp"][self.model.mlp], "routes_tokens", False):
+            raise ConfigError(f"train.optimizer=muon orthogonalises two-dimensional matrices, and "
+                              f"model.mlp={self.model.mlp} keeps each layer's experts stacked in "
+                              "one tensor of three: use train.optimizer=adamw with it")
 
 
 def _check_train_fits_model(cfg: RunConfig) -> None:
