@@ -22,6 +22,9 @@ def _opt(default, help: str, registry: str | None = None, pattern: bool = False)
     return field(default=default, metadata={"help": help, "registry": registry, "pattern": pattern})
 
 
+MOST_LAYERS = 512
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = _opt(0, "vocabulary size; 0 = take it from the tokenizer")
@@ -132,6 +135,10 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.n_layer > MOST_LAYERS:
+            # Every layer is a module built even to size the model: bounded before any is.
+            raise ModelError(f"model.n_layer={self.n_layer:,} is more than {MOST_LAYERS} layers "
+                             "(GPT-3 has 96); give a smaller model.n_layer")
         for f in fields(self):
             if f.name in ("vocab_size", "n_kv_head", "sliding_window", "n_global", "full_attention_every",
                           "rope_original_context", "readout_shortlist", "position_offset",
