@@ -283,3 +283,11 @@ def test_a_planted_slip_breaks_the_equality(slip, hf_folder, in_float64, monkeyp
     with torch.no_grad():
         gap = (ours(x).logits - hf_model(folder)(x).logits).abs().max().item()
     assert gap > 1e-6, slip
+
+
+def test_the_gpt_oss_preset_is_a_model_transformers_gpt_oss_computes():
+    from engine import cli
+    from engine.interop import architecture_for
+    cfg = cli.build("gpt-oss", []).model
+    cfg.vocab_size = CHARS.vocab_size
+    assert architecture_for(cfg, CHARS) is interop_gpt_oss.GPT_OSS
