@@ -20,6 +20,7 @@ from common.errors import CheckpointError
 from engine import interop_gpt_oss
 from engine.interop import export, load_hf_folder
 from model import GPT, ModelConfig
+from model.attention import Mask
 from model.moe import MOE_EXPERTS, MOE_ROUTERS, ExpertKind, MixtureOfExperts, Router
 
 transformers = pytest.importorskip("transformers")
@@ -177,6 +178,32 @@ def test_the_bridge_reads_gpt_oss_as_its_card(hf_folder):
                                                              True, False)
     layer_types = json.loads((folder / "config.json").read_text())["layer_types"]
     assert interop_gpt_oss.layer_types(cfg) == layer_types
+
+
+@pytest.mark.parametrize("layer", [0, 1])           # a windowed layer, then a full one
+def test_each_attention_layer_computes_what_gpt_oss_attention_computes(hf_folder, layer):
+    """Our layer against transformers' GptOssAttention, in float64 as shipped, with its own
+    window rule (masking_utils: key > query - W, and key <= query) and the angles given
+    to both in float64: q, k, v and o with their biases, the sinks, GQA and RoPE."""
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+    folder, _ = hf_folder
+    ours, cfg, _ = load_hf_folder(folder, dtype=torch.float64)
+    theirs = hf_model(folder).model.layers[layer].self_attn
+    T = 20
+    x = torch.randn(2, T, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    allowed = (sliding_window_causal_mask_function(WINDOW) if theirs.sliding_window
+               else causal_mask_function)
+    q, k = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    additive = torch.zeros(T, T, dtype=torch.float64).masked_fill(
+        ~allowed(0, 0, q, k), torch.finfo(torch.float64).min)
+    inv_freq = THETA ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    angle = torch.arange(T, dtype=torch.float64)[None, :, None] * inv_freq
+    with torch.no_grad():
+        expected, _ = theirs(x, (angle.cos(), angle.sin()), additive[None, None])
+        mask = Mask.over(0, T, T, window=0 if ours.sees_everything(layer) else cfg.sliding_window)
+        got = ours.blocks[layer].attn(x, ours.positions, mask)[0]
+    assert bool(theirs.sliding_window) != ours.sees_everything(layer)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
 
 
 def test_an_imported_gpt_oss_gives_transformers_logits_in_float64(hf_folder, in_float64):
