@@ -13,7 +13,8 @@ model.moe_shared=0, model.moe_bias_rate=0, model.bias=true. transformers keeps e
 expert's gate and up columns interleaved (gate = [..., ::2], up = [..., 1::2]) in an
 (in, out) matrix; ours are (out, in), gates first, then ups: the mapping reorders them.
 Both rotate the two halves of each head (RoPE's rotate-half layout), so q and k need no
-reordering, and a window of W means, in both, that a query sees its W most recent tokens,
+reordering; gpt-oss's YaRN (ramped over the pairs, not rounded) is model.rope_scaling=
+yarn_by_pairs; and a window of W means, in both, that a query sees its W most recent tokens,
 itself included.
 """
 from __future__ import annotations
@@ -28,15 +29,23 @@ from model import ModelConfig
 from model.mechanisms import names_used
 from model.moe import MOE_EXPERTS, MOE_ROUTERS, MixtureOfExperts
 from model.layers import MLPS
+from model.rope_scaling import ROPE_SCALINGS
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 _ROUTER, _EXPERT = "softmax_topk", "gpt_oss"
+# gpt-oss's YaRN: transformers' ramp over the pairs, between the pairs turning 32 times and
+# once within the original context, its ends not rounded (truncate=false).
+_YARN, _YARN_FIXED = "yarn_by_pairs", {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
 
 
 def _blockers(cfg: ModelConfig) -> list[str]:
     # Every other architecture refuses sinks and mixed layers; gpt-oss has both.
     out = [why for why in _common_refusals(cfg)
-           if not why.startswith(("model.mechanism=", "model.full_attention_every="))]
+           if not why.startswith(("model.mechanism=", "model.full_attention_every=",
+                                  "model.rope_scaling="))]
+    scaling = ROPE_SCALINGS[cfg.rope_scaling]
+    if scaling.stretches and scaling is not ROPE_SCALINGS[_YARN]:
+        out.append(f"model.rope_scaling={cfg.rope_scaling} (needs {_YARN} or none)")
     if any(n != "sinks" for n in names_used(cfg)):
         out.append(f"model.mechanism={cfg.mechanism} (needs sinks in every layer)")
     out += _needs(cfg, position="rope", norm="rmsnorm", mlp="moe")
@@ -73,14 +82,48 @@ def _to_config(cfg: ModelConfig) -> dict:
             "num_local_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_top_k,
             "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
             "sliding_window": cfg.sliding_window or None, "layer_types": layer_types(cfg),
-            "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+            "rope_parameters": _rope_parameters(cfg),
             "swiglu_alpha": expert.alpha, "swiglu_limit": expert.limit,
             "attention_bias": True, "attention_dropout": 0.0,
             "tie_word_embeddings": cfg.tie_embeddings, "router_aux_loss_coef": 0.0}
 
 
+def _rope_parameters(cfg: ModelConfig) -> dict:
+    if not ROPE_SCALINGS[cfg.rope_scaling].stretches:
+        return {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    return {"rope_theta": cfg.rope_theta, "rope_type": "yarn", "factor": cfg.rope_factor,
+            "original_max_position_embeddings": cfg.rope_original_context or cfg.block_size,
+            **_YARN_FIXED}
+
+
+def _rope_fields(c: dict) -> dict:
+    """The model's RoPE fields for config.json's rope_parameters: plain, or gpt-oss's YaRN."""
+    params = c.get("rope_parameters") or {}
+    if params.get("rope_type") != "yarn":
+        return {"rope_theta": _rope_theta(c)}
+    for key, ours in _YARN_FIXED.items():
+        if params.get(key, True if key == "truncate" else ours) != ours:
+            raise CheckpointError(f"rope_parameters.{key}={params.get(key, True)}; attnlab's "
+                                  f"{_YARN} computes {key}={ours} only")
+    for key in ("attention_factor", "mscale", "mscale_all_dim", "partial_rotary_factor"):
+        if params.get(key) is not None:
+            raise CheckpointError(f"rope_parameters.{key}={params[key]}: attnlab's {_YARN} takes "
+                                  "its temperature from the factor alone, and rotates every dimension")
+    for key in ("factor", "original_max_position_embeddings"):
+        if params.get(key) is None:
+            raise CheckpointError(f"rope_parameters.{key} is missing: YaRN needs it")
+    return {"rope_theta": float(params.get("rope_theta", 10000.0)), "rope_scaling": _YARN,
+            "rope_factor": float(params["factor"]),
+            "rope_original_context": params["original_max_position_embeddings"]}
+
+
 _SCHEMA = {
-    **_SIZES, **_ROPE, "intermediate_size": count(16 * 2 ** 16),
+    **_SIZES, **_ROPE,
+    "rope_parameters": Field(dict, null=True, fields={
+        **_ROPE["rope_parameters"].fields, "factor": Field(float, 1.0, 1e6),
+        "original_max_position_embeddings": count(MAX_POSITIONS, required=False),
+        "beta_fast": Field(float, 0.0, 1e6), "beta_slow": Field(float, 0.0, 1e6),
+        "truncate": Field(bool), "attention_factor": Field(float, 0.0, 1e6, null=True)}), "intermediate_size": count(16 * 2 ** 16),
     "num_key_value_heads": count(1 << 16, required=False, null=True),
     "head_dim": count(1 << 16, required=False, null=True),
     "num_local_experts": count(1 << 12), "num_experts_per_tok": count(1 << 12),
@@ -130,7 +173,7 @@ def _from_config(c: dict) -> ModelConfig:
         moe_experts=c["num_local_experts"], moe_top_k=c["num_experts_per_tok"], moe_shared=0,
         moe_hidden=c["intermediate_size"], moe_bias_rate=0.0, moe_router=_ROUTER,
         moe_expert=_EXPERT, bias=True, norm_eps=c.get("rms_norm_eps", 1e-5),
-        rope_theta=_rope_theta(c), tie_embeddings=c.get("tie_word_embeddings", False))
+        tie_embeddings=c.get("tie_word_embeddings", False), **_rope_fields(c))
 
 
 def _interleave(gate_then_up: torch.Tensor) -> torch.Tensor:

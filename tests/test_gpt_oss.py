@@ -32,6 +32,9 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
 from test_interop import CHARS, gpt2_style_tokenizer  # noqa: E402
 
 WINDOW, THETA = 4, 150000.0
+# gpt-oss's own YaRN (its config's default, at a test's size): a context of 8 stretched 4 times.
+YARN = {"rope_type": "yarn", "rope_theta": THETA, "factor": 4.0, "original_max_position_embeddings": 8,
+        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
 
 
 def hf_config(vocab_size: int, **over) -> "transformers.GptOssConfig":
@@ -257,6 +260,64 @@ def test_our_gpt_oss_exports_to_a_folder_transformers_loads_with_equal_logits(tm
         torch.testing.assert_close(theirs(x).logits, ours_rounded(x).logits, atol=1e-9, rtol=0)
 
 
+# -- gpt-oss's YaRN ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def yarn_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gpt_oss_yarn")
+    tok = gpt2_style_tokenizer(folder)
+    torch.manual_seed(1)
+    shaken(transformers.GptOssForCausalLM(hf_config(tok.vocab_size, rope_parameters=YARN)).eval()
+           ).save_pretrained(folder)
+    return folder, tok.vocab_size
+
+
+def test_yarn_stretches_the_frequencies_as_transformers_does():
+    """Frequencies and temperature against transformers' own YaRN, which computes in
+    float32: to float32's rounding (it misses float64's by some 1e-8 of a frequency)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from model.rope_scaling import ROPE_SCALINGS
+    for factor, original in ((4.0, 8), (32.0, 4096), (2.0, 100)):
+        params = {**YARN, "factor": factor, "original_max_position_embeddings": original}
+        theirs, temperature = ROPE_INIT_FUNCTIONS["yarn"](hf_config(10, rope_parameters=params), "cpu")
+        cfg = ModelConfig(n_embd=64, n_head=4, rope_theta=THETA, rope_scaling="yarn_by_pairs",
+                          rope_factor=factor, rope_original_context=original)
+        plain = THETA ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+        ours, mscale = ROPE_SCALINGS["yarn_by_pairs"].scale(plain, cfg)
+        torch.testing.assert_close(ours, theirs.double(), rtol=3e-7, atol=0)
+        assert mscale == pytest.approx(temperature, abs=1e-15)
+        # the paper's ramp (model.rope_scaling=yarn) is another curve
+        assert not torch.allclose(ROPE_SCALINGS["yarn"].scale(plain, cfg)[0], ours, rtol=1e-3)
+
+
+def test_a_gpt_oss_with_yarn_imports_exports_and_gives_transformers_logits(yarn_folder, tmp_path,
+                                                                           monkeypatch):
+    folder, vocab = yarn_folder
+    ours, cfg, tokenizer = load_hf_folder(folder)
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_context) == ("yarn_by_pairs", 4.0, 8)
+    x = batch(vocab, T=32)                        # 4 times the original context
+    with torch.no_grad():                         # as shipped, in float32
+        torch.testing.assert_close(ours(x).logits, hf_model(folder, torch.float32)(x).logits,
+                                   atol=1e-4, rtol=0)
+    # In float64, their norm without its cast, and both models turned by transformers' own
+    # frequencies cast up (tested above to float32's rounding): the rest to 1e-9.
+    monkeypatch.setattr(hf_gpt_oss.GptOssRMSNorm, "forward", _rms_norm_float64)
+    theirs = hf_model(folder)
+    freqs = theirs.model.rotary_emb.inv_freq.double()
+    monkeypatch.setattr(hf_gpt_oss.GptOssRotaryEmbedding, "forward", lambda self, h, pos: (
+        ((pos[..., None].double() * freqs).cos() * self.attention_scaling).to(h.dtype),
+        ((pos[..., None].double() * freqs).sin() * self.attention_scaling).to(h.dtype)))
+    ours = ours.double()
+    ours.positions.inv_freq = freqs
+    ours.positions.cos2, ours.positions.sin2 = ours.positions.turns_at(
+        torch.arange(cfg.block_size, dtype=torch.float64))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, theirs(x).logits, atol=1e-9, rtol=0)
+    export(ours, cfg, tokenizer, tmp_path / "again")
+    params = json.loads((tmp_path / "again" / "config.json").read_text())["rope_parameters"]
+    assert params == YARN
+
+
 # -- what the bridge cannot represent is refused in one line naming it --------------------
 
 @pytest.mark.parametrize("change,named", [
@@ -267,7 +328,11 @@ def test_our_gpt_oss_exports_to_a_folder_transformers_loads_with_equal_logits(tm
      "layer_types"),
     (dict(head_dim=8), "head_dim"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": THETA, "factor": 4.0,
-                           "original_max_position_embeddings": 8}), "rope scaling"),
+                           "original_max_position_embeddings": 8}), "truncate"),
+    (dict(rope_parameters={**YARN, "beta_fast": 16.0}), "beta_fast"),
+    (dict(rope_parameters={**YARN, "attention_factor": 1.5}), "attention_factor"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": THETA, "factor": 4.0}),
+     "rope scaling"),
 ])
 def test_a_gpt_oss_the_bridge_cannot_compute_is_refused_in_one_line(change, named, tmp_path):
     tok = gpt2_style_tokenizer(tmp_path)
