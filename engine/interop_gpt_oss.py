@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from common.errors import CheckpointError
-from engine.hf_files import MAX_POSITIONS, MAX_VOCAB, Field, count
+from engine.hf_files import MAX_HEADS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, Field, count
 from engine.interop import (_ROPE, _SIZES, ARCHITECTURES, Architecture, _common_refusals, _needs,
                             _rope_theta, _split_qkv)
 from model import ModelConfig
@@ -59,9 +59,6 @@ def _blockers(cfg: ModelConfig) -> list[str]:
     if not cfg.bias:
         out.append("model.bias=false (gpt-oss's attention and experts have biases: "
                    "needs true)")
-    if cfg.full_attention_every and not cfg.sliding_window:
-        out.append(f"model.full_attention_every={cfg.full_attention_every} (full layers among "
-                   "none windowed: set model.sliding_window)")
     return out
 
 
