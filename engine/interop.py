@@ -17,7 +17,8 @@ uses transformers' own config and tokenizer classes, so the folder is what
     gpt_neox  RoPE, LayerNorm, GELU (tanh), sequential residual         GPTNeoXForCausalLM
               (this project's default, biases zero where it has none)
 
-and the BERT-family encoders (bert, roberta, distilbert) of engine/interop_bert.py.
+and the BERT-family encoders (bert, roberta, distilbert) of engine/interop_bert.py, and
+gpt-oss (learned sinks, alternating windows, experts) of engine/interop_gpt_oss.py.
 """
 from __future__ import annotations
 
@@ -502,17 +503,18 @@ ARCHITECTURES = {
 def architecture_for(cfg: ModelConfig, tokenizer: Tokenizer | None = None) -> Architecture:
     """The architecture that computes exactly what cfg does, or ExportError naming, for
     the nearest one, the fields that stop it. A mechanism no architecture has is
-    refused first, in its entry's own words (model/mechanisms.py)."""
+    refused first, in its entry's own words (model/mechanisms.py), unless an architecture
+    computes the model exactly (gpt-oss, engine/interop_gpt_oss.py, has learned sinks)."""
+    reasons = {name: arch.blockers(cfg) for name, arch in ARCHITECTURES.items()}
+    fits = [name for name, why in reasons.items() if not why]
+    if fits:
+        return ARCHITECTURES[fits[0]]
     for name, mechanism in ((n, MECHANISMS[n]) for n in names_used(cfg)):
         if mechanism.export_refusal:
             raise ExportError(f"cannot export model.mechanism={name}: {mechanism.export_refusal}; "
                               "only a model trained with a mechanism transformers has exports: "
                               "train with --model.mechanism=mha (the article's multi-head "
                               "attention; --model.n_kv_head for GQA/MQA)")
-    reasons = {name: arch.blockers(cfg) for name, arch in ARCHITECTURES.items()}
-    fits = [name for name, why in reasons.items() if not why]
-    if fits:
-        return ARCHITECTURES[fits[0]]
     fewest = min(len(why) for why in reasons.values())
     nearest = [f"{name} ({ARCHITECTURES[name].hf_class}), stopped by: " + "; ".join(why)
                for name, why in reasons.items() if len(why) == fewest]

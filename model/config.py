@@ -68,6 +68,12 @@ class ModelConfig:
     moe_shared: int = _opt(1, "model.mlp=moe: shared experts per layer, which every token uses")
     moe_top_k: int = _opt(2, "model.mlp=moe: routed experts each token is sent to, the k with "
                              "the highest affinity plus balancing bias")
+    moe_router: str = _opt("sigmoid", "model.mlp=moe: how the router picks and weights experts: "
+                                      "sigmoid affinities with a balancing bias (DeepSeek-V3), or "
+                                      "softmax_topk, a softmax over the k largest logits of a "
+                                      "router with a bias (gpt-oss)", registry="moe_router")
+    moe_expert: str = _opt("swiglu", "model.mlp=moe: each expert's feed-forward: swiglu, or gpt_oss "
+                                     "(clamped SwiGLU, (up + 1)·g·σ(1.702·g))", registry="moe_expert")
     moe_hidden: int = _opt(0, "model.mlp=moe: each expert's hidden width; 0 = SwiGLU's 8/3 x "
                               "n_embd shared out among the top_k + shared experts a token uses")
     moe_bias_rate: float = _opt(1e-3, "model.mlp=moe: the balancing bias's step γ; after each "

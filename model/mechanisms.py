@@ -202,7 +202,8 @@ MECHANISMS = {
     "sinks": Mechanism(
         SinkAttention, Cache("keys and values", keys_and_values),
         export_refusal="learned attention sinks come in transformers only inside gpt-oss, "
-                       "whose layers this model's blocks do not fit",
+                       "which needs the rest of its card too (--config gpt-oss exports as "
+                       "GptOssForCausalLM)",
         uses_kernel=False, weights_sum_to_one=False),
     # Each query's softmax over the k keys a lightning indexer scores highest (DeepSeek-V3.2).
     "sparse": Mechanism(

@@ -14,14 +14,83 @@ Every expert is a SwiGLU MLP (arXiv:2002.05202). The bias only picks the experts
 weights g_i are the plain affinities, so moving the bias to balance the load never
 changes how much a chosen expert counts. After each optimizer step the bias moves by
 model.moe_bias_rate (the paper's γ) towards an even load, b_i += γ·sign(mean load -
-load_i): an overloaded expert gets picked a little less often, an idle one more."""
+load_i): an overloaded expert gets picked a little less often, an idle one more.
+
+gpt-oss (arXiv:2508.10925) routes and computes its experts another way, chosen by two
+fields whose entries carry their facts (MOE_ROUTERS, MOE_EXPERTS below): its router is a
+linear layer with a bias whose k largest logits pick the experts and a softmax over those
+k weights them (model.moe_router=softmax_topk), and its experts have biases and a clamped
+SwiGLU, (clamp(up) + 1) · g·σ(1.702·g) with g = min(gate, 7) (model.moe_expert=gpt_oss)."""
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from model.config import ModelConfig
+
+
+class Router(NamedTuple):
+    """How a token's router logits (N, E) pick k experts and weight them: `route(logits,
+    balance_bias, k) -> (weights (N, k), chosen (N, k))`."""
+    route: Callable
+    bias: bool          # the router's linear layer has a bias (gpt-oss's has)
+    balances: bool      # model.moe_bias_rate moves a balancing bias that picks experts
+
+
+def _sigmoid_route(logits, balance_bias, k):
+    # Sigmoid affinities, each expert scored on its own (eq. 15): unlike a softmax over
+    # the experts, one expert's score does not fall because another's rose.
+    scores = torch.sigmoid(logits)
+    chosen = (scores + balance_bias).topk(k, dim=-1).indices      # the bias picks (eq. 16)
+    picked = scores.gather(-1, chosen)                            # ... and s_i, not s_i + b_i, weights
+    return picked / picked.sum(-1, keepdim=True), chosen          # normalised over the k chosen (eq. 13)
+
+
+def _softmax_topk_route(logits, balance_bias, k):
+    # gpt-oss: the k largest logits pick, and a softmax over those k alone weights them, so
+    # the experts not chosen take no share of the weight.
+    top = logits.topk(k, dim=-1)
+    return torch.softmax(top.values, dim=-1), top.indices
+
+
+MOE_ROUTERS = {
+    "sigmoid": Router(_sigmoid_route, bias=False, balances=True),
+    "softmax_topk": Router(_softmax_topk_route, bias=True, balances=False),
+}
+
+
+class ExpertKind(NamedTuple):
+    """What an expert does between its fused gate-and-up layer and its down layer:
+    `act(gate, up) -> hidden`; `alpha` and `limit` are the clamped SwiGLU's constants."""
+    act: Callable
+    alpha: float = 1.0
+    limit: float = 0.0
+
+
+def _swiglu(gate, up):
+    return F.silu(gate) * up
+
+
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0      # transformers' swiglu_alpha, swiglu_limit
+
+
+def _gpt_oss_glu(gate, up, alpha=GPT_OSS_ALPHA, limit=GPT_OSS_LIMIT):
+    # gpt-oss's SwiGLU: the gate is capped from above and the up side both ways, so no
+    # expert's output can grow without bound; σ(α·g) with α = 1.702 is the sigmoid that
+    # approximates GELU (arXiv:1606.08415), and the +1 lets the up side scale the gate
+    # around 1 rather than around 0.
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(alpha * gate))
+
+
+MOE_EXPERTS = {
+    "swiglu": ExpertKind(_swiglu),
+    "gpt_oss": ExpertKind(_gpt_oss_glu, alpha=GPT_OSS_ALPHA, limit=GPT_OSS_LIMIT),
+}
 
 
 class ExpertLinear(nn.Module):
@@ -62,12 +131,13 @@ class MixtureOfExperts(nn.Module):
         super().__init__()
         self.n_shared, self.n_routed, self.top_k = config.moe_shared, config.moe_experts, config.moe_top_k
         self.bias_rate = config.moe_bias_rate
+        self.router_kind, self.expert_kind = MOE_ROUTERS[config.moe_router], MOE_EXPERTS[config.moe_expert]
         hidden = self.hidden = self.width(config)
         experts = self.n_shared + self.n_routed
         self.fc = ExpertLinear(experts, config.n_embd, 2 * hidden, config.bias)   # gate and up, fused
         self.proj = ExpertLinear(experts, hidden, config.n_embd, config.bias)
         # e_i, each routed expert's centroid: u·e_i is token u's affinity logit for expert i.
-        self.router = nn.Linear(config.n_embd, self.n_routed, bias=False)
+        self.router = nn.Linear(config.n_embd, self.n_routed, bias=self.router_kind.bias)
         # The routed experts' weights a token does not use: model FLOPs count only the k it does.
         per_expert = sum(p[0].numel() for p in (*self.fc.parameters(), *self.proj.parameters()))
         self.idle_weights = (self.n_routed - self.top_k) * per_expert
@@ -85,24 +155,21 @@ class MixtureOfExperts(nn.Module):
         self.picks: torch.Tensor | None = None
 
     def expert(self, e: int, u: torch.Tensor) -> torch.Tensor:
-        """Expert e's SwiGLU on tokens u (N, C) -> (N, C)."""
+        """Expert e's SwiGLU (model.moe_expert's form of it) on tokens u (N, C) -> (N, C)."""
         gate, up = self.fc(u, e).chunk(2, dim=-1)                 # (N, H) each
-        return self.proj(F.silu(gate) * up, e)
+        return self.proj(self.expert_kind.act(gate, up), e)
 
     def route(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens u (N, C) -> (weights g (N, k), chosen experts (N, k)): DeepSeek-V3's gate."""
+        """Tokens u (N, C) -> (weights g (N, k), chosen experts (N, k)): DeepSeek-V3's gate,
+        or model.moe_router's."""
         # In float32 at least, autocast or not, as transformers' DeepSeek-V3 gate computes
         # (the paper keeps its gating out of FP8, section 3.3.1): in bf16, affinities a little
         # apart round to ties, and the picks would follow the rounding.
         dtype = torch.promote_types(u.dtype, torch.float32)
+        bias = None if self.router.bias is None else self.router.bias.to(dtype)
         with torch.autocast(u.device.type, enabled=False):
-            logits = F.linear(u.to(dtype), self.router.weight.to(dtype))     # (N, E_routed)
-        # Sigmoid affinities, each expert scored on its own (eq. 15): unlike a softmax over
-        # the experts, one expert's score does not fall because another's rose.
-        scores = torch.sigmoid(logits)
-        chosen = (scores + self.balance_bias).topk(self.top_k, dim=-1).indices   # the bias picks (eq. 16)
-        picked = scores.gather(-1, chosen)                        # ... and s_i, not s_i + b_i, weights
-        return picked / picked.sum(-1, keepdim=True), chosen      # normalised over the k chosen (eq. 13)
+            logits = F.linear(u.to(dtype), self.router.weight.to(dtype), bias)   # (N, E_routed)
+        return self.router_kind.route(logits, self.balance_bias, self.top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         u = x.reshape(-1, x.shape[-1])                            # (N, C): every token on its own

@@ -134,7 +134,9 @@ class RoPE(PositionEncoding):
               order) stay and only the slow ones are interpolated;
       yarn    per-frequency blend: pairs that turn many times within the original
               context keep their frequency, slow ones are interpolated, a ramp in
-              between, and scores are sharpened by (0.1·ln s + 1)² (arXiv:2309.00071)."""
+              between, and scores are sharpened by (0.1·ln s + 1)² (arXiv:2309.00071);
+      yarn_by_pairs  the same with the ramp over the pair index, as transformers and
+              gpt-oss compute it."""
 
     rotary = True
 

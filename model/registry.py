@@ -11,6 +11,7 @@ from dataclasses import astuple, fields
 from model.attention import ATTENTION_BACKENDS
 from model.config import ModelConfig, ModelError
 from model.layers import BLOCKS, MLPS, NORMS
+from model.moe import MOE_EXPERTS, MOE_ROUTERS
 from model.mechanisms import MECHANISMS, NOT_MECHANISMS, Mechanism, entry_problems, names_used
 from model.positions import POSITION_ENCODINGS
 from model.rope_scaling import ROPE_SCALINGS
@@ -25,6 +26,8 @@ REGISTRIES = {
     "mlp": MLPS,
     "rope_scaling": ROPE_SCALINGS,
     "readout": READOUTS,
+    "moe_router": MOE_ROUTERS,
+    "moe_expert": MOE_EXPERTS,
 }
 
 
@@ -230,7 +233,8 @@ def check_mechanisms(config: ModelConfig) -> None:
                              "model.causal=true with it")
 
 
-MOE_FIELDS = ("moe_experts", "moe_shared", "moe_top_k", "moe_hidden", "moe_bias_rate")
+MOE_FIELDS = ("moe_experts", "moe_shared", "moe_top_k", "moe_hidden", "moe_bias_rate",
+              "moe_router", "moe_expert")
 
 
 def check_experts(config: ModelConfig) -> None:
@@ -241,6 +245,10 @@ def check_experts(config: ModelConfig) -> None:
         raise ModelError(f"model.mlp_hidden={config.mlp_hidden} sets a dense MLP's width; "
                          f"model.mlp={config.mlp}'s experts take model.moe_hidden: set that "
                          "instead and leave model.mlp_hidden 0")
+    if routes and config.moe_bias_rate and not MOE_ROUTERS[config.moe_router].balances:
+        raise ModelError(f"model.moe_bias_rate={config.moe_bias_rate} moves a balancing bias "
+                         f"that model.moe_router={config.moe_router} does not use: set "
+                         "model.moe_bias_rate=0 with it")
     if not routes:
         for name in MOE_FIELDS:
             default = ModelConfig.__dataclass_fields__[name].default

@@ -45,9 +45,28 @@ def _yarn(inv_freq, config):
     return (1 - keep) * inv_freq / s + keep * inv_freq, mscale
 
 
+def _yarn_by_pairs(inv_freq, config):
+    # YaRN as its reference code and transformers compute it (gpt-oss was trained so): the
+    # ramp runs linearly over the pair index, from the pair turning 32 times within the
+    # original context (kept) to the pair turning once (interpolated), where the paper's
+    # ramp runs linearly in the turns themselves; the same temperature.
+    s, d = config.rope_factor, 2 * inv_freq.numel()
+    original = config.rope_original_context or config.block_size
+
+    def pair(turns):            # the (fractional) pair index that turns `turns` times
+        return d * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+    low, high = max(pair(32.0), 0.0), min(pair(1.0), d - 1.0)
+    high = high if high != low else high + 0.001
+    index = torch.arange(d // 2, dtype=inv_freq.dtype, device=inv_freq.device)
+    interpolate = ((index - low) / (high - low)).clamp(0.0, 1.0)     # 0 = keep, 1 = interpolate
+    mscale = 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
+    return interpolate * inv_freq / s + (1 - interpolate) * inv_freq, mscale
+
+
 ROPE_SCALINGS = {
     "none": RopeScaling(_no_scaling, "rope", stretches=False),
     "linear": RopeScaling(_linear, "rope + PI"),
     "ntk": RopeScaling(_ntk, "rope + NTK"),
     "yarn": RopeScaling(_yarn, "rope + YaRN"),
+    "yarn_by_pairs": RopeScaling(_yarn_by_pairs, "rope + YaRN (ramp over pairs)"),
 }

@@ -35,7 +35,7 @@ def test_overrides_beat_presets_and_are_typed():
     (["--model.attention=flex", "--train.device=cpu"], "no backward on CPU.*banded"),
     (["--model.position=learned", "--model.rope_scaling=yarn"], "needs model.position=rope"),
     (["--model.rope_scaling=ntk", "--model.rope_factor=0.5"], "at least 1"),
-    (["--model.rope_scaling=longrope"], "valid choices: linear, none, ntk, yarn"),
+    (["--model.rope_scaling=longrope"], "valid choices: linear, none, ntk, yarn, yarn_by_pairs"),
     (["--data.tokenizer=word"], "valid choices: bpe, char"),
     (["--train.dtype=fp8"], "valid choices"),
     (["--train.lr=fast"], "train.lr must be a number"),
