@@ -22,6 +22,7 @@ from model.layers import BLOCKS, NORMS, layer_names
 from model.attention import Mask
 from model.mechanisms import MECHANISMS
 from model.meta import Unfilled
+from model.mtp import MultiTokenPrediction
 from model.positions import POSITION_ENCODINGS
 from model.readout import READOUTS, AdaptiveReadout, MaskedLMTransform, head_macs
 from model.registry import CHECKED, check as check_config
@@ -222,7 +223,7 @@ class GPT(nn.Module):
 
 # Fields that, set, ask for a part the plain GPT does not have (GPTWithVariants builds it).
 VARIANT_FIELDS = ("n_token_types", "value_embeds", "skip_connections", "logit_softcap",
-                  "full_attention_every")
+                  "full_attention_every", "mtp_depth")
 
 
 def wants_variants(config: ModelConfig) -> bool:
@@ -240,7 +241,7 @@ class GPTWithVariants(GPT):
     config asks for any of them; the names of the plain parts are kept, so checkpoints
     read the same either way."""
     PASS_ORDER = ("wte", "token_types", "positions", "norm_emb", "drop", "blocks", "value_embeds",
-                  "skips", "norm_f", "head_transform", "lm_head", "adaptive")
+                  "skips", "norm_f", "head_transform", "lm_head", "adaptive", "mtp")
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
@@ -257,12 +258,24 @@ class GPTWithVariants(GPT):
         self.skips = UNetSkips(config.n_layer) if config.skip_connections else None
         self.skip_weights = (nn.Parameter(torch.ones(config.n_layer // 2))
                              if config.skip_connections else None)
+        # DeepSeek-V3's multi-token prediction: modules after the stack predicting the
+        # tokens further ahead through this model's embedding and head (model/mtp.py).
+        self.mtp = MultiTokenPrediction(config) if config.mtp_depth else None
         # The parts in the order the pass meets them, so the values drawn for each are those
         # a model built in one piece draws from the same seed.
         rank = {name: i for i, name in enumerate(self.PASS_ORDER)}
         self._modules = dict(sorted(self._modules.items(), key=lambda item: rank.get(item[0], len(rank))))
         if not self.wte.weight.is_meta:
             self._init_all(config)
+
+    def _init_all(self, config: ModelConfig):
+        super()._init_all(config)
+        for module in self.mtp.depths if self.mtp is not None else ():
+            # The modules' blocks write into a residual stream too: GPT-2's scaling.
+            block = module.block
+            block.mechanism.init(block.attn, config)
+            if block.mlp is not None:
+                nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
 
     def output_layer(self, config: ModelConfig) -> nn.Module | None:
         # BERT's masked-LM head puts a dense layer, GELU and a LayerNorm first and gives
@@ -315,6 +328,8 @@ class GPTWithVariants(GPT):
             cache.end(T)
         h = self.norm_f(x) if self.norm_f is not None else x
         logits, loss = self.logits_and_loss(h, targets)
+        if self.mtp is not None:     # a training pass leaves the tokens-ahead loss as aux_loss
+            self.mtp.learn(self, h, idx, targets)
         return Output(logits, loss, attentions if return_attention else None, h)
 
     def sees_everything(self, layer: int) -> bool:
