@@ -30,6 +30,7 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
+from model.attention import at_least_fp32
 from model.cache import KVCache
 from model.config import ModelConfig
 from model.layers import BLOCKS
@@ -92,7 +93,7 @@ class MultiTokenPrediction(nn.Module):
                 break
             h, logits = self.depth(model, k, h[:, :n], idx[:, k + 1:])
             losses.append(nn.functional.cross_entropy(
-                logits.float().flatten(0, 1), targets[:, k + 1:].reshape(-1), ignore_index=-1))
+                at_least_fp32(logits).flatten(0, 1), targets[:, k + 1:].reshape(-1), ignore_index=-1))
         if not losses:
             return
         mean = torch.stack(losses).mean()
