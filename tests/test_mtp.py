@@ -26,6 +26,13 @@ def built(seed=0, **kw):
     return GPT(tiny(**kw)).double()
 
 
+def varied(**kw):
+    """A model to decode from: a random one with a tied head repeats its last token for
+    ever (each token's embedding scores itself highest), which hides any slip in the
+    context; an untied head walks a cycle of several tokens."""
+    return built(tie_embeddings=False, **kw).eval()
+
+
 # -- the paper's equations in NumPy float64 ------------------------------------------------
 
 def np_(t):
@@ -234,8 +241,8 @@ def greedy(model, prompt, n, decode, on_step=None):
 
 
 def oracle(model, monkeypatch, truth, kept):
-    """Make the module draft each row's next token of `truth` where kept(step) says, and a
-    wrong one elsewhere, so both branches run; `step` counts the tokens emitted so far
+    """Make the module draft each row's next token of `truth` where kept(step) says (one
+    bool, or one a row), and a wrong one elsewhere, so both branches run; `step` counts the tokens emitted so far
     (the returned on_step counts them)."""
     emitted = [0]
     real = type(model.mtp).depth
@@ -245,7 +252,7 @@ def oracle(model, monkeypatch, truth, kept):
         B, T, V = logits.shape
         i = emitted[0]
         right = truth[:, i] if i < truth.shape[1] else torch.zeros(B, dtype=torch.long)
-        draft = right if kept(i) else (right + 1) % V
+        draft = torch.where(torch.as_tensor(kept(i)).expand(B), right, (right + 1) % V)
         return h, torch.nn.functional.one_hot(draft[:, None].expand(B, T), V).double()
     monkeypatch.setattr(type(model.mtp), "depth", depth)
 
@@ -259,7 +266,7 @@ def oracle(model, monkeypatch, truth, kept):
 def test_greedy_self_speculation_gives_plain_greedy_tokens(window, prompt_len, n, monkeypatch):
     """Past the context too (block_size 16): a windowed model rolls its cache, another
     re-reads the newest half, and each token is the one plain decoding draws."""
-    model = built(sliding_window=window).eval()
+    model = varied(sliding_window=window)
     prompt = torch.randint(0, 40, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
     want = greedy(model, prompt, n, "cache")
     assert torch.equal(greedy(model, prompt, n, "mtp"), want)     # the untrained drafts, mostly wrong
@@ -269,7 +276,7 @@ def test_greedy_self_speculation_gives_plain_greedy_tokens(window, prompt_len, n
 
 
 def test_drafts_that_are_always_right_halve_the_passes(monkeypatch):
-    model = built().eval()
+    model = varied()
     prompt = torch.randint(0, 40, (2, 3), generator=torch.Generator().manual_seed(5))
     want = greedy(model, prompt, 12, "cache")
     count = oracle(model, monkeypatch, want, kept=lambda i: True)
@@ -284,8 +291,52 @@ def test_drafts_that_are_always_right_halve_the_passes(monkeypatch):
     assert len(steps) == 12 and steps[0].shape == (2, 40)
 
 
+@pytest.mark.parametrize("window", [0, 6])
+def test_each_draft_is_the_one_the_module_gives_the_whole_text(window, monkeypatch):
+    """The module's own cache runs behind the main one: every draft made while decoding
+    equals the module's prediction at that position from one pass over the finished text."""
+    model = varied(sliding_window=window)
+    prompt = torch.randint(0, 40, (1, 5), generator=torch.Generator().manual_seed(7))
+    want = greedy(model, prompt, 10, "cache")
+    real, drafts = type(model.mtp).depth, {}
+
+    def depth(self, m, k, h, tokens, cache=None):
+        h, logits = real(self, m, k, h, tokens, cache)
+        drafts[cache.length - 1] = logits[0, -1]          # the position it drafts after
+        return h, logits
+    monkeypatch.setattr(type(model.mtp), "depth", depth)
+    count = oracle(model, monkeypatch, want, kept=lambda i: i % 3 != 1)
+    got = greedy(model, prompt, 10, "mtp", count)
+    text = torch.cat([prompt, got], 1)
+    with torch.no_grad():
+        hidden = model(text).hidden
+        _, whole = real(model.mtp, model, 0, hidden[:, :-1], text[:, 1:])
+    assert len(drafts) >= 5
+    for position, logits in drafts.items():
+        torch.testing.assert_close(logits, whole[0, position], atol=1e-10, rtol=0)
+
+
+def test_in_a_batch_a_draft_stands_only_where_it_stands_in_every_row(monkeypatch):
+    model = varied()
+    prompt = torch.randint(0, 40, (2, 3), generator=torch.Generator().manual_seed(8))
+    want = greedy(model, prompt, 14, "cache")
+    count = oracle(model, monkeypatch, want, kept=lambda i: torch.tensor([True, i % 2 == 0]))
+    assert torch.equal(greedy(model, prompt, 14, "mtp", count), want)
+    assert model.mtp.accepted > model.mtp.drafted // 2
+
+
+def test_the_modules_blocks_start_as_the_stacks_do():
+    """GPT-2's residual scaling (0.02/√(2·n_layer)) on the matrices that write into the
+    stream, as the main blocks have it."""
+    model = built(n_embd=64, n_head=4)
+    for name in ("mlp.proj", "attn.w_o"):
+        mine = model.mtp.depths[0].block.get_submodule(name).weight.std()
+        theirs = model.blocks[-1].get_submodule(name).weight.std()
+        assert abs(mine / theirs - 1) < 0.15 and mine < 0.014
+
+
 def test_the_logits_each_step_shows_are_plain_decodings():
-    model = built().eval()
+    model = varied()
     prompt = torch.randint(0, 40, (1, 4))
     seen = {"cache": [], "mtp": []}
     for decode in seen:
