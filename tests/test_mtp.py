@@ -399,3 +399,11 @@ def test_what_cannot_give_a_draft_back_is_refused(fields, kwargs, says):
     model = built(**fields).eval()
     with pytest.raises(ModelError, match=says):
         next(iter(model.generate(torch.zeros(1, 2, dtype=torch.long), 3, decode="mtp", **kwargs)))
+
+
+def test_muon_takes_the_modules_matrices():
+    from engine.optim import is_hidden_matrix
+    model = built()
+    hidden = {n for n, p in model.named_parameters() if is_hidden_matrix(n, p)}
+    assert {"mtp.depths.0.proj.weight", "mtp.depths.0.block.attn.w_qkv.weight"} <= hidden
+    assert "wte.weight" not in hidden and "mtp.depths.0.norm_hidden.weight" not in hidden
