@@ -159,14 +159,6 @@ class ModelConfig:
             raise ModelError(f"model.indexer_heads must be a positive integer, got "
                              f"{self.indexer_heads} (model.indexer_heads: the lightning indexer's "
                              "heads; 4 is the default)")
-        if self.mtp_weight < 0:
-            raise ModelError(f"model.mtp_weight must not be negative, got {self.mtp_weight} "
-                             "(λ, the weight of the multi-token prediction loss; 0.3 is "
-                             "DeepSeek-V3's)")
-        if self.mtp_depth > self.block_size - 2:
-            raise ModelError(f"model.mtp_depth={self.mtp_depth} predicts further ahead than the "
-                             f"context model.block_size={self.block_size} leaves a target for; "
-                             f"give at most {max(self.block_size - 2, 0)} (1 is DeepSeek-V3's)")
         if not self.rope_factor >= 1.0:
             raise ModelError(f"model.rope_factor must be at least 1, got {self.rope_factor}")
         if self.zero_head and self.tie_embeddings:

@@ -171,27 +171,32 @@ def _generate(model, idx, max_new_tokens, temperature, top_k, top_p, generator, 
 
 
 def speculative_pick(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
-                     generator: torch.Generator | None, greedy: bool):
+                     generator: torch.Generator | None):
     """Speculative sampling's rule for one drafted token (Leviathan et al., arXiv:2211.17192,
     algorithm 1; Chen et al., arXiv:2302.01318): keep the draft d, drawn from q, with
     probability min(1, p(d)/q(d)); else draw from the residual max(0, p - q), normalised.
     The token is then distributed as p, whatever q is: P(d kept) = min(q(d), p(d)), and the
-    residual holds exactly the rest of p. Greedy (p and q one-hot at their arg-max): the
-    draft is kept when it is p's arg-max, and otherwise p's arg-max is the token, so the
-    tokens are plain greedy decoding's. p, q (B, V); draft (B, 1). Returns the token
+    residual holds exactly the rest of p. p, q (B, V); draft (B, 1). Returns the token
     (B, 1) and whether the draft was kept (B,)."""
     p_draft, q_draft = p.gather(-1, draft), q.gather(-1, draft)
-    if greedy:
-        kept = p_draft > 0
-    else:
-        u = torch.rand(p_draft.shape, generator=generator, device=p.device)
-        kept = u * q_draft < p_draft                 # u < p/q, with q(d) > 0 as d was drawn
+    u = torch.rand(p_draft.shape, generator=generator, device=p.device)
+    kept = u * q_draft < p_draft                     # u < p/q, with q(d) > 0 as d was drawn
     residual = (p - q).clamp_min(0)
     # Where p = q nothing is left over, and such a draft is always kept anyway.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    other = (residual.argmax(-1, keepdim=True) if greedy else
-             torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator))
+    other = torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator)
     return torch.where(kept, draft, other), kept[:, 0]
+
+
+def _check_draft(logits, q_logits, draft, temperature, top_k, top_p, generator):
+    """The token at the draft's place (B, 1) and whether the draft stood (B,). Greedy: the
+    draft stands when it is the arg-max, which is then the token, as plain decoding's."""
+    if temperature == 0:
+        token = sample_next(logits.float(), 0)
+        return token, (token == draft)[:, 0]
+    chances = [next_token_distribution(x.float(), temperature, top_k, top_p)
+               for x in (logits, q_logits)]
+    return speculative_pick(*chances, draft, generator)
 
 
 @torch.no_grad()
@@ -225,35 +230,32 @@ def _speculate(model, context, temperature, top_k, top_p, generator):
     decoding draws it from and greedy decoding gives plain greedy decoding's tokens."""
     mtp, window = model.mtp, model.config.block_size
     mtp.drafted = mtp.accepted = 0
-    greedy = temperature == 0
 
-    def chances(logits):
-        return next_token_distribution(logits.float(), temperature, top_k, top_p)
-
-    def draw(probs):
-        return probs.argmax(-1, keepdim=True) if greedy else torch.multinomial(probs, 1, generator=generator)
+    def draw(logits):                                  # plain decoding's draw
+        return sample_next(logits.float(), temperature, top_k, top_p, generator)
 
     rolling = decodes_with_rolling_cache(model)
     context = context[:, -window:]
     while True:
         cache, behind = model.new_cache(window), mtp.new_cache(model, window)
         out = model(context, cache=cache)
-        token = draw(chances(out.logits[:, -1]))
+        token = draw(out.logits[:, -1])
         yield out.logits[:, -1].float(), token
         # The module's next input: each position's state and the token after it.
         hidden, ahead = out.hidden, torch.cat([context[:, 1:], token], dim=1)
         context = torch.cat([context, token], dim=1)
         while rolling or cache.length + 2 <= window:
-            q = chances(mtp.depth(model, 0, hidden, ahead, behind)[1][:, -1])
-            draft = draw(q)
+            q_logits = mtp.depth(model, 0, hidden, ahead, behind)[1][:, -1]
+            draft = draw(q_logits)
             out = model(torch.cat([token, draft], dim=1), cache=cache)   # (B, 2, V) logits
             logits = out.logits.float()
-            token, kept = speculative_pick(chances(logits[:, 0]), q, draft, generator, greedy)
+            token, kept = _check_draft(logits[:, 0], q_logits, draft, temperature, top_k, top_p,
+                                       generator)
             mtp.drafted += kept.numel()
             mtp.accepted += int(kept.sum())
             yield logits[:, 0], token
             if kept.all():
-                second = draw(chances(logits[:, 1]))
+                second = draw(logits[:, 1])
                 yield logits[:, 1], second
                 hidden, ahead = out.hidden, torch.cat([token, second], dim=1)
                 token = second
@@ -264,7 +266,7 @@ def _speculate(model, context, temperature, top_k, top_p, generator):
                 context = torch.cat([context, ahead], dim=1)
         while cache.length < window:                       # no room to check a draft
             logits = model(token, cache=cache).logits[:, -1].float()
-            token = draw(chances(logits))
+            token = draw(logits)
             yield logits, token
             context = torch.cat([context, token], dim=1)
         context = context[:, -(window // 2 or 1):]        # full: re-read the newest half

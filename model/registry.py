@@ -166,8 +166,16 @@ def check_full_layers(config: ModelConfig) -> None:
 
 def check_mtp(config: ModelConfig) -> None:
     """model.mtp_depth: modules that predict tokens further ahead through the output layer."""
+    if config.mtp_weight < 0:
+        raise ModelError(f"model.mtp_weight must not be negative, got {config.mtp_weight} "
+                         "(λ, the weight of the multi-token prediction loss; 0.3 is "
+                         "DeepSeek-V3's)")
     if not config.mtp_depth:
         return
+    if config.mtp_depth > config.block_size - 2:
+        raise ModelError(f"model.mtp_depth={config.mtp_depth} predicts further ahead than the "
+                         f"context model.block_size={config.block_size} leaves a target for; "
+                         f"give at most {max(config.block_size - 2, 0)} (1 is DeepSeek-V3's)")
     readout = READOUTS[config.readout]
     if not config.causal:
         raise ModelError(f"model.mtp_depth={config.mtp_depth} predicts the tokens after the next "

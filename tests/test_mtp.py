@@ -352,17 +352,10 @@ def test_the_speculative_rule_keeps_the_target_distribution():
     q = torch.tensor([0.1, 0.2, 0.3, 0.4])
     N = 200_000
     draft = torch.multinomial(q.expand(N, 4), 1, replacement=True, generator=g)
-    token, kept = speculative_pick(p.expand(N, 4), q.expand(N, 4), draft, g, greedy=False)
+    token, kept = speculative_pick(p.expand(N, 4), q.expand(N, 4), draft, g)
     freq = torch.bincount(token[:, 0], minlength=4) / N
     assert (freq - p).abs().max() < 0.005                 # 4.5 standard errors at most
     assert abs(kept.float().mean() - torch.minimum(p, q).sum()) < 0.005
-
-
-def test_the_greedy_rule_keeps_a_right_draft_and_corrects_a_wrong_one():
-    p = torch.eye(4)[[2, 1]]
-    q = torch.eye(4)[[2, 3]]
-    token, kept = speculative_pick(p, q, torch.tensor([[2], [3]]), None, greedy=True)
-    assert token[:, 0].tolist() == [2, 1] and kept.tolist() == [True, False]
 
 
 def test_sampling_with_drafts_follows_plain_samplings_distribution():
