@@ -400,3 +400,18 @@ def test_muon_takes_the_modules_matrices():
     hidden = {n for n, p in model.named_parameters() if is_hidden_matrix(n, p)}
     assert {"mtp.depths.0.proj.weight", "mtp.depths.0.block.attn.w_qkv.weight"} <= hidden
     assert "wte.weight" not in hidden and "mtp.depths.0.norm_hidden.weight" not in hidden
+
+
+def test_a_run_trains_it_logs_its_loss_apart_and_samples_with_it(corpus, tmp_path):
+    import json
+    from conftest import run_script, train_tiny
+    run = train_tiny(corpus, tmp_path, "mtp", "--model.mtp_depth=1", "--train.max_iters=6")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert steps and all(r["mtp_loss"] > 0 and r["mtp_loss"] != r["loss"] for r in steps)
+    proc = run_script("sample.py", "--run", run, "--decode", "mtp", "--temperature", "0",
+                      "--max_new_tokens", "20")
+    assert "drafts kept" in proc.stderr.splitlines()[-1]
+    plain = train_tiny(corpus, tmp_path, "plain", "--train.max_iters=1")
+    proc = run_script("sample.py", "--run", plain, "--decode", "mtp", check=False)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: decode='mtp'")
