@@ -300,6 +300,17 @@ class GPTWithVariants(GPT):
             return head_macs(c.n_embd, c.vocab_size, c.readout_shortlist)
         return super().readout_macs()
 
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        flops = super().flops_per_token(seq_len)
+        if self.mtp is None:
+            return flops
+        # Multi-token prediction's weights are in num_params already; its blocks' attention
+        # and the shared output layer, run once more a depth, are not.
+        c = self.config
+        names = layer_names(replace(c, n_layer=c.n_layer + c.mtp_depth))[c.n_layer:]
+        return int(flops + 6 * c.mtp_depth * c.vocab_size * c.n_embd
+                   + 3 * sum(MECHANISMS[n].flops(c, seq_len or c.block_size) for n in names))
+
     def forward(self, idx, targets=None, cache: KVCache | None = None,
                 return_attention: bool = False, attention_mask: torch.Tensor | None = None,
                 token_types: torch.Tensor | None = None) -> Output:

@@ -415,3 +415,13 @@ def test_a_run_trains_it_logs_its_loss_apart_and_samples_with_it(corpus, tmp_pat
     plain = train_tiny(corpus, tmp_path, "plain", "--train.max_iters=1")
     proc = run_script("sample.py", "--run", plain, "--decode", "mtp", check=False)
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: decode='mtp'")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_flop_count_adds_the_modules_blocks_and_head_passes(tied):
+    """For MFU: 6 a weight (the module's own), 6·V·C a depth for the shared output layer
+    run again, and three times a block's attention (4·d·T forward, PaLM's count)."""
+    plain, mtp = GPT(tiny(mtp_depth=0, tie_embeddings=tied)), GPT(tiny(mtp_depth=2, tie_embeddings=tied))
+    own = sum(p.numel() for p in mtp.mtp.parameters())
+    C, V, T = 16, 40, 16
+    assert mtp.flops_per_token() - plain.flops_per_token() == 6 * own + 2 * (6 * V * C + 3 * 4 * C * T)
