@@ -425,3 +425,9 @@ def test_the_flop_count_adds_the_modules_blocks_and_head_passes(tied):
     own = sum(p.numel() for p in mtp.mtp.parameters())
     C, V, T = 16, 40, 16
     assert mtp.flops_per_token() - plain.flops_per_token() == 6 * own + 2 * (6 * V * C + 3 * 4 * C * T)
+
+
+def test_export_to_transformers_refuses_the_modules_rather_than_dropping_them():
+    from engine.interop import _common_refusals
+    assert any("model.mtp_depth=1" in r for r in _common_refusals(tiny()))
+    assert not any("mtp" in r for r in _common_refusals(tiny(mtp_depth=0)))
