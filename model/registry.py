@@ -171,6 +171,10 @@ def check_mtp(config: ModelConfig) -> None:
                          "(λ, the weight of the multi-token prediction loss; 0.3 is "
                          "DeepSeek-V3's)")
     if not config.mtp_depth:
+        if config.mtp_weight != ModelConfig.__dataclass_fields__["mtp_weight"].default:
+            raise ModelError(f"model.mtp_weight={config.mtp_weight} weighs the multi-token "
+                             "prediction loss, and model.mtp_depth=0 builds no module to take "
+                             "it; set model.mtp_depth=1 with it, or leave the weight alone")
         return
     if config.mtp_depth > config.block_size - 2:
         raise ModelError(f"model.mtp_depth={config.mtp_depth} predicts further ahead than the "

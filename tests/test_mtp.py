@@ -174,6 +174,7 @@ def test_only_the_variants_model_builds_it():
     ({"readout": "adaptive", "tie_embeddings": False, "readout_shortlist": 10},
      "scores a shortlist its own way"),
     ({"readout": "none", "tie_embeddings": False}, "has none"),
+    ({"mtp_depth": 0, "mtp_weight": 0.1}, "model.mtp_depth=0 builds no module"),
 ])
 def test_settings_it_cannot_work_with_are_refused_in_one_line(fields, says):
     with pytest.raises(ModelError, match=says) as err:
