@@ -22,6 +22,9 @@ def _opt(default, help: str, registry: str | None = None, pattern: bool = False)
     return field(default=default, metadata={"help": help, "registry": registry, "pattern": pattern})
 
 
+MOST_LAYERS = 512
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = _opt(0, "vocabulary size; 0 = take it from the tokenizer")
@@ -60,6 +63,16 @@ class ModelConfig:
                                "approximation as GPT-2 computed it", registry="mlp")
     mlp_hidden: int = _opt(0, "the MLP's hidden width; 0 = the variant's own rule (4 x n_embd, "
                               "SwiGLU 8/3 x n_embd rounded up to 32)")
+    moe_experts: int = _opt(8, "model.mlp=moe: routed experts per layer, of which each token "
+                               "uses model.moe_top_k")
+    moe_shared: int = _opt(1, "model.mlp=moe: shared experts per layer, which every token uses")
+    moe_top_k: int = _opt(2, "model.mlp=moe: routed experts each token is sent to, the k with "
+                             "the highest affinity plus balancing bias")
+    moe_hidden: int = _opt(0, "model.mlp=moe: each expert's hidden width; 0 = SwiGLU's 8/3 x "
+                              "n_embd shared out among the top_k + shared experts a token uses")
+    moe_bias_rate: float = _opt(1e-3, "model.mlp=moe: the balancing bias's step γ; after each "
+                                      "optimizer step each routed expert's bias moves by γ "
+                                      "towards an even load (DeepSeek-V3's 0.001); 0 = fixed")
     tie_embeddings: bool = _opt(True, "share the token embedding with the output layer")
     readout: str = _opt("full", "output layer: a softmax over the whole vocabulary, or the "
                                 "adaptive softmax for large vocabularies", registry="readout")
@@ -117,24 +130,8 @@ class ModelConfig:
     def validate(self) -> None:
         """Refuse impossible sizes before any work, saying why. Variant names and what
         each variant needs are checked by model.registry.check, which knows them."""
-        for f in fields(self):               # the Python API meets no command-line parser
-            value = getattr(self, f.name)
-            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ModelError(f"model.{f.name} must be a whole number, got {value!r}")
-            if f.type == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value)):
-                raise ModelError(f"model.{f.name} must be a finite number, got {value!r}")
-        for name in ("block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ModelError(f"model.{name} must be a positive integer, got {value!r}")
-        for f in fields(self):
-            if f.name in ("vocab_size", "n_kv_head", "sliding_window", "n_global", "full_attention_every",
-                          "rope_original_context", "readout_shortlist", "position_offset",
-                          "n_token_types", "mlp_hidden", "token_mix", "mla_kv_rank",
-                          "mla_rope_dim", "sparse_top_k", "indexer_dim", "mtp_depth") and getattr(self, f.name) < 0:
-                raise ModelError(f"model.{f.name} must not be negative, got {getattr(self, f.name)} "
-                                 f"(model.{f.name}: {f.metadata['help']})")
+        self._validate_numbers()
+        self._validate_experts()
         if self.token_mix > self.block_size:
             raise ModelError(f"model.token_mix={self.token_mix} mixes in more positions than the "
                              f"context model.block_size={self.block_size} holds; give at most "
@@ -173,3 +170,43 @@ class ModelConfig:
             raise ModelError(f"model.norm_eps must be in (0, 1), got {self.norm_eps}")
         if not self.rope_theta > 0:
             raise ModelError(f"model.rope_theta must be positive, got {self.rope_theta}")
+
+    def _validate_numbers(self) -> None:
+        """Each field of the kind it says, the sizes positive and bounded, the counts not
+        negative."""
+        for f in fields(self):               # the Python API meets no command-line parser
+            value = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ModelError(f"model.{f.name} must be a whole number, got {value!r}")
+            if f.type == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise ModelError(f"model.{f.name} must be a finite number, got {value!r}")
+        for name in ("block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.n_layer > MOST_LAYERS:
+            # Every layer is a module built even to size the model: bounded before any is.
+            raise ModelError(f"model.n_layer={self.n_layer:,} is more than {MOST_LAYERS} layers "
+                             "(GPT-3 has 96); give a smaller model.n_layer")
+        for f in fields(self):
+            if f.name in ("vocab_size", "n_kv_head", "sliding_window", "n_global", "full_attention_every",
+                          "rope_original_context", "readout_shortlist", "position_offset",
+                          "n_token_types", "mlp_hidden", "token_mix", "mla_kv_rank",
+                          "mla_rope_dim", "sparse_top_k", "indexer_dim", "mtp_depth") and getattr(self, f.name) < 0:
+                raise ModelError(f"model.{f.name} must not be negative, got {getattr(self, f.name)} "
+                                 f"(model.{f.name}: {f.metadata['help']})")
+
+    def _validate_experts(self) -> None:
+        """The mixture of experts' counts (model.mlp=moe): k of at least one routed expert."""
+        for name in ("moe_shared", "moe_hidden", "moe_bias_rate"):
+            if getattr(self, name) < 0:
+                raise ModelError(f"model.{name} must not be negative, got {getattr(self, name)} "
+                                 f"(model.{name}: {self.__dataclass_fields__[name].metadata['help']})")
+        if self.moe_experts < 1:
+            raise ModelError(f"model.moe_experts must be at least 1, got {self.moe_experts} "
+                             "(the routed experts each token chooses from)")
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ModelError(f"model.moe_top_k={self.moe_top_k} must be between 1 and "
+                             f"model.moe_experts={self.moe_experts}: each token goes to that "
+                             "many of the routed experts")

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from model.config import ModelConfig
 from model.extras import TokenMix
 from model.mechanisms import MECHANISMS, Mechanism
+from model.moe import MixtureOfExperts
 
 
 def layer_norm(config: ModelConfig) -> nn.Module:
@@ -108,7 +109,7 @@ class AttentionOnly:
 
 
 MLPS = {"gelu": GeluMLP, "gelu_tanh": GeluTanhMLP, "swiglu": SwiGLU, "relu2": ReluSquaredMLP,
-        "none": AttentionOnly}
+        "none": AttentionOnly, "moe": MixtureOfExperts}
 
 
 def layer_names(config: ModelConfig) -> list[str]:
