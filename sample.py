@@ -83,6 +83,9 @@ def main(argv: list[str]) -> int:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         sys.stdout.write("\n")
+        if decode == "mtp" and model.mtp.drafted:   # how often the draft was the token
+            print(f"mtp: {model.mtp.accepted} of {model.mtp.drafted} drafts kept "
+                  f"({model.mtp.accepted / model.mtp.drafted:.0%})", file=sys.stderr)
     return 0
 
 

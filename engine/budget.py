@@ -161,16 +161,20 @@ def training_bytes(cfg) -> tuple[int, int]:
     plus the activations backward keeps, 34·T·d + 5·H·T² bytes a layer and sequence at
     16 bits (Korthikanti et al., arXiv:2205.05198, section 4), H the T×T maps the layer's
     mechanism keeps (its entry's score_maps: the heads, and a sparse layer's indexer heads
-    too). Both are lower bounds, so
+    too), multi-token prediction's blocks counted as layers. Both are lower bounds, so
     a model refused for them could not have fitted."""
     m, t = cfg.model, cfg.train
     params, buffers, _ = model_sizes(m)
     # Counted per name of the pattern, which is cycled over the layers: a list n_layer long
     # would hang on an absurd n_layer before the bound could refuse it.
+    # Multi-token prediction's blocks (model.mtp_depth) follow the stack in the same cycle,
+    # and each of its modules keeps one more set of logits (4 bytes a vocabulary entry).
     names = [n.strip() for n in m.mechanism.split(",")]
-    maps = sum(MECHANISMS[n].score_maps(m) * (m.n_layer // len(names) + (i < m.n_layer % len(names)))
+    blocks = m.n_layer + m.mtp_depth
+    maps = sum(MECHANISMS[n].score_maps(m) * (blocks // len(names) + (i < blocks % len(names)))
                for i, n in enumerate(names))
-    activations = t.batch_size * (34 * m.n_layer * m.block_size * m.n_embd + 5 * maps * m.block_size ** 2)
+    activations = t.batch_size * (34 * blocks * m.block_size * m.n_embd + 5 * maps * m.block_size ** 2
+                                  + 4 * m.mtp_depth * m.block_size * m.vocab_size)
     return params, 12 * params + 4 * buffers + activations
 
 

@@ -134,8 +134,11 @@ class SampleConfig:
     use_cache: bool = opt(True, "reuse keys/values of earlier tokens (KV cache)")
     decode: str = opt("auto", "how the KV cache is kept: auto (graph on CUDA, cache elsewhere), "
                               "cache (grows with the text), static (preallocated, one token per "
-                              "step), graph (the static step replayed as a CUDA graph; CUDA only)",
-                      choices=("auto", "cache", "static", "graph"))
+                              "step), graph (the static step replayed as a CUDA graph; CUDA only), "
+                              "mtp (self-speculative: the model's multi-token prediction module "
+                              "drafts the token after next and one pass checks both; needs "
+                              "model.mtp_depth)",
+                      choices=("auto", "cache", "static", "graph", "mtp"))
     dtype: str = opt("auto", "weights while sampling: auto (bfloat16 on a GPU that has it; on a "
                              "CPU with native bfloat16, a wide model whose one-token matmul, timed "
                              "here, runs at least 1.1x faster in it; else float32), float32, "

@@ -120,6 +120,9 @@ def _common_refusals(cfg: ModelConfig, decoder: bool = True) -> list[str]:
         out.append("model.skip_connections=true (no skips across blocks there)")
     if cfg.token_mix:
         out.append(f"model.token_mix={cfg.token_mix} (no convolution over positions there)")
+    if cfg.mtp_depth:
+        out.append(f"model.mtp_depth={cfg.mtp_depth} (multi-token prediction modules: no "
+                   "architecture here has them)")
     if not READOUTS[cfg.readout].plain:
         out.append(f"model.readout={cfg.readout} (every architecture there scores the whole "
                    "vocabulary with one linear layer: train with model.readout=full)")

@@ -360,6 +360,12 @@ def log_step(run: Run, metrics: Metrics, bar, speed: Speedometer, loss, norm) ->
     if utilisation is not None:
         record["mfu"] = utilisation
         shown["mfu"] = f"{utilisation:.1%}"
+    mtp = getattr(run.model, "mtp", None)
+    if mtp is not None and mtp.loss is not None:
+        # Multi-token prediction's own loss (its last micro-batch's), apart from the logged
+        # next-token loss so that runs with and without it compare.
+        record["mtp_loss"] = mtp.loss.item()
+        shown["mtp"] = f"{record['mtp_loss']:.3f}"
     metrics.log(record)
     bar.set_postfix(shown, refresh=False)
 

@@ -156,9 +156,10 @@ def muon_lr_scale(adjust_lr_fn: str | None, shape) -> float:
 
 
 def is_hidden_matrix(name: str, p: torch.nn.Parameter) -> bool:
-    """The 2-D weights inside the blocks: what Muon orthogonalises. Embeddings and the
-    output layer (tied to them) are lookups/readouts, not hidden maps, and stay on AdamW."""
-    return p.dim() == 2 and name.startswith("blocks.")
+    """The 2-D weights inside the blocks (multi-token prediction's too, with its
+    projection M_k): what Muon orthogonalises. Embeddings and the output layer (tied to
+    them) are lookups/readouts, not hidden maps, and stay on AdamW."""
+    return p.dim() == 2 and name.startswith(("blocks.", "mtp."))
 
 
 def configure_optimizer(model, t, device: torch.device) -> Optimizers:

@@ -132,6 +132,20 @@ class KVCache:
         self.stored += T
         self.length += T
 
+    def truncate(self, n: int) -> None:
+        """Forget the newest n tokens, as though they had never come (a draft the model
+        did not confirm, model/decode.py's "mtp"): their slots are written over by the
+        next ones. A recurrent state or a token mix's rows fold each token in and cannot
+        give one back, so a cache holding either refuses."""
+        if self.states or self.tails:
+            raise ValueError("this cache holds a recurrent state or a token mix's rows, which "
+                             "cannot forget a token")
+        if not 0 <= n <= self.stored:
+            raise ValueError(f"cannot forget {n} tokens of the {self.stored} this cache holds")
+        self.stored -= n
+        self.length -= n
+        self.positions = self.positions[:self.stored]
+
     def nbytes(self) -> int:
         return _nbytes([*self.k, *self.v, *self.states.values()])
 

@@ -118,6 +118,12 @@ class ModelConfig:
     indexer_heads: int = _opt(4, "sparse attention (DSA): the lightning indexer's heads")
     indexer_dim: int = _opt(0, "sparse attention (DSA): the width of each indexer query and key; "
                                "0 = head_dim (at least head_dim: that many turn by RoPE)")
+    mtp_depth: int = _opt(0, "multi-token prediction (DeepSeek-V3): D modules after the stack, "
+                             "module k predicting the token k+1 ahead through the shared "
+                             "embedding and output layer; 0 = none (sample --decode mtp "
+                             "drafts with the first)")
+    mtp_weight: float = _opt(0.3, "multi-token prediction: λ, the weight of its loss beside the "
+                                  "next-token loss (DeepSeek-V3: 0.3, then 0.1 late in training)")
 
     @property
     def head_dim(self) -> int:
@@ -193,7 +199,7 @@ class ModelConfig:
             if f.name in ("vocab_size", "n_kv_head", "sliding_window", "n_global", "full_attention_every",
                           "rope_original_context", "readout_shortlist", "position_offset",
                           "n_token_types", "mlp_hidden", "token_mix", "mla_kv_rank",
-                          "mla_rope_dim", "sparse_top_k", "indexer_dim") and getattr(self, f.name) < 0:
+                          "mla_rope_dim", "sparse_top_k", "indexer_dim", "mtp_depth") and getattr(self, f.name) < 0:
                 raise ModelError(f"model.{f.name} must not be negative, got {getattr(self, f.name)} "
                                  f"(model.{f.name}: {f.metadata['help']})")
 

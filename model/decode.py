@@ -4,7 +4,8 @@ The model (model/gpt.py) exposes what decoding needs: a forward pass that reads 
 advances a cache, and `new_cache`. Everything else lives here: how earlier tokens are
 kept (`DECODERS`: re-read in full, a growing cache, a preallocated static cache, or that
 static step recorded as a CUDA graph), what happens when the context fills up, and
-StreamingLLM's rolling cache (arXiv:2309.17453)."""
+StreamingLLM's rolling cache (arXiv:2309.17453), and self-speculative decoding with the
+model's own multi-token prediction module (`mtp`, DeepSeek-V3)."""
 from __future__ import annotations
 
 import weakref
@@ -17,10 +18,12 @@ from model.cache import CapturedStep, KVCache, StaticKVCache
 from model.config import ModelError
 from model.mechanisms import MECHANISMS
 from model.layers import layer_names
-from model.sampling import sample_next
+from model.sampling import next_token_distribution, sample_next
 
-# How generate keeps earlier tokens: none, a growing cache, a static one, a CUDA graph.
-DECODERS = ("full", "cache", "static", "graph")
+# How generate keeps earlier tokens: none, a growing cache, a static one, a CUDA graph;
+# or a growing cache that checks two tokens a pass, the second drafted by the model's
+# multi-token prediction module.
+DECODERS = ("full", "cache", "static", "graph", "mtp")
 
 
 def static_cache(model, max_len: int) -> StaticKVCache:
@@ -69,7 +72,12 @@ def generate(model, idx, max_new_tokens: int, temperature: float = 1.0, top_k: i
     cache whatever `decode` says. `forced` (B, N) tokens are fed instead of sampled
     (teacher forcing), so `on_step` sees the logits the model gives a known text."""
     model.check_generates()
+    if decode == "mtp" and use_cache:
+        check_speculation(model, sinks, forced)
     decode = decode_mode(model, decode, use_cache, sinks, idx.device)
+    if decode == "mtp":
+        return _generate_speculative(model, idx, max_new_tokens, temperature, top_k, top_p,
+                                     generator, on_step)
     return _generate(model, idx, max_new_tokens, temperature, top_k, top_p, generator,
                      on_step, decode, sinks, stream_window, forced)
 
@@ -116,6 +124,29 @@ def check_sinks(config, decode: str, sinks: int) -> None:
         raise ModelError(f"sinks must be between 0 and block_size-1 ({window - 1}), not {sinks}")
 
 
+def check_speculation(model, sinks, forced) -> None:
+    """Why decode="mtp" cannot run here, if it cannot."""
+    if getattr(model, "mtp", None) is None:
+        raise ModelError("decode='mtp' drafts the token after next with the model's multi-token "
+                         "prediction module, and this model has none (model.mtp_depth=0); "
+                         "train one with --model.mtp_depth=1, or use decode='cache'")
+    if sinks is not None or forced is not None:
+        raise ModelError("decode='mtp' drafts tokens and checks them in a growing cache; "
+                         + ("sinks stream from a rolling one" if sinks is not None
+                            else "forced tokens are fed, not drafted")
+                         + ": use decode='cache' with them")
+    config = model.config
+    for name in layer_names(config):
+        if MECHANISMS[name].cache.fixed(config):
+            raise ModelError(f"decode='mtp' takes a rejected draft back out of the cache, and "
+                             f"model.mechanism={name} folds every token into a fixed-size "
+                             "state that cannot give one back; use decode='cache'")
+    if config.token_mix:
+        raise ModelError("decode='mtp' takes a rejected draft back out of the cache, and "
+                         "model.token_mix keeps the newest rows, which cannot give one back; "
+                         "use decode='cache'")
+
+
 @torch.no_grad()
 def _generate(model, idx, max_new_tokens, temperature, top_k, top_p, generator, on_step,
               decode, sinks, stream_window, forced):
@@ -146,6 +177,108 @@ def _generate(model, idx, max_new_tokens, temperature, top_k, top_p, generator, 
         steps.release()
         raise
     steps.release()                           # (not after an error: it may be the cache's)
+
+
+def speculative_pick(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
+                     generator: torch.Generator | None):
+    """Speculative sampling's rule for one drafted token (Leviathan et al., arXiv:2211.17192,
+    algorithm 1; Chen et al., arXiv:2302.01318): keep the draft d, drawn from q, with
+    probability min(1, p(d)/q(d)); else draw from the residual max(0, p - q), normalised.
+    The token is then distributed as p, whatever q is: P(d kept) = min(q(d), p(d)), and the
+    residual holds exactly the rest of p. p, q (B, V); draft (B, 1). Returns the token
+    (B, 1) and whether the draft was kept (B,)."""
+    p_draft, q_draft = p.gather(-1, draft), q.gather(-1, draft)
+    u = torch.rand(p_draft.shape, generator=generator, device=p.device)
+    kept = u * q_draft < p_draft                     # u < p/q, with q(d) > 0 as d was drawn
+    residual = (p - q).clamp_min(0)
+    # Where p = q nothing is left over, and such a draft is always kept anyway.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    other = torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator)
+    return torch.where(kept, draft, other), kept[:, 0]
+
+
+def _check_draft(logits, q_logits, draft, temperature, top_k, top_p, generator):
+    """The token at the draft's place (B, 1) and whether the draft stood (B,). Greedy: the
+    draft stands when it is the arg-max, which is then the token, as plain decoding's."""
+    if temperature == 0:
+        token = sample_next(logits.float(), 0)
+        return token, (token == draft)[:, 0]
+    chances = [next_token_distribution(x.float(), temperature, top_k, top_p)
+               for x in (logits, q_logits)]
+    return speculative_pick(*chances, draft, generator)
+
+
+@torch.no_grad()
+def _generate_speculative(model, idx, max_new_tokens, temperature, top_k, top_p, generator,
+                          on_step):
+    """decode="mtp": the first max_new_tokens of _speculate, each shown to on_step."""
+    steps = _speculate(model, idx, temperature, top_k, top_p, generator)
+    for _ in range(max_new_tokens):
+        logits, token = next(steps)
+        if on_step is not None:
+            on_step(logits, token)
+        yield token
+    steps.close()
+
+
+def _speculate(model, context, temperature, top_k, top_p, generator):
+    """Self-speculative decoding with the model's multi-token prediction module (DeepSeek-V3,
+    arXiv:2412.19437, section 5.4.3): each pass of the main model reads the token it last
+    chose and the module's draft of the one after it, two tokens through the cache. The
+    pass's first logits decide whether the draft stands (speculative_pick); if it does, the
+    second logits give one more token free, and two tokens come from one pass; if not, the
+    draft's keys leave the cache and the pass gave one. The module's own cache runs behind
+    the main one: a position enters it once the token after it is settled, so it never
+    takes anything back. Yields (last-position logits (B, V), token (B, 1)) for ever.
+
+    In a batch a draft stands only when it stands in every row (the rows share one cache
+    length); a row whose draft stood still emits it, a token drawn as the rule says. The
+    context limit is plain decoding's: a model with a rolling cache never fills up; another
+    re-reads the newest half of its context when the cache is full, and a pass that would
+    overfill it steps one token instead, so each token is drawn from the logits plain
+    decoding draws it from and greedy decoding gives plain greedy decoding's tokens."""
+    mtp, window = model.mtp, model.config.block_size
+    mtp.drafted = mtp.accepted = 0
+
+    def draw(logits):                                  # plain decoding's draw
+        return sample_next(logits.float(), temperature, top_k, top_p, generator)
+
+    rolling = decodes_with_rolling_cache(model)
+    context = context[:, -window:]
+    while True:
+        cache, behind = model.new_cache(window), mtp.new_cache(model, window)
+        out = model(context, cache=cache)
+        token = draw(out.logits[:, -1])
+        yield out.logits[:, -1].float(), token
+        # The module's next input: each position's state and the token after it.
+        hidden, ahead = out.hidden, torch.cat([context[:, 1:], token], dim=1)
+        context = torch.cat([context, token], dim=1)
+        while rolling or cache.length + 2 <= window:
+            q_logits = mtp.depth(model, 0, hidden, ahead, behind)[1][:, -1]
+            draft = draw(q_logits)
+            out = model(torch.cat([token, draft], dim=1), cache=cache)   # (B, 2, V) logits
+            logits = out.logits.float()
+            token, kept = _check_draft(logits[:, 0], q_logits, draft, temperature, top_k, top_p,
+                                       generator)
+            mtp.drafted += kept.numel()
+            mtp.accepted += int(kept.sum())
+            yield logits[:, 0], token
+            if kept.all():
+                second = draw(logits[:, 1])
+                yield logits[:, 1], second
+                hidden, ahead = out.hidden, torch.cat([token, second], dim=1)
+                token = second
+            else:
+                cache.truncate(1)                          # the draft was not the token
+                hidden, ahead = out.hidden[:, :1], token
+            if not rolling:
+                context = torch.cat([context, ahead], dim=1)
+        while cache.length < window:                       # no room to check a draft
+            logits = model(token, cache=cache).logits[:, -1].float()
+            token = draw(logits)
+            yield logits, token
+            context = torch.cat([context, token], dim=1)
+        context = context[:, -(window // 2 or 1):]        # full: re-read the newest half
 
 
 def _decode_full(model, context):

@@ -22,6 +22,7 @@ from model.layers import BLOCKS, NORMS, layer_names
 from model.attention import Mask
 from model.mechanisms import MECHANISMS
 from model.meta import Unfilled
+from model.mtp import MultiTokenPrediction
 from model.positions import POSITION_ENCODINGS
 from model.readout import READOUTS, AdaptiveReadout, MaskedLMTransform, head_macs
 from model.registry import CHECKED, check as check_config
@@ -224,7 +225,7 @@ class GPT(nn.Module):
 
 # Fields that, set, ask for a part the plain GPT does not have (GPTWithVariants builds it).
 VARIANT_FIELDS = ("n_token_types", "value_embeds", "skip_connections", "logit_softcap",
-                  "full_attention_every")
+                  "full_attention_every", "mtp_depth")
 
 
 def wants_variants(config: ModelConfig) -> bool:
@@ -242,7 +243,7 @@ class GPTWithVariants(GPT):
     config asks for any of them; the names of the plain parts are kept, so checkpoints
     read the same either way."""
     PASS_ORDER = ("wte", "token_types", "positions", "norm_emb", "drop", "blocks", "value_embeds",
-                  "skips", "norm_f", "head_transform", "lm_head", "adaptive")
+                  "skips", "norm_f", "head_transform", "lm_head", "adaptive", "mtp")
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
@@ -259,12 +260,24 @@ class GPTWithVariants(GPT):
         self.skips = UNetSkips(config.n_layer) if config.skip_connections else None
         self.skip_weights = (nn.Parameter(torch.ones(config.n_layer // 2))
                              if config.skip_connections else None)
+        # DeepSeek-V3's multi-token prediction: modules after the stack predicting the
+        # tokens further ahead through this model's embedding and head (model/mtp.py).
+        self.mtp = MultiTokenPrediction(config) if config.mtp_depth else None
         # The parts in the order the pass meets them, so the values drawn for each are those
         # a model built in one piece draws from the same seed.
         rank = {name: i for i, name in enumerate(self.PASS_ORDER)}
         self._modules = dict(sorted(self._modules.items(), key=lambda item: rank.get(item[0], len(rank))))
         if not self.wte.weight.is_meta:
             self._init_all(config)
+
+    def _init_all(self, config: ModelConfig):
+        super()._init_all(config)
+        for module in self.mtp.depths if self.mtp is not None else ():
+            # The modules' blocks write into a residual stream too: GPT-2's scaling.
+            block = module.block
+            block.mechanism.init(block.attn, config)
+            if block.mlp is not None:
+                nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
 
     def output_layer(self, config: ModelConfig) -> nn.Module | None:
         # BERT's masked-LM head puts a dense layer, GELU and a LayerNorm first and gives
@@ -288,6 +301,17 @@ class GPTWithVariants(GPT):
             c = self.config
             return head_macs(c.n_embd, c.vocab_size, c.readout_shortlist)
         return super().readout_macs()
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        flops = super().flops_per_token(seq_len)
+        if self.mtp is None:
+            return flops
+        # Multi-token prediction's weights are in num_params already; its blocks' attention
+        # and the shared output layer, run once more a depth, are not.
+        c = self.config
+        names = layer_names(replace(c, n_layer=c.n_layer + c.mtp_depth))[c.n_layer:]
+        return int(flops + 6 * c.mtp_depth * c.vocab_size * c.n_embd
+                   + 3 * sum(MECHANISMS[n].flops(c, seq_len or c.block_size) for n in names))
 
     def forward(self, idx, targets=None, cache: KVCache | None = None,
                 return_attention: bool = False, attention_mask: torch.Tensor | None = None,
@@ -317,6 +341,8 @@ class GPTWithVariants(GPT):
             cache.end(T)
         h = self.norm_f(x) if self.norm_f is not None else x
         logits, loss = self.logits_and_loss(h, targets)
+        if self.mtp is not None:     # a training pass leaves the tokens-ahead loss as aux_loss
+            self.mtp.learn(self, h, idx, targets)
         return Output(logits, loss, attentions if return_attention else None, h)
 
     def sees_everything(self, layer: int) -> bool:

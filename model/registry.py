@@ -103,6 +103,7 @@ def check(config: ModelConfig) -> None:
                          "window; set model.sliding_window too (without a window every "
                          "token is visible anyway)")
     check_full_layers(config)
+    check_mtp(config)
     backend = ATTENTION_BACKENDS[config.attention]
     position = POSITION_ENCODINGS[config.position]
     if backend.needs_window and not config.sliding_window:
@@ -165,6 +166,34 @@ def check_full_layers(config: ModelConfig) -> None:
                          f"{'no windowed' if every == 1 else 'no full'} layer among "
                          f"model.n_layer={config.n_layer}; give 2 to {config.n_layer} "
                          "(2 alternates, as gpt-oss; 6 is Gemma 3's five to one)")
+
+
+def check_mtp(config: ModelConfig) -> None:
+    """model.mtp_depth: modules that predict tokens further ahead through the output layer."""
+    if config.mtp_weight < 0:
+        raise ModelError(f"model.mtp_weight must not be negative, got {config.mtp_weight} "
+                         "(λ, the weight of the multi-token prediction loss; 0.3 is "
+                         "DeepSeek-V3's)")
+    if not config.mtp_depth:
+        if config.mtp_weight != ModelConfig.__dataclass_fields__["mtp_weight"].default:
+            raise ModelError(f"model.mtp_weight={config.mtp_weight} weighs the multi-token "
+                             "prediction loss, and model.mtp_depth=0 builds no module to take "
+                             "it; set model.mtp_depth=1 with it, or leave the weight alone")
+        return
+    if config.mtp_depth > config.block_size - 2:
+        raise ModelError(f"model.mtp_depth={config.mtp_depth} predicts further ahead than the "
+                         f"context model.block_size={config.block_size} leaves a target for; "
+                         f"give at most {max(config.block_size - 2, 0)} (1 is DeepSeek-V3's)")
+    readout = READOUTS[config.readout]
+    if not config.causal:
+        raise ModelError(f"model.mtp_depth={config.mtp_depth} predicts the tokens after the next "
+                         "from what comes before them, and model.causal=false lets every token "
+                         "see them already; leave model.mtp_depth=0 for an encoder")
+    if not readout.scores_tokens or readout.shortlisted:
+        raise ModelError(f"model.mtp_depth={config.mtp_depth} scores its predictions with the "
+                         "model's full output layer, and model.readout="
+                         f"{config.readout} {'has none' if not readout.scores_tokens else 'scores a shortlist its own way'}; "
+                         "use model.readout=full with it, or leave model.mtp_depth=0")
 
 
 def check_entries(used: list[str]) -> None:

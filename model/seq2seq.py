@@ -63,7 +63,7 @@ class DecoderBlock(nn.Module):
 # so a setting never looks as though it changed the model when it did not.
 GPT_ONLY = ("value_embeds", "token_mix", "skip_connections", "zero_head", "logit_softcap",
             "readout", "readout_shortlist", "tie_embeddings", "block", "sliding_window",
-            "n_global", "n_token_types", "position_offset", "causal")
+            "n_global", "n_token_types", "position_offset", "causal", "mtp_depth")
 
 
 class EncoderDecoder(nn.Module):

@@ -90,6 +90,7 @@ def test_export_loads_in_transformers_with_equal_logits_and_greedy_text(name, tm
     (dict(value_embeds=True), "model.value_embeds=true"),
     (dict(skip_connections=True), "model.skip_connections=true"),
     (dict(token_mix=4), "model.token_mix=4"),
+    (dict(mtp_depth=1), "model.mtp_depth=1"),
     (dict(readout="adaptive", readout_shortlist=20, tie_embeddings=False), "model.readout=adaptive"),
     (dict(norm="rmsnorm", mlp="swiglu", bias=True, sliding_window=8), "model.bias=true"),
 ])
@@ -107,6 +108,7 @@ ENCODER = dict(causal=False, block="postnorm", position="rope", bias=True, reado
 @pytest.mark.parametrize("fields,arch", [
     (dict(token_mix=4), "GPTNeoXForCausalLM"),                 # what --budget sets on a CPU
     (dict(n_kv_head=2), "LlamaForCausalLM"),                   # GQA kept: Llama's parts
+    (dict(mtp_depth=1), "GPTNeoXForCausalLM"),
     (dict(n_kv_head=1, sliding_window=8), "MistralForCausalLM"),
     (dict(sliding_window=8, n_global=2, token_mix=4), "MistralForCausalLM"),
     (dict(position="alibi", qk_norm=True), "GPTNeoXForCausalLM"),
