@@ -1,3 +1,5 @@
 """The run machinery. Importing any part of it registers the BERT-family encoders
-(engine/interop_bert.py) among engine/interop.py's architectures, which they build on."""
+(engine/interop_bert.py) and Gemma 3 (engine/interop_gemma3.py) among engine/interop.py's
+architectures, which they build on."""
 import engine.interop_bert  # noqa: F401
+import engine.interop_gemma3  # noqa: F401
