@@ -138,7 +138,8 @@ class ModelConfig:
             if f.name in ("vocab_size", "n_kv_head", "sliding_window", "n_global", "full_attention_every",
                           "rope_original_context", "readout_shortlist", "position_offset",
                           "n_token_types", "mlp_hidden", "token_mix", "mla_kv_rank",
-                          "mla_rope_dim", "sparse_top_k", "indexer_dim") and getattr(self, f.name) < 0:
+                          "mla_rope_dim", "sparse_top_k", "indexer_dim", "rope_local_theta",
+                          "score_scale") and getattr(self, f.name) < 0:
                 raise ModelError(f"model.{f.name} must not be negative, got {getattr(self, f.name)} "
                                  f"(model.{f.name}: {f.metadata['help']})")
         if self.token_mix > self.block_size:
@@ -179,7 +180,3 @@ class ModelConfig:
             raise ModelError(f"model.norm_eps must be in (0, 1), got {self.norm_eps}")
         if not self.rope_theta > 0:
             raise ModelError(f"model.rope_theta must be positive, got {self.rope_theta}")
-        for name in ("rope_local_theta", "score_scale"):
-            if getattr(self, name) < 0:
-                raise ModelError(f"model.{name} must not be negative (0 = off), got "
-                                 f"{getattr(self, name)}")
