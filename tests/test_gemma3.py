@@ -162,6 +162,26 @@ def test_a_gemma3_folder_imports_with_equal_logits_in_float64(tmp_path, referenc
     assert tokenizer.encode("to be, or") == CHARS.encode("to be, or")
 
 
+def test_every_layer_hands_on_what_gemma3s_decoder_layer_does_in_float64(
+        tmp_path, reference_in_float64):
+    """Layer by layer (five windowed, then the full one): the stream after each of our
+    blocks against transformers' hidden states after each Gemma3DecoderLayer."""
+    hf = random_gemma(tmp_path / "hf").double()
+    ours, _, _ = load_hf_folder(tmp_path / "hf", dtype=torch.float64)
+    x = batch()
+    streams = []
+    hooks = [b.register_forward_hook(lambda m, a, out: streams.append(out[0])) for b in ours.blocks]
+    with torch.no_grad():
+        final = ours(x).hidden
+        expected = hf(x, output_hidden_states=True).hidden_states
+    for h in hooks:
+        h.remove()
+    # The embeddings, each layer's output, and the last one through the final norm.
+    assert len(expected) == len(streams) + 1
+    for i, (mine, theirs_) in enumerate(zip(streams[:-1] + [final], expected[1:])):
+        torch.testing.assert_close(mine, theirs_, atol=1e-9, rtol=0, msg=f"layer {i}")
+
+
 def test_an_exported_gemma3_loads_in_transformers_with_equal_logits_in_float64(
         tmp_path, reference_in_float64):
     random_gemma(tmp_path / "hf")
