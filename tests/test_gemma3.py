@@ -147,6 +147,16 @@ def test_what_the_new_fields_need_is_said_in_one_line(fields, message):
         GPT(tiny(**fields))
 
 
+def test_streaming_refuses_two_rope_bases_in_one_line():
+    """A streaming cache renumbers its keys by turning them with the model's one RoPE; the
+    windowed layers' keys were turned by another base."""
+    from model.decode import check_sinks
+    cfg = tiny(n_layer=2, sliding_window=4, full_attention_every=2, rope_local_theta=1e4)
+    check_sinks(tiny(n_layer=2, sliding_window=4, full_attention_every=2), "cache", 4)
+    with pytest.raises(ModelError, match="sample without sinks"):
+        check_sinks(cfg, "cache", 4)
+
+
 # -- the whole model -------------------------------------------------------------------
 
 def test_a_gemma3_folder_imports_with_equal_logits_in_float64(tmp_path, reference_in_float64):
