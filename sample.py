@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
     if WAITING:                       # said once work starts, not before an error line
         print(WAITING, file=sys.stderr)
     prompt_ids = encode_prompt(tokenizer, s.prompt)
-    decode = pick_decode(s.decode, device) if s.use_cache else "full"
+    decode = pick_decode(s.decode, device, model) if s.use_cache else "full"
     print(header(ckpt, model, cfg, s, device, dtype, decode), file=sys.stderr)
     for n in range(s.num_samples):
         if s.num_samples > 1:

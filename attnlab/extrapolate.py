@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from common.errors import AttnlabError
-from common.files import write_text_atomic
-from attnlab.options import add_run_options, find_run, out_option, whole
+from common.files import removed_if_left_empty, write_text_atomic
+from attnlab.options import add_run_options, find_run, learners_code, out_option, whole
 from attnlab.plotting import pyplot, save_figure
 from engine.cli import Parser, errors_as_lines
 
@@ -58,13 +58,13 @@ def schemes(cfg, factor: int):
 
 
 def evaluate_run(run: Path, factors, batches: int, batch_size: int, which: str = "best",
-                 device="cpu") -> list[dict]:
+                 device="cpu", exercises: str | None = None) -> list[dict]:
     from engine import checkpoint
     from engine.inference import load_run
     from data.tokens import load_tokens
     from model import GPT
     from model.positions import POSITION_ENCODINGS
-    model, cfg, _, ckpt = load_run(run, which, device)
+    model, cfg, _, ckpt = load_run(run, which, device, before_build=learners_code(run, exercises))
     weights, _, _ = checkpoint.load(ckpt, train_state=False)
     data_cfg = cfg.data
     data = load_tokens(data_cfg.path, data_cfg.tokenizer, data_cfg.vocab_size, data_cfg.val_fraction, data_cfg.cache_dir, log=lambda *a: None)
@@ -146,14 +146,15 @@ def main(argv=None) -> int:
         raise AttnlabError("no runs to evaluate: give --from FOLDER (from attnlab.compare) "
                            "or --runs DIR [DIR ...]")
     out = Path(args.out or args.folder or "figures")
-    out.mkdir(parents=True, exist_ok=True)
     from engine.device import pick_device
     device = pick_device(args.device)
-    rows = []
-    for run in runs:
-        rows.extend(evaluate_run(run, args.factors, args.batches, args.batch_size,
-                                 args.checkpoint, device))
-    write(rows, out, args.factors)
+    with removed_if_left_empty(out):          # a refused run leaves no empty --out
+        out.mkdir(parents=True, exist_ok=True)
+        rows = []
+        for run in runs:
+            rows.extend(evaluate_run(run, args.factors, args.batches, args.batch_size,
+                                     args.checkpoint, device, args.exercises))
+        write(rows, out, args.factors)
     print(f"\nwrote {out}/extrapolation.md, .csv and .png")
     return 0
 

@@ -117,7 +117,7 @@ def measurable() -> dict[str, Mechanism]:
 
 @dataclass
 class Settings:
-    """One run's sizes: the defaults take about 18 minutes on 2 cores; --quick is a test."""
+    """One run's sizes: the defaults take about a quarter of an hour on 2 cores; --quick is a test."""
     steps: int = 600                 # training steps of each language model
     contexts: tuple = (1024, 4096, 16384)   # decode timed with a cache of this many tokens
     decode_steps: int = 12           # tokens decoded (2 untimed) at each context
@@ -138,7 +138,7 @@ OUT, QUICK_OUT = "runs/frontier", "runs/frontier-quick"
 # Said in the table of a --quick run, where a reader meets its numbers.
 QUICK_NOTE = ("--quick: a test of the command, not a measurement: a few steps a model, so "
               "every val loss and MQAR cell below is noise. The measurement is "
-              "`python -m attnlab.frontier` (about 18 minutes on 2 cores).")
+              "`python -m attnlab.frontier` (about a quarter of an hour on 2 cores).")
 
 
 def mqar_cells(s: Settings) -> list[tuple[int, int]]:
@@ -264,17 +264,29 @@ def mqar_floors(s: Settings) -> dict:
             for n, p in mqar_cells(s)}
 
 
-def measure(name: str, mechanism: Mechanism, s: Settings, out: Path, bar, recall) -> dict:
-    """One row: the language model and the decoding here, and the MQAR cells from
-    `recall`, a future of `mqar` running beside them."""
+def measure(name: str, mechanism: Mechanism, s: Settings, out: Path, bar) -> dict:
+    """One row's language model and decoding, here, while the MQAR models train beside."""
     row = {"mechanism": name, "about": mechanism.about}
     for stage, work in (("language model", lambda: language_model(name, mechanism, s, out)),
-                        ("decoding", lambda: decode_columns(mechanism, s, s.vocab)),
-                        ("MQAR", recall.result)):
+                        ("decoding", lambda: decode_columns(mechanism, s, s.vocab))):
         bar.set_description(f"{name}: {stage}")
         row.update(work())
         bar.update()
     return row
+
+
+def share_the_rest(recall: dict, chosen: dict, s: Settings, stack: ExitStack) -> None:
+    """Once the language models are done this core is free: the MQAR models the first
+    helper has not started move to a second, from the end of the queue. Each model trains
+    in a fresh process of its own kind with its own seed and s.threads, so which process
+    runs it changes when it finishes, not what it computes."""
+    if not helpers(s):
+        return
+    second = stack.enter_context(ProcessPoolExecutor(
+        1, mp_context=multiprocessing.get_context("spawn")))
+    for name in reversed(list(recall)):
+        if recall[name].cancel():                # not started: the second process takes it
+            recall[name] = second.submit(mqar, chosen[name], s)
 
 
 def helpers(s: Settings) -> int:
@@ -499,8 +511,8 @@ def main(argv=None) -> int:
     last = f"mqar_{max(s.mqar_lengths)}_{max(p for n, p in mqar_cells(s) if n == max(s.mqar_lengths))}"
     rows = []
     # The MQAR models train one after another in a second process (a second core) while
-    # this one runs the language models and times the decoding: the whole takes about
-    # the longer of the two queues, not their sum.
+    # this one runs the language models and times the decoding; then the MQAR models not
+    # yet started share both cores.
     with ExitStack() as stack:
         bar = stack.enter_context(tqdm(total=3 * len(chosen), unit="stage", dynamic_ncols=True))
         if helpers(s):
@@ -511,10 +523,15 @@ def main(argv=None) -> int:
             recall = {n: Later(mqar, m, s) for n, m in chosen.items()}
         for name, mechanism in chosen.items():
             started = time.perf_counter()
-            rows.append(measure(name, mechanism, s, out, bar, recall[name]))
-            bar.write(f"{name}: val loss {rows[-1]['val_loss']:.3f}, {last} "
-                      f"{rows[-1][last]:.0%} (floor {floors[last]:.0%}), "
+            rows.append(measure(name, mechanism, s, out, bar))
+            bar.write(f"{name}: val loss {rows[-1]['val_loss']:.3f}, "
                       f"{time.perf_counter() - started:.0f} s")
+        share_the_rest(recall, chosen, s, stack)
+        for row in rows:
+            bar.set_description(f"{row['mechanism']}: MQAR")
+            row.update(recall[row["mechanism"]].result())
+            bar.update()
+            bar.write(f"{row['mechanism']}: {last} {row[last]:.0%} (floor {floors[last]:.0%})")
     header = [f"Frontier, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
               f"{s.threads} thread(s) of {os.cpu_count()} cores, {s.steps} steps per language "
               f"model and {s.mqar_steps} per MQAR model; timings are this machine's at this "

@@ -169,9 +169,10 @@ def detect(args) -> int:
         raise AttnlabError("induction heads copy what followed an earlier occurrence of the "
                            "current token, a decoder's trick; this model is an encoder "
                            "(model.causal=false): look at it with python -m attnlab.heads")
+    path = figure_path(args.out, default_out(ckpt))     # a refused folder refused first
     _, _, prev, induct = report(model, span=min(20, model.config.block_size // 2))
     print("wrote", plot_heads(model, 12, {"previous-token head": prev, "induction head": induct},
-                              figure_path(args.out, default_out(ckpt))))
+                              path))
     return 0
 
 

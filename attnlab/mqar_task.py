@@ -201,6 +201,7 @@ def train(task: MQARTask, model_fields: dict, length: int, steps: int, batch: in
     at the key-blind floor (it learns which tokens are values, then guesses) for longer
     than a laptop's budget; with one pair the lookup pays at once, and it carries over
     as the pairs crowd in. (Zoology trains many epochs over a fixed set instead.)"""
+    from engine.loop import after_step
     from model import GPT, ModelConfig
     torch.manual_seed(seed)
     cfg = ModelConfig(**{**model_fields, "vocab_size": task.vocab_size, "block_size": length})
@@ -224,6 +225,7 @@ def train(task: MQARTask, model_fields: dict, length: int, steps: int, batch: in
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        after_step(model)                   # a mixture of experts' balancing bias
         if step % 100 == 0 or step == steps - 1:
             log(f"  step {step:>4}: loss at the queries {loss.item():.3f}")
     return model.eval()

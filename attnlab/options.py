@@ -98,13 +98,12 @@ def add_run_options(parser: argparse.ArgumentParser, what: str = "run directory 
     if run:
         group.add_argument("--run", *aliases, dest="run", default="", metavar="DIR",
                            help=f"{what} (default: {without})")
-    if run:
-        # The learner's code of a run trained with `yours` comes from here alone: a run's
-        # own files never say where code is (attnlab/exercises/plug.py).
-        group.add_argument("--exercises", metavar="DIR", default=None,
-                           help="your exercises folder, for a run trained with your own code "
-                                "(model.attention, position or mechanism `yours`); no default: "
-                                "a run never chooses the code it runs")
+    # The learner's code of a run trained with `yours` comes from here alone: a run's own
+    # files never say where code is (attnlab/exercises/plug.py).
+    group.add_argument("--exercises", metavar="DIR", default=None,
+                       help="your exercises folder, for a run trained with your own code "
+                            "(model.attention, position or mechanism `yours`); no default: "
+                            "a run never chooses the code it runs")
     group.add_argument("--checkpoint", type=checkpoint_choice, default=DEFAULT_CHECKPOINT,
                        metavar="WHICH", help="best (lowest validation loss; the latest where "
                        "nothing after step 0 was evaluated), latest, or a step number "
@@ -139,15 +138,21 @@ def load(args: argparse.Namespace, before_build=None, log=None):
     one asked for)."""
     from engine.device import pick_device
     from engine.inference import load_run
-    from attnlab.exercises import plug
     device = pick_device(args.device)
     run = find_run(args.run, log=log)
+    build = learners_code(run, getattr(args, "exercises", None), before_build, log)
+    return load_run(run, args.checkpoint, device, before_build=build, log=log)
+
+
+def learners_code(run: Path, exercises: str | None, before_build=None, log=None):
+    """load_run's before_build for `run`: the learner's code a run trained with `yours`
+    asks for, bound from --exercises (`exercises`) alone, then `before_build`."""
+    from attnlab.exercises import plug
     plug.install()          # a run trained with your attention (`yours`) opens here too
 
     def build(cfg):
-        folder = plug.folder_for(cfg.model, getattr(args, "exercises", None), run)
-        for note in plug.prepare(cfg.model, folder):
+        for note in plug.prepare(cfg.model, plug.folder_for(cfg.model, exercises, run)):
             (log or (lambda line: print(line, file=sys.stderr)))(note)
         if before_build is not None:
             before_build(cfg)
-    return load_run(run, args.checkpoint, device, before_build=build, log=log)
+    return build

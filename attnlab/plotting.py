@@ -66,7 +66,19 @@ def figures_folder(source: Path | None = None) -> Path:
         source = Path(source)
         run = source.parent.parent
         if source.parent.name == "checkpoints" and (run / "config.json").is_file():
-            folder = run / "figures"
+            folder = own_folder(run, "figures")
+    return folder
+
+
+def own_folder(run: Path, name: str) -> Path:
+    """`run/name`, a folder a tool writes into by default, refused where it is a symbolic
+    link: a run someone shares could point it anywhere, and what a tool writes into a
+    run stays inside the run's folder (as engine/rundir.py holds the run's own files)."""
+    folder = Path(run) / name
+    if folder.is_symlink():
+        raise AttnlabError(f"{folder} is a symbolic link, and a tool writes into a run only "
+                           "inside the run's own folder; replace the link with a folder (or "
+                           "remove it), or give --out a path of your own")
     return folder
 
 

@@ -51,7 +51,7 @@ from attnlab.options import add_run_options, load, out_option, whole
 from attnlab.plotting import pyplot, save_figure
 from attnlab.recall_task import TokenTask, char_task, filler_text
 from common.errors import AttnlabError
-from common.files import writable_folder, write_text_atomic
+from common.files import removed_if_left_empty, writable_folder, write_text_atomic
 from engine.cli import Parser, errors_as_lines
 
 
@@ -410,17 +410,18 @@ def refuse_combinations(args) -> None:
 def main(argv=None) -> int:
     args = parse(argv)
     depths = [i / (args.depths - 1) for i in range(args.depths)]
-    # Checked now, not after the training: a folder that cannot be written would lose it all.
-    out = writable_folder(args.out)
-    if args.merge:
-        rows = [r for folder in args.merge for r in read_rows(Path(folder))]
-        context, digits = run_facts(rows, args.merge)
-        report(rows, sorted({r["factor"] for r in rows}), sorted({r["depth"] for r in rows}),
-               context, 10.0 ** -(digits or args.digits), out)
-    elif args.run:
-        test_model(args, depths, out)
-    else:
-        train_all(args, args.variants or list(VARIANTS), depths, out)
+    with removed_if_left_empty(args.out):     # a refused input leaves no empty --out
+        # Checked now, not after the training: a folder that cannot be written would lose it all.
+        out = writable_folder(args.out)
+        if args.merge:
+            rows = [r for folder in args.merge for r in read_rows(Path(folder))]
+            context, digits = run_facts(rows, args.merge)
+            report(rows, sorted({r["factor"] for r in rows}), sorted({r["depth"] for r in rows}),
+                   context, 10.0 ** -(digits or args.digits), out)
+        elif args.run:
+            test_model(args, depths, out)
+        else:
+            train_all(args, args.variants or list(VARIANTS), depths, out)
     return 0
 
 

@@ -255,6 +255,24 @@ def file_in_the_way(path) -> Path | None:
     return nearest if nearest is not None and not nearest.is_dir() else None
 
 
+@contextlib.contextmanager
+def removed_if_left_empty(path):
+    """`path` and the folders above it that are not there yet: those made inside the
+    block and left empty when it ends (a command refused its input after making its
+    --out, or was stopped before writing) are removed, so a refusal leaves nothing
+    behind. A folder with anything in it is kept (rmdir removes only an empty one)."""
+    path = Path(path)
+    made = [folder for folder in (path, *path.parents) if not folder.exists()]
+    try:
+        yield path
+    finally:
+        for folder in made:                     # the deepest first
+            try:
+                folder.rmdir()
+            except OSError:                     # not empty, or not made after all
+                break
+
+
 def writable_folder(path, option: str = "--out") -> Path:
     """`path` as a folder this process can write into, created if missing, checked before
     any long work starts so that a bad `option` cannot lose what the work measured."""

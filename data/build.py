@@ -193,8 +193,8 @@ def _train_tokenizer(source: Source, kind: str, vocab_size: int, sample_bytes: i
 
 
 def _empty(source: Source) -> DataError:
-    return DataError(f"{source.spec.source} is empty (no text but white space); give "
-                     "a file with text in it")
+    return DataError(f"{source.spec.source} holds only white space (spaces, tabs, newlines), "
+                     "no text to learn from; give a file with text in it")
 
 
 # -- the token pass -------------------------------------------------------------------

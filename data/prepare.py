@@ -23,6 +23,7 @@ if __package__ in (None, ""):       # run as a file (python data/prepare.py): fi
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.errors import DataError, friendly_errors, terminate_as_interrupt
+from common.files import removed_if_left_empty
 from common.shell import word
 from data.build import prepare
 from data.sources import SourceSpec
@@ -125,8 +126,9 @@ def run(args) -> None:
     spec = SourceSpec(args.source, args.config_name, args.split, args.val_split, args.text_column,
                       args.streaming, args.max_docs, args.max_bytes, args.val_fraction)
     started = time.perf_counter()
-    meta = prepare(spec, out, args.tokenizer, args.vocab_size, args.tokenizer_sample,
-                   args.shard_tokens, args.num_proc, args.overwrite)
+    with removed_if_left_empty(out):          # a refused corpus leaves no empty --out
+        meta = prepare(spec, out, args.tokenizer, args.vocab_size, args.tokenizer_sample,
+                       args.shard_tokens, args.num_proc, args.overwrite)
     took = time.perf_counter() - started
     s = meta["splits"]
     print(f"{s['train']['documents']:,} train / {s['val']['documents']:,} val documents, "

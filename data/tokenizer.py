@@ -7,10 +7,14 @@
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
+import os
 import re
+import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Iterable
@@ -105,7 +109,61 @@ def structure_problem(data) -> str | None:
     added = data.get("added_tokens", [])
     if not isinstance(added, list) or len(added) > VOCAB_LIMIT:
         return f"has added tokens that are not a list of at most {VOCAB_LIMIT:,}"
-    return _padding_problem(data.get("padding")) or _truncation_problem(data.get("truncation"))
+    return (_padding_problem(data.get("padding")) or _truncation_problem(data.get("truncation"))
+            or _special_problem(data.get("post_processor"), _known_ids(vocab, added)))
+
+
+def _known_ids(vocab, added) -> dict:
+    """Token -> id, for the tokens a vocabulary table and the added tokens name."""
+    known = dict(vocab) if isinstance(vocab, dict) else {}
+    known.update((t.get("content"), t.get("id")) for t in added if isinstance(t, dict))
+    return known
+
+
+def _special_problem(processor, known: dict) -> str | None:
+    """A post-processor's special tokens each the token and id the vocabulary gives it,
+    and a template that keeps the text: a template naming a special token it does not
+    define made the library panic on the first encode, one without the text (`A`)
+    encoded every text to its special tokens alone, and an id past the vocabulary
+    would reach the model's embedding."""
+    if not isinstance(processor, dict):
+        return None
+    for part in processor.get("processors") or []:
+        if wrong := _special_problem(part, known):
+            return wrong
+    kind = processor.get("type")
+    if kind in ("BertProcessing", "RobertaProcessing"):
+        for field in ("sep", "cls"):
+            pair = processor.get(field)
+            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)
+                    and type(pair[1]) is int and known.get(pair[0]) == pair[1]):
+                return (f"has a {kind} whose {field} is not a token of its vocabulary with "
+                        "that token's id")
+    if kind != "TemplateProcessing":
+        return None
+    specials = processor.get("special_tokens")
+    single, pair = processor.get("single"), processor.get("pair")
+    if not (isinstance(specials, dict) and isinstance(single, list) and isinstance(pair, list)):
+        return "has a TemplateProcessing that is not a template and its special tokens"
+    texts = [item for item in single
+             if isinstance(item, dict) and isinstance(item.get("Sequence"), dict)]
+    if len(texts) != 1 or texts[0]["Sequence"].get("id") != "A":
+        return "has a TemplateProcessing whose single template does not hold the text (A) once"
+    for item in single + pair:
+        named = item.get("SpecialToken") if isinstance(item, dict) else None
+        name = named.get("id") if isinstance(named, dict) else None
+        if named is not None and name not in specials:
+            return f"has a TemplateProcessing that names the special token {name!r} it does not define"
+    for name, special in specials.items():
+        ids = special.get("ids") if isinstance(special, dict) else None
+        tokens = special.get("tokens") if isinstance(special, dict) else None
+        if not (isinstance(ids, list) and isinstance(tokens, list) and ids
+                and len(ids) == len(tokens) and special.get("id") == name
+                and all(type(i) is int and isinstance(t, str) and known.get(t) == i
+                        for i, t in zip(ids, tokens))):
+            return (f"has a TemplateProcessing whose special token {name!r} is not tokens of "
+                    "its vocabulary with their ids")
+    return None
 
 
 def _part_problem(part: str, value, depth: int) -> str | None:
@@ -157,16 +215,25 @@ def _truncation_problem(truncation) -> str | None:
     if not isinstance(truncation, dict) or not _bounded(truncation.get("max_length"), PAD_LIMIT) \
             or not _bounded(truncation.get("stride", 0), PAD_LIMIT):
         return f"truncates to a length that is not a whole number of at most {PAD_LIMIT:,} tokens"
+    # Switched off when built (BPETokenizer), but no real file cuts every text to nothing,
+    # and a stride not below the length makes the library panic on the first encode.
+    length, stride = truncation.get("max_length"), truncation.get("stride") or 0
+    if length == 0:
+        return "truncates every text to 0 tokens"
+    if length is not None and stride >= length:
+        return f"truncates to {length} tokens with a stride of {stride}, not below that length"
     return None
 
 
-def library(call, *args):
+def library(call, *args, hold_stderr: bool = True):
     """call(*args) into the Rust `tokenizers` library, a panic in it raised as a
     TokenizerError. pyo3 raises a Rust panic as PanicException, a BaseException and not
     an Exception, so `except Exception` lets it through: it ended sample.py with a
-    traceback and killed the page's model thread."""
+    traceback and killed the page's model thread. (`hold_stderr=False` for a call that
+    runs while another thread may report a Ctrl-C: see _panic_text_held.)"""
     try:
-        return call(*args)
+        with _panic_text_held() if hold_stderr else contextlib.nullcontext():
+            return call(*args)
     except Exception:
         raise
     except BaseException as err:
@@ -176,6 +243,53 @@ def library(call, *args):
         raise TokenizerError(f"the tokenizer failed inside the tokenizers library ({reason}); "
                              "its tokenizer.json is damaged or was not written by this "
                              "project: prepare the data again or use another run") from None
+
+
+_HELD_LOCK = threading.RLock()     # one thread at a time moves file descriptor 2
+_held: list = []                   # the temporary file it is moved to, made once
+_holding = threading.local()       # a call inside a call leaves it where it is
+
+
+@contextlib.contextmanager
+def _panic_text_held():
+    """File descriptor 2 moved to a temporary file for one call into the library. A Rust
+    panic's hook writes "thread panicked at ..." (and with RUST_BACKTRACE a backtrace)
+    straight to it, before the panic reaches Python, where the one `error:` line that
+    says what to do is made of it: that text is dropped. Anything else written there
+    during the call is passed on when it returns. Where there is no descriptor 2 to move,
+    the call runs as it is."""
+    if getattr(_holding, "now", False):
+        yield
+        return
+    with _HELD_LOCK:
+        try:
+            sys.stderr.flush()
+            if not _held:
+                _held.append(tempfile.TemporaryFile())
+            held = _held[0]
+            saved = os.dup(2)
+        except (OSError, ValueError, AttributeError):
+            yield
+            return
+        os.dup2(held.fileno(), 2)
+        panicked, _holding.now = False, True
+        try:
+            yield
+        except BaseException as err:
+            panicked = type(err).__name__ == "PanicException"
+            raise
+        finally:
+            _holding.now = False
+            os.dup2(saved, 2)
+            os.close(saved)
+            fd = held.fileno()
+            if os.lseek(fd, 0, os.SEEK_END):
+                os.lseek(fd, 0, os.SEEK_SET)
+                text = b"".join(iter(lambda: os.read(fd, 1 << 16), b""))
+                os.ftruncate(fd, 0)
+                os.lseek(fd, 0, os.SEEK_SET)
+                while text and not panicked:
+                    text = text[os.write(2, text):]
 
 
 # Byte-level BPE learns and encodes within pre-tokens (a run of letters, of digits, of
@@ -431,6 +545,12 @@ class BPETokenizer(Tokenizer):
     CACHE_LIMIT = 1_000_000
 
     def __init__(self, hf_tokenizer):
+        # A text is encoded as it is, and the model's context (model.block_size) is the
+        # only limit: a file's padding or truncation (a sentence-transformers file pads and
+        # cuts every text to 128 tokens, its training batches; a forged one to 0) would
+        # pad or cut a prompt, a corpus or a page's text without a word.
+        hf_tokenizer.no_padding()
+        hf_tokenizer.no_truncation()
         self.hf = hf_tokenizer
         self._cache: dict[str, list[int]] = {}
 
@@ -448,7 +568,7 @@ class BPETokenizer(Tokenizer):
             vocab_size=vocab_size, special_tokens=[cls.END_OF_TEXT], show_progress=False,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         pieces = (piece for text in texts for piece in bounded_runs(text))
-        waited_for(lambda: library(hf.train_from_iterator, pieces, trainer))
+        waited_for(lambda: library(hf.train_from_iterator, pieces, trainer, hold_stderr=False))
         return cls(hf)
 
     @classmethod
@@ -628,14 +748,6 @@ class WordPieceTokenizer(BPETokenizer):
     kind = "wordpiece"
     needs_every_symbol = False
     sized_by_setting = False       # the vocabulary comes with the model
-
-    def __init__(self, hf_tokenizer):
-        # A sentence-transformers file pads and truncates every text to 128 tokens (its
-        # training batches); here a text is encoded as it is, and the model's context
-        # (model.block_size) is the only limit.
-        hf_tokenizer.no_padding()
-        hf_tokenizer.no_truncation()
-        super().__init__(hf_tokenizer)
 
     @classmethod
     def from_file(cls, path: Path) -> "WordPieceTokenizer":

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from common.errors import ConfigError, choices_hint
 from common.fields import opt
+from common.files import odd_kind
 from data.tokenizer import TOKENIZERS
 from data.tokens import SAMPLINGS
 from engine.objectives import OBJECTIVES
@@ -163,7 +164,9 @@ class RunConfig:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
-    def validate(self) -> None:
+    def validate(self, training: bool = True) -> None:
+        """Refuses what no run could do; with `training`, also what this machine cannot
+        train (a config read to sample or study a run trains nothing)."""
         try:
             model_registry.check(self.model)      # sizes, variant names, what variants need
         except ModelError as err:
@@ -199,10 +202,7 @@ class RunConfig:
             raise ConfigError(f"train.min_lr must be between 0 and train.lr={train.lr}, got {train.min_lr}")
         if not (0 <= train.beta1 < 1 and 0 <= train.beta2 < 1):
             raise ConfigError("train.beta1 and train.beta2 must be in [0, 1)")
-        if train.parallel == "fsdp" and train.optimizer == "muon":
-            raise ConfigError("train.parallel=fsdp splits each matrix across processes, and "
-                              "Muon orthogonalises whole matrices: use train.optimizer=adamw "
-                              "with fsdp, or train.parallel=ddp with muon")
+        self._check_muon()
         name = train.run_name
         if name and (name in (".", "..") or "/" in name or "\\" in name or name.startswith("~")):
             raise ConfigError(f"train.run_name={name!r} must be a plain folder name inside "
@@ -218,21 +218,35 @@ class RunConfig:
         for name in ("weight_decay", "grad_clip"):
             if getattr(train, name) < 0:
                 raise ConfigError(f"train.{name} must not be negative, got {getattr(train, name)}")
-        _check_train_fits_model(self)
+        _check_train_fits_model(self, training)
         if not 0.0 < self.data.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction must be between 0 and 1, got {self.data.val_fraction}")
         _check_sample(sample)
 
+    def _check_muon(self) -> None:
+        """What Muon, which orthogonalises whole two-dimensional matrices, cannot train."""
+        train = self.train
+        if train.parallel == "fsdp" and train.optimizer == "muon":
+            raise ConfigError("train.parallel=fsdp splits each matrix across processes, and "
+                              "Muon orthogonalises whole matrices: use train.optimizer=adamw "
+                              "with fsdp, or train.parallel=ddp with muon")
+        if train.optimizer == "muon" and getattr(REGISTRIES["mlp"][self.model.mlp], "routes_tokens", False):
+            raise ConfigError(f"train.optimizer=muon orthogonalises two-dimensional matrices, and "
+                              f"model.mlp={self.model.mlp} keeps each layer's experts stacked in "
+                              "one tensor of three: use train.optimizer=adamw with it")
 
-def _check_train_fits_model(cfg: RunConfig) -> None:
-    """Refuses a training objective or device the model's own choices rule out."""
+
+def _check_train_fits_model(cfg: RunConfig, training: bool) -> None:
+    """Refuses a training objective the model's own choices rule out, and (`training`) a
+    backend with no backward on the device training would use: a flex run trained on a
+    GPU samples on a CPU, where flex's forward works."""
     train = cfg.train
     if OBJECTIVES[train.objective].bidirectional and cfg.model.causal:
         raise ConfigError(f"train.objective={train.objective} guesses a hidden token from "
                           "the words on both sides of it, and model.causal=true hides the "
                           "words after it; set model.causal=false (the encoder preset does)")
     backend = REGISTRIES["attention"][cfg.model.attention]
-    if not backend.trains_on_cpu and train.device in ("cpu", "auto"):
+    if training and not backend.trains_on_cpu and train.device in ("cpu", "auto"):
         from engine.device import pick_device
         if pick_device(train.device).type == "cpu":
             trainable = ", ".join(n for n, b in REGISTRIES["attention"].items() if b.trains_on_cpu)
@@ -319,11 +333,16 @@ def field_types(cls) -> dict[str, type]:
     return {f.name: hints[f.name] for f in fields(cls)}
 
 
-def convert(key: str, raw, typ: type):
-    """Convert a command-line string (or a TOML/JSON value) to the field's type."""
+def convert(key: str, raw, typ: type, typed: bool = False):
+    """Convert a command-line string (or a TOML/JSON value) to the field's type. A file
+    (`typed`) writes a switch as a boolean: a string there ("yes", "false") is refused,
+    where the command line's words (true/false, yes/no, on/off, 1/0) are read."""
     if typ is bool:
         if isinstance(raw, bool):
             return raw
+        if typed and isinstance(raw, str):
+            raise ConfigError(f"{key} takes true or false, written without quotes in a file, "
+                              f"got the string {raw!r}")
         if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "on"):
             return True
         if isinstance(raw, str) and raw.lower() in ("false", "0", "no", "off"):
@@ -353,26 +372,28 @@ def convert(key: str, raw, typ: type):
     raise ConfigError(f"{key} has an unsupported type {typ}")
 
 
-def apply(cfg: RunConfig, section: str, values: dict, origin: str) -> None:
-    """Set section.key = value for each entry, checking keys and types."""
+def apply(cfg: RunConfig, section: str, values: dict, origin: str, typed: bool = False) -> None:
+    """Set section.key = value for each entry, checking keys and types (`typed`: read
+    from a TOML or JSON file, whose values carry their type)."""
     if section not in SECTIONS:
         raise ConfigError(f"unknown config section {section!r} in {origin}"
                           + choices_hint(section, SECTIONS))
     if not isinstance(values, dict):
         raise ConfigError(f"[{section}] in {origin} must be a table of key = value")
-    apply_to(getattr(cfg, section), section, values, origin)
+    apply_to(getattr(cfg, section), section, values, origin, typed)
 
 
-def apply_to(obj, section: str, values: dict, origin: str) -> None:
+def apply_to(obj, section: str, values: dict, origin: str, typed: bool = False) -> None:
     types = field_types(SECTIONS[section])
     helps = {f.name: f.metadata.get("help", "") for f in fields(SECTIONS[section])}
     for key, raw in values.items():
         if key not in types:
             raise ConfigError(f"unknown key {section}.{key} in {origin}" + choices_hint(key, types))
         try:
-            value = convert(f"{section}.{key}", raw, types[key])
+            value = convert(f"{section}.{key}", raw, types[key], typed)
         except ConfigError as err:   # a value of the wrong kind: say what the option takes
-            raise ConfigError(f"{err} ({section}.{key}: {helps[key]})" if helps[key] else str(err)) from None
+            said = f"{err} ({section}.{key}: {helps[key]})" if helps[key] else str(err)
+            raise ConfigError(f"{origin}: {said}" if typed else said) from None
         setattr(obj, key, value)
 
 
@@ -394,6 +415,9 @@ def preset_path(name: str) -> Path:
 
 def load_preset(cfg: RunConfig, name: str) -> None:
     path = preset_path(name)
+    if kind := odd_kind(path):        # found by stat: opening a named pipe waits for a writer
+        raise ConfigError(f"--config {path} is {kind}, not a regular file; give a preset's "
+                          "name from configs/ or the path to a .toml file")
     if not path.is_file():
         available = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
         raise ConfigError(f"no preset {name!r} (looked for {path})" + choices_hint(name, available))
@@ -402,7 +426,7 @@ def load_preset(cfg: RunConfig, name: str) -> None:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"preset {path} is not valid TOML: {err}") from None
     for section, values in data.items():
-        apply(cfg, section, values, str(path))
+        apply(cfg, section, values, str(path), typed=True)
     cfg.preset = path.stem
 
 
@@ -440,8 +464,8 @@ def from_dict(data: dict, origin: str) -> RunConfig:
         elif section == "parent":
             cfg.parent = dict(values) if isinstance(values, dict) else {}
         elif section != "version":
-            apply(cfg, section, values, origin)
-    cfg.validate()
+            apply(cfg, section, values, origin, typed=True)
+    cfg.validate(training=False)      # to sample or study; a resume checks it again to train
     return cfg
 
 

@@ -14,6 +14,7 @@ from common.errors import CheckpointError, ConfigError, TokenizerError
 from common.shell import word
 from data.tokenizer import Tokenizer
 from model import GPT, ModelError
+from model.decode import graph_refusal
 from model.sampling import next_token_distribution
 
 
@@ -100,17 +101,24 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
                          "from; give a prompt with --prompt")
 
 
-def pick_decode(decode: str, device) -> str:
+def pick_decode(decode: str, device, model=None) -> str:
     """`auto`: on CUDA the static cache's step recorded as a CUDA graph (one launch per
     token instead of ~100 kernels, which bound batch-1 decoding of a small model
-    there); elsewhere the growing cache, which reads only the keys it has."""
+    there), or the static cache stepped eagerly for a `model` whose step cannot be
+    recorded (model.decode.graph_refusal); elsewhere the growing cache, which reads only
+    the keys it has."""
     on_cuda = torch.device(device).type == "cuda"
     if decode == "graph" and not on_cuda:
         raise ConfigError("sample.decode=graph records a CUDA graph and needs a CUDA device; "
                           "use --decode static or --decode cache here")
+    if decode == "graph" and model is not None and graph_refusal(model):
+        raise ConfigError(f"sample.decode=graph replays one recorded step, and "
+                          f"{graph_refusal(model)}: use --decode static or --decode cache")
     if decode != "auto":
         return decode
-    return "graph" if on_cuda else "cache"
+    if on_cuda:
+        return "static" if model is not None and graph_refusal(model) else "graph"
+    return "cache"
 
 
 def stream_text(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], max_new_tokens: int,
@@ -126,7 +134,7 @@ def stream_text(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], max_new
     decoder = IncrementalDecoder(tokenizer)
     for token in model.generate(idx, max_new_tokens, temperature, top_k, top_p,
                                 generator=generator, on_step=on_step,
-                                decode=pick_decode(decode, device), sinks=sinks):
+                                decode=pick_decode(decode, device, model), sinks=sinks):
         piece = decoder.add(int(token[0, 0]))
         if piece:
             yield piece

@@ -25,6 +25,7 @@ from engine.rundir import stopped_line
 from engine.state import EVAL_DRAWS, Run, save
 from engine.tracking import Metrics
 from data.tokens import Batches
+from model.moe import load_line
 
 
 class TrainingDiverged(AttnlabError):
@@ -229,7 +230,18 @@ def train_step(run: Run, time_used: float = 0.0) -> tuple[torch.Tensor, torch.Te
     run.optimizer.step(run.scaler)
     run.scaler.update()
     run.optimizer.zero_grad()
+    after_step(run.model, run.dist.sum)
     return total, norm, batch
+
+
+def after_step(model: torch.nn.Module, reduce=lambda counts: counts) -> None:
+    """Once per optimizer step, each module with an `after_step` updates what it keeps
+    across steps from all the step's micro-batches, summed over processes by `reduce`
+    (a mixture of experts' balancing bias, from the experts' load). Inside forward it would
+    run once per micro-batch. Every loop that steps an optimizer calls it."""
+    for module in model.modules():
+        if hasattr(module, "after_step"):
+            module.after_step(reduce)
 
 
 @torch.no_grad()
@@ -283,6 +295,9 @@ def evaluate_and_save(run: Run, metrics: Metrics, bar, last: bool = False,
     if run.dist.is_main:                      # tqdm.write prints even for a disabled bar
         bar.write(f"step {p.step:>6}: {objective.loss_name} {val:.4f}{shown}"
                   + (" (best)" if best else ""))
+        loads = load_line(run.model)                 # the experts' load in the last step
+        if loads and p.step:
+            bar.write(f"{'':13}{loads}")
     if clock is not None:
         clock.read()
     path = save(run)

@@ -60,6 +60,16 @@ class ModelConfig:
                                "approximation as GPT-2 computed it", registry="mlp")
     mlp_hidden: int = _opt(0, "the MLP's hidden width; 0 = the variant's own rule (4 x n_embd, "
                               "SwiGLU 8/3 x n_embd rounded up to 32)")
+    moe_experts: int = _opt(8, "model.mlp=moe: routed experts per layer, of which each token "
+                               "uses model.moe_top_k")
+    moe_shared: int = _opt(1, "model.mlp=moe: shared experts per layer, which every token uses")
+    moe_top_k: int = _opt(2, "model.mlp=moe: routed experts each token is sent to, the k with "
+                             "the highest affinity plus balancing bias")
+    moe_hidden: int = _opt(0, "model.mlp=moe: each expert's hidden width; 0 = SwiGLU's 8/3 x "
+                              "n_embd shared out among the top_k + shared experts a token uses")
+    moe_bias_rate: float = _opt(1e-3, "model.mlp=moe: the balancing bias's step γ; after each "
+                                      "optimizer step each routed expert's bias moves by γ "
+                                      "towards an even load (DeepSeek-V3's 0.001); 0 = fixed")
     tie_embeddings: bool = _opt(True, "share the token embedding with the output layer")
     readout: str = _opt("full", "output layer: a softmax over the whole vocabulary, or the "
                                 "adaptive softmax for large vocabularies", registry="readout")
@@ -142,6 +152,7 @@ class ModelConfig:
                           "score_scale") and getattr(self, f.name) < 0:
                 raise ModelError(f"model.{f.name} must not be negative, got {getattr(self, f.name)} "
                                  f"(model.{f.name}: {f.metadata['help']})")
+        self._validate_experts()
         if self.token_mix > self.block_size:
             raise ModelError(f"model.token_mix={self.token_mix} mixes in more positions than the "
                              f"context model.block_size={self.block_size} holds; give at most "
@@ -180,3 +191,17 @@ class ModelConfig:
             raise ModelError(f"model.norm_eps must be in (0, 1), got {self.norm_eps}")
         if not self.rope_theta > 0:
             raise ModelError(f"model.rope_theta must be positive, got {self.rope_theta}")
+
+    def _validate_experts(self) -> None:
+        """The mixture of experts' counts (model.mlp=moe): k of at least one routed expert."""
+        for name in ("moe_shared", "moe_hidden", "moe_bias_rate"):
+            if getattr(self, name) < 0:
+                raise ModelError(f"model.{name} must not be negative, got {getattr(self, name)} "
+                                 f"(model.{name}: {self.__dataclass_fields__[name].metadata['help']})")
+        if self.moe_experts < 1:
+            raise ModelError(f"model.moe_experts must be at least 1, got {self.moe_experts} "
+                             "(the routed experts each token chooses from)")
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ModelError(f"model.moe_top_k={self.moe_top_k} must be between 1 and "
+                             f"model.moe_experts={self.moe_experts}: each token goes to that "
+                             "many of the routed experts")

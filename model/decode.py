@@ -83,10 +83,19 @@ def decode_mode(model, decode: str, use_cache: bool, sinks: int | None, device) 
     if decode == "graph" and device.type != "cuda":
         raise ModelError("decode='graph' records a CUDA graph: it needs a CUDA device; "
                          "use 'static' or 'cache' elsewhere")
+    if decode == "graph" and graph_refusal(model):
+        raise ModelError(f"decode='graph' replays one recorded step, and {graph_refusal(model)}: "
+                         "use 'static' or 'cache'")
     if sinks is not None:
         check_sinks(model.config, decode, sinks)
         decode = "cache"
     return decode
+
+
+def graph_refusal(model) -> str | None:
+    """Why the model's decoding step cannot be recorded as a CUDA graph, where one of its
+    modules says so (its `graph_refusal`); None where it can."""
+    return next((m.graph_refusal for m in model.modules() if getattr(m, "graph_refusal", None)), None)
 
 
 def check_sinks(config, decode: str, sinks: int) -> None:

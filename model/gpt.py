@@ -125,6 +125,8 @@ class GPT(nn.Module):
         c = self.config
         T = seq_len or c.block_size
         matmul_weights = self.num_params(non_embedding=True) + self.readout_macs()
+        # A mixture of experts multiplies by only the experts a token is routed to (model/moe.py).
+        matmul_weights -= sum(getattr(block.mlp, "idle_weights", 0) for block in self.blocks)
         return int(6 * matmul_weights + 3 * sum(MECHANISMS[n].flops(c, T) for n in layer_names(c)))
 
     def readout_macs(self) -> int:

@@ -85,15 +85,26 @@ class DecoupledRoPE(nn.Module):
         super().__init__()
         self.dim, self.theta = dim, theta
 
-    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """x: (..., T, d_R), the T positions from `start`."""
+    def forward(self, x: torch.Tensor, start: int, shared: dict | None = None) -> torch.Tensor:
+        """x: (..., T, d_R), the T positions from `start`. `shared` (Mask.shared) keeps the
+        turning tensors for the pass: the queries and the new key of every layer turn by
+        the same angles, so a decoding step computes them once, not twice a layer."""
+        if shared is None:
+            return turn(x, *self.turns(x, start))
+        key = ("latent rope", self.dim, self.theta, x.shape[-2], x.dtype, x.device)
+        if key not in shared:
+            shared[key] = self.turns(x, start)
+        return turn(x, *shared[key])
+
+    def turns(self, x: torch.Tensor, start: int):
+        """(cos, cos) and (-sin, sin) of the angles of x's T positions from start."""
         dtype = torch.promote_types(x.dtype, torch.float32)
         pairs = torch.arange(0, self.dim, 2, dtype=dtype, device=x.device)
         inv_freq = self.theta ** (-pairs / self.dim)
         pos = start + torch.arange(x.shape[-2], device=x.device)
         angle = pos[:, None].to(dtype) * inv_freq                     # (T, d_R/2)
         cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
-        return turn(x, torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
+        return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
 
 
 class LatentAttention(nn.Module):
@@ -117,10 +128,11 @@ class LatentAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def cache_entry(self, x, start):
+    def cache_entry(self, x, start, shared: dict | None = None):
         """What a token leaves behind (B, T, r + d_R): its latent, normalised, and its
         shared key, turned once, by its own position."""
-        return torch.cat([self.kv_norm(self.w_dkv(x)), self.rope(self.w_kr(x), start)], dim=-1)
+        latent = self.kv_norm(self.w_dkv(x))
+        return torch.cat([latent, self.rope(self.w_kr(x), start, shared)], dim=-1)
 
     def keys_values(self, state: LatentState):
         """Every head's keys (B, H, Tk, d_h + d_R) and values (B, H, Tk, d_h), rebuilt
@@ -144,8 +156,8 @@ class LatentAttention(nn.Module):
         H, D, R = self.n_head, self.head_dim, self.rope_dim
         q = self.w_q(x).view(B, T, H, D + R).transpose(1, 2)         # (B, H, T, D + R)
         q_c, q_r = q.split([D, R], dim=-1)
-        q_r = self.rope(q_r, mask.q_start)
-        latent = self.cache_entry(x, mask.q_start)
+        q_r = self.rope(q_r, mask.q_start, mask.shared)
+        latent = self.cache_entry(x, mask.q_start, mask.shared)
         if cache is not None:
             # Kept once, as a (B, 1, T, r + d_R) "head" of keys. The values are the latent
             # itself, so the cache's value slot keeps nothing: (B, 1, T, 0).

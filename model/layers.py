@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from model.config import ModelConfig
 from model.extras import TokenMix
 from model.mechanisms import MECHANISMS, Mechanism
+from model.moe import MixtureOfExperts
 
 
 def layer_norm(config: ModelConfig, width: int | None = None) -> nn.Module:
@@ -140,7 +141,7 @@ class AttentionOnly:
 
 
 MLPS = {"gelu": GeluMLP, "gelu_tanh": GeluTanhMLP, "swiglu": SwiGLU, "geglu": GeGLU,
-        "relu2": ReluSquaredMLP, "none": AttentionOnly}
+        "relu2": ReluSquaredMLP, "none": AttentionOnly, "moe": MixtureOfExperts}
 
 
 def layer_names(config: ModelConfig) -> list[str]:

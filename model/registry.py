@@ -127,6 +127,7 @@ def check(config: ModelConfig) -> None:
     if config.mlp_hidden and not MLPS[config.mlp].has_weights:
         raise ModelError(f"model.mlp_hidden={config.mlp_hidden} sets the width of an MLP, and "
                          f"model.mlp={config.mlp} has none; leave it 0 with it")
+    check_experts(config)
     readout = READOUTS[config.readout]
     if not readout.plain:
         if config.tie_embeddings and not readout.shares_embedding:
@@ -253,3 +254,23 @@ def check_mechanisms(config: ModelConfig) -> None:
             raise ModelError(f"model.mechanism={name} reads every earlier token, causally, and "
                              "no mask: leave model.sliding_window and model.n_global at 0 and "
                              "model.causal=true with it")
+
+
+MOE_FIELDS = ("moe_experts", "moe_shared", "moe_top_k", "moe_hidden", "moe_bias_rate")
+
+
+def check_experts(config: ModelConfig) -> None:
+    """The model.moe_* fields size a mixture of experts: set with any other MLP they would
+    change nothing, and model.mlp_hidden would change nothing with one."""
+    routes = getattr(MLPS[config.mlp], "routes_tokens", False)
+    if routes and config.mlp_hidden:
+        raise ModelError(f"model.mlp_hidden={config.mlp_hidden} sets a dense MLP's width; "
+                         f"model.mlp={config.mlp}'s experts take model.moe_hidden: set that "
+                         "instead and leave model.mlp_hidden 0")
+    if not routes:
+        for name in MOE_FIELDS:
+            default = ModelConfig.__dataclass_fields__[name].default
+            if getattr(config, name) != default:
+                raise ModelError(f"model.{name}={getattr(config, name)} sets up a mixture of "
+                                 f"experts, and model.mlp={config.mlp} has none: set "
+                                 f"model.mlp=moe with it, or leave it at {default}")

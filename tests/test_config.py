@@ -227,3 +227,75 @@ def test_a_misspelt_name_is_matched_only_to_a_name_close_to_it(given, suggested)
         assert ("did you mean" in text) is (suggested is not None)
         if suggested:
             assert f"(did you mean {suggested!r}?)" in text
+
+
+# -- a check that only training needs ------------------------------------------------
+
+@pytest.mark.parametrize("device", ["auto", "cpu"])
+def test_a_run_trained_with_flex_is_read_to_sample_on_a_cpu_and_refused_to_train(device):
+    """flex has no backward on a CPU, so training there is refused; a run trained with it
+    on a GPU was refused too when its config was read to sample, whose forward works."""
+    saved = config.RunConfig().to_dict()
+    saved["model"]["attention"], saved["train"]["device"] = "flex", device
+    cfg = config.from_dict(saved, "config.json")
+    assert cfg.model.attention == "flex"
+    with pytest.raises(ConfigError, match="no backward on CPU"):
+        cfg.validate()
+
+
+def test_sample_py_samples_a_flex_run_on_a_cpu(corpus, tmp_path):
+    """A tiny run written as one trained with flex on a GPU (its config and the model
+    fields its weights carry say flex; the weights are the same for every backend)."""
+    import hashlib
+    import json
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from conftest import run_script, train_tiny
+    run = train_tiny(corpus, tmp_path, "flex", "--train.max_iters=2", "--train.eval_interval=2",
+                     "--train.eval_iters=1")
+    for path in [run / "config.json", *run.glob("checkpoints/*/config.json")]:
+        saved = json.loads(path.read_text())
+        saved["model"]["attention"], saved["train"]["device"] = "flex", "auto"
+        path.write_text(json.dumps(saved))
+    for ckpt in run.glob("checkpoints/*"):
+        weights = ckpt / "model.safetensors"
+        with safe_open(weights, "pt") as f:
+            meta = f.metadata()
+        meta["attnlab_model"] = json.dumps({**json.loads(meta["attnlab_model"]), "attention": "flex"})
+        save_file(load_file(weights), weights, metadata=meta)
+        state = json.loads((ckpt / "state.json").read_text())
+        for name in ("config.json", "model.safetensors"):
+            state["files"][name] = hashlib.sha256((ckpt / name).read_bytes()).hexdigest()
+        (ckpt / "state.json").write_text(json.dumps(state))
+    proc = run_script("sample.py", "--run", run, "--max_new_tokens=8", "--device=cpu", check=False)
+    assert proc.returncode == 0 and "attention flex" in proc.stderr, proc.stderr[-2000:]
+    again = run_script("train.py", "--resume", run, "--train.max_iters=4", check=False)
+    assert again.returncode == 2 and "no backward on CPU" in again.stderr, again.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["a named pipe", "a folder"])
+def test_a_config_path_that_is_not_a_regular_file_is_named_for_what_it_is(kind, tmp_path):
+    """A named pipe given as --config was reported as a missing preset, with the list of
+    presets, though the path was there."""
+    import os
+    path = tmp_path / "mine.toml"
+    os.mkfifo(path) if kind == "a named pipe" else path.mkdir()
+    with pytest.raises(ConfigError, match=f"^--config {path} is {kind}, not a regular file; "):
+        config.load_preset(config.RunConfig(), str(path))
+
+
+@pytest.mark.parametrize("written", ['"yes"', '"true"', '"false"'])
+def test_a_switch_written_as_a_string_in_a_file_is_refused_saying_it_takes_true_or_false(written, tmp_path):
+    """qk_norm = "yes" in a preset (or a run's config.json) was read as true, and a run's
+    config.json saying "yes" beside weights trained without QK-norm sampled with it; the
+    command line's words stay."""
+    path = tmp_path / "mine.toml"
+    path.write_text(f"[model]\nqk_norm = {written}\n")
+    with pytest.raises(ConfigError, match=f"^{path}: model.qk_norm takes true or false, .*got the "
+                                          f"string {written[1:-1]!r}"):
+        config.load_preset(config.RunConfig(), str(path))
+    saved = config.RunConfig().to_dict()
+    saved["model"]["qk_norm"] = written[1:-1]
+    with pytest.raises(ConfigError, match="model.qk_norm takes true or false"):
+        config.from_dict(saved, "config.json")
+    assert cli.build("tiny", ["--model.qk_norm=yes"]).model.qk_norm is True

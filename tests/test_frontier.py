@@ -225,3 +225,43 @@ def test_a_registered_mechanism_that_is_no_row_is_measured_by_name():
     known = frontier.measurable()
     assert known["differential"].model == {"mechanism": "differential"}
     assert frontier.why_not(known["differential"]) is None
+
+
+def test_the_mqar_models_not_yet_started_move_to_a_second_process(monkeypatch):
+    """Once the language models are done, the MQAR models the first helper has not begun
+    go to a second process, last first; the ones it has begun stay where they are."""
+    from contextlib import ExitStack
+    from attnlab import frontier
+
+    class Waiting:
+        def __init__(self, started):
+            self.started = started
+
+        def cancel(self):
+            return not self.started
+
+    submitted = []
+
+    class Second:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def submit(self, call, mechanism, s):
+            submitted.append(mechanism)
+            return ("second", mechanism)
+
+    monkeypatch.setattr(frontier, "ProcessPoolExecutor", Second)
+    monkeypatch.setattr(frontier, "helpers", lambda s: 1)
+    chosen = {n: f"entry {n}" for n in ("mha", "gqa", "linear", "deltanet")}
+    recall = {"mha": Waiting(True), "gqa": Waiting(True), "linear": Waiting(False),
+              "deltanet": Waiting(False)}
+    with ExitStack() as stack:
+        frontier.share_the_rest(recall, chosen, frontier.Settings(), stack)
+    assert submitted == ["entry deltanet", "entry linear"]
+    assert recall["linear"] == ("second", "entry linear") and isinstance(recall["mha"], Waiting)

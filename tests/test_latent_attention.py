@@ -153,7 +153,7 @@ class CachesKeysAndValues(latent.LatentAttention):
     def absorbs(self, q_len, k_len):
         return False
 
-    def cache_entry(self, x, start):
+    def cache_entry(self, x, start, shared=None):
         return torch.cat([self.w_ukv(self.kv_norm(self.w_dkv(x))), self.rope(self.w_kr(x), start)], -1)
 
     def keys_values(self, state):
@@ -171,7 +171,7 @@ class CachesRopePerHead(latent.LatentAttention):
     def absorbs(self, q_len, k_len):
         return False
 
-    def cache_entry(self, x, start):
+    def cache_entry(self, x, start, shared=None):
         entry = super().cache_entry(x, start)
         return torch.cat([entry, entry[..., self.rank:].repeat(1, 1, self.n_head - 1)], -1)
 
@@ -202,8 +202,8 @@ def in_form(check, form):
 
 
 ROPE_READ = "        k_rope = state.k_rope.unsqueeze(1)"
-ROPE_MADE = "self.rope(self.w_kr(x), start)], dim=-1)\n"
-NORMED = "torch.cat([self.kv_norm(self.w_dkv(x)), "
+ROPE_MADE = "self.rope(self.w_kr(x), start, shared)], dim=-1)\n"
+NORMED = "latent = self.kv_norm(self.w_dkv(x))"
 # (what the bug is, the text as written, the text with the bug, the check that catches it)
 PLANTED = [
     ("the shared key rotated again when read from the cache", ROPE_READ,
@@ -211,9 +211,9 @@ PLANTED = [
     ("the shared key never rotated", ROPE_MADE,
      "self.w_kr(x)], dim=-1)\n", reference_error),
     ("a new key rotated as if at position 0 (decoding only)", ROPE_MADE,
-     "self.rope(self.w_kr(x), 0)], dim=-1)\n", decoding_error),
-    ("the latent not normalised", NORMED, "torch.cat([self.w_dkv(x), ", reference_error),
-    ("the queries' rotary part not rotated", "q_r = self.rope(q_r, mask.q_start)", "q_r = q_r",
+     "self.rope(self.w_kr(x), 0, None)], dim=-1)\n", decoding_error),
+    ("the latent not normalised", NORMED, "latent = self.w_dkv(x)", reference_error),
+    ("the queries' rotary part not rotated", "q_r = self.rope(q_r, mask.q_start, mask.shared)", "q_r = q_r",
      reference_error),
     ("no causal mask", "        return backend(q, k, v, mask, dropout_p, need_weights)",
      "        return backend(q, k, v, Mask.over(0, q.shape[2], k.shape[2], causal=False), "

@@ -515,6 +515,23 @@ def test_a_malformed_jsonl_is_refused_in_one_line_with_no_log_line_before_it(tmp
     assert "Failed to load JSON" not in captured.err + captured.out
 
 
+def test_a_corpus_of_white_space_is_named_so_and_leaves_no_out_folder(tmp_path, capsys):
+    """A file of spaces, tabs and newlines was called "empty", and the refusal left the
+    --out folder it had made (and its parents) empty behind it."""
+    corpus = tmp_path / "blank.txt"
+    corpus.write_text("   \n\t\n  \n")
+    with pytest.raises(SystemExit) as ended:
+        prepare_cli.main([str(corpus), "--tokenizer", "char", "--out", str(tmp_path / "data" / "blank")])
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and "holds only white space" in err and "is empty" not in err, err
+    assert not (tmp_path / "data").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()                                          # an empty folder the user made stays
+    with pytest.raises(SystemExit):
+        prepare_cli.main([str(corpus), "--tokenizer", "char", "--out", str(kept)])
+    assert kept.is_dir()
+
+
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, Terminated])
 def test_a_stopped_preparation_says_in_one_line_that_it_resumes(stop, tmp_path, monkeypatch, capsys):
     """Ctrl-C (or SIGTERM, raised as one) printed a traceback ending in KeyboardInterrupt,

@@ -198,11 +198,13 @@ def rows_csv(folder, variant, factors, digits=None, context=96, na=()):
     (["--context", "1000000000000", "--steps", "1"], "'1000000000000' is not a whole number from 0 to 8,192"),
     (["--factors", "1000000", "--steps", "1", "--variants", "rope"], "from 1 to 64"),
     (["--context", "4096", "--factors", "1", "64", "--variants", "rope"], "examples of 262,144 tokens"),
-    (["--steps", "0"], "from 1 to 1,000,000"), (["--depths", "1000000000"], "from 2 to 101")])
+    (["--steps", "0"], "from 1 to 1,000,000"), (["--depths", "1000000000"], "from 2 to 101"),
+    (["--context", "10", "--variants", "rope"], "leaves no room for filler")])
 def test_the_lab_refuses_bad_options_before_training(argv, says, tmp_path, monkeypatch):
     monkeypatch.setattr(recall, "train_variant", lambda *a, **k: pytest.fail("trained first"))
     with pytest.raises(recall.AttnlabError, match=says):
-        recall.main([*argv, "--out", str(tmp_path / "out")])
+        recall.main([*argv, "--out", str(tmp_path / "out" / "recall")])
+    assert not (tmp_path / "out").exists()          # a refusal leaves no empty --out behind
 
 
 def test_an_out_that_cannot_be_written_is_refused_before_any_training(tmp_path, monkeypatch):
@@ -221,6 +223,7 @@ def test_a_damaged_csv_is_refused_with_its_path(damage, tmp_path):
     (tmp_path / "run" / "recall.csv").write_text(damage)
     with pytest.raises(recall.AttnlabError, match=re.escape(str(tmp_path / "run" / "recall.csv"))):
         recall.main(["--merge", str(tmp_path / "run"), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_merge_takes_chance_and_context_from_the_runs_and_marks_cells_never_run(tmp_path):

@@ -77,6 +77,8 @@ ENTRIES = {
                                "--text=ROMEO:", f"--out={out / 'heads.png'}"],
     "lens": lambda run, out: ["-m", "attnlab.lens", "logit", "--run", run, "--device=cpu",
                               "--text=ROMEO:"],
+    "extrapolate": lambda run, out: ["-m", "attnlab.extrapolate", "--runs", run, "--device=cpu",
+                                     "--batches=1", "--factors", "1", f"--out={out / 'ext'}"],
     "resume": lambda run, out: ["train.py", "--resume", run, "--train.max_iters=8"],
     "init_from": lambda run, out: ["train.py", "--config", "tiny", f"--train.init_from={run}",
                                    f"--train.out_dir={out / 'runs'}", "--train.max_iters=2",
@@ -95,7 +97,16 @@ def test_a_run_that_ships_code_never_runs_it(yours_run, tmp_path, entry, corpus)
         args.append(f"--data.path={corpus}")
     line = one_error(run_script(*args, check=False, timeout=200))
     assert "--exercises DIR" in line and "model.attention=yours" in line, line
-    assert not mark.exists()
+    assert not mark.exists() and not (tmp_path / "ext").exists()
+
+
+def test_extrapolate_reads_a_yours_run_with_the_learners_folder(yours_run, tmp_path):
+    """extrapolate had no --exercises: a run trained with the learner's attention was
+    refused as an unreadable config naming only the registry's own backends."""
+    mine = Path(shutil.copytree(SOLUTIONS, tmp_path / "mine"))
+    run_script("-m", "attnlab.extrapolate", "--runs", yours_run, "--exercises", mine,
+               "--device=cpu", "--batches=1", "--factors", "1", f"--out={tmp_path / 'ext'}")
+    assert "| yours |" in (tmp_path / "ext" / "extrapolation.md").read_text()
 
 
 def test_the_page_never_runs_a_runs_code_either(yours_run, tmp_path):
@@ -182,6 +193,22 @@ def test_any_link_a_run_would_write_or_prune_through_is_refused(base, tmp_path, 
     assert f"{copy / name} is a symbolic link" in line, line
     if "step" not in name:
         assert outside.read_text() == ""
+
+
+@pytest.mark.parametrize("tool", [["attnlab.heads", "grid"], ["attnlab.heads", "head"],
+                                  ["attnlab.heads", "html"], ["attnlab.lens", "logit"],
+                                  ["attnlab.lens", "ablate"], ["attnlab.induction"]])
+def test_a_figures_folder_that_is_a_link_is_refused(base, tmp_path, tool):
+    """A run's figures/ linked elsewhere: every tool that writes there by default wrote
+    its figure or page through the link, outside the run."""
+    copy = copied(base, tmp_path)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (copy / "figures").symlink_to(outside)
+    text = ["--text", "To be or not"] if len(tool) > 1 else []
+    line = one_error(run_script("-m", *tool, "--run", copy, *text, check=False))
+    assert f"{copy / 'figures'} is a symbolic link" in line and "--out" in line, line
+    assert not list(outside.iterdir())
 
 
 def test_the_lock_and_an_atomic_write_never_open_through_a_link(tmp_path):

@@ -94,6 +94,24 @@ HOSTILE = {
     "a truncation past any context": (dict(truncation={"max_length": 10 ** 12, "strategy": "LongestFirst",
                                                        "stride": 0, "direction": "Right"}),
                                       "truncates to a length"),
+    "a truncation to 0 tokens": (dict(truncation={"max_length": 0, "strategy": "LongestFirst",
+                                                  "stride": 0, "direction": "Right"}),
+                                 "truncates every text to 0 tokens"),
+    "a truncation whose stride is its length": (dict(truncation={"max_length": 2, "strategy": "LongestFirst",
+                                                                 "stride": 5, "direction": "Right"}),
+                                                "with a stride of 5"),
+    "a template naming a special token it does not define": (dict(post_processor={
+        "type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "[X]", "type_id": 0}},
+                                                 {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [], "special_tokens": {}}), "names the special token '[X]' it does not define"),
+    "a template without the text": (dict(post_processor={
+        "type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}],
+        "pair": [], "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [256],
+                                                         "tokens": ["<|endoftext|>"]}}}),
+                                     "does not hold the text (A) once"),
+    "a special token's id past the vocabulary": (dict(post_processor={
+        "type": "BertProcessing", "sep": ["<|endoftext|>", 10 ** 9], "cls": ["<|endoftext|>", 256]}),
+                                                 "sep is not a token of its vocabulary"),
     "a Split by a regular expression": (dict(pre_tokenizer={"type": "Split", "pattern": {"Regex": "(a*)*b"},
                                                             "behavior": "Isolated", "invert": False}),
                                         "Split pre-tokenizer with a regular expression"),
@@ -137,6 +155,43 @@ def test_the_forms_this_project_writes_and_reads_pass_the_check(tmp_path):
                                "direction": "Right"}
     assert structure_problem(wordpiece) is None
     assert WordPieceTokenizer.from_json(json.dumps(wordpiece)).encode("the cat sat") == [2, 5, 6, 7, 3]
+
+
+@pytest.mark.parametrize("setting", [
+    dict(truncation={"max_length": 1, "strategy": "LongestFirst", "stride": 0, "direction": "Right"}),
+    dict(padding={"strategy": {"Fixed": 20}, "direction": "Right", "pad_to_multiple_of": None,
+                  "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}),
+    dict(padding={"strategy": "BatchLongest", "direction": "Left", "pad_to_multiple_of": 64,
+                  "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}),
+], ids=["truncation to 1 token", "padding to 20", "padding to a multiple of 64"])
+def test_a_files_padding_or_truncation_never_cuts_or_pads_a_text(setting, tmp_path):
+    """A run's or a transformers folder's tokenizer.json that truncates to 1 token made
+    --train.init_from train on one token a word, and one that pads filled a prompt with
+    padding: a text is encoded as it is, whatever the file says."""
+    import json
+    text = TEXT[:300]
+    plain = BPETokenizer.from_json(json.dumps(hf_form())).encode(text)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(hf_form(**setting)))
+    tok = Tokenizer.load(tmp_path)
+    assert tok.encode(text) == plain and tok.encode_array(text).tolist() == plain
+    assert tok.decode(tok.encode("to be")) == "to be"
+
+
+def test_a_panics_own_text_is_not_printed_and_other_output_is_passed_on(capfd, monkeypatch):
+    """The library's panic hook wrote "thread '<unnamed>' panicked at ..." (and with
+    RUST_BACKTRACE a whole backtrace) to stderr before the one error line; what a call
+    writes there without panicking still reaches stderr."""
+    import os
+    from tokenizers import Regex, normalizers
+    from data.tokenizer import library
+    monkeypatch.setenv("RUST_BACKTRACE", "1")
+    tok = BPETokenizer.train([TEXT], 300)
+    tok.hf.normalizer = normalizers.Replace(Regex(""), "x")
+    capfd.readouterr()
+    with pytest.raises(TokenizerError):
+        tok.encode("Speak, speak.")
+    library(os.write, 2, b"kept\n")
+    assert capfd.readouterr().err == "kept\n"
 
 
 def test_a_panic_in_the_library_is_a_tokenizer_error():
