@@ -22,6 +22,13 @@ def _opt(default, help: str, registry: str | None = None, pattern: bool = False)
     return field(default=default, metadata={"help": help, "registry": registry, "pattern": pattern})
 
 
+# Sizes and settings where 0 means "off" or "the default rule", and below 0 means nothing.
+NON_NEGATIVE = ("vocab_size", "n_kv_head", "sliding_window", "n_global", "full_attention_every",
+                "rope_original_context", "readout_shortlist", "position_offset", "n_token_types",
+                "mlp_hidden", "token_mix", "mla_kv_rank", "mla_rope_dim", "sparse_top_k",
+                "indexer_dim", "rope_local_theta", "score_scale")
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = _opt(0, "vocabulary size; 0 = take it from the tokenizer")
@@ -145,11 +152,7 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelError(f"model.{name} must be a positive integer, got {value!r}")
         for f in fields(self):
-            if f.name in ("vocab_size", "n_kv_head", "sliding_window", "n_global", "full_attention_every",
-                          "rope_original_context", "readout_shortlist", "position_offset",
-                          "n_token_types", "mlp_hidden", "token_mix", "mla_kv_rank",
-                          "mla_rope_dim", "sparse_top_k", "indexer_dim", "rope_local_theta",
-                          "score_scale") and getattr(self, f.name) < 0:
+            if f.name in NON_NEGATIVE and getattr(self, f.name) < 0:
                 raise ModelError(f"model.{f.name} must not be negative, got {getattr(self, f.name)} "
                                  f"(model.{f.name}: {f.metadata['help']})")
         self._validate_experts()
