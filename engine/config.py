@@ -425,6 +425,11 @@ def load_preset(cfg: RunConfig, name: str) -> None:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"preset {path} is not valid TOML: {err}") from None
+    if not data:
+        available = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+        raise ConfigError(f"preset {path} sets nothing, so the run would take the built-in "
+                          "defaults, which no preset is; write fields under [model] and [train] "
+                          f"in it, or give a preset's name ({', '.join(available)})")
     for section, values in data.items():
         apply(cfg, section, values, str(path), typed=True)
     cfg.preset = path.stem

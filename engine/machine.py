@@ -37,6 +37,7 @@ from common.errors import ConfigError
 from model.attention import ATTENTION_BACKENDS, use_backend
 from model.flex import CUDA_MIN_HEAD_DIM
 from model.mechanisms import MECHANISMS, names_used
+from model.registry import check
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -217,7 +218,9 @@ def attention_backend(model_cfg, device: torch.device, dtype: torch.dtype) -> st
     """The entry of model/attention.py's ATTENTION_BACKENDS that `auto` runs, chosen once
     for this model, device and precision."""
     window, T = model_cfg.sliding_window, model_cfg.block_size
-    if window and T >= BAND_PAYS_FROM * window:       # long enough for the band to pay
+    # With full layers among the windowed ones (model.full_attention_every) one kernel
+    # serves both kinds, and a band would compute only the windowed layers' share.
+    if window and T >= BAND_PAYS_FROM * window and not model_cfg.full_attention_every:
         if device.type == "cuda" and model_cfg.dropout == 0 and model_cfg.head_dim >= CUDA_MIN_HEAD_DIM:
             return "flex"                    # block-sparse: skips the tiles the window hides
         return "banded"
@@ -237,7 +240,9 @@ def built_for(model_cfg, device: torch.device, dtype: torch.dtype):
     if (ATTENTION_BACKENDS.get(model_cfg.attention) is not ATTENTION_BACKENDS["auto"]
             or not any(MECHANISMS[n].uses_kernel for n in names_used(model_cfg))):
         return model_cfg                     # named by the user, or no layer runs a kernel
-    return replace(model_cfg, attention=attention_backend(model_cfg, device, dtype))
+    built = replace(model_cfg, attention=attention_backend(model_cfg, device, dtype))
+    check(built)                             # here, once, so building it checks nothing again
+    return built
 
 
 def fit_attention(model, model_cfg, device: torch.device, dtype: torch.dtype) -> str:

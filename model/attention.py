@@ -15,7 +15,8 @@ signature, `backend(q, k, v, mask, dropout_p, need_weights) -> (out, weights | N
   kernel that skips fully masked blocks (model/flex.py);
 * `auto`, the default, is sdpa here; a run's engine picks, once, the entry that pays on
   its machine (engine/machine.py: on a CPU that computes bf16 natively, `eager` itself,
-  this file's formula in bf16) and sets it on every layer through `use_backend`, and
+  this file's formula in bf16) and names it in the config it builds the model from, so
+  each layer takes it when built (`use_backend` sets it on a model that already exists);
   its `device:` line names the entry. No copy of this formula runs outside this file;
   a mechanism that changes the formula writes its own (model/sink_attention.py).
 

@@ -22,11 +22,7 @@ def _opt(default, help: str, registry: str | None = None, pattern: bool = False)
     return field(default=default, metadata={"help": help, "registry": registry, "pattern": pattern})
 
 
-# Sizes and settings where 0 means "off" or "the default rule", and below 0 means nothing.
-NON_NEGATIVE = ("vocab_size", "n_kv_head", "sliding_window", "n_global", "full_attention_every",
-                "rope_original_context", "readout_shortlist", "position_offset", "n_token_types",
-                "mlp_hidden", "token_mix", "mla_kv_rank", "mla_rope_dim", "sparse_top_k",
-                "indexer_dim", "rope_local_theta", "score_scale")
+MOST_LAYERS = 512
 
 
 @dataclass
@@ -140,21 +136,7 @@ class ModelConfig:
     def validate(self) -> None:
         """Refuse impossible sizes before any work, saying why. Variant names and what
         each variant needs are checked by model.registry.check, which knows them."""
-        for f in fields(self):               # the Python API meets no command-line parser
-            value = getattr(self, f.name)
-            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ModelError(f"model.{f.name} must be a whole number, got {value!r}")
-            if f.type == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value)):
-                raise ModelError(f"model.{f.name} must be a finite number, got {value!r}")
-        for name in ("block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ModelError(f"model.{name} must be a positive integer, got {value!r}")
-        for f in fields(self):
-            if f.name in NON_NEGATIVE and getattr(self, f.name) < 0:
-                raise ModelError(f"model.{f.name} must not be negative, got {getattr(self, f.name)} "
-                                 f"(model.{f.name}: {f.metadata['help']})")
+        self._validate_numbers()
         self._validate_experts()
         if self.token_mix > self.block_size:
             raise ModelError(f"model.token_mix={self.token_mix} mixes in more positions than the "
@@ -194,6 +176,33 @@ class ModelConfig:
             raise ModelError(f"model.norm_eps must be in (0, 1), got {self.norm_eps}")
         if not self.rope_theta > 0:
             raise ModelError(f"model.rope_theta must be positive, got {self.rope_theta}")
+
+    def _validate_numbers(self) -> None:
+        """Each field of the kind it says, the sizes positive and bounded, the counts not
+        negative."""
+        for f in fields(self):               # the Python API meets no command-line parser
+            value = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ModelError(f"model.{f.name} must be a whole number, got {value!r}")
+            if f.type == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise ModelError(f"model.{f.name} must be a finite number, got {value!r}")
+        for name in ("block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.n_layer > MOST_LAYERS:
+            # Every layer is a module built even to size the model: bounded before any is.
+            raise ModelError(f"model.n_layer={self.n_layer:,} is more than {MOST_LAYERS} layers "
+                             "(GPT-3 has 96); give a smaller model.n_layer")
+        for f in fields(self):
+            if f.name in ("vocab_size", "n_kv_head", "sliding_window", "n_global", "full_attention_every",
+                          "rope_original_context", "readout_shortlist", "position_offset",
+                          "n_token_types", "mlp_hidden", "token_mix", "mla_kv_rank",
+                          "mla_rope_dim", "sparse_top_k", "indexer_dim", "rope_local_theta",
+                          "score_scale") and getattr(self, f.name) < 0:
+                raise ModelError(f"model.{f.name} must not be negative, got {getattr(self, f.name)} "
+                                 f"(model.{f.name}: {f.metadata['help']})")
 
     def _validate_experts(self) -> None:
         """The mixture of experts' counts (model.mlp=moe): k of at least one routed expert."""

@@ -114,6 +114,9 @@ class DeltaNet(nn.Module):
     token; queries and keys through SiLU and then to unit length (the paper's choice),
     and the delta rule in place of the softmax. Nothing fades: ln α = 0 (`gate`)."""
 
+    # The form that trains and prefills; Kimi Delta Attention (model/kda.py) names its own.
+    rule = staticmethod(chunked)
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         if config.linear_chunk <= 0:
@@ -129,8 +132,8 @@ class DeltaNet(nn.Module):
     def forward(self, x, positions, mask: Mask, cache=None, need_weights: bool = False,
                 value_embed=None):
         if need_weights:
-            raise ModelError("deltanet has no attention weights to draw: each token rewrites "
-                             "a d x d state, and no weight per earlier token exists")
+            raise ModelError(f"{type(self).__name__} has no attention weights to draw: each "
+                             "token rewrites a d x d state, and no weight per earlier token exists")
         B, T, C = x.shape
         H, D = self.n_head, self.head_dim
         q, k, v = self.w_qkv(x).view(B, T, 3 * H, D).transpose(1, 2).split(H, dim=1)  # (B, H, T, D)
@@ -146,15 +149,20 @@ class DeltaNet(nn.Module):
         # The rule in at least fp32, outside autocast: the state sums a whole text's writes,
         # which bf16's 8-bit mantissa would round away (and a CPU has no bf16 triangular solve).
         with torch.autocast(x.device.type, enabled=False):
-            y, S = chunked(q, k, v, beta, log_alpha, S, self.chunk_size)
+            y, S = self.rule(q, k, v, beta, log_alpha, S, self.chunk_size)
         if cache is not None:
             cache.keep(self.layer_idx, S)
-        y = y.to(x.dtype).transpose(1, 2).reshape(B, T, C)          # heads side by side
+        y = self.read(y, x).to(x.dtype).transpose(1, 2).reshape(B, T, C)   # heads side by side
         return self.resid_dropout(self.w_o(y)), None
 
     def gate(self, x):
         """ln α per token and head, (B, T, H): 0, the state kept whole from token to token."""
         return x.new_zeros(*x.shape[:2], self.n_head)
+
+    def read(self, y, x):
+        """What each head hands W_O, (B, H, T, D): the rule's output as it is (Kimi Delta
+        Attention norms and gates it)."""
+        return y
 
 
 class GatedDeltaNet(DeltaNet):

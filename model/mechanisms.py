@@ -29,6 +29,7 @@ from model.differential import DifferentialAttention
 from model.latent_attention import LatentAttention, latent_sizes
 from model.linear_attention import LinearAttention
 from model.gated_attention import GatedAttention
+from model.kda import KimiDeltaAttention
 from model.sigmoid_attention import SigmoidAttention
 from model.sink_attention import SinkAttention
 from model.sparse_attention import SparseAttention, sparse_sizes
@@ -117,6 +118,14 @@ def delta_flops(config: ModelConfig, context: int) -> float:
     chunk = min(config.linear_chunk, context)
     return (10 * config.n_embd * chunk + 6 * config.n_embd * config.head_dim
             + config.n_head * chunk ** 2)
+
+
+def kda_maps(config: ModelConfig) -> int:
+    """T×T maps' worth of what a KDA layer keeps for backward (5 bytes a map entry, as
+    engine/budget.py counts): its chunk's fading and faded keys, two fp32 tensors of
+    C × C × d_k per head for each of T/C chunks (model/kda.py), at least a map a head."""
+    chunk = min(config.linear_chunk, config.block_size)
+    return config.n_head * max(1, (2 * 4 * chunk * config.head_dim) // (5 * config.block_size))
 
 
 @dataclass(frozen=True)
@@ -237,6 +246,17 @@ MECHANISMS = {
         export_refusal="Gated DeltaNet (arXiv:2412.06464) is in no transformers architecture "
                        "this model's blocks fit",
         flops=delta_flops, follows_mask=False, takes_score_bias=False,
+        takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
+    # The gated delta rule with a decay per key channel (Kimi Linear): the same state, and
+    # the same matrix products in its chunk (its fading per channel is elementwise).
+    "kda": Mechanism(
+        KimiDeltaAttention, Cache("a fixed-size state S", lambda c: 0, delta_state),
+        no_weights="each token fades (channel by channel) and rewrites a d_k x d_k state, so "
+                   "no weight per earlier token exists (arXiv:2510.26692)",
+        export_refusal="Kimi Delta Attention (arXiv:2510.26692) comes in transformers only "
+                       "inside Kimi Linear, whose short convolutions, latent attention and "
+                       "experts this model's blocks do not fit",
+        flops=delta_flops, score_maps=kda_maps, follows_mask=False, takes_score_bias=False,
         takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
 }
 

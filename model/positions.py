@@ -3,7 +3,8 @@
 Attention by itself is permutation-equivariant: shuffle the input tokens and the
 outputs shuffle the same way (tests/test_attention.py,
 test_without_positions_attention_is_permutation_equivariant, proves it). Every
-encoding here is one of three hooks, so the attention code has no branches:
+encoding here answers three hooks, so the attention code has no branches (`rotate_in_pass`
+is `rotate` reusing one pass's angles across layers; `shift` renumbers cached keys):
 
 * `embed(x, start)` adds a vector per absolute position to the token embeddings
   (sinusoidal, learned), as in "Attention Is All You Need" (arXiv:1706.03762);
@@ -34,7 +35,7 @@ class PositionRangeError(ModelError):
 
 
 class PositionEncoding(nn.Module):
-    """No positions at all: both hooks do nothing (the `none` encoding).
+    """No positions at all: every hook leaves its input as it is (the `none` encoding).
 
     The class attributes are the facts other code asks about an encoding, so nothing
     outside this registry compares an encoding's name with a string."""

@@ -155,7 +155,7 @@ def check_full_layers(config: ModelConfig) -> None:
     if not every:
         return
     if not config.sliding_window:
-        raise ModelError(f"model.full_attention_every={every} makes every {every}th layer see "
+        raise ModelError(f"model.full_attention_every={every} makes one layer in {every} see "
                          "the whole context instead of a sliding window; set "
                          "model.sliding_window too (without one every layer sees it all)")
     if every == 1 or every > config.n_layer:

@@ -89,6 +89,21 @@ def delta_rule(q, k, v, beta, alpha=None):
     return out
 
 
+def kda_rule(q, k, v, beta, alpha):
+    """Kimi Delta Attention as Kimi Linear (arXiv:2510.26692) writes it, S of
+    d_k × d_v: S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ, o_t = S_tᵀ q_t,
+    from S_0 = 0. q, k: (T, d_k) (unit keys); v: (T, d_v); beta: (T,); alpha: (T, d_k),
+    one decay per key channel."""
+    d_k, d_v = k.shape[1], v.shape[1]
+    S = np.zeros((d_k, d_v))
+    out = np.zeros((len(q), d_v))
+    for t in range(len(q)):
+        kt, vt = k[t][:, None], v[t][:, None]                         # columns
+        S = (np.eye(d_k) - beta[t] * kt @ kt.T) @ np.diag(alpha[t]) @ S + beta[t] * kt @ vt.T
+        out[t] = (S.T @ q[t][:, None])[:, 0]
+    return out
+
+
 def rope(x, positions, theta):
     """RoPE (arXiv:2104.09864) on the rows of x (T, d): pair i, the dimensions i and
     i + d/2 ("rotate half"), turned by the 2-D rotation of angle position·θ^(-2i/d)."""

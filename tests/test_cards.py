@@ -15,6 +15,7 @@ CARDS = {
     "deepseek-v3": (["mla"] * 4, {"mlp": "moe", "moe_shared": 1}),
     "deepseek-v3.2": (["sparse"] * 4, {"mlp": "moe"}),
     "qwen3-next": (["gated_deltanet"] * 3 + ["gated"], {"mlp": "moe", "moe_shared": 1}),
+    "kimi-linear": (["kda"] * 3 + ["mla"], {"mlp": "moe", "moe_shared": 1}),
 }
 
 

@@ -43,6 +43,7 @@ def test_overrides_beat_presets_and_are_typed():
     (["--train.lr=0"], "train.lr and train.muon_lr must be positive"),
     (["--model.n_layer=2.5"], "must be an integer"),
     (["--model.n_layer=0"], "positive integer"),
+    (["--model.n_layer=100000"], "more than 512 layers"),
     (["--model.n_head=-2"], "positive integer"),
     (["--model.n_embd=100", "--model.n_head=3"], "not divisible"),
     (["--model.n_kv_head=4", "--model.n_head=6"], "must divide"),
@@ -299,3 +300,10 @@ def test_a_switch_written_as_a_string_in_a_file_is_refused_saying_it_takes_true_
     with pytest.raises(ConfigError, match="model.qk_norm takes true or false"):
         config.from_dict(saved, "config.json")
     assert cli.build("tiny", ["--model.qk_norm=yes"]).model.qk_norm is True
+
+
+def test_an_empty_config_file_is_refused_rather_than_training_the_built_in_defaults(tmp_path):
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="sets nothing.*give a preset's name"):
+        cli.build(str(empty), [])

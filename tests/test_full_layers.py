@@ -107,3 +107,13 @@ def test_impossible_patterns_are_refused_in_one_line(fields, message):
 def test_export_names_what_no_architecture_there_has():
     from engine.interop import _common_refusals
     assert any("full_attention_every=2" in r for r in _common_refusals(tiny()))
+
+
+def test_the_machine_runs_one_dense_kernel_where_full_layers_sit_among_windowed_ones():
+    """The band pays for a long context and a short window, but a full layer would hand it
+    straight to sdpa: with full layers the machine names a kernel every layer runs."""
+    from engine.machine import attention_backend
+    long = dict(block_size=512, sliding_window=8)
+    assert attention_backend(tiny(**long, full_attention_every=0), torch.device("cpu"),
+                             torch.float32) == "banded"
+    assert attention_backend(tiny(**long), torch.device("cpu"), torch.float32) == "sdpa"

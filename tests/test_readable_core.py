@@ -36,12 +36,13 @@ BUDGETS = {
 CPU_PRESET = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=65)
 
 
-def traced(fields: dict, backend: str, dtype: torch.dtype) -> dict[str, set[int]]:
+def traced(fields: dict, backend: str, dtype: torch.dtype, config=None) -> dict[str, set[int]]:
     """{project file: its line numbers that ran} for a build and one forward with a loss."""
-    # The engine names the backend it chose in the config it builds from (engine/machine.py,
-    # built_for), and checks a config once, when it reads it.
-    config = ModelConfig(**{**CPU_PRESET, **fields, "attention": backend})
-    check(config)
+    # The engine names the backend it chose in the config it builds from, and checks that
+    # config there (engine/machine.py, built_for), so building the model checks nothing.
+    if config is None:
+        config = ModelConfig(**{**CPU_PRESET, **fields, "attention": backend})
+        check(config)
     g = torch.Generator().manual_seed(0)
     idx, targets = (torch.randint(0, 65, (2, 16), generator=g) for _ in range(2))
     lines: dict[str, set[int]] = collections.defaultdict(set)
@@ -111,6 +112,20 @@ def test_the_default_path_runs_no_stand_in_and_no_check():
     files = traced({}, "sdpa", torch.float32)
     assert not any(f.endswith(("registry.py", "config.py", "readout.py", "mechanisms.py"))
                    for f in files)
+
+
+def test_the_model_the_engine_builds_runs_the_same_path():
+    """What engine/run.py builds: the config as read, checked, then the one built_for makes
+    with the backend this machine runs; building from it checks nothing again."""
+    from engine.machine import built_for
+    read = ModelConfig(**CPU_PRESET)
+    check(read)
+    built = built_for(read, torch.device("cpu"), torch.float32)
+    assert built is not read and built.attention != "auto"
+    files = traced({}, built.attention, torch.float32, config=built)
+    assert sorted(Path(f).name for f in files) == ["attention.py", "gpt.py", "layers.py",
+                                                    "positions.py"]
+    assert sum(map(len, files.values())) <= BUDGETS["cpu preset, fp32 (sdpa)"][3]
 
 
 def test_the_tracer_sees_a_line_added_to_the_path(monkeypatch):
