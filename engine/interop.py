@@ -18,7 +18,8 @@ uses transformers' own config and tokenizer classes, so the folder is what
               (this project's default, biases zero where it has none)
 
 and the BERT-family encoders (bert, roberta, distilbert) of engine/interop_bert.py, and
-gpt-oss (learned sinks, alternating windows, experts) of engine/interop_gpt_oss.py.
+gpt-oss (learned sinks, alternating windows, experts) of engine/interop_gpt_oss.py, and
+Gemma 3's text model (gemma3_text) of engine/interop_gemma3.py.
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def is_hf_folder(path: str | Path) -> bool:
 
 # -- the parts each architecture is made of ------------------------------------------
 
-_PART_REGISTRIES = {"position": POSITION_ENCODINGS, "norm": NORMS, "mlp": MLPS}
+_PART_REGISTRIES = {"position": POSITION_ENCODINGS, "norm": NORMS, "mlp": MLPS, "block": BLOCKS}
 
 
 def _needs(cfg: ModelConfig, **wanted) -> list[str]:
@@ -114,6 +115,19 @@ def _common_refusals(cfg: ModelConfig, decoder: bool = True) -> list[str]:
         out.append("model.qk_norm=true (QK-norm: none of these architectures normalises q and k)")
     if cfg.logit_softcap:
         out.append(f"model.logit_softcap={cfg.logit_softcap} (no soft-capped logits there)")
+    # Gemma 3's parts (engine/interop_gemma3.py, which leaves them out of these).
+    if cfg.qk_norm_weight:
+        out.append("model.qk_norm_weight=true (learned QK-norms: see gemma3_text)")
+    if cfg.score_scale:
+        out.append(f"model.score_scale={cfg.score_scale} (scores scaled other than by 1/√d_k: "
+                   "see gemma3_text)")
+    if cfg.embed_scale:
+        out.append("model.embed_scale=true (embeddings scaled by √n_embd: see gemma3_text)")
+    if cfg.rope_local_theta:
+        out.append(f"model.rope_local_theta={cfg.rope_local_theta} (a second RoPE base: see "
+                   "gemma3_text)")
+    if BLOCKS[cfg.block].norms_outputs:
+        out.append(f"model.block={cfg.block} (a norm on each sublayer's output: see gemma3_text)")
     if cfg.value_embeds:
         out.append("model.value_embeds=true (no value embeddings there)")
     if cfg.skip_connections:

@@ -377,7 +377,7 @@ class MultiHeadAttention(nn.Module):
             # QK-norm (arXiv:2302.05442; the modded-nanogpt speedruns): every query and key
             # scaled to unit RMS, so |q·k|/√d_k <= √d_k whatever the weights grow to, and
             # the softmax cannot saturate into the one-hot corner at a high learning rate.
-            q, k = self.normalise(q), self.normalise(k)
+            q, k = self.normalise(q, "q"), self.normalise(k, "k")
         # Positions: RoPE turns queries and keys by their positions (others leave them).
         q = positions.rotate_in_pass(q, mask.q_start, mask.shared)
         k = positions.rotate_in_pass(k, mask.q_start, mask.shared)
@@ -389,9 +389,27 @@ class MultiHeadAttention(nn.Module):
             v = v.repeat_interleave(H // H_kv, dim=1)
         return q, k, v
 
-    def normalise(self, x):
-        """QK-norm of queries or keys (B, heads, T, D): each head's vector to unit RMS."""
-        return F.rms_norm(x, (x.shape[-1],))
+    # The queries' factor after QK-norm: 1 but where learn_qk_norms sets a score scale.
+    query_gain = 1.0
+
+    def normalise(self, x, which: str):
+        """QK-norm of the queries or keys (`which`: "q" or "k"), (B, heads, T, D): each head's
+        vector to unit RMS, or by the layer's learned norm where it has one (learn_qk_norms)."""
+        learned = self._modules.get(which + "_norm")
+        x = F.rms_norm(x, (x.shape[-1],)) if learned is None else learned(x)
+        return x * self.query_gain if which == "q" and self.query_gain != 1.0 else x
+
+    def learn_qk_norms(self, make_norm=None, score_scale: float = 0.0) -> None:
+        """Gemma 3's queries and keys, given by the model when its config asks for them: a
+        learned norm each over d_k (q_norm, k_norm; model.qk_norm_weight) and scores scaled
+        by `score_scale` instead of 1/√d_k (model.score_scale; Gemma 3 divides by
+        √query_pre_attn_scalar, arXiv:2503.19786). The scale rides on the normalised
+        queries, as score_scale·√d_k, so every backend's division by √d_k gives it and
+        none of them takes a scale of its own."""
+        if make_norm is not None:
+            self.q_norm, self.k_norm = make_norm(), make_norm()
+        if score_scale:
+            self.query_gain = score_scale * math.sqrt(self.head_dim)
 
     def attend(self, q, k, v, mask: Mask, need_weights: bool = False):
         """softmax(Q·Kᵀ/√d_k)·V through the backend (only eager forms the weights, the

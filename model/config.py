@@ -93,6 +93,14 @@ class ModelConfig:
     dropout: float = _opt(0.0, "dropout probability (0 keeps SDPA on its fused path)")
     qk_norm: bool = _opt(False, "normalise each head's queries and keys to unit RMS before "
                                 "Q·Kᵀ (QK-norm): the scores stay bounded at any rate")
+    qk_norm_weight: bool = _opt(False, "with model.qk_norm: queries and keys each get a learned "
+                                       "norm over d_k, of model.norm's kind (Gemma 3's q_norm and "
+                                       "k_norm); false = unit RMS alone")
+    score_scale: float = _opt(0.0, "with model.qk_norm: what Q·Kᵀ is multiplied by; 0 = 1/√d_k, "
+                                   "the article's (Gemma 3: 1/√query_pre_attn_scalar)")
+    embed_scale: bool = _opt(False, "multiply the token embeddings by √n_embd before the first "
+                                    "block (Gemma: its table, shared with the output layer, stays "
+                                    "small while the stream starts near unit scale)")
     value_embeds: bool = _opt(False, "value embeddings (modded-nanogpt): each layer adds a learned "
                                      "vector per token to that token's value, V = x·W_V + E_V[token]")
     skip_connections: bool = _opt(False, "U-net skips: the output of block i, for i in the first "
@@ -103,6 +111,10 @@ class ModelConfig:
                              "depthwise convolution, as Canon layers); 0 = off")
     logit_softcap: float = _opt(0.0, "squash output logits into (-c, c) by c·tanh(z/c); 0 = off")
     rope_theta: float = _opt(10000.0, "RoPE base: pair i turns by position * theta^(-2i/d_k)")
+    rope_local_theta: float = _opt(0.0, "with model.full_attention_every: the RoPE base of the "
+                                        "windowed layers, model.rope_theta staying the full ones'; "
+                                        "0 = rope_theta for all (Gemma 3: 10,000 local, "
+                                        "1,000,000 global)")
     rope_scaling: str = _opt("none", "stretch RoPE to a longer context", registry="rope_scaling")
     rope_factor: float = _opt(1.0, "RoPE scaling factor s (new context / original context)")
     rope_original_context: int = _opt(0, "context the model was trained at (YaRN); "
@@ -199,7 +211,8 @@ class ModelConfig:
             if f.name in ("vocab_size", "n_kv_head", "sliding_window", "n_global", "full_attention_every",
                           "rope_original_context", "readout_shortlist", "position_offset",
                           "n_token_types", "mlp_hidden", "token_mix", "mla_kv_rank",
-                          "mla_rope_dim", "sparse_top_k", "indexer_dim", "mtp_depth") and getattr(self, f.name) < 0:
+                          "mla_rope_dim", "sparse_top_k", "indexer_dim", "mtp_depth",
+                          "rope_local_theta", "score_scale") and getattr(self, f.name) < 0:
                 raise ModelError(f"model.{f.name} must not be negative, got {getattr(self, f.name)} "
                                  f"(model.{f.name}: {f.metadata['help']})")
 

@@ -70,7 +70,7 @@ class DifferentialAttention(MultiHeadAttention):
         return (torch.exp(self.lambda_q1 @ self.lambda_k1) - torch.exp(self.lambda_q2 @ self.lambda_k2)
                 + self.lambda_init)
 
-    def normalise(self, x):
+    def normalise(self, x, which: str = "q"):
         """Each half is a query or key of its own, so QK-norm scales each half to unit RMS
         (a rotation keeps each pair's length, so before or after RoPE is the same)."""
         first, second = halves(x)

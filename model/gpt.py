@@ -225,7 +225,8 @@ class GPT(nn.Module):
 
 # Fields that, set, ask for a part the plain GPT does not have (GPTWithVariants builds it).
 VARIANT_FIELDS = ("n_token_types", "value_embeds", "skip_connections", "logit_softcap",
-                  "full_attention_every", "mtp_depth")
+                  "full_attention_every", "mtp_depth", "embed_scale", "qk_norm_weight",
+                  "score_scale", "rope_local_theta")
 
 
 def wants_variants(config: ModelConfig) -> bool:
@@ -242,8 +243,9 @@ class GPTWithVariants(GPT):
     all (an encoder kept for its hidden states). GPT(config) builds this class when the
     config asks for any of them; the names of the plain parts are kept, so checkpoints
     read the same either way."""
-    PASS_ORDER = ("wte", "token_types", "positions", "norm_emb", "drop", "blocks", "value_embeds",
-                  "skips", "norm_f", "head_transform", "lm_head", "adaptive", "mtp")
+    PASS_ORDER = ("wte", "token_types", "positions", "local_positions", "norm_emb", "drop",
+                  "blocks", "value_embeds", "skips", "norm_f", "head_transform", "lm_head",
+                  "adaptive", "mtp")
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
@@ -263,6 +265,18 @@ class GPTWithVariants(GPT):
         # DeepSeek-V3's multi-token prediction: modules after the stack predicting the
         # tokens further ahead through this model's embedding and head (model/mtp.py).
         self.mtp = MultiTokenPrediction(config) if config.mtp_depth else None
+        # Gemma 3's queries and keys: a learned norm each over d_k, and its own score scale.
+        if config.qk_norm_weight or config.score_scale:
+            for block in self.blocks:
+                block.attn.learn_qk_norms(
+                    (lambda: NORMS[config.norm](config, config.head_dim)) if config.qk_norm_weight
+                    else None, config.score_scale)
+        # Gemma 3 turns its windowed layers' queries and keys by a RoPE of base 10,000 and its
+        # full layers' by one of 1,000,000: nearby order matters to a window, while a full
+        # layer's slow pairs must not wrap round within its long context (arXiv:2503.19786,
+        # section 2). A second table, chosen per layer in forward; model.positions is the full one.
+        self.local_positions = (POSITION_ENCODINGS[config.position](
+            replace(config, rope_theta=config.rope_local_theta)) if config.rope_local_theta else None)
         # The parts in the order the pass meets them, so the values drawn for each are those
         # a model built in one piece draws from the same seed.
         rank = {name: i for i, name in enumerate(self.PASS_ORDER)}
@@ -319,6 +333,8 @@ class GPTWithVariants(GPT):
         T = idx.shape[1]
         mask = self.mask_for(T, idx.device, cache, attention_mask)
         x = self.wte(idx)
+        if self.config.embed_scale:          # Gemma: a small shared table, a unit-scale stream
+            x = x * self.config.n_embd ** 0.5
         if self.token_types is not None:     # token, then segment, then position: BERT's order
             x = self.token_types(x, token_types)
         x = self.positions.embed(x, mask.q_start)
@@ -332,7 +348,9 @@ class GPTWithVariants(GPT):
             if self.skips is not None:
                 x = self.skips.join(i, x, saved, self.skip_weights)
             value_embed = self.value_embeds[i](idx) if self.value_embeds is not None else None
-            x, weights = block(x, self.positions, whole if self.sees_everything(i) else mask,
+            full = self.sees_everything(i)
+            positions = self.positions if full or self.local_positions is None else self.local_positions
+            x, weights = block(x, positions, whole if full else mask,
                                cache, return_attention and block.has_weights, value_embed)
             if self.skips is not None:
                 self.skips.keep(i, x, saved)

@@ -13,16 +13,38 @@ from model.mechanisms import MECHANISMS, Mechanism
 from model.moe import MixtureOfExperts
 
 
-def layer_norm(config: ModelConfig) -> nn.Module:
-    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+def layer_norm(config: ModelConfig, width: int | None = None) -> nn.Module:
+    # `width`: another size than n_embd (a learned QK-norm over d_k, model.qk_norm_weight).
+    return nn.LayerNorm(width or config.n_embd, eps=config.norm_eps, bias=config.bias)
 
 
-def rms_norm(config: ModelConfig) -> nn.Module:
+def rms_norm(config: ModelConfig, width: int | None = None) -> nn.Module:
     # RMSNorm (arXiv:1910.07467) drops LayerNorm's mean subtraction and bias.
-    return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.RMSNorm(width or config.n_embd, eps=config.norm_eps)
 
 
-NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm}
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm whose gain is stored as an offset from 1, x/rms(x)·(1 + w) with w starting
+    at 0 (Gemma, arXiv:2503.19786; transformers' Gemma3RMSNorm): weight decay pulls the
+    gain towards 1, not towards 0. Normalised and scaled in at least float32 and rounded
+    once to the input's precision, Gemma's order, so bf16 weights give Gemma's numbers."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x):
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.to(h.dtype))).to(x.dtype)
+
+
+def offset_rms_norm(config: ModelConfig, width: int | None = None) -> nn.Module:
+    return OffsetRMSNorm(width or config.n_embd, config.norm_eps)
+
+
+NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm, "rmsnorm1p": offset_rms_norm}
 
 
 class GeluMLP(nn.Module):
@@ -86,6 +108,16 @@ class SwiGLU(nn.Module):
         return self.dropout(self.proj(F.silu(gate) * up))
 
 
+class GeGLU(SwiGLU):
+    """The gated feed-forward with GELU (tanh form) as the gate, gelu(x·W_gate) ⊙ (x·W_up)
+    (arXiv:2002.05202's GEGLU; Gemma's MLP, transformers' gelu_pytorch_tanh). Widths as
+    SwiGLU's; checkpoints bring their own."""
+
+    def forward(self, x):
+        gate, up = self.fc(x).split(self.hidden, dim=-1)
+        return self.dropout(self.proj(F.gelu(gate, approximate="tanh") * up))
+
+
 class ReluSquaredMLP(GeluMLP):
     """The GELU MLP with relu(x)² in place of GELU (Primer, arXiv:2109.08668; the
     activation of modded-nanogpt's speed records): as good or better per step, and two
@@ -108,8 +140,8 @@ class AttentionOnly:
         return 0
 
 
-MLPS = {"gelu": GeluMLP, "gelu_tanh": GeluTanhMLP, "swiglu": SwiGLU, "relu2": ReluSquaredMLP,
-        "none": AttentionOnly, "moe": MixtureOfExperts}
+MLPS = {"gelu": GeluMLP, "gelu_tanh": GeluTanhMLP, "swiglu": SwiGLU, "geglu": GeGLU,
+        "relu2": ReluSquaredMLP, "none": AttentionOnly, "moe": MixtureOfExperts}
 
 
 def layer_names(config: ModelConfig) -> list[str]:
@@ -136,6 +168,7 @@ class Block(nn.Module):
     The class attributes are the facts the model asks about a block."""
     norms_embeddings = False   # a norm between the embeddings and the first block
     final_norm = True          # a norm after the last block
+    norms_outputs = False      # a norm on each sublayer's output too, before the residual sum
     plain = True               # the article's GPT block: nothing for GPTWithVariants to add
 
     def __init__(self, config: ModelConfig, layer_idx: int):
@@ -185,4 +218,30 @@ class PostNormBlock(Block):
         return x, weights
 
 
-BLOCKS = {"prenorm": Block, "postnorm": PostNormBlock}
+class SandwichBlock(Block):
+    """x + norm(attention(norm(x))), then x + norm(mlp(norm(x))): pre-norm with a second
+    norm on each sublayer's output before it joins the stream ("sandwich" norm, CogView,
+    arXiv:2105.13290; Gemma 2 and 3, whose four norms a layer are transformers'
+    input_layernorm, post_attention_layernorm, pre_feedforward_layernorm and
+    post_feedforward_layernorm). What a sublayer adds is bounded whatever its weights
+    grow to, and the stream still keeps its identity path."""
+    norms_outputs = True
+    plain = False
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.norm_attn_out = NORMS[config.norm](config)
+        self.norm_mlp_out = NORMS[config.norm](config) if self.mlp is not None else None
+
+    def forward(self, x, positions, mask, cache=None, need_weights=False, value_embed=None):
+        h = self.norm_attn(x)
+        if self.mix is not None:
+            h = self.mix(h, cache)
+        a, weights = self.attn(h, positions, mask, cache, need_weights, value_embed)
+        x = x + self.norm_attn_out(a)
+        if self.mlp is not None:
+            x = x + self.norm_mlp_out(self.mlp(self.norm_mlp(x)))
+        return x, weights
+
+
+BLOCKS = {"prenorm": Block, "postnorm": PostNormBlock, "sandwich": SandwichBlock}

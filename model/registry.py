@@ -8,7 +8,7 @@ import difflib
 import weakref
 from dataclasses import astuple, fields
 
-from model.attention import ATTENTION_BACKENDS
+from model.attention import ATTENTION_BACKENDS, MultiHeadAttention
 from model.config import ModelConfig, ModelError
 from model.layers import BLOCKS, MLPS, NORMS
 from model.moe import MOE_EXPERTS, MOE_ROUTERS
@@ -104,6 +104,7 @@ def check(config: ModelConfig) -> None:
                          "token is visible anyway)")
     check_full_layers(config)
     check_mtp(config)
+    check_gemma_parts(config)
     backend = ATTENTION_BACKENDS[config.attention]
     position = POSITION_ENCODINGS[config.position]
     if backend.needs_window and not config.sliding_window:
@@ -194,6 +195,31 @@ def check_mtp(config: ModelConfig) -> None:
                          "model's full output layer, and model.readout="
                          f"{config.readout} {'has none' if not readout.scores_tokens else 'scores a shortlist its own way'}; "
                          "use model.readout=full with it, or leave model.mtp_depth=0")
+
+
+def check_gemma_parts(config: ModelConfig) -> None:
+    """Gemma 3's learned QK-norm, score scale and local RoPE base: what each needs."""
+    for name in ("qk_norm_weight", "score_scale"):
+        if getattr(config, name) and not config.qk_norm:
+            raise ModelError(f"model.{name} shapes QK-norm's queries and keys (Gemma 3 has both); "
+                             "set model.qk_norm=true with it")
+    if config.qk_norm_weight or config.score_scale:
+        for name in names_used(config):
+            layer = MECHANISMS[name].layer
+            if not (isinstance(layer, type) and issubclass(layer, MultiHeadAttention)
+                    and layer.normalise is MultiHeadAttention.normalise):
+                raise ModelError(f"model.mechanism={name} normalises its queries and keys its "
+                                 "own way, with no place for model.qk_norm_weight or "
+                                 "model.score_scale: leave them at their defaults with it")
+    if config.rope_local_theta:
+        if not POSITION_ENCODINGS[config.position].rotary:
+            raise ModelError(f"model.rope_local_theta is a RoPE base, and model.position="
+                             f"{config.position} turns nothing: set model.position=rope with it")
+        if not config.full_attention_every:
+            raise ModelError("model.rope_local_theta gives the windowed layers a RoPE base of "
+                             "their own beside the full layers' model.rope_theta; set "
+                             "model.full_attention_every (with model.sliding_window), or use "
+                             "model.rope_theta alone")
 
 
 def check_entries(used: list[str]) -> None:
