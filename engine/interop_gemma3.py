@@ -206,5 +206,6 @@ def _from_hf(get, cfg: ModelConfig) -> dict:
 
 
 GEMMA3 = Architecture("gemma3_text", "Gemma3ForCausalLM", _blockers, _to_config, _from_config,
-                      _to_hf, _from_hf, SCHEMA, "model.")
+                      _to_hf, _from_hf, SCHEMA, "model.",
+                      ignored=(r"rotary_emb(_local)?\.inv_freq$",))   # a buffer older savers kept
 ARCHITECTURES["gemma3_text"] = GEMMA3

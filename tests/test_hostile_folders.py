@@ -37,6 +37,13 @@ VARIANTS = {
     "llama": dict(norm="rmsnorm", mlp="swiglu", n_kv_head=1),
     "mistral": dict(norm="rmsnorm", mlp="swiglu", n_kv_head=1, sliding_window=8),
     "gpt_neox": dict(),
+    "gpt_oss": dict(mechanism="sinks", sliding_window=4, full_attention_every=2, norm="rmsnorm",
+                    mlp="moe", moe_experts=4, moe_top_k=2, moe_shared=0, moe_router="softmax_topk",
+                    moe_expert="gpt_oss", moe_bias_rate=0.0, bias=True, tie_embeddings=False,
+                    n_kv_head=1),
+    "gemma3_text": dict(n_kv_head=1, sliding_window=4, full_attention_every=2, rope_theta=1e6,
+                        rope_local_theta=1e4, block="sandwich", norm="rmsnorm1p", norm_eps=1e-6,
+                        mlp="geglu", qk_norm=True, qk_norm_weight=True, embed_scale=True),
 }
 
 
@@ -441,9 +448,11 @@ def test_a_bad_tokenizer_is_refused_naming_tokenizer_json(case, tmp_path, tok_js
 # output layer's name in each architecture's files.
 BUFFERS = {"gpt2": "transformer.h.0.attn.bias", "llama": "model.layers.0.self_attn.rotary_emb.inv_freq",
            "mistral": "model.layers.0.self_attn.rotary_emb.inv_freq",
-           "gpt_neox": "gpt_neox.layers.0.attention.bias"}
+           "gpt_neox": "gpt_neox.layers.0.attention.bias",
+           "gpt_oss": "model.layers.0.self_attn.rotary_emb.inv_freq",
+           "gemma3_text": "model.layers.0.self_attn.rotary_emb.inv_freq"}
 HEAD = {"gpt2": "lm_head.weight", "llama": "lm_head.weight", "mistral": "lm_head.weight",
-        "gpt_neox": "embed_out.weight"}
+        "gpt_neox": "embed_out.weight", "gpt_oss": "lm_head.weight", "gemma3_text": "lm_head.weight"}
 
 @pytest.mark.parametrize("arch", DECODERS)
 def test_a_sound_folder_loads_with_its_logits_in_every_form(arch, tmp_path, tok_json):
