@@ -16,6 +16,7 @@ from common.files import file_in_the_way, odd_kind, read_json, write_json_atomic
 from common.shell import options, word
 from engine import checkpoint
 from engine.config import RunConfig, apply, from_dict, migrate
+from model.config import ModelError
 from engine.pretrained import SWAPPABLE_MODEL_FIELDS
 from engine.rundir import write_run_files
 from engine.state import Run, recorded_seconds, restore
@@ -141,7 +142,11 @@ def _checkpoint_config(run_dir: Path, ckpt: Path) -> tuple[dict, RunConfig]:
     config.json: one that disagrees about the model or data is refused; a branch's gives
     its parent, its own name and the options it was started with."""
     saved = migrate(checkpoint.verified_json(ckpt, "config.json"), str(ckpt / "config.json"))
-    cfg = from_dict(saved, str(ckpt / "config.json"))
+    try:
+        cfg = from_dict(saved, str(ckpt / "config.json"))
+    except (ConfigError, ModelError) as err:     # as sampling from it says (engine/inference.py)
+        raise CheckpointError(f"checkpoint file {ckpt / 'config.json'} is an unreadable config "
+                              f"({err}); {checkpoint.use_another(ckpt)}") from None
     run_level = read_json(run_dir / "config.json")
     restore_it = f"cp {word(ckpt / 'config.json')} {word(run_dir / 'config.json')}"
     if run_level is None or any(not isinstance(run_level.get(s, {}), dict)

@@ -23,6 +23,7 @@ def _opt(default, help: str, registry: str | None = None, pattern: bool = False)
 
 
 MOST_LAYERS = 512
+MOST_EXPERTS = 512
 
 
 @dataclass
@@ -225,6 +226,15 @@ class ModelConfig:
         if self.moe_experts < 1:
             raise ModelError(f"model.moe_experts must be at least 1, got {self.moe_experts} "
                              "(the routed experts each token chooses from)")
+        if self.moe_experts + self.moe_shared > MOST_EXPERTS:
+            # A forward pass visits each expert in turn: bounded in time, not only in memory.
+            raise ModelError(f"model.moe_experts={self.moe_experts} and model.moe_shared="
+                             f"{self.moe_shared} make more than {MOST_EXPERTS} experts a layer "
+                             "(DeepSeek-V3 has 257); give fewer")
+        if self.moe_bias_rate > 1:
+            raise ModelError(f"model.moe_bias_rate={self.moe_bias_rate} moves the balancing bias "
+                             "by more than 1 a step, past the sigmoid's whole range; DeepSeek-V3 "
+                             "uses 0.001")
         if not 1 <= self.moe_top_k <= self.moe_experts:
             raise ModelError(f"model.moe_top_k={self.moe_top_k} must be between 1 and "
                              f"model.moe_experts={self.moe_experts}: each token goes to that "

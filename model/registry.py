@@ -132,6 +132,7 @@ def check(config: ModelConfig) -> None:
         raise ModelError(f"model.mlp_hidden={config.mlp_hidden} sets the width of an MLP, and "
                          f"model.mlp={config.mlp} has none; leave it 0 with it")
     check_experts(config)
+    check_selection(config)
     readout = READOUTS[config.readout]
     if not readout.plain:
         if config.tie_embeddings and not readout.shares_embedding:
@@ -290,6 +291,26 @@ def check_mechanisms(config: ModelConfig) -> None:
 
 MOE_FIELDS = ("moe_experts", "moe_shared", "moe_top_k", "moe_hidden", "moe_bias_rate",
               "moe_router", "moe_expert")
+
+
+SPARSE_FIELDS = ("sparse_top_k", "indexer_heads", "indexer_dim")
+
+
+def check_selection(config: ModelConfig) -> None:
+    """The sparse_top_k and indexer_* fields size the lightning indexer of a layer that
+    selects its keys: with none such they would change nothing."""
+    if config.sparse_top_k > config.block_size:
+        raise ModelError(f"model.sparse_top_k={config.sparse_top_k} keeps more keys than the "
+                         f"context model.block_size={config.block_size} holds; give at most "
+                         f"{config.block_size} (0 is a quarter of it)")
+    if any(getattr(MECHANISMS[n].layer, "selects_keys", False) for n in names_used(config)):
+        return
+    for name in SPARSE_FIELDS:
+        default = ModelConfig.__dataclass_fields__[name].default
+        if getattr(config, name) != default:
+            raise ModelError(f"model.{name}={getattr(config, name)} sizes sparse attention's "
+                             f"indexer, and model.mechanism={config.mechanism} has none: set "
+                             f"model.mechanism=sparse with it, or leave it at {default}")
 
 
 def check_experts(config: ModelConfig) -> None:

@@ -56,6 +56,7 @@ def sparse_sizes(config: ModelConfig) -> tuple[int, int, int]:
 
 
 class SparseAttention(MultiHeadAttention):
+    selects_keys = True     # model/registry.py: the model.sparse_top_k and indexer_* fields are its
     # DeepSeek's first stage when True: dense attention, the indexer's loss over every visible
     # key (set by the training step for train.indexer_warmup's steps).
     dense_warmup = False

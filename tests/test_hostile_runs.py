@@ -353,3 +353,13 @@ def test_a_tokenizer_whose_normalizer_panics_the_library_is_one_error_line(tiny_
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(errors) == 1 and "tokenizer.json" in errors[0] and "Replace" in errors[0]
     assert "panicked" not in proc.stderr
+
+
+@pytest.mark.parametrize("model", [{"mechanism": "bogus"}, {"sparse_top_k": -3}])
+def test_a_resume_names_the_checkpoint_whose_config_it_cannot_read(tiny_run, tmp_path, model):
+    """As sampling from it does: the file, and the way on, not the field's complaint alone."""
+    copy = edited(tiny_run, tmp_path, **{"config.json": lambda c: {**c, "model": {**c["model"], **model}}})
+    proc = run_script("train.py", "--resume", copy, check=False, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert "config.json is an unreadable config" in errors[0] and str(copy) in errors[0]

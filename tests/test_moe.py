@@ -398,3 +398,17 @@ def test_a_cuda_graph_is_refused_and_auto_steps_the_static_cache_on_cuda():
     with pytest.raises(ModelError, match="decode='graph' replays one recorded step"):
         decode_mode(model, "graph", True, None, cuda)
     assert decode_mode(plain, "graph", True, None, cuda) == "graph"
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(moe_experts=100_000, moe_top_k=2), "more than 512 experts"),
+    (dict(moe_experts=8, moe_top_k=2, moe_shared=100_000), "more than 512 experts"),
+    (dict(moe_experts=8, moe_top_k=2, moe_bias_rate=1e10), "more than 1 a step"),
+])
+def test_expert_counts_are_bounded_in_time_as_well_as_memory(fields, message):
+    """Each expert is a turn of the forward pass's loop: a count the memory allows can
+    still take minutes a step, so the count is refused before anything is built."""
+    from model.config import ModelError
+    with pytest.raises(ModelError, match=message):
+        GPT(ModelConfig(vocab_size=40, n_layer=1, n_head=2, n_embd=32, block_size=16, mlp="moe",
+                        **fields))

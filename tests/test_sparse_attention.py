@@ -380,3 +380,16 @@ def test_the_indexer_equals_transformers_deepseek_v32_indexer(monkeypatch):
     mine = module.select(index, Mask.over(0, T, T).dense[None, None], torch.arange(T))[:, 0]
     last = slice(TOP_K, None)                # rows with at least k visible keys: a real choice
     assert torch.equal(chosen[:, last].long().sort(-1).values, mine[:, last].sort(-1).values)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(sparse_top_k=4), "model.mechanism=mha has none"),
+    (dict(indexer_heads=2), "model.mechanism=mha has none"),
+    (dict(mechanism="sparse", sparse_top_k=100), "keeps more keys than the context"),
+])
+def test_the_indexers_fields_without_an_indexer_or_past_the_context_are_refused(fields, message):
+    """A field that would change nothing is refused, not ignored."""
+    from model import GPT, ModelConfig
+    from model.config import ModelError
+    with pytest.raises(ModelError, match=message):
+        GPT(ModelConfig(vocab_size=40, n_layer=2, n_head=2, n_embd=32, block_size=32, **fields))
