@@ -171,7 +171,7 @@ def test_run_name_stays_inside_out_dir(name):
 
 
 def test_a_model_too_large_for_the_machine_is_refused_with_the_numbers(corpus, tmp_path):
-    proc = run_script(*tiny(corpus, tmp_path, "huge", "--model.n_layer=99999999999999999999"),
+    proc = run_script(*tiny(corpus, tmp_path, "huge", "--model.n_embd=1048576"),
                       check=False, timeout=60)
     assert proc.returncode == 2 and "GiB free" in proc.stderr and "parameters" in proc.stderr
     assert not (tmp_path / "runs" / "huge").exists()
@@ -631,3 +631,13 @@ def test_ctrl_c_while_the_modules_load_is_one_line_and_status_130(capsys, monkey
     for script in ("train.py", "sample.py"):       # both load torch inside it
         text = (ROOT / script).read_text()
         assert "with interrupt_at_start():" in text.split("def parser")[0]
+
+
+def test_a_stack_of_more_layers_than_the_bound_is_refused_before_any_is_built(corpus, tmp_path):
+    """Every layer is a module even on the meta device: past the bound the count alone is
+    refused, at once, where sizing the model would build each one first."""
+    proc = run_script(*tiny(corpus, tmp_path, "deep", "--model.n_layer=99999999999999999999"),
+                      check=False, timeout=60)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "layers" in errors[0], proc.stderr[-2000:]
+    assert not (tmp_path / "runs" / "deep").exists()
