@@ -43,6 +43,8 @@ def tokenizer_limit(vocab_size: int) -> int:
 VOCAB_LIMIT = 1 << 20          # tokens (the largest real vocabularies hold about 256K)
 PAD_LIMIT = 1 << 16            # a fixed padding or truncation length, in tokens
 WORD_LIMIT = 1 << 10           # WordPiece's longest word, in characters
+SHOWN_UNKNOWN = 20             # an error line names this many characters a text has that a
+                               # character tokenizer lacks, and counts the rest
 SEQUENCE_LIMIT = 8             # parts of a Sequence normalizer, pre-tokenizer or decoder
 PARTS = {
     # part: {type: the fields it may hold besides "type"}; None for a part may be absent
@@ -490,9 +492,11 @@ class CharTokenizer(Tokenizer):
             return [self.stoi[ch] for ch in text]
         except KeyError:
             unknown = sorted(set(text) - self.stoi.keys())
+            shown = ", ".join(repr(c) for c in unknown[:SHOWN_UNKNOWN])
+            more = len(unknown) - SHOWN_UNKNOWN
             raise TokenizerError(
-                "the character tokenizer never saw these characters in its corpus: "
-                + ", ".join(repr(c) for c in unknown)
+                "the character tokenizer never saw these characters in its corpus: " + shown
+                + (f" and {more:,} more" if more > 0 else "")
                 + "; remove them from the text, or train with data.tokenizer=bpe, "
                 "which encodes any text") from None
 

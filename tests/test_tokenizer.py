@@ -205,3 +205,13 @@ def test_a_panic_in_the_library_is_a_tokenizer_error():
         with pytest.raises(TokenizerError, match="failed inside the tokenizers library"):
             call("Speak, speak.")
     assert tok.decode([70, 71]) == BPETokenizer.train([TEXT], 300).decode([70, 71])
+
+
+def test_a_text_of_many_unknown_characters_is_one_short_error_line():
+    """Binary text names 20 of its unknown characters and counts the rest, on one line."""
+    from data.tokenizer import CharTokenizer, TokenizerError
+    tok = CharTokenizer("abc")
+    with pytest.raises(TokenizerError) as err:
+        tok.encode("".join(chr(c) for c in range(256, 1256)))
+    message = str(err.value)
+    assert "and 980 more" in message and len(message) < 400 and "\n" not in message
