@@ -97,14 +97,16 @@ def chunk(q, k, v, beta, log_alpha, state):
     return out, Gamma[:, :, -1, None, None] * state + k.transpose(-2, -1) @ (last * new)
 
 
-def chunked(q, k, v, beta, log_alpha, state, size: int):
+def chunked(q, k, v, beta, log_alpha, state, size: int, step=None):
     """The parallel form for training and prefill: chunks of `size` tokens, each
-    starting from the state the chunks before it left. Returns (B, H, T, D), state."""
+    starting from the state the chunks before it left, through `step` (this file's
+    `chunk`, or KDA's with a decay per channel). Returns (B, H, T, D), state."""
+    step = step or chunk
     outs = []
     for start in range(0, q.shape[-2], size):
         part = slice(start, start + size)
-        out, state = chunk(q[:, :, part], k[:, :, part], v[:, :, part], beta[:, :, part],
-                           log_alpha[:, :, part], state)
+        out, state = step(q[:, :, part], k[:, :, part], v[:, :, part], beta[:, :, part],
+                          log_alpha[:, :, part], state)
         outs.append(out)
     return torch.cat(outs, dim=2), state
 

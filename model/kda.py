@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from model.attention import at_least_fp32
 from model.config import ModelConfig
-from model.deltanet import DeltaNet
+from model.deltanet import DeltaNet, chunked as delta_chunked
 
 # The state is stored as in model/deltanet.py: (B, H, D_k, D_v), row c for key channel c.
 
@@ -98,15 +98,9 @@ def chunk(q, k, v, beta, log_alpha, state):
 
 
 def chunked(q, k, v, beta, log_alpha, state, size: int):
-    """The parallel form for training and prefill: chunks of `size` tokens, each
-    starting from the state the chunks before it left. Returns (B, H, T, D), state."""
-    outs = []
-    for start in range(0, q.shape[-2], size):
-        part = slice(start, start + size)
-        out, state = chunk(q[:, :, part], k[:, :, part], v[:, :, part], beta[:, :, part],
-                           log_alpha[:, :, part], state)
-        outs.append(out)
-    return torch.cat(outs, dim=2), state
+    """The parallel form for training and prefill, DeltaNet's chunk loop over this file's
+    `chunk`. Returns (B, H, T, D), state."""
+    return delta_chunked(q, k, v, beta, log_alpha, state, size, step=chunk)
 
 
 def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
