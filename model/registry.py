@@ -305,12 +305,8 @@ def check_selection(config: ModelConfig) -> None:
                          f"{config.block_size} (0 is a quarter of it)")
     if any(getattr(MECHANISMS[n].layer, "selects_keys", False) for n in names_used(config)):
         return
-    for name in SPARSE_FIELDS:
-        default = ModelConfig.__dataclass_fields__[name].default
-        if getattr(config, name) != default:
-            raise ModelError(f"model.{name}={getattr(config, name)} sizes sparse attention's "
-                             f"indexer, and model.mechanism={config.mechanism} has none: set "
-                             f"model.mechanism=sparse with it, or leave it at {default}")
+    refuse_unused(config, SPARSE_FIELDS, "sizes sparse attention's indexer",
+                  f"model.mechanism={config.mechanism}", "model.mechanism=sparse")
 
 
 def check_experts(config: ModelConfig) -> None:
@@ -326,9 +322,15 @@ def check_experts(config: ModelConfig) -> None:
                          f"that model.moe_router={config.moe_router} does not use: set "
                          "model.moe_bias_rate=0 with it")
     if not routes:
-        for name in MOE_FIELDS:
-            default = ModelConfig.__dataclass_fields__[name].default
-            if getattr(config, name) != default:
-                raise ModelError(f"model.{name}={getattr(config, name)} sets up a mixture of "
-                                 f"experts, and model.mlp={config.mlp} has none: set "
-                                 f"model.mlp=moe with it, or leave it at {default}")
+        refuse_unused(config, MOE_FIELDS, "sets up a mixture of experts",
+                      f"model.mlp={config.mlp}", "model.mlp=moe")
+
+
+def refuse_unused(config: ModelConfig, names, does: str, chosen: str, way: str) -> None:
+    """A field among `names` set away from its default where the `chosen` variant has no
+    part it would size: refused, since it would change nothing."""
+    for name in names:
+        default = ModelConfig.__dataclass_fields__[name].default
+        if getattr(config, name) != default:
+            raise ModelError(f"model.{name}={getattr(config, name)} {does}, and {chosen} has "
+                             f"none: set {way} with it, or leave it at {default}")
