@@ -15,6 +15,7 @@ import argparse
 import os
 import re
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -28,7 +29,8 @@ with interrupt_at_start():          # torch loads here
     from engine.cli import Parser, add_config_options, errors_as_lines
 
 
-def parser() -> Parser:
+def parser(shown=None) -> Parser:
+    """`shown`: (preset name, its config), whose values --help gives as the defaults."""
     instead = ("train.py takes a run to continue as --resume RUN_DIR, and a run, checkpoint "
                "or transformers folder to start from as --init_from SRC")
     p = Parser("python train.py", __doc__, usage="python train.py [--config PRESET|FILE] "
@@ -51,7 +53,11 @@ def parser() -> Parser:
                         "--model.mechanism=yours find your code (python -m attnlab.exercises; "
                         "default: my_attention where yours is named on this command line; a "
                         "run resumed or started from that uses yours needs it given)")
-    add_config_options(p)
+    if shown is not None:
+        note = (f"The defaults shown are the {shown[0]} preset's (a field it does not set, the "
+                "built-in value): what this command trains; --config NAME --help shows another's.")
+        p.epilog = "\n\n".join(filter(None, [p.epilog, textwrap.fill(note, 92)]))
+    add_config_options(p, shown=None if shown is None else shown[1])
     p.add_argument("--init_from", dest="train.init_from", metavar="SRC", help="the same as "
                    "--train.init_from: start from a run, checkpoint or transformers folder",
                    default=argparse.SUPPRESS)
@@ -62,7 +68,7 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     from attnlab.exercises import plug
     plug.install()                        # `yours`: the learner's code, as a registry entry
-    args = parser().parse_args(budget_joined(argv))
+    args = parser(help_preset(argv)).parse_args(budget_joined(argv))
     from engine import distributed
     from engine.config import describe
     from engine.loop import train
@@ -218,6 +224,25 @@ def budget_joined(argv: list[str]) -> list[str]:
     elif re.fullmatch(r"[\d.]+", out[i + 1]) and re.fullmatch(r"[hms]", "".join(out[i + 2:i + 3])):
         out[i:i + 3] = [f"--budget={out[i + 1]}{out[i + 2]}"]
     return out
+
+
+def help_preset(argv: list[str]):
+    """(name, config) of the preset the command would train with, for --help to show its
+    values as the defaults; None when no help is asked for or the preset cannot be read
+    (the command itself then says why)."""
+    if not {"-h", "--help"} & set(argv):
+        return None
+    from engine import config
+    from engine.device import pick_device
+    given = [a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+             for i, a in enumerate(argv) if a.split("=", 1)[0] in ("--config", "--preset")]
+    name = given[-1] if given else {"cuda": "gpu", "mps": "mps"}.get(pick_device().type, "cpu")
+    cfg = config.RunConfig()
+    try:
+        config.load_preset(cfg, name)
+    except Exception:                     # noqa: BLE001 - help still shows the built-in defaults
+        return None
+    return name, cfg
 
 
 def default_preset(args) -> str:

@@ -77,15 +77,20 @@ class Parser(argparse.ArgumentParser):
         return any(a.dest.startswith(section + ".") for a in self._actions)
 
 
-def add_config_options(parser: Parser, sections=tuple(config.SECTIONS), short: tuple = ()):
+def add_config_options(parser: Parser, sections=tuple(config.SECTIONS), short: tuple = (),
+                       shown: RunConfig | None = None):
     """--section.key for every field of each section; fields of the sections in
-    `short` may also be given without their prefix (sample.py's --temperature)."""
+    `short` may also be given without their prefix (sample.py's --temperature).
+    `shown`: the config whose values --help gives as the defaults (train.py's preset),
+    rather than the dataclasses' built-in ones, which no preset trains with."""
     for section in sections:
         cls = config.SECTIONS[section]
         group = parser.add_argument_group(f"[{section}]")
         types = config.field_types(cls)
         for f in fields(cls):
             default = f.default if f.default is not MISSING else f.default_factory()
+            if shown is not None:
+                default = getattr(getattr(shown, section), f.name)
             choices = config.choices_of(f)
             text = f.metadata.get("help", "")
             if choices:

@@ -307,3 +307,19 @@ def test_an_empty_config_file_is_refused_rather_than_training_the_built_in_defau
     empty.write_text("")
     with pytest.raises(ConfigError, match="sets nothing.*give a preset's name"):
         cli.build(str(empty), [])
+
+
+@pytest.mark.parametrize("argv, preset", [([], "cpu"), (["--config", "gemma3"], "gemma3"),
+                                          (["--config=tiny"], "tiny")])
+def test_help_gives_the_defaults_of_the_preset_the_command_trains(argv, preset):
+    # The built-in 6 x 384 model is no preset's: --help shows what this command would train.
+    from train import help_preset, parser
+    shown = help_preset(argv + ["--help"])
+    text = " ".join(parser(shown).format_help().split())
+    cfg = config.RunConfig()
+    config.load_preset(cfg, preset)
+    assert shown[0] == preset
+    assert f"model width d_model (default: {cfg.model.n_embd})" in text
+    assert f"number of Transformer blocks (default: {cfg.model.n_layer})" in text
+    assert f"the {preset} preset's" in text
+    assert help_preset(argv) is None                         # no help asked for: nothing read
