@@ -197,25 +197,49 @@ class LatentAttention(nn.Module):
         the one latent and the one rotary key, so the heads are rows of one product:
         the cache is read once a step, not once a head."""
         B, H, Tq, D = q_c.shape
-        Tk = state.latent.shape[1]
         w_uk, w_uv = self.w_ukv.weight.view(2, H, D, self.rank).unbind(0)   # (H, D, r) each
         # [q_C·W_UK | q_R]·[c_kv | k_R]ᵀ = q_C·k_Cᵀ + q_R·k_Rᵀ, every head's row at once. The
         # scale 1/√(d_h + d_R) goes on the queries, H·(r + d_R) numbers instead of H·Tk.
         # W_UK's bias, if any, would add q_C·b_K to every score of a row alike, which the
         # softmax does not see: it is left out.
         q = torch.cat([q_c @ w_uk, q_r], dim=-1) / math.sqrt(D + self.rope_dim)
+        if need_weights or (self.training and self.dropout):
+            mixed, weights, dropped = self._absorbed_weights(q, state, mask)
+        else:
+            mixed, weights, dropped = self._absorbed_fused(q, state, mask), None, None
+        out = mixed @ w_uv.transpose(-2, -1)                          # (B, H, Tq, D)
+        if self.w_ukv.bias is not None:      # Σ_j w_j·b_V: b_V itself, unless dropout thinned w
+            b_v = self.w_ukv.bias.view(2, H, 1, D)[1]
+            out = out + (b_v if dropped is None else dropped.sum(-1, keepdim=True) * b_v)
+        return out, weights
+
+    def _absorbed_fused(self, q, state: LatentState, mask: Mask):
+        """w·c_kv, (B, H, Tq, r), through SDPA's fused kernel: the heads' queries are rows
+        of one query block against the one latent, which is both the keys and (its first
+        r numbers) the values. The kernel reads each block of the latent once for both,
+        where two products (`_absorbed_weights`) read the whole cache twice a step."""
+        B, H, Tq, _ = q.shape
+        latent = state.latent.unsqueeze(1)                            # (B, 1, Tk, r + d_R)
+        seen = None
+        if not mask.sees_everything:          # the rule's rows, once for each head's queries
+            seen = mask.dense.repeat(*([1] * (mask.dense.dim() - 2)), H, 1)
+        mixed = F.scaled_dot_product_attention(q.reshape(B, 1, H * Tq, -1), latent, latent,
+                                               attn_mask=seen, scale=1.0)
+        return mixed[..., :self.rank].view(B, H, Tq, self.rank)
+
+    def _absorbed_weights(self, q, state: LatentState, mask: Mask):
+        """(w·c_kv, w, w after dropout): the scores against the latent, their softmax w, and the weighted sum
+        of latents, as two products, when the weights are wanted or dropped out."""
+        B, H, Tq, _ = q.shape
+        Tk = state.latent.shape[1]
         scores = torch.bmm(q.reshape(B, H * Tq, -1), state.latent.transpose(1, 2))
         scores = scores.view(B, H, Tq, Tk)
         if not mask.sees_everything:
             # Hidden keys get -inf: exp(-inf) = 0, no weight from the future or an empty slot.
             scores = scores.masked_fill(~mask.dense, float("-inf"))
         weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)),
-                                dim=-1).to(q_c.dtype)
+                                dim=-1).to(q.dtype)
         dropped = F.dropout(weights, self.dropout) if self.training and self.dropout else weights
-        # (w·c_kv)·W_UV: the weighted sum of latents, then each head's value projection.
+        # (w·c_kv)·W_UV: the weighted sum of latents here, each head's value projection after.
         mixed = torch.bmm(dropped.view(B, H * Tq, Tk), state.c_kv).view(B, H, Tq, self.rank)
-        out = mixed @ w_uv.transpose(-2, -1)                          # (B, H, Tq, D)
-        if self.w_ukv.bias is not None:      # Σ_j w_j·b_V: b_V itself, unless dropout thinned w
-            b_v = self.w_ukv.bias.view(2, H, 1, D)[1]
-            out = out + dropped.sum(-1, keepdim=True) * b_v
-        return out, (weights if need_weights else None)
+        return mixed, weights, dropped

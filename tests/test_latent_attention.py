@@ -195,6 +195,14 @@ def forms_error(module=latent) -> float:
     return max((a[0] - u[0]).abs().max().item() for a, u in zip(absorbed, up))
 
 
+def weights_forms_error(module=latent) -> float:
+    """forms_error with the weights asked for: the absorbed form's two products."""
+    m = layer(module.LatentAttention, bias=True, **SIZES)
+    absorbed, up = both_forms(m, inputs(), (4, 1, 1, 3, 1, 1), need_weights=True)
+    return max(max((a[0] - u[0]).abs().max().item(), (a[1] - u[1]).abs().max().item())
+               for a, u in zip(absorbed, up))
+
+
 def in_form(check, form):
     def run(module=latent):
         return check(module, form=form)
@@ -218,14 +226,24 @@ PLANTED = [
     ("no causal mask", "        return backend(q, k, v, mask, dropout_p, need_weights)",
      "        return backend(q, k, v, Mask.over(0, q.shape[2], k.shape[2], causal=False), "
      "dropout_p, need_weights)", in_form(leak, "up-projected")),
-    ("no causal mask in the absorbed form", "        if not mask.sees_everything:",
-     "        if False:", in_form(leak, "absorbed")),
+    ("no causal mask in the absorbed form", "        if not mask.sees_everything:          #",
+     "        if False:          #", in_form(leak, "absorbed")),
+    ("no causal mask on the absorbed form's weights",
+     "            scores = scores.masked_fill(~mask.dense, float(\"-inf\"))",
+     "            scores = scores", weights_forms_error),
+    ("the rule's rows in the wrong order for the heads' queries",
+     "mask.dense.repeat(*([1] * (mask.dense.dim() - 2)), H, 1)",
+     "mask.dense.repeat_interleave(H, dim=-2)", forms_error),
     ("the absorbed scores without the rotary part", "torch.cat([q_c @ w_uk, q_r], dim=-1)",
      "torch.cat([q_c @ w_uk, 0 * q_r], dim=-1)", in_form(reference_error, "absorbed")),
     ("the absorbed scores not scaled", " / math.sqrt(D + self.rope_dim)\n", "\n",
      in_form(reference_error, "absorbed")),
     ("W_UV's bias left out of the absorbed output",
-     "            out = out + dropped.sum(-1, keepdim=True) * b_v", "            out = out", forms_error),
+     "            out = out + (b_v if dropped is None else dropped.sum(-1, keepdim=True) * b_v)",
+     "            out = out", forms_error),
+    ("W_UV's bias left out of the absorbed output with its weights",
+     "            out = out + (b_v if dropped is None else dropped.sum(-1, keepdim=True) * b_v)",
+     "            out = out + (b_v if dropped is None else 0)", weights_forms_error),
     ("the absorbed form chosen for a whole sequence",
      "        return q_len * k_len * (r - D) + q_len * r * D < k_len * r * D",
      "        return True", lambda module=latent: float(module.LatentAttention(config(), 0).absorbs(T, T))),
