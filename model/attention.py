@@ -127,10 +127,6 @@ class Mask:
                 and self.q_start == 0 and self.q_len == self.k_pos.shape[0])
 
     @property
-    def is_square_causal(self) -> bool:
-        return self.is_whole_sequence and not self.window and self.bias_fn is None
-
-    @property
     def sees_everything(self) -> bool:
         if self.key_padding is not None:
             return False
@@ -190,7 +186,7 @@ def eager_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: b
 def sdpa_mask(mask: Mask, dtype: torch.dtype):
     """The rule as F.scaled_dot_product_attention takes it: (attn_mask, is_causal), an
     additive mask built in `dtype` where ALiBi's bias rides along."""
-    if mask.is_square_causal:                              # training: the built-in triangle
+    if mask.is_whole_sequence and not mask.window and mask.bias_fn is None:   # the triangle
         return None, True
     if mask.bias is not None:                              # ALiBi: bias and mask in one
         return mask.additive(dtype), False

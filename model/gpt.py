@@ -93,10 +93,6 @@ class GPT(nn.Module):
             block.mechanism.init(block.attn, config)
             if block.mlp is not None:
                 nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
-        if config.zero_head:
-            # Every logit 0 at the start: the first steps move the readout towards the
-            # tokens' frequencies before any gradient reaches the blocks through it.
-            nn.init.zeros_(self.lm_head.weight)
 
     @staticmethod
     def _init_weights(module):
@@ -224,7 +220,7 @@ class GPT(nn.Module):
 
 
 # Fields that, set, ask for a part the plain GPT does not have (GPTWithVariants builds it).
-VARIANT_FIELDS = ("n_token_types", "value_embeds", "skip_connections", "logit_softcap",
+VARIANT_FIELDS = ("n_token_types", "value_embeds", "skip_connections", "zero_head", "logit_softcap",
                   "full_attention_every", "mtp_depth", "embed_scale", "qk_norm_weight",
                   "score_scale", "rope_local_theta")
 
@@ -286,6 +282,10 @@ class GPTWithVariants(GPT):
 
     def _init_all(self, config: ModelConfig):
         super()._init_all(config)
+        if config.zero_head:
+            # Every logit 0 at the start: the first steps move the readout towards the
+            # tokens' frequencies before any gradient reaches the blocks through it.
+            nn.init.zeros_(self.lm_head.weight)
         for module in self.mtp.depths if self.mtp is not None else ():
             # The modules' blocks write into a residual stream too: GPT-2's scaling.
             block = module.block

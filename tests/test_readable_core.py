@@ -20,18 +20,18 @@ from model import GPT, ModelConfig
 from model.registry import check
 
 # (fields over the cpu preset's model, backend, precision) -> (lines, files). Beside
-# nanoGPT's 83 for the same build and pass, the default's 153 carry what nanoGPT has not:
+# nanoGPT's 83 for the same build and pass, the default's 151 carry what nanoGPT has not:
 # RoPE (its tables, and one turn per pass shared by every layer's q and k: 23), the one
-# mask rule every backend and cache reads (Mask and mask_for: 12), the KV cache, GQA,
+# mask rule every backend and cache reads (Mask and mask_for: 11), the KV cache, GQA,
 # QK-norm and value-embedding branches of the shared prologue (4), the hook points a
 # tool reads (2) and the registries' lookups.
 BUDGETS = {
-    "cpu preset, fp32 (sdpa)": ({}, "sdpa", torch.float32, 153, 4),
-    "cpu preset, bf16 (the formula)": ({}, "eager", torch.bfloat16, 167, 4),
-    "learned positions": ({"position": "learned"}, "sdpa", torch.float32, 135, 4),
+    "cpu preset, fp32 (sdpa)": ({}, "sdpa", torch.float32, 151, 4),
+    "cpu preset, bf16 (the formula)": ({}, "eager", torch.bfloat16, 166, 4),
+    "learned positions": ({"position": "learned"}, "sdpa", torch.float32, 133, 4),
     # its own maths (model/linear_attention.py, no kernel: auto stays auto) and the
     # config's head size
-    "linear attention": ({"mechanism": "linear"}, "auto", torch.float32, 139, 6),
+    "linear attention": ({"mechanism": "linear"}, "auto", torch.float32, 138, 6),
 }
 CPU_PRESET = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=65)
 
