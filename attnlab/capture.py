@@ -254,8 +254,8 @@ def installed(hooks):
 
                 def call(*args, own=own, fn=fn):
                     result = own(*args)
-                    fn(args, result)
-                    return result
+                    replaced = fn(args, result)
+                    return result if replaced is None else replaced
                 object.__setattr__(module, name, call)
                 wrapped.append((module, name))
                 continue
