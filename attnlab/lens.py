@@ -114,11 +114,15 @@ def switched_off(model, layer: int, piece: str, expert: int | None = None):
                 block.attn.sinks.copy_(kept)
         return
     if piece == "chosen":
+        own = vars(block.attn).get("dense_warmup")            # a setting of this layer's own
         object.__setattr__(block.attn, "dense_warmup", True)   # the indexer's dense stage
         try:
             yield
         finally:
-            object.__delattr__(block.attn, "dense_warmup")
+            if own is None:
+                object.__delattr__(block.attn, "dense_warmup")
+            else:
+                object.__setattr__(block.attn, "dense_warmup", own)
         return
     if piece == "gate":
         hooks = [(block.attn.w_gate, "post", lambda m, a, out: torch.full_like(out, float("inf")))]

@@ -4,9 +4,8 @@ lightning indexer's chosen keys against full attention (DeepSeek-V3.2). `python 
 attnlab.heads sinks | gates | chosen` print them, the page shows them for the token
 clicked, and `python -m attnlab.experts` prints each token's experts. Every number comes
 from attnlab/capture.py's record of the forward pass (blocks.l.sink, .gate, .chosen,
-.full_pattern, .experts).
-
-A piece a view cannot show, in one line each (PIECE_LIMITS): the docs list them."""
+.full_pattern, .experts). What a view cannot show of a piece, and why, is said in
+docs/looking_inside.md."""
 from __future__ import annotations
 
 import torch
