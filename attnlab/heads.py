@@ -9,6 +9,7 @@ head where one word looks most at another, and what each head tends to do.
     python -m attnlab.heads sinks  --run runs/NAME --text "..."   # a learned sink's share of each row
     python -m attnlab.heads gates  --run runs/NAME --text "..."   # each head's gate openness
     python -m attnlab.heads chosen --run runs/NAME --text "..."   # the indexer's keys vs full attention
+                                                                  # (and a figure of them)
 
 Rows of a heatmap are the tokens looking (queries), columns the tokens looked at
 (keys); each row sums to 1 (a softmax's; differential attention's rows sum to 1 - λ and
@@ -241,7 +242,7 @@ def parser() -> Parser:
     p.add_argument("what", choices=["grid", "head", "search", "stats", "html", *PIECE_VIEWS])
     add_run_options(p)
     p.add_argument("--text", default="", help="the sentence to look at")
-    p.add_argument("--out", type=out_option, default=None, help="output path (PNG for grid and head, HTML for "
+    p.add_argument("--out", type=out_option, default=None, help="output path (PNG for grid, head and chosen, HTML for "
                    "html) or folder; default: the run's figures/ folder")
     p.add_argument("--layer", type=int, default=None,
                    help="head: the layer (default 0); grid: draw only this layer; sinks, gates, "
@@ -309,24 +310,24 @@ def main(argv=None) -> int:
     if argv and argv[0] in FORWARDED:
         return forward(argv[0], argv[1:])
     args = parser().parse_args(argv)
-    # Only grid, head and html write a file; search and stats print.
-    writes = args.what in ("grid", "head", "html")
+    # Only grid, head, html and chosen write a file; the others print.
+    writes = args.what in ("grid", "head", "html", "chosen")
     if args.out and not writes:                # else taken and ignored, as if written there
         raise AttnlabError(f"--out {args.out}: heads {args.what} prints its answer and writes "
-                           "no file; drop --out (grid, head and html write one)")
+                           "no file; drop --out (grid, head, html and chosen write one)")
     refuse_unused_layer_options(args)
-    if args.what in ("grid", "head"):
+    if args.what in ("grid", "head", "chosen"):
         check_figure_out(args.out)
     elif args.what == "html":
         refuse_a_path_through_a_file(args.out or ".")
         if Path(args.out or "").suffix.lower() not in ("", ".html", ".htm") and not Path(args.out or ".").is_dir():
             raise AttnlabError(f"--out {args.out}: the head view is a web page; name it .html")
     model, _, tokenizer, ckpt = load(args)
+    if writes and not args.out:
+        args.out = default_out(ckpt)
     if args.what in PIECE_VIEWS:
         print("\n".join(piece_view(args, model, tokenizer)))
         return 0
-    if writes and not args.out:
-        args.out = default_out(ckpt)
     # html hands bertviz every layer; the others draw or rank the layers that have weights.
     tokens, maps = attention_maps(model, tokenizer, args.text, per_layer=args.what != "html")
     if other_paths(model.config):
@@ -374,7 +375,10 @@ def piece_view(args, model, tokenizer) -> list[str]:
     if args.what == "gates":
         return pieces.gate_lines(tokens, reads, args.layer)
     top_k = model.blocks[next(iter(reads))].attn.top_k
-    return pieces.chosen_lines(tokens, reads, args.layer, top_k)
+    lines = pieces.chosen_lines(tokens, reads, args.layer, top_k)
+    layer = pieces.pick_layer(reads, args.layer, lambda r: -pieces.chosen_numbers(r)[0].mean())
+    return lines + ["wrote " + str(pieces.save_chosen(out_path(args.out, f"indexer_chosen_l{layer}.png"),
+                                                      tokens, reads, layer))]
 
 
 def print_stats(maps, config) -> None:

@@ -8,9 +8,12 @@ from attnlab/capture.py's record of the forward pass (blocks.l.sink, .gate, .cho
 docs/looking_inside.md."""
 from __future__ import annotations
 
+import textwrap
+
 import torch
 
 from attnlab.capture import check_context, pieces_of, run_with_cache
+from attnlab.plotting import NUMBERING, draw_weights, label_tokens, pyplot, save_figure, weight_scale
 from common.errors import AttnlabError
 
 # view -> (the capture names it reads, what it is called, how to train a model that has it)
@@ -141,6 +144,30 @@ def chosen_lines(tokens, reads, layer: int | None, top_k: int) -> list[str]:
         lines.append(f"{t:>4} {shown(token):>8} {int(sees[t]):5d} {int(k[t]):6d} "
                      f"{share[:, t].mean():14.3f}  {miss}")
     return lines
+
+
+def save_chosen(path, tokens, reads, layer: int):
+    """Layer `layer`'s full attention, one panel a head, with a dot on each key the
+    indexer chose for each query: where the dots miss the bright cells, the sparse layer
+    reads keys full attention would not have weighed, and drops ones it would."""
+    plt = pyplot()
+    full, chosen = reads[layer]["full_pattern"], reads[layer]["chosen"]
+    H = full.shape[0]
+    fig, axes = plt.subplots(1, H, figsize=(4.2 * H + 1.2, 4.6), squeeze=False, layout="constrained")
+    rows, cols = chosen.nonzero(as_tuple=True)
+    for h, ax in enumerate(axes[0]):
+        image = draw_weights(ax, full[h], f"layer {layer}, head {h}")
+        ax.scatter(cols.numpy(), rows.numpy(), s=6, c="#d94801", marker="o", label="chosen by the indexer")
+        label_tokens(ax, tokens, fontsize=6)
+        if h:
+            ax.tick_params(labelleft=False)
+    fig.suptitle(textwrap.fill(f"full attention (the softmax over every visible key); dots: the "
+                               f"keys the indexer chose, the only ones layer {layer} reads. "
+                               f"{NUMBERING}", 45 * H), fontsize=9)
+    fig.supxlabel("token looked at (key)")
+    fig.supylabel("token looking (query)")
+    weight_scale(fig, image, axes.ravel().tolist(), "full attention's weight")
+    return save_figure(fig, path, dpi=100)
 
 
 def pick_layer(reads, layer: int | None, score) -> int:

@@ -540,10 +540,18 @@ def test_heads_chosen_weighs_the_indexers_keys_by_full_attention(tmp_path, monke
     top_k = 5
     model, tok = piece_model(tmp_path, monkeypatch, mechanism="sparse", n_head=2, sparse_top_k=top_k,
                              position="none")
-    heads.main(["chosen", "--text", PIECE_TEXT])
+    from attnlab import pieces
+    drawn = []
+    monkeypatch.setattr(pieces, "save_figure", lambda fig, path, dpi: drawn.append(fig) or path)
+    heads.main(["chosen", "--text", PIECE_TEXT, "--out", str(tmp_path / "c.png")])
     out = capsys.readouterr().out
     _, cache = run_with_cache(model, torch.tensor([tok.encode(PIECE_TEXT)]))
     T = len(PIECE_TEXT)
+    layer = int(re.search(r"each token, layer (\d)", out)[1])
+    dots = {tuple(map(int, xy)) for ax in drawn[-1].axes for c in ax.collections
+            for xy in c.get_offsets()}                 # (key, query): one dot per chosen key
+    assert dots == {(k, q) for q, k in zip(*np.nonzero(cache[f"blocks.{layer}.chosen"][0].numpy()))}
+    assert f"wrote {tmp_path / 'c.png'}" in out
     picking = np.arange(T) + 1 > top_k                         # queries that see more than k keys
     rows = table(out, 2)
     assert sorted(rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
