@@ -612,6 +612,10 @@ def test_a_step_shows_what_each_piece_did_for_its_query(pieces_run):
     context = torch.tensor([ids[:12]])
     _, cache = run_with_cache(model, context)
     assert gate["gate"] == pytest.approx(cache["blocks.1.gate"][0, -1].tolist(), abs=1e-4)
+    q, k = cache["blocks.2.q"][0, :, -1].double(), cache["blocks.2.k"][0].double()   # the last query sees all
+    k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+    full = torch.softmax(torch.einsum("hd,htd->ht", q, k) / q.shape[-1] ** 0.5, dim=-1)
+    assert sparse["full_on_chosen"] == pytest.approx(full[:, sparse["chosen"]].sum(-1).tolist(), abs=1e-3)
     u = {}
     hooks = [b.mlp.register_forward_pre_hook(lambda m, a, l=l: u.__setitem__(l, a[0][0, -1:]))
              for l, b in enumerate(model.blocks)]
@@ -675,6 +679,8 @@ def test_the_page_shows_what_each_piece_did_in_a_real_browser(pieces_run):
         shown = [float(x) for x in re.findall(r"\d+: ([\d.]+)", lines[1].split(";")[0])]
         assert shown == pytest.approx(gate["gate"], abs=0.00051)
         assert f"the indexer chose {len(sparse['chosen'])} of {len(step['keys'])} keys" in lines[2]
+        shown = [float(x) for x in re.findall(r"\d+: ([\d.]+)%", lines[2].split(";")[1])]
+        assert shown == pytest.approx([100 * v for v in sparse["full_on_chosen"]], abs=0.051)
         for line, piece in zip(lines, step["pieces"]):
             shown = re.findall(r"(\d+) \(weight ([\d.]+)\)", line)
             assert [int(e) for e, _ in shown] == [e for e, _ in piece["experts"]]

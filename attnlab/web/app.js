@@ -234,14 +234,14 @@ function drawPieces(att) {
   box.querySelectorAll(".piece").forEach((p) => p.remove());
   const rows = (att.pieces || []).flatMap((p, l) => (p ? [[l, p]] : []));
   box.hidden = !rows.length;
-  const perHead = (xs, fmt) => xs.map((x, h) => `${h}: ${fmt(x)}`).join("  ");
+  const perHead = (xs, fmt) => xs.map((x, h) => `head ${h}: ${fmt(x)}`).join(", ");
   const percent = (x) => `${(x * 100).toFixed(1)}%`;
   for (const [l, p] of rows) {
     const parts = [];
-    if (p.sink) parts.push(`the sink's share of each head's row ${perHead(p.sink, percent)}`);
-    if (p.gate) parts.push(`gate openness per head ${perHead(p.gate, (x) => x.toFixed(3))}`);
+    if (p.sink) parts.push(`the sink's share of each head's row (${perHead(p.sink, percent)})`);
+    if (p.gate) parts.push(`gate openness (${perHead(p.gate, (x) => x.toFixed(3))})`);
     if (p.chosen) parts.push(`the indexer chose ${p.chosen.length} of ${att.keys.length} keys; ` +
-                             `full attention's weight on them per head ${perHead(p.full_on_chosen, percent)}`);
+                             `full attention's weight on them (${perHead(p.full_on_chosen, percent)})`);
     if (p.experts) parts.push(`experts ${p.experts.map(([e, w]) => `${e} (weight ${w.toFixed(3)})`).join(", ")}`);
     const line = document.createElement("div");
     line.className = "piece";
