@@ -15,6 +15,20 @@ Names, for each layer l (B batch, T tokens, H heads, D = d_k, C = n_embd):
   blocks.l.attn_out    (B, T, C)     the attention sublayer's output (after W_O)
   blocks.l.mlp_out     (B, T, C)     the MLP sublayer's output
   blocks.l.resid_post  (B, T, C)     the residual stream leaving the block
+and, where a layer has the piece (the model-card mechanisms and the experts):
+  blocks.l.sink        (B, H, T)     the weight each query's row gives its head's learned sink
+                                     (model.mechanism=sinks): 1 - the row's sum over the keys
+  blocks.l.gate        (B, T, H)     each head's gate openness per token, the mean of
+                                     σ(x·W_G) over its d_k channels (model.mechanism=gated)
+  blocks.l.index       (B, T, T)     the lightning indexer's scores I_{t,s} (model.mechanism=
+                                     sparse), -inf where the mask hides the key
+  blocks.l.chosen      (B, T, T)     True at the keys the indexer chose for each query (and
+                                     the mask lets it see): the only keys its softmax reads
+  blocks.l.full_pattern (B, H, T, T) the softmax over every visible key that the same q and k
+                                     give: what dense attention would weigh
+  blocks.l.experts     (B, T, k)     the routed experts each token went to, heaviest first
+                                     (model.mlp=moe), and blocks.l.expert_weights (B, T, k) their
+                                     gate weights
 and final_norm (B, T, C), the last residual stream after the final norm, whose product
 with the output layer is the logits. In a model with model.value_embeds, `v` is x·W_V
 with the token's value embedding added (what the weighted sum uses); with
@@ -25,7 +39,10 @@ block (so it is not the previous resid_post). A layer whose mechanism has no wei
 Everything is read with forward hooks on the model's own modules and removed
 afterwards; q, k and v come from the attention module's identity hook points (hook_q,
 hook_k, hook_v), so they are what the softmax used, QK-norm and positions included,
-and a model with no hook set runs exactly as before. attnlab/lens.py switches parts
+and a model with no hook set runs exactly as before. What a piece decides inside its
+own forward (the indexer's choice, the router's) is read by wrapping that method of the
+one module while capturing (the instance's attribute, deleted afterwards), so the
+record is the model's own decision, not a second computation of it. attnlab/lens.py switches parts
 off and swaps them between prompts with the same hooks.
 """
 from __future__ import annotations
@@ -43,6 +60,26 @@ from model.mechanisms import MECHANISMS, names_used
 
 from model.layers import layer_names, mechanisms_of
 PER_LAYER = ("resid_pre", "q", "k", "v", "pattern", "z", "attn_out", "mlp_out", "resid_post")
+# What the model-card pieces add, read only where a layer has the piece (pieces_of).
+PIECES = ("sink", "gate", "index", "chosen", "full_pattern", "experts", "expert_weights")
+
+
+def pieces_of(model, layer: int) -> tuple[str, ...]:
+    """The names of PIECES that layer `layer` has, known by the parts each piece brings:
+    a learned sink logit per head, a gate matrix W_G, an indexer that selects keys, a
+    router that sends tokens to experts."""
+    block = model.blocks[layer]
+    attn, mlp = block.attn, block.mlp
+    has = set()
+    if isinstance(getattr(attn, "sinks", None), torch.nn.Parameter):
+        has.add("sink")
+    if isinstance(getattr(attn, "w_gate", None), torch.nn.Linear):
+        has.add("gate")
+    if getattr(attn, "selects_keys", False):
+        has |= {"index", "chosen", "full_pattern"}
+    if getattr(mlp, "routes_tokens", False):
+        has |= {"experts", "expert_weights"}
+    return tuple(n for n in PIECES if n in has)
 
 
 def layer_reads(model, layer: int) -> tuple[str, ...]:
@@ -54,7 +91,7 @@ def layer_reads(model, layer: int) -> tuple[str, ...]:
     missing |= {n for n in "qkv" if not hasattr(attn, f"hook_{n}")}
     missing |= set() if hasattr(attn, "w_o") else {"z"}
     missing |= set() if model.blocks[layer].mlp is not None else {"mlp_out"}   # model.mlp=none
-    return tuple(n for n in PER_LAYER if n not in missing)
+    return tuple(n for n in PER_LAYER if n not in missing) + pieces_of(model, layer)
 
 
 def names(model) -> list[str]:
@@ -134,6 +171,7 @@ def _hooks_for(model, cache: dict, only: set[str] | None):
                 cache[p + "mlp_out"] = output.detach()
 
         has = layer_reads(model, layer)
+        out += _piece_hooks(block, p, has, want, cache)
         out += [(block, "pre", block_pre), (block, "post", block_post),
                 (block.attn, "post", attn_post),
                 *((getattr(block.attn, f"hook_{n}"), "post", read(n)) for n in "qkv" if n in has),
@@ -147,19 +185,88 @@ def _hooks_for(model, cache: dict, only: set[str] | None):
     return out
 
 
+def _piece_hooks(block, p: str, has, want, cache: dict):
+    """The hooks that read what layer `block`'s pieces add (PIECES), as _hooks_for's."""
+    attn, out = block.attn, []
+    if "sink" in has:
+        def sink(module, args, output):
+            # The sink's column is dropped from the weights handed back, so what a row
+            # misses of 1 is exactly the sink's share of its softmax.
+            if want(p + "sink") and output[1] is not None:
+                cache[p + "sink"] = 1 - output[1].float().sum(-1)           # (B, H, T)
+        out.append((attn, "post", sink))
+    if "gate" in has:
+        def gate(module, args, output, H=attn.n_head):
+            if want(p + "gate"):
+                B, T, C = output.shape                                      # x·W_G, before σ
+                cache[p + "gate"] = torch.sigmoid(output.float()).view(B, T, H, C // H).mean(-1)
+        out.append((attn.w_gate, "post", gate))
+    if "chosen" in has:
+        def select(args, chosen, module=attn):
+            index, visible = args[0], args[1]                               # (B, Tq, Tk), mask
+            if want(p + "index"):
+                cache[p + "index"] = index.float().masked_fill(~visible[:, 0], float("-inf"))
+            if want(p + "chosen"):
+                picked = torch.zeros_like(index, dtype=torch.bool).scatter(-1, chosen[:, 0], True)
+                cache[p + "chosen"] = picked & visible[:, 0]                 # (B, Tq, Tk)
+            if want(p + "full_pattern"):
+                cache["_visible" + p] = visible
+
+        def masked(args, result, module=attn):
+            q, k, mask = args[0], args[1], args[3]
+            if want(p + "full_pattern"):
+                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)    # GQA: one per group
+                # The layer's own scaling (√d_k, ALiBi's bias), every visible key kept.
+                scores = module.scaled(q.float() @ k.float().transpose(-2, -1), mask)
+                visible = cache.pop("_visible" + p)
+                cache[p + "full_pattern"] = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+        out += [(attn, "method:select", select), (attn, "method:masked", masked)]
+    if "experts" in has:
+        routed = {}
+
+        def route(args, result):
+            routed["last"] = result                                         # (N, k) each
+
+        def mlp_post(module, args, output):
+            weights, chosen = routed.pop("last")
+            B, T = args[0].shape[:2]
+            order = weights.argsort(dim=-1, descending=True, stable=True)   # heaviest first
+            if want(p + "experts"):
+                cache[p + "experts"] = chosen.gather(-1, order).view(B, T, -1)
+            if want(p + "expert_weights"):
+                cache[p + "expert_weights"] = weights.gather(-1, order).float().view(B, T, -1)
+        out += [(block.mlp, "method:route", route), (block.mlp, "post", mlp_post)]
+    return out
+
+
 @contextmanager
 def installed(hooks):
     """Forward hooks, as (module, "pre" | "post", function) triples, set while inside
-    the block and removed however it is left."""
-    handles = []
+    the block and removed however it is left. A kind "method:NAME" wraps the module's
+    method NAME for the while: function(args, result) sees each call's arguments and
+    result, and the wrapper (an attribute of that one module) is deleted afterwards."""
+    handles, wrapped = [], []
     try:
         for module, kind, fn in hooks:
+            if kind.startswith("method:"):
+                name = kind.removeprefix("method:")
+                own = getattr(module, name)
+
+                def call(*args, own=own, fn=fn):
+                    result = own(*args)
+                    replaced = fn(args, result)
+                    return result if replaced is None else replaced
+                object.__setattr__(module, name, call)
+                wrapped.append((module, name))
+                continue
             register = module.register_forward_pre_hook if kind == "pre" else module.register_forward_hook
             handles.append(register(fn))
         yield
     finally:
         for h in handles:
             h.remove()
+        for module, name in wrapped:
+            object.__delattr__(module, name)
 
 
 @torch.no_grad()
@@ -173,7 +280,8 @@ def run_with_cache(model, tokens: torch.Tensor, only: Iterable[str] | None = Non
     unknown = set() if wanted is None else wanted - set(names(model))
     if unknown:
         raise AttnlabError(f"no activation named {sorted(unknown)[0]!r}; see attnlab.capture.names(model)")
-    need_weights = wanted is None or any(n.endswith(".pattern") for n in wanted)
+    # The sink's share is read from the weights, so it asks for them too.
+    need_weights = wanted is None or any(n.endswith((".pattern", ".sink")) for n in wanted)
     cache: dict = {}
     with installed(_hooks_for(model, cache, wanted)):
         logits = model(tokens, return_attention=need_weights, **inputs).logits

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from attnlab.capture import check_context
+from attnlab.capture import check_context, run_with_cache
 from attnlab.options import add_run_options, load
 from common.errors import AttnlabError
 from engine.cli import Parser, errors_as_lines
@@ -23,9 +23,10 @@ from model.moe import MixtureOfExperts
 
 
 def routing(model, tokenizer, text: str) -> tuple[list[str], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """(token strings, {layer: (gate weights (T, k), experts (T, k))}) for one text, read
-    at each expert layer's input by a forward hook and routed by the layer's own gate."""
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, MixtureOfExperts)}
+    """(token strings, {layer: (gate weights (T, k), experts (T, k))}) for one text: what
+    each expert layer's forward routed, as attnlab.capture records it (blocks.l.experts)."""
+    layers = {f"blocks.{l}.mlp": b.mlp for l, b in enumerate(model.blocks)
+              if isinstance(b.mlp, MixtureOfExperts)}
     if not layers:
         raise AttnlabError(f"this model has no mixture of experts (model.mlp="
                            f"{model.config.mlp}); train one with --model.mlp=moe to look at its routing")
@@ -33,20 +34,13 @@ def routing(model, tokenizer, text: str) -> tuple[list[str], dict[str, tuple[tor
         raise AttnlabError("give some text to route with --text")
     ids = tokenizer.encode(text)
     check_context(model, len(ids))
-    routes, hooks = {}, []
-    for name, layer in layers.items():
-        def keep(module, inputs, output, name=name):
-            u = inputs[0].reshape(-1, inputs[0].shape[-1])                   # (T, C)
-            weights, chosen = module.route(u)
-            order = weights.argsort(-1, descending=True)                      # heaviest first
-            routes[name] = (weights.gather(-1, order).float().cpu(), chosen.gather(-1, order).cpu())
-        hooks.append(layer.register_forward_hook(keep))
-    try:
-        with torch.no_grad():
-            model(torch.tensor([ids], device=next(model.parameters()).device))
-    finally:
-        for hook in hooks:
-            hook.remove()
+    # capture's record of what each layer's forward routed, heaviest first.
+    layer_of = {name: int(name.split(".")[1]) for name in layers}     # blocks.L.mlp -> L
+    wanted = [f"blocks.{l}.{n}" for l in layer_of.values() for n in ("experts", "expert_weights")]
+    _, cache = run_with_cache(model, torch.tensor([ids], device=next(model.parameters()).device),
+                              only=wanted)
+    routes = {name: (cache[f"blocks.{l}.expert_weights"][0].cpu(), cache[f"blocks.{l}.experts"][0].cpu())
+              for name, l in layer_of.items()}
     return tokenizer.token_strings(ids), routes
 
 

@@ -6,6 +6,10 @@ head where one word looks most at another, and what each head tends to do.
     python -m attnlab.heads search --run runs/NAME --text "..." --from "it" --to "trophy"
     python -m attnlab.heads stats  --run runs/NAME --text "..."
     python -m attnlab.heads html   --run runs/NAME --text "..." --out view.html
+    python -m attnlab.heads sinks  --run runs/NAME --text "..."   # a learned sink's share of each row
+    python -m attnlab.heads gates  --run runs/NAME --text "..."   # each head's gate openness
+    python -m attnlab.heads chosen --run runs/NAME --text "..."   # the indexer's keys vs full attention
+                                                                  # (and a figure of them)
 
 Rows of a heatmap are the tokens looking (queries), columns the tokens looked at
 (keys); each row sums to 1 (a softmax's; differential attention's rows sum to 1 - λ and
@@ -15,6 +19,10 @@ such as the article's all-MiniLM-L6-v2. Layers and heads are numbered from 0 in 
 option, printout and plot (the article counts from 1: its layer 4, head 2 is layer 3,
 head 1 here). In a hybrid (model.mechanism=deltanet,mha) the layers whose mechanism has
 no weights are left out of grid, search and stats, which say so, and refused by head.
+
+sinks, gates and chosen show what a model-card piece adds (attnlab/pieces.py): a table per
+layer and head, then each token of --layer (default: the layer where the piece does most).
+Each experts' routing per token is python -m attnlab.experts.
 
 One layer deeper are tools of their own, with the same --run, --checkpoint and
 --device: python -m attnlab.lens (logit, ablate, patch) and python -m attnlab.induction
@@ -32,6 +40,7 @@ import torch
 
 from attnlab.capture import (attention_maps, not_distributions, other_paths, weight_label,
                              weightless_layers)
+from attnlab import pieces
 from attnlab.options import add_run_options, load, positive, out_option
 from attnlab.plotting import (NUMBERING, WEIGHT, check_figure_out, default_out, draw_weights,
                               label_tokens, layer_head, make_folder_for, out_path, pyplot,
@@ -230,13 +239,14 @@ def forward(what: str, rest: list[str]) -> int:
 
 def parser() -> Parser:
     p = Parser("python -m attnlab.heads", __doc__)
-    p.add_argument("what", choices=["grid", "head", "search", "stats", "html"])
+    p.add_argument("what", choices=["grid", "head", "search", "stats", "html", *PIECE_VIEWS])
     add_run_options(p)
     p.add_argument("--text", default="", help="the sentence to look at")
-    p.add_argument("--out", type=out_option, default=None, help="output path (PNG for grid and head, HTML for "
+    p.add_argument("--out", type=out_option, default=None, help="output path (PNG for grid, head and chosen, HTML for "
                    "html) or folder; default: the run's figures/ folder")
     p.add_argument("--layer", type=int, default=None,
-                   help="head: the layer (default 0); grid: draw only this layer")
+                   help="head: the layer (default 0); grid: draw only this layer; sinks, gates, "
+                   "chosen: the layer shown token by token")
     p.add_argument("--head", type=int, default=None, help="head: the head (default 0)")
     p.add_argument("--from", dest="source", default="", help="search: the word looking")
     p.add_argument("--to", dest="target", default="", help="search: the word looked at")
@@ -250,9 +260,11 @@ def parser() -> Parser:
 def refuse_unused_layer_options(args) -> None:
     """--layer and --head where the subcommand would not read them: refused, not ignored."""
     unused = [f"--{name}" for name in ("layer", "head") if getattr(args, name) is not None
-              and not (args.what == "head" or (args.what == "grid" and name == "layer"))]
+              and not (args.what == "head" or (args.what in ("grid", *PIECE_VIEWS) and name == "layer"))]
     if unused:
-        also = " (grid takes --layer, to draw one layer)" if args.what == "grid" else ""
+        also = (" (grid takes --layer, to draw one layer)" if args.what == "grid" else
+                f" (heads {args.what} takes --layer, the layer shown token by token)"
+                if args.what in PIECE_VIEWS else "")
         raise AttnlabError(f"heads {args.what} reads every head and takes no {' or '.join(unused)}"
                            f"{also}; for one head: heads head --layer L --head H")
 
@@ -298,13 +310,13 @@ def main(argv=None) -> int:
     if argv and argv[0] in FORWARDED:
         return forward(argv[0], argv[1:])
     args = parser().parse_args(argv)
-    # Only grid, head and html write a file; search and stats print.
-    writes = args.what in ("grid", "head", "html")
+    # Only grid, head, html and chosen write a file; the others print.
+    writes = args.what in ("grid", "head", "html", "chosen")
     if args.out and not writes:                # else taken and ignored, as if written there
         raise AttnlabError(f"--out {args.out}: heads {args.what} prints its answer and writes "
-                           "no file; drop --out (grid, head and html write one)")
+                           "no file; drop --out (grid, head, html and chosen write one)")
     refuse_unused_layer_options(args)
-    if args.what in ("grid", "head"):
+    if args.what in ("grid", "head", "chosen"):
         check_figure_out(args.out)
     elif args.what == "html":
         refuse_a_path_through_a_file(args.out or ".")
@@ -313,6 +325,9 @@ def main(argv=None) -> int:
     model, _, tokenizer, ckpt = load(args)
     if writes and not args.out:
         args.out = default_out(ckpt)
+    if args.what in PIECE_VIEWS:
+        print("\n".join(piece_view(args, model, tokenizer)))
+        return 0
     # html hands bertviz every layer; the others draw or rank the layers that have weights.
     tokens, maps = attention_maps(model, tokenizer, args.text, per_layer=args.what != "html")
     if other_paths(model.config):
@@ -347,6 +362,23 @@ def main(argv=None) -> int:
                                "(a sentence shows the patterns)")
         print_stats(maps, model.config)
     return 0
+
+
+PIECE_VIEWS = ("sinks", "gates", "chosen")
+
+
+def piece_view(args, model, tokenizer) -> list[str]:
+    """heads sinks, gates or chosen: the lines attnlab/pieces.py writes for the text."""
+    tokens, reads = pieces.read(model, tokenizer, args.text, args.what)
+    if args.what == "sinks":
+        return pieces.sink_lines(tokens, reads, args.layer)
+    if args.what == "gates":
+        return pieces.gate_lines(tokens, reads, args.layer)
+    top_k = model.blocks[next(iter(reads))].attn.top_k
+    lines = pieces.chosen_lines(tokens, reads, args.layer, top_k)
+    layer = pieces.pick_layer(reads, args.layer, lambda r: -pieces.chosen_numbers(r)[0].mean())
+    return lines + ["wrote " + str(pieces.save_chosen(out_path(args.out, f"indexer_chosen_l{layer}.png"),
+                                                      tokens, reads, layer))]
 
 
 def print_stats(maps, config) -> None:

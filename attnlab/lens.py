@@ -4,6 +4,7 @@ MLPs switched off (ablation), and activations swapped between prompts (patching)
     python -m attnlab.lens logit  --run runs/NAME --text "..."     # each layer's guess
     python -m attnlab.lens ablate --run runs/NAME --text "..."     # each head switched off
     python -m attnlab.lens patch  --run runs/NAME --clean "..." --corrupt "..."
+    python -m attnlab.lens pieces --run runs/NAME --text "..."     # each model-card piece off
 
 From Python (run_with_cache is attnlab.capture's, which lists every name it reads):
 
@@ -82,6 +83,85 @@ def ablate(model, heads: Iterable[tuple[int, int]] = (), mlps: Iterable[int] = (
         hooks.append((model.blocks[layer].mlp, "post", mlp_post))
     with installed(hooks):
         yield
+
+
+# What switching a model-card piece off means, in the words every printout uses.
+PIECE_OFF = {"sink": "sink removed (each row's weights sum to 1 over the keys)",
+             "gate": "gates held open (σ = 1: plain attention's output)",
+             "chosen": "indexer off (every visible key read: dense attention)"}
+
+
+@contextmanager
+def switched_off(model, layer: int, piece: str, expert: int | None = None):
+    """One layer's model-card piece switched off while inside the block: "sink" (its logit
+    at -inf, so it takes no weight), "gate" (held open), "chosen" (the indexer picks every
+    visible key), "experts" with `expert` (that routed expert's output zeroed for the
+    tokens routed to it; the router still picks it). The piece's parameters are as before
+    once the block is left."""
+    from attnlab.capture import pieces_of
+    _layer_head(model, layer)
+    if piece not in pieces_of(model, layer):
+        raise AttnlabError(f"layer {layer} has no {piece} to switch off")
+    block = model.blocks[layer]
+    if piece == "sink":
+        kept = block.attn.sinks.detach().clone()
+        with torch.no_grad():
+            block.attn.sinks.fill_(float("-inf"))     # exp(-inf) = 0: the sink takes nothing
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                block.attn.sinks.copy_(kept)
+        return
+    if piece == "chosen":
+        own = vars(block.attn).get("dense_warmup")            # a setting of this layer's own
+        object.__setattr__(block.attn, "dense_warmup", True)   # the indexer's dense stage
+        try:
+            yield
+        finally:
+            if own is None:
+                object.__delattr__(block.attn, "dense_warmup")
+            else:
+                object.__setattr__(block.attn, "dense_warmup", own)
+        return
+    if piece == "gate":
+        hooks = [(block.attn.w_gate, "post", lambda m, a, out: torch.full_like(out, float("inf")))]
+    else:
+        mlp = block.mlp
+        if expert is None or not 0 <= expert < mlp.n_routed:
+            raise AttnlabError(f"layer {layer} has routed experts 0-{mlp.n_routed - 1}; got {expert}")
+        target = mlp.n_shared + expert                 # shared experts come first in `fc`
+
+        def off(args, result):
+            return torch.zeros_like(result) if args[0] == target else None
+        hooks = [(mlp, "method:expert", off)]
+    with installed(hooks):
+        yield
+
+
+@torch.no_grad()
+def piece_ablation(model, ids: torch.Tensor):
+    """The text's next-token loss; each attention piece's change when switched off in one
+    layer ({(layer, piece): change}); and (layers with experts, routed experts) the change
+    when each routed expert alone is switched off (None for a model without experts)."""
+    from attnlab.capture import pieces_of
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    base = model(inputs, targets).loss.item()
+    changes = {}
+    for layer in range(model.config.n_layer):
+        for piece in PIECE_OFF:
+            if piece in pieces_of(model, layer):
+                with switched_off(model, layer, piece):
+                    changes[layer, piece] = model(inputs, targets).loss.item() - base
+    moe = [l for l in range(model.config.n_layer) if "experts" in pieces_of(model, l)]
+    experts = None
+    if moe:
+        experts = torch.zeros(len(moe), model.blocks[moe[0]].mlp.n_routed)
+        for row, layer in enumerate(moe):
+            for e in range(experts.shape[1]):
+                with switched_off(model, layer, "experts", e):
+                    experts[row, e] = model(inputs, targets).loss.item() - base
+    return base, changes, moe, experts
 
 
 PATCHABLE = ("resid_pre", "attn_out", "mlp_out", "z")
@@ -260,16 +340,43 @@ def show_patching(args, model, tokenizer, show) -> None:
                          scale="share recovered (1: all of the clean run's)"))
 
 
+def show_pieces(args, model, tokenizer, show) -> None:
+    if not model.config.causal:
+        raise AttnlabError("lens pieces scores the next token, and this model is an encoder")
+    ids = token_ids(model, tokenizer, args.text, at_least=2)
+    base, changes, moe, experts = piece_ablation(model, ids)
+    if not changes and experts is None:
+        raise AttnlabError(f"this model (model.mechanism={model.config.mechanism}, model.mlp="
+                           f"{model.config.mlp}) has no model-card piece to switch off: sinks, "
+                           "gated or sparse attention, or experts (--config gpt-oss, qwen3-next, "
+                           "deepseek-v3.2)")
+    print(f"loss of the text {base:.4f}; change when one piece is switched off in one layer "
+          "(layers from 0; + means the piece helped on this text):")
+    for (layer, piece), change in changes.items():
+        print(f"  layer {layer}, {PIECE_OFF[piece]}: {change:+.4f}")
+    if experts is not None:
+        print("change when one routed expert's output is dropped (the router still picks it):")
+        print(f"{'layer':>5} " + " ".join(f"{'expert ' + str(e):>9}" for e in range(experts.shape[1])))
+        for layer, row in zip(moe, experts):
+            print(f"{layer:>5} " + " ".join(f"{v:+9.4f}" for v in row.tolist()))
+        print("wrote", save_layer_map(out_path(args.out, "expert_ablation.png"), experts,
+                                      [str(e) for e in range(experts.shape[1])],
+                                      f"loss change when a routed expert is switched off (base "
+                                      f"{base:.3f}; rows: layers {', '.join(map(str, moe))})",
+                                      xlabel="routed expert (from 0)",
+                                      scale="loss change (higher: the expert mattered)"))
+
+
 # name on the command line -> (what it is called in a sentence, what runs it)
 STUDIES = {"logit": ("the logit lens", show_logit_lens), "ablate": ("ablation", show_ablation),
-           "patch": ("patching", show_patching)}
+           "patch": ("patching", show_patching), "pieces": ("switching pieces off", show_pieces)}
 
 
 def parser() -> Parser:
     p = Parser("python -m attnlab.lens", __doc__)
     p.add_argument("what", choices=list(STUDIES))
     add_run_options(p)
-    p.add_argument("--text", default="", help="logit and ablate: the text to read")
+    p.add_argument("--text", default="", help="logit, ablate and pieces: the text to read")
     p.add_argument("--clean", default="", help="patch: the text whose activations are patched in")
     p.add_argument("--corrupt", default="", help="patch: the same text with one word changed")
     p.add_argument("--top", type=positive, default=5, help="ablate: how many heads to list (default 5)")

@@ -27,8 +27,11 @@ API (JSON errors are {"error": "..."} with status 400, 403, 413 or 415):
   POST /api/step {"ids": [...], "index": i, "settings": {temperature, top_k, top_p}}
                                      what produced token i: per layer and head, the
                                      weights its query gave each earlier token (null for a
-                                     layer with none, and "no_attention" says why), and
-                                     the candidates [[token, p_before, p_after, id]]
+                                     layer with none, and "no_attention" says why), the
+                                     candidates [[token, p_before, p_after, id]], and per
+                                     layer what its pieces did for that query ("pieces":
+                                     sink, gate, chosen, full_on_chosen, experts; null for
+                                     a layer with none: attnlab/pieces.py, at_query)
   POST /api/search {"text", "from", "to"}          attnlab.heads search, ranked
 """
 from __future__ import annotations
@@ -304,7 +307,8 @@ class Service:
         settings as during generation). A layer whose mechanism keeps no weight per earlier
         token (DeltaNet, linear attention) reads null, and `no_attention` says why in one
         line; the candidates are there all the same."""
-        from attnlab.capture import attention, no_weights, weightless_layers
+        from attnlab.capture import no_weights, pieces_of, run_with_cache, weightless_layers
+        from attnlab.pieces import at_query
         from model.sampling import next_token_distribution
         V = self.cfg.model.vocab_size
         if not (isinstance(ids, list) and len(ids) <= MAX_IDS
@@ -317,10 +321,13 @@ class Service:
         start = max(0, index - self.cfg.model.block_size)
         context = torch.tensor([ids[start:index]], device=next(self.model.parameters()).device)
         skipped = weightless_layers(self.cfg.model)
-        if len(skipped) == self.cfg.model.n_layer:
-            logits, maps = self.model(context).logits, [None] * len(skipped)
-        else:
-            logits, maps = attention(self.model, context, per_layer=True)
+        L = self.cfg.model.n_layer
+        # One pass reads the weights of the layers that have them and what each layer's
+        # model-card pieces did (a sink's share, the gates, the indexer's keys, the experts).
+        wanted = [f"blocks.{l}.pattern" for l in range(L) if l not in skipped]
+        wanted += [f"blocks.{l}.{n}" for l in range(L) for n in pieces_of(self.model, l)]
+        logits, cache = run_with_cache(self.model, context, only=wanted)
+        maps = [cache.get(f"blocks.{l}.pattern") for l in range(L)]
         why = no_weights(self.cfg.model)
         if why and len(skipped) < self.cfg.model.n_layer:
             why = f"{layers(skipped)}: {why}"
@@ -342,6 +349,7 @@ class Service:
                             [[round(w, 5) for w in head.tolist()] for head in layer[0, :, -1].float()]
                             for layer in maps],
                 "no_attention": why,
+                "pieces": at_query(cache, self.model, -1, index - start),
                 "candidates": [[self.tokenizer.decode([i]), round(b[i], 6), round(a[i], 6), i] for i in top]}
 
     def check_search(self, text, source, target) -> None:

@@ -1,4 +1,5 @@
 """Looking inside attention (attnlab/heads.py): a planted pattern is found."""
+import math
 import re
 
 import numpy as np
@@ -447,3 +448,137 @@ def test_weights_below_0_are_drawn_on_a_scale_centred_on_0(tmp_path, monkeypatch
             images = [im for ax in fig.axes for im in ax.images]
             assert {im.get_cmap().name for im in images} == {cmap}
             assert {im.get_clim()[0] for im in images} == {lowest}
+
+
+# -- what the model-card pieces add: heads sinks, gates, chosen --------------------------
+
+PIECE_TEXT = "the trophy did not fit in the suitcase"
+
+
+def piece_model(tmp_path, monkeypatch, **fields):
+    """A small model of `fields` over a character tokenizer, loaded by heads as a run."""
+    from attnlab import heads
+    from conftest import small_model
+    tok = CharTokenizer(set(PIECE_TEXT))
+    model = small_model(vocab_size=tok.vocab_size, block_size=64, **fields)
+    monkeypatch.setattr(heads, "load", lambda args: (model, None, tok, tmp_path / "ckpt"))
+    return model, tok
+
+
+def table(out: str, columns: int) -> dict:
+    """The first table's rows: (layer, head) -> its numbers."""
+    rows = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == columns + 2 and parts[0].isdigit() and parts[1].isdigit():
+            rows[int(parts[0]), int(parts[1])] = [float(x.rstrip("%")) for x in parts[2:]]
+        elif rows:
+            break
+    return rows
+
+
+def token_rows(out: str, after: str) -> list[list[float]]:
+    """The numbers of each token's line in the per-token table that follows `after`."""
+    lines = out.split(after, 1)[1].splitlines()[2:]
+    return [[float(x) for x in line.split()[-2:]] for line in lines if line.strip()]
+
+
+def test_heads_sinks_prints_each_heads_share_and_each_tokens(tmp_path, monkeypatch, capsys):
+    from attnlab import heads
+    from attnlab.capture import run_with_cache
+    model, tok = piece_model(tmp_path, monkeypatch, mechanism="sinks", n_head=2)
+    with torch.no_grad():
+        model.blocks[1].attn.sinks.copy_(torch.tensor([3.0, -2.0]))     # layer 1 takes most
+    heads.main(["sinks", "--text", PIECE_TEXT])
+    out = capsys.readouterr().out
+    _, cache = run_with_cache(model, torch.tensor([tok.encode(PIECE_TEXT)]))
+    rows = table(out, 4)
+    assert sorted(rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for (layer, head), (mean, least, most, first) in rows.items():
+        p = f"blocks.{layer}."
+        # The sink's share by its own definition: what the row's weights on the keys miss of 1.
+        share = 1 - cache[p + "pattern"][0, head].double().sum(-1)
+        assert (mean, least, most) == pytest.approx(
+            [share.mean().item(), share.min().item(), share.max().item()], abs=6e-4)
+        assert first == pytest.approx(cache[p + "pattern"][0, head, 1:, 0].mean().item(), abs=6e-4)
+    assert "each token's sink share, layer 1" in out
+    rows = token_rows(out, "each token's sink share, layer 1")
+    assert len(rows) == len(PIECE_TEXT)
+    expected = 1 - cache["blocks.1.pattern"][0].double().sum(-1).T             # (T, H)
+    np.testing.assert_allclose(np.array(rows), expected.numpy(), atol=6e-4)
+
+
+def test_heads_gates_prints_each_heads_openness_and_each_tokens(tmp_path, monkeypatch, capsys):
+    from attnlab import heads
+    model, tok = piece_model(tmp_path, monkeypatch, mechanism="gated", n_head=2)
+    x = {}
+    hooks = [b.attn.register_forward_pre_hook(lambda m, a, l=l: x.__setitem__(l, a[0].double()))
+             for l, b in enumerate(model.blocks)]
+    heads.main(["gates", "--text", PIECE_TEXT, "--layer", "0"])
+    for h in hooks:
+        h.remove()
+    out = capsys.readouterr().out
+    rows = table(out, 3)
+    assert sorted(rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for (layer, head), (mean, least, most) in rows.items():
+        g = model.blocks[layer].attn.w_gate
+        gate = torch.sigmoid(x[layer][0] @ g.weight.double().T + (0 if g.bias is None else g.bias.double()))
+        per_head = gate.view(len(PIECE_TEXT), 2, -1).mean(-1)[:, head]
+        assert (mean, least, most) == pytest.approx(
+            [per_head.mean().item(), per_head.min().item(), per_head.max().item()], abs=6e-4)
+    rows = token_rows(out, "each token's gate openness, layer 0")
+    gate = torch.sigmoid(x[0][0] @ model.blocks[0].attn.w_gate.weight.double().T)
+    np.testing.assert_allclose(np.array(rows), gate.view(len(PIECE_TEXT), 2, -1).mean(-1).detach().numpy(),
+                               atol=6e-4)
+
+
+def test_heads_chosen_weighs_the_indexers_keys_by_full_attention(tmp_path, monkeypatch, capsys):
+    """Full attention's weight on the chosen keys and its k heaviest among them, recomputed
+    from the captured q and k (the softmax over every visible key) and the chosen keys."""
+    from attnlab import heads
+    from attnlab.capture import run_with_cache
+    top_k = 5
+    model, tok = piece_model(tmp_path, monkeypatch, mechanism="sparse", n_head=2, sparse_top_k=top_k,
+                             position="none")
+    from attnlab import pieces
+    drawn = []
+    monkeypatch.setattr(pieces, "save_figure", lambda fig, path, dpi: drawn.append(fig) or path)
+    heads.main(["chosen", "--text", PIECE_TEXT, "--out", str(tmp_path / "c.png")])
+    out = capsys.readouterr().out
+    _, cache = run_with_cache(model, torch.tensor([tok.encode(PIECE_TEXT)]))
+    T = len(PIECE_TEXT)
+    layer = int(re.search(r"each token, layer (\d)", out)[1])
+    dots = {tuple(map(int, xy)) for ax in drawn[-1].axes for c in ax.collections
+            for xy in c.get_offsets()}                 # (key, query): one dot per chosen key
+    assert dots == {(k, q) for q, k in zip(*np.nonzero(cache[f"blocks.{layer}.chosen"][0].numpy()))}
+    assert f"wrote {tmp_path / 'c.png'}" in out
+    picking = np.arange(T) + 1 > top_k                         # queries that see more than k keys
+    rows = table(out, 2)
+    assert sorted(rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for (layer, head), (share, heaviest) in rows.items():
+        p = f"blocks.{layer}."
+        q, k = cache[p + "q"][0, head].double().numpy(), cache[p + "k"][0, head].double().numpy()
+        scores = np.where(np.tril(np.ones((T, T), bool)), q @ k.T / math.sqrt(q.shape[-1]), -np.inf)
+        full = np.exp(scores - scores.max(-1, keepdims=True))
+        full /= full.sum(-1, keepdims=True)
+        chosen = cache[p + "chosen"][0].numpy()
+        assert share == pytest.approx((full * chosen).sum(-1)[picking].mean(), abs=6e-4)
+        top = [set(np.argsort(-full[t], kind="stable")[:top_k]) for t in range(T)]
+        found = [len(top[t] & set(np.flatnonzero(chosen[t]))) / top_k for t in range(T)]
+        assert heaviest == pytest.approx(100 * np.mean(np.array(found)[picking]), abs=0.06)
+
+
+def test_a_piece_view_of_a_model_without_the_piece_says_how_to_train_one(tmp_path, monkeypatch):
+    from attnlab import heads
+    from common.errors import AttnlabError
+    piece_model(tmp_path, monkeypatch, mechanism="sinks,mha")
+    for view, said in (("sinks", None), ("gates", "has no attention gates; heads gates looks at a "
+                                                 "model trained with --model.mechanism=gated"),
+                       ("chosen", "has no lightning indexer")):
+        if said:
+            with pytest.raises(AttnlabError, match=re.escape(said)):
+                heads.main([view, "--text", PIECE_TEXT])
+    with pytest.raises(AttnlabError, match=re.escape("--layer 1: the layers with this piece are 0")):
+        heads.main(["sinks", "--text", PIECE_TEXT, "--layer", "1"])
+    with pytest.raises(AttnlabError, match="heads sinks reads every head and takes no --head"):
+        heads.main(["sinks", "--text", PIECE_TEXT, "--head", "1"])

@@ -180,3 +180,81 @@ def test_lens_ablate_patch_and_induction_commands(tmp_path, capsys):
     unequal = run_script("-m", "attnlab.heads", "patch", "--clean", "abc", "--corrupt", "ab",
                          *run, check=False)
     assert unequal.returncode == 2 and "equal length" in unequal.stderr
+
+
+# -- switching a model-card piece off ------------------------------------------------------
+
+def plain_twin(model, **fields):
+    """The model's weights in a model whose layers are plain multi-head attention: what
+    the piece adds (a sink logit, W_G, the indexer) left behind, checked by name."""
+    twin = model_for(**fields)
+    missing, unexpected = twin.load_state_dict(model.state_dict(), strict=False)
+    assert not missing and all(n.split(".")[-2] in ("sinks", "w_gate", "w_iq", "w_ik", "ik_norm", "w_iw")
+                               or n.endswith(".sinks") for n in unexpected) and unexpected
+    return twin
+
+
+@pytest.mark.parametrize("mechanism,piece", [("sinks", "sink"), ("gated", "gate"), ("sparse", "chosen")])
+def test_a_piece_switched_off_is_plain_attention_with_the_same_weights(mechanism, piece):
+    """The sink removed, the gates held open, the indexer off: each layer is then the
+    article's multi-head attention, which a model built without the piece computes."""
+    from attnlab.lens import switched_off
+    fields = {"position": "none" if mechanism == "sparse" else "rope"}
+    model = model_for(mechanism=mechanism, sparse_top_k=3, **fields) if mechanism == "sparse" else \
+        model_for(mechanism=mechanism, **fields)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with torch.no_grad():
+        own = model(TOKENS).logits
+        with switched_off(model, 0, piece), switched_off(model, 1, piece):
+            off = model(TOKENS).logits
+        assert (off - own).abs().max() > 1e-4                              # it did something
+        torch.testing.assert_close(off, plain_twin(model, **fields)(TOKENS).logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(model(TOKENS).logits, own, atol=0, rtol=0)
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+    assert not any(m._forward_hooks or "dense_warmup" in vars(m) for m in model.modules())
+
+
+def test_an_expert_switched_off_equals_zeroing_its_down_projection():
+    from attnlab.lens import switched_off
+    fields = dict(mlp="moe", moe_experts=4, moe_top_k=2, moe_shared=1, bias=True)
+    model, edited = model_for(**fields), model_for(**fields)
+    with torch.no_grad():
+        edited.blocks[1].mlp.proj.weight[1 + 2].zero_()                   # after the one shared expert
+        edited.blocks[1].mlp.proj.bias[1 + 2].zero_()
+        with switched_off(model, 1, "experts", expert=2):
+            off = model(TOKENS).logits
+        torch.testing.assert_close(off, edited(TOKENS).logits, atol=1e-6, rtol=0)
+        assert (off - model(TOKENS).logits).abs().max() > 1e-5
+    assert not any("expert" in vars(m) for m in model.modules())
+
+
+def test_lens_pieces_prints_each_pieces_loss_change(tmp_path, monkeypatch, capsys):
+    """The printed change is the loss of the plain twin (the piece left out) minus the
+    model's, for each layer alone; an expert's, the loss with its down projection zeroed."""
+    from attnlab import lens
+    from common.errors import AttnlabError
+    from data.tokenizer import CharTokenizer
+    text = "the trophy did not fit in the suitcase"
+    tok = CharTokenizer(set(text))
+    fields = dict(vocab_size=tok.vocab_size, block_size=64)
+    model = model_for(mechanism="sinks,gated", mlp="moe", moe_experts=3, moe_top_k=1, **fields)
+    monkeypatch.setattr(lens, "load", lambda args: (model, None, tok, tmp_path / "ckpt"))
+    lens.main(["pieces", "--text", text, "--out", str(tmp_path / "x.png")])
+    out = capsys.readouterr().out
+    ids = torch.tensor([tok.encode(text)])
+    with torch.no_grad():
+        base = model(ids[:, :-1], ids[:, 1:]).loss.item()
+        assert f"loss of the text {base:.4f}" in out
+        for layer, words in ((0, "sink removed"), (1, "gates held open")):
+            mixed = model_for(mechanism="mha,gated" if layer == 0 else "sinks,mha", mlp="moe",
+                              moe_experts=3, moe_top_k=1, **fields)
+            mixed.load_state_dict(model.state_dict(), strict=False)
+            change = float(re.search(rf"layer {layer}, {words}.*: ([+-][\d.]+)", out)[1])
+            assert change == pytest.approx(mixed(ids[:, :-1], ids[:, 1:]).loss.item() - base, abs=6e-5)
+        edited = model_for(mechanism="sinks,gated", mlp="moe", moe_experts=3, moe_top_k=1, **fields)
+        edited.blocks[1].mlp.proj.weight[1 + 2].zero_()                   # after the one shared expert
+        row = re.search(r"^\s+1 (.*)$", out.split("expert 2")[1], re.M)[1].split()
+        assert float(row[2]) == pytest.approx(edited(ids[:, :-1], ids[:, 1:]).loss.item() - base, abs=6e-5)
+    monkeypatch.setattr(lens, "load", lambda args: (model_for(**fields), None, tok, tmp_path / "ckpt"))
+    with pytest.raises(AttnlabError, match="has no model-card piece to switch off"):
+        lens.main(["pieces", "--text", text, "--out", str(tmp_path / "x.png")])

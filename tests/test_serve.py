@@ -5,6 +5,7 @@ chromium-driver, which .ci/run installs)."""
 import json
 from pathlib import Path
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -568,6 +569,126 @@ def test_the_page_in_a_real_browser(tiny_run, tmp_path):
         if os.environ.get("ATTNLAB_SCREENSHOT"):
             shutil.copy(tmp_path / "serve.png", os.environ["ATTNLAB_SCREENSHOT"])
         assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
+    finally:
+        if driver is not None:
+            driver.quit()
+        server.terminate()
+        server.wait(timeout=30)
+
+
+# -- what the model-card pieces did, on the page ------------------------------------------
+
+# Every piece in one tiny model: a layer each of sinks, gated and sparse attention, experts in all.
+EVERY_PIECE = ("--model.mechanism=sinks,gated,sparse", "--model.n_layer=3", "--model.sparse_top_k=4",
+               "--model.mlp=moe", "--model.moe_experts=4", "--model.moe_top_k=2",
+               "--model.moe_shared=1", "--train.optimizer=adamw", "--train.max_iters=10")
+
+
+@pytest.fixture(scope="module")
+def pieces_run(corpus, tmp_path_factory):
+    return train_tiny(corpus, tmp_path_factory.mktemp("pieces"), "p", *EVERY_PIECE)
+
+
+def test_a_step_shows_what_each_piece_did_for_its_query(pieces_run):
+    """The step's pieces are the clicked query's, the last of its context: the sink's share
+    is what that query's weights miss of 1, the indexer's keys are the only ones the sparse
+    layer weighs, and the experts are the router's top k for the query's MLP input."""
+    from attnlab.capture import run_with_cache
+    model, cfg, tokenizer, ckpt = load_run(pieces_run)
+    with TestClient(create_app(Service(model, cfg, tokenizer, str(ckpt))),
+                    base_url="http://127.0.0.1:8000") as c:
+        events = stream(c, prompt="KING", max_new_tokens="12", temperature="0")
+        ids = events[0]["prompt_ids"] + [e["id"] for e in events if "token" in e]
+        step = c.post("/api/step", json={"ids": ids, "index": 12, "settings": {}}).json()
+    sink, gate, sparse = step["pieces"]
+    assert set(sink) == {"sink", "experts"} and set(gate) == {"gate", "experts"}
+    assert set(sparse) == {"chosen", "full_on_chosen", "experts"}
+    for h, share in enumerate(sink["sink"]):
+        assert share == pytest.approx(1 - sum(step["weights"][0][h]), abs=1e-3)
+    assert len(sparse["chosen"]) == 4
+    for row in step["weights"][2]:
+        assert all(w == 0 for k, w in enumerate(row) if k not in sparse["chosen"])
+        assert sum(row[k] for k in sparse["chosen"]) == pytest.approx(1, abs=1e-3)
+    context = torch.tensor([ids[:12]])
+    _, cache = run_with_cache(model, context)
+    assert gate["gate"] == pytest.approx(cache["blocks.1.gate"][0, -1].tolist(), abs=1e-4)
+    q, k = cache["blocks.2.q"][0, :, -1].double(), cache["blocks.2.k"][0].double()   # the last query sees all
+    k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+    full = torch.softmax(torch.einsum("hd,htd->ht", q, k) / q.shape[-1] ** 0.5, dim=-1)
+    assert sparse["full_on_chosen"] == pytest.approx(full[:, sparse["chosen"]].sum(-1).tolist(), abs=1e-3)
+    u = {}
+    hooks = [b.mlp.register_forward_pre_hook(lambda m, a, l=l: u.__setitem__(l, a[0][0, -1:]))
+             for l, b in enumerate(model.blocks)]
+    with torch.no_grad():
+        model(context)
+    for h in hooks:
+        h.remove()
+    for layer, piece in enumerate(step["pieces"]):
+        moe = model.blocks[layer].mlp               # DeepSeek-V3's router: the bias picks, s weighs
+        s = torch.sigmoid(moe.router(u[layer]).double()[0])
+        pick = (s + moe.balance_bias.double()).topk(2).indices
+        weights = s[pick] / s[pick].sum()
+        order = weights.argsort(descending=True)
+        assert [e for e, _ in piece["experts"]] == pick[order].tolist()
+        assert [w for _, w in piece["experts"]] == pytest.approx(weights[order].tolist(), abs=1e-3)
+
+
+@pytest.mark.skipif((not CHROMIUM or not DRIVER) and not os.environ.get("CI"),
+                    reason="needs Debian's chromium and chromium-driver (.ci/run installs them)")
+def test_the_page_shows_what_each_piece_did_in_a_real_browser(pieces_run):
+    """Headless Chromium on a model with every piece: a click on a token draws one line a
+    layer with the numbers /api/step sends for it, and outlines the indexer's keys."""
+    from urllib.request import Request, urlopen
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service as DriverService
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "attnlab.serve", "--run", str(pieces_run),
+                               "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    driver = None
+    try:
+        wait_for(f"http://127.0.0.1:{port}/api/info")
+        driver = webdriver.Chrome(service=DriverService(DRIVER), options=options)
+        driver.get(f"http://127.0.0.1:{port}/")
+        wait = WebDriverWait(driver, 60)
+        wait.until(lambda d: "attention" in d.find_element(By.ID, "config").text)
+        driver.execute_script("const s = document.getElementById('max_new_tokens');"
+                              "s.value = 12; s.dispatchEvent(new Event('input'));")
+        driver.find_element(By.ID, "generate").click()
+        wait.until(lambda d: "done" in d.find_element(By.ID, "status").text)
+        driver.find_elements(By.CSS_SELECTOR, ".output .tok")[-1].click()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#pieces .piece")) == 3)
+        ids = driver.execute_script("return ids")
+        request = Request(f"http://127.0.0.1:{port}/api/step", method="POST",
+                          headers={"Content-Type": "application/json"},
+                          data=json.dumps({"ids": ids, "index": len(ids) - 1,
+                                           "settings": driver.execute_script("return settings")}).encode())
+        step = json.loads(urlopen(request, timeout=60).read())
+        lines = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#pieces .piece")]
+        sink, gate, sparse = step["pieces"]
+        assert lines[0].startswith("layer 0: the sink's share of each head's row")
+        # The page's numbers, as it rounds them: a percent to 0.1, an openness to 0.001.
+        shown = [float(x) for x in re.findall(r"\d+: ([\d.]+)%", lines[0].split(";")[0])]
+        assert shown == pytest.approx([100 * v for v in sink["sink"]], abs=0.051)
+        shown = [float(x) for x in re.findall(r"\d+: ([\d.]+)", lines[1].split(";")[0])]
+        assert shown == pytest.approx(gate["gate"], abs=0.00051)
+        assert f"the indexer chose {len(sparse['chosen'])} of {len(step['keys'])} keys" in lines[2]
+        shown = [float(x) for x in re.findall(r"\d+: ([\d.]+)%", lines[2].split(";")[1])]
+        assert shown == pytest.approx([100 * v for v in sparse["full_on_chosen"]], abs=0.051)
+        for line, piece in zip(lines, step["pieces"]):
+            shown = re.findall(r"(\d+) \(weight ([\d.]+)\)", line)
+            assert [int(e) for e, _ in shown] == [e for e, _ in piece["experts"]]
+            assert [float(w) for _, w in shown] == pytest.approx([w for _, w in piece["experts"]], abs=0.00051)
+        driver.find_elements(By.CSS_SELECTOR, "#grid canvas.head")[-1].click()    # layer 2, the sparse one
+        outlined = driver.find_elements(By.CSS_SELECTOR, "#enlarged span")
+        assert [i for i, span in enumerate(outlined) if span.get_attribute("class") == "chosen-key"] \
+            == sparse["chosen"]
     finally:
         if driver is not None:
             driver.quit()

@@ -140,6 +140,7 @@ async function select(span) {
   $("details").hidden = false;
   $("details-title").textContent = `token ${index}: "${show(steps[index].token)}"`;
   drawGrid(att);
+  drawPieces(att);
   drawCandidates(att);
 }
 
@@ -211,15 +212,43 @@ function drawGrid(att) {
 
 function enlarge(att, layer, head) {
   const box = $("enlarged");
-  box.innerHTML = `<div>layer ${layer}, head ${head}: weight on each earlier token (darkest = its largest; hover for the value)</div>`;
+  const chosen = new Set(((att.pieces || [])[layer] || {}).chosen || []);
+  const outlined = chosen.size ? "; outlined: the keys the indexer chose, the only ones read" : "";
+  box.innerHTML = `<div>layer ${layer}, head ${head}: weight on each earlier token (darkest = its largest; hover for the value${outlined})</div>`;
   const top = Math.max(...att.weights[layer][head]) || 1;
   att.weights[layer][head].forEach((w, k) => {
     const span = document.createElement("span");
     span.textContent = show(tokenAt(att.keys[k]));
     span.style.background = heat(w / top);
     span.title = `${(w * 100).toFixed(1)}%`;
+    if (chosen.has(k)) span.className = "chosen-key";
     box.appendChild(span);
   });
+}
+
+// What each layer's model-card pieces did for this query, one line a layer: a learned
+// sink's share of each head's row, each head's gate openness, how many keys the indexer
+// chose and full attention's weight on them, the experts the token went to.
+function drawPieces(att) {
+  const box = $("pieces");
+  box.querySelectorAll(".piece").forEach((p) => p.remove());
+  const rows = (att.pieces || []).flatMap((p, l) => (p ? [[l, p]] : []));
+  box.hidden = !rows.length;
+  const perHead = (xs, fmt) => xs.map((x, h) => `head ${h}: ${fmt(x)}`).join(", ");
+  const percent = (x) => `${(x * 100).toFixed(1)}%`;
+  for (const [l, p] of rows) {
+    const parts = [];
+    if (p.sink) parts.push(`the sink's share of each head's row (${perHead(p.sink, percent)})`);
+    if (p.gate) parts.push(`gate openness (${perHead(p.gate, (x) => x.toFixed(3))})`);
+    if (p.chosen) parts.push(`the indexer chose ${p.chosen.length} of ${att.keys.length} keys; ` +
+                             `full attention's weight on them (${perHead(p.full_on_chosen, percent)})`);
+    if (p.experts) parts.push(`experts ${p.experts.map(([e, w]) => `${e} (weight ${w.toFixed(3)})`).join(", ")}`);
+    const line = document.createElement("div");
+    line.className = "piece";
+    line.dataset.layer = l;
+    line.textContent = `layer ${l}: ${parts.join("; ")}`;
+    box.appendChild(line);
+  }
 }
 
 function tokenAt(index) {
