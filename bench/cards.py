@@ -26,10 +26,11 @@ follows the clock.)
 The decoding and memory columns are attnlab/frontier.py's (decode_columns: a model of
 the row's config, random weights, timed a token at a time after a cache of N tokens, the
 bytes read from the cache itself), and so is MQAR (Zoology's task, attnlab/mqar_task.py:
-trained at the longest length with the frontier's short convolution before the mixers,
-as every frontier row has, then scored in every cell beside its key-blind floor). The
-MQAR models train in a second process, on the second core, while this one runs the
-language models, as the frontier does. Writes cards.md, cards.csv and plan.json into
+the row's layers and pieces at the frontier's width and with its short convolution
+before the mixers, so the cells read beside the frontier's rows, trained at the longest
+length, then scored in every cell beside its key-blind floor). The MQAR models train in
+a second process, on the second core, while this one runs the language models, as the
+frontier does. Writes cards.md, cards.csv and plan.json into
 --out, and keeps each language model's run folder under lm/.
 """
 
@@ -196,8 +197,11 @@ def probe(rows: list[Row], s: Settings, log=print) -> dict[str, float]:
         batch = Batches(data.train, cfg.train.batch_size, cfg.model.block_size, seed=0).next()
         device = torch.device("cpu")
         dtype = pick_dtype(cfg.train.dtype, device, cfg.model.n_embd)
+        busy = (lambda line, name=row.name: log(
+            f"probe: other programs held a core while {name} was timed, twice: its steps "
+            "are those of a machine this busy"))
         rates[row.name] = probe_again_if_busy(
-            lambda: measure(cfg, device, dtype, s.probe_s, batch), log)
+            lambda: measure(cfg, device, dtype, s.probe_s, batch), busy)
         log(f"probe: {row.name}: {rates[row.name]:.2f} steps/s")
     return rates
 
@@ -239,7 +243,7 @@ def language_model(row: Row, steps: int, s: Settings, out: Path) -> dict:
     """train.py for the planned steps (attnlab/compare.py's runner), nothing timed that
     decides anything: the warm-up a tenth of the steps, at most the presets' 50."""
     from attnlab.compare import run_variant
-    common = [f"--train.eval_interval={max(1, steps // 4)}",
+    common = [f"--train.eval_interval={steps}",          # at the start and the end: the end is the figure
               f"--train.log_interval={max(1, steps // 20)}",
               f"--train.eval_iters={s.eval_iters}", f"--train.warmup_iters={min(50, max(1, steps // 10))}",
               "--train.wandb=disabled"]
@@ -248,24 +252,23 @@ def language_model(row: Row, steps: int, s: Settings, out: Path) -> dict:
             "train_tokens_per_s": r["tokens_per_s"]}
 
 
+# MQAR's model: the frontier's width, heads and short convolution (frontier.BASE), so a
+# card's cells read beside the frontier's rows; the row's own layers, pattern and pieces.
+MQAR_SIZE = {k: frontier.BASE[k] for k in ("n_embd", "n_head", "token_mix")}
+
+
 def as_mechanism(row: Row, mqar: bool = False) -> frontier.Mechanism:
     """The row's whole model config as one of the frontier's entries: for decoding, as the
-    language model is; for MQAR, with the frontier's short convolution before the mixers,
-    as every frontier row has (frontier.BASE)."""
+    language model is; for MQAR, at the frontier's size (MQAR_SIZE)."""
     fields = {k: v for k, v in asdict(config_of(row).model).items()
               if k not in ("vocab_size", "block_size")}
     if mqar:
-        fields["token_mix"] = frontier.BASE["token_mix"]
+        fields.update(MQAR_SIZE)
     return frontier.Mechanism(row.about, fields)
 
 
 def decoding(row: Row, s: Settings) -> dict:
     return frontier.decode_columns(as_mechanism(row), s.frontier_sizes, s.frontier_sizes.vocab)
-
-
-def recall(row: Row, s: Settings) -> dict:
-    """MQAR in every cell (run in a second process: everything it needs is in its arguments)."""
-    return frontier.mqar(as_mechanism(row, mqar=True), s.frontier_sizes)
 
 
 # ---------------------------------------------------------------- the table
@@ -386,19 +389,26 @@ def main(argv=None) -> int:
               f"--train.max_iters={steps[row.name]})")
     floors = frontier.mqar_floors(s.frontier_sizes)
     results = []
+    # As the frontier runs its own: the MQAR models train one after another in a second
+    # process while this one runs the language models and times decoding, then the ones
+    # not yet started share both cores (frontier.share_the_rest).
+    recall_models = {r.name: as_mechanism(r, mqar=True) for r in rows}
     with ExitStack() as stack:
         if frontier.helpers(s.frontier_sizes):
             pool = stack.enter_context(ProcessPoolExecutor(
                 1, mp_context=multiprocessing.get_context("spawn")))
-            mqar = {r.name: pool.submit(recall, r, s) for r in rows}
+            mqar = {n: pool.submit(frontier.mqar, m, s.frontier_sizes)
+                    for n, m in recall_models.items()}
         else:                                  # one core: each after the language models
-            mqar = {r.name: frontier.Later(recall, r, s) for r in rows}
+            mqar = {n: frontier.Later(frontier.mqar, m, s.frontier_sizes)
+                    for n, m in recall_models.items()}
         for row in rows:
             result = {"row": row.name, "about": row.about, "steps": steps[row.name]}
             result.update(language_model(row, steps[row.name], s, out))
             result.update(decoding(row, s))
             results.append(result)
             print(f"{row.name}: val loss {result['val_loss']:.3f}")
+        frontier.share_the_rest(mqar, recall_models, s.frontier_sizes, stack)
         for result in results:
             result.update(mqar[result["row"]].result())
     card_loss = {r["row"]: r["val_loss"] for r in results if "--no-" not in r["row"]}

@@ -168,18 +168,22 @@ def test_cards_plan_their_steps_once_and_a_plan_given_runs_the_same_steps(tmp_pa
                 "cache_bytes_per_token": 4096.0 if row.name == "cpu" else 1024.0,
                 "state_bytes": 0.0}
 
-    def recall(row, s):
-        return {f"mqar_{n}_{p}": 0.5 for n, p in frontier.mqar_cells(s.frontier_sizes)}
+    recalled = []
+
+    def mqar(mechanism, s):                 # at the frontier's width, the card's own layers
+        recalled.append((mechanism.model["n_embd"], mechanism.model["n_layer"]))
+        return {f"mqar_{n}_{p}": 0.5 for n, p in frontier.mqar_cells(s)}
 
     monkeypatch.setattr(cards, "probe", lambda rows, s: {r.name: rate[r.name] for r in rows})
     monkeypatch.setattr(cards, "language_model", language_model)
     monkeypatch.setattr(cards, "decoding", decoding)
-    monkeypatch.setattr(cards, "recall", recall)
+    monkeypatch.setattr(frontier, "mqar", mqar)
     monkeypatch.setattr(frontier, "helpers", lambda s: 0)      # MQAR here, not in a process
     out = tmp_path / "cards"
     assert cards.main(["--quick", "--cards", "gemma3", "--seconds", "20", "--out", str(out)]) == 0
     first = list(trained)
     assert first == [(name, round(20 * r)) for name, r in rate.items()]
+    assert recalled == [(64, 4)] + [(64, 6)] * 4
     table = (out / "cards.md").read_text()
     assert "machine: " in table and "(0.50x)" in table and "(0.25x)" in table
     assert "| gemma3--no-windows | 1,000 | 100 | 2.100 | +0.020 |" in table
