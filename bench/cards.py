@@ -211,12 +211,13 @@ def plan_steps(rates: dict[str, float], seconds: float) -> dict[str, int]:
     return {name: max(1, round(seconds * rate)) for name, rate in rates.items()}
 
 
-def read_plan(path: Path, rows: list[Row]) -> tuple[float, dict[str, float], dict[str, int]]:
-    """(seconds, steps/s, steps) of a plan.json an earlier run wrote: the steps are used as
-    they are, so the runs compute what that run's did."""
+def read_plan(path: Path, rows: list[Row]) -> tuple[float, int, dict[str, float], dict[str, int]]:
+    """(seconds, threads, steps/s, steps) of a plan.json an earlier run wrote: the steps and
+    the threads are used as they are, so the runs compute what that run's did (a sum split
+    over another number of threads rounds differently)."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-        seconds = float(data["seconds"])
+        seconds, threads = float(data["seconds"]), int(data["threads"])
         rates = {name: float(r["steps_per_s"]) for name, r in data["rows"].items()}
         steps = {name: r["steps"] for name, r in data["rows"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
@@ -229,12 +230,13 @@ def read_plan(path: Path, rows: list[Row]) -> tuple[float, dict[str, float], dic
         raise AttnlabError(f"--plan {path}: " + (f"no whole number of steps for {bad[0]}" if bad
                            else f"no steps for {missing[0]}") + "; give a plan written for "
                            "these cards, or leave --plan out to time each row again")
-    return seconds, rates, steps
+    return seconds, threads, rates, steps
 
 
-def write_plan(path: Path, s: Settings, rates: dict, steps: dict) -> None:
+def write_plan(path: Path, s: Settings, threads: int, rates: dict, steps: dict) -> None:
     rows = {n: {"steps_per_s": rates[n], "steps": steps[n]} for n in steps}
-    write_text_atomic(path, json.dumps({"seconds": s.seconds, "rows": rows}, indent=1) + "\n")
+    write_text_atomic(path, json.dumps({"seconds": s.seconds, "threads": threads, "rows": rows},
+                                       indent=1) + "\n")
 
 
 # ---------------------------------------------------------------- the measurements
@@ -248,7 +250,9 @@ def language_model(row: Row, steps: int, s: Settings, out: Path) -> dict:
               f"--train.eval_iters={s.eval_iters}", f"--train.warmup_iters={min(50, max(1, steps // 10))}",
               "--train.wandb=disabled"]
     r = run_variant(row.name, " ".join(row.options()), row.preset, steps, out / "lm", common)
-    return {"params": r["params"], "val_loss": r["val_loss"],
+    metrics = (out / "lm" / row.name / "metrics.jsonl").read_text().splitlines()
+    trained = max((json.loads(line).get("elapsed_s", 0.0) for line in metrics), default=0.0)
+    return {"params": r["params"], "val_loss": r["val_loss"], "train_s": trained,
             "train_tokens_per_s": r["tokens_per_s"]}
 
 
@@ -275,7 +279,7 @@ def decoding(row: Row, s: Settings) -> dict:
 
 def columns(s: Settings) -> list[str]:
     f = s.frontier_sizes
-    return (["row", "params", "steps", "val_loss", "val_vs_card", "train_tokens_per_s"]
+    return (["row", "params", "steps", "train_s", "val_loss", "val_vs_card", "train_tokens_per_s"]
             + [f"decode_ms_at_{n}" for n in f.contexts]
             + ["cache_bytes_per_token", "state_bytes"]
             + [f"mqar_{n}_{p}" for n, p in frontier.mqar_cells(f)])
@@ -291,6 +295,8 @@ def shown(key: str, row: dict, base: dict, floors: dict) -> str:
         return str(value)
     if key == "val_vs_card":
         return "" if value is None else f"{value:+.3f}"
+    if key == "train_s":
+        return f"{value:.0f}"
     text = frontier.cell(key, value, floors.get(key))
     if key.startswith(RATIO_OF) and row is not base and base[key]:
         text += f" ({value / base[key]:.2f}x)"
@@ -304,6 +310,8 @@ def table(rows: list[dict], floors: dict, s: Settings, header: list[str]) -> str
     lines += ["| " + " | ".join(shown(c, r, base, floors) for c in cols) + " |" for r in rows]
     lines += ["", f"- `steps`: training steps, planned to take {s.seconds:g} s at the rate each "
               "row's step was timed at before anything trained (plan.json)",
+              "- `train_s`: the seconds those steps took (evaluations left out): how near "
+              "equal the rows' wall times came",
               "- `val_vs_card`: val loss minus the card's own, in the same sitting: above 0, "
               "the piece switched off was worth that much",
               f"- ratios in brackets: to the `{BASELINE}` preset's row, in the same sitting",
@@ -339,14 +347,14 @@ def parser() -> argparse.ArgumentParser:
                    help=f"training time each row's steps are planned for (default "
                         f"{Settings.seconds:g}; --quick {QUICK['seconds']:g})")
     p.add_argument("--plan", type=Path, default=None,
-                   help="a plan.json an earlier run wrote: its steps are used, nothing is "
-                        "timed to plan, so the runs compute what that run's did")
+                   help="a plan.json an earlier run wrote: its steps, seconds and threads are "
+                        "used, nothing is timed to plan, so the runs compute what that run's did")
     p.add_argument("--out", type=Path, default=None,
                    help=f"folder for cards.md, cards.csv, plan.json and the runs (default "
                         f"{OUT}; with --quick, {QUICK_OUT})")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=int, default=None,
                    help="torch threads here and in train.py (default 1, as the frontier: the "
-                        "MQAR models train on the second core)")
+                        "MQAR models train on the second core; with --plan, the plan's)")
     p.add_argument("--quick", action="store_true",
                    help="a test of the script: a second of training a row, short contexts, "
                         "a few MQAR steps (its numbers are noise, and its table says so)")
@@ -355,6 +363,10 @@ def parser() -> argparse.ArgumentParser:
 
 def settings_of(args) -> Settings:
     s = Settings(**(QUICK if args.quick else {}))
+    if args.plan and (args.seconds is not None or args.threads is not None):
+        raise AttnlabError("--plan brings its own seconds and threads: leave --seconds and "
+                           "--threads out, or leave --plan out to plan again")
+    args.threads = args.threads or 1
     s.frontier_sizes = replace(s.frontier_sizes, threads=args.threads)
     if args.seconds is not None:
         if not 0 < args.seconds <= 24 * 3600:
@@ -369,20 +381,22 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     s = settings_of(args)
     out = writable_folder(args.out or (QUICK_OUT if args.quick else OUT))
-    use_threads(args.threads, os.environ)          # train.py's too
     rows = rows_of(list(dict.fromkeys(args.cards)))
     for row in rows:
         check(row)
+    if args.plan:
+        s.seconds, args.threads, rates, steps = read_plan(args.plan, rows)
+        s.frontier_sizes = replace(s.frontier_sizes, threads=args.threads)
+    use_threads(args.threads, os.environ)          # train.py's too
     print(machine_line(args.threads))
     if args.quick:
         print(QUICK_NOTE)
     if args.plan:
-        s.seconds, rates, steps = read_plan(args.plan, rows)
         print(f"plan: from {args.plan}, nothing timed")
     else:
         rates = probe(rows, s)
         steps = plan_steps(rates, s.seconds)
-    write_plan(out / "plan.json", s, rates, {r.name: steps[r.name] for r in rows})
+    write_plan(out / "plan.json", s, args.threads, rates, {r.name: steps[r.name] for r in rows})
     for row in rows:
         print(f"plan: {row.name}: {rates[row.name]:.2f} steps/s -> {steps[row.name]} steps "
               f"(python train.py --config {row.preset} {' '.join(row.options())} "

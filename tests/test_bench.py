@@ -159,8 +159,8 @@ def test_cards_plan_their_steps_once_and_a_plan_given_runs_the_same_steps(tmp_pa
     trained = []
 
     def language_model(row, steps, s, out):
-        trained.append((row.name, steps))
-        return {"params": 1000, "val_loss": 2.0 + steps / 1000,
+        trained.append((row.name, steps, os.environ["OMP_NUM_THREADS"]))
+        return {"params": 1000, "val_loss": 2.0 + steps / 1000, "train_s": 20.0,
                 "train_tokens_per_s": 2000.0 if row.name == "cpu" else 1000.0}
 
     def decoding(row, s):
@@ -179,14 +179,18 @@ def test_cards_plan_their_steps_once_and_a_plan_given_runs_the_same_steps(tmp_pa
     monkeypatch.setattr(cards, "decoding", decoding)
     monkeypatch.setattr(frontier, "mqar", mqar)
     monkeypatch.setattr(frontier, "helpers", lambda s: 0)      # MQAR here, not in a process
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")                 # put back after the test
+    monkeypatch.setattr(cards, "use_threads", lambda n, env: env.update(OMP_NUM_THREADS=str(n)))
     out = tmp_path / "cards"
-    assert cards.main(["--quick", "--cards", "gemma3", "--seconds", "20", "--out", str(out)]) == 0
+    assert cards.main(["--quick", "--cards", "gemma3", "--seconds", "20", "--threads", "2",
+                       "--out", str(out)]) == 0
     first = list(trained)
-    assert first == [(name, round(20 * r)) for name, r in rate.items()]
+    assert first == [(name, round(20 * r), "2") for name, r in rate.items()]
     assert recalled == [(64, 4)] + [(64, 6)] * 4
     table = (out / "cards.md").read_text()
     assert "machine: " in table and "(0.50x)" in table and "(0.25x)" in table
-    assert "| gemma3--no-windows | 1,000 | 100 | 2.100 | +0.020 |" in table
+    assert "| gemma3--no-windows | 1,000 | 100 | 20 | 2.100 | +0.020 |" in table
 
     def no_timing(rows, s):
         raise AssertionError("a plan given, yet a row was timed")
@@ -202,9 +206,9 @@ def test_cards_plan_their_steps_once_and_a_plan_given_runs_the_same_steps(tmp_pa
 def test_cards_refuse_a_plan_without_the_rows_asked_for(tmp_path):
     cards = cards_script()
     plan = tmp_path / "plan.json"
-    plan.write_text('{"seconds": 5, "rows": {"cpu": {"steps_per_s": 1.0, "steps": 5}}}')
+    plan.write_text('{"seconds": 5, "threads": 1, "rows": {"cpu": {"steps_per_s": 1.0, "steps": 5}}}')
     with pytest.raises(Exception, match="no steps for gemma3"):
         cards.read_plan(plan, cards.rows_of(["gemma3"]))
-    plan.write_text('{"seconds": 5, "rows": {"cpu": {"steps_per_s": 1.0, "steps": 2.5}}}')
+    plan.write_text('{"seconds": 5, "threads": 1, "rows": {"cpu": {"steps_per_s": 1.0, "steps": 2.5}}}')
     with pytest.raises(Exception, match="no whole number of steps for cpu"):
         cards.read_plan(plan, cards.rows_of([]))
