@@ -7,17 +7,21 @@
 #   1. which SDPA kernel runs (flash expected) for the training shapes in bf16;
 #   2. the gpu preset: wall time, val loss at every evaluation, whether the last is the
 #      best, and its training time to val 1.45;
-#   3. generation tokens/s at batch 1 (growing KV cache, static cache, the static step as a
+#   3. each model card's preset (gpt-oss, qwen3-next, deepseek-v3, deepseek-v3.2, gemma3,
+#      kimi-linear) trained briefly on CUDA, then sampled with its cache (deepseek-v3 also
+#      with its multi-token prediction drafting): val loss, tokens/s, whether it samples;
+#   4. generation tokens/s at batch 1 (growing KV cache, static cache, the static step as a
 #      CUDA graph, no cache) against transformers' generate, and whether their tokens agree;
-#   4. attention cost in bf16: flash causal against flex causal, and the windows;
-#   5. the tests that need a GPU (flex gradients against the float64 reference, CUDA
+#   5. attention cost in bf16: flash causal against flex causal, and the windows;
+#   6. the tests that need a GPU (flex gradients against the float64 reference, CUDA
 #      graph decoding, float16 loss scaling);
-#   6. training tokens/s and MFU of the baby GPT, eager and compiled;
-#   7. --budget 30s on the GPU;
-#   8. nanoGPT's recipe (the baby preset) for what time is left, its evaluations so far.
+#   7. training tokens/s and MFU of the baby GPT, eager and compiled;
+#   8. --budget 30s on the GPU;
+#   9. nanoGPT's recipe (the baby preset) for what time is left, its evaluations so far.
 # Usage: bash bench/gpu_check.sh [path/to/tinyshakespeare.txt]
 #   RUNS=DIR    where the runs go (default bench/out/gpu_check); the summary is RUNS/summary.txt
 #   LOG=FILE    the summary elsewhere;  DEADLINE=SECONDS  the whole check's limit
+#   ONLY=WORD   only the sections whose title holds WORD (ONLY=cards: the model cards)
 # Dry run on a CPU with tiny settings (checks the script, not the GPU): DRY=1 bash bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,18 +49,26 @@ if [[ "${DRY:-}" == 1 ]]; then
     BABY="--config tiny --train.max_iters=400 --train.eval_interval=20"
     SIZE="--config tiny --train.max_iters=30"
     BUDGET=20s; LENGTHS="256 512"; DEVICE=cpu; TESTS="flex_gradients or bfloat16 or draws_the_same"
+    CARD="--train.max_iters=4 --train.eval_interval=2 --train.eval_iters=2 --model.n_layer=4 --model.n_embd=32 --model.n_head=2 --model.block_size=32"
+    CARDS="gpt-oss deepseek-v3"; CARD_TOKENS=20
     SCALE=4                                   # a section's seconds on a GPU, over a dry run's
 else
     GPU="--config gpu"; BABY="--config baby"; SIZE="--config gpu --train.max_iters=300"
     BUDGET=30s; LENGTHS="2048 8192 32768"; DEVICE=cuda; TESTS="flex_gradients or cuda_graph or float16"
+    CARD="--train.max_iters=300 --train.eval_interval=100 --train.eval_iters=20"
+    CARDS="gpt-oss qwen3-next deepseek-v3 deepseek-v3.2 gemma3 kimi-linear"; CARD_TOKENS=500
     SCALE=1
 fi
-export GPU BABY SIZE BUDGET LENGTHS DEVICE TESTS
+export GPU BABY SIZE BUDGET LENGTHS DEVICE TESTS CARD CARDS CARD_TOKENS
 
 # section NAME SECONDS_NEEDED FUNCTION: runs FUNCTION under what is left of the deadline
 # (SIGINT first, so a training run stops with a final evaluation and checkpoint).
 section() {
     local left=$((DEADLINE - SECONDS)) need=$(( ($2 + SCALE - 1) / SCALE ))
+    if [[ -n "${ONLY:-}" && "$1" != *"$ONLY"* ]]; then
+        echo "== $1: skipped (ONLY=$ONLY)"
+        return
+    fi
     if (( left < need )); then
         echo "== $1: skipped, it needs ${need} s and ${left} s are left of ${DEADLINE} s"
         return
@@ -114,6 +126,40 @@ preset() {   # name, options
     grep -E "^device:|time limit|interrupted" "$RUNS/$1.log" | sed 's/^/  /'
     [[ -f "$RUNS/$1/metrics.jsonl" ]] && report "$1" "$((SECONDS - start))"
     (( rc == 0 )) || { tail -3 "$RUNS/$1.log" | sed 's/^/  /'; return $rc; }
+}
+
+cards() {   # each card: a short run on the device, then samples from it with its cache
+    local card failed=0
+    for card in $CARDS; do
+        echo "  $card:"
+        python train.py --config "$card" $CARD --data.path="$CORPUS" --train.device="$DEVICE" \
+            --train.out_dir="$RUNS" --train.run_name="card-$card" > "$RUNS/card-$card.log" 2>&1 \
+            || { tail -3 "$RUNS/card-$card.log" | sed 's/^/    /'; failed=1; continue; }
+        grep -E "^device:" "$RUNS/card-$card.log" | sed 's/^/    /'
+        python - "$RUNS/card-$card/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+evals = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+rates = rates[len(rates) // 3:] or rates                # after warm-up
+print(f"    val loss at step {evals[-1][0]}: {evals[-1][1]:.4f}; "
+      f"{sum(rates) / max(len(rates), 1):,.0f} training tokens/s")
+PY
+        local ways=cache
+        [[ $card == deepseek-v3 ]] && ways="cache mtp"
+        for decode in $ways; do
+            local start=$SECONDS
+            python sample.py --run "$RUNS/card-$card" --device "$DEVICE" --decode "$decode" \
+                --prompt "ROMEO:" --max_new_tokens "$CARD_TOKENS" --temperature 0 \
+                > "$RUNS/card-$card-$decode.txt" 2> "$RUNS/card-$card-$decode.log" \
+                || { tail -3 "$RUNS/card-$card-$decode.log" | sed 's/^/    /'; failed=1; continue; }
+            echo "    sampled $CARD_TOKENS tokens with decode=$decode in $((SECONDS - start)) s" \
+                 "(start-up included): $(tr '\n' ' ' < "$RUNS/card-$card-$decode.txt" | cut -c1-60)"
+            grep -E "^mtp:" "$RUNS/card-$card-$decode.txt" "$RUNS/card-$card-$decode.log" \
+                | sed 's/^[^:]*:/    /'
+        done
+    done
+    return $failed
 }
 
 generation() {
@@ -220,10 +266,11 @@ budget() {
     return $rc
 }
 
-export -f header report preset generation attention_cost gpu_tests throughput budget
-rm -rf "$RUNS"/{gpu,baby,budget,speed-false,speed-true}   # each run starts afresh
+export -f header report preset cards generation attention_cost gpu_tests throughput budget
+rm -rf "$RUNS"/{gpu,baby,budget,speed-false,speed-true} "$RUNS"/card-*   # each run starts afresh
 section "GPU and SDPA kernel" 10 header
 section "the gpu preset on tiny Shakespeare" 60 'preset gpu "$GPU"'
+section "the model cards on the device, each trained briefly and sampled with its cache" 90 cards
 section "generation at batch 1 (the gpu preset's model), against transformers' generate" 20 generation
 section "attention cost in bf16 (B=1, H=6, d_k=64, window 256)" 30 attention_cost
 section "tests that need a GPU" 30 gpu_tests

@@ -106,3 +106,109 @@ def test_attention_cost_writes_each_case_as_it_is_timed(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "attention_cost.json").read_text())
     assert [r["seconds"] for r in rows] == [0.001, 0.002, 0.003]
     assert list(tmp_path.iterdir()) == [tmp_path / "attention_cost.json"]      # no part file left
+
+
+def cards_script():
+    path = ROOT / "bench" / "cards.py"
+    spec = importlib.util.spec_from_file_location("bench_cards", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+def test_cards_switch_each_piece_off_on_its_own_card():
+    """Every card of the issue is measured, each piece's row builds, differs from its card
+    in the fields of that piece alone, and keeps the rest (gpt-oss without sinks keeps
+    its windows: plain attention over the same keys)."""
+    from dataclasses import asdict
+    from model import GPT
+    cards = cards_script()
+    assert set(cards.PIECES) == {"gpt-oss", "qwen3-next", "deepseek-v3", "deepseek-v3.2",
+                                 "gemma3", "kimi-linear"}
+    rows = cards.rows_of(list(cards.PIECES))
+    assert rows[0].preset == "cpu" and not rows[0].off
+    for row in rows:
+        model = cards.config_of(row).model
+        GPT.skeleton(model.__class__(**{**asdict(model), "vocab_size": 8}))
+        if row.off:
+            card = asdict(cards.config_of(cards.Row(row.preset)).model)
+            differs = {k for k, v in asdict(model).items() if card[k] != v}
+            assert differs and differs == set(row.fields), row.name
+    by_name = {r.name: cards.config_of(r).model for r in rows}
+    plain, oss = by_name["gpt-oss--no-sinks"], by_name["gpt-oss"]
+    assert plain.mechanism == "mha" and oss.mechanism == "sinks"
+    assert (plain.sliding_window, plain.full_attention_every) == (32, 2)
+    assert by_name["deepseek-v3--no-mtp"].mtp_depth == 0
+    assert by_name["deepseek-v3--no-experts"].mlp == "swiglu"
+    assert by_name["qwen3-next--no-gate"].mechanism.split(",")[-1] == "mha"
+
+
+def test_cards_plan_their_steps_once_and_a_plan_given_runs_the_same_steps(tmp_path, monkeypatch):
+    """Equal wall time without a timing deciding anything in a run: each row's steps come
+    from one probe before training (printed and written to plan.json), and --plan runs the
+    same steps again with nothing timed. The table gives each speed and size its ratio to
+    the baseline row, and the val loss of a piece's row against its card's."""
+    from attnlab import frontier
+    cards = cards_script()
+    rate = {"cpu": 10.0, "gemma3": 4.0, "gemma3--no-windows": 5.0,
+            "gemma3--no-qk_norm": 4.5, "gemma3--no-sandwich": 6.0}
+    trained = []
+
+    def language_model(row, steps, s, out):
+        trained.append((row.name, steps, os.environ["OMP_NUM_THREADS"]))
+        return {"params": 1000, "val_loss": 2.0 + steps / 1000, "train_s": 20.0,
+                "train_tokens_per_s": 2000.0 if row.name == "cpu" else 1000.0}
+
+    def decoding(row, s):
+        return {**{f"decode_ms_at_{n}": 1.0 for n in s.frontier_sizes.contexts},
+                "cache_bytes_per_token": 4096.0 if row.name == "cpu" else 1024.0,
+                "state_bytes": 0.0}
+
+    recalled = []
+
+    def mqar(mechanism, s):                 # at the frontier's width, the card's own layers
+        recalled.append((mechanism.model["n_embd"], mechanism.model["n_layer"]))
+        return {f"mqar_{n}_{p}": 0.5 for n, p in frontier.mqar_cells(s)}
+
+    monkeypatch.setattr(cards, "probe", lambda rows, s: {r.name: rate[r.name] for r in rows})
+    monkeypatch.setattr(cards, "language_model", language_model)
+    monkeypatch.setattr(cards, "decoding", decoding)
+    monkeypatch.setattr(frontier, "mqar", mqar)
+    monkeypatch.setattr(frontier, "helpers", lambda s: 0)      # MQAR here, not in a process
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")                 # put back after the test
+    monkeypatch.setattr(cards, "use_threads", lambda n, env: env.update(OMP_NUM_THREADS=str(n)))
+    out = tmp_path / "cards"
+    assert cards.main(["--quick", "--cards", "gemma3", "--seconds", "20", "--threads", "2",
+                       "--out", str(out)]) == 0
+    first = list(trained)
+    assert first == [(name, round(20 * r), "2") for name, r in rate.items()]
+    assert recalled == [(64, 4)] + [(64, 6)] * 4
+    table = (out / "cards.md").read_text()
+    assert "machine: " in table and "(0.50x)" in table and "(0.25x)" in table
+    assert "| gemma3--no-windows | 1,000 | 100 | 20 | 2.100 | +0.020 |" in table
+
+    def no_timing(rows, s):
+        raise AssertionError("a plan given, yet a row was timed")
+    monkeypatch.setattr(cards, "probe", no_timing)
+    trained.clear()
+    replay = tmp_path / "again"
+    cards.main(["--quick", "--cards", "gemma3", "--plan", str(out / "plan.json"), "--out", str(replay)])
+    assert trained == first
+    body = lambda p: p.read_text().split("\n", 3)[3]          # past the dated machine line
+    assert body(replay / "cards.md") == body(out / "cards.md")
+
+
+def test_cards_refuse_a_plan_without_the_rows_asked_for(tmp_path):
+    cards = cards_script()
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"seconds": 5, "threads": 1, "rows": {"cpu": {"steps_per_s": 1.0, "steps": 5}}}')
+    with pytest.raises(Exception, match="no steps for gemma3"):
+        cards.read_plan(plan, cards.rows_of(["gemma3"]))
+    plan.write_text('{"seconds": 5, "threads": 1, "rows": {"cpu": {"steps_per_s": 1.0, "steps": 2.5}}}')
+    with pytest.raises(Exception, match="no whole number of steps for cpu"):
+        cards.read_plan(plan, cards.rows_of([]))
