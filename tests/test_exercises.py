@@ -113,6 +113,30 @@ def linear_attention_step(q, k, v, S, z):
     normaliser = (phi_q * z_new).sum(-1, keepdim=True)
     return numerator / normaliser, S_new, z_new
 ''',
+    "sinks": '''
+import math, torch
+def sink_attention(q, k, v, sinks, mask=None):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.view(1, -1, 1, 1)
+    e = torch.exp(scores)
+    weights = e / (e.sum(-1, keepdim=True) + torch.exp(sink))
+    return weights @ v, weights
+''',
+    "top_k_routing": '''
+import torch
+def moe_layer(x, logits, experts, shared, k):
+    top = logits.topk(k, dim=-1)
+    weights = torch.softmax(top.values, dim=-1)
+    out = torch.zeros_like(x)
+    for e, expert in enumerate(experts):
+        token, slot = (top.indices == e).nonzero(as_tuple=True)
+        out = out.index_add(0, token, weights[token, slot, None] * expert(x[token]))
+    for expert in shared:
+        out = out + expert(x)
+    return out
+''',
 }
 
 PLANTED = {
@@ -216,6 +240,52 @@ PLANTED = {
         ("return numerator / normaliser, S_new, z_new",
          "return numerator / normaliser, (S_new, z_new)", "returned 2 value(s), expected 3"),
     ],
+    "sinks": [
+        ("weights = e / (e.sum(-1, keepdim=True) + torch.exp(sink))",
+         "weights = e / e.sum(-1, keepdim=True)", "the sink is missing from the denominator"),
+        ("weights = e / (e.sum(-1, keepdim=True) + torch.exp(sink))",
+         "weights = (e + torch.exp(sink)) / (e.sum(-1, keepdim=True) + torch.exp(sink))",
+         "the sink went into the numerator too"),
+        ("+ torch.exp(sink))", "+ sink)", "the sink was added as it is"),
+        ("sink = sinks.view(1, -1, 1, 1)", "sink = sinks.view(1, 1, -1, 1)",
+         "the sinks are laid along the queries"),
+        ("sink = sinks.view(1, -1, 1, 1)", "sink = sinks.view(1, -1, 1, 1) / math.sqrt(q.shape[-1])",
+         "the sink was divided by √d_k"),
+        ('scores = scores.masked_fill(~mask, float("-inf"))', "pass", "hidden keys get weight"),
+        ("return weights @ v, weights",
+         "return weights @ v, torch.cat([weights, 1 - weights.sum(-1, keepdim=True)], -1)",
+         "the sink's column is dropped after the softmax"),
+    ],
+    "top_k_routing": [
+        ("weights = torch.softmax(top.values, dim=-1)",
+         "weights = torch.softmax(logits, dim=-1).gather(-1, top.indices)",
+         "a softmax over all the experts, not renormalised"),
+        ("top = logits.topk(k, dim=-1)", "top = logits.topk(logits.shape[-1], dim=-1)",
+         "every expert runs for every token"),
+        ("top = logits.topk(k, dim=-1)", "top = logits.topk(1, dim=-1)", "top-1"),
+        ("top = logits.topk(k, dim=-1)", "top = logits.topk(2, dim=-1)",
+         "2 experts whatever k is"),
+        ("    for expert in shared:\n        out = out + expert(x)\n", "",
+         "the shared experts are missing"),
+        ("weights = torch.softmax(top.values, dim=-1)",
+         "weights = torch.sigmoid(top.values) / torch.sigmoid(top.values).sum(-1, keepdim=True)",
+         "DeepSeek-V3's rule"),
+        ("weights = torch.softmax(top.values, dim=-1)", "weights = top.values", "raw logits"),
+    ],
+}
+
+# Right answers written another way, which must pass too: the sink as one more column of
+# the softmax (the project's way), and Qwen3's softmax over every expert renormalised over
+# the chosen k, which gives the same weights as a softmax over the k chosen logits.
+ALSO_CORRECT = {
+    "sinks": CORRECT["sinks"].replace(
+        "    e = torch.exp(scores)\n    weights = e / (e.sum(-1, keepdim=True) + torch.exp(sink))",
+        "    B, H, T, _ = scores.shape\n    both = torch.cat([scores, sink.expand(B, H, T, 1)], -1)\n"
+        "    weights = torch.softmax(both, dim=-1)[..., :-1]"),
+    "top_k_routing": CORRECT["top_k_routing"].replace(
+        "    weights = torch.softmax(top.values, dim=-1)",
+        "    weights = torch.softmax(logits, dim=-1).gather(-1, top.indices)\n"
+        "    weights = weights / weights.sum(-1, keepdim=True)"),
 }
 
 
@@ -228,7 +298,7 @@ def write(folder, ex, source):
 def test_every_exercise_has_a_correct_answer_and_at_least_two_planted_mistakes():
     assert set(CORRECT) == set(PLANTED) == set(BY_NAME)
     assert all(len(PLANTED[name]) >= 2 for name in PLANTED)
-    assert [ex.number for ex in EXERCISES] == list(range(1, 10))
+    assert [ex.number for ex in EXERCISES] == list(range(1, 12))
 
 
 @pytest.mark.parametrize("ex", EXERCISES, ids=lambda ex: ex.name)
@@ -237,7 +307,7 @@ def test_every_stub_is_not_started(ex):
     assert result.status == "not started", result.message
     text = (STUBS / ex.filename).read_text()
     assert "raise NotImplementedError" in text and ex.answer.split(":")[0] in text
-    assert "docs/walkthrough.md" in text and f"check {ex.name}" in text
+    assert ex.doc in text and f"check {ex.name}" in text
 
 
 @pytest.mark.parametrize("ex", EXERCISES, ids=lambda ex: ex.name)
@@ -250,6 +320,25 @@ def test_the_projects_own_code_passes(ex):
 def test_a_learners_plain_correct_answer_passes(ex, tmp_path):
     result = check(ex, write(tmp_path, ex, CORRECT[ex.name]))
     assert result.passed, result.message
+
+
+@pytest.mark.parametrize("name", ALSO_CORRECT)
+def test_a_right_answer_written_another_way_passes(name, tmp_path):
+    ex = BY_NAME[name]
+    assert ALSO_CORRECT[name] != CORRECT[name]
+    result = check(ex, write(tmp_path, ex, ALSO_CORRECT[name]))
+    assert result.passed, result.message
+
+
+def test_a_sink_added_to_every_score_is_named_as_no_sink_at_all(tmp_path):
+    """s_h added to each score of a row cancels in its softmax: the mistake is the missing
+    sink, and the diagnosis says why adding it there changes nothing."""
+    ex, line = BY_NAME["sinks"], "torch.softmax(both, dim=-1)[..., :-1]"
+    assert line in ALSO_CORRECT["sinks"]
+    source = ALSO_CORRECT["sinks"].replace(line, "torch.softmax(scores + sink, dim=-1)")
+    result = check(ex, write(tmp_path, ex, source))
+    assert result.status == "failed" and "the sink is missing" in result.message
+    assert "a softmax ignores a shift common to its row" in result.message
 
 
 @pytest.mark.parametrize("name,planted", [(n, p) for n in PLANTED for p in PLANTED[n]],
@@ -362,7 +451,7 @@ def test_checking_a_folder_with_no_exercise_files_says_how_to_make_them(tmp_path
             tool.main(args)
         folder = Path(args[-1])
         assert str(err.value) == (
-            f"{folder} holds no exercise files (01_attention.py to 09_linear_rnn.py); make them "
+            f"{folder} holds no exercise files (01_attention.py to 11_top_k_routing.py); make them "
             "with python -m attnlab.exercises start DIR (a folder of your own, my_attention "
             "when left out), then check --exercises DIR")
 
@@ -377,7 +466,7 @@ def test_start_copies_the_stubs_and_never_overwrites_work(tmp_path, capsys):
     mine = tmp_path / "mine"
     write(mine, BY_NAME["attention"], CORRECT["attention"])
     copied, kept = start(mine)
-    assert kept == ["01_attention.py"] and len(copied) == 8
+    assert kept == ["01_attention.py"] and len(copied) == len(EXERCISES) - 1
     assert (mine / "01_attention.py").read_text() == CORRECT["attention"]
     assert tool.main(["start", str(mine)]) == 0
     out = capsys.readouterr().out
@@ -403,7 +492,7 @@ def test_check_prints_a_progress_table_and_what_to_try_next(tmp_path, capsys, mo
     assert rows[2].split() == ["1", "attention", "passed"]
     assert rows[3].startswith("  2  causal_mask") and "failed: the wrong triangle" in rows[3]
     assert rows[4].split() == ["3", "multi_head", "not", "started"]
-    assert "1 of 9 passed." in rows
+    assert f"1 of {len(EXERCISES)} passed." in rows
     assert rows[-1].startswith("next: fix causal_mask in my_attention/02_causal_mask.py")
     assert tool.main(["check", "my_attention"]) == 1                 # a folder, as start takes it
     assert capsys.readouterr().out.splitlines()[:3] == rows[:3]
@@ -441,8 +530,12 @@ def test_every_text_gives_the_one_preset_to_train_the_learners_code(tmp_path, ca
                for name, text in texts.items()}
     silent = [name for name, found in presets.items() if not found and "train.py" in texts[name]]
     assert not silent and presets["01_attention.py"] and presets["passed line"], presets
-    assert {p for found in presets.values() for p in found} == {"exercise"}, presets
-    assert (ROOT / "configs" / "exercise.toml").is_file()
+    # A card's piece trains in its card; every other exercise in the preset sized for it.
+    cards = {ex.preset for ex in EXERCISES} - {"exercise"}
+    assert {p for found in presets.values() for p in found} == {"exercise"} | cards, presets
+    for ex in EXERCISES:
+        assert set(presets[ex.filename]) <= {ex.preset}, (ex.filename, presets[ex.filename])
+        assert (ROOT / "configs" / f"{ex.preset}.toml").is_file()
 
 
 def test_exercise_1_alone_is_enough_to_train_with_your_attention(corpus, tmp_path):
@@ -620,7 +713,7 @@ def test_an_exit_or_a_crash_in_the_learners_code_is_a_failure_the_checker_report
     assert "ended the process that checked it (exit code 0: sys.exit()" in rows[EXERCISES[0].name]
     assert "ended the process that checked it (exit code 0: sys.exit()" in rows[EXERCISES[1].name]
     assert "crashed the process that checked it (SIGSEGV)" in rows[EXERCISES[2].name]
-    assert "0 of 9 passed" in proc.stdout
+    assert f"0 of {len(EXERCISES)} passed" in proc.stdout
 
 
 HOSTILE_ENDS = {
@@ -646,7 +739,7 @@ def test_a_signal_an_interrupt_or_a_flood_from_the_learners_code_leaves_the_chec
                           capture_output=True, text=True, start_new_session=True)
     assert proc.returncode == 1, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     rows = {line.split()[1]: line for line in proc.stdout.splitlines() if line[:3].strip().isdigit()}
-    assert len(rows) == len(EXERCISES) and "0 of 9 passed" in proc.stdout
+    assert len(rows) == len(EXERCISES) and f"0 of {len(EXERCISES)} passed" in proc.stdout
     names = [ex.name for ex in EXERCISES]
     assert "crashed the process that checked it (SIGKILL)" in rows[names[0]]
     assert all("failed" in rows[name] for name in names[1:3])
@@ -795,7 +888,7 @@ def test_mechanism_yours_is_linear_with_your_step_once_exercise_9_passes(tmp_pat
     start(mine)
     config = ModelConfig(vocab_size=20, n_layer=2, n_head=2, n_embd=16, block_size=8,
                          mechanism="yours,mha", linear_chunk=4)
-    assert plug.chosen(config) == (False, False, True)
+    assert plug.chosen(config) == (False, False, True, False)
     with pytest.raises(ExerciseError, match=r"exercise 9 \(linear_rnn\) .*\(not started"):
         plug.prepare(config, mine)
     shutil.copy(SOLUTIONS / BY_NAME["linear_rnn"].filename, mine)

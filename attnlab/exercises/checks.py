@@ -494,7 +494,8 @@ def sink_raised(case, err, fn):
     square = sink_cases()[0]
     variant, diagnosis = ref.SINK_MISTAKES["per_query"]
     want = _tuple(variant(*_clone(square.args)))
-    got = tuple(torch.as_tensor(g).detach().to(torch.float64) for g in _tuple(fn(*_clone(square.args))))
+    got = _tuple(fn(*_clone(square.args)))
+    got = tuple(torch.as_tensor(g).detach().to(torch.float64) for g in got)
     return diagnosis if same(got, want) else None
 
 
@@ -576,7 +577,8 @@ EXERCISES = [
              ref.LINEAR_MISTAKES, linear_generic, trains="--model.mechanism=yours",
              raised=linear_raised, call=linear_call, pairs=ref.LINEAR_PAIRS),
     Exercise(10, "sinks", "a learned attention sink (gpt-oss)", "sink_attention",
-             "\"Sigmoid, gated and sink attention\"", "model/sink_attention.py:SinkAttention.attend",
+             "\"Sigmoid, gated and sink attention\"",
+             "model/sink_attention.py:SinkAttention.attend",
              sink_cases, ref.sink_attention, ref.SINK_MISTAKES, sink_generic,
              trains="--model.mechanism=yours_sinks", raised=sink_raised,
              shape_hints=("", "one weight per key: the sink's column is dropped after the "

@@ -452,8 +452,8 @@ LINEAR_PAIRS = {(a, b): _planted(**LINEAR_SLIPS[a][0], **LINEAR_SLIPS[b][0])
 
 def sink_attention(q, k, v, sinks, mask=None, sink="denominator", per="head", scale_sink=False,
                    use_mask=True):
-    """weights = exp(Q·Kᵀ/√d_k) / (Σ_keys exp(Q·Kᵀ/√d_k) + exp(s_h)), hidden keys at exp(-inf)
-    = 0, out = weights·V. q: (B, H, Tq, d_k), k: (B, H, Tk, d_k), v: (B, H, Tk, d_v),
+    """weights = exp(Q·Kᵀ/√d_k) / (Σ_keys exp(Q·Kᵀ/√d_k) + exp(s_h)), hidden keys at
+    exp(-inf) = 0, out = weights·V. q: (B, H, Tq, d_k), k: (B, H, Tk, d_k), v: (B, H, Tk, d_v),
     sinks: (H,). The keyword arguments plant one mistake each."""
     B, H, Tq, d_k = q.shape
     scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)                   # (B, H, Tq, Tk)
