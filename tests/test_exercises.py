@@ -986,3 +986,125 @@ def test_control_characters_the_learner_prints_reach_the_terminal_as_escapes(tmp
     assert "\\x1b[2J\\x1b[31mred\\x0dback\\u202eflip\tok" in proc.stdout
     assert "\\x1b]0;title\\x07" in proc.stdout
     assert not any(c in proc.stdout + proc.stderr for c in "\x1b\r\x07\u202e")
+
+
+# --- exercises 10 and 11: the learner's sink and routing inside the gpt-oss card -----
+
+def learners(tmp_path, name):
+    """The plain correct answer of an exercise, loaded from a file as the learner's is."""
+    from attnlab.exercises.learner import load
+    ex = BY_NAME[name]
+    return load(ex, write(tmp_path / name, ex, CORRECT[name]))
+
+
+def test_the_learners_sink_attention_is_the_layers_with_windows_the_cache_and_gradients(tmp_path):
+    """The layer whose weights the learner's sink_attention computes, against the project's
+    SinkAttention with the same weights and learned sinks: the whole pass, in a sliding
+    window, decoding from the cache, and the gradients, the sinks' included."""
+    from mechanism_checks import config, decode_error, inputs, layer, whole
+    from attnlab.exercises import plug
+    from model.attention import Mask
+    from model.positions import POSITION_ENCODINGS
+    from model.sink_attention import SinkAttention
+    yours_cls = type("Yours", (plug.YourSinkAttention,),
+                     {"learner": staticmethod(learners(tmp_path, "sinks"))})
+    project, yours = layer(SinkAttention), layer(yours_cls)
+    assert yours.sinks.abs().min() > 0 and torch.equal(yours.sinks, project.sinks)
+    x = inputs()
+    assert (whole(yours, x) - whole(project, x)).abs().max() < 1e-12
+    assert decode_error(yours, x) < 1e-12
+    window = Mask.over(0, x.shape[1], x.shape[1], window=3)
+    rope = POSITION_ENCODINGS["rope"](config())
+    assert (yours(x, rope, window)[0] - project(x, rope, window)[0]).abs().max() < 1e-12
+    whole(yours, x).square().sum().backward()
+    whole(project, x).square().sum().backward()
+    for a, b in zip(yours.parameters(), project.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ExerciseError, match="model.mechanism=yours_sinks has not been prepared"):
+        whole(layer(plug.YourSinkAttention), x)
+
+
+def test_the_learners_routing_is_the_mixture_of_experts_layers(tmp_path):
+    """gpt-oss's experts and router (with its bias) around the learner's moe_layer, against
+    the project's layer: the output, the gradients and the load counted per expert."""
+    from mechanism_checks import config
+    from attnlab.exercises import plug
+    from model.moe import MixtureOfExperts
+    yours_cls = type("Yours", (plug.YourMixtureOfExperts,),
+                     {"learner": staticmethod(learners(tmp_path, "top_k_routing"))})
+    cfg = config(mlp="moe", moe_experts=4, moe_top_k=2, moe_shared=1, moe_router="softmax_topk",
+                 moe_expert="gpt_oss", moe_bias_rate=0.0, bias=True)
+    torch.manual_seed(0)
+    project = MixtureOfExperts(cfg).double()
+    with torch.no_grad():
+        for p in project.parameters():
+            p.normal_(0.0, 0.4)
+    yours = yours_cls(cfg).double()
+    yours.load_state_dict(project.state_dict())
+    x = torch.randn(2, 9, cfg.n_embd, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out, want = yours(x), project(x)
+    assert (out - want).abs().max() < 1e-12
+    out.square().sum().backward()
+    want.square().sum().backward()
+    for a, b in zip(yours.parameters(), project.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-9, atol=1e-12)
+    yours.after_step()
+    project.after_step()
+    assert yours.load.sum().item() == pytest.approx(2) and torch.equal(yours.load, project.load)
+    with pytest.raises(ExerciseError, match="model.mlp=yours has not been prepared"):
+        plug.YourMixtureOfExperts(cfg)(x)
+
+
+def test_the_card_pieces_are_refused_until_they_pass_and_where_they_cannot_run(tmp_path, monkeypatch):
+    from attnlab.exercises import plug
+    from model import ModelConfig
+    plug.install()
+    mine = tmp_path / "mine"
+    start(mine)
+    card = dict(vocab_size=20, n_layer=2, n_head=2, n_embd=16, block_size=8, mechanism="yours_sinks",
+                mlp="yours", moe_experts=4, moe_shared=0, moe_router="softmax_topk", moe_bias_rate=0.0)
+    config = ModelConfig(**card)
+    assert plug.chosen(config) == (False, False, True, True)
+    assert plug.typed(config, {"mechanism": "yours_sinks", "mlp": "yours"})
+    assert not plug.typed(config, {"mechanism": "yours_sinks"})        # the MLP came from a file
+    assert not plug.typed(config, {"mechanism": "yours", "mlp": "yours"})
+    with pytest.raises(ExerciseError, match=r"exercise 10 \(sinks\) .*\(not started"):
+        plug.prepare(config, mine)
+    write(mine, BY_NAME["sinks"], CORRECT["sinks"])
+    with pytest.raises(ExerciseError, match=r"exercise 11 \(top_k_routing\) .*\(not started"):
+        plug.prepare(config, mine)
+    write(mine, BY_NAME["top_k_routing"], CORRECT["top_k_routing"])
+    assert plug.prepare(config, mine) == [
+        f"mechanism: yours_sinks (sink_attention in {mine / '10_sinks.py'})",
+        f"mlp: yours (moe_layer in {mine / '11_top_k_routing.py'})"]
+    with pytest.raises(ExerciseError, match="model.moe_router=sigmoid weights them otherwise"):
+        plug.prepare(ModelConfig(**{**card, "moe_router": "sigmoid", "moe_bias_rate": 1e-3}), mine)
+    with pytest.raises(ExerciseError, match="your sink attention has no dropout"):
+        plug.prepare(ModelConfig(**{**card, "dropout": 0.1}), mine)
+    with pytest.raises(ExerciseError, match=r"asks for your own code \(model.mechanism=yours_sinks\)"):
+        plug.folder_for(config, None, tmp_path / "run")
+
+
+def test_training_the_gpt_oss_card_with_your_sink_and_routing_matches_the_card(corpus, tmp_path):
+    """The documented command, at a tiny size: the learner's plain answers to exercises
+    10 and 11 (not the project's code) train the gpt-oss card as its own pieces do."""
+    mine = tmp_path / "mine"
+    for name in ("sinks", "top_k_routing"):
+        write(mine, BY_NAME[name], CORRECT[name])
+
+    def card(name, *extra):
+        return run_script("train.py", "--config", "gpt-oss", f"--data.path={corpus}",
+                          f"--data.cache_dir={tmp_path / 'cache'}", f"--train.out_dir={tmp_path / 'runs'}",
+                          f"--train.run_name={name}", "--model.n_layer=2", "--model.n_embd=32",
+                          "--model.n_head=2", "--model.n_kv_head=1", "--model.block_size=32",
+                          "--model.sliding_window=8", "--model.moe_experts=4", "--train.device=cpu",
+                          "--train.batch_size=4", "--train.max_iters=24", "--train.warmup_iters=2",
+                          "--train.eval_interval=24", "--train.eval_iters=1", "--train.log_interval=1",
+                          *extra)
+    yours = card("yours", "--model.mechanism=yours_sinks", "--model.mlp=yours", f"--exercises={mine}")
+    assert f"mechanism: yours_sinks (sink_attention in {mine / '10_sinks.py'})" in yours.stdout
+    assert f"mlp: yours (moe_layer in {mine / '11_top_k_routing.py'})" in yours.stdout
+    card("card")
+    a, b = step_losses(tmp_path / "runs" / "yours"), step_losses(tmp_path / "runs" / "card")
+    assert len(a) == len(b) == 24 and a == pytest.approx(b, rel=1e-4, abs=1e-5)
+    assert a[-1] < a[0] - 0.3                                   # and it learns
