@@ -137,6 +137,12 @@ def moe_layer(x, logits, experts, shared, k):
         out = out + expert(x)
     return out
 ''',
+    "gate": '''
+import torch
+def gated_output(x, y, w_gate, w_o):
+    gate = torch.sigmoid(x @ w_gate)
+    return (y * gate) @ w_o
+''',
 }
 
 PLANTED = {
@@ -272,6 +278,16 @@ PLANTED = {
          "DeepSeek-V3's rule"),
         ("weights = torch.softmax(top.values, dim=-1)", "weights = top.values", "raw logits"),
     ],
+    "gate": [
+        ("torch.sigmoid(x @ w_gate)", "torch.sigmoid(y @ w_gate)",
+         "computed from the attention's output"),
+        ("return (y * gate) @ w_o", "return (y @ w_o) * gate", "applied after W_O"),
+        ("torch.sigmoid(x @ w_gate)", "x @ w_gate", "the gate has no sigmoid"),
+        ("torch.sigmoid(x @ w_gate)", "torch.nn.functional.silu(x @ w_gate)", "the gate is SiLU"),
+        ("return (y * gate) @ w_o", "return (y + gate) @ w_o", "added to the heads' output"),
+        ("torch.sigmoid(x @ w_gate)", "torch.sigmoid(x @ w_gate.T)", "W_G is transposed"),
+        ("return (y * gate) @ w_o", "return y * gate", "W_O is missing"),
+    ],
 }
 
 # Right answers written another way, which must pass too: the sink as one more column of
@@ -298,7 +314,7 @@ def write(folder, ex, source):
 def test_every_exercise_has_a_correct_answer_and_at_least_two_planted_mistakes():
     assert set(CORRECT) == set(PLANTED) == set(BY_NAME)
     assert all(len(PLANTED[name]) >= 2 for name in PLANTED)
-    assert [ex.number for ex in EXERCISES] == list(range(1, 12))
+    assert [ex.number for ex in EXERCISES] == list(range(1, 13))
 
 
 @pytest.mark.parametrize("ex", EXERCISES, ids=lambda ex: ex.name)
@@ -526,7 +542,7 @@ def test_every_text_gives_the_one_preset_to_train_the_learners_code(tmp_path, ca
     assert tool.main(["check", "1", "--exercises", str(folder)]) == 0
     texts["passed line"] = capsys.readouterr().out
     texts["all passed"] = tool.next_step([check(ex, folder) for ex in EXERCISES], folder)
-    presets = {name: re.findall(r"train\.py --config (\S+)[^\n]*=yours", text)
+    presets = {name: re.findall(r"train\.py --config (\S+)[^\n]*[=,]yours", text)
                for name, text in texts.items()}
     silent = [name for name, found in presets.items() if not found and "train.py" in texts[name]]
     assert not silent and presets["01_attention.py"] and presets["passed line"], presets
@@ -1108,3 +1124,52 @@ def test_training_the_gpt_oss_card_with_your_sink_and_routing_matches_the_card(c
     a, b = step_losses(tmp_path / "runs" / "yours"), step_losses(tmp_path / "runs" / "card")
     assert len(a) == len(b) == 24 and a == pytest.approx(b, rel=1e-4, abs=1e-5)
     assert a[-1] < a[0] - 0.3                                   # and it learns
+
+
+def test_the_learners_gate_is_gated_attentions_with_the_cache_and_gradients(tmp_path):
+    """The layer whose output gate and W_O the learner's gated_output applies, against the
+    project's GatedAttention with the same weights: the whole pass, decoding from the
+    cache, and the gradients (W_G's included)."""
+    from mechanism_checks import decode_error, inputs, layer, whole
+    from attnlab.exercises import plug
+    from model.gated_attention import GatedAttention
+    yours_cls = type("Yours", (plug.YourGatedAttention,),
+                     {"learner": staticmethod(learners(tmp_path, "gate"))})
+    project, yours = layer(GatedAttention), layer(yours_cls)
+    x = inputs()
+    assert (whole(yours, x) - whole(project, x)).abs().max() < 1e-12
+    assert decode_error(yours, x) < 1e-12
+    whole(yours, x).square().sum().backward()
+    whole(project, x).square().sum().backward()
+    for a, b in zip(yours.parameters(), project.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ExerciseError, match="model.mechanism=yours_gated has not been prepared"):
+        whole(layer(plug.YourGatedAttention), x)
+
+
+def test_training_the_qwen3_next_card_with_your_gate_matches_the_card(corpus, tmp_path):
+    """The documented command, at a tiny size: the learner's plain answer to exercise 12
+    gates the card's softmax layers, and the run's losses are the card's own."""
+    from attnlab.exercises import plug
+    from model import ModelConfig
+    mine = tmp_path / "mine"
+    write(mine, BY_NAME["gate"], CORRECT["gate"])
+    plug.install()
+    with pytest.raises(ExerciseError, match="takes W_G and W_O without biases; set model.bias=false"):
+        plug.prepare(ModelConfig(mechanism="yours_gated", bias=True), mine)
+
+    def card(name, mechanism, *extra):
+        return run_script("train.py", "--config", "qwen3-next", f"--data.path={corpus}",
+                          f"--data.cache_dir={tmp_path / 'cache'}", f"--train.out_dir={tmp_path / 'runs'}",
+                          f"--train.run_name={name}", "--model.n_layer=2", "--model.n_embd=32",
+                          "--model.n_head=2", "--model.block_size=32", "--model.moe_experts=4",
+                          f"--model.mechanism=gated_deltanet,{mechanism}", "--train.device=cpu",
+                          "--train.batch_size=4", "--train.max_iters=24", "--train.warmup_iters=2",
+                          "--train.eval_interval=24", "--train.eval_iters=1", "--train.log_interval=1",
+                          *extra)
+    yours = card("yours", "yours_gated", f"--exercises={mine}")
+    assert f"mechanism: yours_gated (gated_output in {mine / '12_gate.py'})" in yours.stdout
+    card("card", "gated")
+    a, b = step_losses(tmp_path / "runs" / "yours"), step_losses(tmp_path / "runs" / "card")
+    assert len(a) == len(b) == 24 and a == pytest.approx(b, rel=1e-4, abs=1e-5)
+    assert a[-1] < a[0] - 0.3

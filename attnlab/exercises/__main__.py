@@ -1,6 +1,6 @@
-"""Build the article yourself: eleven exercises that check your code and name your mistake.
+"""Build the article yourself: twelve exercises that check your code and name your mistake.
 
-    python -m attnlab.exercises list               # the eleven, in order, and where each is taught
+    python -m attnlab.exercises list               # the twelve, in order, and where each is taught
     python -m attnlab.exercises start [DIR]        # copy the stubs into DIR (my_attention)
     python -m attnlab.exercises check              # a table of every exercise, and what next
     python -m attnlab.exercises check attention    # one exercise (a name or its number)
@@ -8,6 +8,7 @@
     python train.py --config exercise --model.attention=yours   # exercise 1 alone is enough
     python train.py --config exercise --model.attention=yours --model.position=yours
     python train.py --config gpt-oss --model.mechanism=yours_sinks --model.mlp=yours   # 10, 11
+    python train.py --config qwen3-next --model.mechanism=gated_deltanet,gated_deltanet,gated_deltanet,yours_gated
 
 Each stub names the article's sentence it implements (or the model card's piece), the
 shapes, its section of docs/walkthrough.md (or docs/after_the_article.md) and the

@@ -534,6 +534,16 @@ def moe_cases():
                  (_rand(144, 5, 6), _rand(145, 5, 6), _experts(180, 6, 6), _experts(195, 2, 6), 3))]
 
 
+def gate_cases():
+    """The layer's input, the heads' outputs, W_G and W_O (not symmetric, so a transposed
+    matrix shows)."""
+    def case(seed, B, T, C):
+        return (_rand(seed, B, T, C), _rand(seed + 1, B, T, C), _rand(seed + 2, C, C) / math.sqrt(C),
+                _rand(seed + 3, C, C) / math.sqrt(C))
+    return [Case("B=2, T=4, d_model=6", case(200, 2, 4, 6)),
+            Case("B=1, T=5, d_model=8", case(210, 1, 5, 8))]
+
+
 CACHE_HINT = ("the cache returned holds the T_past old keys (or values) and then the "
               "T_new new ones, appended along the positions axis (dim=-2)")
 
@@ -589,6 +599,11 @@ EXERCISES = [
              "model/moe.py:MixtureOfExperts.forward", moe_cases, ref.moe, ref.MOE_MISTAKES,
              trains="--model.mlp=yours", shape_hints=("one row per token, (N, C)",),
              doc="docs/after_the_article.md", preset="gpt-oss"),
+    Exercise(12, "gate", "the output gate of gated attention (Qwen3-Next)", "gated_output",
+             "\"Sigmoid, gated and sink attention\"", "model/gated_attention.py:GatedAttention.output",
+             gate_cases, ref.gated_output, ref.GATE_MISTAKES,
+             trains="--model.mechanism=gated_deltanet,gated_deltanet,gated_deltanet,yours_gated",
+             doc="docs/after_the_article.md", preset="qwen3-next"),
 ]
 
 BY_NAME = {ex.name: ex for ex in EXERCISES}

@@ -1,9 +1,9 @@
 """Your code in the real training loop: `yours` in the attention, position, mechanism and
-MLP registries, and `yours_sinks` in the mechanisms.
+MLP registries, and `yours_sinks` and `yours_gated` in the mechanisms.
 
 `install()` adds the entries, as any backend, encoding, mechanism or MLP is added, so
 `--model.attention=yours`, `--model.position=yours`, `--model.mechanism=yours`,
-`--model.mechanism=yours_sinks` and `--model.mlp=yours` pass the config's checks and
+`--model.mechanism=yours_sinks` (or `yours_gated`) and `--model.mlp=yours` pass the config's checks and
 appear in --help. `prepare(config, folder)` then loads the learner's functions from their
 folder, refusing any exercise that has not passed its check, and binds them. The folder
 comes from the command line (`folder_for`), never from a run's files:
@@ -16,6 +16,8 @@ comes from the command line (`folder_for`), never from a run's files:
   cache) whose sums exercise 9's linear_attention_step makes, token by token;
 * mechanism `yours_sinks`: sink attention (model/sink_attention.py, its learned sinks,
   entry and cache) whose weights exercise 10's sink_attention computes;
+* mechanism `yours_gated`: gated attention (model/gated_attention.py) whose output gate
+  and W_O exercise 12's gated_output applies;
 * mlp: the mixture of experts (model/moe.py, its experts and router's logits) whose
   routing and sum exercise 11's moe_layer makes.
 
@@ -32,6 +34,7 @@ import torch
 from model import registry as model_registry
 from model.attention import ATTENTION_BACKENDS, Backend
 from model.config import ModelConfig
+from model.gated_attention import GatedAttention
 from model.layers import MLPS
 from model.linear_attention import LinearAttention, LinearState
 from model.mechanisms import MECHANISMS, names_used
@@ -44,6 +47,7 @@ from attnlab.exercises.reference import over_tokens
 
 NAME = model_registry.RESERVED
 SINKS = f"{NAME}_sinks"        # exercise 10's mechanism (exercise 9's is `yours`)
+GATED = f"{NAME}_gated"        # exercise 12's
 _bound: dict = {}              # "attention" -> the learner's function, once prepared
 
 
@@ -124,6 +128,20 @@ class YourSinkAttention(SinkAttention):
         return out, (weights if need_weights else None)
 
 
+class YourGatedAttention(GatedAttention):
+    """Gated attention whose output gate and W_O your gated_output applies, with this
+    layer's W_G and W_O (model.bias=false: your function takes no biases)."""
+    learner = None             # set on the subclass prepare() makes
+
+    def output(self, x, y):
+        gate = type(self).learner
+        if gate is None:
+            raise ExerciseError(f"model.mechanism={GATED} has not been prepared: the script "
+                                "that builds the model calls attnlab.exercises.plug.prepare first")
+        # nn.Linear keeps its weight as (out, in): y = x @ weight.T, so W = weight.T.
+        return gate(x, y, self.w_gate.weight.T, self.w_o.weight.T)
+
+
 class YourMixtureOfExperts(MixtureOfExperts):
     """The mixture of experts whose routing and weighted sum your moe_layer makes, given
     this layer's router logits and its experts as functions."""
@@ -146,12 +164,19 @@ class YourMixtureOfExperts(MixtureOfExperts):
         return self.dropout(out.to(x.dtype).reshape(x.shape))
 
 
+# Each mechanism the learner writes: its name -> (the exercise, the layer it runs in).
+MECHANISM_EXERCISES = {NAME: ("linear_rnn", YourLinearAttention),
+                       SINKS: ("sinks", YourSinkAttention),
+                       GATED: ("gate", YourGatedAttention)}
+
+
 def _entries() -> list[tuple[str, str, object]]:
     """(registry, name, entry) for each place the learner's code plugs in. A mechanism is
     the project's entry, its cache and facts, with your layer in it."""
     return [("attention", NAME, YOUR_BACKEND), ("position", NAME, YourPositions),
             ("mechanism", NAME, replace(MECHANISMS["linear"], layer=YourLinearAttention)),
             ("mechanism", SINKS, replace(MECHANISMS["sinks"], layer=YourSinkAttention)),
+            ("mechanism", GATED, replace(MECHANISMS["gated"], layer=YourGatedAttention)),
             ("mlp", NAME, YourMixtureOfExperts)]
 
 
@@ -167,8 +192,8 @@ def install() -> None:
 
 
 def _yours(mechanism) -> bool:
-    return mechanism is not None and issubclass(mechanism.layer, (YourLinearAttention,
-                                                                  YourSinkAttention))
+    return mechanism is not None and issubclass(mechanism.layer, tuple(
+        base for _, base in MECHANISM_EXERCISES.values()))
 
 
 def chosen(config: ModelConfig) -> tuple[bool, bool, bool, bool]:
@@ -222,6 +247,9 @@ def prepare(config: ModelConfig, folder: Path | None) -> list[str]:
                 raise ExerciseError(f"model.position={config.position} adds a bias to the scores, "
                                     f"which your sink attention has no argument for; use rope "
                                     f"with model.mechanism={SINKS}")
+            if name == GATED and config.bias:
+                raise ExerciseError(f"your gated_output takes W_G and W_O without biases; set "
+                                    f"model.bias=false with model.mechanism={GATED}")
             ex = BY_NAME[ex_name]
             learner = staticmethod(passed_function(ex, folder))
             layer = type(base.__name__, (base,), {"learner": learner})
@@ -242,9 +270,6 @@ def prepare(config: ModelConfig, folder: Path | None) -> list[str]:
     return notes
 
 
-# Each mechanism the learner writes: its name -> (the exercise, the layer it runs in).
-MECHANISM_EXERCISES = {NAME: ("linear_rnn", YourLinearAttention),
-                       SINKS: ("sinks", YourSinkAttention)}
 KINDS = ("attention", "position", "mechanism", "mlp")  # the fields `chosen` answers for, in order
 
 

@@ -556,3 +556,46 @@ MOE_MISTAKES = {
             "the chosen experts are weighted by their raw logits: the weights are a softmax "
             "over the k chosen logits, positive and summing to 1"),
 }
+
+
+# --- 12. the output gate of gated attention (Qwen3-Next) ------------------------------
+# Qiu et al., "Gated Attention for Large Language Models" (arXiv:2505.06708): each head's
+# output is multiplied, element by element, by σ(x·W_G) computed from the layer's input x,
+# before W_O mixes the heads.
+
+def gated_output(x, y, w_gate, w_o, source="input", act="sigmoid", how="times", where="before",
+                 transposed=False, use_w_o=True):
+    """x: (B, T, C) the layer's input; y: (B, T, C) the heads' outputs side by side;
+    w_gate, w_o: (C, C), applied as x @ w. W_O · (y ⊙ σ(x·W_G)). The keyword arguments
+    plant one mistake each."""
+    logits = (x if source == "input" else y) @ (w_gate.T if transposed else w_gate)
+    gate = {"sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu,
+            "none": lambda t: t}[act](logits)
+    if where == "after":                                    # gated after the heads are mixed
+        return (y @ w_o) * gate
+    gated = y * gate if how == "times" else y + gate
+    return gated @ w_o if use_w_o else gated
+
+
+GATE_MISTAKES = {
+    "from_output": (lambda x, y, wg, wo: gated_output(x, y, wg, wo, source="output"),
+                    "the gate was computed from the attention's output: it comes from the layer's "
+                    "input, σ(x·W_G), so it can switch a head off whatever the head read"),
+    "after_w_o": (lambda x, y, wg, wo: gated_output(x, y, wg, wo, where="after"),
+                  "the gate was applied after W_O: it gates each head's own output, so it goes "
+                  "on y before W_O mixes the heads (W_O · (y ⊙ σ(x·W_G)))"),
+    "no_sigmoid": (lambda x, y, wg, wo: gated_output(x, y, wg, wo, act="none"),
+                   "the gate has no sigmoid: x·W_G is any real number; σ(x·W_G) lies between 0 "
+                   "(the head switched off) and 1 (passed as it is)"),
+    "silu": (lambda x, y, wg, wo: gated_output(x, y, wg, wo, act="silu"),
+             "the gate is SiLU, x·σ(x), the MLP's activation: the paper's gate is the sigmoid "
+             "σ(x·W_G), between 0 and 1"),
+    "added": (lambda x, y, wg, wo: gated_output(x, y, wg, wo, how="plus"),
+              "the gate was added to the heads' output: it multiplies it, element by element "
+              "(y * σ(x·W_G))"),
+    "transposed": (lambda x, y, wg, wo: gated_output(x, y, wg, wo, transposed=True),
+                   "W_G is transposed: the gate's logits are x @ w_gate, as the queries are "
+                   "x @ W_Q"),
+    "no_w_o": (lambda x, y, wg, wo: gated_output(x, y, wg, wo, use_w_o=False),
+               "W_O is missing: after the gate, W_O mixes the heads' gated outputs"),
+}

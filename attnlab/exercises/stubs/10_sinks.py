@@ -1,4 +1,4 @@
-"""Exercise 10 of 11: a learned attention sink, as gpt-oss has (arXiv:2508.10925).
+"""Exercise 10 of 12: a learned attention sink, as gpt-oss has (arXiv:2508.10925).
 
 The model card: every head has one learned logit s_h that joins its softmax's
 denominator and nothing else,

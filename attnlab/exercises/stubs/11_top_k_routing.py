@@ -1,4 +1,4 @@
-"""Exercise 11 of 11: top-k routing of a mixture of experts (gpt-oss, arXiv:2508.10925).
+"""Exercise 11 of 12: top-k routing of a mixture of experts (gpt-oss, arXiv:2508.10925).
 
 The model card: the MLP is many small experts. A router scores every expert for each
 token (the logits); the k largest pick the experts the token goes to (k = 2 in the
