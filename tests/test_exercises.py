@@ -467,7 +467,7 @@ def test_checking_a_folder_with_no_exercise_files_says_how_to_make_them(tmp_path
             tool.main(args)
         folder = Path(args[-1])
         assert str(err.value) == (
-            f"{folder} holds no exercise files (01_attention.py to 11_top_k_routing.py); make them "
+            f"{folder} holds no exercise files (01_attention.py to {EXERCISES[-1].filename}); make them "
             "with python -m attnlab.exercises start DIR (a folder of your own, my_attention "
             "when left out), then check --exercises DIR")
 
