@@ -38,7 +38,7 @@ from model.gated_attention import GatedAttention
 from model.layers import MLPS
 from model.linear_attention import LinearAttention, LinearState
 from model.mechanisms import MECHANISMS, names_used
-from model.moe import MixtureOfExperts
+from model.moe import MOE_ROUTERS, MixtureOfExperts
 from model.positions import POSITION_ENCODINGS, PositionEncoding
 from model.sink_attention import SinkAttention
 from attnlab.exercises.checks import BY_NAME
@@ -104,6 +104,11 @@ class YourLinearAttention(LinearAttention):
     equal within float rounding at each step, near linear's losses over a run, and slower."""
     learner = None             # set on the subclass prepare() makes
 
+    @staticmethod
+    def refusal(config: ModelConfig) -> str | None:
+        """Why the config asks what your function cannot do, or None."""
+        return None
+
     def sums(self, q, k, v, state):
         step = type(self).learner
         if step is None:
@@ -117,6 +122,15 @@ class YourSinkAttention(SinkAttention):
     """Sink attention whose weights your sink_attention computes, with this layer's
     learned sinks: the same maths as the project's, so the same losses within rounding."""
     learner = None             # set on the subclass prepare() makes
+
+    @staticmethod
+    def refusal(config: ModelConfig) -> str | None:
+        if config.dropout:
+            return f"your sink attention has no dropout; set model.dropout=0 with it ({SINKS})"
+        if POSITION_ENCODINGS[config.position].biases_scores:
+            return (f"model.position={config.position} adds a bias to the scores, which your "
+                    f"sink attention has no argument for; use rope with model.mechanism={SINKS}")
+        return None
 
     def attend(self, q, k, v, mask, need_weights: bool = False):
         attend = type(self).learner
@@ -133,6 +147,11 @@ class YourGatedAttention(GatedAttention):
     layer's W_G and W_O (model.bias=false: your function takes no biases)."""
     learner = None             # set on the subclass prepare() makes
 
+    @staticmethod
+    def refusal(config: ModelConfig) -> str | None:
+        return (f"your gated_output takes W_G and W_O without biases; set model.bias=false "
+                f"with model.mechanism={GATED}") if config.bias else None
+
     def output(self, x, y):
         gate = type(self).learner
         if gate is None:
@@ -146,6 +165,15 @@ class YourMixtureOfExperts(MixtureOfExperts):
     """The mixture of experts whose routing and weighted sum your moe_layer makes, given
     this layer's router logits and its experts as functions."""
     learner = None             # set on the subclass prepare() makes
+
+    @staticmethod
+    def refusal(config: ModelConfig) -> str | None:
+        if MOE_ROUTERS[config.moe_router] is MOE_ROUTERS["softmax_topk"]:
+            return None
+        return (f"your moe_layer weights the chosen experts by a softmax over their logits, "
+                f"gpt-oss's router; model.moe_router={config.moe_router} weights them otherwise: "
+                "set model.moe_router=softmax_topk and model.moe_bias_rate=0 (the gpt-oss "
+                "preset has both)")
 
     def forward(self, x):
         layer = type(self).learner
@@ -238,36 +266,31 @@ def prepare(config: ModelConfig, folder: Path | None) -> list[str]:
                                type(base.__name__, (base,), {"learner": staticmethod(fn)}))
         model_registry.check(config)             # the facts changed: check them again
         notes.append(f"position: yours ({ex.function} in {folder / ex.filename})")
-    for name, (ex_name, base) in MECHANISM_EXERCISES.items():
-        if mechanism and name in names_used(config):
-            if name == SINKS and config.dropout:
-                raise ExerciseError(f"your sink attention has no dropout; set model.dropout=0 "
-                                    f"with model.mechanism={SINKS}")
-            if name == SINKS and POSITION_ENCODINGS[config.position].biases_scores:
-                raise ExerciseError(f"model.position={config.position} adds a bias to the scores, "
-                                    f"which your sink attention has no argument for; use rope "
-                                    f"with model.mechanism={SINKS}")
-            if name == GATED and config.bias:
-                raise ExerciseError(f"your gated_output takes W_G and W_O without biases; set "
-                                    f"model.bias=false with model.mechanism={GATED}")
-            ex = BY_NAME[ex_name]
-            learner = staticmethod(passed_function(ex, folder))
-            layer = type(base.__name__, (base,), {"learner": learner})
-            model_registry.plug_in("mechanism", name, replace(MECHANISMS[name], layer=layer))
-            notes.append(f"mechanism: {name} ({ex.function} in {folder / ex.filename})")
+    if mechanism:
+        notes += _bind_mechanisms(config, folder)
     if mlp:
-        ex = BY_NAME["top_k_routing"]
-        if config.moe_router != "softmax_topk":
-            raise ExerciseError(f"your moe_layer weights the chosen experts by a softmax over "
-                                f"their logits, gpt-oss's router; model.moe_router="
-                                f"{config.moe_router} weights them otherwise: set "
-                                "model.moe_router=softmax_topk and model.moe_bias_rate=0 (the "
-                                "gpt-oss preset has both)")
-        layer = type(YourMixtureOfExperts.__name__, (YourMixtureOfExperts,),
-                     {"learner": staticmethod(passed_function(ex, folder))})
-        model_registry.plug_in("mlp", NAME, layer)
-        notes.append(f"mlp: yours ({ex.function} in {folder / ex.filename})")
+        notes.append(_bind(config, folder, "mlp", NAME, "top_k_routing", YourMixtureOfExperts))
     return notes
+
+
+def _bind_mechanisms(config: ModelConfig, folder: Path) -> list[str]:
+    """Each of the learner's mechanisms the config's layers use, bound to its exercise."""
+    return [_bind(config, folder, "mechanism", name, ex_name, base)
+            for name, (ex_name, base) in MECHANISM_EXERCISES.items() if name in names_used(config)]
+
+
+def _bind(config: ModelConfig, folder: Path, registry: str, name: str, ex_name: str, base) -> str:
+    """Register under `name` a subclass of `base` that runs the learner's function for
+    exercise `ex_name` (refused where the config asks what that function cannot do); the
+    line saying so."""
+    why = base.refusal(config)
+    if why:
+        raise ExerciseError(why)
+    ex = BY_NAME[ex_name]
+    layer = type(base.__name__, (base,), {"learner": staticmethod(passed_function(ex, folder))})
+    model_registry.plug_in(registry, name, layer if registry == "mlp" else
+                           replace(MECHANISMS[name], layer=layer))
+    return f"{registry}: {name} ({ex.function} in {folder / ex.filename})"
 
 
 KINDS = ("attention", "position", "mechanism", "mlp")  # the fields `chosen` answers for, in order
