@@ -276,6 +276,8 @@ PLANTED = {
         ("weights = torch.softmax(top.values, dim=-1)",
          "weights = torch.sigmoid(top.values) / torch.sigmoid(top.values).sum(-1, keepdim=True)",
          "DeepSeek-V3's rule"),
+        ("weights = torch.softmax(top.values, dim=-1)", "weights = torch.sigmoid(top.values)",
+         "sigmoid, not renormalised"),
         ("weights = torch.softmax(top.values, dim=-1)", "weights = top.values", "raw logits"),
     ],
     "gate": [

@@ -518,6 +518,8 @@ def moe(x, logits, experts, shared, k, weigh="softmax_top", pick=None, use_share
     elif weigh == "sigmoid":                                            # DeepSeek-V3's rule
         s = torch.sigmoid(top.values)
         weights = s / s.sum(-1, keepdim=True)
+    elif weigh == "sigmoid_alone":                                      # ... not renormalised
+        weights = torch.sigmoid(top.values)
     else:                                                               # the raw logits
         weights = top.values
     out = torch.zeros_like(x)
@@ -552,6 +554,10 @@ MOE_MISTAKES = {
     "sigmoid": (lambda x, l, ex, sh, k: moe(x, l, ex, sh, k, weigh="sigmoid"),
                 "the weights are sigmoids normalised over the k chosen (DeepSeek-V3's rule): "
                 "this card's router takes a softmax over the k chosen logits"),
+    "sigmoid_alone": (lambda x, l, ex, sh, k: moe(x, l, ex, sh, k, weigh="sigmoid_alone"),
+                      "the weights are each chosen expert's sigmoid, not renormalised: the k "
+                      "weights must sum to 1; this card's router takes a softmax over the k "
+                      "chosen logits"),
     "raw": (lambda x, l, ex, sh, k: moe(x, l, ex, sh, k, weigh="raw"),
             "the chosen experts are weighted by their raw logits: the weights are a softmax "
             "over the k chosen logits, positive and summing to 1"),
