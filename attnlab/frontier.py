@@ -109,9 +109,9 @@ def measurable() -> dict[str, Mechanism]:
     """The rows above, then every other registered model.mechanism, by its name alone: the
     default run measures the rows, and a mechanism added tomorrow is measured when named."""
     from model.mechanisms import MECHANISMS as REGISTERED
-    from model.registry import RESERVED
+    from model.registry import is_reserved
     others = {n: Mechanism(f"model.mechanism={n}", {"mechanism": n}) for n in REGISTERED
-              if n != RESERVED and n not in MECHANISMS}
+              if not is_reserved(n) and n not in MECHANISMS}
     return {**MECHANISMS, **others}
 
 

@@ -28,5 +28,9 @@ class GatedAttention(MultiHeadAttention):
         q, k, v = self.project(x, positions, mask, cache, value_embed)
         y, weights = self.attend(q, k, v, mask, need_weights)        # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, C)                       # heads side by side
-        y = y * torch.sigmoid(self.w_gate(x))                        # each head's own gate
-        return self.resid_dropout(self.w_o(y)), weights
+        return self.resid_dropout(self.output(x, y)), weights
+
+    def output(self, x, y):
+        """W_O · (y ⊙ σ(x·W_G)): the heads' outputs y (B, T, C), side by side, each gated
+        element by element from the layer input x, then mixed by W_O."""
+        return self.w_o(y * torch.sigmoid(self.w_gate(x)))

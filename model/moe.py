@@ -159,17 +159,20 @@ class MixtureOfExperts(nn.Module):
         gate, up = self.fc(u, e).chunk(2, dim=-1)                 # (N, H) each
         return self.proj(self.expert_kind.act(gate, up), e)
 
-    def route(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens u (N, C) -> (weights g (N, k), chosen experts (N, k)): DeepSeek-V3's gate,
-        or model.moe_router's."""
+    def router_logits(self, u: torch.Tensor) -> torch.Tensor:
+        """Tokens u (N, C) -> each routed expert's logit u·e_i (+ the router's bias), (N, E)."""
         # In float32 at least, autocast or not, as transformers' DeepSeek-V3 gate computes
         # (the paper keeps its gating out of FP8, section 3.3.1): in bf16, affinities a little
         # apart round to ties, and the picks would follow the rounding.
         dtype = torch.promote_types(u.dtype, torch.float32)
         bias = None if self.router.bias is None else self.router.bias.to(dtype)
         with torch.autocast(u.device.type, enabled=False):
-            logits = F.linear(u.to(dtype), self.router.weight.to(dtype), bias)   # (N, E_routed)
-        return self.router_kind.route(logits, self.balance_bias, self.top_k)
+            return F.linear(u.to(dtype), self.router.weight.to(dtype), bias)
+
+    def route(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens u (N, C) -> (weights g (N, k), chosen experts (N, k)): DeepSeek-V3's gate,
+        or model.moe_router's."""
+        return self.router_kind.route(self.router_logits(u), self.balance_bias, self.top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         u = x.reshape(-1, x.shape[-1])                            # (N, C): every token on its own

@@ -32,9 +32,15 @@ REGISTRIES = {
 
 
 # The name the exercises give the learner's own code in every registry (attnlab/exercises/
-# plug.py): an entry of that name written by other code would be run as the learner's.
+# plug.py), and its forms for a registry with more than one exercise in it (yours_sinks):
+# an entry of such a name written by other code would be run as the learner's.
 RESERVED = "yours"
 _plugged: dict[tuple[str, str], object] = {}     # (registry, name) -> the entry plug_in wrote
+
+
+def is_reserved(name: str) -> bool:
+    """Whether `name` is one the exercises keep for the learner's code."""
+    return name == RESERVED or name.startswith(RESERVED + "_")
 
 
 def plug_in(registry: str, name: str, entry) -> None:
@@ -43,10 +49,10 @@ def plug_in(registry: str, name: str, entry) -> None:
     _plugged[(registry, name)] = entry
 
 
-def foreign_reserved(registry: str) -> bool:
-    """Whether the reserved name holds an entry plug_in did not write."""
-    entry = REGISTRIES[registry].get(RESERVED)
-    return entry is not None and entry is not _plugged.get((registry, RESERVED))
+def foreign_reserved(registry: str, name: str = RESERVED) -> bool:
+    """Whether the reserved `name` holds an entry plug_in did not write."""
+    entry = REGISTRIES[registry].get(name)
+    return entry is not None and entry is not _plugged.get((registry, name))
 
 
 def _in_order(letters: str, word: str) -> bool:
@@ -79,7 +85,7 @@ def check_names(config: ModelConfig) -> None:
                                  f"{NOT_MECHANISMS[name]}")
             if registry and name not in REGISTRIES[registry]:
                 raise unknown_name(f"model.{f.name}", name, REGISTRIES[registry])
-            if registry and name == RESERVED and foreign_reserved(registry):
+            if registry and is_reserved(name) and foreign_reserved(registry, name):
                 raise ModelError(f"model.{f.name}={name}: the name {name!r} is kept for the "
                                  "exercises' code (attnlab/exercises/plug.py); register your "
                                  "entry under another name")

@@ -137,7 +137,8 @@ def registries_kept():
     from attnlab.exercises import plug
     registries = [r for r in (getattr(plug, "ATTENTION_BACKENDS", None),
                               getattr(plug, "POSITION_ENCODINGS", None),
-                              getattr(plug, "MECHANISMS", None)) if r is not None]
+                              getattr(plug, "MECHANISMS", None),
+                              getattr(plug, "MLPS", None)) if r is not None]
     saved = [dict(r) for r in registries]
     try:
         yield

@@ -113,6 +113,36 @@ def linear_attention_step(q, k, v, S, z):
     normaliser = (phi_q * z_new).sum(-1, keepdim=True)
     return numerator / normaliser, S_new, z_new
 ''',
+    "sinks": '''
+import math, torch
+def sink_attention(q, k, v, sinks, mask=None):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.view(1, -1, 1, 1)
+    e = torch.exp(scores)
+    weights = e / (e.sum(-1, keepdim=True) + torch.exp(sink))
+    return weights @ v, weights
+''',
+    "top_k_routing": '''
+import torch
+def moe_layer(x, logits, experts, shared, k):
+    top = logits.topk(k, dim=-1)
+    weights = torch.softmax(top.values, dim=-1)
+    out = torch.zeros_like(x)
+    for e, expert in enumerate(experts):
+        token, slot = (top.indices == e).nonzero(as_tuple=True)
+        out = out.index_add(0, token, weights[token, slot, None] * expert(x[token]))
+    for expert in shared:
+        out = out + expert(x)
+    return out
+''',
+    "gate": '''
+import torch
+def gated_output(x, y, w_gate, w_o):
+    gate = torch.sigmoid(x @ w_gate)
+    return (y * gate) @ w_o
+''',
 }
 
 PLANTED = {
@@ -216,6 +246,64 @@ PLANTED = {
         ("return numerator / normaliser, S_new, z_new",
          "return numerator / normaliser, (S_new, z_new)", "returned 2 value(s), expected 3"),
     ],
+    "sinks": [
+        ("weights = e / (e.sum(-1, keepdim=True) + torch.exp(sink))",
+         "weights = e / e.sum(-1, keepdim=True)", "the sink is missing from the denominator"),
+        ("weights = e / (e.sum(-1, keepdim=True) + torch.exp(sink))",
+         "weights = (e + torch.exp(sink)) / (e.sum(-1, keepdim=True) + torch.exp(sink))",
+         "the sink went into the numerator too"),
+        ("+ torch.exp(sink))", "+ sink)", "the sink was added as it is"),
+        ("sink = sinks.view(1, -1, 1, 1)", "sink = sinks.view(1, 1, -1, 1)",
+         "the sinks are laid along the queries"),
+        ("sink = sinks.view(1, -1, 1, 1)", "sink = sinks.view(1, -1, 1, 1) / math.sqrt(q.shape[-1])",
+         "the sink was divided by √d_k"),
+        ('scores = scores.masked_fill(~mask, float("-inf"))', "pass", "hidden keys get weight"),
+        ("return weights @ v, weights",
+         "return weights @ v, torch.cat([weights, 1 - weights.sum(-1, keepdim=True)], -1)",
+         "the sink's column is dropped after the softmax"),
+    ],
+    "top_k_routing": [
+        ("weights = torch.softmax(top.values, dim=-1)",
+         "weights = torch.softmax(logits, dim=-1).gather(-1, top.indices)",
+         "a softmax over all the experts, not renormalised"),
+        ("top = logits.topk(k, dim=-1)", "top = logits.topk(logits.shape[-1], dim=-1)",
+         "every expert runs for every token"),
+        ("top = logits.topk(k, dim=-1)", "top = logits.topk(1, dim=-1)", "top-1"),
+        ("top = logits.topk(k, dim=-1)", "top = logits.topk(2, dim=-1)",
+         "2 experts whatever k is"),
+        ("    for expert in shared:\n        out = out + expert(x)\n", "",
+         "the shared experts are missing"),
+        ("weights = torch.softmax(top.values, dim=-1)",
+         "weights = torch.sigmoid(top.values) / torch.sigmoid(top.values).sum(-1, keepdim=True)",
+         "DeepSeek-V3's rule"),
+        ("weights = torch.softmax(top.values, dim=-1)", "weights = torch.sigmoid(top.values)",
+         "sigmoid, not renormalised"),
+        ("weights = torch.softmax(top.values, dim=-1)", "weights = top.values", "raw logits"),
+    ],
+    "gate": [
+        ("torch.sigmoid(x @ w_gate)", "torch.sigmoid(y @ w_gate)",
+         "computed from the attention's output"),
+        ("return (y * gate) @ w_o", "return (y @ w_o) * gate", "applied after W_O"),
+        ("torch.sigmoid(x @ w_gate)", "x @ w_gate", "the gate has no sigmoid"),
+        ("torch.sigmoid(x @ w_gate)", "torch.nn.functional.silu(x @ w_gate)", "the gate is SiLU"),
+        ("return (y * gate) @ w_o", "return (y + gate) @ w_o", "added to the heads' output"),
+        ("torch.sigmoid(x @ w_gate)", "torch.sigmoid(x @ w_gate.T)", "W_G is transposed"),
+        ("return (y * gate) @ w_o", "return y * gate", "W_O is missing"),
+    ],
+}
+
+# Right answers written another way, which must pass too: the sink as one more column of
+# the softmax (the project's way), and Qwen3's softmax over every expert renormalised over
+# the chosen k, which gives the same weights as a softmax over the k chosen logits.
+ALSO_CORRECT = {
+    "sinks": CORRECT["sinks"].replace(
+        "    e = torch.exp(scores)\n    weights = e / (e.sum(-1, keepdim=True) + torch.exp(sink))",
+        "    B, H, T, _ = scores.shape\n    both = torch.cat([scores, sink.expand(B, H, T, 1)], -1)\n"
+        "    weights = torch.softmax(both, dim=-1)[..., :-1]"),
+    "top_k_routing": CORRECT["top_k_routing"].replace(
+        "    weights = torch.softmax(top.values, dim=-1)",
+        "    weights = torch.softmax(logits, dim=-1).gather(-1, top.indices)\n"
+        "    weights = weights / weights.sum(-1, keepdim=True)"),
 }
 
 
@@ -228,7 +316,7 @@ def write(folder, ex, source):
 def test_every_exercise_has_a_correct_answer_and_at_least_two_planted_mistakes():
     assert set(CORRECT) == set(PLANTED) == set(BY_NAME)
     assert all(len(PLANTED[name]) >= 2 for name in PLANTED)
-    assert [ex.number for ex in EXERCISES] == list(range(1, 10))
+    assert [ex.number for ex in EXERCISES] == list(range(1, 13))
 
 
 @pytest.mark.parametrize("ex", EXERCISES, ids=lambda ex: ex.name)
@@ -237,7 +325,7 @@ def test_every_stub_is_not_started(ex):
     assert result.status == "not started", result.message
     text = (STUBS / ex.filename).read_text()
     assert "raise NotImplementedError" in text and ex.answer.split(":")[0] in text
-    assert "docs/walkthrough.md" in text and f"check {ex.name}" in text
+    assert ex.doc in text and f"check {ex.name}" in text
 
 
 @pytest.mark.parametrize("ex", EXERCISES, ids=lambda ex: ex.name)
@@ -250,6 +338,25 @@ def test_the_projects_own_code_passes(ex):
 def test_a_learners_plain_correct_answer_passes(ex, tmp_path):
     result = check(ex, write(tmp_path, ex, CORRECT[ex.name]))
     assert result.passed, result.message
+
+
+@pytest.mark.parametrize("name", ALSO_CORRECT)
+def test_a_right_answer_written_another_way_passes(name, tmp_path):
+    ex = BY_NAME[name]
+    assert ALSO_CORRECT[name] != CORRECT[name]
+    result = check(ex, write(tmp_path, ex, ALSO_CORRECT[name]))
+    assert result.passed, result.message
+
+
+def test_a_sink_added_to_every_score_is_named_as_no_sink_at_all(tmp_path):
+    """s_h added to each score of a row cancels in its softmax: the mistake is the missing
+    sink, and the diagnosis says why adding it there changes nothing."""
+    ex, line = BY_NAME["sinks"], "torch.softmax(both, dim=-1)[..., :-1]"
+    assert line in ALSO_CORRECT["sinks"]
+    source = ALSO_CORRECT["sinks"].replace(line, "torch.softmax(scores + sink, dim=-1)")
+    result = check(ex, write(tmp_path, ex, source))
+    assert result.status == "failed" and "the sink is missing" in result.message
+    assert "a softmax ignores a shift common to its row" in result.message
 
 
 @pytest.mark.parametrize("name,planted", [(n, p) for n in PLANTED for p in PLANTED[n]],
@@ -362,7 +469,7 @@ def test_checking_a_folder_with_no_exercise_files_says_how_to_make_them(tmp_path
             tool.main(args)
         folder = Path(args[-1])
         assert str(err.value) == (
-            f"{folder} holds no exercise files (01_attention.py to 09_linear_rnn.py); make them "
+            f"{folder} holds no exercise files (01_attention.py to {EXERCISES[-1].filename}); make them "
             "with python -m attnlab.exercises start DIR (a folder of your own, my_attention "
             "when left out), then check --exercises DIR")
 
@@ -377,7 +484,7 @@ def test_start_copies_the_stubs_and_never_overwrites_work(tmp_path, capsys):
     mine = tmp_path / "mine"
     write(mine, BY_NAME["attention"], CORRECT["attention"])
     copied, kept = start(mine)
-    assert kept == ["01_attention.py"] and len(copied) == 8
+    assert kept == ["01_attention.py"] and len(copied) == len(EXERCISES) - 1
     assert (mine / "01_attention.py").read_text() == CORRECT["attention"]
     assert tool.main(["start", str(mine)]) == 0
     out = capsys.readouterr().out
@@ -403,7 +510,7 @@ def test_check_prints_a_progress_table_and_what_to_try_next(tmp_path, capsys, mo
     assert rows[2].split() == ["1", "attention", "passed"]
     assert rows[3].startswith("  2  causal_mask") and "failed: the wrong triangle" in rows[3]
     assert rows[4].split() == ["3", "multi_head", "not", "started"]
-    assert "1 of 9 passed." in rows
+    assert f"1 of {len(EXERCISES)} passed." in rows
     assert rows[-1].startswith("next: fix causal_mask in my_attention/02_causal_mask.py")
     assert tool.main(["check", "my_attention"]) == 1                 # a folder, as start takes it
     assert capsys.readouterr().out.splitlines()[:3] == rows[:3]
@@ -437,12 +544,16 @@ def test_every_text_gives_the_one_preset_to_train_the_learners_code(tmp_path, ca
     assert tool.main(["check", "1", "--exercises", str(folder)]) == 0
     texts["passed line"] = capsys.readouterr().out
     texts["all passed"] = tool.next_step([check(ex, folder) for ex in EXERCISES], folder)
-    presets = {name: re.findall(r"train\.py --config (\S+)[^\n]*=yours", text)
+    presets = {name: re.findall(r"train\.py --config (\S+)[^\n]*[=,]yours", text)
                for name, text in texts.items()}
     silent = [name for name, found in presets.items() if not found and "train.py" in texts[name]]
     assert not silent and presets["01_attention.py"] and presets["passed line"], presets
-    assert {p for found in presets.values() for p in found} == {"exercise"}, presets
-    assert (ROOT / "configs" / "exercise.toml").is_file()
+    # A card's piece trains in its card; every other exercise in the preset sized for it.
+    cards = {ex.preset for ex in EXERCISES} - {"exercise"}
+    assert {p for found in presets.values() for p in found} == {"exercise"} | cards, presets
+    for ex in EXERCISES:
+        assert set(presets[ex.filename]) <= {ex.preset}, (ex.filename, presets[ex.filename])
+        assert (ROOT / "configs" / f"{ex.preset}.toml").is_file()
 
 
 def test_exercise_1_alone_is_enough_to_train_with_your_attention(corpus, tmp_path):
@@ -620,7 +731,7 @@ def test_an_exit_or_a_crash_in_the_learners_code_is_a_failure_the_checker_report
     assert "ended the process that checked it (exit code 0: sys.exit()" in rows[EXERCISES[0].name]
     assert "ended the process that checked it (exit code 0: sys.exit()" in rows[EXERCISES[1].name]
     assert "crashed the process that checked it (SIGSEGV)" in rows[EXERCISES[2].name]
-    assert "0 of 9 passed" in proc.stdout
+    assert f"0 of {len(EXERCISES)} passed" in proc.stdout
 
 
 HOSTILE_ENDS = {
@@ -646,7 +757,7 @@ def test_a_signal_an_interrupt_or_a_flood_from_the_learners_code_leaves_the_chec
                           capture_output=True, text=True, start_new_session=True)
     assert proc.returncode == 1, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     rows = {line.split()[1]: line for line in proc.stdout.splitlines() if line[:3].strip().isdigit()}
-    assert len(rows) == len(EXERCISES) and "0 of 9 passed" in proc.stdout
+    assert len(rows) == len(EXERCISES) and f"0 of {len(EXERCISES)} passed" in proc.stdout
     names = [ex.name for ex in EXERCISES]
     assert "crashed the process that checked it (SIGKILL)" in rows[names[0]]
     assert all("failed" in rows[name] for name in names[1:3])
@@ -795,7 +906,7 @@ def test_mechanism_yours_is_linear_with_your_step_once_exercise_9_passes(tmp_pat
     start(mine)
     config = ModelConfig(vocab_size=20, n_layer=2, n_head=2, n_embd=16, block_size=8,
                          mechanism="yours,mha", linear_chunk=4)
-    assert plug.chosen(config) == (False, False, True)
+    assert plug.chosen(config) == (False, False, True, False)
     with pytest.raises(ExerciseError, match=r"exercise 9 \(linear_rnn\) .*\(not started"):
         plug.prepare(config, mine)
     shutil.copy(SOLUTIONS / BY_NAME["linear_rnn"].filename, mine)
@@ -893,3 +1004,174 @@ def test_control_characters_the_learner_prints_reach_the_terminal_as_escapes(tmp
     assert "\\x1b[2J\\x1b[31mred\\x0dback\\u202eflip\tok" in proc.stdout
     assert "\\x1b]0;title\\x07" in proc.stdout
     assert not any(c in proc.stdout + proc.stderr for c in "\x1b\r\x07\u202e")
+
+
+# --- exercises 10 and 11: the learner's sink and routing inside the gpt-oss card -----
+
+def learners(tmp_path, name):
+    """The plain correct answer of an exercise, loaded from a file as the learner's is."""
+    from attnlab.exercises.learner import load
+    ex = BY_NAME[name]
+    return load(ex, write(tmp_path / name, ex, CORRECT[name]))
+
+
+def test_the_learners_sink_attention_is_the_layers_with_windows_the_cache_and_gradients(tmp_path):
+    """The layer whose weights the learner's sink_attention computes, against the project's
+    SinkAttention with the same weights and learned sinks: the whole pass, in a sliding
+    window, decoding from the cache, and the gradients, the sinks' included."""
+    from mechanism_checks import config, decode_error, inputs, layer, whole
+    from attnlab.exercises import plug
+    from model.attention import Mask
+    from model.positions import POSITION_ENCODINGS
+    from model.sink_attention import SinkAttention
+    yours_cls = type("Yours", (plug.YourSinkAttention,),
+                     {"learner": staticmethod(learners(tmp_path, "sinks"))})
+    project, yours = layer(SinkAttention), layer(yours_cls)
+    assert yours.sinks.abs().min() > 0 and torch.equal(yours.sinks, project.sinks)
+    x = inputs()
+    assert (whole(yours, x) - whole(project, x)).abs().max() < 1e-12
+    assert decode_error(yours, x) < 1e-12
+    window = Mask.over(0, x.shape[1], x.shape[1], window=3)
+    rope = POSITION_ENCODINGS["rope"](config())
+    assert (yours(x, rope, window)[0] - project(x, rope, window)[0]).abs().max() < 1e-12
+    whole(yours, x).square().sum().backward()
+    whole(project, x).square().sum().backward()
+    for a, b in zip(yours.parameters(), project.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ExerciseError, match="model.mechanism=yours_sinks has not been prepared"):
+        whole(layer(plug.YourSinkAttention), x)
+
+
+def test_the_learners_routing_is_the_mixture_of_experts_layers(tmp_path):
+    """gpt-oss's experts and router (with its bias) around the learner's moe_layer, against
+    the project's layer: the output, the gradients and the load counted per expert."""
+    from mechanism_checks import config
+    from attnlab.exercises import plug
+    from model.moe import MixtureOfExperts
+    yours_cls = type("Yours", (plug.YourMixtureOfExperts,),
+                     {"learner": staticmethod(learners(tmp_path, "top_k_routing"))})
+    cfg = config(mlp="moe", moe_experts=4, moe_top_k=2, moe_shared=1, moe_router="softmax_topk",
+                 moe_expert="gpt_oss", moe_bias_rate=0.0, bias=True)
+    torch.manual_seed(0)
+    project = MixtureOfExperts(cfg).double()
+    with torch.no_grad():
+        for p in project.parameters():
+            p.normal_(0.0, 0.4)
+    yours = yours_cls(cfg).double()
+    yours.load_state_dict(project.state_dict())
+    x = torch.randn(2, 9, cfg.n_embd, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out, want = yours(x), project(x)
+    assert (out - want).abs().max() < 1e-12
+    out.square().sum().backward()
+    want.square().sum().backward()
+    for a, b in zip(yours.parameters(), project.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-9, atol=1e-12)
+    yours.after_step()
+    project.after_step()
+    assert yours.load.sum().item() == pytest.approx(2) and torch.equal(yours.load, project.load)
+    with pytest.raises(ExerciseError, match="model.mlp=yours has not been prepared"):
+        plug.YourMixtureOfExperts(cfg)(x)
+
+
+def test_the_card_pieces_are_refused_until_they_pass_and_where_they_cannot_run(tmp_path, monkeypatch):
+    from attnlab.exercises import plug
+    from model import ModelConfig
+    plug.install()
+    mine = tmp_path / "mine"
+    start(mine)
+    card = dict(vocab_size=20, n_layer=2, n_head=2, n_embd=16, block_size=8, mechanism="yours_sinks",
+                mlp="yours", moe_experts=4, moe_shared=0, moe_router="softmax_topk", moe_bias_rate=0.0)
+    config = ModelConfig(**card)
+    assert plug.chosen(config) == (False, False, True, True)
+    assert plug.typed(config, {"mechanism": "yours_sinks", "mlp": "yours"})
+    assert not plug.typed(config, {"mechanism": "yours_sinks"})        # the MLP came from a file
+    assert not plug.typed(config, {"mechanism": "yours", "mlp": "yours"})
+    with pytest.raises(ExerciseError, match=r"exercise 10 \(sinks\) .*\(not started"):
+        plug.prepare(config, mine)
+    write(mine, BY_NAME["sinks"], CORRECT["sinks"])
+    with pytest.raises(ExerciseError, match=r"exercise 11 \(top_k_routing\) .*\(not started"):
+        plug.prepare(config, mine)
+    write(mine, BY_NAME["top_k_routing"], CORRECT["top_k_routing"])
+    assert plug.prepare(config, mine) == [
+        f"mechanism: yours_sinks (sink_attention in {mine / '10_sinks.py'})",
+        f"mlp: yours (moe_layer in {mine / '11_top_k_routing.py'})"]
+    with pytest.raises(ExerciseError, match="model.moe_router=sigmoid weights them otherwise"):
+        plug.prepare(ModelConfig(**{**card, "moe_router": "sigmoid", "moe_bias_rate": 1e-3}), mine)
+    with pytest.raises(ExerciseError, match="your sink attention has no dropout"):
+        plug.prepare(ModelConfig(**{**card, "dropout": 0.1}), mine)
+    with pytest.raises(ExerciseError, match=r"asks for your own code \(model.mechanism=yours_sinks\)"):
+        plug.folder_for(config, None, tmp_path / "run")
+
+
+def test_training_the_gpt_oss_card_with_your_sink_and_routing_matches_the_card(corpus, tmp_path):
+    """The documented command, at a tiny size: the learner's plain answers to exercises
+    10 and 11 (not the project's code) train the gpt-oss card as its own pieces do."""
+    mine = tmp_path / "mine"
+    for name in ("sinks", "top_k_routing"):
+        write(mine, BY_NAME[name], CORRECT[name])
+
+    def card(name, *extra):
+        return run_script("train.py", "--config", "gpt-oss", f"--data.path={corpus}",
+                          f"--data.cache_dir={tmp_path / 'cache'}", f"--train.out_dir={tmp_path / 'runs'}",
+                          f"--train.run_name={name}", "--model.n_layer=2", "--model.n_embd=32",
+                          "--model.n_head=2", "--model.n_kv_head=1", "--model.block_size=32",
+                          "--model.sliding_window=8", "--model.moe_experts=4", "--train.device=cpu",
+                          "--train.batch_size=4", "--train.max_iters=24", "--train.warmup_iters=2",
+                          "--train.eval_interval=24", "--train.eval_iters=1", "--train.log_interval=1",
+                          *extra)
+    yours = card("yours", "--model.mechanism=yours_sinks", "--model.mlp=yours", f"--exercises={mine}")
+    assert f"mechanism: yours_sinks (sink_attention in {mine / '10_sinks.py'})" in yours.stdout
+    assert f"mlp: yours (moe_layer in {mine / '11_top_k_routing.py'})" in yours.stdout
+    card("card")
+    a, b = step_losses(tmp_path / "runs" / "yours"), step_losses(tmp_path / "runs" / "card")
+    assert len(a) == len(b) == 24 and a == pytest.approx(b, rel=1e-4, abs=1e-5)
+    assert a[-1] < a[0] - 0.3                                   # and it learns
+
+
+def test_the_learners_gate_is_gated_attentions_with_the_cache_and_gradients(tmp_path):
+    """The layer whose output gate and W_O the learner's gated_output applies, against the
+    project's GatedAttention with the same weights: the whole pass, decoding from the
+    cache, and the gradients (W_G's included)."""
+    from mechanism_checks import decode_error, inputs, layer, whole
+    from attnlab.exercises import plug
+    from model.gated_attention import GatedAttention
+    yours_cls = type("Yours", (plug.YourGatedAttention,),
+                     {"learner": staticmethod(learners(tmp_path, "gate"))})
+    project, yours = layer(GatedAttention), layer(yours_cls)
+    x = inputs()
+    assert (whole(yours, x) - whole(project, x)).abs().max() < 1e-12
+    assert decode_error(yours, x) < 1e-12
+    whole(yours, x).square().sum().backward()
+    whole(project, x).square().sum().backward()
+    for a, b in zip(yours.parameters(), project.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ExerciseError, match="model.mechanism=yours_gated has not been prepared"):
+        whole(layer(plug.YourGatedAttention), x)
+
+
+def test_training_the_qwen3_next_card_with_your_gate_matches_the_card(corpus, tmp_path):
+    """The documented command, at a tiny size: the learner's plain answer to exercise 12
+    gates the card's softmax layers, and the run's losses are the card's own."""
+    from attnlab.exercises import plug
+    from model import ModelConfig
+    mine = tmp_path / "mine"
+    write(mine, BY_NAME["gate"], CORRECT["gate"])
+    plug.install()
+    with pytest.raises(ExerciseError, match="takes W_G and W_O without biases; set model.bias=false"):
+        plug.prepare(ModelConfig(mechanism="yours_gated", bias=True), mine)
+
+    def card(name, mechanism, *extra):
+        return run_script("train.py", "--config", "qwen3-next", f"--data.path={corpus}",
+                          f"--data.cache_dir={tmp_path / 'cache'}", f"--train.out_dir={tmp_path / 'runs'}",
+                          f"--train.run_name={name}", "--model.n_layer=2", "--model.n_embd=32",
+                          "--model.n_head=2", "--model.block_size=32", "--model.moe_experts=4",
+                          f"--model.mechanism=gated_deltanet,{mechanism}", "--train.device=cpu",
+                          "--train.batch_size=4", "--train.max_iters=24", "--train.warmup_iters=2",
+                          "--train.eval_interval=24", "--train.eval_iters=1", "--train.log_interval=1",
+                          *extra)
+    yours = card("yours", "yours_gated", f"--exercises={mine}")
+    assert f"mechanism: yours_gated (gated_output in {mine / '12_gate.py'})" in yours.stdout
+    card("card", "gated")
+    a, b = step_losses(tmp_path / "runs" / "yours"), step_losses(tmp_path / "runs" / "card")
+    assert len(a) == len(b) == 24 and a == pytest.approx(b, rel=1e-4, abs=1e-5)
+    assert a[-1] < a[0] - 0.3

@@ -1,15 +1,18 @@
-"""Build the article yourself: nine exercises that check your code and name your mistake.
+"""Build the article yourself: twelve exercises that check your code and name your mistake.
 
-    python -m attnlab.exercises list               # the nine, in order, and where each is taught
+    python -m attnlab.exercises list               # the twelve, in order, and where each is taught
     python -m attnlab.exercises start [DIR]        # copy the stubs into DIR (my_attention)
     python -m attnlab.exercises check              # a table of every exercise, and what next
     python -m attnlab.exercises check attention    # one exercise (a name or its number)
     python -m attnlab.exercises check --exercises DIR   # another folder (also: check DIR)
     python train.py --config exercise --model.attention=yours   # exercise 1 alone is enough
     python train.py --config exercise --model.attention=yours --model.position=yours
+    python train.py --config gpt-oss --model.mechanism=yours_sinks --model.mlp=yours   # 10, 11
+    python train.py --config qwen3-next --model.mechanism=gated_deltanet,gated_deltanet,gated_deltanet,yours_gated
 
-Each stub names the article's sentence it implements, the shapes, its section of
-docs/walkthrough.md and the project's own implementation to read once it passes.
+Each stub names the article's sentence it implements (or the model card's piece), the
+shapes, its section of docs/walkthrough.md (or docs/after_the_article.md) and the
+project's own implementation to read once it passes.
 `start` never overwrites a file already in DIR."""
 from __future__ import annotations
 
@@ -80,20 +83,20 @@ def main(argv=None) -> int:
     if result.passed:
         print(f"read the project's own: {ex.answer}")
         if ex.trains:
-            print(f"train with yours: {TRAIN_YOURS} {ex.trains}"
+            print(f"train with yours: python train.py --config {ex.preset} {ex.trains}"
                   f"{_dir_flag(folder)}")
     elif result.status in ("failed", "not started"):
         verb = "write" if result.status == "not started" else "fix"
-        print(f"{verb} {ex.function} in {folder / ex.filename} (docs/walkthrough.md "
-              f"{ex.section}), then check again")
+        print(f"{verb} {ex.function} in {folder / ex.filename} ({ex.doc} {ex.section}), "
+              "then check again")
     return 0 if result.passed else 1
 
 
 def listing() -> str:
     """The exercises in order: number, name, what it builds, its file and its section."""
     width = max(len(ex.name) for ex in EXERCISES)
-    lines = [f"  {ex.number}  {ex.name.ljust(width)}  {ex.title} ({ex.filename}, "
-             f"docs/walkthrough.md {ex.section})" for ex in EXERCISES]
+    lines = [f" {ex.number:>2}  {ex.name.ljust(width)}  {ex.title} ({ex.filename}, "
+             f"{ex.doc} {ex.section})" for ex in EXERCISES]
     return "\n".join(["the exercises, in order (python -m attnlab.exercises start copies "
                       f"them into {DEFAULT_FOLDER}/):", *lines])
 
@@ -116,7 +119,7 @@ def table(results: list[Result], folder: Path) -> str:
     lines = [f"exercises in {folder}:", f"  #  {'exercise'.ljust(width)}  status"]
     for r in results:
         detail = f": {r.message}" if r.status in SAYS_WHY else ""
-        lines.append(f"  {r.exercise.number}  {r.exercise.name.ljust(width)}  {r.status}{detail}")
+        lines.append(f" {r.exercise.number:>2}  {r.exercise.name.ljust(width)}  {r.status}{detail}")
     done = sum(r.passed for r in results)
     lines.append(f"{done} of {len(results)} passed.")
     lines.append(next_step(results, folder))
@@ -137,8 +140,8 @@ def next_step(results: list[Result], folder: Path) -> str:
     if todo.status in ("missing", "empty", "not a file"):
         return f"next: {todo.message}"
     verb = "fix" if todo.status == "failed" else "write"
-    return (f"next: {verb} {ex.function} in {folder / ex.filename} (docs/walkthrough.md "
-            f"{ex.section}), then python -m attnlab.exercises check {ex.name}{_dir_flag(folder)}")
+    return (f"next: {verb} {ex.function} in {folder / ex.filename} ({ex.doc} {ex.section}), "
+            f"then python -m attnlab.exercises check {ex.name}{_dir_flag(folder)}")
 
 
 if __name__ == "__main__":

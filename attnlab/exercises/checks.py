@@ -1,5 +1,5 @@
-"""The nine exercises, in the article's order and then one after it, and the checker
-that diagnoses them.
+"""The exercises, in the article's order, then one after it and two from today's model
+cards, and the checker that diagnoses them.
 
 Each exercise has inputs (cases, float64, seeded), a reference (reference.py) and the
 mistakes learners make, planted as variants of the reference. `run_check` calls the
@@ -36,7 +36,7 @@ class Exercise:
     name: str             # what `check NAME` takes
     title: str
     function: str         # the function the learner writes
-    section: str          # where docs/walkthrough.md explains it
+    section: str          # where `doc` explains it
     answer: str           # the project's own implementation, file:function
     cases: Callable[[], list[Case]]
     reference: Callable
@@ -51,6 +51,8 @@ class Exercise:
     call: Callable = lambda fn, args: fn(*args)
     # (name, name) -> a variant with both of those mistakes, so two at once are named too.
     pairs: dict = field(default_factory=dict)
+    doc: str = "docs/walkthrough.md"     # the page that explains it
+    preset: str = "exercise"             # the preset `trains` goes with
 
     @property
     def filename(self) -> str:
@@ -469,6 +471,79 @@ def linear_generic(case, got, want, fn=None):
     return None
 
 
+def sink_cases():
+    """q, k, v float64 and one sink logit per head. The first case has as many queries as
+    heads, so sinks laid along the queries run there (and are named) instead of raising."""
+    def qkv(seed, B, H, Tq, Tk):
+        return _rand(seed, B, H, Tq, 8), _rand(seed + 1, B, H, Tk, 8), _rand(seed + 2, B, H, Tk, 6)
+    window = ref.window_mask(6, 2)
+    return [Case("3 heads, 3 queries over 3 keys, causal",
+                 (*qkv(100, 2, 3, 3, 3), _rand(103, 3), ref.causal_mask(3, 3))),
+            Case("2 heads, 4 queries after 2 cached keys, causal",
+                 (*qkv(110, 2, 2, 4, 6), _rand(113, 2), ref.causal_mask(4, 6))),
+            Case("2 heads, 6 queries, a sliding window of 2",
+                 (*qkv(120, 1, 2, 6, 6), _rand(123, 2), window)),
+            Case("2 heads, 4 queries over 5 keys, no mask", (*qkv(130, 2, 2, 4, 5), _rand(133, 2)))]
+
+
+def sink_raised(case, err, fn):
+    """Sinks laid along the queries fail to broadcast when there are not as many queries
+    as heads: on the first case they run, and matching the planted variant names it."""
+    if not isinstance(err, RuntimeError):
+        return None
+    square = sink_cases()[0]
+    variant, diagnosis = ref.SINK_MISTAKES["per_query"]
+    want = _tuple(variant(*_clone(square.args)))
+    got = _tuple(fn(*_clone(square.args)))
+    got = tuple(torch.as_tensor(g).detach().to(torch.float64) for g in got)
+    return diagnosis if same(got, want) else None
+
+
+def sink_generic(case, got, want, fn=None):
+    out, weights = got
+    visible = case.args[4] if len(case.args) > 4 else None
+    if torch.isnan(weights).any():
+        return ("the weights contain NaN: an overflow in exp; put the sink's logit beside the "
+                "scores as one more column and let torch.softmax take the row")
+    if visible is not None and (weights.abs() * ~visible).max() > ATOL:
+        return "hidden keys get weight: fill their scores with -inf before the softmax"
+    if (weights.sum(-1) > 1 - 1e-9).any():
+        return ("a row's weights over the keys sum to 1 or more: the sink takes a share of "
+                "every row, so the keys' weights sum to less than 1")
+    if not torch.allclose(out, weights @ case.args[2], rtol=RTOL, atol=ATOL):
+        return "the output is not weights @ V: the weighted sum of the values (the sink has none)"
+    return None
+
+
+def _experts(seed, n, C, hidden=5):
+    """n small expert functions, (N, C) -> (N, C), each its own tanh MLP in float64."""
+    def expert(w_in, w_out):
+        return lambda x: torch.tanh(x @ w_in) @ w_out
+    return [expert(_rand(seed + 2 * i, C, hidden), _rand(seed + 2 * i + 1, hidden, C))
+            for i in range(n)]
+
+
+def moe_cases():
+    """Tokens, router logits, routed and shared experts, and k. The last case routes to 3,
+    so a layer that always takes 2 shows."""
+    return [Case("7 tokens, 4 experts, top 2, 1 shared expert",
+                 (_rand(140, 7, 6), _rand(141, 7, 4), _experts(150, 4, 6), _experts(160, 1, 6), 2)),
+            Case("6 tokens, 5 experts, top 2, no shared expert",
+                 (_rand(142, 6, 6), _rand(143, 6, 5), _experts(170, 5, 6), [], 2)),
+            Case("5 tokens, 6 experts, top 3, 2 shared experts",
+                 (_rand(144, 5, 6), _rand(145, 5, 6), _experts(180, 6, 6), _experts(195, 2, 6), 3))]
+
+
+def gate_cases():
+    """The layer's input, the heads' outputs, W_G and W_O (not symmetric, so a transposed
+    matrix shows)."""
+    def case(seed, B, T, C):
+        return (_rand(seed, B, T, C), _rand(seed + 1, B, T, C), _rand(seed + 2, C, C) / math.sqrt(C),
+                _rand(seed + 3, C, C) / math.sqrt(C))
+    return [Case("B=2, T=4, d_model=6", case(200, 2, 4, 6)),
+            Case("B=1, T=5, d_model=8", case(210, 1, 5, 8))]
+
+
 CACHE_HINT = ("the cache returned holds the T_past old keys (or values) and then the "
               "T_new new ones, appended along the positions axis (dim=-2)")
 
@@ -511,6 +586,24 @@ EXERCISES = [
              "model/linear_attention.py:recurrent", linear_cases, ref.linear_parallel,
              ref.LINEAR_MISTAKES, linear_generic, trains="--model.mechanism=yours",
              raised=linear_raised, call=linear_call, pairs=ref.LINEAR_PAIRS),
+    Exercise(10, "sinks", "a learned attention sink (gpt-oss)", "sink_attention",
+             "\"Sigmoid, gated and sink attention\"",
+             "model/sink_attention.py:SinkAttention.attend",
+             sink_cases, ref.sink_attention, ref.SINK_MISTAKES, sink_generic,
+             trains="--model.mechanism=yours_sinks", raised=sink_raised,
+             shape_hints=("", "one weight per key: the sink's column is dropped after the "
+                              "softmax (it has no value to hand on)"),
+             doc="docs/after_the_article.md", preset="gpt-oss"),
+    Exercise(11, "top_k_routing", "top-k routing of a mixture of experts (gpt-oss)", "moe_layer",
+             "\"Beyond attention: a mixture of experts in the MLP\"",
+             "model/moe.py:MixtureOfExperts.forward", moe_cases, ref.moe, ref.MOE_MISTAKES,
+             trains="--model.mlp=yours", shape_hints=("one row per token, (N, C)",),
+             doc="docs/after_the_article.md", preset="gpt-oss"),
+    Exercise(12, "gate", "the output gate of gated attention (Qwen3-Next)", "gated_output",
+             "\"Sigmoid, gated and sink attention\"", "model/gated_attention.py:GatedAttention.output",
+             gate_cases, ref.gated_output, ref.GATE_MISTAKES,
+             trains="--model.mechanism=gated_deltanet,gated_deltanet,gated_deltanet,yours_gated",
+             doc="docs/after_the_article.md", preset="qwen3-next"),
 ]
 
 BY_NAME = {ex.name: ex for ex in EXERCISES}

@@ -443,3 +443,165 @@ LINEAR_MISTAKES = {name: (_planted(**slip), why) for name, (slip, why) in LINEAR
 LINEAR_PAIRS = {(a, b): _planted(**LINEAR_SLIPS[a][0], **LINEAR_SLIPS[b][0])
                 for i, a in enumerate(LINEAR_SLIPS) for b in list(LINEAR_SLIPS)[i + 1:]
                 if not set(LINEAR_SLIPS[a][0]) & set(LINEAR_SLIPS[b][0])}
+
+
+# --- 10. a learned attention sink (gpt-oss) -------------------------------------------
+# gpt-oss (arXiv:2508.10925): each head h has one learned logit s_h that joins its
+# softmax's denominator and nothing else, so a row's weights over the keys sum to less
+# than 1 and the rest goes to a sink that hands on no value.
+
+def sink_attention(q, k, v, sinks, mask=None, sink="denominator", per="head", scale_sink=False,
+                   use_mask=True):
+    """weights = exp(Q·Kᵀ/√d_k) / (Σ_keys exp(Q·Kᵀ/√d_k) + exp(s_h)), hidden keys at
+    exp(-inf) = 0, out = weights·V. q: (B, H, Tq, d_k), k: (B, H, Tk, d_k), v: (B, H, Tk, d_v),
+    sinks: (H,). The keyword arguments plant one mistake each."""
+    B, H, Tq, d_k = q.shape
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)                   # (B, H, Tq, Tk)
+    if mask is not None and use_mask:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    s = sinks.view(1, H, 1, 1) if per == "head" else sinks.view(1, 1, Tq, 1)   # planted: per query
+    if scale_sink:
+        s = s / math.sqrt(d_k)
+    e = torch.exp(scores)                   # the inputs are small: no max to subtract in float64
+    total = e.sum(-1, keepdim=True)
+    if sink == "denominator":
+        weights = e / (total + torch.exp(s))
+    elif sink == "missing":
+        weights = e / total
+    elif sink == "numerator":               # exp(s_h) added above the line as well as below
+        weights = (e + torch.exp(s)) / (total + torch.exp(s))
+    else:                                   # "logit": s_h added as it is, not exp(s_h)
+        weights = e / (total + s)
+    return weights @ v, weights
+
+
+SINK_MISTAKES = {
+    "missing": (lambda q, k, v, s, mask=None: sink_attention(q, k, v, s, mask, sink="missing"),
+                "the sink is missing from the denominator: each row still sums to 1 over the "
+                "keys; add exp(s_h) to the row's sum, so weight = exp(score) / (Σ exp(scores) + "
+                "exp(s_h)) (adding s_h to every score changes nothing: a softmax ignores a shift "
+                "common to its row)"),
+    "numerator": (lambda q, k, v, s, mask=None: sink_attention(q, k, v, s, mask, sink="numerator"),
+                  "the sink went into the numerator too: exp(s_h) joins the denominator only, so "
+                  "the sink takes weight and hands on no value; each key's weight is "
+                  "exp(score) / (Σ exp(scores) + exp(s_h))"),
+    "logit": (lambda q, k, v, s, mask=None: sink_attention(q, k, v, s, mask, sink="logit"),
+              "the sink was added as it is: s_h is a logit like a score, so exp(s_h) joins the "
+              "denominator (torch.cat it to the scores as one more column before the softmax, "
+              "then drop that column)"),
+    "scaled": (lambda q, k, v, s, mask=None: sink_attention(q, k, v, s, mask, scale_sink=True),
+               "the sink was divided by √d_k with the scores: it is a learned logit of its own, "
+               "added to the softmax unscaled"),
+    "per_query": (lambda q, k, v, s, mask=None: sink_attention(q, k, v, s, mask, per="query"),
+                  "the sinks are laid along the queries: there is one sink per head, the same "
+                  "for every query of that head, so shape it (1, H, 1, 1), not (1, 1, H, 1)"),
+    "no_mask": (lambda q, k, v, s, mask=None: sink_attention(q, k, v, s, mask, use_mask=False),
+                "hidden keys get weight: the mask still applies (fill their scores with -inf "
+                "before the softmax); only the sink, which is no key, no mask hides"),
+}
+
+
+# --- 11. top-k routing of a mixture of experts (gpt-oss) ------------------------------
+# gpt-oss's router (arXiv:2508.10925): the k largest router logits pick the experts and a
+# softmax over those k alone weights them; the token's output is their weighted sum, plus
+# every shared expert's output at weight 1 (DeepSeek-V3's shared experts, arXiv:2412.19437).
+
+def moe(x, logits, experts, shared, k, weigh="softmax_top", pick=None, use_shared=True):
+    """x: (N, C) tokens; logits: (N, E) the router's; experts: E functions and shared: any
+    number, each (n, C) -> (n, C); k: experts a token goes to. The keyword arguments plant
+    one mistake each."""
+    top = logits.topk(k if pick is None else pick, dim=-1)              # (N, k)
+    if weigh == "softmax_top":
+        weights = torch.softmax(top.values, dim=-1)
+    elif weigh == "softmax_all":                                        # not renormalised
+        weights = torch.softmax(logits, dim=-1).gather(-1, top.indices)
+    elif weigh == "sigmoid":                                            # DeepSeek-V3's rule
+        s = torch.sigmoid(top.values)
+        weights = s / s.sum(-1, keepdim=True)
+    elif weigh == "sigmoid_alone":                                      # ... not renormalised
+        weights = torch.sigmoid(top.values)
+    else:                                                               # the raw logits
+        weights = top.values
+    out = torch.zeros_like(x)
+    for slot in range(top.indices.shape[-1]):
+        for e, expert in enumerate(experts):
+            rows = top.indices[:, slot] == e
+            if rows.any():
+                out[rows] += weights[rows, slot, None] * expert(x[rows])
+    if use_shared:
+        for expert in shared:
+            out = out + expert(x)
+    return out
+
+
+MOE_MISTAKES = {
+    "softmax_all": (lambda x, l, ex, sh, k: moe(x, l, ex, sh, k, weigh="softmax_all"),
+                    "the weights are a softmax over all the experts, not renormalised over the "
+                    "chosen ones: the k weights sum to less than 1; take the softmax of the k "
+                    "chosen logits alone (or divide the chosen k by their sum)"),
+    "dense": (lambda x, l, ex, sh, k: moe(x, l, ex, sh, k, pick=l.shape[-1]),
+              "every expert runs for every token, weighted by a softmax over all of them: a "
+              "token goes to its top k experts only (logits.topk(k)), the softmax over those k"),
+    "top1": (lambda x, l, ex, sh, k: moe(x, l, ex, sh, k, pick=1),
+             "each token went to one expert (top-1, at weight 1): it goes to its top k, each "
+             "weighted by a softmax over the k chosen logits"),
+    "k_fixed": (lambda x, l, ex, sh, k: moe(x, l, ex, sh, k, pick=2),
+                "the token went to 2 experts whatever k is: use k, the number the layer is "
+                "given (model.moe_top_k; 2 in the cards)"),
+    "no_shared": (lambda x, l, ex, sh, k: moe(x, l, ex, sh, k, use_shared=False),
+                  "the shared experts are missing: every token also goes through each shared "
+                  "expert, added at weight 1 beside the routed ones"),
+    "sigmoid": (lambda x, l, ex, sh, k: moe(x, l, ex, sh, k, weigh="sigmoid"),
+                "the weights are sigmoids normalised over the k chosen (DeepSeek-V3's rule): "
+                "this card's router takes a softmax over the k chosen logits"),
+    "sigmoid_alone": (lambda x, l, ex, sh, k: moe(x, l, ex, sh, k, weigh="sigmoid_alone"),
+                      "the weights are each chosen expert's sigmoid, not renormalised: the k "
+                      "weights must sum to 1; this card's router takes a softmax over the k "
+                      "chosen logits"),
+    "raw": (lambda x, l, ex, sh, k: moe(x, l, ex, sh, k, weigh="raw"),
+            "the chosen experts are weighted by their raw logits: the weights are a softmax "
+            "over the k chosen logits, positive and summing to 1"),
+}
+
+
+# --- 12. the output gate of gated attention (Qwen3-Next) ------------------------------
+# Qiu et al., "Gated Attention for Large Language Models" (arXiv:2505.06708): each head's
+# output is multiplied, element by element, by σ(x·W_G) computed from the layer's input x,
+# before W_O mixes the heads.
+
+def gated_output(x, y, w_gate, w_o, source="input", act="sigmoid", how="times", where="before",
+                 transposed=False, use_w_o=True):
+    """x: (B, T, C) the layer's input; y: (B, T, C) the heads' outputs side by side;
+    w_gate, w_o: (C, C), applied as x @ w. W_O · (y ⊙ σ(x·W_G)). The keyword arguments
+    plant one mistake each."""
+    logits = (x if source == "input" else y) @ (w_gate.T if transposed else w_gate)
+    gate = {"sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu,
+            "none": lambda t: t}[act](logits)
+    if where == "after":                                    # gated after the heads are mixed
+        return (y @ w_o) * gate
+    gated = y * gate if how == "times" else y + gate
+    return gated @ w_o if use_w_o else gated
+
+
+GATE_MISTAKES = {
+    "from_output": (lambda x, y, wg, wo: gated_output(x, y, wg, wo, source="output"),
+                    "the gate was computed from the attention's output: it comes from the layer's "
+                    "input, σ(x·W_G), so it can switch a head off whatever the head read"),
+    "after_w_o": (lambda x, y, wg, wo: gated_output(x, y, wg, wo, where="after"),
+                  "the gate was applied after W_O: it gates each head's own output, so it goes "
+                  "on y before W_O mixes the heads (W_O · (y ⊙ σ(x·W_G)))"),
+    "no_sigmoid": (lambda x, y, wg, wo: gated_output(x, y, wg, wo, act="none"),
+                   "the gate has no sigmoid: x·W_G is any real number; σ(x·W_G) lies between 0 "
+                   "(the head switched off) and 1 (passed as it is)"),
+    "silu": (lambda x, y, wg, wo: gated_output(x, y, wg, wo, act="silu"),
+             "the gate is SiLU, x·σ(x), the MLP's activation: the paper's gate is the sigmoid "
+             "σ(x·W_G), between 0 and 1"),
+    "added": (lambda x, y, wg, wo: gated_output(x, y, wg, wo, how="plus"),
+              "the gate was added to the heads' output: it multiplies it, element by element "
+              "(y * σ(x·W_G))"),
+    "transposed": (lambda x, y, wg, wo: gated_output(x, y, wg, wo, transposed=True),
+                   "W_G is transposed: the gate's logits are x @ w_gate, as the queries are "
+                   "x @ W_Q"),
+    "no_w_o": (lambda x, y, wg, wo: gated_output(x, y, wg, wo, use_w_o=False),
+               "W_O is missing: after the gate, W_O mixes the heads' gated outputs"),
+}

@@ -1,4 +1,4 @@
-"""Exercise 1 of 9: scaled dot-product attention.
+"""Exercise 1 of 12: scaled dot-product attention.
 
 The article: "Attention(Q, K, V) = softmax(Q·Kᵀ/√d_k)·V: the output is a weighted
 average of the values, weighted by how well each key matches the query."

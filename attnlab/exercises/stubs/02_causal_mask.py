@@ -1,4 +1,4 @@
-"""Exercise 2 of 9: the causal mask.
+"""Exercise 2 of 12: the causal mask.
 
 The article: "A language model must not see the future: scores of keys ahead of the
 query are set to −∞ before the softmax, so those keys get exactly zero weight."

@@ -1,4 +1,4 @@
-"""Exercise 3 of 9: multi-head attention.
+"""Exercise 3 of 12: multi-head attention.
 
 The article: "Several attentions run side by side, each on its own d_k = d_model /
 n_head slice; W_O mixes their outputs." Split into heads, attend per head (causally),

@@ -1,4 +1,4 @@
-"""Exercise 4 of 9: sinusoidal positions.
+"""Exercise 4 of 12: sinusoidal positions.
 
 The article ("Attention Is All You Need", arXiv:1706.03762):
 PE(pos, 2i) = sin(pos / 10000^(2i/d)),  PE(pos, 2i+1) = cos(pos / 10000^(2i/d)).

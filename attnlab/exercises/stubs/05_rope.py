@@ -1,4 +1,4 @@
-"""Exercise 5 of 9: RoPE, rotary position embedding (arXiv:2104.09864).
+"""Exercise 5 of 12: RoPE, rotary position embedding (arXiv:2104.09864).
 
 The article: "RoPE rotates q and k by position·θ_i, so the score sees only the offset
 between tokens." Pair i of a head's dimensions turns by the angle position ·

@@ -1,4 +1,4 @@
-"""Exercise 6 of 9: a KV-cache decode step.
+"""Exercise 6 of 12: a KV-cache decode step.
 
 The article: "Generation reuses the keys and values of earlier tokens: the KV cache."
 A step appends the new tokens' keys and values to the cache, then lets the new

@@ -1,4 +1,4 @@
-"""Exercise 7 of 9: a sliding window with global tokens (Longformer, arXiv:2004.05150).
+"""Exercise 7 of 12: a sliding window with global tokens (Longformer, arXiv:2004.05150).
 
 The article: "A sliding window of W keys per query costs O(T·W); local + global keeps
 the first G tokens visible to all." A query sees itself and the W - 1 keys before it,

@@ -1,4 +1,4 @@
-"""Exercise 8 of 9: cross-attention with a padding mask.
+"""Exercise 8 of 12: cross-attention with a padding mask.
 
 The article: "Cross-attention lets the decoder's queries look at the encoder's keys
 and values." The whole input is known before decoding starts (no causal mask), but

@@ -1,4 +1,4 @@
-"""Exercise 9 of 9: linear attention as an RNN (Katharopoulos et al., arXiv:2006.16236).
+"""Exercise 9 of 12: linear attention as an RNN (Katharopoulos et al., arXiv:2006.16236).
 
 After the article: its section 8 asks what attention's O(T²) costs; "Transformers are
 RNNs" answers by replacing exp(q·k/√d) with a kernel φ(q)·φ(k), φ(x) = elu(x) + 1.
