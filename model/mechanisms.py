@@ -218,8 +218,9 @@ MECHANISMS = {
     # One latent per token, keys and values rebuilt from it (arXiv:2405.04434).
     "mla": Mechanism(
         LatentAttention, Cache("a latent and one rotated key", latent_and_rope_key),
-        export_refusal="latent attention (arXiv:2405.04434) is DeepSeek-V2's, and its "
-                       "transformers class brings MoE and a query latent this model lacks",
+        export_refusal="latent attention (arXiv:2405.04434) comes in transformers only inside "
+                       "DeepSeek-V3, which needs the rest of its card too (--config deepseek-v3 "
+                       "exports as DeepseekV3ForCausalLM)",
         flops=latent_flops, takes_score_bias=False, takes_value_embed=False,
         stream_refusal="its cache holds latents, which carry no position to renumber, and "
                        "keys turned by its own small RoPE, not the model's",
