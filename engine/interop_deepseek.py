@@ -33,6 +33,8 @@ model.mtp_depth's module out and writes num_mtp_layers=0; an import starts with 
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from common.errors import CheckpointError
@@ -44,6 +46,7 @@ from model.latent_attention import latent_sizes
 from model.layers import MLPS, SwiGLU
 from model.mechanisms import names_used
 from model.moe import MOE_EXPERTS, MOE_ROUTERS, MixtureOfExperts
+from model.sparse_attention import sparse_sizes
 
 _ROUTER, _EXPERT = "sigmoid", "swiglu"
 # transformers builds kv_a_layernorm and q_a_layernorm with DeepseekV3RMSNorm's default eps.
@@ -258,3 +261,71 @@ DEEPSEEK_V3 = Architecture("deepseek_v3", "DeepseekV3ForCausalLM", _blockers, _t
                            _from_config, _to_hf, _from_hf, _SCHEMA, "model.",
                            ignored=(r"rotary_emb\.inv_freq$",))
 ARCHITECTURES["deepseek_v3"] = DEEPSEEK_V3
+
+
+# -- DeepSeek-V3.2: the same card with a lightning indexer in every latent attention layer --
+
+_SPARSE = "mla_sparse"
+_INDEXER = [("attn.w_iq.weight", "self_attn.indexer.wq_b.weight"),
+            ("attn.w_ik.weight", "self_attn.indexer.wk.weight"),
+            ("attn.ik_norm.weight", "self_attn.indexer.k_norm.weight"),
+            ("attn.ik_norm.bias", "self_attn.indexer.k_norm.bias"),
+            ("attn.w_iw.weight", "self_attn.indexer.weights_proj.weight")]
+
+
+def _v32_blockers(cfg: ModelConfig) -> list[str]:
+    out = [why for why in _blockers(cfg) if not why.startswith("model.mechanism=")]
+    if any(n != _SPARSE for n in names_used(cfg)):
+        out.append(f"model.mechanism={cfg.mechanism} (needs {_SPARSE} in every layer)")
+    if not cfg.mla_q_rank:
+        out.append("model.mla_q_rank=0 (DeepSeek-V3.2's indexer reads the query latent: needs "
+                   "one, 1536 in the card)")
+    return out
+
+
+def _v32_to_config(cfg: ModelConfig) -> dict:
+    top_k, heads, dim = sparse_sizes(cfg)
+    out = {k: v for k, v in _to_config(cfg).items() if k not in ("rope_interleave", "num_mtp_layers")}
+    layers = ["dense"] * cfg.moe_dense_layers + ["sparse"] * (cfg.n_layer - cfg.moe_dense_layers)
+    return {**out, "mlp_layer_types": layers, "index_topk": top_k, "index_n_heads": heads,
+            "index_head_dim": dim}
+
+
+_V32_SCHEMA = {**{k: v for k, v in _SCHEMA.items() if k != "rope_interleave"},
+               "index_topk": count(1 << 20), "index_n_heads": count(MAX_HEADS),
+               "index_head_dim": count(MAX_WIDTH),
+               "mlp_layer_types": Field(list, 1, 1 << 12, items=Field(str, choices=("dense", "sparse")))}
+
+
+def _v32_from_config(c: dict) -> ModelConfig:
+    if not c.get("q_lora_rank"):
+        raise CheckpointError("q_lora_rank is not set: DeepSeek-V3.2's indexer reads the query latent")
+    layers = c.get("mlp_layer_types")
+    dense = layers.count("dense") if layers else c.get("first_k_dense_replace") or 0
+    if layers and (len(layers) != c["num_hidden_layers"]
+                   or layers != ["dense"] * dense + ["sparse"] * (len(layers) - dense)):
+        raise CheckpointError(f"mlp_layer_types {layers[:8]}...: attnlab keeps the first layers "
+                              "dense and the rest experts (model.moe_dense_layers)")
+    cfg = _from_config({**c, "rope_interleave": True, "first_k_dense_replace": dense})
+    return replace(cfg, mechanism=_SPARSE, sparse_top_k=min(c["index_topk"], cfg.block_size),
+                   indexer_heads=c["index_n_heads"], indexer_dim=c["index_head_dim"])
+
+
+def _v32_to_hf(sd: dict, cfg: ModelConfig) -> dict:
+    out = _to_hf(sd, cfg)
+    for i in range(cfg.n_layer):
+        out.update({f"model.layers.{i}.{b}": sd[f"blocks.{i}.{a}"] for a, b in _INDEXER})
+    return out
+
+
+def _v32_from_hf(get, cfg: ModelConfig) -> dict:
+    out = _from_hf(get, cfg)
+    for i in range(cfg.n_layer):
+        out.update({f"blocks.{i}.{a}": get(f"model.layers.{i}.{b}") for a, b in _INDEXER})
+    return out
+
+
+DEEPSEEK_V32 = Architecture("deepseek_v32", "DeepseekV32ForCausalLM", _v32_blockers, _v32_to_config,
+                            _v32_from_config, _v32_to_hf, _v32_from_hf, _V32_SCHEMA, "model.",
+                            ignored=(r"rotary_emb\.inv_freq$",))
+ARCHITECTURES["deepseek_v32"] = DEEPSEEK_V32

@@ -131,9 +131,8 @@ def check(config: ModelConfig) -> None:
     if config.mlp_hidden and not MLPS[config.mlp].has_weights:
         raise ModelError(f"model.mlp_hidden={config.mlp_hidden} sets the width of an MLP, and "
                          f"model.mlp={config.mlp} has none; leave it 0 with it")
-    check_experts(config)
-    check_selection(config)
-    check_latent(config)
+    for fields_of_a_part in (check_experts, check_selection, check_latent):
+        fields_of_a_part(config)
     readout = READOUTS[config.readout]
     if not readout.plain:
         if config.tie_embeddings and not readout.shares_embedding:

@@ -405,3 +405,235 @@ def test_the_deepseek_v3_preset_is_a_model_transformers_deepseek_v3_computes():
     cfg = cli.build("deepseek-v3", []).model
     cfg.vocab_size = V
     assert architecture_for(cfg, CHARS) is interop_deepseek.DEEPSEEK_V3
+
+
+# -- DeepSeek-V3.2: the lightning indexer on latent attention ------------------------------
+
+from transformers.models.deepseek_v32 import modeling_deepseek_v32 as theirs32  # noqa: E402
+
+from model.latent_sparse_attention import LatentSparseAttention  # noqa: E402
+
+TOP_K = 6                 # of up to LENGTH = 20 visible keys: most queries choose
+
+
+def hf32_config(**over) -> "transformers.DeepseekV32Config":
+    """hf_config()'s card with an indexer of 8 heads of 16 choosing 6 keys a query. Eight
+    heads, because its scores are sums of ReLUs and a key every head scores below zero
+    scores exactly 0: with few heads such ties are common, and transformers' top-k breaks
+    them its own way (ours picks the newest)."""
+    c = {k: v for k, v in hf_config().to_dict().items()
+         if k in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "n_shared_experts", "n_routed_experts", "num_experts_per_tok", "n_group",
+                  "topk_group", "first_k_dense_replace", "kv_lora_rank", "q_lora_rank",
+                  "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                  "max_position_embeddings", "routed_scaling_factor")}
+    c.update(index_topk=TOP_K, index_n_heads=8, index_head_dim=16, pad_token_id=0,
+             bos_token_id=1, eos_token_id=1, **over)
+    return transformers.DeepseekV32Config(**c)
+
+
+def our32_config(**over) -> ModelConfig:
+    return our_config(**{"mechanism": "mla_sparse", "sparse_top_k": TOP_K, "indexer_heads": 8,
+                         "indexer_dim": 16, **over})
+
+
+def _indexer_float64(self, hidden_states, q_resid, position_embeddings, attention_mask,
+                     position_ids, cache=None):
+    # DeepseekV32Indexer.forward, its formula unchanged, at the input's precision (it casts
+    # its products and its head weights to float32).
+    B, S, _ = hidden_states.shape
+    cos, sin = position_embeddings
+    q = self.wq_b(q_resid).view(B, S, self.n_heads, self.head_dim)
+    q_rot, q_pass = torch.split(q, [self.qk_rope_head_dim, self.head_dim - self.qk_rope_head_dim], -1)
+    k = self.k_norm(self.wk(hidden_states)).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [self.qk_rope_head_dim, self.head_dim - self.qk_rope_head_dim], -1)
+    q_rot, k_rot = theirs32.apply_rotary_pos_emb(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q, k = torch.cat([q_rot, q_pass], -1), torch.cat([k_rot, k_pass], -1).squeeze(2)
+    scores = F.relu(torch.matmul(q, k.transpose(-1, -2).unsqueeze(1)) * self.softmax_scale)
+    weights = F.linear(hidden_states, self.weights_proj.weight.to(hidden_states.dtype)) * self.n_heads ** -0.5
+    index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+    index = index.masked_fill(~attention_mask, float("-inf"))
+    return index.topk(min(self.index_topk, index.shape[-1]), dim=-1).indices.to(torch.int32)
+
+
+@pytest.fixture
+def v32_in_float64(monkeypatch):
+    monkeypatch.setattr(theirs32.DeepseekV32RMSNorm, "forward", _rms_norm_float64)
+    monkeypatch.setattr(theirs32.DeepseekV32RotaryEmbedding, "forward", _rotary_float64)
+    monkeypatch.setattr(theirs32.DeepseekV32TopkRouter, "forward", _router_float64)
+    monkeypatch.setattr(theirs32.DeepseekV32Indexer, "forward", _indexer_float64)
+
+
+def _rope_by_hand(t, theta=10000.0):
+    """RoPE on the last dimension, pair i = (i, i + R/2) turned by position · θ^(-2i/R)."""
+    R, T = t.shape[-1], t.shape[-2]
+    angle = torch.arange(T, dtype=torch.float64)[:, None] * theta ** (
+        -torch.arange(0, R, 2, dtype=torch.float64) / R)
+    a, b = t[..., :R // 2], t[..., R // 2:]
+    return torch.cat([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()], -1)
+
+
+def _rms(t, g):
+    return t / (t.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * g
+
+
+def test_latent_sparse_attention_is_the_papers_formula_in_float64():
+    """DSA on MLA written out (arXiv:2512.02556, eq. 1-2, on arXiv:2405.04434's MLA): every
+    query's index scores, its k best visible keys (ties to the newest), and the softmax
+    over those keys alone of MLA's rebuilt keys and values, scaled by 1/√(d_h + d_R)."""
+    cfg = our32_config(n_layer=1, moe_dense_layers=0, mlp_hidden=0)
+    torch.manual_seed(0)
+    model = shaken(GPT(cfg).double(), 0.2).eval()
+    layer = model.blocks[0].attn
+    assert isinstance(layer, LatentSparseAttention)
+    x = torch.randn(2, LENGTH, 64, dtype=torch.float64)
+    captured = []
+    layer.register_forward_hook(lambda m, args, out: captured.append(out[0]))
+    model.blocks[0].norm_attn.register_forward_hook(lambda m, args, out: x.copy_(out))
+    with torch.no_grad():
+        model(batch()[:2])
+    H, D, R, r = 4, 16, 8, 32
+    W = {n: p for n, p in layer.named_parameters()}
+    B, T = x.shape[:2]
+    c_q = _rms(x @ W["w_q.w_dq.weight"].T, W["w_q.q_norm.weight"])
+    q = (c_q @ W["w_q.w_uq.weight"].T).view(B, T, H, D + R).transpose(1, 2)
+    q = torch.cat([q[..., :D], _rope_by_hand(q[..., D:])], -1)
+    c_kv = _rms(x @ W["w_dkv.weight"].T, W["kv_norm.weight"])
+    k_r = _rope_by_hand(x @ W["w_kr.weight"].T)
+    k_c, v = (c_kv @ W["w_ukv.weight"].T).view(B, T, 2 * H, D).transpose(1, 2).split(H, 1)
+    k = torch.cat([k_c, k_r[:, None].expand(B, H, T, R)], -1)
+    q_i = (c_q @ W["w_iq.weight"].T).view(B, T, 8, 16).transpose(1, 2)
+    q_i = torch.cat([_rope_by_hand(q_i[..., :R]), q_i[..., R:]], -1)
+    k_i = F.layer_norm(x @ W["w_ik.weight"].T, (16,), W["ik_norm.weight"], W["ik_norm.bias"], 1e-6)
+    k_i = torch.cat([_rope_by_hand(k_i[..., :R]), k_i[..., R:]], -1)
+    w = x @ W["w_iw.weight"].T / 8 ** 0.5                                  # (B, T, H_I)
+    index = torch.einsum("btj,bjts->bts", w, F.relu(q_i @ k_i[:, None].transpose(-2, -1) / 4))
+    out = torch.zeros(B, H, T, D, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            ranked = sorted(range(t + 1), key=lambda s: (-index[b, t, s].item(), -s))[:TOP_K]
+            scores = torch.einsum("hd,hnd->hn", q[b, :, t], k[b, :, ranked]) / (D + R) ** 0.5
+            out[b, :, t] = torch.einsum("hn,hnd->hd", torch.softmax(scores, -1), v[b, :, ranked])
+    want = out.transpose(1, 2).reshape(B, T, H * D) @ W["w_o.weight"].T
+    torch.testing.assert_close(captured[-1], want, atol=1e-12, rtol=0)
+
+
+def test_with_every_key_chosen_it_is_latent_attention():
+    cfg = our32_config(n_layer=1, moe_dense_layers=0, mlp_hidden=0, sparse_top_k=64)
+    torch.manual_seed(0)
+    sparse = shaken(GPT(cfg).double(), 0.2).eval()
+    dense = GPT(replace(cfg, mechanism="mla", sparse_top_k=0, indexer_heads=4,
+                        indexer_dim=0)).double().eval()
+    dense.load_state_dict(sparse.state_dict(), strict=False)
+    x = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(sparse(x).logits, dense(x).logits, atol=1e-12, rtol=0)
+
+
+def test_the_indexer_learns_from_its_own_loss_alone():
+    cfg = our32_config(n_layer=2, moe_dense_layers=1)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    x = batch()
+    model(x, x).loss.backward()
+    layer = model.blocks[0].attn
+    assert layer.w_iq.weight.grad is None or not layer.w_iq.weight.grad.any()
+    model.zero_grad(set_to_none=True)
+    model(x, x)
+    layer.aux_loss.backward()
+    assert layer.w_iq.weight.grad.any() and layer.w_ik.weight.grad.any()
+    grad = layer.w_dkv.weight.grad               # detached: the main model is not moved by it
+    assert grad is None or not grad.any()
+
+
+def test_without_a_query_latent_the_indexer_reads_the_input_and_v32_refuses_it():
+    cfg = our32_config(mla_q_rank=0)
+    layer = GPT(cfg).blocks[0].attn
+    assert layer.w_iq.in_features == cfg.n_embd
+    reasons = interop_deepseek._v32_blockers(cfg)
+    assert len(reasons) == 1 and reasons[0].startswith("model.mla_q_rank=0")
+
+
+def test_mla_sparse_decodes_from_its_cache_the_logits_of_its_full_pass():
+    torch.manual_seed(0)
+    model = shaken(GPT(our32_config()).double()).eval()
+    x = batch()
+    with torch.no_grad():
+        full = model(x).logits
+        cache = model.new_cache(x.shape[1])
+        steps = [model(x[:, :3], cache=cache).logits]
+        steps += [model(x[:, t:t + 1], cache=cache).logits for t in range(3, x.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-9, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def hf32_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("deepseek_v32")
+    torch.manual_seed(0)
+    shaken(transformers.DeepseekV32ForCausalLM(hf32_config()).eval()).save_pretrained(folder)
+    hf_tokenizer(CHARS).save_pretrained(folder)
+    return folder
+
+
+def hf32_model(folder, dtype=torch.float64):
+    return transformers.DeepseekV32ForCausalLM.from_pretrained(
+        folder, attn_implementation="sdpa", experts_implementation="eager", dtype=dtype).eval()
+
+
+def test_the_bridge_reads_deepseek_v32_as_its_card(hf32_folder):
+    _, cfg, _ = load_hf_folder(hf32_folder)
+    assert cfg == our32_config(moe_bias_rate=cfg.moe_bias_rate)
+
+
+def test_an_imported_deepseek_v32_gives_transformers_logits_in_float64(hf32_folder, v32_in_float64):
+    ours, _, _ = load_hf_folder(hf32_folder, dtype=torch.float64)
+    x = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, hf32_model(hf32_folder)(x).logits,
+                                   atol=1e-9, rtol=0)
+
+
+def test_an_imported_deepseek_v32_gives_transformers_logits_as_shipped_in_float32(hf32_folder):
+    ours, _, _ = load_hf_folder(hf32_folder)
+    x = batch()
+    with torch.no_grad():
+        theirs_logits = hf32_model(hf32_folder, torch.float32)(x).logits
+        torch.testing.assert_close(ours(x).logits, theirs_logits, atol=2e-5, rtol=0)
+
+
+def test_our_deepseek_v32_exports_to_a_folder_transformers_loads_with_equal_logits(
+        tmp_path, v32_in_float64):
+    cfg = our32_config()
+    torch.manual_seed(0)
+    ours = shaken(GPT(cfg)).double().eval()
+    arch = export(ours, cfg, CHARS, tmp_path / "out")
+    assert arch.hf_class == "DeepseekV32ForCausalLM"
+    theirs_model, info = transformers.DeepseekV32ForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="sdpa", experts_implementation="eager",
+        output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    theirs_model = theirs_model.double().eval()
+    x = batch()
+    with torch.no_grad():
+        rounded = GPT(cfg).double().eval()
+        rounded.load_state_dict({k: v.float().double() for k, v in ours.state_dict().items()})
+        torch.testing.assert_close(theirs_model(x).logits, rounded(x).logits, atol=1e-9, rtol=0)
+
+
+def test_a_planted_indexer_slip_breaks_the_v32_equality(hf32_folder, v32_in_float64, monkeypatch):
+    # The indexer's queries read from the input, not the query latent: a plausible slip.
+    monkeypatch.setattr(LatentSparseAttention, "turned",
+                        lambda self, t, mask: t)          # no RoPE on the indexer
+    ours, _, _ = load_hf_folder(hf32_folder, dtype=torch.float64)
+    x = batch()
+    with torch.no_grad():
+        gap = (ours(x).logits - hf32_model(hf32_folder)(x).logits).abs().max().item()
+    assert gap > 1e-6
+
+
+def test_the_deepseek_v32_preset_is_a_model_transformers_deepseek_v32_computes():
+    from engine import cli
+    cfg = cli.build("deepseek-v3.2", []).model
+    cfg.vocab_size = V
+    assert architecture_for(cfg, CHARS) is interop_deepseek.DEEPSEEK_V32
