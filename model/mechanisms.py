@@ -221,8 +221,8 @@ MECHANISMS = {
     "sparse": Mechanism(
         SparseAttention, Cache("keys and values, and one indexer key", keys_values_and_index_key),
         export_refusal="DeepSeek sparse attention (arXiv:2512.02556) comes in transformers only "
-                       "inside DeepSeek-V3.2, whose latent attention and experts this model's "
-                       "blocks do not fit",
+                       "inside DeepSeek-V3.2, on latent attention: model.mechanism=mla_sparse "
+                       "(--config deepseek-v3.2 exports as DeepseekV32ForCausalLM)",
         flops=sparse_flops, score_maps=sparse_maps,
         stream_refusal="its cache keeps each token's indexer key beside its keys, in one row "
                        "the model's RoPE cannot turn back as a whole",
