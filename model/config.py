@@ -80,6 +80,19 @@ class ModelConfig:
     moe_bias_rate: float = _opt(1e-3, "model.mlp=moe: the balancing bias's step γ; after each "
                                       "optimizer step each routed expert's bias moves by γ "
                                       "towards an even load (DeepSeek-V3's 0.001); 0 = fixed")
+    moe_routed_scale: float = _opt(1.0, "model.mlp=moe: the routed experts' weights multiplied "
+                                        "by this after normalising (DeepSeek-V3's "
+                                        "routed_scaling_factor, 2.5)")
+    moe_groups: int = _opt(1, "model.mlp=moe, sigmoid router: the routed experts split into this "
+                              "many groups, of which each token may use model.moe_group_top "
+                              "(DeepSeek-V3's node-limited routing: 8 groups, 4 used); 1 = "
+                              "no groups")
+    moe_group_top: int = _opt(1, "model.mlp=moe with model.moe_groups: the groups a token's "
+                                 "experts may come from, those whose two best experts score "
+                                 "highest")
+    moe_dense_layers: int = _opt(0, "model.mlp=moe: the first N layers get a dense SwiGLU of "
+                                    "width model.mlp_hidden instead of experts (DeepSeek-V3's "
+                                    "first three)")
     tie_embeddings: bool = _opt(True, "share the token embedding with the output layer")
     readout: str = _opt("full", "output layer: a softmax over the whole vocabulary, or the "
                                 "adaptive softmax for large vocabularies", registry="readout")
@@ -126,6 +139,9 @@ class ModelConfig:
                                "0 = 4 x head_dim (DeepSeek-V2's ratio)")
     mla_rope_dim: int = _opt(0, "latent attention (MLA): width of the shared rotary key k_rope; "
                                 "0 = head_dim / 2 (DeepSeek-V2's ratio)")
+    mla_q_rank: int = _opt(0, "latent attention (MLA): queries through a latent of this width, "
+                              "down, RMSNorm, up (DeepSeek-V2/V3's q_lora_rank); 0 = "
+                              "full-rank queries")
     sparse_top_k: int = _opt(0, "sparse attention (DSA): the keys each query attends to, chosen by "
                                 "the lightning indexer; 0 = block_size / 4")
     indexer_heads: int = _opt(4, "sparse attention (DSA): the lightning indexer's heads")
@@ -212,14 +228,15 @@ class ModelConfig:
             if f.name in ("vocab_size", "n_kv_head", "sliding_window", "n_global", "full_attention_every",
                           "rope_original_context", "readout_shortlist", "position_offset",
                           "n_token_types", "mlp_hidden", "token_mix", "mla_kv_rank",
-                          "mla_rope_dim", "sparse_top_k", "indexer_dim", "mtp_depth",
+                          "mla_rope_dim", "mla_q_rank", "sparse_top_k", "indexer_dim", "mtp_depth",
                           "rope_local_theta", "score_scale") and getattr(self, f.name) < 0:
                 raise ModelError(f"model.{f.name} must not be negative, got {getattr(self, f.name)} "
                                  f"(model.{f.name}: {f.metadata['help']})")
 
     def _validate_experts(self) -> None:
         """The mixture of experts' counts (model.mlp=moe): k of at least one routed expert."""
-        for name in ("moe_shared", "moe_hidden", "moe_bias_rate"):
+        for name in ("moe_shared", "moe_hidden", "moe_bias_rate", "moe_dense_layers",
+                     "moe_routed_scale"):
             if getattr(self, name) < 0:
                 raise ModelError(f"model.{name} must not be negative, got {getattr(self, name)} "
                                  f"(model.{name}: {self.__dataclass_fields__[name].metadata['help']})")
@@ -235,6 +252,20 @@ class ModelConfig:
             raise ModelError(f"model.moe_bias_rate={self.moe_bias_rate} moves the balancing bias "
                              "by more than 1 a step, past the sigmoid's whole range; DeepSeek-V3 "
                              "uses 0.001")
+        if self.moe_groups < 1 or self.moe_experts % self.moe_groups:
+            raise ModelError(f"model.moe_groups={self.moe_groups} must be at least 1 and divide "
+                             f"model.moe_experts={self.moe_experts}: the routed experts split "
+                             "into equal groups")
+        if self.moe_groups > 1 and self.moe_experts // self.moe_groups < 2:
+            raise ModelError(f"model.moe_groups={self.moe_groups} leaves fewer than two experts a "
+                             "group; a group scores by its two best: give fewer groups")
+        if not 1 <= self.moe_group_top <= self.moe_groups:
+            raise ModelError(f"model.moe_group_top={self.moe_group_top} must be between 1 and "
+                             f"model.moe_groups={self.moe_groups}")
+        per_group = self.moe_experts // self.moe_groups
+        if self.moe_groups > 1 and self.moe_top_k > self.moe_group_top * per_group:
+            raise ModelError(f"model.moe_top_k={self.moe_top_k} is more experts than "
+                             f"model.moe_group_top={self.moe_group_top} groups of {per_group} hold")
         if not 1 <= self.moe_top_k <= self.moe_experts:
             raise ModelError(f"model.moe_top_k={self.moe_top_k} must be between 1 and "
                              f"model.moe_experts={self.moe_experts}: each token goes to that "

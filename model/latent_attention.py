@@ -32,8 +32,10 @@ the output, so a step reads the r + d_R cached numbers per token and nothing lar
 (`absorbed`). A whole sequence still rebuilds k_C and v once (`up_projected`); `absorbs`
 counts which of the two is less work.
 
-The queries here are projected at full rank; the paper also compresses them, which
-saves activation memory in training and changes nothing in the cache."""
+The queries are projected at full rank unless model.mla_q_rank is set; the paper also
+compresses them (section 2.1.3, DeepSeek-V3's q_lora_rank), down to a latent, RMSNorm, up
+(`QueryLatent`), which saves activation memory in training and changes nothing in the
+cache."""
 from __future__ import annotations
 
 import math
@@ -107,8 +109,24 @@ class DecoupledRoPE(nn.Module):
         return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
 
 
+class QueryLatent(nn.Module):
+    """The compressed queries of DeepSeek-V2 (arXiv:2405.04434, eqs. 12-13):
+    q = RMSNorm(x·W_DQ)·W_UQ, through a latent of r_q = model.mla_q_rank numbers, the same
+    RMSNorm as the key latent's (`q_a_layernorm` in DeepSeek's code)."""
+
+    def __init__(self, config: ModelConfig, out_features: int):
+        super().__init__()
+        self.w_dq = nn.Linear(config.n_embd, config.mla_q_rank, bias=config.bias)   # W_DQ: down
+        self.q_norm = nn.RMSNorm(config.mla_q_rank, eps=config.norm_eps)
+        self.w_uq = nn.Linear(config.mla_q_rank, out_features, bias=config.bias)   # W_UQ: up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_uq(self.q_norm(self.w_dq(x)))
+
+
 class LatentAttention(nn.Module):
     """Multi-head attention whose cache is a latent c_kv and one shared rotary key."""
+    compresses_queries = True      # model.mla_q_rank is this layer's (model/registry.py)
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -118,7 +136,10 @@ class LatentAttention(nn.Module):
         if self.rope_dim % 2 or self.rank < 0:
             raise ModelError(f"model.mla_rope_dim must be even (RoPE turns pairs) and "
                              f"model.mla_kv_rank not negative; got {self.rope_dim}, {self.rank}")
-        self.w_q = nn.Linear(config.n_embd, H * (D + self.rope_dim), bias=config.bias)
+        if config.mla_q_rank:
+            self.w_q = QueryLatent(config, H * (D + self.rope_dim))
+        else:
+            self.w_q = nn.Linear(config.n_embd, H * (D + self.rope_dim), bias=config.bias)
         self.w_dkv = nn.Linear(config.n_embd, self.rank, bias=config.bias)    # W_DKV: down
         self.kv_norm = nn.RMSNorm(self.rank, eps=config.norm_eps)          # the latent at unit RMS
         self.w_kr = nn.Linear(config.n_embd, self.rope_dim, bias=config.bias)  # W_KR

@@ -177,7 +177,8 @@ class Block(nn.Module):
         # model.mechanism's entry for this layer (its facts), and the layer it builds.
         self.mechanism = MECHANISMS[layer_names(config)[layer_idx]]
         self.attn = self.mechanism.layer(config, layer_idx)
-        mlp = MLPS[config.mlp]
+        # DeepSeek-V3 keeps its first layers dense before the experts (model.moe_dense_layers).
+        mlp = MLPS["swiglu" if layer_idx < config.moe_dense_layers else config.mlp]
         # An attention-only model (model.mlp=none) has no MLP and no norm in front of it.
         self.norm_mlp = NORMS[config.norm](config) if mlp.has_weights else None
         self.mlp = mlp(config) if mlp.has_weights else None

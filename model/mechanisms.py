@@ -27,6 +27,7 @@ from model.config import ModelConfig, ModelError
 from model.deltanet import DeltaNet, GatedDeltaNet
 from model.differential import DifferentialAttention
 from model.latent_attention import LatentAttention, latent_sizes
+from model.latent_sparse_attention import LatentSparseAttention
 from model.linear_attention import LinearAttention
 from model.gated_attention import GatedAttention
 from model.kda import KimiDeltaAttention
@@ -91,6 +92,17 @@ def sparse_maps(config: ModelConfig) -> int:
     # The heads' weights, the indexer's H_I products and their ReLU in fp32 (twice the
     # bytes of a 16-bit map each, so counted twice), and the chosen keys' mask.
     return config.n_head + 4 * sparse_sizes(config)[1] + 1
+
+
+def latent_and_index_key(config: ModelConfig) -> int:
+    # DeepSeek-V3.2: MLA's latent and rotary key, and the indexer's key of d_I, a token.
+    return latent_and_rope_key(config) + sparse_sizes(config)[2]
+
+
+def latent_sparse_flops(config: ModelConfig, context: int) -> float:
+    """MLA's scores and weighted sum, and the indexer's, as sparse_flops counts them."""
+    _, heads, dim = sparse_sizes(config)
+    return latent_flops(config, context) + 2 * heads * (dim + 1) * context
 
 
 def linear_state(config: ModelConfig) -> int:
@@ -209,8 +221,8 @@ MECHANISMS = {
     "sparse": Mechanism(
         SparseAttention, Cache("keys and values, and one indexer key", keys_values_and_index_key),
         export_refusal="DeepSeek sparse attention (arXiv:2512.02556) comes in transformers only "
-                       "inside DeepSeek-V3.2, whose latent attention and experts this model's "
-                       "blocks do not fit",
+                       "inside DeepSeek-V3.2, on latent attention: model.mechanism=mla_sparse "
+                       "(--config deepseek-v3.2 exports as DeepseekV32ForCausalLM)",
         flops=sparse_flops, score_maps=sparse_maps,
         stream_refusal="its cache keeps each token's indexer key beside its keys, in one row "
                        "the model's RoPE cannot turn back as a whole",
@@ -218,11 +230,24 @@ MECHANISMS = {
     # One latent per token, keys and values rebuilt from it (arXiv:2405.04434).
     "mla": Mechanism(
         LatentAttention, Cache("a latent and one rotated key", latent_and_rope_key),
-        export_refusal="latent attention (arXiv:2405.04434) is DeepSeek-V2's, and its "
-                       "transformers class brings MoE and a query latent this model lacks",
+        export_refusal="latent attention (arXiv:2405.04434) comes in transformers only inside "
+                       "DeepSeek-V3, which needs the rest of its card too (--config deepseek-v3 "
+                       "exports as DeepseekV3ForCausalLM)",
         flops=latent_flops, takes_score_bias=False, takes_value_embed=False,
         stream_refusal="its cache holds latents, which carry no position to renumber, and "
                        "keys turned by its own small RoPE, not the model's",
+        takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
+    # MLA whose queries each read the k keys a lightning indexer picks (DeepSeek-V3.2's own).
+    "mla_sparse": Mechanism(
+        LatentSparseAttention, Cache("a latent, one rotated key and one indexer key",
+                                     latent_and_index_key),
+        export_refusal="DeepSeek sparse attention on latent attention comes in transformers only "
+                       "inside DeepSeek-V3.2, which needs the rest of its card too "
+                       "(--config deepseek-v3.2 exports as DeepseekV32ForCausalLM)",
+        flops=latent_sparse_flops, score_maps=sparse_maps, takes_score_bias=False,
+        takes_value_embed=False,
+        stream_refusal="its cache holds latents and indexer keys, turned by its own small RoPE, "
+                       "not the model's",
         takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
     # A kernel φ(q)·φ(k) in place of the softmax, a fixed-size sum as its cache. It has
     # weights to draw (normalised kernel rows) for a whole text; decoding keeps no keys.

@@ -10,6 +10,12 @@ routed expert i and b_i that expert's balancing bias:
     g_i = s_i / Σ_{j chosen} s_j   for the k experts with the largest s_i + b_i,
           0 for the others                                                  (eqs. 13, 16)
 
+DeepSeek-V3 adds two things to this (its section 2.1.2 and its code): the g_i are multiplied
+by a constant, model.moe_routed_scale (routed_scaling_factor, 2.5), so the routed experts
+count more beside the shared ones, and the routed experts are split into model.moe_groups
+groups (one per node in training) of which a token may use model.moe_group_top, those
+whose two best experts score highest (s_i + b_i), so each token's experts sit on few nodes.
+
 Every expert is a SwiGLU MLP (arXiv:2002.05202). The bias only picks the experts; the
 weights g_i are the plain affinities, so moving the bias to balance the load never
 changes how much a chosen expert counts. After each optimizer step the bias moves by
@@ -54,6 +60,18 @@ def _softmax_topk_route(logits, balance_bias, k):
     # the experts not chosen take no share of the weight.
     top = logits.topk(k, dim=-1)
     return torch.softmax(top.values, dim=-1), top.indices
+
+
+def group_limit(choice: torch.Tensor, groups: int, keep: int) -> torch.Tensor:
+    """DeepSeek-V3's node-limited routing: for each token's choice scores (N, E), split
+    into `groups` equal groups of experts, 0 where the expert's group is among the `keep`
+    whose two best scores sum highest, -inf elsewhere (N, E), to add before the top-k."""
+    N, E = choice.shape
+    group_scores = choice.view(N, groups, E // groups).topk(2, dim=-1).values.sum(-1)   # (N, G)
+    kept = torch.zeros_like(group_scores, dtype=torch.bool)
+    kept.scatter_(1, group_scores.topk(keep, dim=-1).indices, True)
+    hidden = torch.full_like(group_scores, float("-inf")).masked_fill(kept, 0.0)
+    return hidden.repeat_interleave(E // groups, dim=1)          # each group's value, per expert
 
 
 MOE_ROUTERS = {
@@ -131,6 +149,8 @@ class MixtureOfExperts(nn.Module):
         super().__init__()
         self.n_shared, self.n_routed, self.top_k = config.moe_shared, config.moe_experts, config.moe_top_k
         self.bias_rate = config.moe_bias_rate
+        self.routed_scale = config.moe_routed_scale
+        self.groups, self.group_top = config.moe_groups, config.moe_group_top
         self.router_kind, self.expert_kind = MOE_ROUTERS[config.moe_router], MOE_EXPERTS[config.moe_expert]
         hidden = self.hidden = self.width(config)
         experts = self.n_shared + self.n_routed
@@ -167,12 +187,18 @@ class MixtureOfExperts(nn.Module):
         dtype = torch.promote_types(u.dtype, torch.float32)
         bias = None if self.router.bias is None else self.router.bias.to(dtype)
         with torch.autocast(u.device.type, enabled=False):
-            return F.linear(u.to(dtype), self.router.weight.to(dtype), bias)
+            return F.linear(u.to(dtype), self.router.weight.to(dtype), bias)   # (N, E_routed)
 
     def route(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens u (N, C) -> (weights g (N, k), chosen experts (N, k)): DeepSeek-V3's gate,
         or model.moe_router's."""
-        return self.router_kind.route(self.router_logits(u), self.balance_bias, self.top_k)
+        logits = self.router_logits(u)
+        balance_bias = self.balance_bias
+        if self.groups > 1:      # only the chosen groups' experts stay in the running
+            choice = torch.sigmoid(logits) + balance_bias
+            balance_bias = balance_bias + group_limit(choice, self.groups, self.group_top)
+        weights, chosen = self.router_kind.route(logits, balance_bias, self.top_k)
+        return weights * self.routed_scale, chosen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         u = x.reshape(-1, x.shape[-1])                            # (N, C): every token on its own

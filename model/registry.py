@@ -137,8 +137,8 @@ def check(config: ModelConfig) -> None:
     if config.mlp_hidden and not MLPS[config.mlp].has_weights:
         raise ModelError(f"model.mlp_hidden={config.mlp_hidden} sets the width of an MLP, and "
                          f"model.mlp={config.mlp} has none; leave it 0 with it")
-    check_experts(config)
-    check_selection(config)
+    for fields_of_a_part in (check_experts, check_selection, check_latent):
+        fields_of_a_part(config)
     readout = READOUTS[config.readout]
     if not readout.plain:
         if config.tie_embeddings and not readout.shares_embedding:
@@ -296,7 +296,8 @@ def check_mechanisms(config: ModelConfig) -> None:
 
 
 MOE_FIELDS = ("moe_experts", "moe_shared", "moe_top_k", "moe_hidden", "moe_bias_rate",
-              "moe_router", "moe_expert")
+              "moe_router", "moe_expert", "moe_routed_scale", "moe_groups", "moe_group_top",
+              "moe_dense_layers")
 
 
 SPARSE_FIELDS = ("sparse_top_k", "indexer_heads", "indexer_dim")
@@ -315,14 +316,29 @@ def check_selection(config: ModelConfig) -> None:
                   f"model.mechanism={config.mechanism}", "model.mechanism=sparse")
 
 
+def check_latent(config: ModelConfig) -> None:
+    """model.mla_q_rank sizes latent attention's query latent: refused without such a layer."""
+    if not any(getattr(MECHANISMS[n].layer, "compresses_queries", False) for n in names_used(config)):
+        refuse_unused(config, ("mla_q_rank",), "sizes latent attention's query latent",
+                      f"model.mechanism={config.mechanism}", "model.mechanism=mla")
+
+
 def check_experts(config: ModelConfig) -> None:
     """The model.moe_* fields size a mixture of experts: set with any other MLP they would
     change nothing, and model.mlp_hidden would change nothing with one."""
     routes = getattr(MLPS[config.mlp], "routes_tokens", False)
-    if routes and config.mlp_hidden:
+    if routes and config.moe_dense_layers >= config.n_layer:
+        raise ModelError(f"model.moe_dense_layers={config.moe_dense_layers} leaves none of the "
+                         f"model.n_layer={config.n_layer} layers to the experts: give fewer")
+    if routes and config.moe_groups > 1 and not MOE_ROUTERS[config.moe_router].balances:
+        raise ModelError(f"model.moe_groups={config.moe_groups} groups DeepSeek-V3's sigmoid "
+                         f"affinities; model.moe_router={config.moe_router} has none: set "
+                         "model.moe_router=sigmoid with it, or model.moe_groups=1")
+    if routes and config.mlp_hidden and not config.moe_dense_layers:
         raise ModelError(f"model.mlp_hidden={config.mlp_hidden} sets a dense MLP's width; "
                          f"model.mlp={config.mlp}'s experts take model.moe_hidden: set that "
-                         "instead and leave model.mlp_hidden 0")
+                         "instead and leave model.mlp_hidden 0 (or keep the first layers "
+                         "dense, model.moe_dense_layers)")
     if routes and config.moe_bias_rate and not MOE_ROUTERS[config.moe_router].balances:
         raise ModelError(f"model.moe_bias_rate={config.moe_bias_rate} moves a balancing bias "
                          f"that model.moe_router={config.moe_router} does not use: set "

@@ -13,7 +13,7 @@ from model.layers import layer_names
 CARDS = {
     "gpt-oss": (["sinks"] * 4, {"full_attention_every": 2, "mlp": "moe"}),
     "deepseek-v3": (["mla"] * 4, {"mlp": "moe", "moe_shared": 1, "mtp_depth": 1}),
-    "deepseek-v3.2": (["sparse"] * 4, {"mlp": "moe"}),
+    "deepseek-v3.2": (["mla_sparse"] * 4, {"mlp": "moe"}),
     "qwen3-next": (["gated_deltanet"] * 3 + ["gated"], {"mlp": "moe", "moe_shared": 1}),
     "kimi-linear": (["kda"] * 3 + ["mla"], {"mlp": "moe", "moe_shared": 1}),
 }

@@ -44,6 +44,13 @@ VARIANTS = {
     "gemma3_text": dict(n_kv_head=1, sliding_window=4, full_attention_every=2, rope_theta=1e6,
                         rope_local_theta=1e4, block="sandwich", norm="rmsnorm1p", norm_eps=1e-6,
                         mlp="geglu", qk_norm=True, qk_norm_weight=True, embed_scale=True),
+    "deepseek_v3": dict(mechanism="mla", norm="rmsnorm", norm_eps=1e-6, mlp="moe", moe_experts=4,
+                        moe_top_k=2, moe_shared=1, moe_dense_layers=1, mlp_hidden=32,
+                        tie_embeddings=False),
+    # Every key chosen: float16 weights must not flip the indexer's choice in the check below.
+    "deepseek_v32": dict(mechanism="mla_sparse", mla_q_rank=8, sparse_top_k=16, indexer_heads=2,
+                         norm="rmsnorm", norm_eps=1e-6, mlp="moe", moe_experts=4, moe_top_k=2,
+                         moe_shared=1, tie_embeddings=False),
 }
 
 
@@ -410,7 +417,8 @@ def test_a_qkv_matrix_of_the_wrong_size_is_refused_in_every_architecture(arch, t
     """(NeoX reshapes its fused matrix per head: a wrong size used to fail inside torch.)"""
     write_folder(tmp_path, arch, tok_json)
     names = sorted(load_file(tmp_path / "model.safetensors"))
-    qkv = next(n for n in names if n.endswith(("c_attn.weight", "query_key_value.weight", "q_proj.weight")))
+    qkv = next(n for n in names if n.endswith(("c_attn.weight", "query_key_value.weight", "q_proj.weight",
+                                                "q_b_proj.weight")))
     edit_weights(tmp_path, lambda w: w.update({qkv: torch.zeros(w[qkv].shape[0] + 1, w[qkv].shape[1])}))
     refused(tmp_path, f"shape differs: {qkv}")
 
@@ -450,9 +458,12 @@ BUFFERS = {"gpt2": "transformer.h.0.attn.bias", "llama": "model.layers.0.self_at
            "mistral": "model.layers.0.self_attn.rotary_emb.inv_freq",
            "gpt_neox": "gpt_neox.layers.0.attention.bias",
            "gpt_oss": "model.layers.0.self_attn.rotary_emb.inv_freq",
-           "gemma3_text": "model.layers.0.self_attn.rotary_emb.inv_freq"}
+           "gemma3_text": "model.layers.0.self_attn.rotary_emb.inv_freq",
+           "deepseek_v3": "model.layers.0.self_attn.rotary_emb.inv_freq",
+           "deepseek_v32": "model.layers.0.self_attn.rotary_emb.inv_freq"}
 HEAD = {"gpt2": "lm_head.weight", "llama": "lm_head.weight", "mistral": "lm_head.weight",
-        "gpt_neox": "embed_out.weight", "gpt_oss": "lm_head.weight", "gemma3_text": "lm_head.weight"}
+        "gpt_neox": "embed_out.weight", "gpt_oss": "lm_head.weight", "gemma3_text": "lm_head.weight",
+        "deepseek_v3": "lm_head.weight", "deepseek_v32": "lm_head.weight"}
 
 @pytest.mark.parametrize("arch", DECODERS)
 def test_a_sound_folder_loads_with_its_logits_in_every_form(arch, tmp_path, tok_json):

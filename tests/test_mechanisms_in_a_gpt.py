@@ -121,7 +121,8 @@ PAPER_COUNTS = {"linear": (0, 2 * (D ** 2 + D)), "deltanet": (0, 2 * D ** 2),
                 "mha": (2 * 2 * D, 0), "differential": (2 * 2 * D, 0),
                 "sigmoid": (2 * 2 * D, 0),     # the keys and values it scores, as mha's
                 "gated": (2 * 2 * D, 0), "sinks": (2 * 2 * D, 0),   # a sink is no token
-                "sparse": (2 * 2 * D + D, 0)}    # DSA: mha's, and one indexer key of d_I = d_k
+                "sparse": (2 * 2 * D + D, 0),    # DSA: mha's, and one indexer key of d_I = d_k
+                "mla_sparse": (4 * D + D // 2 + D, 0)}   # DeepSeek-V3.2: mla's, and the indexer key
 
 
 def test_a_mechanism_without_a_paper_count_is_told_what_to_add(monkeypatch):

@@ -1,0 +1,113 @@
+"""DeepSeek Sparse Attention on latent attention, as DeepSeek-V3.2 has it (arXiv:2512.02556,
+section 2.1: "we instantiate DSA based on MLA"): model/latent_attention.py's MLA, whose
+queries each attend to only the k keys a lightning indexer (model/sparse_attention.py)
+scores highest.
+
+The indexer is model/sparse_attention.py's, I_{t,s} = Σ_j w_{t,j} · ReLU(q^I_{t,j}·k^I_s/√d_I),
+fed as V3.2's is: its queries come from the query latent c_q = RMSNorm(x·W_DQ) that the main
+queries are made from (model.mla_q_rank; with full-rank queries, from the input), its key and head weights from the
+layer's input, the key through a LayerNorm with a bias; the first d_R dimensions of its
+queries and key turn by the layer's own small RoPE (rotate-half, the same angles as the
+main rotary key). It learns as there: from its own KL divergence to the main attention's
+distribution, on detached inputs (`aux_loss`).
+
+The cache holds each token's latent, its rotated key and its indexer key side by side,
+(r + d_R + d_I) numbers a token and layer. Every pass here rebuilds the keys and values
+from the latents and hides the keys not chosen, the up-projected form of MLA; the absorbed
+form and a gather of the k chosen latents would make a decoding step O(k), and are left
+to a faster path."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.attention import Mask, at_least_fp32
+from model.config import ModelConfig, ModelError
+from model.latent_attention import LatentAttention, LatentState, QueryLatent
+from model.sparse_attention import SparseAttention, sparse_sizes
+
+
+class LatentSparseAttention(LatentAttention):
+    """MLA whose queries each read the k keys a lightning indexer chooses."""
+    selects_keys = True     # model/registry.py: the sparse_top_k and indexer_* fields are its
+    dense_warmup = False    # DeepSeek's dense first stage, set by the training step
+    # The indexer's scores, its choice of keys and its loss are sparse attention's own.
+    index_scores = SparseAttention.index_scores
+    select = SparseAttention.select
+    indexer_loss = SparseAttention.indexer_loss
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.top_k, self.indexer_heads, self.indexer_dim = sparse_sizes(config)
+        if self.indexer_dim < self.rope_dim:
+            raise ModelError(f"model.indexer_dim={self.indexer_dim} is below the rotary width "
+                             f"d_R = {self.rope_dim}: its first d_R dimensions turn by RoPE")
+        H_I, d_I = self.indexer_heads, self.indexer_dim
+        q_input = config.mla_q_rank or config.n_embd
+        self.w_iq = nn.Linear(q_input, H_I * d_I, bias=config.bias)            # q^I from c_q
+        self.w_ik = nn.Linear(config.n_embd, d_I, bias=config.bias)             # k^I_s
+        self.ik_norm = nn.LayerNorm(d_I, eps=config.norm_eps)                  # with its bias
+        self.w_iw = nn.Linear(config.n_embd, H_I, bias=config.bias)             # w_{t,j}
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x, positions, mask: Mask, cache=None, need_weights: bool = False,
+                value_embed=None):
+        if value_embed is not None or mask.bias_fn is not None:
+            raise ModelError("latent attention has no place for value embeddings or ALiBi: set "
+                             "model.value_embeds=false and model.position=rope")
+        B, T, _ = x.shape
+        H, D, R = self.n_head, self.head_dim, self.rope_dim
+        c_q, q = self.queries(x)                                     # (B, T, r_q), (B, T, H·(D + R))
+        q = q.view(B, T, H, D + R).transpose(1, 2)                   # (B, H, T, D + R)
+        q_c, q_r = q.split([D, R], dim=-1)
+        q = torch.cat([q_c, self.rope(q_r, mask.q_start, mask.shared)], dim=-1)
+        row = torch.cat([self.cache_entry(x, mask.q_start, mask.shared),
+                         self.indexer_key(x.detach(), mask).to(x.dtype)], dim=-1)
+        if cache is not None:        # one row a token: latent, rotary key, indexer key
+            row = cache.update(self.layer_idx, row.unsqueeze(1), row.new_empty(B, 1, T, 0))[0].squeeze(1)
+        width = self.rank + R
+        state, k_i = LatentState(row[..., :width], self.rank), row[..., width:]
+        q_i, w = self.indexer_query(c_q.detach(), x.detach(), mask)
+        index = self.index_scores(q_i, k_i, w)                       # (B, Tq, Tk)
+        visible = mask.dense if mask.dense.dim() == 4 else mask.dense[None, None]
+        chosen = self.select(index, visible, mask.k_pos)             # (B, 1, Tq, k)
+        seen = visible.expand(B, 1, T, visible.shape[-1]).gather(-1, chosen)
+        keep = torch.zeros(B, 1, T, index.shape[-1], dtype=torch.bool,
+                           device=x.device).scatter(-1, chosen, seen)
+        k, v = self.keys_values(state)                               # (B, H, Tk, D + R), (B, H, Tk, D)
+        scores = at_least_fp32(q @ k.transpose(-2, -1)) / math.sqrt(D + R)
+        # exp(-inf) = 0: a key not chosen (or not visible) gets exactly no weight.
+        weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1).to(q.dtype)
+        dropped = F.dropout(weights, self.dropout) if self.training and self.dropout else weights
+        y = (dropped @ v).transpose(1, 2).reshape(B, T, H * D)       # heads side by side
+        at_chosen = weights.gather(-1, chosen.expand(B, H, T, chosen.shape[-1]))
+        self.aux_loss = (self.indexer_loss(index, at_chosen, chosen, seen)
+                         if self.training and torch.is_grad_enabled() else None)
+        return self.resid_dropout(self.w_o(y)), (weights if need_weights else None)
+
+    def queries(self, x):
+        """The query latent c_q the indexer reads, and the main queries made from it; with
+        full-rank queries (model.mla_q_rank=0) the indexer reads the layer's input instead."""
+        if not isinstance(self.w_q, QueryLatent):
+            return x, self.w_q(x)
+        c_q = self.w_q.q_norm(self.w_q.w_dq(x))
+        return c_q, self.w_q.w_uq(c_q)
+
+    def turned(self, t: torch.Tensor, mask: Mask) -> torch.Tensor:
+        """The first d_R dimensions turned by the layer's RoPE, the rest as they are."""
+        R = self.rope_dim
+        return torch.cat([self.rope(t[..., :R], mask.q_start, mask.shared), t[..., R:]], dim=-1)
+
+    def indexer_key(self, x, mask: Mask) -> torch.Tensor:
+        """k^I_s (B, T, d_I): LayerNorm(x·W_IK), its first d_R dimensions turned."""
+        return self.turned(self.ik_norm(self.w_ik(x)), mask)
+
+    def indexer_query(self, c_q, x, mask: Mask):
+        """The indexer's queries (B, H_I, T, d_I) from the query latent, and its head
+        weights (B, T, H_I) from the input, scaled by 1/√H_I."""
+        B, T, _ = x.shape
+        q_i = self.w_iq(c_q).view(B, T, self.indexer_heads, self.indexer_dim).transpose(1, 2)
+        return self.turned(q_i, mask), self.w_iw(x) * self.indexer_heads ** -0.5
