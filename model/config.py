@@ -77,6 +77,9 @@ class ModelConfig:
                                      "(clamped SwiGLU, (up + 1)·g·σ(1.702·g))", registry="moe_expert")
     moe_hidden: int = _opt(0, "model.mlp=moe: each expert's hidden width; 0 = SwiGLU's 8/3 x "
                               "n_embd shared out among the top_k + shared experts a token uses")
+    moe_shared_gate: bool = _opt(False, "model.mlp=moe: the shared experts' output scaled by a "
+                                        "sigmoid gate from the token, σ(u·w), one number a token "
+                                        "(Qwen3-Next); false = added as it is")
     moe_bias_rate: float = _opt(1e-3, "model.mlp=moe: the balancing bias's step γ; after each "
                                       "optimizer step each routed expert's bias moves by γ "
                                       "towards an even load (DeepSeek-V3's 0.001); 0 = fixed")
@@ -116,12 +119,18 @@ class ModelConfig:
                                         "windowed layers, model.rope_theta staying the full ones'; "
                                         "0 = rope_theta for all (Gemma 3: 10,000 local, "
                                         "1,000,000 global)")
+    rope_dims: int = _opt(0, "model.position=rope_partial: how many of each head's dimensions "
+                             "RoPE turns (the first ones; the rest carry no position); 0 = a "
+                             "quarter of the head, Qwen3-Next's partial_rotary_factor")
     rope_scaling: str = _opt("none", "stretch RoPE to a longer context", registry="rope_scaling")
     rope_factor: float = _opt(1.0, "RoPE scaling factor s (new context / original context)")
     rope_original_context: int = _opt(0, "context the model was trained at (YaRN); "
                                          "0 = block_size")
     linear_chunk: int = _opt(64, "linear attention and DeltaNet: tokens per chunk of the chunked "
                                  "parallel form (same outputs, less memory than T x T)")
+    delta_conv: int = _opt(0, "delta-rule layers (deltanet, gated_deltanet, kda, ...): a causal "
+                              "depthwise convolution of this many taps on q, k and v, then SiLU, "
+                              "as the Qwen3-Next and Kimi Linear cards have (4); 0 = none")
     mla_kv_rank: int = _opt(0, "latent attention (MLA): width of the cached latent c_kv; "
                                "0 = 4 x head_dim (DeepSeek-V2's ratio)")
     mla_rope_dim: int = _opt(0, "latent attention (MLA): width of the shared rotary key k_rope; "
@@ -155,6 +164,10 @@ class ModelConfig:
             raise ModelError(f"model.token_mix={self.token_mix} mixes in more positions than the "
                              f"context model.block_size={self.block_size} holds; give at most "
                              f"{self.block_size}" + (" (4 is usual)" if self.block_size >= 4 else ""))
+        if self.delta_conv > self.block_size:
+            raise ModelError(f"model.delta_conv={self.delta_conv} convolves over more positions "
+                             f"than the context model.block_size={self.block_size} holds; give "
+                             f"at most {self.block_size} (4 is the cards')")
         if self.sliding_window > self.block_size:
             raise ModelError(f"model.sliding_window={self.sliding_window} is larger than the "
                              f"context model.block_size={self.block_size}; a window that wide "
@@ -211,7 +224,7 @@ class ModelConfig:
         for f in fields(self):
             if f.name in ("vocab_size", "n_kv_head", "sliding_window", "n_global", "full_attention_every",
                           "rope_original_context", "readout_shortlist", "position_offset",
-                          "n_token_types", "mlp_hidden", "token_mix", "mla_kv_rank",
+                          "n_token_types", "mlp_hidden", "token_mix", "mla_kv_rank", "delta_conv", "rope_dims",
                           "mla_rope_dim", "sparse_top_k", "indexer_dim", "mtp_depth",
                           "rope_local_theta", "score_scale") and getattr(self, f.name) < 0:
                 raise ModelError(f"model.{f.name} must not be negative, got {getattr(self, f.name)} "
