@@ -19,8 +19,9 @@ uses transformers' own config and tokenizer classes, so the folder is what
 
 and the BERT-family encoders (bert, roberta, distilbert) of engine/interop_bert.py, and
 gpt-oss (learned sinks, alternating windows, experts) of engine/interop_gpt_oss.py,
-Gemma 3's text model (gemma3_text) of engine/interop_gemma3.py, and Qwen3-Next (Gated
-DeltaNet among gated attention, experts) of engine/interop_qwen3_next.py.
+Gemma 3's text model (gemma3_text) of engine/interop_gemma3.py, Qwen3-Next (Gated
+DeltaNet among gated attention, experts) of engine/interop_qwen3_next.py, and Kimi Linear
+(KDA among latent attention, experts) of engine/interop_kimi_linear.py.
 """
 from __future__ import annotations
 

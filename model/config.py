@@ -80,6 +80,9 @@ class ModelConfig:
     moe_shared_gate: bool = _opt(False, "model.mlp=moe: the shared experts' output scaled by a "
                                         "sigmoid gate from the token, σ(u·w), one number a token "
                                         "(Qwen3-Next); false = added as it is")
+    moe_route_scale: float = _opt(1.0, "model.mlp=moe: the routed experts' weights multiplied by "
+                                       "this after they are normalised (DeepSeek-V3 and Kimi "
+                                       "Linear's routed_scaling_factor, 2.5 or so); 1 = as they are")
     moe_bias_rate: float = _opt(1e-3, "model.mlp=moe: the balancing bias's step γ; after each "
                                       "optimizer step each routed expert's bias moves by γ "
                                       "towards an even load (DeepSeek-V3's 0.001); 0 = fixed")
@@ -133,6 +136,9 @@ class ModelConfig:
                               "as the Qwen3-Next and Kimi Linear cards have (4); 0 = none")
     mla_kv_rank: int = _opt(0, "latent attention (MLA): width of the cached latent c_kv; "
                                "0 = 4 x head_dim (DeepSeek-V2's ratio)")
+    mla_nope: bool = _opt(False, "latent attention (MLA) without positions: its shared key and "
+                                 "query parts are left unturned (Kimi Linear, whose delta-rule "
+                                 "layers bring order); false = turned by its own RoPE")
     mla_rope_dim: int = _opt(0, "latent attention (MLA): width of the shared rotary key k_rope; "
                                 "0 = head_dim / 2 (DeepSeek-V2's ratio)")
     sparse_top_k: int = _opt(0, "sparse attention (DSA): the keys each query attends to, chosen by "
@@ -244,6 +250,8 @@ class ModelConfig:
             raise ModelError(f"model.moe_experts={self.moe_experts} and model.moe_shared="
                              f"{self.moe_shared} make more than {MOST_EXPERTS} experts a layer "
                              "(DeepSeek-V3 has 257); give fewer")
+        if not self.moe_route_scale > 0:
+            raise ModelError(f"model.moe_route_scale must be positive, got {self.moe_route_scale}")
         if self.moe_bias_rate > 1:
             raise ModelError(f"model.moe_bias_rate={self.moe_bias_rate} moves the balancing bias "
                              "by more than 1 a step, past the sigmoid's whole range; DeepSeek-V3 "

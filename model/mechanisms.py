@@ -268,8 +268,8 @@ MECHANISMS = {
         no_weights="each token fades (channel by channel) and rewrites a d_k x d_k state, so "
                    "no weight per earlier token exists (arXiv:2510.26692)",
         export_refusal="Kimi Delta Attention (arXiv:2510.26692) comes in transformers only "
-                       "inside Kimi Linear, whose short convolutions, latent attention and "
-                       "experts this model's blocks do not fit",
+                       "inside Kimi Linear, which needs the rest of its card too (--config "
+                       "kimi-linear exports as KimiLinearForCausalLM)",
         flops=delta_flops, score_maps=kda_maps, follows_mask=False, takes_score_bias=False,
         takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
 }

@@ -134,7 +134,7 @@ class MixtureOfExperts(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_shared, self.n_routed, self.top_k = config.moe_shared, config.moe_experts, config.moe_top_k
-        self.bias_rate = config.moe_bias_rate
+        self.bias_rate, self.route_scale = config.moe_bias_rate, config.moe_route_scale
         self.router_kind, self.expert_kind = MOE_ROUTERS[config.moe_router], MOE_EXPERTS[config.moe_expert]
         hidden = self.hidden = self.width(config)
         experts = self.n_shared + self.n_routed
@@ -177,7 +177,8 @@ class MixtureOfExperts(nn.Module):
         bias = None if self.router.bias is None else self.router.bias.to(dtype)
         with torch.autocast(u.device.type, enabled=False):
             logits = F.linear(u.to(dtype), self.router.weight.to(dtype), bias)   # (N, E_routed)
-        return self.router_kind.route(logits, self.balance_bias, self.top_k)
+        weights, chosen = self.router_kind.route(logits, self.balance_bias, self.top_k)
+        return weights * self.route_scale, chosen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         u = x.reshape(-1, x.shape[-1])                            # (N, C): every token on its own

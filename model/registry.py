@@ -295,16 +295,20 @@ def check_mechanisms(config: ModelConfig) -> None:
 
 
 MOE_FIELDS = ("moe_experts", "moe_shared", "moe_top_k", "moe_hidden", "moe_bias_rate",
-              "moe_router", "moe_expert", "moe_shared_gate")
+              "moe_router", "moe_expert", "moe_shared_gate", "moe_route_scale")
 
 
 def check_card_parts(config: ModelConfig) -> None:
-    """model.delta_conv sizes a delta-rule layer's short convolution, model.rope_dims the
+    """model.delta_conv sizes a delta-rule layer's short convolution, model.mla_nope takes
+    latent attention's RoPE away, model.rope_dims the
     part of each head that rope_partial turns, model.moe_shared_gate gates shared experts:
     with none such to act on they would change nothing."""
     if not any(getattr(MECHANISMS[n].layer, "takes_short_conv", False) for n in names_used(config)):
         refuse_unused(config, ("delta_conv",), "sizes a delta-rule layer's short convolution",
                       f"model.mechanism={config.mechanism}", "model.mechanism=gated_deltanet")
+    if not any(getattr(MECHANISMS[n].layer, "has_latent", False) for n in names_used(config)):
+        refuse_unused(config, ("mla_nope",), "takes the positions out of latent attention",
+                      f"model.mechanism={config.mechanism}", "model.mechanism=mla")
     partial = POSITION_ENCODINGS[config.position] is POSITION_ENCODINGS["rope_partial"]
     if not partial:
         refuse_unused(config, ("rope_dims",), "sets how much of each head RoPE turns",

@@ -17,7 +17,8 @@ CARDS = {
     "qwen3-next": (["gated_deltanet_norm"] * 3 + ["gated"],
                    {"mlp": "moe", "moe_shared": 1, "delta_conv": 4, "position": "rope_partial",
                     "norm": "rmsnorm1p", "moe_router": "softmax", "moe_shared_gate": True}),
-    "kimi-linear": (["kda"] * 3 + ["mla"], {"mlp": "moe", "moe_shared": 1}),
+    "kimi-linear": (["kda"] * 3 + ["mla"], {"mlp": "moe", "moe_shared": 1, "delta_conv": 4,
+                                            "mla_nope": True, "moe_route_scale": 2.5}),
 }
 
 
