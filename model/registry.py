@@ -300,9 +300,9 @@ MOE_FIELDS = ("moe_experts", "moe_shared", "moe_top_k", "moe_hidden", "moe_bias_
 
 def check_card_parts(config: ModelConfig) -> None:
     """model.delta_conv sizes a delta-rule layer's short convolution, model.mla_nope takes
-    latent attention's RoPE away, model.rope_dims the
-    part of each head that rope_partial turns, model.moe_shared_gate gates shared experts:
-    with none such to act on they would change nothing."""
+    latent attention's RoPE away, model.rope_dims is the part of each head rope_partial
+    turns, model.moe_shared_gate gates shared experts: with none such to act on, each
+    would change nothing."""
     if not any(getattr(MECHANISMS[n].layer, "takes_short_conv", False) for n in names_used(config)):
         refuse_unused(config, ("delta_conv",), "sizes a delta-rule layer's short convolution",
                       f"model.mechanism={config.mechanism}", "model.mechanism=gated_deltanet")

@@ -342,6 +342,8 @@ def test_a_card_missing_one_piece_is_refused_naming_it(change, reason):
     (dict(position="rope_partial", rope_scaling="linear", rope_factor=2.0), "use model.position=rope"),
     (dict(mlp="moe", moe_shared=0, moe_shared_gate=True), "model.moe_shared=0 builds none"),
     (dict(delta_conv=200, mechanism="kda"), "give at most 128"),
+    # QK-norm is a hybrid's softmax layers'; with none such it would change nothing
+    (dict(mechanism="gated_deltanet_norm", qk_norm=True), "does not scale its queries"),
 ])
 def test_what_the_new_fields_need_is_said_in_one_line(fields, message):
     with pytest.raises(ModelError, match=message):
