@@ -18,8 +18,10 @@ uses transformers' own config and tokenizer classes, so the folder is what
               (this project's default, biases zero where it has none)
 
 and the BERT-family encoders (bert, roberta, distilbert) of engine/interop_bert.py, and
-gpt-oss (learned sinks, alternating windows, experts) of engine/interop_gpt_oss.py, and
-Gemma 3's text model (gemma3_text) of engine/interop_gemma3.py.
+gpt-oss (learned sinks, alternating windows, experts) of engine/interop_gpt_oss.py,
+Gemma 3's text model (gemma3_text) of engine/interop_gemma3.py, Qwen3-Next (Gated
+DeltaNet among gated attention, experts) of engine/interop_qwen3_next.py, and Kimi Linear
+(KDA among latent attention, experts) of engine/interop_kimi_linear.py.
 """
 from __future__ import annotations
 
@@ -526,10 +528,16 @@ def architecture_for(cfg: ModelConfig, tokenizer: Tokenizer | None = None) -> Ar
     fits = [name for name, why in reasons.items() if not why]
     if fits:
         return ARCHITECTURES[fits[0]]
+    # An architecture that has every mechanism used (gpt-oss's sinks, Qwen3-Next's layers)
+    # but refuses another part: its reasons name the part, beside the mechanism's own words.
+    takers = [name for name, why in reasons.items()
+              if not any(w.startswith("model.mechanism=") for w in why)]
+    stopped = "".join(f"; {ARCHITECTURES[name].hf_class} is stopped by: " + "; ".join(reasons[name])
+                      for name in takers[:1])
     for name, mechanism in ((n, MECHANISMS[n]) for n in names_used(cfg)):
         if mechanism.export_refusal:
-            raise ExportError(f"cannot export model.mechanism={name}: {mechanism.export_refusal}; "
-                              "only a model trained with a mechanism transformers has exports: "
+            raise ExportError(f"cannot export model.mechanism={name}: {mechanism.export_refusal}"
+                              f"{stopped}; only a model trained with a mechanism transformers has exports: "
                               "train with --model.mechanism=mha (the article's multi-head "
                               "attention; --model.n_kv_head for GQA/MQA)")
     fewest = min(len(why) for why in reasons.values())

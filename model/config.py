@@ -77,12 +77,15 @@ class ModelConfig:
                                      "(clamped SwiGLU, (up + 1)·g·σ(1.702·g))", registry="moe_expert")
     moe_hidden: int = _opt(0, "model.mlp=moe: each expert's hidden width; 0 = SwiGLU's 8/3 x "
                               "n_embd shared out among the top_k + shared experts a token uses")
+    moe_shared_gate: bool = _opt(False, "model.mlp=moe: the shared experts' output scaled by a "
+                                        "sigmoid gate from the token, σ(u·w), one number a token "
+                                        "(Qwen3-Next); false = added as it is")
     moe_bias_rate: float = _opt(1e-3, "model.mlp=moe: the balancing bias's step γ; after each "
                                       "optimizer step each routed expert's bias moves by γ "
                                       "towards an even load (DeepSeek-V3's 0.001); 0 = fixed")
     moe_routed_scale: float = _opt(1.0, "model.mlp=moe: the routed experts' weights multiplied "
-                                        "by this after normalising (DeepSeek-V3's "
-                                        "routed_scaling_factor, 2.5)")
+                                        "by this after normalising (DeepSeek-V3's and Kimi "
+                                        "Linear's routed_scaling_factor, 2.5 or so); 1 = as they are")
     moe_groups: int = _opt(1, "model.mlp=moe, sigmoid router: the routed experts split into this "
                               "many groups, of which each token may use model.moe_group_top "
                               "(DeepSeek-V3's node-limited routing: 8 groups, 4 used); 1 = "
@@ -129,14 +132,23 @@ class ModelConfig:
                                         "windowed layers, model.rope_theta staying the full ones'; "
                                         "0 = rope_theta for all (Gemma 3: 10,000 local, "
                                         "1,000,000 global)")
+    rope_dims: int = _opt(0, "model.position=rope_partial: how many of each head's dimensions "
+                             "RoPE turns (the first ones; the rest carry no position); 0 = a "
+                             "quarter of the head, Qwen3-Next's partial_rotary_factor")
     rope_scaling: str = _opt("none", "stretch RoPE to a longer context", registry="rope_scaling")
     rope_factor: float = _opt(1.0, "RoPE scaling factor s (new context / original context)")
     rope_original_context: int = _opt(0, "context the model was trained at (YaRN); "
                                          "0 = block_size")
     linear_chunk: int = _opt(64, "linear attention and DeltaNet: tokens per chunk of the chunked "
                                  "parallel form (same outputs, less memory than T x T)")
+    delta_conv: int = _opt(0, "delta-rule layers (deltanet, gated_deltanet, kda, ...): a causal "
+                              "depthwise convolution of this many taps on q, k and v, then SiLU, "
+                              "as the Qwen3-Next and Kimi Linear cards have (4); 0 = none")
     mla_kv_rank: int = _opt(0, "latent attention (MLA): width of the cached latent c_kv; "
                                "0 = 4 x head_dim (DeepSeek-V2's ratio)")
+    mla_nope: bool = _opt(False, "latent attention (MLA) without positions: its shared key and "
+                                 "query parts are left unturned (Kimi Linear, whose delta-rule "
+                                 "layers bring order); false = turned by its own RoPE")
     mla_rope_dim: int = _opt(0, "latent attention (MLA): width of the shared rotary key k_rope; "
                                 "0 = head_dim / 2 (DeepSeek-V2's ratio)")
     mla_q_rank: int = _opt(0, "latent attention (MLA): queries through a latent of this width, "
@@ -171,6 +183,10 @@ class ModelConfig:
             raise ModelError(f"model.token_mix={self.token_mix} mixes in more positions than the "
                              f"context model.block_size={self.block_size} holds; give at most "
                              f"{self.block_size}" + (" (4 is usual)" if self.block_size >= 4 else ""))
+        if self.delta_conv > self.block_size:
+            raise ModelError(f"model.delta_conv={self.delta_conv} convolves over more positions "
+                             f"than the context model.block_size={self.block_size} holds; give "
+                             f"at most {self.block_size} (4 is the cards')")
         if self.sliding_window > self.block_size:
             raise ModelError(f"model.sliding_window={self.sliding_window} is larger than the "
                              f"context model.block_size={self.block_size}; a window that wide "
@@ -227,16 +243,16 @@ class ModelConfig:
         for f in fields(self):
             if f.name in ("vocab_size", "n_kv_head", "sliding_window", "n_global", "full_attention_every",
                           "rope_original_context", "readout_shortlist", "position_offset",
-                          "n_token_types", "mlp_hidden", "token_mix", "mla_kv_rank",
-                          "mla_rope_dim", "mla_q_rank", "sparse_top_k", "indexer_dim", "mtp_depth",
+                          "n_token_types", "mlp_hidden", "token_mix", "mla_kv_rank", "delta_conv",
+                          "rope_dims", "mla_rope_dim", "mla_q_rank", "sparse_top_k", "indexer_dim",
+                          "mtp_depth",
                           "rope_local_theta", "score_scale") and getattr(self, f.name) < 0:
                 raise ModelError(f"model.{f.name} must not be negative, got {getattr(self, f.name)} "
                                  f"(model.{f.name}: {f.metadata['help']})")
 
     def _validate_experts(self) -> None:
         """The mixture of experts' counts (model.mlp=moe): k of at least one routed expert."""
-        for name in ("moe_shared", "moe_hidden", "moe_bias_rate", "moe_dense_layers",
-                     "moe_routed_scale"):
+        for name in ("moe_shared", "moe_hidden", "moe_bias_rate", "moe_dense_layers"):
             if getattr(self, name) < 0:
                 raise ModelError(f"model.{name} must not be negative, got {getattr(self, name)} "
                                  f"(model.{name}: {self.__dataclass_fields__[name].metadata['help']})")
@@ -248,6 +264,8 @@ class ModelConfig:
             raise ModelError(f"model.moe_experts={self.moe_experts} and model.moe_shared="
                              f"{self.moe_shared} make more than {MOST_EXPERTS} experts a layer "
                              "(DeepSeek-V3 has 257); give fewer")
+        if not self.moe_routed_scale > 0:
+            raise ModelError(f"model.moe_routed_scale must be positive, got {self.moe_routed_scale}")
         if self.moe_bias_rate > 1:
             raise ModelError(f"model.moe_bias_rate={self.moe_bias_rate} moves the balancing bias "
                              "by more than 1 a step, past the sigmoid's whole range; DeepSeek-V3 "

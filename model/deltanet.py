@@ -20,9 +20,14 @@ the matrix I − β k kᵀ), so the paper splits the text into chunks of C token
 inside a chunk, solves for what each token writes with one triangular system: the
 UT transform (`chunk`). Its outputs equal the recurrence's (tests/test_deltanet.py).
 The gated form (GatedDeltaNet, arXiv:2412.06464) lets the state fade by α_t first; the
-same two forms compute it, with α = 1 for plain DeltaNet. What the papers' models add
-around the rule (a short convolution before q, k and v, a norm and gate on the output;
-model.token_mix plays the convolution's part here) is not in this readable version."""
+same two forms compute it, with α = 1 for plain DeltaNet.
+
+What the papers' models add around the rule is built only when asked for: a short
+causal convolution over each channel of q, k and v before the rule (model.delta_conv,
+as flash-linear-attention's ShortConvolution and the Qwen3-Next and Kimi Linear cards
+have it), and, in `NormedGatedDeltaNet`, the Gated DeltaNet paper's full layer (its
+section 3.4, Qwen3-Next's linear layers): Mamba2's decay and each head's output
+RMS-normed and gated by SiLU."""
 from __future__ import annotations
 
 import torch
@@ -45,6 +50,17 @@ def empty_state(like: torch.Tensor) -> torch.Tensor:
 def unit(x: torch.Tensor) -> torch.Tensor:
     """Scale each vector to length 1: the paper's L2 normalisation of queries and keys."""
     return F.normalize(x, dim=-1)
+
+
+def unit_fla(x: torch.Tensor) -> torch.Tensor:
+    """x / √(|x|² + 10⁻⁶): the L2 normalisation as flash-linear-attention's kernels (and
+    the cards' reference code) compute it, the ε inside the root."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
+    """x with softplus(x) = y, for y > 0: y + ln(1 − e^(−y))."""
+    return y + torch.log(-torch.expm1(-y))
 
 
 def recurrent(q, k, v, beta, log_alpha, state):
@@ -114,10 +130,16 @@ def chunked(q, k, v, beta, log_alpha, state, size: int, step=None):
 class DeltaNet(nn.Module):
     """Multi-head DeltaNet: q, k, v as in MultiHeadAttention, plus one β per head and
     token; queries and keys through SiLU and then to unit length (the paper's choice),
-    and the delta rule in place of the softmax. Nothing fades: ln α = 0 (`gate`)."""
+    and the delta rule in place of the softmax. Nothing fades: ln α = 0 (`gate`).
+
+    With model.delta_conv = K, the layer is the one flash-linear-attention and the cards
+    build: q, k and v each mixed with their K-1 predecessors channel by channel (a causal
+    depthwise convolution) and passed through SiLU, q and k to unit length with the
+    kernels' ε, q scaled by 1/√d_k, and β without a bias."""
 
     # The form that trains and prefills; Kimi Delta Attention (model/kda.py) names its own.
     rule = staticmethod(chunked)
+    takes_short_conv = True        # model.delta_conv applies (model/registry.py asks)
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -127,9 +149,16 @@ class DeltaNet(nn.Module):
         self.layer_idx, self.chunk_size = layer_idx, config.linear_chunk
         self.n_head, self.head_dim = config.n_head, config.head_dim
         self.w_qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.w_beta = nn.Linear(config.n_embd, config.n_head, bias=True)
+        self.w_beta = nn.Linear(config.n_embd, config.n_head, bias=not config.delta_conv)
         self.w_o = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.conv = None
+        if config.delta_conv:
+            # One filter of K taps per channel of q, k and v (groups = channels): each
+            # mixes only its own channel over the token and the K-1 before it.
+            channels = 3 * config.n_embd
+            self.conv = nn.Conv1d(channels, channels, config.delta_conv, groups=channels,
+                                  bias=False)
 
     def forward(self, x, positions, mask: Mask, cache=None, need_weights: bool = False,
                 value_embed=None):
@@ -138,11 +167,18 @@ class DeltaNet(nn.Module):
                              "token rewrites a d x d state, and no weight per earlier token exists")
         B, T, C = x.shape
         H, D = self.n_head, self.head_dim
-        q, k, v = self.w_qkv(x).view(B, T, 3 * H, D).transpose(1, 2).split(H, dim=1)  # (B, H, T, D)
+        qkv = self.w_qkv(x)                                           # (B, T, 3C)
+        if self.conv is not None:
+            qkv = F.silu(self.short_conv(qkv, cache))
+        q, k, v = qkv.view(B, T, 3 * H, D).transpose(1, 2).split(H, dim=1)  # (B, H, T, D)
         if value_embed is not None:              # a per-token vector added to the value
             v = v + value_embed.view(B, T, H, D).transpose(1, 2)
-        q = unit(F.silu(q))
-        k = unit(F.silu(k))
+        if self.conv is None:
+            q = unit(F.silu(q))
+            k = unit(F.silu(k))
+        else:                                    # SiLU came with the convolution
+            q = unit_fla(q) * D ** -0.5
+            k = unit_fla(k)
         beta = torch.sigmoid(self.w_beta(x)).transpose(1, 2)         # (B, H, T), each in (0, 1)
         log_alpha = self.gate(x).transpose(1, 2)                      # (B, H, T), each ≤ 0
         q, k, v, beta, log_alpha = (at_least_fp32(t) for t in (q, k, v, beta, log_alpha))
@@ -156,6 +192,20 @@ class DeltaNet(nn.Module):
             cache.keep(self.layer_idx, S)
         y = self.read(y, x).to(x.dtype).transpose(1, 2).reshape(B, T, C)   # heads side by side
         return self.resid_dropout(self.w_o(y)), None
+
+    def short_conv(self, qkv, cache=None):
+        """(B, T, 3C): each channel of q, k and v as the sum of its K taps times the token
+        and the K-1 before it (zeros before the first token). Decoding keeps the last K-1
+        rows in the cache beside the state, so a step convolves as the full pass did."""
+        back = self.conv.kernel_size[0] - 1
+        where = (self.layer_idx, "conv")
+        past = None if cache is None else cache.state(where)
+        if past is None:
+            past = qkv.new_zeros(qkv.shape[0], back, qkv.shape[2])
+        full = torch.cat((past.to(qkv.dtype), qkv), dim=1)            # (B, K-1+T, 3C)
+        if cache is not None:
+            cache.keep(where, full[:, full.shape[1] - back:])
+        return self.conv(full.transpose(1, 2)).transpose(1, 2)        # (B, T, 3C)
 
     def gate(self, x):
         """ln α per token and head, (B, T, H): 0, the state kept whole from token to token."""
@@ -187,3 +237,36 @@ class GatedDeltaNet(DeltaNet):
 
     def gate(self, x):
         return F.logsigmoid(self.w_alpha(x) + self.alpha_bias)       # ln α, (B, T, H)
+
+
+class NormedGatedDeltaNet(DeltaNet):
+    """Gated DeltaNet as its paper builds the whole layer (arXiv:2412.06464, section 3.4)
+    and Qwen3-Next runs it: the decay is Mamba2's, ln α_t = −exp(A_h) · softplus(x_t·w_a +
+    b_dt), one per head, and each head's output is RMS-normed over its channels (a gain
+    per channel, shared by the heads) and gated by SiLU(x_t·W_z) before W_O, so a head's
+    output no longer grows with what its state holds, and a token can close it."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        H = config.n_head
+        self.norm_eps = config.norm_eps
+        self.w_alpha = nn.Linear(config.n_embd, H, bias=False)
+        self.w_z = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        # Plain parameters, which the model's init of linear layers leaves as they are:
+        # exp(A) from 1 to 16 and softplus(b_dt) from 0.001 to 0.1 over the heads, memories
+        # from about a token to about a thousand at x = 0 (model/kda.py's spread, per head).
+        self.decay_log_rate = nn.Parameter(torch.linspace(1.0, 16.0, H).log())      # A, (H,)
+        self.decay_bias = nn.Parameter(inverse_softplus(torch.logspace(-3, -1, H)))  # b_dt
+        self.out_norm = nn.Parameter(torch.ones(config.head_dim))    # RMSNorm's gain
+
+    def gate(self, x):
+        """ln α per token and head, (B, T, H): −exp(A_h) · softplus(x·w_a + b_dt), ≤ 0."""
+        a = at_least_fp32(self.w_alpha(x)) + self.decay_bias
+        return -self.decay_log_rate.exp() * F.softplus(a)
+
+    def read(self, y, x):
+        """Each head's output RMS-normed over its channels, times the gain, times SiLU(x·W_z)."""
+        B, T, _ = x.shape
+        z = self.w_z(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)   # (B, H, T, D)
+        normed = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        return normed * self.out_norm * F.silu(at_least_fp32(z))

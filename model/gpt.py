@@ -19,7 +19,7 @@ from model.cache import KVCache
 from model.config import ModelConfig, ModelError
 from model.extras import TokenTypes, UNetSkips, ValueEmbeddings
 from model.layers import BLOCKS, NORMS, layer_names
-from model.attention import Mask
+from model.attention import Mask, MultiHeadAttention
 from model.mechanisms import MECHANISMS
 from model.meta import Unfilled
 from model.mtp import MultiTokenPrediction
@@ -263,7 +263,8 @@ class GPTWithVariants(GPT):
         self.mtp = MultiTokenPrediction(config) if config.mtp_depth else None
         # Gemma 3's queries and keys: a learned norm each over d_k, and its own score scale.
         if config.qk_norm_weight or config.score_scale:
-            for block in self.blocks:
+            # (a hybrid's other layers form their queries and keys their own way)
+            for block in (b for b in self.blocks if isinstance(b.attn, MultiHeadAttention)):
                 block.attn.learn_qk_norms(
                     (lambda: NORMS[config.norm](config, config.head_dim)) if config.qk_norm_weight
                     else None, config.score_scale)

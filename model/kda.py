@@ -18,8 +18,8 @@ ln α_t = −exp(A_h) · softplus(W_up W_down x_t + b_dt), per head h and channe
 W_down of rank d_k. Each head's output is RMS-normed and gated by a second low-rank map,
 o ← RMSNorm(o) ⊙ sigmoid(W_up' W_down' x_t), before W_O. The kernels also scale q by
 1/√d_k; the RMSNorm after the rule undoes any scale of q (all but its ε), so it is left
-out here. The paper's short convolution before q, k and v is model.token_mix's part, as
-for DeltaNet.
+out here unless model.delta_conv builds the paper's short convolution before q, k and v
+(model/deltanet.py), which brings the kernels' form whole, that scale included.
 
 Training uses the chunked form (`chunk`): the UT transform of Gated DeltaNet, with each
 product k_iᵀ k_t inside a chunk taken through the fading between i and t channel by
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from model.attention import at_least_fp32
 from model.config import ModelConfig
-from model.deltanet import DeltaNet, chunked as delta_chunked
+from model.deltanet import DeltaNet, chunked as delta_chunked, inverse_softplus  # noqa: F401
 
 # The state is stored as in model/deltanet.py: (B, H, D_k, D_v), row c for key channel c.
 
@@ -101,11 +101,6 @@ def chunked(q, k, v, beta, log_alpha, state, size: int):
     """The parallel form for training and prefill, DeltaNet's chunk loop over this file's
     `chunk`. Returns (B, H, T, D), state."""
     return delta_chunked(q, k, v, beta, log_alpha, state, size, step=chunk)
-
-
-def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
-    """x with softplus(x) = y, for y > 0: y + ln(1 − e^(−y))."""
-    return y + torch.log(-torch.expm1(-y))
 
 
 class KimiDeltaAttention(DeltaNet):

@@ -124,9 +124,16 @@ class QueryLatent(nn.Module):
         return self.w_uq(self.q_norm(self.w_dq(x)))
 
 
+def unturned(x: torch.Tensor, start: int, shared: dict | None = None) -> torch.Tensor:
+    """DecoupledRoPE's place with model.mla_nope: x as it is, at every position."""
+    return x
+
+
 class LatentAttention(nn.Module):
     """Multi-head attention whose cache is a latent c_kv and one shared rotary key."""
     compresses_queries = True      # model.mla_q_rank is this layer's (model/registry.py)
+
+    has_latent = True          # model.mla_nope applies (model/registry.py asks)
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -145,7 +152,8 @@ class LatentAttention(nn.Module):
         self.w_kr = nn.Linear(config.n_embd, self.rope_dim, bias=config.bias)  # W_KR
         self.w_ukv = nn.Linear(self.rank, 2 * H * D, bias=config.bias)       # W_UK, W_UV: up
         self.w_o = nn.Linear(H * D, config.n_embd, bias=config.bias)
-        self.rope = DecoupledRoPE(self.rope_dim, config.rope_theta)
+        # model.mla_nope (Kimi Linear): no positions here; the part stays, unturned.
+        self.rope = unturned if config.mla_nope else DecoupledRoPE(self.rope_dim, config.rope_theta)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 

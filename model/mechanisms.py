@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from model.attention import MultiHeadAttention, residual_init
 from model.config import ModelConfig, ModelError
-from model.deltanet import DeltaNet, GatedDeltaNet
+from model.deltanet import DeltaNet, GatedDeltaNet, NormedGatedDeltaNet
 from model.differential import DifferentialAttention
 from model.latent_attention import LatentAttention, latent_sizes
 from model.latent_sparse_attention import LatentSparseAttention
@@ -111,8 +111,9 @@ def linear_state(config: ModelConfig) -> int:
 
 
 def delta_state(config: ModelConfig) -> int:
-    # One d_k × d_k state per head, rewritten by each token (arXiv:2406.06484).
-    return config.n_head * config.head_dim ** 2
+    # One d_k × d_k state per head, rewritten by each token (arXiv:2406.06484), and with
+    # model.delta_conv = K the last K-1 rows of q, k and v its convolution reads again.
+    return config.n_head * config.head_dim ** 2 + max(config.delta_conv - 1, 0) * 3 * config.n_embd
 
 
 def linear_flops(config: ModelConfig, context: int) -> float:
@@ -209,7 +210,8 @@ MECHANISMS = {
     "gated": Mechanism(
         GatedAttention, Cache("keys and values", keys_and_values),
         export_refusal="gated attention (arXiv:2505.06708) comes in transformers only inside "
-                       "Qwen3-Next, whose layers this model's blocks do not fit"),
+                       "Qwen3-Next, which needs the rest of its card too (--config qwen3-next "
+                       "exports as Qwen3NextForCausalLM)"),
     # One learned logit per head in the softmax's denominator (gpt-oss).
     "sinks": Mechanism(
         SinkAttention, Cache("keys and values", keys_and_values),
@@ -269,8 +271,19 @@ MECHANISMS = {
         GatedDeltaNet, Cache("a fixed-size state S", lambda c: 0, delta_state),
         no_weights="each token fades and rewrites a d_k x d_k state, so no weight per "
                    "earlier token exists (arXiv:2412.06464)",
-        export_refusal="Gated DeltaNet (arXiv:2412.06464) is in no transformers architecture "
-                       "this model's blocks fit",
+        export_refusal="Gated DeltaNet without its paper's output norm and gate "
+                       "(arXiv:2412.06464) is in no transformers architecture; "
+                       "model.mechanism=gated_deltanet_norm is Qwen3-Next's",
+        flops=delta_flops, follows_mask=False, takes_score_bias=False,
+        takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
+    # Gated DeltaNet's whole layer: Mamba2's decay, the output RMS-normed and SiLU-gated.
+    "gated_deltanet_norm": Mechanism(
+        NormedGatedDeltaNet, Cache("a fixed-size state S", lambda c: 0, delta_state),
+        no_weights="each token fades and rewrites a d_k x d_k state, so no weight per "
+                   "earlier token exists (arXiv:2412.06464)",
+        export_refusal="Gated DeltaNet's whole layer (arXiv:2412.06464) comes in transformers "
+                       "only inside Qwen3-Next, which needs the rest of its card too "
+                       "(--config qwen3-next exports as Qwen3NextForCausalLM)",
         flops=delta_flops, follows_mask=False, takes_score_bias=False,
         takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
     # The gated delta rule with a decay per key channel (Kimi Linear): the same state, and
@@ -280,8 +293,8 @@ MECHANISMS = {
         no_weights="each token fades (channel by channel) and rewrites a d_k x d_k state, so "
                    "no weight per earlier token exists (arXiv:2510.26692)",
         export_refusal="Kimi Delta Attention (arXiv:2510.26692) comes in transformers only "
-                       "inside Kimi Linear, whose short convolutions, latent attention and "
-                       "experts this model's blocks do not fit",
+                       "inside Kimi Linear, which needs the rest of its card too (--config "
+                       "kimi-linear exports as KimiLinearForCausalLM)",
         flops=delta_flops, score_maps=kda_maps, follows_mask=False, takes_score_bias=False,
         takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
 }

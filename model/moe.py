@@ -77,6 +77,10 @@ def group_limit(choice: torch.Tensor, groups: int, keep: int) -> torch.Tensor:
 MOE_ROUTERS = {
     "sigmoid": Router(_sigmoid_route, bias=False, balances=True),
     "softmax_topk": Router(_softmax_topk_route, bias=True, balances=False),
+    # Qwen3-Next: a softmax over every expert, the top k kept and renormalised over those k
+    # (norm_topk_prob), which is the same weights as a softmax over the k largest logits;
+    # its router has no bias.
+    "softmax": Router(_softmax_topk_route, bias=False, balances=False),
 }
 
 
@@ -162,6 +166,10 @@ class MixtureOfExperts(nn.Module):
         per_expert = sum(p[0].numel() for p in (*self.fc.parameters(), *self.proj.parameters()))
         self.idle_weights = (self.n_routed - self.top_k) * per_expert
         self.dropout = nn.Dropout(config.dropout)
+        self.shared_gate = None
+        if config.moe_shared_gate:
+            # Qwen3-Next: σ(u·w), one number a token, scales what the shared experts hand on.
+            self.shared_gate = nn.Linear(config.n_embd, 1, bias=False)
         # b_i: picks the experts, never weights them. Saved with the weights (a buffer), so a
         # resumed run goes on choosing as the unbroken one would; float32 whatever the model
         # runs in, because steps of γ = 0.001 vanish in bf16 next to a bias of order 1.
@@ -209,6 +217,8 @@ class MixtureOfExperts(nn.Module):
         out = torch.zeros_like(u)
         for e in range(self.n_shared):                            # shared experts: every token, weight 1
             out = out + self.expert(e, u)
+        if self.shared_gate is not None:                          # ... or the gate's σ(u·w)
+            out = out * torch.sigmoid(self.shared_gate(u))
         for e in range(self.n_routed):
             token, slot = (chosen == e).nonzero(as_tuple=True)    # the tokens that picked expert e
             y = self.expert(self.n_shared + e, u[token]) * weights[token, slot, None]

@@ -14,6 +14,7 @@ from model.layers import BLOCKS, MLPS, NORMS
 from model.moe import MOE_EXPERTS, MOE_ROUTERS
 from model.mechanisms import MECHANISMS, NOT_MECHANISMS, Mechanism, entry_problems, names_used
 from model.positions import POSITION_ENCODINGS
+import model.partial_rope  # noqa: F401  (registers rope_partial among the positions)
 from model.rope_scaling import ROPE_SCALINGS
 from model.readout import READOUTS
 
@@ -137,8 +138,8 @@ def check(config: ModelConfig) -> None:
     if config.mlp_hidden and not MLPS[config.mlp].has_weights:
         raise ModelError(f"model.mlp_hidden={config.mlp_hidden} sets the width of an MLP, and "
                          f"model.mlp={config.mlp} has none; leave it 0 with it")
-    for fields_of_a_part in (check_experts, check_selection, check_latent):
-        fields_of_a_part(config)
+    for part in (check_experts, check_selection, check_latent, check_card_parts):
+        part(config)
     readout = READOUTS[config.readout]
     if not readout.plain:
         if config.tie_embeddings and not readout.shares_embedding:
@@ -213,6 +214,8 @@ def check_gemma_parts(config: ModelConfig) -> None:
     if config.qk_norm_weight or config.score_scale:
         for name in names_used(config):
             layer = MECHANISMS[name].layer
+            if not MECHANISMS[name].takes_qk_norm:     # QK-norm is not its, so neither are these
+                continue
             if not (isinstance(layer, type) and issubclass(layer, MultiHeadAttention)
                     and layer.normalise is MultiHeadAttention.normalise):
                 raise ModelError(f"model.mechanism={name} normalises its queries and keys its "
@@ -263,6 +266,12 @@ def check_mechanisms(config: ModelConfig) -> None:
         raise ModelError(f"model.mechanism={config.mechanism} has no key and value heads to "
                          f"share, so model.n_kv_head={config.n_kv_head} would change nothing; "
                          "leave it at 0 with it")
+    if config.qk_norm and not any(MECHANISMS[n].takes_qk_norm for n in used):
+        # A hybrid's softmax layers take it (Qwen3-Next's); layers that form or bound their
+        # queries and keys their own way keep doing so beside them.
+        raise ModelError(f"model.mechanism={config.mechanism} does not scale its queries and "
+                         "keys by model.qk_norm (its entry says takes_qk_norm=False: it forms or "
+                         "bounds them its own way): set model.qk_norm=false with it")
     for name in used:
         m = MECHANISMS[name]
         if config.head_dim % m.head_multiple:
@@ -273,10 +282,6 @@ def check_mechanisms(config: ModelConfig) -> None:
             others = ", ".join(n for n, p in POSITION_ENCODINGS.items() if not p.biases_scores)
             raise ModelError(f"model.mechanism={name} has no place for model.position="
                              f"{config.position}'s per-head score bias; use one of {others}")
-        if config.qk_norm and not m.takes_qk_norm:
-            raise ModelError(f"model.mechanism={name} does not scale its queries and keys by "
-                             "model.qk_norm (its entry says takes_qk_norm=False: it forms or "
-                             "bounds them its own way): set model.qk_norm=false with it")
         if config.value_embeds and not m.takes_value_embed:
             raise ModelError(f"model.mechanism={name} rebuilds its values from what it caches, "
                              "with no place for a per-token value vector: set "
@@ -297,7 +302,38 @@ def check_mechanisms(config: ModelConfig) -> None:
 
 MOE_FIELDS = ("moe_experts", "moe_shared", "moe_top_k", "moe_hidden", "moe_bias_rate",
               "moe_router", "moe_expert", "moe_routed_scale", "moe_groups", "moe_group_top",
-              "moe_dense_layers")
+              "moe_dense_layers", "moe_shared_gate")
+
+
+def check_card_parts(config: ModelConfig) -> None:
+    """model.delta_conv sizes a delta-rule layer's short convolution, model.mla_nope takes
+    latent attention's RoPE away, model.rope_dims is the part of each head rope_partial
+    turns, model.moe_shared_gate gates shared experts: with none such to act on, each
+    would change nothing."""
+    if not any(getattr(MECHANISMS[n].layer, "takes_short_conv", False) for n in names_used(config)):
+        refuse_unused(config, ("delta_conv",), "sizes a delta-rule layer's short convolution",
+                      f"model.mechanism={config.mechanism}", "model.mechanism=gated_deltanet")
+    if not any(getattr(MECHANISMS[n].layer, "has_latent", False) for n in names_used(config)):
+        refuse_unused(config, ("mla_nope",), "takes the positions out of latent attention",
+                      f"model.mechanism={config.mechanism}", "model.mechanism=mla")
+    partial = POSITION_ENCODINGS[config.position] is POSITION_ENCODINGS["rope_partial"]
+    if not partial:
+        refuse_unused(config, ("rope_dims",), "sets how much of each head RoPE turns",
+                      f"model.position={config.position}", "model.position=rope_partial")
+    else:
+        turned = config.rope_dims or config.head_dim // 4
+        if turned % 2 or turned > config.head_dim or not turned:
+            raise ModelError(f"model.position=rope_partial turns {turned} of each head's "
+                             f"{config.head_dim} dimensions, in pairs: give model.rope_dims an "
+                             f"even number from 2 to {config.head_dim}")
+        if ROPE_SCALINGS[config.rope_scaling].stretches:
+            raise ModelError(f"model.rope_scaling={config.rope_scaling} stretches the whole "
+                             "head's RoPE, and model.position=rope_partial turns part of it: "
+                             "use model.position=rope with it")
+    if config.moe_shared_gate and not config.moe_shared and getattr(
+            MLPS[config.mlp], "routes_tokens", False):
+        raise ModelError("model.moe_shared_gate gates the shared experts, and model.moe_shared=0 "
+                         "builds none: set model.moe_shared=1 with it, or leave it false")
 
 
 SPARSE_FIELDS = ("sparse_top_k", "indexer_heads", "indexer_dim")

@@ -14,8 +14,11 @@ CARDS = {
     "gpt-oss": (["sinks"] * 4, {"full_attention_every": 2, "mlp": "moe"}),
     "deepseek-v3": (["mla"] * 4, {"mlp": "moe", "moe_shared": 1, "mtp_depth": 1}),
     "deepseek-v3.2": (["mla_sparse"] * 4, {"mlp": "moe"}),
-    "qwen3-next": (["gated_deltanet"] * 3 + ["gated"], {"mlp": "moe", "moe_shared": 1}),
-    "kimi-linear": (["kda"] * 3 + ["mla"], {"mlp": "moe", "moe_shared": 1}),
+    "qwen3-next": (["gated_deltanet_norm"] * 3 + ["gated"],
+                   {"mlp": "moe", "moe_shared": 1, "delta_conv": 4, "position": "rope_partial",
+                    "norm": "rmsnorm1p", "moe_router": "softmax", "moe_shared_gate": True}),
+    "kimi-linear": (["kda"] * 3 + ["mla"], {"mlp": "moe", "moe_shared": 1, "delta_conv": 4,
+                                            "mla_nope": True, "moe_routed_scale": 2.5}),
 }
 
 

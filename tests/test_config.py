@@ -112,7 +112,8 @@ def test_help_lists_every_field_with_its_choices_and_default():
     for section, cls in config.SECTIONS.items():
         for f in fields(cls):
             assert f"--{section}.{f.name} VALUE" in text or f"--{section}.{f.name} [VALUE]" in text
-    assert "position encoding {none, sinusoidal, learned, rope, alibi} (default: 'rope')" in text
+    assert ("position encoding {none, sinusoidal, learned, rope, alibi, rope_partial} "
+            "(default: 'rope')") in text
     assert "{disabled, offline, online} (default: 'disabled')" in text
 
 

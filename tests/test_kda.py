@@ -180,8 +180,9 @@ def test_with_one_decay_across_a_heads_channels_it_is_gated_deltanet():
 
 # -- transformers' own KimiLinear pieces ---------------------------------------------------
 # transformers' KDA layer (KimiLinearDeltaAttention) runs on a CPU through its PyTorch
-# fallbacks, but it puts q, k and v all through a short convolution and SiLU (v too, which
-# this layer leaves to model.token_mix), so it is compared piece by piece: the rule (its
+# fallbacks, and puts q, k and v all through a short convolution and SiLU, which this layer
+# builds only with model.delta_conv (the whole layer with it: tests/test_kimi_linear.py);
+# without it the layer is compared piece by piece: the rule (its
 # chunked and recurrent forms), the decay (KimiLinearForgetGate) and the output norm and
 # gate (KimiLinearRMSNormGated), each with this layer's weights. The pieces cast to fp32
 # inside, so they agree to fp32's rounding.

@@ -117,6 +117,7 @@ def test_both_caches_hold_what_the_entry_says(name):
 D = 16
 PAPER_COUNTS = {"linear": (0, 2 * (D ** 2 + D)), "deltanet": (0, 2 * D ** 2),
                 "gated_deltanet": (0, 2 * D ** 2), "mla": (4 * D + D // 2, 0),
+                "gated_deltanet_norm": (0, 2 * D ** 2),   # its paper's whole layer: the same state
                 "kda": (0, 2 * D ** 2),           # Kimi Linear: one d_k x d_v state a head
                 "mha": (2 * 2 * D, 0), "differential": (2 * 2 * D, 0),
                 "sigmoid": (2 * 2 * D, 0),     # the keys and values it scores, as mha's
