@@ -73,7 +73,9 @@ def at_default(*names: str) -> dict:
 # SwiGLU's shared out among the experts a token uses, so the dense row does the same
 # multiply-adds a token with fewer weights.
 NO_EXPERTS = {"mlp": "swiglu", **at_default("moe_experts", "moe_top_k", "moe_shared",
-                                            "moe_router", "moe_expert", "moe_bias_rate")}
+                                            "moe_router", "moe_expert", "moe_bias_rate",
+                                            "moe_shared_gate", "moe_routed_scale", "moe_groups",
+                                            "moe_group_top", "moe_dense_layers")}
 NO_WINDOWS = at_default("sliding_window", "full_attention_every")
 
 # card -> piece -> (what the row keeps in its place, the model fields that switch it off)
@@ -84,19 +86,23 @@ PIECES = {
         "experts": ("a dense SwiGLU MLP", NO_EXPERTS),
     },
     "qwen3-next": {
-        "gate": ("the softmax layer ungated", {"mechanism": "gated_deltanet,gated_deltanet,"
-                                                            "gated_deltanet,mha"}),
-        "gated_deltanet": ("gated softmax attention in every layer", {"mechanism": "gated"}),
+        "gate": ("the softmax layer ungated", {"mechanism": "gated_deltanet_norm,"
+                                                            "gated_deltanet_norm,"
+                                                            "gated_deltanet_norm,mha"}),
+        "gated_deltanet": ("gated softmax attention in every layer",
+                           {"mechanism": "gated", **at_default("delta_conv")}),
         "experts": ("a dense SwiGLU MLP", NO_EXPERTS),
     },
     "deepseek-v3": {
-        "mla": ("multi-head attention, its keys and values cached", {"mechanism": "mha"}),
+        "mla": ("multi-head attention, its keys and values cached",
+                {"mechanism": "mha", **at_default("mla_q_rank")}),
         "experts": ("a dense SwiGLU MLP", NO_EXPERTS),
         "mtp": ("no multi-token prediction module", at_default("mtp_depth")),
     },
     "deepseek-v3.2": {
-        "indexer": ("multi-head attention over every key",
-                    {"mechanism": "mha", **at_default("sparse_top_k")}),
+        "indexer": ("latent attention over every key",
+                    {"mechanism": "mla", **at_default("sparse_top_k", "indexer_heads",
+                                                      "indexer_dim")}),
         "experts": ("a dense SwiGLU MLP", NO_EXPERTS),
     },
     "gemma3": {
@@ -106,8 +112,9 @@ PIECES = {
         "sandwich": ("a norm before each sublayer only", at_default("block")),
     },
     "kimi-linear": {
-        "kda": ("latent attention in every layer", {"mechanism": "mla"}),
-        "mla": ("the softmax layer plain multi-head attention", {"mechanism": "kda,kda,kda,mha"}),
+        "kda": ("latent attention in every layer", {"mechanism": "mla", **at_default("delta_conv")}),
+        "mla": ("the softmax layer plain multi-head attention",
+                {"mechanism": "kda,kda,kda,mha", **at_default("mla_nope")}),
         "experts": ("a dense SwiGLU MLP", NO_EXPERTS),
     },
 }
