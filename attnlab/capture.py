@@ -53,6 +53,7 @@ from contextlib import contextmanager
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 
 from attnlab.plotting import WEIGHT
 from common.errors import AttnlabError
@@ -196,11 +197,16 @@ def _piece_hooks(block, p: str, has, want, cache: dict):
                 cache[p + "sink"] = 1 - output[1].float().sum(-1)           # (B, H, T)
         out.append((attn, "post", sink))
     if "gate" in has:
-        def gate(module, args, output, H=attn.n_head):
+        def gate(module, args, H=attn.n_head):
+            # From the layer's input and W_G: the learner's gate (exercise 12) takes W_G as
+            # a matrix and never calls w_gate, so no hook on w_gate would see it.
             if want(p + "gate"):
-                B, T, C = output.shape                                      # x·W_G, before σ
-                cache[p + "gate"] = torch.sigmoid(output.float()).view(B, T, H, C // H).mean(-1)
-        out.append((attn.w_gate, "post", gate))
+                x = args[0]
+                B, T, C = x.shape
+                w, b = module.w_gate.weight.float(), module.w_gate.bias
+                opened = torch.sigmoid(F.linear(x.float(), w, None if b is None else b.float()))
+                cache[p + "gate"] = opened.view(B, T, H, C // H).mean(-1)
+        out.append((attn, "pre", gate))
     if "chosen" in has:
         def select(args, chosen, module=attn):
             index, visible = args[0], args[1]                               # (B, Tq, Tk), mask
@@ -228,6 +234,10 @@ def _piece_hooks(block, p: str, has, want, cache: dict):
             routed["last"] = result                                         # (N, k) each
 
         def mlp_post(module, args, output):
+            if "last" not in routed:
+                # The learner's moe_layer (exercise 11) routes inside itself; the project's
+                # router, which the checker found it equal to, names the same experts.
+                module.route(args[0].reshape(-1, args[0].shape[-1]))
             weights, chosen = routed.pop("last")
             B, T = args[0].shape[:2]
             order = weights.argsort(dim=-1, descending=True, stable=True)   # heaviest first

@@ -125,7 +125,10 @@ def switched_off(model, layer: int, piece: str, expert: int | None = None):
                 object.__setattr__(block.attn, "dense_warmup", own)
         return
     if piece == "gate":
-        hooks = [(block.attn.w_gate, "post", lambda m, a, out: torch.full_like(out, float("inf")))]
+        # W_O of the heads' outputs alone: σ = 1 everywhere. Through the layer's output
+        # method, which the learner's gate (exercise 12) replaces, not its w_gate, which
+        # the learner's code never calls.
+        hooks = [(block.attn, "method:output", lambda args, result, attn=block.attn: attn.w_o(args[1]))]
     else:
         mlp = block.mlp
         if expert is None or not 0 <= expert < mlp.n_routed:

@@ -218,19 +218,25 @@ def plan_steps(rates: dict[str, float], seconds: float) -> dict[str, int]:
     return {name: max(1, round(seconds * rate)) for name, rate in rates.items()}
 
 
-def read_plan(path: Path, rows: list[Row]) -> tuple[float, int, dict[str, float], dict[str, int]]:
+def read_plan(path: Path, rows: list[Row], quick: bool) -> tuple[float, int, dict[str, float], dict[str, int]]:
     """(seconds, threads, steps/s, steps) of a plan.json an earlier run wrote: the steps and
     the threads are used as they are, so the runs compute what that run's did (a sum split
-    over another number of threads rounds differently)."""
+    over another number of threads rounds differently); a --quick plan only with --quick,
+    whose evaluations and MQAR are smaller."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         seconds, threads = float(data["seconds"]), int(data["threads"])
+        was_quick = bool(data.get("quick", False))
         rates = {name: float(r["steps_per_s"]) for name, r in data["rows"].items()}
         steps = {name: r["steps"] for name, r in data["rows"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise AttnlabError(f"--plan {path}: not a plan this script wrote ({err}); give the "
                            "plan.json a run of bench/cards.py wrote, or leave --plan out to "
                            "time each row again") from None
+    if was_quick != quick:
+        raise AttnlabError(f"--plan {path} was written by a run {'with' if was_quick else 'without'} "
+                           f"--quick, which sizes the evaluations and MQAR too: give --plan "
+                           f"{'with' if was_quick else 'without'} --quick to compute what it did")
     bad = [n for n, v in steps.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1]
     missing = [r.name for r in rows if r.name not in steps]
     if bad or missing:
@@ -240,10 +246,11 @@ def read_plan(path: Path, rows: list[Row]) -> tuple[float, int, dict[str, float]
     return seconds, threads, rates, steps
 
 
-def write_plan(path: Path, s: Settings, threads: int, rates: dict, steps: dict) -> None:
+def write_plan(path: Path, s: Settings, threads: int, rates: dict, steps: dict,
+               quick: bool = False) -> None:
     rows = {n: {"steps_per_s": rates[n], "steps": steps[n]} for n in steps}
-    write_text_atomic(path, json.dumps({"seconds": s.seconds, "threads": threads, "rows": rows},
-                                       indent=1) + "\n")
+    write_text_atomic(path, json.dumps({"seconds": s.seconds, "threads": threads, "quick": quick,
+                                        "rows": rows}, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------- the measurements
@@ -373,7 +380,7 @@ def settings_of(args) -> Settings:
     if args.plan and (args.seconds is not None or args.threads is not None):
         raise AttnlabError("--plan brings its own seconds and threads: leave --seconds and "
                            "--threads out, or leave --plan out to plan again")
-    args.threads = args.threads or 1
+    args.threads = 1 if args.threads is None else args.threads
     s.frontier_sizes = replace(s.frontier_sizes, threads=args.threads)
     if args.seconds is not None:
         if not 0 < args.seconds <= 24 * 3600:
@@ -392,7 +399,7 @@ def main(argv=None) -> int:
     for row in rows:
         check(row)
     if args.plan:
-        s.seconds, args.threads, rates, steps = read_plan(args.plan, rows)
+        s.seconds, args.threads, rates, steps = read_plan(args.plan, rows, args.quick)
         s.frontier_sizes = replace(s.frontier_sizes, threads=args.threads)
     use_threads(args.threads, os.environ)          # train.py's too
     print(machine_line(args.threads))
@@ -403,7 +410,8 @@ def main(argv=None) -> int:
     else:
         rates = probe(rows, s)
         steps = plan_steps(rates, s.seconds)
-    write_plan(out / "plan.json", s, args.threads, rates, {r.name: steps[r.name] for r in rows})
+    write_plan(out / "plan.json", s, args.threads, rates, {r.name: steps[r.name] for r in rows},
+               args.quick)
     for row in rows:
         print(f"plan: {row.name}: {rates[row.name]:.2f} steps/s -> {steps[row.name]} steps "
               f"(python train.py --config {row.preset} {' '.join(row.options())} "

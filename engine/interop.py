@@ -689,7 +689,11 @@ def read_run_tokenizer(ckpt: Path, cfg: ModelConfig) -> Tokenizer:
             raise ValueError(f"leads outside {ckpt}")
         data = read_bounded(found, tokenizer_limit(cfg.vocab_size))
     except (OSError, ValueError) as err:
-        raise TokenizerError(f"tokenizer file {path} {getattr(err, 'strerror', None) or err}; "
+        if isinstance(err, FileNotFoundError) and not ckpt.exists():
+            raise TokenizerError(f"checkpoint {ckpt} was removed while it was read (a run that is "
+                                 "still training keeps only its newest checkpoints): run the "
+                                 "command again") from None
+        raise TokenizerError(f"tokenizer file {path}: {getattr(err, 'strerror', None) or err}; "
                              f"the checkpoint is incomplete or edited: {use_another(ckpt)}") from None
     return checked_tokenizer(data, path, cfg)
 

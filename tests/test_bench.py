@@ -208,7 +208,21 @@ def test_cards_refuse_a_plan_without_the_rows_asked_for(tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text('{"seconds": 5, "threads": 1, "rows": {"cpu": {"steps_per_s": 1.0, "steps": 5}}}')
     with pytest.raises(Exception, match="no steps for gemma3"):
-        cards.read_plan(plan, cards.rows_of(["gemma3"]))
+        cards.read_plan(plan, cards.rows_of(["gemma3"]), False)
     plan.write_text('{"seconds": 5, "threads": 1, "rows": {"cpu": {"steps_per_s": 1.0, "steps": 2.5}}}')
     with pytest.raises(Exception, match="no whole number of steps for cpu"):
-        cards.read_plan(plan, cards.rows_of([]))
+        cards.read_plan(plan, cards.rows_of([]), False)
+    # A --quick plan evaluates and runs MQAR smaller: replayed without --quick it would not
+    # compute what it did, so it is refused, and the other way round.
+    plan.write_text('{"seconds": 5, "threads": 1, "quick": true, "rows": {"cpu": {"steps_per_s": 1.0, "steps": 5}}}')
+    with pytest.raises(Exception, match="written by a run with --quick"):
+        cards.read_plan(plan, cards.rows_of([]), False)
+    assert cards.read_plan(plan, cards.rows_of([]), True)[3] == {"cpu": 5}
+    plan.write_text('{"seconds": 5, "threads": 1, "rows": {"cpu": {"steps_per_s": 1.0, "steps": 5}}}')
+    with pytest.raises(Exception, match="written by a run without --quick"):
+        cards.read_plan(plan, cards.rows_of([]), True)
+
+
+def test_cards_refuse_no_threads():
+    with pytest.raises(Exception, match="--threads 0: give 1 to"):
+        cards_script().main(["--quick", "--threads", "0"])

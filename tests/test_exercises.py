@@ -1175,3 +1175,40 @@ def test_training_the_qwen3_next_card_with_your_gate_matches_the_card(corpus, tm
     a, b = step_losses(tmp_path / "runs" / "yours"), step_losses(tmp_path / "runs" / "card")
     assert len(a) == len(b) == 24 and a == pytest.approx(b, rel=1e-4, abs=1e-5)
     assert a[-1] < a[0] - 0.3
+
+
+def test_the_views_read_the_learners_gate_and_routing_as_the_cards_own(tmp_path):
+    """heads gates, experts and lens pieces on a model whose gate (exercise 12) and routing
+    (exercise 11) are the learner's: the same numbers as the project's layers with the same
+    weights give, though the learner's code never calls w_gate or route itself."""
+    from attnlab.capture import run_with_cache
+    from attnlab.exercises import plug
+    from attnlab.lens import piece_ablation
+    from model import GPT, ModelConfig
+    mine = tmp_path / "mine"
+    write(mine, BY_NAME["gate"], CORRECT["gate"])
+    write(mine, BY_NAME["top_k_routing"], CORRECT["top_k_routing"])
+    plug.install()
+    sizes = dict(vocab_size=20, n_layer=2, n_head=2, n_embd=16, block_size=16, mlp="moe",
+                 moe_experts=4, moe_top_k=2, moe_shared=1, moe_router="softmax_topk",
+                 moe_bias_rate=0.0)
+    yours_cfg = ModelConfig(**sizes, mechanism="mha,yours_gated")
+    plug.prepare(yours_cfg, mine)
+    yours_cfg = ModelConfig(**{**vars(yours_cfg), "mlp": "yours"})
+    plug.prepare(yours_cfg, mine)
+    torch.manual_seed(0)
+    project = GPT(ModelConfig(**sizes, mechanism="mha,gated")).double().eval()
+    yours = GPT(yours_cfg).double().eval()
+    yours.load_state_dict(project.state_dict())
+    ids = torch.randint(0, 20, (1, 12), generator=torch.Generator().manual_seed(1))
+    names = ["blocks.1.gate", "blocks.0.experts", "blocks.1.expert_weights"]
+    _, want = run_with_cache(project, ids, only=names)
+    _, got = run_with_cache(yours, ids, only=names)
+    for name in names:
+        assert torch.allclose(got[name].double(), want[name].double(), atol=1e-12), name
+    assert 0 < want["blocks.1.gate"].min() and want["blocks.1.gate"].max() < 1
+    base_y, changes_y, _, experts_y = piece_ablation(yours, ids)
+    base_p, changes_p, _, experts_p = piece_ablation(project, ids)
+    assert abs(changes_p[1, "gate"]) > 1e-6                   # holding it open moves the loss
+    assert changes_y[1, "gate"] == pytest.approx(changes_p[1, "gate"], abs=1e-9)
+    assert torch.allclose(experts_y, experts_p, atol=1e-9)

@@ -363,3 +363,27 @@ def test_a_resume_names_the_checkpoint_whose_config_it_cannot_read(tiny_run, tmp
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
     assert "config.json is an unreadable config" in errors[0] and str(copy) in errors[0]
+
+
+def test_a_checkpoint_removed_while_read_is_said_to_be_so_not_damaged(tmp_path, monkeypatch):
+    """A tool reading a run that is still training can find the checkpoint it chose gone
+    (the trainer keeps only its newest): it says so and to run again, not that the
+    checkpoint is damaged."""
+    from engine import interop
+    from model import ModelConfig
+    ckpt = tmp_path / "run" / "checkpoints" / "step_0000020"
+    ckpt.mkdir(parents=True)
+    (ckpt / "tokenizer.json").write_text("{}")
+    real = interop.read_bounded
+
+    def gone(path, limit):
+        shutil.rmtree(ckpt)                       # the trainer removes it meanwhile
+        return real(path, limit)
+    monkeypatch.setattr(interop, "read_bounded", gone)
+    with pytest.raises(AttnlabError, match=r"was removed while it was read .*: run the command again"):
+        interop.read_run_tokenizer(ckpt, ModelConfig(vocab_size=65))
+    ckpt.mkdir(parents=True)
+    monkeypatch.setattr(interop, "read_bounded", lambda path, limit: (_ for _ in ()).throw(
+        PermissionError(13, "Permission denied")))
+    with pytest.raises(AttnlabError, match=r"tokenizer file .*: Permission denied; the checkpoint is"):
+        interop.read_run_tokenizer(ckpt, ModelConfig(vocab_size=65))
