@@ -197,16 +197,8 @@ def _piece_hooks(block, p: str, has, want, cache: dict):
                 cache[p + "sink"] = 1 - output[1].float().sum(-1)           # (B, H, T)
         out.append((attn, "post", sink))
     if "gate" in has:
-        def gate(module, args, H=attn.n_head):
-            # From the layer's input and W_G: the learner's gate (exercise 12) takes W_G as
-            # a matrix and never calls w_gate, so no hook on w_gate would see it.
-            if want(p + "gate"):
-                x = args[0]
-                B, T, C = x.shape
-                w, b = module.w_gate.weight.float(), module.w_gate.bias
-                opened = torch.sigmoid(F.linear(x.float(), w, None if b is None else b.float()))
-                cache[p + "gate"] = opened.view(B, T, H, C // H).mean(-1)
-        out.append((attn, "pre", gate))
+        out.append((attn, "pre", lambda module, args: want(p + "gate") and cache.update(
+            {p + "gate": gate_openness(module, args[0])})))
     if "chosen" in has:
         def select(args, chosen, module=attn):
             index, visible = args[0], args[1]                               # (B, Tq, Tk), mask
@@ -247,6 +239,16 @@ def _piece_hooks(block, p: str, has, want, cache: dict):
                 cache[p + "expert_weights"] = weights.gather(-1, order).float().view(B, T, -1)
         out += [(block.mlp, "method:route", route), (block.mlp, "post", mlp_post)]
     return out
+
+
+def gate_openness(attn, x: torch.Tensor) -> torch.Tensor:
+    """Each head's mean σ(x·W_G), (B, T, H), from the layer's input and W_G: the learner's
+    gate (exercise 12) takes W_G as a matrix and never calls w_gate, so no hook on w_gate
+    would see it."""
+    B, T, C = x.shape
+    w, b = attn.w_gate.weight.float(), attn.w_gate.bias
+    opened = torch.sigmoid(F.linear(x.float(), w, None if b is None else b.float()))
+    return opened.view(B, T, attn.n_head, C // attn.n_head).mean(-1)
 
 
 @contextmanager

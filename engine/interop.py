@@ -693,7 +693,8 @@ def read_run_tokenizer(ckpt: Path, cfg: ModelConfig) -> Tokenizer:
             raise TokenizerError(f"checkpoint {ckpt} was removed while it was read (a run that is "
                                  "still training keeps only its newest checkpoints): run the "
                                  "command again") from None
-        raise TokenizerError(f"tokenizer file {path}: {getattr(err, 'strerror', None) or err}; "
+        said = f": {err.strerror}" if getattr(err, "strerror", None) else f" {err}"
+        raise TokenizerError(f"tokenizer file {path}{said}; "
                              f"the checkpoint is incomplete or edited: {use_another(ckpt)}") from None
     return checked_tokenizer(data, path, cfg)
 

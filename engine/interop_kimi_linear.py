@@ -72,6 +72,15 @@ def _blockers(cfg: ModelConfig) -> list[str]:
             out.append("model.moe_shared=0 (Kimi Linear has shared experts: needs 1)")
         if cfg.moe_shared_gate:
             out.append("model.moe_shared_gate=true (Kimi Linear's shared experts are not gated)")
+        if cfg.moe_groups > 1:
+            out.append(f"model.moe_groups={cfg.moe_groups} (Kimi Linear's router picks among "
+                       "every expert: needs 1)")
+        if cfg.moe_dense_layers:
+            out.append(f"model.moe_dense_layers={cfg.moe_dense_layers} (every Kimi Linear layer "
+                       "here has experts: needs 0)")
+    if cfg.mla_q_rank:
+        out.append(f"model.mla_q_rank={cfg.mla_q_rank} (Kimi Linear's latent layers project "
+                   "their queries at full rank: needs 0)")
     return out
 
 
@@ -83,7 +92,9 @@ def _to_config(cfg: ModelConfig) -> dict:
             "max_position_embeddings": cfg.block_size, "kv_lora_rank": rank, "q_lora_rank": None,
             "qk_rope_head_dim": rope_dim, "qk_nope_head_dim": D, "v_head_dim": D,
             "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-            "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
+            # KimiLinearForCausalLM never ties its head to the embedding (it builds its own
+            # lm_head), so a tied model is written with the shared matrix in both places.
+            "tie_word_embeddings": False, "attention_bias": False,
             "attention_dropout": 0.0, "layer_types": layer_types(cfg),
             "mlp_layer_types": ["sparse"] * cfg.n_layer, "intermediate_size": width,
             "moe_intermediate_size": width, "num_local_experts": cfg.moe_experts,
@@ -234,8 +245,7 @@ def _to_hf(sd: dict, cfg: ModelConfig) -> dict:
         out[moe + "shared_experts.gate_proj.weight"] = gates.reshape(-1, C)
         out[moe + "shared_experts.up_proj.weight"] = ups.reshape(-1, C)
         out[moe + "shared_experts.down_proj.weight"] = torch.cat(proj[:S].unbind(0), dim=1)
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = sd["lm_head.weight"]
+    out["lm_head.weight"] = sd["wte.weight" if cfg.tie_embeddings else "lm_head.weight"]
     return out
 
 
@@ -275,5 +285,6 @@ def _from_hf(get, cfg: ModelConfig) -> dict:
 
 
 KIMI_LINEAR = Architecture("kimi_linear", "KimiLinearForCausalLM", _blockers, _to_config,
-                           _from_config, _to_hf, _from_hf, SCHEMA, "model.")
+                           _from_config, _to_hf, _from_hf, SCHEMA, "model.",
+                           ignored=(r"rotary_emb\.inv_freq$",))   # buffers older files kept
 ARCHITECTURES["kimi_linear"] = KIMI_LINEAR

@@ -75,18 +75,27 @@ class LatentSparseAttention(LatentAttention):
         visible = mask.dense if mask.dense.dim() == 4 else mask.dense[None, None]
         chosen = self.select(index, visible, mask.k_pos)             # (B, 1, Tq, k)
         seen = visible.expand(B, 1, T, visible.shape[-1]).gather(-1, chosen)
-        keep = torch.zeros(B, 1, T, index.shape[-1], dtype=torch.bool,
-                           device=x.device).scatter(-1, chosen, seen)
         k, v = self.keys_values(state)                               # (B, H, Tk, D + R), (B, H, Tk, D)
-        scores = at_least_fp32(q @ k.transpose(-2, -1)) / math.sqrt(D + R)
-        # exp(-inf) = 0: a key not chosen (or not visible) gets exactly no weight.
-        weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1).to(q.dtype)
-        dropped = F.dropout(weights, self.dropout) if self.training and self.dropout else weights
-        y = (dropped @ v).transpose(1, 2).reshape(B, T, H * D)       # heads side by side
+        out, weights = self.masked(q, k, v, mask, chosen, seen)
+        y = out.transpose(1, 2).reshape(B, T, H * D)                 # heads side by side
         at_chosen = weights.gather(-1, chosen.expand(B, H, T, chosen.shape[-1]))
         self.aux_loss = (self.indexer_loss(index, at_chosen, chosen, seen)
                          if self.training and torch.is_grad_enabled() else None)
         return self.resid_dropout(self.w_o(y)), (weights if need_weights else None)
+
+    def scaled(self, scores, mask: Mask, chosen=None):
+        """Scores over √(d_h + d_R), the length of q and k (latent attention has no ALiBi)."""
+        return at_least_fp32(scores) / math.sqrt(self.head_dim + self.rope_dim)
+
+    def masked(self, q, k, v, mask: Mask, chosen, seen):
+        """(out (B, H, Tq, D), weights): the softmax over the chosen keys, as the article's
+        formula over every key with the rest hidden."""
+        scores = self.scaled(q @ k.transpose(-2, -1), mask)          # (B, H, Tq, Tk)
+        keep = torch.zeros_like(scores[:, :1], dtype=torch.bool).scatter(-1, chosen, seen)
+        # exp(-inf) = 0: a key not chosen (or not visible) gets exactly no weight.
+        weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1).to(q.dtype)
+        dropped = F.dropout(weights, self.dropout) if self.training and self.dropout else weights
+        return dropped @ v, weights
 
     def queries(self, x):
         """The query latent c_q the indexer reads, and the main queries made from it; with

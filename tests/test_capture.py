@@ -298,3 +298,18 @@ def test_a_piece_is_read_only_where_a_layer_has_it_and_no_wrapper_is_left():
     torch.testing.assert_close(logits, model(TOKENS).logits, atol=1e-6, rtol=0)
     plain = model_for()
     assert not any(n.split(".")[-1] in ("sink", "gate", "chosen", "experts") for n in names(plain))
+
+
+def test_latent_sparse_attention_shows_its_chosen_keys_against_its_full_attention():
+    """DeepSeek-V3.2's indexer on latent attention (mla_sparse): the layer's weights fall on
+    the chosen keys only, and there they are full attention's weights renormalised over the
+    chosen: a full_pattern scaled otherwise than the layer (not by √(d_h + d_R)) fails."""
+    model = model_for(mechanism="mla_sparse", sparse_top_k=3, indexer_heads=2)
+    _, cache = run_with_cache(model, TOKENS)
+    for layer in range(len(model.blocks)):
+        p = f"blocks.{layer}."
+        chosen, full, pattern = (cache[p + n].double() for n in ("chosen", "full_pattern", "pattern"))
+        assert chosen.sum(-1).max() <= 3 and (pattern * ~chosen.bool()[:, None]).abs().max() == 0
+        torch.testing.assert_close(full.sum(-1), torch.ones_like(full.sum(-1)), atol=1e-6, rtol=0)
+        kept = full * chosen[:, None]
+        torch.testing.assert_close(kept / kept.sum(-1, keepdim=True), pattern, atol=1e-5, rtol=0)

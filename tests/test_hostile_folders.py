@@ -51,6 +51,13 @@ VARIANTS = {
     "deepseek_v32": dict(mechanism="mla_sparse", mla_q_rank=8, sparse_top_k=16, indexer_heads=2,
                          norm="rmsnorm", norm_eps=1e-6, mlp="moe", moe_experts=4, moe_top_k=2,
                          moe_shared=1, tie_embeddings=False),
+    "qwen3_next": dict(mechanism="gated_deltanet_norm,gated", delta_conv=4, position="rope_partial",
+                       norm="rmsnorm1p", qk_norm=True, qk_norm_weight=True, mlp="moe",
+                       moe_experts=4, moe_top_k=2, moe_shared=1, moe_router="softmax",
+                       moe_shared_gate=True, moe_bias_rate=0.0, tie_embeddings=False),
+    "kimi_linear": dict(mechanism="kda,mla", delta_conv=4, mla_nope=True, position="none",
+                        norm="rmsnorm", norm_eps=1e-6, mlp="moe", moe_experts=4, moe_top_k=2,
+                        moe_shared=1, tie_embeddings=False),
 }
 
 
@@ -460,10 +467,13 @@ BUFFERS = {"gpt2": "transformer.h.0.attn.bias", "llama": "model.layers.0.self_at
            "gpt_oss": "model.layers.0.self_attn.rotary_emb.inv_freq",
            "gemma3_text": "model.layers.0.self_attn.rotary_emb.inv_freq",
            "deepseek_v3": "model.layers.0.self_attn.rotary_emb.inv_freq",
-           "deepseek_v32": "model.layers.0.self_attn.rotary_emb.inv_freq"}
+           "deepseek_v32": "model.layers.0.self_attn.rotary_emb.inv_freq",
+           "qwen3_next": "model.layers.1.self_attn.rotary_emb.inv_freq",
+           "kimi_linear": "model.layers.1.self_attn.rotary_emb.inv_freq"}
 HEAD = {"gpt2": "lm_head.weight", "llama": "lm_head.weight", "mistral": "lm_head.weight",
         "gpt_neox": "embed_out.weight", "gpt_oss": "lm_head.weight", "gemma3_text": "lm_head.weight",
-        "deepseek_v3": "lm_head.weight", "deepseek_v32": "lm_head.weight"}
+        "deepseek_v3": "lm_head.weight", "deepseek_v32": "lm_head.weight",
+        "qwen3_next": "lm_head.weight", "kimi_linear": "lm_head.weight"}
 
 @pytest.mark.parametrize("arch", DECODERS)
 def test_a_sound_folder_loads_with_its_logits_in_every_form(arch, tmp_path, tok_json):

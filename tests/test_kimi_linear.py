@@ -145,9 +145,12 @@ def test_a_kimi_linear_folder_imports_with_equal_logits_in_float64(hf_folder, in
                                    atol=1e-9, rtol=0)
 
 
+@pytest.mark.parametrize("tied", [False, True])
 def test_our_kimi_linear_exports_to_a_folder_transformers_loads_with_equal_logits(
-        tmp_path, in_float64):
-    cfg = card()
+        tmp_path, in_float64, tied):
+    # KimiLinearForCausalLM builds its own lm_head whatever tie_word_embeddings says: a tied
+    # model (the preset's) is written with the matrix in both places, untied.
+    cfg = card(tie_embeddings=tied)
     torch.manual_seed(1)
     ours = drawn(GPT(cfg)).double().eval()      # our own weights, every one off its init
     assert export(ours, cfg, CHARS, tmp_path / "out").hf_class == "KimiLinearForCausalLM"
@@ -161,7 +164,7 @@ def test_our_kimi_linear_exports_to_a_folder_transformers_loads_with_equal_logit
     with torch.no_grad():            # the export is float32: our model rounded to it
         rounded = ours.float().double()
         torch.testing.assert_close(hf.eval()(x).logits, rounded(x).logits, atol=1e-9, rtol=0)
-    assert load_hf_folder(tmp_path / "out")[1] == cfg
+    assert load_hf_folder(tmp_path / "out")[1] == replace(cfg, tie_embeddings=False)
 
 
 def test_untouched_transformers_agrees_in_float32(hf_folder, tmp_path):
@@ -208,6 +211,9 @@ def test_what_the_model_cannot_hold_is_refused_in_one_line_naming_the_field(tmp_
     (dict(mla_nope=False), "model.mla_nope=false"),
     (dict(norm_eps=1e-5), "model.norm_eps=1e-05"),
     (dict(moe_router="softmax"), "model.moe_router=softmax (needs sigmoid)"),
+    (dict(moe_groups=2, moe_group_top=1), "model.moe_groups=2 (Kimi Linear's router picks among"),
+    (dict(moe_dense_layers=1, mlp_hidden=64), "model.moe_dense_layers=1 (every Kimi Linear layer"),
+    (dict(mla_q_rank=16), "model.mla_q_rank=16 (Kimi Linear's latent layers project"),
 ])
 def test_a_card_missing_one_piece_is_refused_naming_it(change, reason):
     with pytest.raises(ExportError) as err:

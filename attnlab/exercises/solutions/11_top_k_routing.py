@@ -11,6 +11,7 @@ def moe_layer(x, logits, experts, shared, k):
     every = [*shared, *experts]
     layer = SimpleNamespace(
         n_shared=len(shared), n_routed=len(experts), training=False, dropout=lambda t: t,
+        shared_gate=None,                    # gpt-oss's shared experts (if any) are not gated
         route=lambda u: MOE_ROUTERS["softmax_topk"].route(logits, None, k),
         expert=lambda e, u: every[e](u))
     return MixtureOfExperts.forward(layer, x)
