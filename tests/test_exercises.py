@@ -1212,3 +1212,15 @@ def test_the_views_read_the_learners_gate_and_routing_as_the_cards_own(tmp_path)
     assert abs(changes_p[1, "gate"]) > 1e-6                   # holding it open moves the loss
     assert changes_y[1, "gate"] == pytest.approx(changes_p[1, "gate"], abs=1e-9)
     assert torch.allclose(experts_y, experts_p, atol=1e-9)
+
+
+def test_a_row_scaled_up_by_its_sinks_share_is_named_as_the_numerator(tmp_path):
+    """exp(s_h) above the line, written otherwise than the checker's own variant (each row
+    scaled up by its sink's share, p: the keys' softmax times 1 + p): rows then sum to
+    more than 1, which names the numerator, not a missing sink."""
+    ex, line = BY_NAME["sinks"], "torch.softmax(both, dim=-1)[..., :-1]"
+    full = "torch.softmax(both, dim=-1)"
+    source = ALSO_CORRECT["sinks"].replace(
+        line, f"({full}[..., :-1] / (1 - {full}[..., -1:]) * (1 + {full}[..., -1:]))")
+    result = check(ex, write(tmp_path, ex, source))
+    assert result.status == "failed" and "into the numerator" in result.message, result.message

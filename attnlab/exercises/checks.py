@@ -507,9 +507,12 @@ def sink_generic(case, got, want, fn=None):
                 "scores as one more column and let torch.softmax take the row")
     if visible is not None and (weights.abs() * ~visible).max() > ATOL:
         return "hidden keys get weight: fill their scores with -inf before the softmax"
+    if (weights.sum(-1) > 1 + 1e-6).any():
+        return ("a row's weights over the keys sum to more than 1: exp(s_h) went above the "
+                "line too (into the numerator); it belongs in the denominator only")
     if (weights.sum(-1) > 1 - 1e-9).any():
-        return ("a row's weights over the keys sum to 1 or more: the sink takes a share of "
-                "every row, so the keys' weights sum to less than 1")
+        return ("a row's weights over the keys sum to 1: the sink is missing from the "
+                "denominator; it takes a share of every row, so the keys' weights sum to less")
     if not torch.allclose(out, weights @ case.args[2], rtol=RTOL, atol=ATOL):
         return "the output is not weights @ V: the weighted sum of the values (the sink has none)"
     return None
