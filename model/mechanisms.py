@@ -193,6 +193,11 @@ def entry_problems(entry: Mechanism) -> list[str]:
     return problems
 
 
+# The facts every fixed-state mechanism shares: a state, not a mask or scores, so no score
+# bias, no key/value heads, no model RoPE on its keys, no QK-norm and no attention kernel.
+RECURRENT = dict(follows_mask=False, takes_score_bias=False, takes_kv_heads=False,
+                 takes_rotary=False, takes_qk_norm=False, uses_kernel=False)
+
 MECHANISMS = {
     "mha": Mechanism(MultiHeadAttention, Cache("keys and values", keys_and_values)),
     # Two softmax maps subtracted (arXiv:2410.05258): the same keys and values are cached.
@@ -257,16 +262,14 @@ MECHANISMS = {
         LinearAttention, Cache("a fixed-size state S, z", lambda c: 0, linear_state),
         export_refusal="causal linear attention (arXiv:2006.16236) is in no transformers "
                        "architecture",
-        flops=linear_flops, follows_mask=False, takes_score_bias=False,
-        takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
+        flops=linear_flops, **RECURRENT),
     # The delta rule: a state corrected, not only added to, by each token.
     "deltanet": Mechanism(
         DeltaNet, Cache("a fixed-size state S", lambda c: 0, delta_state),
         no_weights="each token rewrites a d_k x d_k state, so no weight per earlier token "
                    "exists (arXiv:2406.06484)",
         export_refusal="DeltaNet (arXiv:2406.06484) is in no transformers architecture",
-        flops=delta_flops, follows_mask=False, takes_score_bias=False,
-        takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
+        flops=delta_flops, **RECURRENT),
     "gated_deltanet": Mechanism(
         GatedDeltaNet, Cache("a fixed-size state S", lambda c: 0, delta_state),
         no_weights="each token fades and rewrites a d_k x d_k state, so no weight per "
@@ -274,8 +277,7 @@ MECHANISMS = {
         export_refusal="Gated DeltaNet without its paper's output norm and gate "
                        "(arXiv:2412.06464) is in no transformers architecture; "
                        "model.mechanism=gated_deltanet_norm is Qwen3-Next's",
-        flops=delta_flops, follows_mask=False, takes_score_bias=False,
-        takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
+        flops=delta_flops, **RECURRENT),
     # Gated DeltaNet's whole layer: Mamba2's decay, the output RMS-normed and SiLU-gated.
     "gated_deltanet_norm": Mechanism(
         NormedGatedDeltaNet, Cache("a fixed-size state S", lambda c: 0, delta_state),
@@ -284,8 +286,7 @@ MECHANISMS = {
         export_refusal="Gated DeltaNet's whole layer (arXiv:2412.06464) comes in transformers "
                        "only inside Qwen3-Next, which needs the rest of its card too "
                        "(--config qwen3-next exports as Qwen3NextForCausalLM)",
-        flops=delta_flops, follows_mask=False, takes_score_bias=False,
-        takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
+        flops=delta_flops, **RECURRENT),
     # The gated delta rule with a decay per key channel (Kimi Linear): the same state, and
     # the same matrix products in its chunk (its fading per channel is elementwise).
     "kda": Mechanism(
@@ -295,8 +296,7 @@ MECHANISMS = {
         export_refusal="Kimi Delta Attention (arXiv:2510.26692) comes in transformers only "
                        "inside Kimi Linear, which needs the rest of its card too (--config "
                        "kimi-linear exports as KimiLinearForCausalLM)",
-        flops=delta_flops, score_maps=kda_maps, follows_mask=False, takes_score_bias=False,
-        takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
+        flops=delta_flops, score_maps=kda_maps, **RECURRENT),
 }
 
 
