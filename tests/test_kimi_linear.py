@@ -29,6 +29,7 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 warnings.filterwarnings("ignore", module="transformers")
 from transformers.models.kimi_linear import modeling_kimi_linear as theirs  # noqa: E402
+from card_checks import agrees_untouched_in_float32, decodes_as_its_full_pass  # noqa: E402
 
 CHARS = CharTokenizer("abcdefghijklmnopqrstuvwxyz .,\n")
 V = CHARS.vocab_size
@@ -168,27 +169,11 @@ def test_our_kimi_linear_exports_to_a_folder_transformers_loads_with_equal_logit
 
 
 def test_untouched_transformers_agrees_in_float32(hf_folder, tmp_path):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_folder).eval()
-    ours, cfg, tokenizer = load_hf_folder(hf_folder)
-    x = batch()
-    with torch.no_grad():
-        torch.testing.assert_close(ours(x).logits, hf(x).logits, atol=5e-5, rtol=0)
-    export(ours, cfg, tokenizer, tmp_path / "out")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(back).__name__ == "KimiLinearForCausalLM"
-    with torch.no_grad():
-        torch.testing.assert_close(back(x).logits, ours(x).logits, atol=5e-5, rtol=0)
+    agrees_untouched_in_float32(hf_folder, tmp_path / "out", batch(), "KimiLinearForCausalLM")
 
 
 def test_the_imported_model_decodes_from_its_cache_as_its_full_pass(hf_folder):
-    ours, _, _ = load_hf_folder(hf_folder, dtype=torch.float64)
-    x = batch()
-    with torch.no_grad():
-        full = ours(x).logits
-        cache = ours.new_cache(LENGTH)
-        steps = [ours(x[:, :5], cache=cache).logits]
-        steps += [ours(x[:, t:t + 1], cache=cache).logits for t in range(5, LENGTH)]
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-10, rtol=0)
+    decodes_as_its_full_pass(hf_folder, batch())
 
 
 @pytest.mark.parametrize("kw,field", [
