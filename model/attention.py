@@ -168,12 +168,11 @@ def eager_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: b
     # of d_k unit-variance terms has a spread of √d_k; unscaled, large scores would
     # push the softmax into a one-hot corner where its gradients vanish.
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(d_k)              # (B, H, Tq, Tk)
-    if mask.bias is not None:
+    if mask.bias_fn is not None:
         scores = scores + mask.bias                                   # ALiBi: farther is fainter
-    if not mask.sees_everything:
-        # Hidden keys get -inf before the softmax: exp(-inf) = 0, so their weight is
-        # exactly zero and no information flows from the future (or beyond the window).
-        scores = scores.masked_fill(~mask.dense, float("-inf"))
+    # Hidden keys get -inf before the softmax: exp(-inf) = 0, so their weight is exactly
+    # zero and no information flows from the future (or beyond the window).
+    scores = scores.masked_fill(~mask.dense, float("-inf"))
     # Softmax over the keys turns each row of scores into weights that sum to 1 (torch
     # computes a bf16 or fp16 softmax in fp32 inside and rounds once, so low-precision
     # rows still sum to 1 up to that rounding; ALiBi's fp32 bias makes fp32 weights).
