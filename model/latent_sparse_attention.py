@@ -78,10 +78,8 @@ class LatentSparseAttention(LatentAttention):
         visible = mask.dense if mask.dense.dim() == 4 else mask.dense[None, None]
         chosen = self.select(index, visible, mask.k_pos)             # (B, 1, Tq, k)
         seen = visible.expand(B, 1, T, visible.shape[-1]).gather(-1, chosen)
-        # A decoding step (few queries, a long cache) gathers its k latents; a whole sequence
-        # forms the masked T×T scores, where T gathers of k latents would copy more than it saves.
         k_len = state.latent.shape[1]
-        attend = self.gathered if T * chosen.shape[-1] < k_len else self.masked
+        attend = self.gathered if self.gathers(T, chosen.shape[-1], k_len) else self.rebuilt
         out, weights = attend(q_c, q_r, state, mask, chosen, seen)   # (B, H, T, D), (B, H, T, k)
         y = out.transpose(1, 2).reshape(B, T, H * D)                 # heads side by side
         self.aux_loss = (self.indexer_loss(index, weights, chosen, seen)
@@ -93,12 +91,23 @@ class LatentSparseAttention(LatentAttention):
         """Scores over √(d_h + d_R), the length of q and k (latent attention has no ALiBi)."""
         return at_least_fp32(scores) / math.sqrt(self.head_dim + self.rope_dim)
 
-    def masked(self, q_c, q_r, state: LatentState, mask: Mask, chosen, seen):
-        """(out (B, H, Tq, D), weights at the chosen keys (B, H, Tq, k)): the softmax over
-        the chosen keys, as the article's formula over every rebuilt key with the rest
-        hidden: a whole sequence, where one T×T product beats T gathers of k latents."""
-        q = torch.cat([q_c, q_r], dim=-1)                            # (B, H, Tq, D + R)
+    @staticmethod
+    def gathers(q_len: int, k: int, k_len: int) -> bool:
+        """Whether q_len queries over k_len keys read their k chosen latents alone: a decoding
+        step (few queries, a long cache) does; a whole sequence forms the masked T×T scores,
+        where T gathers of k latents would copy more than they save."""
+        return q_len * k < k_len
+
+    def rebuilt(self, q_c, q_r, state: LatentState, mask: Mask, chosen, seen):
+        """Every head's keys and values rebuilt from the latents (the up-projected form),
+        then the softmax over the chosen keys with the rest hidden (`masked`)."""
         k, v = self.keys_values(state)                               # (B, H, Tk, D + R), (B, H, Tk, D)
+        return self.masked(torch.cat([q_c, q_r], dim=-1), k, v, mask, chosen, seen)
+
+    def masked(self, q, k, v, mask: Mask, chosen, seen):
+        """(out (B, H, Tq, D), weights at the chosen keys (B, H, Tq, k)): the softmax over
+        the chosen keys, as the article's formula over every key with the rest hidden: a
+        whole sequence, where one T×T product beats T gathers of k latents."""
         scores = self.scaled(q @ k.transpose(-2, -1), mask)          # (B, H, Tq, Tk)
         keep = torch.zeros_like(scores[:, :1], dtype=torch.bool).scatter(-1, chosen, seen)
         # exp(-inf) = 0: a key not chosen (or not visible) gets exactly no weight.

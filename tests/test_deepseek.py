@@ -604,8 +604,9 @@ def test_a_gathered_decoding_step_gives_the_masked_steps_and_the_full_pass_logit
                         lambda self, *a: calls.append(a[2].latent.shape[1]) or gathered(self, *a))
     steps = decoded(model, x, prefill)
     assert sorted(set(calls)) == list(range(prefill + 1, x.shape[1] + 1))   # every step gathered
-    monkeypatch.setattr(LatentSparseAttention, "gathered", LatentSparseAttention.masked)
+    monkeypatch.setattr(LatentSparseAttention, "gathers", staticmethod(lambda *a: False))
     masked = decoded(model, x, prefill)
+    assert len(calls) == model.config.n_layer * 8                  # no gather: the masked path
     torch.testing.assert_close(steps, masked, atol=1e-12, rtol=0)
     torch.testing.assert_close(steps, full, atol=1e-12, rtol=0)
 
@@ -660,8 +661,7 @@ def test_a_decoding_step_reads_only_the_k_latents_it_chose():
 
 @pytest.mark.parametrize("old,new", [
     # the masked path at every step, as before the gather
-    ("attend = self.gathered if T * chosen.shape[-1] < k_len else self.masked",
-     "attend = self.masked"),
+    ("return q_len * k < k_len", "return False"),
     # every sequence of the batch reading the first one's rows
     ("rows = chosen[:, 0].reshape(", "rows = chosen[:1, 0].expand(B, -1, -1).reshape("),
 ])
@@ -701,7 +701,7 @@ def test_where_the_indexers_scores_tie_at_zero_both_paths_choose_the_newest_keys
             zeros = (row[b] == 0).nonzero().flatten().tolist()
             tied_past_k += len(zeros) > TOP_K and zeros[:TOP_K] != want   # not merely the oldest
     assert tied_past_k > 10
-    monkeypatch.setattr(LatentSparseAttention, "gathered", LatentSparseAttention.masked)
+    monkeypatch.setattr(LatentSparseAttention, "gathers", staticmethod(lambda *a: False))
     torch.testing.assert_close(decoded(model, x, TOP_K + 1), steps, atol=1e-12, rtol=0)
 
 
