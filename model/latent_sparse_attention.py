@@ -12,10 +12,12 @@ main rotary key). It learns as there: from its own KL divergence to the main att
 distribution, on detached inputs (`aux_loss`).
 
 The cache holds each token's latent, its rotated key and its indexer key side by side,
-(r + d_R + d_I) numbers a token and layer. Every pass here rebuilds the keys and values
-from the latents and hides the keys not chosen, the up-projected form of MLA; the absorbed
-form and a gather of the k chosen latents would make a decoding step O(k), and are left
-to a faster path."""
+(r + d_R + d_I) numbers a token and layer. A whole sequence rebuilds the keys and values
+from the latents and hides the keys not chosen (`masked`), the up-projected form of MLA. A
+decoding step (few queries against a long cache) gathers the k chosen rows of latent and
+rotary key and attends over them alone in MLA's absorbed form (`gathered`): W_UK folded
+into the query, W_UV applied after the weighted sum, so its softmax attention reads k rows
+of r + d_R numbers, O(k), not O(T). The indexer still scores every cached indexer key."""
 from __future__ import annotations
 
 import math
@@ -38,6 +40,7 @@ class LatentSparseAttention(LatentAttention):
     index_scores = SparseAttention.index_scores
     select = SparseAttention.select
     indexer_loss = SparseAttention.indexer_loss
+    spread = staticmethod(SparseAttention.spread)
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -63,7 +66,7 @@ class LatentSparseAttention(LatentAttention):
         c_q, q = self.queries(x)                                     # (B, T, r_q), (B, T, H·(D + R))
         q = q.view(B, T, H, D + R).transpose(1, 2)                   # (B, H, T, D + R)
         q_c, q_r = q.split([D, R], dim=-1)
-        q = torch.cat([q_c, self.rope(q_r, mask.q_start, mask.shared)], dim=-1)
+        q_r = self.rope(q_r, mask.q_start, mask.shared)
         row = torch.cat([self.cache_entry(x, mask.q_start, mask.shared),
                          self.indexer_key(x.detach(), mask).to(x.dtype)], dim=-1)
         if cache is not None:        # one row a token: latent, rotary key, indexer key
@@ -75,27 +78,67 @@ class LatentSparseAttention(LatentAttention):
         visible = mask.dense if mask.dense.dim() == 4 else mask.dense[None, None]
         chosen = self.select(index, visible, mask.k_pos)             # (B, 1, Tq, k)
         seen = visible.expand(B, 1, T, visible.shape[-1]).gather(-1, chosen)
-        k, v = self.keys_values(state)                               # (B, H, Tk, D + R), (B, H, Tk, D)
-        out, weights = self.masked(q, k, v, mask, chosen, seen)
+        k_len = state.latent.shape[1]
+        attend = self.gathered if self.gathers(T, chosen.shape[-1], k_len) else self.rebuilt
+        out, weights = attend(q_c, q_r, state, mask, chosen, seen)   # (B, H, T, D), (B, H, T, k)
         y = out.transpose(1, 2).reshape(B, T, H * D)                 # heads side by side
-        at_chosen = weights.gather(-1, chosen.expand(B, H, T, chosen.shape[-1]))
-        self.aux_loss = (self.indexer_loss(index, at_chosen, chosen, seen)
+        self.aux_loss = (self.indexer_loss(index, weights, chosen, seen)
                          if self.training and torch.is_grad_enabled() else None)
-        return self.resid_dropout(self.w_o(y)), (weights if need_weights else None)
+        return self.resid_dropout(self.w_o(y)), (self.spread(weights, chosen, k_len)
+                                                  if need_weights else None)
 
     def scaled(self, scores, mask: Mask, chosen=None):
         """Scores over √(d_h + d_R), the length of q and k (latent attention has no ALiBi)."""
         return at_least_fp32(scores) / math.sqrt(self.head_dim + self.rope_dim)
 
+    @staticmethod
+    def gathers(q_len: int, k: int, k_len: int) -> bool:
+        """Whether q_len queries over k_len keys read their k chosen latents alone: a decoding
+        step (few queries, a long cache) does; a whole sequence forms the masked T×T scores,
+        where T gathers of k latents would copy more than they save."""
+        return q_len * k < k_len
+
+    def rebuilt(self, q_c, q_r, state: LatentState, mask: Mask, chosen, seen):
+        """Every head's keys and values rebuilt from the latents (the up-projected form),
+        then the softmax over the chosen keys with the rest hidden (`masked`)."""
+        k, v = self.keys_values(state)                               # (B, H, Tk, D + R), (B, H, Tk, D)
+        return self.masked(torch.cat([q_c, q_r], dim=-1), k, v, mask, chosen, seen)
+
     def masked(self, q, k, v, mask: Mask, chosen, seen):
-        """(out (B, H, Tq, D), weights): the softmax over the chosen keys, as the article's
-        formula over every key with the rest hidden."""
+        """(out (B, H, Tq, D), weights at the chosen keys (B, H, Tq, k)): the softmax over
+        the chosen keys, as the article's formula over every key with the rest hidden: a
+        whole sequence, where one T×T product beats T gathers of k latents."""
         scores = self.scaled(q @ k.transpose(-2, -1), mask)          # (B, H, Tq, Tk)
         keep = torch.zeros_like(scores[:, :1], dtype=torch.bool).scatter(-1, chosen, seen)
         # exp(-inf) = 0: a key not chosen (or not visible) gets exactly no weight.
         weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1).to(q.dtype)
         dropped = F.dropout(weights, self.dropout) if self.training and self.dropout else weights
-        return dropped @ v, weights
+        return dropped @ v, weights.gather(-1, chosen.expand(*weights.shape[:3], chosen.shape[-1]))
+
+    def gathered(self, q_c, q_r, state: LatentState, mask: Mask, chosen, seen):
+        """The same softmax over the chosen keys read alone, in MLA's absorbed form
+        (model/latent_attention.py, arXiv:2405.04434 section 2.1.2): each query gathers its k
+        rows of latent and rotary key from the cache, (B, Tq, k, r + d_R), one set for every
+        head, and no key or value is rebuilt. For head h, q_C·k_Cᵀ = (q_C·W_UK,hᵀ)·c_kvᵀ and
+        Σ_j w_j·v_j = (Σ_j w_j·c_kv,j)·W_UV,h + (Σ_j w_j)·b_V,h, so a decoding step reads
+        k·(r + d_R) numbers of the main cache, not T·(r + d_R)."""
+        B, H, Tq, D = q_c.shape
+        n, width = chosen.shape[-1], state.latent.shape[-1]
+        rows = chosen[:, 0].reshape(B, Tq * n, 1).expand(B, Tq * n, width)
+        picked = state.latent.gather(1, rows).view(B, Tq, n, width)  # (B, Tq, k, r + d_R)
+        w_uk, w_uv = self.w_ukv.weight.view(2, H, D, self.rank).unbind(0)   # (H, D, r) each
+        # W_UK's bias would add q_C·b_K to every score of a row alike, which the softmax
+        # does not see: it is left out, as in the absorbed form of plain MLA.
+        q = torch.cat([q_c @ w_uk, q_r], dim=-1)                     # (B, H, Tq, r + d_R)
+        scores = self.scaled(torch.einsum("bhtc,btnc->bhtn", q, picked), mask)
+        # exp(-inf) = 0: a chosen key the query may not see (fewer than k visible) gets none.
+        weights = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1).to(q.dtype)
+        dropped = F.dropout(weights, self.dropout) if self.training and self.dropout else weights
+        mixed = torch.einsum("bhtn,btnr->bhtr", dropped, picked[..., :self.rank])   # w·c_kv
+        out = mixed @ w_uv.transpose(-2, -1)                         # (B, H, Tq, D)
+        if self.w_ukv.bias is not None:
+            out = out + dropped.sum(-1, keepdim=True) * self.w_ukv.bias.view(2, H, 1, D)[1]
+        return out, weights
 
     def queries(self, x):
         """The query latent c_q the indexer reads, and the main queries made from it; with

@@ -11,6 +11,7 @@ to float32. So the whole model is compared twice: as transformers ships it, in f
 float32's error), and in float64 with those three forwards replaced by the same formulas
 without the casts (`in_float64`), to 1e-9. Its eager attention takes the softmax in float32
 too, so the float64 comparisons run transformers' sdpa attention, which keeps the dtype."""
+import copy
 import json
 from dataclasses import replace
 import sys
@@ -24,6 +25,8 @@ from common.errors import CheckpointError
 from engine import interop_deepseek
 from engine.interop import ARCHITECTURES, architecture_for, export, hf_tokenizer, load_hf_folder
 from model import GPT, ModelConfig
+from model.attention import Mask
+from model.cache import KVCache
 from model.config import ModelError
 from model.latent_attention import QueryLatent
 from model.layers import SwiGLU
@@ -565,6 +568,141 @@ def test_mla_sparse_decodes_from_its_cache_the_logits_of_its_full_pass():
         steps = [model(x[:, :3], cache=cache).logits]
         steps += [model(x[:, t:t + 1], cache=cache).logits for t in range(3, x.shape[1])]
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-9, rtol=0)
+
+
+# -- a decoding step reads the k latents it chose ------------------------------------------
+
+def v32_preset() -> ModelConfig:
+    """The deepseek-v3.2 preset's model (4 heads of 32 over one latent, k = 32 of 128)."""
+    from engine import cli
+    return replace(cli.build("deepseek-v3.2", []).model, vocab_size=V)
+
+
+def decoded(model, x, prefill: int) -> torch.Tensor:
+    """x's logits: x[:, :prefill] in one pass into a cache, then one token a step."""
+    cache = model.new_cache(x.shape[1])
+    with torch.no_grad():
+        steps = [model(x[:, :prefill], cache=cache).logits]
+        steps += [model(x[:, t:t + 1], cache=cache).logits for t in range(prefill, x.shape[1])]
+    return torch.cat(steps, 1)
+
+
+@pytest.mark.parametrize("cfg", [our32_config(bias=True), replace(v32_preset(), n_layer=2)],
+                         ids=["biased", "the preset's layers"])
+def test_a_gathered_decoding_step_gives_the_masked_steps_and_the_full_pass_logits(cfg, monkeypatch):
+    """Eight steps after a cache of 2k take the gathered, absorbed path and give what the
+    masked, up-projected path and the whole pass give, to float64's rounding."""
+    torch.manual_seed(0)
+    model = shaken(GPT(cfg).double(), 0.05).eval()
+    k = model.blocks[0].attn.top_k
+    prefill = 2 * k
+    x = batch(prefill + 8)[:2]
+    with torch.no_grad():
+        full = model(x).logits
+    calls, gathered = [], LatentSparseAttention.gathered
+    monkeypatch.setattr(LatentSparseAttention, "gathered",
+                        lambda self, *a: calls.append(a[2].latent.shape[1]) or gathered(self, *a))
+    steps = decoded(model, x, prefill)
+    assert sorted(set(calls)) == list(range(prefill + 1, x.shape[1] + 1))   # every step gathered
+    monkeypatch.setattr(LatentSparseAttention, "gathers", staticmethod(lambda *a: False))
+    masked = decoded(model, x, prefill)
+    assert len(calls) == model.config.n_layer * 8                  # no gather: the masked path
+    torch.testing.assert_close(steps, masked, atol=1e-12, rtol=0)
+    torch.testing.assert_close(steps, full, atol=1e-12, rtol=0)
+
+
+def sparse_layer(**over) -> LatentSparseAttention:
+    torch.manual_seed(0)
+    cfg = our32_config(n_layer=1, **over)
+    return shaken(LatentSparseAttention(cfg, 0).double(), 0.2).eval()
+
+
+def layer_chunk(layer, cache, x, need_weights=False):
+    """x (B, n, C) after what the cache holds, as GPT.forward drives a layer."""
+    k_pos, k_first = cache.begin(x.shape[1], x.device)
+    mask = Mask(q_start=cache.length, q_len=x.shape[1], k_pos=k_pos, k_first=k_first)
+    with torch.no_grad():
+        out = layer(x, None, mask, cache, need_weights)
+    cache.end(x.shape[1])
+    return out
+
+
+def step_after(layer, x, poison: bool, need_weights=False):
+    """Prefill x[:, :-1] into a cache, then decode x[:, -1:]; with `poison`, the latent and
+    rotary key of every row the step does not choose is NaN first (the indexer keys, which
+    the indexer reads for every row, are left whole)."""
+    n = x.shape[1] - 1
+    cache = KVCache(1, n + 1)
+    layer_chunk(layer, cache, x[:, :n])
+    if poison:
+        seen, select = [], layer.select
+        layer.select = lambda *a: seen.append(select(*a)) or seen[-1]
+        layer_chunk(layer, copy.deepcopy(cache), x[:, n:])
+        del layer.select
+        chosen = seen[-1][:, 0, 0]                                   # (B, k)
+        assert chosen.shape[-1] == TOP_K < n
+        for b in range(x.shape[0]):
+            unread = [s for s in range(n) if s not in chosen[b].tolist()]
+            cache.k[0][b, :, unread, :layer.rank + layer.rope_dim] = float("nan")
+    return layer_chunk(layer, cache, x[:, n:], need_weights)
+
+
+def test_a_decoding_step_reads_only_the_k_latents_it_chose():
+    """NaN in every latent and rotary key the indexer passed over changes nothing, weights
+    included: the step never read them (the masked path's weight 0 times NaN is NaN)."""
+    layer = sparse_layer(bias=True)
+    x = torch.randn(3, 4 * TOP_K, 64, dtype=torch.float64)
+    clean, clean_weights = step_after(layer, x, False, need_weights=True)
+    poisoned, weights = step_after(layer, x, True, need_weights=True)
+    assert torch.isfinite(poisoned).all() and torch.equal(clean, poisoned)
+    assert torch.equal(clean_weights, weights)
+    assert (weights > 0).sum(-1).eq(TOP_K).all()                  # the k chosen, 0 elsewhere
+
+
+@pytest.mark.parametrize("old,new", [
+    # the masked path at every step, as before the gather
+    ("return q_len * k < k_len", "return False"),
+    # every sequence of the batch reading the first one's rows
+    ("rows = chosen[:, 0].reshape(", "rows = chosen[:1, 0].expand(B, -1, -1).reshape("),
+])
+def test_a_step_reading_rows_it_did_not_choose_is_caught(old, new, monkeypatch):
+    from mechanism_checks import planted
+    cls = planted("latent_sparse_attention", old, new, monkeypatch).LatentSparseAttention
+    torch.manual_seed(0)
+    layer = shaken(cls(our32_config(n_layer=1), 0).double(), 0.2).eval()
+    out = step_after(layer, torch.randn(3, 4 * TOP_K, 64, dtype=torch.float64), True)[0]
+    assert not torch.isfinite(out).all()
+
+
+def test_where_the_indexers_scores_tie_at_zero_both_paths_choose_the_newest_keys(monkeypatch):
+    """One indexer head with every weight w = -1: I = -ReLU(q^I·k^I/√d_I), exactly 0 for
+    about half the keys, so a step's k are chosen among many tied at 0, newest first, by
+    the masked path and the gathered one alike, and the decoded logits are the full pass's."""
+    torch.manual_seed(0)
+    model = shaken(GPT(our32_config(bias=True, indexer_heads=1)).double(), 0.05).eval()
+    for block in model.blocks:
+        block.attn.w_iw.weight.data.zero_()
+        block.attn.w_iw.bias.data.fill_(-1.0)
+    x = batch(4 * TOP_K)[:2]
+    with torch.no_grad():
+        full = model(x).logits
+    picks, select = [], LatentSparseAttention.select
+    monkeypatch.setattr(LatentSparseAttention, "select",
+                        lambda self, index, *a: picks.append((index, select(self, index, *a)))
+                        or picks[-1][1])
+    steps = decoded(model, x, TOP_K + 1)
+    torch.testing.assert_close(steps, full, atol=1e-12, rtol=0)
+    tied_past_k = 0
+    for index, chosen in picks[-model.config.n_layer * (x.shape[1] - TOP_K - 1):]:   # the steps
+        row = index[:, -1]                                           # (B, Tk): one query each
+        for b in range(row.shape[0]):
+            want = sorted(range(row.shape[1]), key=lambda s: (-row[b, s].item(), -s))[:TOP_K]
+            assert sorted(chosen[b, 0, -1].tolist()) == sorted(want)
+            zeros = (row[b] == 0).nonzero().flatten().tolist()
+            tied_past_k += len(zeros) > TOP_K and zeros[:TOP_K] != want   # not merely the oldest
+    assert tied_past_k > 10
+    monkeypatch.setattr(LatentSparseAttention, "gathers", staticmethod(lambda *a: False))
+    torch.testing.assert_close(decoded(model, x, TOP_K + 1), steps, atol=1e-12, rtol=0)
 
 
 @pytest.fixture(scope="module")
