@@ -34,12 +34,13 @@ with the output layer is the logits. In a model with model.value_embeds, `v` is 
 with the token's value embedding added (what the weighted sum uses); with
 model.skip_connections, a late block's resid_pre includes the skip from its mirror
 block (so it is not the previous resid_post). A layer whose mechanism has no weights
-(or no q/k/v hook points, or no W_O) has no pattern (q, k, v, z): layer_reads says which.
+(or no q/k/v reading point, or no W_O) has no pattern (q, k, v, z): layer_reads says which.
 
 Everything is read with forward hooks on the model's own modules and removed
-afterwards; q, k and v come from the attention module's identity hook points (hook_q,
-hook_k, hook_v), so they are what the softmax used, QK-norm and positions included,
-and a model with no hook set runs exactly as before. What a piece decides inside its
+afterwards; q, k and v come from the attention module's reading point (hook_qkv, a
+function set on that one layer while capturing and deleted afterwards), so they are what
+the softmax used, QK-norm and positions included, and a model no tool reads runs nothing
+for it. What a piece decides inside its
 own forward (the indexer's choice, the router's) is read by wrapping that method of the
 one module while capturing (the instance's attribute, deleted afterwards), so the
 record is the model's own decision, not a second computation of it. attnlab/lens.py switches parts
@@ -85,11 +86,11 @@ def pieces_of(model, layer: int) -> tuple[str, ...]:
 
 def layer_reads(model, layer: int) -> tuple[str, ...]:
     """The names of PER_LAYER that layer `layer` has: a mechanism without attention
-    weights (its entry's no_weights) has no pattern, one without q, k, v hook points or
+    weights (its entry's no_weights) has no pattern, one without a q, k, v reading point or
     an output matrix W_O has no q, k, v or z, an attention-only block no mlp_out."""
     attn = model.blocks[layer].attn
     missing = set() if mechanisms_of(model.config)[layer].no_weights is None else {"pattern"}
-    missing |= {n for n in "qkv" if not hasattr(attn, f"hook_{n}")}
+    missing |= set() if hasattr(attn, "hook_qkv") else {"q", "k", "v"}
     missing |= set() if hasattr(attn, "w_o") else {"z"}
     missing |= set() if model.blocks[layer].mlp is not None else {"mlp_out"}   # model.mlp=none
     return tuple(n for n in PER_LAYER if n not in missing) + pieces_of(model, layer)
@@ -156,11 +157,11 @@ def _hooks_for(model, cache: dict, only: set[str] | None):
             if want(p + "attn_out"):
                 cache[p + "attn_out"] = output[0].detach()
 
-        def read(name, p=p):
-            def hook(module, args, output):
+        def read_qkv(q, k, v, p=p):
+            for name, t in zip("qkv", (q, k, v)):
                 if want(p + name):
-                    cache[p + name] = output.detach()
-            return hook
+                    cache[p + name] = t.detach()
+            return q, k, v
 
         def w_o_pre(module, args, p=p, H=c.n_head, D=c.head_dim):
             if want(p + "z"):
@@ -175,7 +176,7 @@ def _hooks_for(model, cache: dict, only: set[str] | None):
         out += _piece_hooks(block, p, has, want, cache)
         out += [(block, "pre", block_pre), (block, "post", block_post),
                 (block.attn, "post", attn_post),
-                *((getattr(block.attn, f"hook_{n}"), "post", read(n)) for n in "qkv" if n in has),
+                *([(block.attn, "set:hook_qkv", read_qkv)] if "q" in has else []),
                 *([(block.attn.w_o, "pre", w_o_pre)] if "z" in has else []),
                 *([(block.mlp, "post", mlp_post)] if "mlp_out" in has else [])]
 
@@ -256,10 +257,16 @@ def installed(hooks):
     """Forward hooks, as (module, "pre" | "post", function) triples, set while inside
     the block and removed however it is left. A kind "method:NAME" wraps the module's
     method NAME for the while: function(args, result) sees each call's arguments and
-    result, and the wrapper (an attribute of that one module) is deleted afterwards."""
+    result, and the wrapper (an attribute of that one module) is deleted afterwards. A
+    kind "set:NAME" sets the module's attribute NAME to the function for the while (a
+    reading point the module calls where it is set: hook_qkv)."""
     handles, wrapped = [], []
     try:
         for module, kind, fn in hooks:
+            if kind.startswith("set:"):          # an attribute the module calls where set
+                object.__setattr__(module, kind.removeprefix("set:"), fn)
+                wrapped.append((module, kind.removeprefix("set:")))
+                continue
             if kind.startswith("method:"):
                 name = kind.removeprefix("method:")
                 own = getattr(module, name)

@@ -340,10 +340,11 @@ class MultiHeadAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        # Named places a tool can read (attnlab/capture.py hooks them): q, k and v exactly as
-        # the softmax and the weighted sum use them, after positions, QK-norm and value
-        # embeddings. Identities, so a model with no hook set computes what it did.
-        self.hook_q, self.hook_k, self.hook_v = nn.Identity(), nn.Identity(), nn.Identity()
+
+    # Where a tool reads q, k and v (attnlab/capture.py sets it while it reads, on this one
+    # layer): exactly as the softmax and the weighted sum use them, after positions, QK-norm
+    # and value embeddings, before the cache and GQA. None otherwise, so nothing runs for it.
+    hook_qkv = None
 
     def forward(self, x, positions, mask: Mask, cache=None, need_weights: bool = False,
                 value_embed=None):
@@ -376,7 +377,8 @@ class MultiHeadAttention(nn.Module):
         # Positions: RoPE turns queries and keys by their positions (others leave them).
         q = positions.rotate_in_pass(q, mask.q_start, mask.shared)
         k = positions.rotate_in_pass(k, mask.q_start, mask.shared)
-        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        if self.hook_qkv is not None:
+            q, k, v = self.hook_qkv(q, k, v)
         if cache is not None:                # keys and values of the earlier tokens too
             k, v = cache.update(self.layer_idx, k, v)
         if H_kv != H:                        # each key/value head serves H / H_kv query heads
