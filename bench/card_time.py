@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,10 +64,13 @@ def one_run(preset: str, steps: int, skip: int, threads: int, out: Path) -> None
 
 
 def full_run(preset: str, step_s: float, eval_s: float) -> tuple[int, int, float]:
-    """(steps, evaluations, seconds) of the preset's whole run at these times."""
-    with open(ROOT / "configs" / f"{preset}.toml", "rb") as f:
-        train = tomllib.load(f).get("train", {})
-    steps, every = train.get("max_iters", 5000), train.get("eval_interval", 250)
+    """(steps, evaluations, seconds) of the preset's whole run at these times: an
+    evaluation at step 0, at every eval_interval, and at the last step where it falls
+    between."""
+    sys.path.insert(0, str(ROOT))
+    from engine import cli
+    train = cli.build(preset, []).train
+    steps, every = train.max_iters, train.eval_interval
     evaluations = 1 + steps // every + (steps % every != 0)
     return steps, evaluations, steps * step_s + evaluations * eval_s
 
