@@ -108,6 +108,30 @@ def test_attention_cost_writes_each_case_as_it_is_timed(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == [tmp_path / "attention_cost.json"]      # no part file left
 
 
+def card_time_script():
+    path = ROOT / "bench" / "card_time.py"
+    spec = importlib.util.spec_from_file_location("bench_card_time", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+def test_card_time_counts_a_full_runs_evaluations(tmp_path):
+    """A full run evaluates at step 0, at every eval_interval and at the last step where it
+    falls between two; a field the preset leaves out is the default's."""
+    module = card_time_script()
+    between, on = tmp_path / "between.toml", tmp_path / "on.toml"
+    between.write_text("[train]\nmax_iters = 450\neval_interval = 200\n")     # 0, 200, 400, 450
+    on.write_text("[train]\nmax_iters = 400\neval_interval = 200\n")          # 0, 200, 400
+    assert module.full_run(str(between), 1.0, 10.0) == (450, 4, 490.0)
+    assert module.full_run(str(on), 1.0, 10.0) == (400, 3, 430.0)
+    assert module.full_run("cpu", 1.0, 10.0) == (1500, 7, 1570.0)
+
+
 def cards_script():
     path = ROOT / "bench" / "cards.py"
     spec = importlib.util.spec_from_file_location("bench_cards", path)
