@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.errors import ConfigError
-from engine.machine import HELD, built_for, fix_threads, other_cores, pick_dtype, read_machine
+from engine.machine import (HELD, built_for, fix_threads, other_cores, pick_dtype, read_machine,
+                            routes_experts)
 from model.mechanisms import MECHANISMS
 from model.readout import READOUTS, SHORTLIST_COVERAGE, head_macs, shortlist_for
 
@@ -363,7 +364,8 @@ def plan(cfg, budget_s: float, started: float, log=print,
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * cfg.model.block_size
 
     def step_rate(model_cfg) -> tuple[float, float]:
-        dtype = pick_dtype(train_cfg.dtype, device, model_cfg.n_embd)
+        dtype = pick_dtype(train_cfg.dtype, device, model_cfg.n_embd,
+                           experts=routes_experts(model_cfg))
         rate = measure(replace(cfg, model=model_cfg), device, dtype, probe_s, batch, counts)
         from model import GPT
         return rate, rate * tokens_per_step * GPT.skeleton(model_cfg).flops_per_token()
@@ -378,7 +380,8 @@ def plan(cfg, budget_s: float, started: float, log=print,
                           "trains a model worth sampling)")
     pick = choose_size(cfg, device, flops_per_s, train_s, budget_s, log)
     if train_cfg.dtype == "auto":            # the kind's precision, recorded with the plan
-        train_cfg.dtype = dtype_name(pick_dtype("auto", device, cfg.model.n_embd))
+        train_cfg.dtype = dtype_name(pick_dtype("auto", device, cfg.model.n_embd,
+                                                experts=routes_experts(cfg.model)))
     # Small models run below the FLOP/s the probe found: time the chosen one itself.
     steps_per_s = step_rate(cfg.model)[0]
     schedule(cfg, len(data.train), len(data.val), pick, steps_per_s,

@@ -36,6 +36,7 @@ from common.cpu import cpu_flags, cpu_ticks
 from common.errors import ConfigError
 from model.attention import ATTENTION_BACKENDS, use_backend
 from model.flex import CUDA_MIN_HEAD_DIM
+from model.layers import MLPS
 from model.mechanisms import MECHANISMS, names_used
 from model.registry import check
 
@@ -129,12 +130,19 @@ def describe_cpu() -> str:
 
 
 # --- Precision -----------------------------------------------------------------------------
+def routes_experts(model_cfg) -> bool:
+    """Does the model's MLP route tokens to experts (model/moe.py)?"""
+    return getattr(MLPS[model_cfg.mlp], "routes_tokens", False)
+
+
 def pick_dtype(name: str, device: torch.device, n_embd: int = 0,
-               decoding: bool = False) -> torch.dtype:
+               decoding: bool = False, experts: bool = False) -> torch.dtype:
     """The autocast precision (for `decoding`, the precision weights are held in to
     sample). auto: bf16 on GPUs that have it (fp16 on older ones); on a CPU, what its
-    kind's entry says for this width; fp32 on MPS. A precision named is kept, even bf16
-    where it is emulated (to study its rounding: why_dtype says what it costs)."""
+    kind's entry says for this width, but fp32 to train a mixture of `experts` (under
+    autocast its many small matmuls, one set an expert, take longer than fp32's:
+    docs/after_the_article.md, "The cards' training time"); fp32 on MPS. A
+    precision named is kept, even bf16 where it is emulated (why_dtype says what it costs)."""
     if name != "auto":
         dtype = DTYPES[name]
         if dtype == torch.float16 and device.type == "cpu":
@@ -148,11 +156,13 @@ def pick_dtype(name: str, device: torch.device, n_embd: int = 0,
         return torch.float32
     kind = cpu_kind()
     start = kind.decode_bf16_from if decoding else kind.train_bf16_from
+    if experts and not decoding:
+        start = None
     return torch.bfloat16 if start is not None and n_embd >= start else torch.float32
 
 
 def why_dtype(device: torch.device, dtype: torch.dtype, name: str, n_embd: int,
-              option: str = "train.dtype") -> str:
+              option: str = "train.dtype", experts: bool = False) -> str:
     """Why the precision is what it is, for the device line: the same words on any load."""
     if device.type != "cpu":
         return "" if name == "auto" else f" ({option}={name})"
@@ -163,6 +173,8 @@ def why_dtype(device: torch.device, dtype: torch.dtype, name: str, n_embd: int,
                 if emulated else "") + ")")
     kind = cpu_kind()
     start = kind.train_bf16_from if option == "train.dtype" else kind.decode_bf16_from
+    if experts and option == "train.dtype" and start is not None:
+        return f" ({kind.why}, but a mixture of experts trains in fp32 on a CPU)"
     rule = f"bf16 from {start} wide" if start is not None else "never bf16"
     return f" ({kind.why}: {rule}; {n_embd} wide)"
 

@@ -43,7 +43,8 @@ def setup_run(cfg: RunConfig, run_dir: Path | None = None, resume: bool | Path =
     refuse_what_cannot_fit(cfg, device)       # before the data or the model costs anything
     torch.manual_seed(train_cfg.seed)
     data = _load_data(cfg, dist, log, _given_tokenizer(cfg, run_dir, resume, source))
-    dtype = pick_dtype(train_cfg.dtype, device, cfg.model.n_embd)
+    dtype = pick_dtype(train_cfg.dtype, device, cfg.model.n_embd,
+                       experts=machine.routes_experts(cfg.model))
     model = _build_model(cfg, data, device, log, resume, source, dtype)
     distributed_model, sharded = _distribute(model, train_cfg, dist, device)
     kernel = machine.kernel_words(cfg.model, model.config.attention)

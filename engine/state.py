@@ -104,7 +104,8 @@ class Run:
     def describe_setup(self) -> str:
         tok = self.data.tokenizer
         world = f", {self.dist.world} processes" if self.dist.world > 1 else ""
-        why = machine.why_dtype(self.device, self.dtype, self.cfg.train.dtype, self.cfg.model.n_embd)
+        why = machine.why_dtype(self.device, self.dtype, self.cfg.train.dtype, self.cfg.model.n_embd,
+                                experts=machine.routes_experts(self.cfg.model))
         return (f"device: {self.device}{cpu_facts(self.device)}, autocast {dtype_name(self.dtype)}"
                 f"{why}, attention {self.kernel}{world}; data: "
                 f"{self.cfg.data.path or 'the bundled Shakespeare'} ({tok.kind} tokenizer, "

@@ -259,6 +259,32 @@ def test_cpu_autocast_is_bf16_where_the_cpus_kind_says_it_pays(kind, width, expe
     assert device.pick_dtype("auto", torch.device("cpu"), width) == device.DTYPES[expected]
 
 
+@pytest.mark.parametrize("preset", ["gpt-oss", "qwen3-next", "deepseek-v3", "deepseek-v3.2",
+                                    "kimi-linear", "gemma3", "cpu"])
+def test_a_mixture_of_experts_trains_in_fp32_on_a_cpu_where_a_dense_model_of_its_width_takes_bf16(
+        preset, monkeypatch):
+    """The cards with experts train faster in fp32 on a CPU (docs/after_the_article.md,
+    "The cards' training time"): auto says so for them, in the engine, not in each preset,
+    and the device line says why; a dense card of the same width keeps its kind's bf16, a
+    GPU its bf16, and a precision named is kept."""
+    from engine import device, machine
+    from engine.cli import build
+    monkeypatch.setattr(machine, "cpu_kind_name", lambda flags=None: "amx")
+    cfg = build(preset, [])
+    experts = machine.routes_experts(cfg.model)
+    assert experts == (preset not in ("gemma3", "cpu"))
+    assert cfg.train.dtype == "auto"
+    cpu = torch.device("cpu")
+    got = device.pick_dtype("auto", cpu, cfg.model.n_embd, experts=experts)
+    assert got == (torch.float32 if experts else torch.bfloat16)
+    assert device.pick_dtype("bfloat16", cpu, cfg.model.n_embd, experts=experts) == torch.bfloat16
+    why = machine.why_dtype(cpu, got, "auto", cfg.model.n_embd, experts=experts)
+    assert ("mixture of experts trains in fp32" in why) == experts
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert device.pick_dtype("auto", torch.device("cuda"), cfg.model.n_embd,
+                             experts=experts) == torch.bfloat16
+
+
 @pytest.mark.parametrize("kind,width,expected", [
     ("avx512-bf16", 384, "bfloat16"), ("avx512-bf16", 256, "float32"), ("amx", 384, "float32"),
     ("amx", 2048, "bfloat16"), ("no-bf16", 768, "float32")])
