@@ -15,7 +15,7 @@ import math
 import tomllib
 import typing
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from common.errors import ConfigError, choices_hint
 from common.fields import opt
@@ -435,7 +435,25 @@ def load_preset(cfg: RunConfig, name: str) -> None:
                           f"in it, or give a preset's name ({', '.join(available)})")
     for section, values in data.items():
         apply(cfg, section, values, str(path), typed=True)
+    refuse_folders_outside(cfg, path)
     cfg.preset = path.stem
+
+
+# The folders a run writes into. A config file may be shared, so what it names stays below
+# the folder the command runs from; a user who wants a run elsewhere says so on the
+# command line, where it is their own choice.
+WRITTEN_FOLDERS = (("train", "out_dir"), ("data", "cache_dir"))
+
+
+def refuse_folders_outside(cfg: RunConfig, path: Path) -> None:
+    for section, key in WRITTEN_FOLDERS:
+        folder = getattr(getattr(cfg, section), key)
+        where = PurePath(folder)
+        if folder and (where.is_absolute() or ".." in where.parts or folder.startswith("~")):
+            raise ConfigError(f"{path} sets {section}.{key}={folder!r}, outside the folder this "
+                              "command runs from: a config file may name only a folder below it "
+                              "(a relative path without '..'); to write there, give "
+                              f"--{section}.{key}={folder} on the command line")
 
 
 def migrate(data: dict, origin: str) -> dict:

@@ -324,3 +324,28 @@ def test_help_gives_the_defaults_of_the_preset_the_command_trains(argv, preset):
     assert f"number of Transformer blocks (default: {cfg.model.n_layer})" in text
     assert f"the {preset} preset's" in text
     assert help_preset(argv) is None                         # no help asked for: nothing read
+
+
+@pytest.mark.parametrize("section,key,folder", [
+    ("train", "out_dir", "../../etc"), ("train", "out_dir", "/etc"), ("train", "out_dir", "~/runs"),
+    ("train", "out_dir", "runs/../../x"), ("data", "cache_dir", "/tmp/elsewhere")])
+def test_a_config_file_cannot_send_a_runs_files_outside_the_folder_it_runs_from(
+        section, key, folder, tmp_path, monkeypatch):
+    """A shared .toml once put a whole run under /etc: a folder a config file names for
+    writing is refused in one line naming the file, the field and what to do, before
+    anything is written; below the working folder it is taken, and the command line may
+    still name any folder (the user's own choice)."""
+    monkeypatch.chdir(tmp_path)
+    hostile = tmp_path / "shared.toml"
+    hostile.write_text(f'[model]\nn_layer = 1\n[{section}]\n{key} = "{folder}"\n')
+    with pytest.raises(ConfigError) as err:
+        cli.build(str(hostile), [])
+    said = str(err.value)
+    assert str(hostile) in said and f"{section}.{key}={folder!r}" in said
+    assert f"--{section}.{key}={folder} on the command line" in said and "\n" not in said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shared.toml"]
+    hostile.write_text(f'[model]\nn_layer = 1\n[{section}]\n{key} = "mine/runs"\n')
+    assert getattr(getattr(cli.build(str(hostile), []), section), key) == "mine/runs"
+    hostile.write_text('[model]\nn_layer = 1\n')
+    given = cli.build(str(hostile), [f"--{section}.{key}={tmp_path.parent / 'x'}"])
+    assert getattr(getattr(given, section), key) == str(tmp_path.parent / "x")
