@@ -43,6 +43,7 @@ def main(argv: list[str]) -> int:
     from engine.device import pick_device
     from engine.machine import pick_dtype
     from engine.inference import StepExplainer, encode_prompt, load_run, pick_decode, stream_text
+    from model.decode import check_sinks, check_speculation
 
     apply_overrides(RunConfig(), args)            # a bad option fails before any loading
     device = pick_device(args.device)
@@ -60,10 +61,14 @@ def main(argv: list[str]) -> int:
     model = model.to(dtype)
     refuse_what_cannot_write(cfg, run)
     model.check_generates()          # an encoder is refused before anything is printed
+    decode = pick_decode(s.decode, device, model) if s.use_cache else "full"
+    if s.sinks:                       # so are sinks and drafts the model cannot decode with
+        check_sinks(model.config, decode, s.sinks)
+    if decode == "mtp":
+        check_speculation(model, s.sinks or None, None)
     if WAITING:                       # said once work starts, not before an error line
         print(WAITING, file=sys.stderr)
     prompt_ids = encode_prompt(tokenizer, s.prompt)
-    decode = pick_decode(s.decode, device, model) if s.use_cache else "full"
     print(header(ckpt, model, cfg, s, device, dtype, decode), file=sys.stderr)
     for n in range(s.num_samples):
         if s.num_samples > 1:

@@ -123,7 +123,8 @@ def check_sinks(config, decode: str, sinks: int) -> None:
     for name in names:
         if MECHANISMS[name].stream_refusal:
             raise ModelError(f"sinks renumber a rolling cache's keys, and model.mechanism="
-                             f"{name} cannot be renumbered: {MECHANISMS[name].stream_refusal}")
+                             f"{name} cannot be renumbered: {MECHANISMS[name].stream_refusal}; "
+                             "sample without sinks (--sinks=0)")
     if not 0 <= sinks < window:
         raise ModelError(f"sinks must be between 0 and block_size-1 ({window - 1}), not {sinks}")
 

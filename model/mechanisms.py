@@ -241,8 +241,8 @@ MECHANISMS = {
                        "DeepSeek-V3, which needs the rest of its card too (--config deepseek-v3 "
                        "exports as DeepseekV3ForCausalLM)",
         flops=latent_flops, takes_score_bias=False, takes_value_embed=False,
-        stream_refusal="its cache holds latents, which carry no position to renumber, and "
-                       "keys turned by its own small RoPE, not the model's",
+        stream_refusal="its cache holds latents, which a rolling cache has no way to renumber "
+                       "(beside them, with positions, keys turned by its own small RoPE)",
         takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
     # MLA whose queries each read the k keys a lightning indexer picks (DeepSeek-V3.2's own).
     "mla_sparse": Mechanism(

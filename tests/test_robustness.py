@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.errors import CheckpointError
-from conftest import ROOT, run_script
+from conftest import ROOT, run_script, train_tiny
 from engine import checkpoint, cli
 
 
@@ -641,3 +641,20 @@ def test_a_stack_of_more_layers_than_the_bound_is_refused_before_any_is_built(co
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1 and "layers" in errors[0], proc.stderr[-2000:]
     assert not (tmp_path / "runs" / "deep").exists()
+
+
+def test_sinks_or_drafts_a_model_cannot_decode_with_are_refused_before_any_text(corpus, tmp_path):
+    """Sinks on latent attention and drafts without a multi-token module were refused only
+    once the prompt was printed ("Aerror: ..." on one line), and the sinks' line did not
+    say what to do: both now fail before the header or the prompt, in one line."""
+    run = train_tiny(corpus, tmp_path, "mla", "--model.mechanism=mla", "--train.max_iters=2",
+                     "--train.eval_interval=2")
+    for options, says in ((["--sinks=4"], "error: sinks renumber a rolling cache's keys"),
+                          (["--decode=mtp"], "error: decode='mtp' drafts the token after next")):
+        proc = run_script("sample.py", "--run", run, "--max_new_tokens=3", "--prompt=A",
+                          *options, check=False)
+        assert proc.returncode == 2 and proc.stdout == "", (proc.stdout, proc.stderr)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith(says) and "Traceback" not in proc.stderr, proc.stderr
+        assert "decode " not in proc.stderr.split("error:")[0]          # no header before it
+        assert options != ["--sinks=4"] or last.endswith("sample without sinks (--sinks=0)")
