@@ -81,7 +81,7 @@ NO_WINDOWS = at_default("sliding_window", "full_attention_every")
 # card -> piece -> (what the row keeps in its place, the model fields that switch it off)
 PIECES = {
     "gpt-oss": {
-        "sinks": ("plain multi-head attention, the same windows", {"mechanism": "mha"}),
+        "sinks": ("softmax attention without sinks, the same heads and windows", {"mechanism": "mha"}),
         "windows": ("every layer sees the whole context", NO_WINDOWS),
         "experts": ("a dense SwiGLU MLP", NO_EXPERTS),
     },
