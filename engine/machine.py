@@ -276,7 +276,7 @@ def kernel_words(model_cfg, kernel: str) -> str:
     own = [n for n in names if not MECHANISMS[n].uses_kernel]
     if not own:
         return kernel
-    theirs = f"{', '.join(own)} {'its' if len(own) == 1 else 'their'} own maths"
+    theirs = f"{', '.join(own)}: {'its' if len(own) == 1 else 'their'} own maths"
     if len(own) == len(names):
         return theirs
     return f"{kernel} for {', '.join(n for n in names if n not in own)}; {theirs}"

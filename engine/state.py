@@ -141,7 +141,10 @@ def position_words(c) -> str:
     from model.mechanisms import MECHANISMS
     from model.layers import layer_names
     from model.positions import POSITION_ENCODINGS
-    if not POSITION_ENCODINGS[c.position].rotary:
+    encoding = POSITION_ENCODINGS[c.position]
+    if not (encoding.absolute or encoding.rotary or encoding.biases_scores):
+        return f"no positions (model.position={c.position})"
+    if not encoding.rotary:
         return f"{c.position} positions"
     unturned = [n for n in dict.fromkeys(layer_names(c)) if not MECHANISMS[n].takes_rotary]
     if not unturned:

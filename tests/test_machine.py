@@ -162,9 +162,9 @@ def test_use_backend_sets_only_attention_layers():
 
 
 @pytest.mark.parametrize("mechanism,said", [
-    ("linear", "linear its own maths"), ("linear,mha", "eager for mha; linear its own maths"),
-    ("deltanet,mla", "deltanet, mla their own maths"), ("differential", "eager"),
-    ("sigmoid", "sigmoid its own maths")])
+    ("linear", "linear: its own maths"), ("linear,mha", "eager for mha; linear: its own maths"),
+    ("deltanet,mla", "deltanet, mla: their own maths"), ("differential", "eager"),
+    ("sigmoid", "sigmoid: its own maths")])
 def test_the_device_line_names_a_kernel_only_for_the_layers_that_run_it(native_bf16, mechanism, said):
     from model import GPT
     model = GPT(_cfg(mechanism=mechanism))

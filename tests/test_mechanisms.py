@@ -355,6 +355,7 @@ def test_the_summary_line_says_when_a_rotary_position_turns_nothing(name):
     own_way = not MECHANISMS[name].takes_rotary
     assert ("own way" in position_words(tiny(mechanism=name))) == own_way
     assert position_words(tiny(mechanism=name, position="learned")) == "learned positions"
+    assert position_words(tiny(mechanism=name, position="none")) == "no positions (model.position=none)"
     mixed = position_words(tiny(mechanism=f"{name},mha", n_layer=2))
     assert (f"not in the {name} layers" in mixed) == (own_way and name != "mha")
 
