@@ -8,13 +8,14 @@ from conftest import ROOT, run_script
 def test_compare_then_extrapolate(corpus, tmp_path):
     out = tmp_path / "cmp"
     # The tiny preset with its token files in this test's folder (compare has no option
-    # for the cache; the preset carries it to every variant and to extrapolate).
+    # for the cache; the preset carries it to every variant and to extrapolate). A config
+    # file names only folders below the one the command runs from, so both run there.
     base = tmp_path / "tiny.toml"
-    base.write_text((ROOT / "configs" / "tiny.toml").read_text()
-                    + f'\n[data]\ncache_dir = "{tmp_path / "cache"}"\n')
+    base.write_text((ROOT / "configs" / "tiny.toml").read_text() + '\n[data]\ncache_dir = "cache"\n')
     proc = run_script("-m", "attnlab.compare", "--base", base, "--steps", "12", "--out", out,
                       "--data", corpus, "--variant", "rope=", "--variant",
-                      "learned=--model.position=learned", "--variant", "alibi=--model.position=alibi")
+                      "learned=--model.position=learned", "--variant", "alibi=--model.position=alibi",
+                      cwd=tmp_path)
     assert "results.md" in proc.stdout
     rows = list(csv.DictReader(open(out / "results.csv")))
     assert [r["variant"] for r in rows] == ["rope", "learned", "alibi"]
@@ -28,7 +29,7 @@ def test_compare_then_extrapolate(corpus, tmp_path):
     assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
 
     proc = run_script("-m", "attnlab.extrapolate", "--from", out, "--factors", "1", "2", "4",
-                      "--batches", "2")
+                      "--batches", "2", cwd=tmp_path)
     md = (out / "extrapolation.md").read_text()
     assert "| learned | learned | " in md and "n/a" in md             # not a crash
     assert "rope + YaRN" in md and "rope + NTK" in md and "rope + PI" in md
