@@ -64,9 +64,11 @@ def test_each_bench_scripts_help_says_what_it_does_and_what_each_option_does(pat
     assert not silent, f"{path.name}: options without help text: {silent}"
 
 
-def attention_cost():
-    path = ROOT / "bench" / "attention_cost.py"
-    spec = importlib.util.spec_from_file_location("bench_attention_cost", path)
+def bench_script(name: str):
+    """bench/NAME.py as a module (the scripts are not a package: their folder on the path
+    while one is loaded)."""
+    path = ROOT / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(path.parent))
     try:
@@ -74,6 +76,10 @@ def attention_cost():
     finally:
         sys.path.remove(str(path.parent))
     return module
+
+
+def attention_cost():
+    return bench_script("attention_cost")
 
 
 def test_attention_costs_default_is_quick_and_the_full_sweep_is_named():
@@ -109,15 +115,7 @@ def test_attention_cost_writes_each_case_as_it_is_timed(tmp_path, monkeypatch):
 
 
 def card_time_script():
-    path = ROOT / "bench" / "card_time.py"
-    spec = importlib.util.spec_from_file_location("bench_card_time", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
-    return module
+    return bench_script("card_time")
 
 
 def test_card_time_counts_a_full_runs_evaluations(tmp_path):
