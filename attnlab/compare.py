@@ -51,9 +51,13 @@ MATRICES = {
 }
 
 
-def run_variant(name: str, args: str, base: str, steps: int, out: Path, common: list[str]) -> dict:
-    cmd = [sys.executable, "train.py", "--config", base, *shlex.split(args), *common,
-           f"--train.max_iters={steps}", f"--train.out_dir={out}", f"--train.run_name={name}"]
+def run_variant(name: str, args: str, base: str, steps: int, out: Path, common: list[str],
+                resume: bool = False) -> dict:
+    """train.py for one variant, its figures read from its run folder; with `resume`, the
+    folder's own run continued (or, already at its last step, only read)."""
+    cmd = ([sys.executable, "train.py", "--resume", str(out / name)] if resume else
+           [sys.executable, "train.py", "--config", base, *shlex.split(args), *common,
+            f"--train.max_iters={steps}", f"--train.out_dir={out}", f"--train.run_name={name}"])
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "WANDB_MODE": "disabled"})

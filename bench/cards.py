@@ -7,6 +7,7 @@ baseline row measured in the same sitting.
     python bench/cards.py --cards gpt-oss gemma3        # those cards (and the baseline)
     python bench/cards.py --plan runs/cards/plan.json   # the same steps again, no probe
     python bench/cards.py --quick                       # a test of the script, seconds a row
+    python bench/cards.py --plan runs/cards/plan.json --out runs/cards   # a killed sitting, on
 
 A model card shows the whole model and never the model without one of its pieces. Each
 piece here is switched off on the same card (PIECES): gpt-oss without its sinks is plain
@@ -31,7 +32,10 @@ before the mixers, so the cells read beside the frontier's rows, trained at the 
 length, then scored in every cell beside its key-blind floor). The MQAR models train in
 a second process, on the second core, while this one runs the language models, as the
 frontier does. Writes cards.md, cards.csv and plan.json into
---out, and keeps each language model's run folder under lm/.
+--out, keeps each language model's run folder under lm/ and each row's figures under
+rows/ as they are measured: a sitting killed part way, started again with its plan and
+folder, resumes a language model's run where it stopped and measures again only the
+rows it had not finished.
 """
 
 import capability  # noqa: F401  (first: refuses an ATEN_CPU_CAPABILITY this CPU cannot run)
@@ -259,15 +263,62 @@ def language_model(row: Row, steps: int, s: Settings, out: Path) -> dict:
     """train.py for the planned steps (attnlab/compare.py's runner), nothing timed that
     decides anything: the warm-up a tenth of the steps, at most the presets' 50."""
     from attnlab.compare import run_variant
+    resume = earlier_run(row, steps, out)
     common = [f"--train.eval_interval={steps}",          # at the start and the end: the end is the figure
               f"--train.log_interval={max(1, steps // 20)}",
               f"--train.eval_iters={s.eval_iters}", f"--train.warmup_iters={min(50, max(1, steps // 10))}",
               "--train.wandb=disabled"]
-    r = run_variant(row.name, " ".join(row.options()), row.preset, steps, out / "lm", common)
+    r = run_variant(row.name, " ".join(row.options()), row.preset, steps, out / "lm", common,
+                    resume)
     metrics = (out / "lm" / row.name / "metrics.jsonl").read_text().splitlines()
     trained = max((json.loads(line).get("elapsed_s", 0.0) for line in metrics), default=0.0)
     return {"params": r["params"], "val_loss": r["val_loss"], "train_s": trained,
             "train_tokens_per_s": r["tokens_per_s"]}
+
+
+def earlier_run(row: Row, steps: int, out: Path) -> bool:
+    """Whether lm/ holds this row's run from an earlier start of the same plan, killed or
+    finished: it is then resumed (train.py --resume), not trained again. A folder holding
+    another config's or another plan's run is refused, not mixed into the table."""
+    run_dir = out / "lm" / row.name
+    if not (run_dir / "checkpoints").is_dir():
+        return False
+    try:
+        if (run_dir / "config.json").stat().st_size > 2**20:
+            raise ValueError("config.json over 1 MiB")
+        saved = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+        model, iters = saved["model"], saved["train"]["max_iters"]
+        want = json.loads(json.dumps(asdict(config_of(row).model)))
+        same = iters == steps and all(model.get(k) == v for k, v in want.items()
+                                      if k != "vocab_size")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise AttnlabError(f"{run_dir}: not a run of this script's ({err}); remove it, or "
+                           "give another --out") from None
+    if not same:
+        raise AttnlabError(f"{run_dir} holds a run of another config or plan than "
+                           f"{row.name}'s {steps} steps; give the --plan it was started "
+                           "with, remove the folder, or give another --out")
+    return True
+
+
+def kept(out: Path, name: str, part: str, key: dict) -> dict | None:
+    """A row's `part` (its language model and decoding, or its MQAR) measured by an
+    earlier start of this sitting and kept in rows/, if it was measured under `key` (the
+    same steps and sizes); so a killed run loses at most the row it was on."""
+    path = out / "rows" / f"{name}.{part}.json"
+    try:
+        if path.stat().st_size > 2**20:
+            return None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data.get("result") if isinstance(data, dict) and data.get("key") == key else None
+
+
+def keep(out: Path, name: str, part: str, key: dict, result: dict) -> None:
+    (out / "rows").mkdir(exist_ok=True)
+    write_text_atomic(out / "rows" / f"{name}.{part}.json",
+                      json.dumps({"key": key, "result": result}, indent=1) + "\n")
 
 
 # MQAR's model: the frontier's width, heads and short convolution (frontier.BASE), so a
@@ -391,6 +442,38 @@ def settings_of(args) -> Settings:
     return s
 
 
+def start_mqar(todo: dict, s: Settings, stack: ExitStack) -> dict:
+    """As the frontier runs its own: the MQAR models train one after another in a second
+    process while this one runs the language models and times decoding, then the ones
+    not yet started share both cores (frontier.share_the_rest)."""
+    if not frontier.helpers(s.frontier_sizes):      # one core: each after the language models
+        return {n: frontier.Later(frontier.mqar, m, s.frontier_sizes) for n, m in todo.items()}
+    pool = stack.enter_context(ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")))
+    return {n: pool.submit(frontier.mqar, m, s.frontier_sizes) for n, m in todo.items()}
+
+
+def keep_when_done(futures: dict, done) -> None:
+    """Each MQAR model's cells kept (`done`) as it finishes, in whichever process."""
+    for n, f in futures.items():
+        if hasattr(f, "add_done_callback"):
+            f.add_done_callback(lambda f, n=n: f.cancelled() or f.exception()
+                                or done(n, f.result()))
+
+
+def measured_row(row: Row, steps: int, s: Settings, out: Path, key: dict) -> dict:
+    """The row's language model and decoding columns, or those an earlier start of this
+    sitting kept for it."""
+    result = kept(out, row.name, "lm", key)
+    if result is None:
+        result = {"row": row.name, "about": row.about, "steps": steps}
+        result.update(language_model(row, steps, s, out))
+        result.update(decoding(row, s))
+        keep(out, row.name, "lm", key, result)
+    else:
+        print(f"{row.name}: kept from an earlier start of this sitting (rows/{row.name}.lm.json)")
+    return result
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     s = settings_of(args)
@@ -418,28 +501,31 @@ def main(argv=None) -> int:
               f"--train.max_iters={steps[row.name]})")
     floors = frontier.mqar_floors(s.frontier_sizes)
     results = []
-    # As the frontier runs its own: the MQAR models train one after another in a second
-    # process while this one runs the language models and times decoding, then the ones
-    # not yet started share both cores (frontier.share_the_rest).
     recall_models = {r.name: as_mechanism(r, mqar=True) for r in rows}
+    sizes = json.loads(json.dumps(asdict(s.frontier_sizes)))
+    keys = {r.name: {"sizes": sizes, "model": json.loads(json.dumps(recall_models[r.name].model))}
+            for r in rows}                                 # what a row's MQAR depends on
+    earlier = {n: kept(out, n, "mqar", keys[n]) for n in recall_models}
+    todo = {n: m for n, m in recall_models.items() if earlier[n] is None}
     with ExitStack() as stack:
-        if frontier.helpers(s.frontier_sizes):
-            pool = stack.enter_context(ProcessPoolExecutor(
-                1, mp_context=multiprocessing.get_context("spawn")))
-            mqar = {n: pool.submit(frontier.mqar, m, s.frontier_sizes)
-                    for n, m in recall_models.items()}
-        else:                                  # one core: each after the language models
-            mqar = {n: frontier.Later(frontier.mqar, m, s.frontier_sizes)
-                    for n, m in recall_models.items()}
+        mqar = start_mqar(todo, s, stack)
+        keep_when_done(mqar, lambda n, r: keep(out, n, "mqar", keys[n], r))
         for row in rows:
-            result = {"row": row.name, "about": row.about, "steps": steps[row.name]}
-            result.update(language_model(row, steps[row.name], s, out))
-            result.update(decoding(row, s))
+            lm_key = {"steps": steps[row.name], "eval_iters": s.eval_iters, "sizes": sizes,
+                      "model": json.loads(json.dumps(as_mechanism(row).model))}
+            result = measured_row(row, steps[row.name], s, out, lm_key)
             results.append(result)
             print(f"{row.name}: val loss {result['val_loss']:.3f}")
-        frontier.share_the_rest(mqar, recall_models, s.frontier_sizes, stack)
+        frontier.share_the_rest(mqar, todo, s.frontier_sizes, stack)
+        keep_when_done(mqar, lambda n, r: keep(out, n, "mqar", keys[n], r))
         for result in results:
-            result.update(mqar[result["row"]].result())
+            name = result["row"]
+            result.update(earlier[name] or mqar[name].result())
+            keep(out, name, "mqar", keys[name], {k: v for k, v in result.items()
+                                                 if k.startswith("mqar_")})
+    resumed = [n for n in earlier if earlier[n] is not None]
+    if resumed:
+        print(f"MQAR kept from an earlier start of this sitting: {', '.join(resumed)}")
     card_loss = {r["row"]: r["val_loss"] for r in results if "--no-" not in r["row"]}
     for r in results:
         r["val_vs_card"] = (r["val_loss"] - card_loss[r["row"].split("--no-")[0]]

@@ -2,6 +2,7 @@
 the script measures, and says what every option does."""
 import argparse
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -248,3 +249,79 @@ def test_cards_refuse_a_plan_without_the_rows_asked_for(tmp_path):
 def test_cards_refuse_no_threads():
     with pytest.raises(Exception, match="--threads 0: give 1 to"):
         cards_script().main(["--quick", "--threads", "0"])
+
+
+class Killed(Exception):
+    """A kill, as a test can raise one (pytest stops at a KeyboardInterrupt)."""
+
+
+def test_cards_killed_resume_from_the_row_they_were_on(tmp_path, monkeypatch):
+    """A sitting killed part way loses at most the row it was on: started again with its
+    plan and folder, the rows measured before are read back (rows/), not trained or
+    scored again, and the table is the one an unbroken run writes."""
+    from attnlab import frontier
+    cards = cards_script()
+    trained, recalled, kills = [], [], ["gemma3--no-qk_norm"]
+
+    def language_model(row, steps, s, out):
+        if row.name in kills:
+            kills.remove(row.name)
+            raise Killed
+        trained.append(row.name)
+        return {"params": 1000, "val_loss": 2.0 + steps / 1000, "train_s": 20.0,
+                "train_tokens_per_s": 1000.0}
+
+    def mqar(mechanism, s):
+        recalled.append(mechanism.about)
+        return {f"mqar_{n}_{p}": 0.5 for n, p in frontier.mqar_cells(s)}
+
+    monkeypatch.setattr(cards, "probe", lambda rows, s: {r.name: 4.0 for r in rows})
+    monkeypatch.setattr(cards, "language_model", language_model)
+    monkeypatch.setattr(cards, "decoding", lambda row, s: {
+        **{f"decode_ms_at_{n}": 1.0 for n in s.frontier_sizes.contexts},
+        "cache_bytes_per_token": 1024.0, "state_bytes": 0.0})
+    monkeypatch.setattr(frontier, "mqar", mqar)
+    monkeypatch.setattr(frontier, "helpers", lambda s: 0)
+    monkeypatch.setattr(cards, "use_threads", lambda n, env: None)
+    out = tmp_path / "cards"
+    with pytest.raises(Killed):
+        cards.main(["--quick", "--cards", "gemma3", "--seconds", "5", "--out", str(out)])
+    assert trained == ["cpu", "gemma3", "gemma3--no-windows"] and recalled == []
+    trained.clear()
+    cards.main(["--quick", "--cards", "gemma3", "--plan", str(out / "plan.json"), "--out", str(out)])
+    assert trained == ["gemma3--no-qk_norm", "gemma3--no-sandwich"]
+    assert len(recalled) == 5
+    recalled.clear(), trained.clear()
+    again = (out / "cards.md").read_text()
+    cards.main(["--quick", "--cards", "gemma3", "--plan", str(out / "plan.json"), "--out", str(out)])
+    assert trained == [] and recalled == []                   # every row kept: nothing redone
+    body = lambda text: text.split("\n", 3)[3]
+    assert body((out / "cards.md").read_text()) == body(again)
+    # What a row's numbers depend on is its key: a longer MQAR schedule measures anew.
+    kept = json.loads((out / "rows" / "gemma3.mqar.json").read_text())
+    kept["key"]["sizes"]["mqar_steps"] += 1
+    (out / "rows" / "gemma3.mqar.json").write_text(json.dumps(kept))
+    cards.main(["--quick", "--cards", "gemma3", "--plan", str(out / "plan.json"), "--out", str(out)])
+    assert recalled == ["the card as its preset"]
+
+
+def test_cards_refuse_a_run_folder_of_another_plan(tmp_path):
+    """lm/ROW left by a start with other steps is refused, not resumed into the table."""
+    cards = cards_script()
+    row = cards.Row("gemma3")
+    run = tmp_path / "lm" / "gemma3"
+    (run / "checkpoints").mkdir(parents=True)
+    from dataclasses import asdict
+    model = asdict(cards.config_of(row).model)
+    (run / "config.json").write_text(json.dumps({"model": model, "train": {"max_iters": 200}}))
+    assert cards.earlier_run(row, 200, tmp_path)
+    with pytest.raises(Exception, match="another config or plan.*--plan it was started with"):
+        cards.earlier_run(row, 201, tmp_path)
+    (run / "config.json").write_text(json.dumps({"model": {**model, "n_head": 2},
+                                                 "train": {"max_iters": 200}}))
+    with pytest.raises(Exception, match="another config or plan"):
+        cards.earlier_run(row, 200, tmp_path)
+    (run / "config.json").write_text("[1, 2")
+    with pytest.raises(Exception, match="not a run of this script's"):
+        cards.earlier_run(row, 200, tmp_path)
+    assert not cards.earlier_run(cards.Row("cpu"), 200, tmp_path)
