@@ -141,7 +141,8 @@ class GPT(nn.Module):
         T = idx.shape[1]
         mask = self.mask_for(T, idx.device, cache, attention_mask)   # what each query sees
         x = self.wte(idx)                                            # (B, T, C)
-        x = self.positions.embed(x, mask.q_start)      # absolute positions add a vector here
+        if self.positions.absolute:                    # sinusoidal or learned: a vector a position
+            x = self.positions.embed(x, mask.q_start)
         x = self.drop(x)
         attentions = []
         for block in self.blocks:
@@ -164,9 +165,10 @@ class GPT(nn.Module):
             start = cache.length                 # after begin: a renumbering cache moves it
             # The cache's own window: a streaming cache rolls over a model trained without one.
             window, n_global = cache.window, cache.n_global
+        bias_fn = self.positions.score_bias() if self.positions.biases_scores else None   # ALiBi
         return Mask(q_start=start, q_len=T, k_pos=torch.arange(T, device=device) if k_pos is None
                     else k_pos, k_first=k_first, window=window, n_global=n_global,
-                    bias_fn=self.positions.score_bias(), causal=c.causal,
+                    bias_fn=bias_fn, causal=c.causal,
                     key_padding=None if attention_mask is None else attention_mask == 0)
 
     def logits_and_loss(self, h, targets=None):

@@ -17,15 +17,12 @@ class PartialRoPE(RoPE):
     rotate-half pairs within the turned part, (x[i], x[i + r/2]) for r turned dimensions."""
 
     def _build(self, dtype: torch.dtype, device=None):
-        # RoPE's tables for r dimensions instead of d_k (model/registry.py refuses scaling).
+        # RoPE's frequencies for r dimensions instead of d_k (model/registry.py refuses scaling).
         c = self.config
         r = self.dims = c.rope_dims or c.head_dim // 4
         inv_freq = c.rope_theta ** (-torch.arange(0, r, 2, dtype=dtype, device=device) / r)
         self.mscale = 1.0
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        cos2, sin2 = self.turns_at(torch.arange(c.block_size, dtype=dtype, device=device))
-        self.register_buffer("cos2", cos2, persistent=False)               # (length, r)
-        self.register_buffer("sin2", sin2, persistent=False)
 
     def rotate(self, x, start):
         return torch.cat((super().rotate(x[..., :self.dims], start), x[..., self.dims:]), -1)

@@ -145,10 +145,10 @@ class RoPE(PositionEncoding):
         self._build(torch.promote_types(torch.get_default_dtype(), torch.float32))
 
     def _build(self, dtype: torch.dtype, device=None):
-        """The frequencies and the cos/sin tables of block_size positions, computed in
-        `dtype`: float32 for a model that trains in float32 or bf16, float64 for a float64
-        model, whose angles would otherwise carry float32's error (7e-7 of a radian
-        at position 1000), a million times what its checks against references allow."""
+        """The frequencies, computed in `dtype`: float32 for a model that trains in float32
+        or bf16, float64 for a float64 model, whose angles would otherwise carry float32's
+        error (7e-7 of a radian at position 1000), a million times what its checks against
+        references allow."""
         c = self.config
         d = c.n_embd // c.n_head                       # each head's d_k
         inv_freq = c.rope_theta ** (-torch.arange(0, d, 2, dtype=dtype, device=device) / d)
@@ -156,9 +156,6 @@ class RoPE(PositionEncoding):
         if scaling.stretches:                # past the training context, on request
             inv_freq, self.mscale = scaling.scale(inv_freq, c)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        cos2, sin2 = self.turns_at(torch.arange(c.block_size, dtype=dtype, device=device))
-        self.register_buffer("cos2", cos2, persistent=False)               # (length, d)
-        self.register_buffer("sin2", sin2, persistent=False)
 
     def turns_at(self, pos: torch.Tensor):
         """(cos, cos) and (-sin, sin) of the angles of positions `pos`, (len(pos), d): what
@@ -169,12 +166,12 @@ class RoPE(PositionEncoding):
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     def _apply(self, fn, recurse=True):
-        # model.double() casts the tables' numbers, not the way they were made: float32
-        # angles cast up keep their float32 error. Tables cast to float64 are made again
+        # model.double() casts the frequencies' numbers, not the way they were made: float32
+        # frequencies cast up keep their float32 error. Cast to float64, they are made again
         # from the formula in float64; any other cast keeps what it gives, as before.
         super()._apply(fn, recurse)
-        if self.cos2.dtype == torch.float64 and self.inv_freq.dtype == torch.float64:
-            self._build(torch.float64, self.cos2.device)
+        if self.inv_freq.dtype == torch.float64:
+            self._build(torch.float64, self.inv_freq.device)
         return self
 
     def rotate(self, x, start):
@@ -190,14 +187,10 @@ class RoPE(PositionEncoding):
         return Turn.apply(x, *shared[key])
 
     def _turns(self, x, start):
-        """What `turn` takes for x's T positions from start, in x's precision."""
-        T = x.shape[-2]
-        if isinstance(start, int) and start + T <= self.cos2.shape[0]:
-            return self.cos2[start:start + T].to(x.dtype), self.sin2[start:start + T].to(x.dtype)
-        # Past the table (longer evaluation, endless decoding from a rolling cache) or at a
-        # position held on the device: the angles of these positions alone, so memory does
-        # not grow with position.
-        pos = (start + torch.arange(T, device=x.device)).to(self.inv_freq.dtype)
+        """What `turn` takes for x's T positions from start, in x's precision: the angles of
+        these positions alone (once a pass, rotate_in_pass), so nothing is kept that grows
+        with position or limits it."""
+        pos = (start + torch.arange(x.shape[-2], device=x.device)).to(self.inv_freq.dtype)
         return tuple(t.to(x.dtype) for t in self.turns_at(pos))
 
     def shift(self, k, delta):

@@ -87,19 +87,22 @@ def test_a_float64_models_rope_turns_by_float64_angles(scaling, made):
     for start in (0, 997, block - 12, 50_000):              # in the table, across its end, past it
         expected = numpy_rope(x.numpy(), start + np.arange(24), inv_freq)
         assert np.abs(rope.rotate(x, start).numpy() - expected).max() < 1e-12, start
-    assert rope.cos2.dtype == rope.inv_freq.dtype == torch.float64
+    assert rope.inv_freq.dtype == torch.float64
 
 
-def test_a_float32_models_rope_keeps_its_float32_tables():
+def test_a_float32_models_rope_turns_by_float32_angles():
     rope = RoPE(ModelConfig(vocab_size=8, n_head=2, n_embd=32, block_size=64))
     reference = 10000.0 ** (-torch.arange(0, 16, 2).float() / 16)
-    assert rope.cos2.dtype == rope.inv_freq.dtype == torch.float32
+    assert rope.inv_freq.dtype == torch.float32
     assert torch.equal(rope.inv_freq, reference)
-    angle = torch.arange(64).float()[:, None] * reference
-    assert torch.equal(rope.cos2, torch.cat((angle.cos(), angle.cos()), dim=-1))
-    assert torch.equal(rope.sin2, torch.cat((-angle.sin(), angle.sin()), dim=-1))
-    assert GPT(ModelConfig(vocab_size=8, n_layer=1, n_head=2, n_embd=32, block_size=64)
-               ).to(torch.bfloat16).positions.cos2.dtype == torch.bfloat16     # a cast as before
+    angle = torch.arange(5, 69).float()[:, None] * reference
+    cos2, sin2 = rope._turns(torch.zeros(1, 2, 64, 16), 5)
+    assert torch.equal(cos2, torch.cat((angle.cos(), angle.cos()), dim=-1))
+    assert torch.equal(sin2, torch.cat((-angle.sin(), angle.sin()), dim=-1))
+    half = GPT(ModelConfig(vocab_size=8, n_layer=1, n_head=2, n_embd=32, block_size=64)
+               ).to(torch.bfloat16).positions
+    assert half.inv_freq.dtype == torch.bfloat16                       # a cast as before
+    assert half._turns(torch.zeros(1, 2, 3, 16, dtype=torch.bfloat16), 0)[0].dtype == torch.bfloat16
 
 
 def test_learned_positions_refuse_sequences_past_their_table():
