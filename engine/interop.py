@@ -632,6 +632,17 @@ def _config_and_architecture(folder: Path) -> tuple[dict, Architecture]:
     return config, arch
 
 
+def in_file_terms(message: str, config: dict) -> str:
+    """A refusal of the model a config.json describes names this project's fields
+    (model.moe_top_k=9); beside each, the config.json key holding that value where exactly
+    one does (num_experts_per_tok), so the reader knows which line of the file to fix."""
+    def named(found: re.Match) -> str:
+        keys = [k for k, v in config.items()
+                if type(v) in (int, float, str) and str(v) == found.group(2)]
+        return found.group(0) + (f" (config.json's {keys[0]})" if len(keys) == 1 else "")
+    return re.sub(r"model\.(\w+)=([\w.+-]*\w)", named, message)
+
+
 def open_hf_folder(folder: str | Path) -> HFFolder:
     """Check a transformers folder as untrusted input before anything is allocated:
     config.json against its architecture's schema and the memory free, tokenizer.json
@@ -646,16 +657,17 @@ def open_hf_folder(folder: str | Path) -> HFFolder:
     checked_config(config, arch.schema, config_path)
     try:
         cfg = arch.from_hf_config(config)
-    except (ModelError, CheckpointError) as err:
-        raise CheckpointError(f"{config_path}: {err}") from None
-    # The size of what the config describes, before anything is built: blocks,
-    # embeddings (and an untied output layer), positions. Its message names the file.
-    refuse_too_large_model(cfg, config_path)
-    try:
+        # The size of what the config describes, before anything is built: blocks,
+        # embeddings (and an untied output layer), positions.
+        refuse_too_large_model(cfg, config_path)
         expected = {name: tuple(t.shape)          # shapes only: no memory, no values
                     for name, t in arch.to_hf_weights(GPT.skeleton(cfg).state_dict(), cfg).items()}
     except (ModelError, CheckpointError) as err:
-        raise CheckpointError(f"{config_path}: {err}") from None
+        said = str(err).removeprefix(f"{config_path}: ")
+        if said.startswith(str(config_path)):              # already said whole, naming the file
+            raise CheckpointError(in_file_terms(said, config)) from None
+        raise CheckpointError(f"{config_path}: {in_file_terms(said, config)}; fix that in "
+                              "the file, or write the folder anew with save_pretrained") from None
     tokenizer = _read_tokenizer(folder, cfg)
     files = WeightFiles(folder, arch.base_prefix)
     # A tied output layer is the token embedding; a folder may store it anyway.

@@ -775,3 +775,25 @@ def test_the_deepseek_v32_preset_is_a_model_transformers_deepseek_v32_computes()
     cfg = cli.build("deepseek-v3.2", []).model
     cfg.vocab_size = V
     assert architecture_for(cfg, CHARS) is interop_deepseek.DEEPSEEK_V32
+
+
+def test_a_refused_config_json_names_the_files_key_beside_ours(tmp_path):
+    """A value the model refuses is named as this project's field and as config.json's
+    key that holds it, so the reader knows which line of the file to fix."""
+    transformers.DeepseekV3Config.save_pretrained(hf_config(num_experts_per_tok=9), tmp_path)
+    hf_tokenizer(CHARS).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError) as err:
+        load_hf_folder(tmp_path)
+    said = str(err.value)
+    assert "model.moe_top_k=9 (config.json's num_experts_per_tok)" in said, said
+    assert said.count(str(tmp_path / "config.json")) == 1 and "save_pretrained" in said
+
+
+def test_in_file_terms_names_a_key_only_where_one_holds_the_value():
+    from engine.interop import in_file_terms
+    config = {"num_experts_per_tok": 9, "n_group": 3, "num_hidden_layers": 3, "eps": 1e-06}
+    assert (in_file_terms("model.moe_top_k=9 is too many; model.moe_groups=3 too", config)
+            == "model.moe_top_k=9 (config.json's num_experts_per_tok) is too many; "
+               "model.moe_groups=3 too")                     # 3: two keys hold it, none named
+    assert in_file_terms("model.norm_eps=1e-06, more", config) == (
+        "model.norm_eps=1e-06 (config.json's eps), more")
