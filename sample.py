@@ -53,9 +53,9 @@ def main(argv: list[str]) -> int:
     def bind_yours(cfg):
         for note in plug.prepare(cfg.model, plug.folder_for(cfg.model, args.exercises, run)):
             print(note, file=sys.stderr)
+    loaded = []                       # what loading says, printed once nothing is refused
     model, cfg, tokenizer, ckpt = load_run(run, args.checkpoint, device,
-                                           before_build=bind_yours,
-                                           log=lambda line: print(line, file=sys.stderr))
+                                           before_build=bind_yours, log=loaded.append)
     s = sample_settings(cfg, args)
     dtype = pick_dtype(s.dtype, device, cfg.model.n_embd, decoding=True)
     model = model.to(dtype)
@@ -66,8 +66,8 @@ def main(argv: list[str]) -> int:
         check_sinks(model.config, decode, s.sinks)
     if decode == "mtp":
         check_speculation(model, s.sinks or None, None)
-    if WAITING:                       # said once work starts, not before an error line
-        print(WAITING, file=sys.stderr)
+    for line in [*loaded, WAITING] if WAITING else loaded:   # once work starts, not
+        print(line, file=sys.stderr)                          # before an error line
     prompt_ids = encode_prompt(tokenizer, s.prompt)
     print(header(ckpt, model, cfg, s, device, dtype, decode), file=sys.stderr)
     for n in range(s.num_samples):
