@@ -284,6 +284,7 @@ def share_the_rest(recall: dict, chosen: dict, s: Settings, stack: ExitStack) ->
         return
     second = stack.enter_context(ProcessPoolExecutor(
         1, mp_context=multiprocessing.get_context("spawn")))
+    stack.callback(second.shutdown, wait=False, cancel_futures=True)   # on an error: not the rest
     for name in reversed(list(recall)):
         if recall[name].cancel():                # not started: the second process takes it
             recall[name] = second.submit(mqar, chosen[name], s)
@@ -518,6 +519,7 @@ def main(argv=None) -> int:
         if helpers(s):
             pool = stack.enter_context(ProcessPoolExecutor(
                 helpers(s), mp_context=multiprocessing.get_context("spawn")))
+            stack.callback(pool.shutdown, wait=False, cancel_futures=True)   # on an error: not the rest
             recall = {n: pool.submit(mqar, m, s) for n, m in chosen.items()}
         else:
             recall = {n: Later(mqar, m, s) for n, m in chosen.items()}

@@ -449,6 +449,7 @@ def start_mqar(todo: dict, s: Settings, stack: ExitStack) -> dict:
     if not frontier.helpers(s.frontier_sizes):      # one core: each after the language models
         return {n: frontier.Later(frontier.mqar, m, s.frontier_sizes) for n, m in todo.items()}
     pool = stack.enter_context(ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")))
+    stack.callback(pool.shutdown, wait=False, cancel_futures=True)   # on an error: not the rest
     return {n: pool.submit(frontier.mqar, m, s.frontier_sizes) for n, m in todo.items()}
 
 
@@ -499,6 +500,8 @@ def main(argv=None) -> int:
         print(f"plan: {row.name}: {rates[row.name]:.2f} steps/s -> {steps[row.name]} steps "
               f"(python train.py --config {row.preset} {' '.join(row.options())} "
               f"--train.max_iters={steps[row.name]})")
+    for row in rows:                  # a run folder of another plan: refused before any work
+        earlier_run(row, steps[row.name], out)
     floors = frontier.mqar_floors(s.frontier_sizes)
     results = []
     recall_models = {r.name: as_mechanism(r, mqar=True) for r in rows}

@@ -325,3 +325,20 @@ def test_cards_refuse_a_run_folder_of_another_plan(tmp_path):
     with pytest.raises(Exception, match="not a run of this script's"):
         cards.earlier_run(row, 200, tmp_path)
     assert not cards.earlier_run(cards.Row("cpu"), 200, tmp_path)
+
+
+def test_cards_refuse_a_folder_of_another_plan_before_any_work(tmp_path, monkeypatch):
+    """A row whose lm/ folder holds another plan's run is refused before the first row
+    trains, not after the others' hour of work."""
+    cards = cards_script()
+    out = tmp_path / "cards"
+    (out / "lm" / "gemma3--no-sandwich" / "checkpoints").mkdir(parents=True)
+    (out / "lm" / "gemma3--no-sandwich" / "config.json").write_text(
+        '{"model": {}, "train": {"max_iters": 1}}')
+    trained = []
+    monkeypatch.setattr(cards, "probe", lambda rows, s: {r.name: 4.0 for r in rows})
+    monkeypatch.setattr(cards, "language_model", lambda row, *a: trained.append(row.name))
+    monkeypatch.setattr(cards, "use_threads", lambda n, env: None)
+    with pytest.raises(Exception, match="gemma3--no-sandwich holds a run of another config"):
+        cards.main(["--quick", "--cards", "gemma3", "--seconds", "5", "--out", str(out)])
+    assert trained == []
