@@ -198,8 +198,10 @@ def _piece_hooks(block, p: str, has, want, cache: dict):
                 cache[p + "sink"] = 1 - output[1].float().sum(-1)           # (B, H, T)
         out.append((attn, "post", sink))
     if "gate" in has:
-        out.append((attn, "pre", lambda module, args: want(p + "gate") and cache.update(
-            {p + "gate": gate_openness(module, args[0])})))
+        def gate(module, args):        # returns None: a pre-hook's value would replace args
+            if want(p + "gate"):
+                cache[p + "gate"] = gate_openness(module, args[0])
+        out.append((attn, "pre", gate))
     if "chosen" in has:
         def select(args, chosen, module=attn):
             index, visible = args[0], args[1]                               # (B, Tq, Tk), mask

@@ -202,6 +202,11 @@ def test_the_gates_openness_is_the_mean_sigmoid_of_each_heads_channels():
         expected = gate.reshape(B, T, 4, C // 4).mean(-1)                      # (B, T, H)
         np.testing.assert_allclose(cache[f"blocks.{layer}.gate"].double().numpy(), expected,
                                    atol=1e-6, rtol=0)
+    # Asking for other activations only (the heads tool asks for the patterns) leaves the
+    # gated layer's call as it is: the same patterns, the same logits.
+    logits, only = run_with_cache(model, TOKENS, only=["blocks.0.pattern"])
+    assert set(only) == {"blocks.0.pattern"}
+    torch.testing.assert_close(only["blocks.0.pattern"], cache["blocks.0.pattern"], atol=0, rtol=0)
 
 
 def numpy_layer_norm(x, weight, bias, eps) -> np.ndarray:
