@@ -41,10 +41,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import ctypes
 import io
 import multiprocessing
 import os
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -59,7 +61,7 @@ from tqdm import tqdm
 
 from attnlab.options import out_option
 from attnlab.plotting import pyplot, save_figure
-from common.errors import AttnlabError
+from common.errors import AttnlabError, terminate_as_interrupt
 from common.files import writable_folder, write_text_atomic
 from engine.cli import Parser, errors_as_lines
 from engine.machine import use_threads
@@ -282,12 +284,34 @@ def share_the_rest(recall: dict, chosen: dict, s: Settings, stack: ExitStack) ->
     runs it changes when it finishes, not what it computes."""
     if not helpers(s):
         return
-    second = stack.enter_context(ProcessPoolExecutor(
-        1, mp_context=multiprocessing.get_context("spawn")))
-    stack.callback(second.shutdown, wait=False, cancel_futures=True)   # on an error: not the rest
+    second = worker_pool(stack)
     for name in reversed(list(recall)):
         if recall[name].cancel():                # not started: the second process takes it
             recall[name] = second.submit(mqar, chosen[name], s)
+
+
+def worker_pool(stack: ExitStack, workers: int = 1) -> ProcessPoolExecutor:
+    """Processes for the MQAR models, closed with `stack`: the models not yet started are
+    dropped and the running ones stopped (everything is read from them inside the
+    stack, so at its close they hold nothing wanted). A SIGTERM here stops as a Ctrl-C
+    does, and a worker dies with this process even when it is killed outright."""
+    stack.enter_context(terminate_as_interrupt())
+    pool = stack.enter_context(ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("spawn"), initializer=_die_with_parent))
+    stack.callback(_stop, pool)
+    return pool
+
+
+def _die_with_parent() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)         # Ctrl-C is the parent's to handle
+    if sys.platform.startswith("linux"):                 # PR_SET_PDEATHSIG: killed with it
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    for process in list((pool._processes or {}).values()):   # the running model too: the
+        process.terminate()                                   # pool then fails what is left
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def helpers(s: Settings) -> int:
@@ -517,9 +541,7 @@ def main(argv=None) -> int:
     with ExitStack() as stack:
         bar = stack.enter_context(tqdm(total=3 * len(chosen), unit="stage", dynamic_ncols=True))
         if helpers(s):
-            pool = stack.enter_context(ProcessPoolExecutor(
-                helpers(s), mp_context=multiprocessing.get_context("spawn")))
-            stack.callback(pool.shutdown, wait=False, cancel_futures=True)   # on an error: not the rest
+            pool = worker_pool(stack, helpers(s))
             recall = {n: pool.submit(mqar, m, s) for n, m in chosen.items()}
         else:
             recall = {n: Later(mqar, m, s) for n, m in chosen.items()}

@@ -44,10 +44,9 @@ import argparse
 import csv
 import io
 import json
-import multiprocessing
+import math
 import os
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
@@ -247,6 +246,15 @@ def read_plan(path: Path, rows: list[Row], quick: bool) -> tuple[float, int, dic
         raise AttnlabError(f"--plan {path}: " + (f"no whole number of steps for {bad[0]}" if bad
                            else f"no steps for {missing[0]}") + "; give a plan written for "
                            "these cards, or leave --plan out to time each row again")
+    wrong = ([f"seconds {seconds:g}"] if not 0 < seconds <= 24 * 3600 else []) + \
+            ([f"threads {threads}"] if not 1 <= threads <= (os.cpu_count() or 1) else []) + \
+            [f"{n}'s {steps[n]} steps at {rates[n]:g} steps/s" for n in steps
+             if not 0 < rates[n] < 1e6 or steps[n] != max(1, round(seconds * rates[n]))]
+    if wrong:
+        raise AttnlabError(f"--plan {path}: {wrong[0]} is not what this script plans (steps are "
+                           "seconds times the rate timed, seconds up to a day, threads up to "
+                           f"{os.cpu_count()}): an edited plan; give the one a run wrote, or "
+                           "leave --plan out to time each row again")
     return seconds, threads, rates, steps
 
 
@@ -312,7 +320,15 @@ def kept(out: Path, name: str, part: str, key: dict) -> dict | None:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return data.get("result") if isinstance(data, dict) and data.get("key") == key else None
+    if not isinstance(data, dict) or data.get("key") != key:
+        return None
+    result = data.get("result")
+    whole = isinstance(result, dict) and result.get("row", name) == name and all(
+        isinstance(v, str) if k in ("row", "about") else
+        type(v) in (int, float) and math.isfinite(v) for k, v in result.items())
+    if not whole:
+        print(f"{path}: not a row this script wrote; measuring {name} again")
+    return result if whole else None
 
 
 def keep(out: Path, name: str, part: str, key: dict, result: dict) -> None:
@@ -448,8 +464,7 @@ def start_mqar(todo: dict, s: Settings, stack: ExitStack) -> dict:
     not yet started share both cores (frontier.share_the_rest)."""
     if not frontier.helpers(s.frontier_sizes):      # one core: each after the language models
         return {n: frontier.Later(frontier.mqar, m, s.frontier_sizes) for n, m in todo.items()}
-    pool = stack.enter_context(ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")))
-    stack.callback(pool.shutdown, wait=False, cancel_futures=True)   # on an error: not the rest
+    pool = frontier.worker_pool(stack)
     return {n: pool.submit(frontier.mqar, m, s.frontier_sizes) for n, m in todo.items()}
 
 
@@ -475,13 +490,32 @@ def measured_row(row: Row, steps: int, s: Settings, out: Path, key: dict) -> dic
     return result
 
 
+def go_on_with(args, rows: list[Row], out: Path) -> None:
+    """A sitting begun in `out` (its plan.json there) goes on when the same command is
+    given again, killed or finished: its plan is used as --plan would use it, so the
+    rows it kept are not measured again. Other seconds or threads are refused."""
+    if args.plan is not None or not (out / "plan.json").is_file():
+        return
+    try:
+        seconds, threads, _, _ = read_plan(out / "plan.json", rows, args.quick)
+    except AttnlabError as err:
+        raise AttnlabError(f"{out} holds another sitting ({err}); give another --out") from None
+    if args.seconds not in (None, seconds) or args.threads not in (None, threads):
+        raise AttnlabError(f"{out} holds a sitting planned for {seconds:g} s on {threads} "
+                           f"thread(s): give those (or leave --seconds and --threads out) to "
+                           "go on with it, or give another --out")
+    args.plan, args.seconds, args.threads = out / "plan.json", None, None
+    print(f"plan: going on with the sitting in {out} (its plan.json)")
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    s = settings_of(args)
     out = writable_folder(args.out or (QUICK_OUT if args.quick else OUT))
     rows = rows_of(list(dict.fromkeys(args.cards)))
     for row in rows:
         check(row)
+    go_on_with(args, rows, out)
+    s = settings_of(args)
     if args.plan:
         s.seconds, args.threads, rates, steps = read_plan(args.plan, rows, args.quick)
         s.frontier_sizes = replace(s.frontier_sizes, threads=args.threads)
@@ -494,14 +528,14 @@ def main(argv=None) -> int:
     else:
         rates = probe(rows, s)
         steps = plan_steps(rates, s.seconds)
+    for row in rows:                  # a run folder of another plan: refused before any work
+        earlier_run(row, steps[row.name], out)
     write_plan(out / "plan.json", s, args.threads, rates, {r.name: steps[r.name] for r in rows},
                args.quick)
     for row in rows:
         print(f"plan: {row.name}: {rates[row.name]:.2f} steps/s -> {steps[row.name]} steps "
               f"(python train.py --config {row.preset} {' '.join(row.options())} "
               f"--train.max_iters={steps[row.name]})")
-    for row in rows:                  # a run folder of another plan: refused before any work
-        earlier_run(row, steps[row.name], out)
     floors = frontier.mqar_floors(s.frontier_sizes)
     results = []
     recall_models = {r.name: as_mechanism(r, mqar=True) for r in rows}

@@ -246,6 +246,20 @@ def test_cards_refuse_a_plan_without_the_rows_asked_for(tmp_path):
         cards.read_plan(plan, cards.rows_of([]), True)
 
 
+@pytest.mark.parametrize("edit,said", [
+    ({"threads": 0}, "threads 0"), ({"seconds": -1}, "seconds -1"),
+    ({"rows": {"cpu": {"steps_per_s": 5.0, "steps": 10**12}}}, "cpu's 1000000000000 steps at 5 steps/s"),
+])
+def test_cards_refuse_an_edited_plan(tmp_path, edit, said):
+    """A plan's steps are its seconds times each rate; its seconds and threads in range."""
+    cards = cards_script()
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"seconds": 2, "threads": 1, "rows": {"cpu": {"steps_per_s": 5.0,
+                                                                            "steps": 10}}, **edit}))
+    with pytest.raises(Exception, match=f"{re.escape(said)} is not what this script plans"):
+        cards.read_plan(plan, cards.rows_of([]), False)
+
+
 def test_cards_refuse_no_threads():
     with pytest.raises(Exception, match="--threads 0: give 1 to"):
         cards_script().main(["--quick", "--threads", "0"])
@@ -288,7 +302,10 @@ def test_cards_killed_resume_from_the_row_they_were_on(tmp_path, monkeypatch):
         cards.main(["--quick", "--cards", "gemma3", "--seconds", "5", "--out", str(out)])
     assert trained == ["cpu", "gemma3", "gemma3--no-windows"] and recalled == []
     trained.clear()
-    cards.main(["--quick", "--cards", "gemma3", "--plan", str(out / "plan.json"), "--out", str(out)])
+    with pytest.raises(Exception, match="planned for 5 s on 1 thread.*another --out"):
+        cards.main(["--quick", "--cards", "gemma3", "--seconds", "6", "--out", str(out)])
+    # The same command again goes on with the sitting (its plan.json), as --plan would.
+    cards.main(["--quick", "--cards", "gemma3", "--seconds", "5", "--out", str(out)])
     assert trained == ["gemma3--no-qk_norm", "gemma3--no-sandwich"]
     assert len(recalled) == 5
     recalled.clear(), trained.clear()
@@ -303,6 +320,13 @@ def test_cards_killed_resume_from_the_row_they_were_on(tmp_path, monkeypatch):
     (out / "rows" / "gemma3.mqar.json").write_text(json.dumps(kept))
     cards.main(["--quick", "--cards", "gemma3", "--plan", str(out / "plan.json"), "--out", str(out)])
     assert recalled == ["the card as its preset"]
+    # A kept row edited into what this script never writes is measured again, not shown.
+    kept = json.loads((out / "rows" / "gemma3.lm.json").read_text())
+    kept["result"]["val_loss"] = "abc"
+    (out / "rows" / "gemma3.lm.json").write_text(json.dumps(kept))
+    trained.clear()
+    cards.main(["--quick", "--cards", "gemma3", "--out", str(out)])
+    assert trained == ["gemma3"]
 
 
 def test_cards_refuse_a_run_folder_of_another_plan(tmp_path):

@@ -256,6 +256,11 @@ def test_the_mqar_models_not_yet_started_move_to_a_second_process(monkeypatch):
             submitted.append(mechanism)
             return ("second", mechanism)
 
+        def shutdown(self, wait=True, cancel_futures=False):
+            pass
+
+        _processes = {}
+
     monkeypatch.setattr(frontier, "ProcessPoolExecutor", Second)
     monkeypatch.setattr(frontier, "helpers", lambda s: 1)
     chosen = {n: f"entry {n}" for n in ("mha", "gqa", "linear", "deltanet")}
@@ -265,3 +270,30 @@ def test_the_mqar_models_not_yet_started_move_to_a_second_process(monkeypatch):
         frontier.share_the_rest(recall, chosen, frontier.Settings(), stack)
     assert submitted == ["entry deltanet", "entry linear"]
     assert recall["linear"] == ("second", "entry linear") and isinstance(recall["mha"], Waiting)
+
+
+def test_a_frontier_worker_dies_with_its_parent_and_an_error_stops_it():
+    """A worker pool's process is killed with this one (PR_SET_PDEATHSIG) and leaves
+    Ctrl-C to it; closing the pool's stack on an error stops the model it is training
+    instead of waiting for it (waiting, this test would sleep for ten minutes)."""
+    import signal
+    import time
+    from contextlib import ExitStack
+    from attnlab import frontier
+    with pytest.raises(RuntimeError):
+        with ExitStack() as stack:
+            pool = frontier.worker_pool(stack)
+            assert pool.submit(_worker_facts).result() == (signal.SIG_IGN, signal.SIGKILL)
+            long, waiting = pool.submit(time.sleep, 600), pool.submit(time.sleep, 600)
+            while not long.running():
+                time.sleep(0.05)
+            raise RuntimeError("an error in the parent")
+    assert long.done() and waiting.done()         # failed, not run: the pool is closed
+
+
+def _worker_facts():
+    import ctypes
+    import signal
+    death = ctypes.c_int()
+    ctypes.CDLL(None).prctl(2, ctypes.byref(death))            # PR_GET_PDEATHSIG
+    return signal.getsignal(signal.SIGINT), death.value
