@@ -2,9 +2,9 @@
 attention, latent attention as built (its latent RMS-normalised, as DeepSeek-V2 does),
 and latent attention without that norm, at the default latent and at one as wide as
 multi-head attention's keys and values together (no compression at all), each trained
-on MQAR with the frontier's settings (attnlab/frontier.py: 32 keys, 32 values, 1-8
-pairs, 64 tokens, the recall lab's optimizer and schedule) and scored on 256 examples
-per pair count.
+on MQAR as the frontier trains its models (attnlab/frontier.py: Zoology's task, the
+frontier's width, short convolution, steps and curriculum) and scored in the frontier's
+cells at 128 tokens, each beside its key-blind floor.
 
     python bench/latent_recall.py
     python bench/latent_recall.py --steps 300 --variants mha mla
@@ -17,82 +17,69 @@ import argparse
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from attnlab.frontier import Settings  # noqa: E402
-from attnlab.mqar_task import MQARTask, score  # noqa: E402
-from attnlab.recall import BASE  # noqa: E402
+from attnlab import frontier  # noqa: E402
+from attnlab.mqar_task import score, train  # noqa: E402
 from capability import cpu_model  # noqa: E402
-from engine.config import TrainConfig  # noqa: E402
-from engine.loop import lr_at  # noqa: E402
-from engine.optim import configure_optimizer  # noqa: E402
-from model import GPT, ModelConfig  # noqa: E402
 
-
-def without_norm(model):
-    for block in model.blocks:
-        block.attn.kv_norm = nn.Identity()
-
-
-# name: (model fields over the frontier's base model, a change made once it is built)
-VARIANTS = {
-    "mha": ({}, None),
-    "mla": ({"mechanism": "mla"}, None),
-    "mla, no norm": ({"mechanism": "mla"}, without_norm),
-    "mla, no norm, r = 2·H·d_h": ({"mechanism": "mla", "mla_kv_rank": 2 * BASE["n_embd"]},
-                                  without_norm),
+VARIANTS = {                          # name -> (model fields over the frontier's, latent normed)
+    "mha": ({}, True),
+    "mla": ({"mechanism": "mla"}, True),
+    "mla, no norm": ({"mechanism": "mla"}, False),
+    "mla, no norm, r = 2·H·d_h": ({"mechanism": "mla", "mla_kv_rank": 2 * frontier.BASE["n_embd"]},
+                                  False),
 }
+LENGTH = 128
 
 
-def trained(fields: dict, change, s: Settings, task: MQARTask, seed: int = 0) -> tuple[GPT, float]:
-    """The frontier's MQAR training (recall.train_variant's loop), with `change` applied."""
-    torch.manual_seed(seed)
-    model = GPT(ModelConfig(**{**BASE, **fields, "vocab_size": task.tokenizer.vocab_size,
-                               "block_size": s.mqar_length}))
-    if change:
-        change(model)
-    lr = 3e-3
-    t = TrainConfig(lr=lr, min_lr=lr / 10, max_iters=s.steps, warmup_iters=min(50, s.steps // 5),
-                    weight_decay=0.0)
-    opt = configure_optimizer(model, t, torch.device("cpu"))
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    g = torch.Generator().manual_seed(seed + 1)
-    for step in range(s.steps):
-        opt.set_lr(lr_at(step, t) / t.lr)
-        x, y = task.batch(32, s.mqar_length, g)
-        loss = model(x, y).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step(scaler)
-        opt.zero_grad()
-    return model.eval(), loss.item()
+@contextmanager
+def latent_norm(kept: bool):
+    """Latent attention built with its latent's RMS norm, or (kept False) without it."""
+    from model.latent_attention import LatentAttention
+    real = LatentAttention.__init__
+
+    def without(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self.kv_norm = nn.Identity()
+    LatentAttention.__init__ = real if kept else without
+    try:
+        yield
+    finally:
+        LatentAttention.__init__ = real
 
 
 def main() -> int:
+    s = frontier.Settings()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=Settings.steps, help="training steps of each model")
+    p.add_argument("--steps", type=int, default=s.mqar_steps, help="MQAR training steps of each model")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                    metavar="NAME", help="of: " + "; ".join(VARIANTS))
-    p.add_argument("--examples", type=int, default=256, help="examples per pair count")
+    p.add_argument("--examples", type=int, default=s.examples, help="examples per cell")
     args = p.parse_args()
-    if args.steps < 1 or args.examples < 1:
-        raise SystemExit("error: give --steps and --examples of at least 1")
+    if not 1 <= args.steps <= 10**6 or not 1 <= args.examples <= 10**5:
+        raise SystemExit("error: give --steps from 1 to 1,000,000 and --examples from 1 to 100,000")
     torch.set_num_threads(1)
-    s = Settings(steps=args.steps)
-    task = MQARTask(s.keys, s.keys, max(s.pairs))
+    task = frontier.mqar_task(s)
+    pairs = [n for length, n in frontier.mqar_cells(s) if length == LENGTH]
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"machine: {cpu_model()}; torch {torch.__version__}, 1 thread; load average {load}")
-    print(f"| {args.steps} steps | last loss | " + " | ".join(f"mqar_{n}" for n in s.pairs) + " |")
-    print("|---|---|" + "---|" * len(s.pairs))
+    print(f"| {args.steps} steps, {LENGTH} tokens | " + " | ".join(f"{n} pairs" for n in pairs) + " |")
+    print("|---|" + "---|" * len(pairs))
     for name in args.variants:
-        started = time.perf_counter()
-        model, loss = trained(*VARIANTS[name], s, task)
-        cells = " | ".join(f"{score(model, task, s.mqar_length, n, args.examples):.0%}" for n in s.pairs)
-        print(f"| {name} | {loss:.3f} | {cells} |  ({time.perf_counter() - started:.0f} s)", flush=True)
+        fields, normed = VARIANTS[name]
+        started = time.process_time()
+        with latent_norm(normed):
+            model = train(task, {**frontier.BASE, **fields}, LENGTH, args.steps, batch=s.mqar_batch,
+                          lr=s.mqar_lr, log=lambda line: None).eval()
+        cells = " | ".join("{:.0%} ({:.0%})".format(*score(model, task, LENGTH, n, args.examples))
+                           for n in pairs)                       # each beside its floor
+        print(f"| {name} | {cells} |  ({time.process_time() - started:.0f} CPU s)", flush=True)
     return 0
 
 

@@ -446,7 +446,7 @@ def refuse_too_large_model(cfg, path: Path) -> None:
     try:
         params, buffers, largest = model_sizes(cfg)
     except ModelError as err:
-        raise CheckpointError(f"{path}: {err}") from None
+        raise CheckpointError(f"{path}: {err}") from err      # the cause: a value refused
     refuse_too_large(params, path, available_bytes(torch.device("cpu")), buffers, largest)
 
 

@@ -666,8 +666,12 @@ def open_hf_folder(folder: str | Path) -> HFFolder:
         said = str(err).removeprefix(f"{config_path}: ")
         if said.startswith(str(config_path)):              # already said whole, naming the file
             raise CheckpointError(in_file_terms(said, config)) from None
-        raise CheckpointError(f"{config_path}: {in_file_terms(said, config)}; fix that in "
-                              "the file, or write the folder anew with save_pretrained") from None
+        # A value the model refuses is the file's to fix; a shape attnlab does not compute
+        # (the bridge's own refusals) is not a broken file, and says so itself.
+        refused_value = isinstance(err, ModelError) or isinstance(err.__cause__, ModelError)
+        fix = "; fix that in the file, or write the folder anew with save_pretrained" \
+            if refused_value else ""
+        raise CheckpointError(f"{config_path}: {in_file_terms(said, config)}{fix}") from None
     tokenizer = _read_tokenizer(folder, cfg)
     files = WeightFiles(folder, arch.base_prefix)
     # A tied output layer is the token embedding; a folder may store it anyway.

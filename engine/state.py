@@ -150,9 +150,13 @@ def position_words(c) -> str:
     if not unturned:
         return f"{c.position} positions"
     names = ", ".join(unturned)
+    # Their own way: MLA turns a small key of its own (decoupled RoPE), a recurrent layer
+    # reads its tokens in order.
+    own = "a rotary key of its own or the order of its recurrence"
     if len(unturned) == len(set(layer_names(c))):
-        return f"{c.position} positions (model.mechanism={names} finds order its own way)"
-    return f"{c.position} positions (not in the {names} layers, which find order their own way)"
+        return f"{c.position} positions (model.mechanism={names} finds order its own way: {own})"
+    return (f"{c.position} positions (not in the {names} layers, which find order their own "
+            f"way: {own})")
 
 
 def mixing(c) -> str:
