@@ -107,14 +107,18 @@ MECHANISMS = {
 }
 
 
-def measurable() -> dict[str, Mechanism]:
+def measurable(asked=()) -> dict[str, Mechanism]:
     """The rows above, then every other registered model.mechanism, by its name alone: the
-    default run measures the rows, and a mechanism added tomorrow is measured when named."""
+    default run measures the rows, and a mechanism added tomorrow is measured when named;
+    and of `asked`, the per-layer lists of them (linear,mha: the layers in turn)."""
     from model.mechanisms import MECHANISMS as REGISTERED
     from model.registry import is_reserved
     others = {n: Mechanism(f"model.mechanism={n}", {"mechanism": n}) for n in REGISTERED
               if not is_reserved(n) and n not in MECHANISMS}
-    return {**MECHANISMS, **others}
+    layered = {n: Mechanism(f"model.mechanism={n}: the layers' mechanisms in turn", {"mechanism": n})
+               for n in asked if "," in n and all(
+                   part.strip() in REGISTERED and not is_reserved(part.strip()) for part in n.split(","))}
+    return {**MECHANISMS, **others, **layered}
 
 
 @dataclass
@@ -443,7 +447,8 @@ def parser() -> Parser:
     p = Parser("python -m attnlab.frontier", __doc__)
     p.add_argument("--mechanisms", nargs="+", default=list(MECHANISMS), metavar="NAME",
                    help="mechanisms to measure, in this order (default: all of "
-                        + ", ".join(MECHANISMS) + "; any other model.mechanism by its name)")
+                        + ", ".join(MECHANISMS) + "; any other model.mechanism by its name, "
+                        "or a per-layer list such as linear,mha)")
     p.add_argument("--out", type=out_option, default=None,
                    help=f"folder for frontier.md, .csv, .png and the language models' runs "
                         f"(default {OUT}; with --quick, {QUICK_OUT}, so a test never "
@@ -492,7 +497,7 @@ def settings_of(args) -> Settings:
         raise AttnlabError(f"--pairs {max(s.pairs)}: an MQAR sequence of {max(s.mqar_lengths)} "
                            f"tokens holds at most {most} pairs (4 tokens a pair: the pair and "
                            "a query's slot)")
-    known = measurable()
+    known = measurable(args.mechanisms)
     unknown = [m for m in args.mechanisms if m not in known]
     if unknown:
         from common.errors import closest
@@ -520,7 +525,7 @@ def main(argv=None) -> int:
     s = settings_of(args)
     out = writable_folder(args.out or (QUICK_OUT if args.quick else OUT))   # now, not after the training
     use_threads(s.threads, os.environ)                  # train.py's too: one setting, one run
-    chosen, known = {}, measurable()
+    chosen, known = {}, measurable(args.mechanisms)
     for name in dict.fromkeys(args.mechanisms):
         reason = why_not(known[name])
         if reason:

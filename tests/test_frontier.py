@@ -297,3 +297,15 @@ def _worker_facts():
     death = ctypes.c_int()
     ctypes.CDLL(None).prctl(2, ctypes.byref(death))            # PR_GET_PDEATHSIG
     return signal.getsignal(signal.SIGINT), death.value
+
+
+def test_a_per_layer_list_is_measured_by_its_name_and_a_wrong_part_refused():
+    """--mechanisms linear,mha (the docs' other hybrid order) is a row; a list with a part
+    that is no mechanism is refused with the others."""
+    from attnlab import frontier
+    known = frontier.measurable(["linear,mha", "linear,mhaa"])
+    assert known["linear,mha"].model == {"mechanism": "linear,mha"}
+    assert "linear,mhaa" not in known
+    with pytest.raises(Exception, match="--mechanisms linear,mhaa: not a mechanism"):
+        frontier.settings_of(frontier.parser().parse_args(["--quick", "--mechanisms", "linear,mhaa"]))
+    frontier.settings_of(frontier.parser().parse_args(["--quick", "--mechanisms", "linear,mha"]))
