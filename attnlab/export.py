@@ -35,6 +35,11 @@ def main(argv=None) -> int:
     print(f"wrote {args.out}: {arch.hf_class} ({arch.model_type}) from {ckpt}, "
           f"{model.num_params() / 1e6:.2f}M parameters")
     print(f"load it with: transformers.{arch.hf_class}.from_pretrained({args.out!r})")
+    if getattr(cfg.model, "mtp_depth", 0):
+        # transformers' DeepSeek classes have no multi-token prediction module to load it into.
+        print(f"not written: the multi-token prediction module (model.mtp_depth="
+              f"{cfg.model.mtp_depth}); {arch.hf_class} has none, so the folder samples "
+              "without --decode mtp")
     return 0
 
 
