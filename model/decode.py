@@ -115,11 +115,11 @@ def check_sinks(config, decode: str, sinks: int) -> None:
     if not any(MECHANISMS[n].cache.per_token(config) for n in names):
         raise ModelError(f"sinks choose which keys a rolling cache keeps, and model."
                          f"mechanism={config.mechanism} keeps no keys: its fixed-size "
-                         "state already reads past the context; sample without sinks")
+                         "state already reads past the context; sample without sinks (--sinks=0)")
     if config.rope_local_theta:
         raise ModelError("sinks renumber a rolling cache's keys by turning them with the model's "
                          "RoPE, and model.rope_local_theta turns the windowed layers' keys by "
-                         "another base; sample without sinks")
+                         "another base; sample without sinks (--sinks=0)")
     for name in names:
         if MECHANISMS[name].stream_refusal:
             raise ModelError(f"sinks renumber a rolling cache's keys, and model.mechanism="
