@@ -510,6 +510,15 @@ def settings_of(args) -> Settings:
     return s
 
 
+def refuse_to_replace_a_measurement(out: Path, quick: bool) -> None:
+    """--quick's noise never replaces a measured table, in its own folder or one named."""
+    table = out / "frontier.md"
+    if quick and table.is_file() and \
+            QUICK_NOTE not in table.read_text(encoding="utf-8", errors="replace")[:4096]:
+        raise AttnlabError(f"{out} holds a measured frontier (frontier.md), which --quick's "
+                           "numbers would replace; give --quick another --out")
+
+
 class Later:
     """A future that runs its call when asked for the result (one process, one core)."""
 
@@ -524,6 +533,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     s = settings_of(args)
     out = writable_folder(args.out or (QUICK_OUT if args.quick else OUT))   # now, not after the training
+    refuse_to_replace_a_measurement(out, args.quick)
     use_threads(s.threads, os.environ)                  # train.py's too: one setting, one run
     chosen, known = {}, measurable(args.mechanisms)
     for name in dict.fromkeys(args.mechanisms):

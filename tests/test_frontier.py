@@ -309,3 +309,13 @@ def test_a_per_layer_list_is_measured_by_its_name_and_a_wrong_part_refused():
     with pytest.raises(Exception, match="--mechanisms linear,mhaa: not a mechanism"):
         frontier.settings_of(frontier.parser().parse_args(["--quick", "--mechanisms", "linear,mhaa"]))
     frontier.settings_of(frontier.parser().parse_args(["--quick", "--mechanisms", "linear,mha"]))
+
+
+def test_quick_never_replaces_a_measured_table(tmp_path):
+    from attnlab import frontier
+    (tmp_path / "frontier.md").write_text("Frontier, 2026-12-07 ...\n| mechanism |\n")
+    with pytest.raises(Exception, match="holds a measured frontier"):
+        frontier.refuse_to_replace_a_measurement(tmp_path, quick=True)
+    frontier.refuse_to_replace_a_measurement(tmp_path, quick=False)      # a measurement may
+    (tmp_path / "frontier.md").write_text(f"**{frontier.QUICK_NOTE}**\n\nFrontier ...\n")
+    frontier.refuse_to_replace_a_measurement(tmp_path, quick=True)       # noise over noise
