@@ -256,5 +256,10 @@ def load_line(model: nn.Module) -> str | None:
     loads = expert_loads(model)
     if not loads:
         return None
-    ratios = [max(row) / (sum(row) / len(row)) if sum(row) else 0.0 for row in loads.values()]
-    return "moe load, busiest/mean per layer: " + " ".join(f"{r:.2f}" for r in ratios)
+    ratios = {name: max(row) / (sum(row) / len(row)) if sum(row) else 0.0
+              for name, row in loads.items()}
+    # Each named by its layer (blocks.3.mlp: 3), a multi-token prediction depth's as mtp0.
+    label = lambda name: (f"mtp{name.split('.')[2]}" if name.startswith("mtp.")
+                          else name.split(".")[1])
+    return "moe load, busiest/mean by layer: " + ", ".join(
+        f"{label(name)} {r:.2f}" for name, r in ratios.items())

@@ -140,7 +140,7 @@ def test_the_load_table_and_line_show_each_layer():
         block.mlp.after_step()
     assert expert_loads(model) == {"blocks.0.mlp": [1.0, 1.0, 0.0, 0.0],
                                    "blocks.1.mlp": [0.5, 0.5, 0.5, 0.5]}
-    assert load_line(model) == "moe load, busiest/mean per layer: 2.00 1.00"
+    assert load_line(model) == "moe load, busiest/mean by layer: 0 2.00, 1 1.00"
 
 
 # --- transformers' DeepseekV3MoE --------------------------------------------------------
@@ -255,7 +255,7 @@ def test_a_run_updates_the_bias_once_per_step_from_all_its_micro_batches(corpus,
 def test_a_run_is_repeatable_and_resumes_with_the_same_bias_and_losses(corpus, tmp_path, capsys):
     quiet = dict(log=lambda *a, **k: None)
     train(setup_run(_cfg(corpus, tmp_path, "straight"), **quiet))
-    assert "moe load, busiest/mean per layer: " in capsys.readouterr().out
+    assert "moe load, busiest/mean by layer: " in capsys.readouterr().out
     train(setup_run(_cfg(corpus, tmp_path, "again"), **quiet))
     first = setup_run(_cfg(corpus, tmp_path, "split"), **quiet)
     forward = first.train_forward
