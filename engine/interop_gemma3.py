@@ -139,7 +139,10 @@ def _from_config(c: dict) -> ModelConfig:
     types = c.get("layer_types") or [
         SLIDING if (i + 1) % (c.get("sliding_window_pattern") or DEFAULT_PATTERN) else FULL
         for i in range(n_layer)]
-    every = _pattern(types, n_layer) if len(types) == n_layer else None
+    if len(types) != n_layer:
+        raise CheckpointError(f"layer_types lists {len(types)} layers, num_hidden_layers is "
+                              f"{n_layer}: give one type a layer")
+    every = _pattern(types, n_layer)
     if every is None:
         raise CheckpointError(f"layer_types={types} places the full layers other than every "
                               "Nth: attnlab makes layers N-1, 2N-1, ... full "

@@ -271,6 +271,20 @@ def test_what_the_model_cannot_hold_is_refused_in_one_line_naming_the_field(tmp_
     assert field in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_config_json_with_too_few_layer_types_is_refused_by_their_count(tmp_path):
+    """An edited file (transformers refuses to write one): the count, not the pattern."""
+    import json
+    from common.errors import CheckpointError
+    random_gemma(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    config["layer_types"] = config["layer_types"][:3]
+    path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="layer_types lists 3 layers, num_hidden_layers is "
+                                              "6: give one type a layer"):
+        load_hf_folder(tmp_path / "hf")
+
+
 def test_the_preset_is_gemma3_and_exports_as_it():
     from engine.cli import build
     m = build("gemma3", []).model
