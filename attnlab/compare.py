@@ -55,11 +55,15 @@ def run_variant(name: str, args: str, base: str, steps: int, out: Path, common: 
                 resume: bool = False) -> dict:
     """train.py for one variant, its figures read from its run folder; with `resume`, the
     folder's own run continued (or, already at its last step, only read)."""
-    cmd = ([sys.executable, "train.py", "--resume", str(out / name)] if resume else
-           [sys.executable, "train.py", "--config", base, *shlex.split(args), *common,
+    train = str(ROOT / "train.py")
+    cmd = ([sys.executable, train, "--resume", str(out / name)] if resume else
+           [sys.executable, train, "--config", base, *shlex.split(args), *common,
             f"--train.max_iters={steps}", f"--train.out_dir={out}", f"--train.run_name={name}"])
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    # In this command's folder, as a user's own train.py would run: the folders a config
+    # file names (below the one the command runs from) and a relative --out are where the
+    # user meant, not below the project.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "WANDB_MODE": "disabled"})
     output = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)        # this child's own peak memory

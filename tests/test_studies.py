@@ -17,6 +17,8 @@ def test_compare_then_extrapolate(corpus, tmp_path):
                       "learned=--model.position=learned", "--variant", "alibi=--model.position=alibi",
                       cwd=tmp_path)
     assert "results.md" in proc.stdout
+    # The cache the config file names is below the folder the command ran from, not the project.
+    assert (tmp_path / "cache").is_dir() and not (ROOT / "cache").exists()
     rows = list(csv.DictReader(open(out / "results.csv")))
     assert [r["variant"] for r in rows] == ["rope", "learned", "alibi"]
     for r in rows:
