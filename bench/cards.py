@@ -284,6 +284,11 @@ def language_model(row: Row, steps: int, s: Settings, out: Path) -> dict:
             "train_tokens_per_s": r["tokens_per_s"]}
 
 
+def as_json(value):
+    """`value` as it reads back from JSON (tuples as lists): what a kept file compares with."""
+    return json.loads(json.dumps(value))
+
+
 def earlier_run(row: Row, steps: int, out: Path) -> bool:
     """Whether lm/ holds this row's run from an earlier start of the same plan, killed or
     finished: it is then resumed (train.py --resume), not trained again. A folder holding
@@ -296,7 +301,7 @@ def earlier_run(row: Row, steps: int, out: Path) -> bool:
             raise ValueError("config.json over 1 MiB")
         saved = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
         model, iters = saved["model"], saved["train"]["max_iters"]
-        want = json.loads(json.dumps(asdict(config_of(row).model)))
+        want = as_json(asdict(config_of(row).model))
         same = iters == steps and all(model.get(k) == v for k, v in want.items()
                                       if k != "vocab_size")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
@@ -539,8 +544,8 @@ def main(argv=None) -> int:
     floors = frontier.mqar_floors(s.frontier_sizes)
     results = []
     recall_models = {r.name: as_mechanism(r, mqar=True) for r in rows}
-    sizes = json.loads(json.dumps(asdict(s.frontier_sizes)))
-    keys = {r.name: {"sizes": sizes, "model": json.loads(json.dumps(recall_models[r.name].model))}
+    sizes = as_json(asdict(s.frontier_sizes))
+    keys = {r.name: {"sizes": sizes, "model": as_json(recall_models[r.name].model)}
             for r in rows}                                 # what a row's MQAR depends on
     earlier = {n: kept(out, n, "mqar", keys[n]) for n in recall_models}
     todo = {n: m for n, m in recall_models.items() if earlier[n] is None}
@@ -549,12 +554,14 @@ def main(argv=None) -> int:
         keep_when_done(mqar, lambda n, r: keep(out, n, "mqar", keys[n], r))
         for row in rows:
             lm_key = {"steps": steps[row.name], "eval_iters": s.eval_iters, "sizes": sizes,
-                      "model": json.loads(json.dumps(as_mechanism(row).model))}
+                      "model": as_json(as_mechanism(row).model)}
             result = measured_row(row, steps[row.name], s, out, lm_key)
             results.append(result)
             print(f"{row.name}: val loss {result['val_loss']:.3f}")
+        first = dict(mqar)
         frontier.share_the_rest(mqar, todo, s.frontier_sizes, stack)
-        keep_when_done(mqar, lambda n, r: keep(out, n, "mqar", keys[n], r))
+        keep_when_done({n: f for n, f in mqar.items() if f is not first[n]},    # moved ones
+                       lambda n, r: keep(out, n, "mqar", keys[n], r))
         for result in results:
             name = result["row"]
             result.update(earlier[name] or mqar[name].result())
