@@ -140,7 +140,7 @@ class Mask:
     @cached_property
     def dense(self) -> torch.Tensor:
         """True where a key is visible: (Tq, Tk), or (B, 1, Tq, Tk) with padding."""
-        ok = visible(self.q_pos, self.k_pos, self.window, self.n_global, self.causal)
+        ok = rule(self.q_pos[:, None], self.k_pos[None, :], self.window, self.n_global, self.causal)
         if self.key_padding is not None:
             ok = ok & ~self.key_padding[:, None, None, :]
         return ok
@@ -163,11 +163,10 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 
 def eager_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
     """The article's formula, one line per idea. q: (B, H, Tq, d_k), k and v: (B, H, Tk, d_k)."""
-    d_k = q.size(-1)
     # Q·Kᵀ: how well each query matches each key. Divide by √d_k because a dot product
     # of d_k unit-variance terms has a spread of √d_k; unscaled, large scores would
     # push the softmax into a one-hot corner where its gradients vanish.
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(d_k)              # (B, H, Tq, Tk)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))       # (B, H, Tq, Tk)
     if mask.bias_fn is not None:
         scores = scores + mask.bias                                   # ALiBi: farther is fainter
     # Hidden keys get -inf before the softmax: exp(-inf) = 0, so their weight is exactly
@@ -360,10 +359,9 @@ class MultiHeadAttention(nn.Module):
         earlier tokens' from the cache included, with positions and QK-norm applied."""
         B, T, C = x.shape
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
-        # Q = x·W_Q, K = x·W_K, V = x·W_V, as one matmul cut into the three.
-        q, k, v = self.w_qkv(x).split([H * D, H_kv * D, H_kv * D], dim=-1)
-        # Each to (B, its heads, T, d_k): q has H heads, k and v have H_kv.
-        q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))
+        # Q = x·W_Q, K = x·W_K, V = x·W_V as one matmul, its output cut into heads of d_k
+        # (B, heads, T, d_k), then into the three: q has H heads, k and v have H_kv.
+        q, k, v = self.w_qkv(x).view(B, T, -1, D).transpose(1, 2).split([H, H_kv, H_kv], dim=1)
         if value_embed is not None:
             # Value embeddings: what a token hands on when attended to is no longer only a
             # function of the residual stream; a per-token vector is added to it, so the
@@ -416,16 +414,6 @@ class MultiHeadAttention(nn.Module):
         (model/gated_attention.py)."""
         dropout_p = self.dropout if self.training else 0.0
         return (eager_attention if need_weights else self.kernel)(q, k, v, mask, dropout_p, need_weights)
-
-
-def residual_init(module: nn.Module, config: ModelConfig) -> None:
-    """GPT-2: the layer that writes into the residual stream starts scaled by
-    1/√(2·n_layer), so the stream's variance does not grow with depth."""
-    if not isinstance(getattr(module, "w_o", None), nn.Linear):
-        raise ModelError(f"{type(module).__name__} has no w_o, the nn.Linear that writes into "
-                         "the residual stream (the article's W_O, which the lens ablates "
-                         "through); name it w_o, or give its Mechanism entry an init= of its own")
-    nn.init.normal_(module.w_o.weight, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
 
 
 class CrossAttention(nn.Module):

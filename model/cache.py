@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from model.attention import Mask
+
 
 class KVCache:
     """Keys and values of the tokens seen so far, per layer, so that decoding a new
@@ -69,6 +71,15 @@ class KVCache:
         full = torch.cat((h.new_zeros(h.shape[0], n, h.shape[2]) if past is None else past, h), 1)
         self.tails[layer] = full[:, full.shape[1] - n:]
         return full
+
+    def mask(self, T: int, device, **rule) -> Mask:
+        """The Mask of a pass of T tokens after the cached ones: queries from the cache's
+        length over the keys it holds, under the cache's own window (a streaming cache
+        rolls over a model trained without one) and the model's `rule` (causal, ALiBi's
+        bias, padding)."""
+        k_pos, k_first = self.begin(T, device)
+        # after begin: a renumbering cache moves its length
+        return Mask(self.length, T, k_pos, k_first, self.window, self.n_global, **rule)
 
     def begin(self, T: int, device) -> tuple[torch.Tensor, int]:
         """Make room for T new tokens; return the key positions they will see and the
@@ -235,6 +246,8 @@ class StaticKVCache:
                 self.tails = tails.clone()
             else:
                 self.tails.copy_(tails)
+
+    mask = KVCache.mask
 
     def begin(self, T: int, device) -> tuple[torch.Tensor, int]:
         if T != 1:

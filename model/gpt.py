@@ -28,6 +28,12 @@ from model.readout import READOUTS, AdaptiveReadout, MaskedLMTransform, head_mac
 from model.registry import CHECKED, check as check_config
 
 
+# The parameters GPT-2's init scales (a mechanism's layer writes through its w_o, as
+# tests/test_mechanisms_in_a_gpt.py checks of every entry); a multi-token prediction
+# module's blocks (model/mtp.py) end the same way and are scaled alike.
+RESIDUAL_WRITERS = (".attn.w_o.weight", ".mlp.proj.weight")
+
+
 class Output(NamedTuple):
     logits: torch.Tensor | None              # (B, T, vocab_size); None without an output layer
     loss: torch.Tensor | None                # mean cross-entropy when targets are given
@@ -86,13 +92,12 @@ class GPT(nn.Module):
 
     def _init_all(self, config: ModelConfig):
         self.apply(self._init_weights)
-        # GPT-2: scale the layers that write into the residual stream by 1/√(2·n_layer),
-        # so the stream's variance does not grow with depth; each mechanism says how its
-        # own layer starts (Mechanism.init).
-        for block in self.blocks:
-            block.mechanism.init(block.attn, config)
-            if block.mlp is not None:
-                nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
+        # GPT-2: the layers that write into the residual stream (attention's W_O and the
+        # MLP's second matrix, in every block) start scaled by 1/√(2·n_layer), so the
+        # stream's variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith(RESIDUAL_WRITERS):
+                nn.init.normal_(p, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
 
     @staticmethod
     def _init_weights(module):
@@ -156,20 +161,16 @@ class GPT(nn.Module):
         return Output(logits, loss, attentions if return_attention else None, h)
 
     def mask_for(self, T: int, device, cache: KVCache | None, attention_mask) -> Mask:
-        """The pass's one Mask (model/attention.py): T queries from the cache's length (0
-        without one), the keys the cache holds, the window and the padding."""
-        c = self.config
-        start, k_pos, k_first, window, n_global = 0, None, 0, c.sliding_window, c.n_global
-        if cache is not None:
-            k_pos, k_first = cache.begin(T, device)
-            start = cache.length                 # after begin: a renumbering cache moves it
-            # The cache's own window: a streaming cache rolls over a model trained without one.
-            window, n_global = cache.window, cache.n_global
+        """The pass's one Mask (model/attention.py): T queries at positions 0..T-1 over
+        the same keys, the model's window, and the padding; after a cache, the queries
+        follow its tokens and see the keys it holds (KVCache.mask)."""
         bias_fn = self.positions.score_bias() if self.positions.biases_scores else None   # ALiBi
-        return Mask(q_start=start, q_len=T, k_pos=torch.arange(T, device=device) if k_pos is None
-                    else k_pos, k_first=k_first, window=window, n_global=n_global,
-                    bias_fn=bias_fn, causal=c.causal,
-                    key_padding=None if attention_mask is None else attention_mask == 0)
+        padding = None if attention_mask is None else attention_mask == 0
+        if cache is not None:
+            return cache.mask(T, device, bias_fn=bias_fn, causal=self.config.causal, key_padding=padding)
+        c = self.config
+        return Mask(0, T, torch.arange(T, device=device), window=c.sliding_window,
+                    n_global=c.n_global, bias_fn=bias_fn, causal=c.causal, key_padding=padding)
 
     def logits_and_loss(self, h, targets=None):
         """Scores for every vocabulary entry from the final hidden states (B, T, C), and
@@ -177,8 +178,7 @@ class GPT(nn.Module):
         logits = self.lm_head(h)                                     # (B, T, vocab)
         if targets is None:
             return logits, None
-        return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)),
-                                       targets.reshape(-1), ignore_index=-1)
+        return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
 
     def readout(self, h: torch.Tensor) -> torch.Tensor:
         """Scores for every vocabulary entry from final-norm hidden states (B, T, C):
@@ -289,12 +289,6 @@ class GPTWithVariants(GPT):
             # Every logit 0 at the start: the first steps move the readout towards the
             # tokens' frequencies before any gradient reaches the blocks through it.
             nn.init.zeros_(self.lm_head.weight)
-        for module in self.mtp.depths if self.mtp is not None else ():
-            # The modules' blocks write into a residual stream too: GPT-2's scaling.
-            block = module.block
-            block.mechanism.init(block.attn, config)
-            if block.mlp is not None:
-                nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
 
     def output_layer(self, config: ModelConfig) -> nn.Module | None:
         # BERT's masked-LM head puts a dense layer, GELU and a LayerNorm first and gives
@@ -396,5 +390,4 @@ class GPTWithVariants(GPT):
             logits = cap * torch.tanh(logits / cap)
         if targets is None:
             return logits, None
-        return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)),
-                                       targets.reshape(-1), ignore_index=-1)
+        return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)

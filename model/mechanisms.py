@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch.nn as nn
 
-from model.attention import MultiHeadAttention, residual_init
+from model.attention import MultiHeadAttention
 from model.config import ModelConfig, ModelError
 from model.deltanet import DeltaNet, GatedDeltaNet, NormedGatedDeltaNet
 from model.differential import DifferentialAttention
@@ -150,7 +150,6 @@ class Mechanism:
     export_refusal: str | None = None  # why no transformers architecture computes it; None:
                                        # the plain attention of engine/interop.py's architectures
     flops: Callable[[ModelConfig, int], float] = score_flops   # (config, context T) -> forward
-    init: Callable[[nn.Module, ModelConfig], None] = residual_init   # after the generic init
     follows_mask: bool = True          # obeys the mask rule: windows, global tokens, padding,
                                        # both directions (an encoder); else causal over all
     head_multiple: int = 1             # the head size d_k must be a multiple of this
@@ -179,7 +178,7 @@ class Mechanism:
 def entry_problems(entry: Mechanism) -> list[str]:
     """What makes an entry unusable, found when it is written rather than when a tool
     first asks it: each reason is the one line a user reads after "error: ...: "."""
-    problems = [f"{name} must be callable" for name in ("layer", "flops", "init", "score_maps")
+    problems = [f"{name} must be callable" for name in ("layer", "flops", "score_maps")
                 if not callable(getattr(entry, name))]
     if not isinstance(entry.cache, Cache):
         problems.append("cache must be a Cache(what, per_token, fixed)")

@@ -21,7 +21,6 @@ class PartialRoPE(RoPE):
         c = self.config
         r = self.dims = c.rope_dims or c.head_dim // 4
         inv_freq = c.rope_theta ** (-torch.arange(0, r, 2, dtype=dtype, device=device) / r)
-        self.mscale = 1.0
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def rotate(self, x, start):

@@ -152,17 +152,19 @@ class RoPE(PositionEncoding):
         c = self.config
         d = c.n_embd // c.n_head                       # each head's d_k
         inv_freq = c.rope_theta ** (-torch.arange(0, d, 2, dtype=dtype, device=device) / d)
-        scaling, self.mscale = ROPE_SCALINGS[c.rope_scaling], 1.0
-        if scaling.stretches:                # past the training context, on request
-            inv_freq, self.mscale = scaling.scale(inv_freq, c)
+        if ROPE_SCALINGS[c.rope_scaling].stretches:    # past the training context, on request
+            inv_freq, self.mscale = ROPE_SCALINGS[c.rope_scaling].scale(inv_freq, c)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def turns_at(self, pos: torch.Tensor):
-        """(cos, cos) and (-sin, sin) of the angles of positions `pos`, (len(pos), d): what
-        `turn` takes. YaRN's temperature is in both: q and k each scaled by mscale, scores
-        by mscale²."""
-        angle = pos[:, None] * self.inv_freq
-        cos, sin = angle.cos() * self.mscale, angle.sin() * self.mscale
+    # YaRN's temperature, set by a scaling that has one: q and k each scaled by mscale,
+    # scores by mscale².
+    mscale = 1.0
+
+    def turns_at(self, pos: torch.Tensor, dtype: torch.dtype):
+        """(cos, cos) and (-sin, sin) of the angles of positions `pos`, (len(pos), d), in
+        `dtype`: what `turn` takes. The angles are made in the frequencies' precision."""
+        angle = pos.to(self.inv_freq.dtype)[:, None] * self.inv_freq
+        cos, sin = (angle.cos() * self.mscale).to(dtype), (angle.sin() * self.mscale).to(dtype)
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     def _apply(self, fn, recurse=True):
@@ -176,22 +178,16 @@ class RoPE(PositionEncoding):
 
     def rotate(self, x, start):
         # x: (B, heads, T, D), the queries or the keys of T positions from start.
-        return Turn.apply(x, *self._turns(x, start))
+        return Turn.apply(x, *self.turns_at(start + torch.arange(x.shape[-2], device=x.device), x.dtype))
 
     def rotate_in_pass(self, x, start, shared):
         # The queries and keys of every layer of a pass share one start, so one pair of
-        # turning tensors serves them all.
+        # turning tensors, made for these positions alone, serves them all: nothing is
+        # kept that grows with position or limits it.
         key = ("rope", x.shape[-2], x.dtype, x.device)
         if key not in shared:
-            shared[key] = self._turns(x, start)
+            shared[key] = self.turns_at(start + torch.arange(x.shape[-2], device=x.device), x.dtype)
         return Turn.apply(x, *shared[key])
-
-    def _turns(self, x, start):
-        """What `turn` takes for x's T positions from start, in x's precision: the angles of
-        these positions alone (once a pass, rotate_in_pass), so nothing is kept that grows
-        with position or limits it."""
-        pos = (start + torch.arange(x.shape[-2], device=x.device)).to(self.inv_freq.dtype)
-        return tuple(t.to(x.dtype) for t in self.turns_at(pos))
 
     def shift(self, k, delta):
         # Rotations compose: turning a key at p by delta·θ_i more puts it at p + delta.

@@ -375,16 +375,6 @@ def test_a_cache_whose_sizes_are_numbers_not_functions_is_refused_when_written()
         Cache("keys and values", 0)
 
 
-def test_a_layer_without_w_o_is_named_when_the_model_is_built(monkeypatch):
-    class NoOutput(nn.Module):
-        def __init__(self, config, layer_idx):
-            super().__init__()
-            self.proj = nn.Linear(config.n_embd, config.n_embd)
-    monkeypatch.setitem(MECHANISMS, "no_w_o", Mechanism(NoOutput, MECHANISMS["mha"].cache))
-    with pytest.raises(ModelError, match="NoOutput has no w_o.*give its Mechanism entry an init="):
-        GPT(tiny(mechanism="no_w_o"))
-
-
 def test_a_hybrid_pattern_cycles_over_the_layers():
     config = tiny(n_layer=5, mechanism="differential, mha")
     assert layer_names(config) == ["differential", "mha", "differential", "mha", "differential"]

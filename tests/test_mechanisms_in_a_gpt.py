@@ -36,6 +36,19 @@ def test_the_registry_builds_its_class_in_every_block(name):
     assert all(type(block.attn) is CLASSES[name] for block in gpt_with(name).blocks)
 
 
+@pytest.mark.parametrize("name", CLASSES)
+def test_its_layer_writes_through_w_o_and_starts_with_gpt2s_scaled_init(name):
+    """A layer hands its output to the residual stream through w_o, an nn.Linear (the
+    article's W_O): the model's init scales it by 1/√(2·n_layer) as GPT-2 does, and the
+    lens ablates through it. A layer that names it otherwise starts at full scale and
+    fails here."""
+    model = gpt_with(name, n_layer=8)
+    for block in model.blocks:
+        assert isinstance(block.attn.w_o, torch.nn.Linear)
+        std = block.attn.w_o.weight.std().item()
+        assert abs(std - 0.02 / 16 ** 0.5) < 0.0015, (name, std)
+
+
 def learns_a_repeated_text(model: GPT) -> list[float]:
     g = torch.Generator().manual_seed(1)
     text = torch.randint(0, 16, (8,), generator=g).repeat(4)[:25]   # eight tokens, repeated

@@ -96,13 +96,13 @@ def test_a_float32_models_rope_turns_by_float32_angles():
     assert rope.inv_freq.dtype == torch.float32
     assert torch.equal(rope.inv_freq, reference)
     angle = torch.arange(5, 69).float()[:, None] * reference
-    cos2, sin2 = rope._turns(torch.zeros(1, 2, 64, 16), 5)
+    cos2, sin2 = rope.turns_at(torch.arange(5, 69), torch.float32)
     assert torch.equal(cos2, torch.cat((angle.cos(), angle.cos()), dim=-1))
     assert torch.equal(sin2, torch.cat((-angle.sin(), angle.sin()), dim=-1))
     half = GPT(ModelConfig(vocab_size=8, n_layer=1, n_head=2, n_embd=32, block_size=64)
                ).to(torch.bfloat16).positions
     assert half.inv_freq.dtype == torch.bfloat16                       # a cast as before
-    assert half._turns(torch.zeros(1, 2, 3, 16, dtype=torch.bfloat16), 0)[0].dtype == torch.bfloat16
+    assert half.turns_at(torch.arange(3), torch.bfloat16)[0].dtype == torch.bfloat16
 
 
 def test_learned_positions_refuse_sequences_past_their_table():
