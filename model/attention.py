@@ -48,16 +48,14 @@ def rule(q, k, window: int = 0, n_global: int = 0, causal: bool = True):
     of the first n_global positions, which every later query may see (global tokens /
     attention sinks, arXiv:2004.05150, arXiv:2309.17453). Not causal (an encoder):
     every key, ahead or behind (a window needs causal order; the config refuses both)."""
-    if not causal:
-        return torch.ones(torch.broadcast_shapes(q.shape, k.shape), dtype=torch.bool,
-                          device=k.device)
     ok = k <= q
     if window:
         near = (q - k) < window
         if n_global:
             near = near | (k < n_global)
         ok = ok & near
-    return ok
+    return ok if causal else torch.ones(torch.broadcast_shapes(q.shape, k.shape), dtype=torch.bool,
+                                        device=k.device)
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0, n_global: int = 0,
@@ -141,9 +139,7 @@ class Mask:
     def dense(self) -> torch.Tensor:
         """True where a key is visible: (Tq, Tk), or (B, 1, Tq, Tk) with padding."""
         ok = rule(self.q_pos[:, None], self.k_pos[None, :], self.window, self.n_global, self.causal)
-        if self.key_padding is not None:
-            ok = ok & ~self.key_padding[:, None, None, :]
-        return ok
+        return ok if self.key_padding is None else ok & ~self.key_padding[:, None, None, :]
 
     @cached_property
     def bias(self) -> torch.Tensor | None:
@@ -196,11 +192,8 @@ def sdpa_mask(mask: Mask, dtype: torch.dtype):
 def sdpa_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
     """The same function through torch.nn.functional.scaled_dot_product_attention,
     which picks FlashAttention or memory-efficient kernels where it can."""
-    if need_weights:
-        raise ValueError("the sdpa backend never forms the attention weights; use eager")
     attn_mask, is_causal = sdpa_mask(mask, q.dtype)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                         is_causal=is_causal)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal=is_causal)
     return out, None
 
 
@@ -276,8 +269,6 @@ def flex_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bo
     would compile a new kernel each time, goes to sdpa with the same rule."""
     if not mask.is_whole_sequence:
         return sdpa_attention(q, k, v, mask, dropout_p, need_weights)
-    if need_weights:
-        raise ValueError("the flex backend never forms the attention weights; use eager")
     if dropout_p:
         raise ValueError("the flex backend has no attention dropout")
     return flex_attend(q, k, v, mask), None
@@ -294,6 +285,9 @@ class Backend:
     trains_on_cpu: bool = True       # has a backward pass on a CPU in this torch
 
     def __call__(self, q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: bool = False):
+        if need_weights and not self.returns_weights:
+            raise ValueError(f"{self.attend.__name__} never forms the attention weights (a fused "
+                             "kernel never holds them); use eager")
         return self.attend(q, k, v, mask, dropout_p, need_weights)
 
 
@@ -347,26 +341,24 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x, positions, mask: Mask, cache=None, need_weights: bool = False,
                 value_embed=None):
-        B, T, C = x.shape
         q, k, v = self.project(x, positions, mask, cache, value_embed)
         y, weights = self.attend(q, k, v, mask, need_weights)        # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(B, T, C)                       # heads side by side
+        y = y.transpose(1, 2).flatten(2)                             # heads side by side: (B, T, C)
         return self.resid_dropout(self.w_o(y)), weights
 
     def project(self, x, positions, mask: Mask, cache=None, value_embed=None):
         """What every mechanism built on multi-head attention shares (differential,
         sigmoid): q (B, H, T, D) and the keys and values (B, H, T_keys, D) it attends to,
         earlier tokens' from the cache included, with positions and QK-norm applied."""
-        B, T, C = x.shape
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
         # Q = x·W_Q, K = x·W_K, V = x·W_V as one matmul, its output cut into heads of d_k
         # (B, heads, T, d_k), then into the three: q has H heads, k and v have H_kv.
-        q, k, v = self.w_qkv(x).view(B, T, -1, D).transpose(1, 2).split([H, H_kv, H_kv], dim=1)
+        q, k, v = self.w_qkv(x).unflatten(-1, (-1, D)).transpose(1, 2).split([H, H_kv, H_kv], dim=1)
         if value_embed is not None:
             # Value embeddings: what a token hands on when attended to is no longer only a
             # function of the residual stream; a per-token vector is added to it, so the
             # token's identity reaches every layer's weighted sum directly.
-            v = v + value_embed.view(B, T, H_kv, D).transpose(1, 2)
+            v = v + value_embed.unflatten(-1, (H_kv, D)).transpose(1, 2)
         if self.qk_norm:
             # QK-norm (arXiv:2302.05442; the modded-nanogpt speedruns): every query and key
             # scaled to unit RMS, so |q·k|/√d_k <= √d_k whatever the weights grow to, and

@@ -62,15 +62,13 @@ class GPT(nn.Module):
         # beyond it (segment or value embeddings, U-net skips, post-norm, another readout,
         # soft-capped logits) builds GPTWithVariants, below, which adds those parts.
         if config is not None and CHECKED.get(id(config)) != astuple(config):
-            check_config(config)                 # sizes and names (model/registry.py), once
+            check_config(config, building=True)  # sizes and names (model/registry.py), once
         if cls is GPT and config is not None and wants_variants(config):
             cls = GPTWithVariants
         return super().__new__(cls)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        if config.vocab_size <= 0:
-            raise ModelError("model.vocab_size must be set (it comes from the tokenizer)")
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)    # token -> vector
         self.positions = POSITION_ENCODINGS[config.position](config)
@@ -151,8 +149,7 @@ class GPT(nn.Module):
         x = self.drop(x)
         attentions = []
         for block in self.blocks:
-            x, weights = block(x, self.positions, mask, cache,
-                               return_attention and block.has_weights)
+            x, weights = block(x, self.positions, mask, cache, return_attention and block.has_weights)
             attentions.append(weights)
         if cache is not None:
             cache.end(T)

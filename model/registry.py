@@ -99,9 +99,13 @@ def check_names(config: ModelConfig) -> None:
 CHECKED: dict[int, tuple] = {}
 
 
-def check(config: ModelConfig) -> None:
-    """Sizes first, then every variant name, then what the chosen variants need."""
+def check(config: ModelConfig, building: bool = False) -> None:
+    """Sizes first, then every variant name, then what the chosen variants need. A config
+    as read may leave the vocabulary to the tokenizer (0); one a model is built from
+    (`building`) may not, and only a config with its vocabulary is marked as checked."""
     CHECKED.pop(id(config), None)
+    if building and config.vocab_size <= 0:
+        raise ModelError("model.vocab_size must be set (it comes from the tokenizer)")
     config.validate()
     check_names(config)
     check_mechanisms(config)
@@ -156,6 +160,8 @@ def check(config: ModelConfig) -> None:
             raise ModelError(f"model.readout_shortlist={config.readout_shortlist} must be between 1 "
                              f"and the vocabulary size less one ({config.vocab_size - 1}); a run "
                              "sets it from the training data when it is 0")
+    if config.vocab_size <= 0:
+        return
     if id(config) not in CHECKED:
         weakref.finalize(config, CHECKED.pop, id(config), None)
     CHECKED[id(config)] = astuple(config)
