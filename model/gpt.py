@@ -141,8 +141,7 @@ class GPT(nn.Module):
         attention_mask (B, T), 1 at real tokens and 0 at padding (a batch of unequal
         lengths: padded keys are hidden from every query); token_types (B, T) the
         segment of each token, for a model with model.n_token_types."""
-        T = idx.shape[1]
-        mask = self.mask_for(T, idx.device, cache, attention_mask)   # what each query sees
+        mask = self.mask_for(idx.shape[1], idx.device, cache, attention_mask)   # what each query sees
         x = self.wte(idx)                                            # (B, T, C)
         if self.positions.absolute:                    # sinusoidal or learned: a vector a position
             x = self.positions.embed(x, mask.q_start)
@@ -152,7 +151,7 @@ class GPT(nn.Module):
             x, weights = block(x, self.positions, mask, cache, return_attention and block.has_weights)
             attentions.append(weights)
         if cache is not None:
-            cache.end(T)
+            cache.end(idx.shape[1])
         h = self.norm_f(x)
         logits, loss = self.logits_and_loss(h, targets)
         return Output(logits, loss, attentions if return_attention else None, h)
