@@ -142,8 +142,17 @@ def check(config: ModelConfig, building: bool = False) -> None:
     if config.mlp_hidden and not MLPS[config.mlp].has_weights:
         raise ModelError(f"model.mlp_hidden={config.mlp_hidden} sets the width of an MLP, and "
                          f"model.mlp={config.mlp} has none; leave it 0 with it")
-    for part in (check_experts, check_selection, check_latent, check_card_parts):
+    for part in (check_experts, check_selection, check_latent, check_card_parts, check_readout):
         part(config)
+    if config.vocab_size <= 0:
+        return
+    if id(config) not in CHECKED:
+        weakref.finalize(config, CHECKED.pop, id(config), None)
+    CHECKED[id(config)] = astuple(config)
+
+
+def check_readout(config: ModelConfig) -> None:
+    """Another output layer than the plain one (model.readout): what it cannot take."""
     readout = READOUTS[config.readout]
     if not readout.plain:
         if config.tie_embeddings and not readout.shares_embedding:
@@ -160,11 +169,6 @@ def check(config: ModelConfig, building: bool = False) -> None:
             raise ModelError(f"model.readout_shortlist={config.readout_shortlist} must be between 1 "
                              f"and the vocabulary size less one ({config.vocab_size - 1}); a run "
                              "sets it from the training data when it is 0")
-    if config.vocab_size <= 0:
-        return
-    if id(config) not in CHECKED:
-        weakref.finalize(config, CHECKED.pop, id(config), None)
-    CHECKED[id(config)] = astuple(config)
 
 
 def check_full_layers(config: ModelConfig) -> None:
