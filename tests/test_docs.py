@@ -406,3 +406,14 @@ def test_the_benchmarks_page_stays_a_table_of_figures():
     19,983 words it had become a lab notebook, half of all the docs."""
     words = len((ROOT / "docs" / "benchmarks.md").read_text().split())
     assert words <= 4000, f"docs/benchmarks.md has {words} words; keep it at most 4,000"
+
+
+def test_every_registered_mechanism_has_its_paragraph_after_the_article():
+    """docs/architecture.md asks a new mechanism for a paragraph in after_the_article.md
+    (what it changes in the formula, saves and loses): each entry is named there, as code
+    (`name`, `mechanism=name`) or in bold as the page introduces one."""
+    from model.mechanisms import MECHANISMS
+    page = (ROOT / "docs" / "after_the_article.md").read_text(encoding="utf-8")
+    missing = [name for name in MECHANISMS
+               if not re.search(rf"`{name}`|\*\*{name}\*\*|mechanisms?[= ]{name}(?![\w,])", page)]
+    assert not missing, f"docs/after_the_article.md names no paragraph for {missing}"
