@@ -189,7 +189,7 @@ def _load_data(cfg: RunConfig, dist: Dist, log, given: Tokenizer | None = None) 
                               "vocabulary is fixed); start an encoder from scratch instead")
         data.tokenizer = data.tokenizer.with_mask()       # one id after the corpus's own
     if not cfg.model.causal and not objective.bidirectional:
-        log("model.causal=false with a next-token objective: every position sees the token "
+        log("warning: model.causal=false with a next-token objective: every position sees the token "
             "it is asked to predict, so the loss collapses and the model learns nothing it "
             "can generate with (the article's §04; python -m attnlab.article leak shows it)")
     if given is not None:                     # the model's vocabulary may be padded past it
