@@ -365,8 +365,7 @@ class MultiHeadAttention(nn.Module):
             # the softmax cannot saturate into the one-hot corner at a high learning rate.
             q, k = self.normalise(q, "q"), self.normalise(k, "k")
         # Positions: RoPE turns queries and keys by their positions (others leave them).
-        q = positions.rotate_in_pass(q, mask.q_start, mask.shared)
-        k = positions.rotate_in_pass(k, mask.q_start, mask.shared)
+        q, k = (positions.rotate_in_pass(t, mask.q_start, mask.shared) for t in (q, k))
         if self.hook_qkv is not None:
             q, k, v = self.hook_qkv(q, k, v)
         if cache is not None:                # keys and values of the earlier tokens too
