@@ -241,7 +241,8 @@ MECHANISMS = {
                        "exports as DeepseekV3ForCausalLM)",
         flops=latent_flops, takes_score_bias=False, takes_value_embed=False,
         stream_refusal="its cache holds latents, which a rolling cache has no way to renumber "
-                       "(beside them, with positions, keys turned by its own small RoPE)",
+                       "(beside them a shared key, turned by its own small RoPE unless "
+                       "model.mla_nope)",
         takes_kv_heads=False, takes_rotary=False, takes_qk_norm=False, uses_kernel=False),
     # MLA whose queries each read the k keys a lightning indexer picks (DeepSeek-V3.2's own).
     "mla_sparse": Mechanism(
