@@ -183,8 +183,9 @@ class RoPE(PositionEncoding):
     def rotate_in_pass(self, x, start, shared):
         # The queries and keys of every layer of a pass share one start, so one pair of
         # turning tensors, made for these positions alone, serves them all: nothing is
-        # kept that grows with position or limits it.
-        key = ("rope", x.shape[-2], x.dtype, x.device)
+        # kept that grows with position or limits it. Keyed by this table too: a model with
+        # two (Gemma 3's local and global frequencies) may turn by both in one pass.
+        key = (id(self), x.shape[-2], x.dtype, x.device)
         if key not in shared:
             shared[key] = self.turns_at(start + torch.arange(x.shape[-2], device=x.device), x.dtype)
         return Turn.apply(x, *shared[key])

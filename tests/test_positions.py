@@ -208,3 +208,15 @@ def test_scaled_rope_models_run_at_four_times_the_context(scaling):
                             rope_scaling=scaling, rope_factor=4.0))
     out = model(torch.zeros(1, 32, dtype=torch.long)).logits
     assert torch.isfinite(out).all()
+
+
+def test_two_rope_tables_turning_in_one_pass_each_turn_by_their_own_frequencies():
+    """A pass keeps its turning tensors in Mask.shared; a model with two tables (Gemma 3's
+    local and global frequencies) must not read the other table's."""
+    from model.attention import Mask
+    local = RoPE(ModelConfig(vocab_size=8, n_head=2, n_embd=32, rope_theta=10_000.0))
+    full = RoPE(ModelConfig(vocab_size=8, n_head=2, n_embd=32, rope_theta=1_000_000.0))
+    x = torch.randn(1, 2, 5, 16, generator=torch.Generator().manual_seed(0))
+    mask = Mask.over(0, 5, 5)
+    local.rotate_in_pass(x, 0, mask.shared)
+    assert torch.equal(full.rotate_in_pass(x, 0, mask.shared), full.rotate(x, 0))
