@@ -3,9 +3,10 @@
     Attention(Q, K, V) = softmax(Q·Kᵀ / √d_k + mask) · V
 
 `eager_attention` below writes it out one line per idea; it is the only place this
-formula is written (a mechanism that changes it writes its own change beside its
-paper: model/mechanisms.py). The other backends compute the same thing faster and share its
-signature, `backend(q, k, v, mask, dropout_p, need_weights) -> (out, weights | None)`:
+formula is written. A mechanism that changes the formula writes its change in a module of
+its own beside its paper (model/sigmoid_attention.py, model/sink_attention.py) and is
+registered in model/mechanisms.py. The other backends compute the same thing faster and
+share its signature, `backend(q, k, v, mask, dropout_p, need_weights) -> (out, weights | None)`:
 
 * `sdpa` is torch's F.scaled_dot_product_attention (FlashAttention on supported GPUs,
   a fused C++ kernel on CPU), which never materialises the T×T weights;
@@ -13,15 +14,19 @@ signature, `backend(q, k, v, mask, dropout_p, need_weights) -> (out, weights | N
   with T·W instead of T² (Longformer's banded attention, arXiv:2004.05150);
 * `flex` hands the same rule to torch's FlexAttention, which compiles it into a
   kernel that skips fully masked blocks (model/flex.py);
-* `auto`, the default, is sdpa here; a run's engine picks, once, the entry that pays on
-  its machine (engine/machine.py: on a CPU that computes bf16 natively, `eager` itself,
-  this file's formula in bf16) and names it in the config it builds the model from, so
-  each layer takes it when built (`use_backend` sets it on a model that already exists);
-  its `device:` line names the entry. No copy of this formula runs outside this file;
-  a mechanism that changes the formula writes its own (model/sink_attention.py).
+* `auto`, the default, is the engine's choice: a run's engine picks, once, the entry
+  that pays on its machine (engine/machine.py, `attention_backend`: `eager` itself, this
+  file's formula in bf16, for a bf16 run on a CPU that computes bf16 natively; `sdpa` in
+  fp32, on GPUs and on CPUs without native bf16) and names it in the config it builds the
+  model from, so each layer takes it when built (`use_backend` sets it on a model that
+  already exists); its `device:` line names the entry. A model built without the engine
+  runs `auto` as sdpa (its entry below). No copy of this formula runs outside this file.
 
-The mask rule they all follow is written once below (`rule`), and `Mask` is one pass's use of it. Each backend is registered with
-the facts other code asks about it (can it return weights, does it need a window).
+The mask rule they all follow is written once below (`rule`), and `Mask` is one pass's use
+of it. One case does not run it: for a plain causal pass over a whole sequence `sdpa_mask`
+hands torch `is_causal=True` instead, whose triangle is the same rule there. Each backend
+is registered with the facts other code asks about it (can it return weights, does it need
+a window).
 tests/test_attention.py::test_every_backend_matches_the_float64_reference proves every
 backend equal to a float64 NumPy reference, forward and backward.
 """
@@ -170,7 +175,8 @@ def eager_attention(q, k, v, mask: Mask, dropout_p: float = 0.0, need_weights: b
     scores = scores.masked_fill(~mask.dense, float("-inf"))
     # Softmax over the keys turns each row of scores into weights that sum to 1 (torch
     # computes a bf16 or fp16 softmax in fp32 inside and rounds once, so low-precision
-    # rows still sum to 1 up to that rounding; ALiBi's fp32 bias makes fp32 weights).
+    # rows still sum to 1 up to that rounding; ALiBi's fp32 bias makes fp32 scores, and
+    # the weights are rounded to q's precision once, after the softmax).
     weights = torch.softmax(scores, dim=-1).to(q.dtype)
     # The output is the weighted average of the values.
     out = F.dropout(weights, dropout_p) @ v                          # (B, H, Tq, d_k)

@@ -8,7 +8,7 @@ new_cache."""
 from __future__ import annotations
 
 from dataclasses import astuple, replace
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn as nn

@@ -176,6 +176,7 @@ class Block(nn.Module):
         self.norm_attn = NORMS[config.norm](config)
         # model.mechanism's entry for this layer (its facts), and the layer it builds.
         self.mechanism = MECHANISMS[layer_names(config)[layer_idx]]
+        # The default, `mha`, builds MultiHeadAttention of model/attention.py.
         self.attn = self.mechanism.layer(config, layer_idx)
         # DeepSeek-V3 keeps its first layers dense before the experts (model.moe_dense_layers).
         mlp = MLPS["swiglu" if layer_idx < config.moe_dense_layers else config.mlp]

@@ -3,14 +3,16 @@
 Attention by itself is permutation-equivariant: shuffle the input tokens and the
 outputs shuffle the same way (tests/test_attention.py,
 test_without_positions_attention_is_permutation_equivariant, proves it). Every
-encoding here answers three hooks, so the attention code has no branches (`rotate_in_pass`
-is `rotate` reusing one pass's angles across layers; `shift` renumbers cached keys):
+encoding here answers the same five hooks, so the attention code has no branches: the
+three below, each where an encoding puts order in, and two around `rotate`
+(`rotate_in_pass` is `rotate` reusing one pass's angles across layers; `shift` renumbers
+cached keys):
 
 * `embed(x, start)` adds a vector per absolute position to the token embeddings
   (sinusoidal, learned), as in "Attention Is All You Need" (arXiv:1706.03762);
 * `rotate(x, start)` turns query vectors, and then key vectors, by an angle
   proportional to their position (RoPE, arXiv:2104.09864), so q·k depends only on
-  the offset between them;
+  the offset between them (on part of each head: model/partial_rope.py);
 * `score_bias()` returns a function of (query, key) positions added to the scores
   (ALiBi, arXiv:2108.12409: a penalty growing with distance, no embedding at all).
 
