@@ -164,3 +164,20 @@ def test_an_attention_only_model_builds_no_mlp_and_its_tools_know():
     with pytest.raises(AttnlabError, match="no MLP"):
         with ablate(model, mlps=[1]):
             pass
+
+
+@pytest.mark.parametrize("module", ["gpt", "layers", "attention", "positions", "cache", "decode"])
+def test_the_annotations_a_reader_meets_name_what_exists(module):
+    """Every annotation of the core's functions resolves (typing.get_type_hints), so a name
+    a reader looks up, such as generate's Iterator, is imported where it is used."""
+    import importlib
+    import inspect
+    import typing
+    mod = importlib.import_module(f"model.{module}")
+    functions = [f for obj in vars(mod).values() if getattr(obj, "__module__", None) == mod.__name__
+                 for f in ([obj] if inspect.isfunction(obj) else
+                           [v for v in vars(obj).values() if inspect.isfunction(v)]
+                           if inspect.isclass(obj) else [])]
+    assert functions
+    for f in functions:
+        typing.get_type_hints(f)
