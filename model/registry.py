@@ -119,8 +119,10 @@ def check(config: ModelConfig, building: bool = False) -> None:
     backend = ATTENTION_BACKENDS[config.attention]
     position = POSITION_ENCODINGS[config.position]
     if backend.needs_window and not config.sliding_window:
+        # The example fits this context: a window is at most model.block_size wide.
         raise ModelError(f"model.attention={config.attention} computes only a sliding window's "
-                         "band; set model.sliding_window (e.g. 256) or use sdpa")
+                         f"band; set model.sliding_window (e.g. {max(1, config.block_size // 4)}, "
+                         f"a quarter of model.block_size={config.block_size}) or use sdpa")
     if config.dropout and not backend.has_dropout:
         choices = ", ".join(n for n, b in ATTENTION_BACKENDS.items() if b.has_dropout)
         raise ModelError(f"model.attention={config.attention} has no attention dropout; set "

@@ -349,3 +349,15 @@ def test_a_config_file_cannot_send_a_runs_files_outside_the_folder_it_runs_from(
     hostile.write_text('[model]\nn_layer = 1\n')
     given = cli.build(str(hostile), [f"--{section}.{key}={tmp_path.parent / 'x'}"])
     assert getattr(getattr(given, section), key) == str(tmp_path.parent / "x")
+
+
+@pytest.mark.parametrize("preset,extra", [("cpu", []), ("tiny", []), ("tiny", ["--model.block_size=8"])])
+def test_the_window_a_banded_refusal_suggests_is_one_the_config_takes(preset, extra):
+    """model.attention=banded without a window suggested 256, which the cpu preset's context
+    of 128 then refused as wider than the context: the example is sized to the config."""
+    import re
+    with pytest.raises(ConfigError, match=r"set model.sliding_window \(e.g. (\d+)") as err:
+        cli.build(preset, ["--model.attention=banded", *extra])
+    window = re.search(r"e\.g\. (\d+)", str(err.value)).group(1)
+    cfg = cli.build(preset, ["--model.attention=banded", *extra, f"--model.sliding_window={window}"])
+    assert 0 < cfg.model.sliding_window <= cfg.model.block_size
