@@ -61,12 +61,19 @@ def _in_order(letters: str, word: str) -> bool:
     return all(c in rest for c in letters)
 
 
+def _swapped(name: str, word: str) -> bool:
+    return len(name) == len(word) and any(
+        name[:i] + name[i + 1] + name[i] + name[i + 2:] == word for i in range(len(name) - 1))
+
+
 def unknown_name(key: str, name, valid) -> ModelError:
-    # The rule of common/errors.py's closest(), kept here: model/ lifts out with torch alone.
+    # The rule of common/errors.py's closest(), kept here: model/ lifts out with torch alone
+    # (tests/test_config.py holds the two to the same answers).
     name = str(name)
     same = [v for v in valid if v.lower() == name.lower()]
+    swap = [v for v in valid if _swapped(name.lower(), v.lower())]
     short = [v for v in valid if len(name) >= 3 and v[:1] == name[:1] and _in_order(name, v)]
-    close = same or difflib.get_close_matches(name, short, n=1, cutoff=0) or \
+    close = same or swap or difflib.get_close_matches(name, short, n=1, cutoff=0) or \
         difflib.get_close_matches(name, list(valid), n=1, cutoff=0.7)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return ModelError(f"unknown {key} {name!r}{hint}; valid choices: {', '.join(sorted(valid))}")

@@ -361,3 +361,33 @@ def test_the_window_a_banded_refusal_suggests_is_one_the_config_takes(preset, ex
     window = re.search(r"e\.g\. (\d+)", str(err.value)).group(1)
     cfg = cli.build(preset, ["--model.attention=banded", *extra, f"--model.sliding_window={window}"])
     assert 0 < cfg.model.sliding_window <= cfg.model.block_size
+
+
+@pytest.mark.parametrize("args,meant", [(["--model.mechanism=mah"], "mha"),
+                                        (["--model.position=rpoe"], "rope"),
+                                        (["--model.norm=rmsnrom"], "rmsnorm"),
+                                        (["--data.tokenizer=bep"], "bpe"),
+                                        (["--data.tokenizer=cahr"], "char"),
+                                        (["--train.dtype=flaot32"], "float32")])
+def test_two_swapped_letters_get_a_did_you_mean(args, meant):
+    """mah for mha got the list of choices alone: difflib rates a three-letter swap at 0.67,
+    under the 0.7 it asks, and the swap's letters are not in the right order for an
+    abbreviation. The model's fields (model/registry.py) and the others (common/errors.py)
+    say it alike."""
+    with pytest.raises(ConfigError, match=f"did you mean {meant!r}"):
+        cli.build("tiny", args)
+
+
+def test_the_model_floors_did_you_mean_rule_answers_as_the_common_one():
+    """model/ keeps its own copy of common/errors.py's closest() (it lifts out with torch
+    alone): the two give the same suggestion, or none, for every kind of slip."""
+    from common.errors import closest
+    from model.registry import REGISTRIES, unknown_name
+    slips = ["mah", "MHA", "attn", "rpoe", "alibi2", "bogus", "x", "", "mla_spares", "gated_delta",
+             "layrenorm", "swigul", "eagre", "sdp", "learend", "yours_sinsk", "noen", "Rpoe"]
+    for registry, valid in REGISTRIES.items():
+        for slip in slips:
+            said = str(unknown_name("model.x", slip, valid))
+            close = closest(slip, sorted(valid))
+            assert (f"did you mean {close!r}" in said) if close else "did you mean" not in said, \
+                (registry, slip, said, close)
