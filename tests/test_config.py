@@ -391,3 +391,33 @@ def test_the_model_floors_did_you_mean_rule_answers_as_the_common_one():
             close = closest(slip, sorted(valid))
             assert (f"did you mean {close!r}" in said) if close else "did you mean" not in said, \
                 (registry, slip, said, close)
+
+
+@pytest.mark.parametrize("args,field,works", [
+    (["--model.n_head=5"], "n_head", [1, 2, 4, 8, 16, 32, 64]),        # cpu: 128 wide, RoPE
+    (["--model.n_head=128"], "n_head", [1, 2, 4, 8, 16, 32, 64]),      # a head of 1: odd
+    (["--model.n_embd=96", "--model.n_head=5"], "n_head", [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]),
+    (["--model.n_embd=96", "--model.n_head=5", "--model.position=learned"], "n_head",
+     [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]),
+    (["--model.n_kv_head=3"], "n_kv_head", [1, 2, 4]),                 # cpu: 4 heads
+    (["--model.n_head=12", "--model.n_embd=96", "--model.n_kv_head=5"], "n_kv_head",
+     [1, 2, 3, 4, 6, 12])])
+def test_a_head_count_that_does_not_fit_is_refused_with_every_value_that_does(args, field, works):
+    """n_head=5 with n_embd 128 said only 'not divisible', n_kv_head=3 with 4 heads only
+    'must divide': the line lists the values that work (with RoPE, those that leave each
+    head an even size too), and each one listed is taken."""
+    import re
+    with pytest.raises(ConfigError) as err:
+        cli.build("cpu", args)
+    said = str(err.value)
+    assert "\n" not in said
+    listed = [int(n) for n in re.search(r"give (?:model\.\w+ )?one of ([\d, ]+)", said).group(1)
+              .strip(", ").split(", ")]
+    assert listed == works
+    for value in listed:
+        cli.build("cpu", [*args, f"--model.{field}={value}"])
+
+
+def test_a_width_no_head_count_fits_says_to_change_the_width():
+    with pytest.raises(ConfigError, match=r"so d_k must be even; make model.n_embd even$"):
+        cli.build("cpu", ["--model.n_embd=97", "--model.n_head=7"])
