@@ -22,6 +22,7 @@ from common.fields import opt
 from common.files import odd_kind
 from data.tokenizer import TOKENIZERS
 from data.tokens import SAMPLINGS
+from engine.machine import CPU_KINDS
 from engine.objectives import OBJECTIVES
 from engine.optim import LR_SCHEDULES
 from model import REGISTRIES, ModelConfig, ModelError
@@ -120,6 +121,14 @@ class TrainConfig:
     wandb_project: str = opt("attnlab", "wandb project name")
 
 
+def decode_widths() -> str:
+    """The width from which each CPU kind samples in bf16, for sample.dtype's help."""
+    kinds = CPU_KINDS.items()
+    return "; ".join([f"{name} from {kind.decode_bf16_from:,} wide" for name, kind in kinds
+                      if kind.decode_bf16_from is not None]
+                     + ["never on " + ", ".join(n for n, k in kinds if k.decode_bf16_from is None)])
+
+
 @dataclass
 class SampleConfig:
     prompt: str = opt("", "text to continue; empty = start of a new line (or document)")
@@ -140,9 +149,12 @@ class SampleConfig:
                               "model.mtp_depth)",
                       choices=("auto", "cache", "static", "graph", "mtp"))
     dtype: str = opt("auto", "weights while sampling: auto (bfloat16 on a GPU that has it; on a "
-                             "CPU with native bfloat16, a wide model whose one-token matmul, timed "
-                             "here, runs at least 1.1x faster in it; else float32), float32, "
-                             "bfloat16 or float16", choices=("auto", "float32", "bfloat16", "float16"))
+                             "CPU, bfloat16 from a model width fixed for its kind, where one "
+                             "token's matmuls were measured faster in it (engine/machine.py "
+                             f"CPU_KINDS: {decode_widths()}; the width decides, no timing); "
+                             "else float32), "
+                             "float32, bfloat16 or float16",
+                     choices=("auto", "float32", "bfloat16", "float16"))
     sinks: int = opt(0, "past the context, keep the first N tokens (attention sinks) and a "
                         "rolling window of the newest, renumbered, and stream for ever "
                         "(StreamingLLM, arXiv:2309.17453); 0 = re-read the newest half")

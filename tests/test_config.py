@@ -421,3 +421,16 @@ def test_a_head_count_that_does_not_fit_is_refused_with_every_value_that_does(ar
 def test_a_width_no_head_count_fits_says_to_change_the_width():
     with pytest.raises(ConfigError, match=r"so d_k must be even; make model.n_embd even$"):
         cli.build("cpu", ["--model.n_embd=97", "--model.n_head=7"])
+
+
+def test_the_sampling_precision_help_says_what_the_code_decides_it_from():
+    """sample.dtype's help said the one-token matmul was timed and bf16 kept where it ran
+    1.1x faster; machine.pick_dtype reads a width fixed per CPU kind and times nothing. The
+    help names each kind's width, as pick_dtype reads it."""
+    from engine.machine import CPU_KINDS
+    text = " ".join(config.SampleConfig.__dataclass_fields__["dtype"].metadata["help"].split())
+    assert "timed here" not in text and "1.1x" not in text
+    for name, kind in CPU_KINDS.items():
+        start = kind.decode_bf16_from
+        assert (f"{name} from {start:,} wide" if start is not None else name) in text
+    assert "CPU_KINDS" in text and "no timing" in text
