@@ -348,6 +348,12 @@ def field_types(cls) -> dict[str, type]:
     return {f.name: hints[f.name] for f in fields(cls)}
 
 
+# The words the command line reads as a switch (any capitals); the message of a word
+# it refuses lists them all.
+TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+WORDS = ", ".join(f"{t}/{f}" for t, f in list(zip(TRUE_WORDS, FALSE_WORDS))[1:])
+
+
 def convert(key: str, raw, typ: type, typed: bool = False):
     """Convert a command-line string (or a TOML/JSON value) to the field's type. A file
     (`typed`) writes a switch as a boolean: a string there ("yes", "false") is refused,
@@ -355,14 +361,15 @@ def convert(key: str, raw, typ: type, typed: bool = False):
     if typ is bool:
         if isinstance(raw, bool):
             return raw
-        if typed and isinstance(raw, str):
-            raise ConfigError(f"{key} takes true or false, written without quotes in a file, "
-                              f"got the string {raw!r}")
-        if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "on"):
+        if typed:
+            got = f"the string {raw!r}" if isinstance(raw, str) else repr(raw)
+            raise ConfigError(f"{key} takes true or false, written without quotes in a file "
+                              f"(the command line also reads {WORDS}), got {got}")
+        if isinstance(raw, str) and raw.lower() in TRUE_WORDS:
             return True
-        if isinstance(raw, str) and raw.lower() in ("false", "0", "no", "off"):
+        if isinstance(raw, str) and raw.lower() in FALSE_WORDS:
             return False
-        raise ConfigError(f"{key} must be true or false, got {raw!r}")
+        raise ConfigError(f"{key} must be true or false (or {WORDS}), got {raw!r}")
     if typ is int:
         if isinstance(raw, bool) or isinstance(raw, float):
             raise ConfigError(f"{key} must be an integer, got {raw!r}")

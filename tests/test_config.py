@@ -434,3 +434,25 @@ def test_the_sampling_precision_help_says_what_the_code_decides_it_from():
         start = kind.decode_bf16_from
         assert (f"{name} from {start:,} wide" if start is not None else name) in text
     assert "CPU_KINDS" in text and "no timing" in text
+
+
+def test_a_switch_refused_on_the_command_line_lists_every_word_it_reads(tmp_path):
+    """--model.qk_norm=yes was read while a refused word was told 'true or false' alone:
+    the line lists every word the command line reads, and each one listed is read; a file
+    still takes a boolean without quotes, and its line says where the words are read."""
+    import re
+    with pytest.raises(ConfigError) as err:
+        cli.build("tiny", ["--model.qk_norm=maybe"])
+    said = str(err.value)
+    assert said.startswith("model.qk_norm must be true or false (or ") and "\n" not in said
+    pairs = [("true", "false")] + [tuple(p.split("/")) for p in
+                                   re.search(r"\(or ([\w/, ]+)\)", said).group(1).split(", ")]
+    assert {w for p in pairs for w in p} == {"true", "false", "yes", "no", "on", "off", "1", "0"}
+    for on, off in pairs:
+        for word, value in ((on, True), (off, False), (on.upper(), True)):
+            assert cli.build("tiny", [f"--model.qk_norm={word}"]).model.qk_norm is value
+    path = tmp_path / "mine.toml"
+    path.write_text("[model]\nqk_norm = 1\n")
+    with pytest.raises(ConfigError, match=r"qk_norm takes true or false, written without quotes "
+                                          r"in a file \(the command line also reads yes/no"):
+        config.load_preset(config.RunConfig(), str(path))
