@@ -122,8 +122,19 @@ def header(ckpt, model, cfg, s, device, dtype, decode: str) -> str:
     why = why_dtype(device, dtype, s.dtype, cfg.model.n_embd, "sample.dtype")
     return (f"[{ckpt}: {position_words(cfg.model)}{mixing(cfg.model)}, "
             f"{model.num_params() / 1e6:.2f}M parameters, {dtype_name(dtype)} weights{why}, "
-            f"attention {kernel}, decode {decode}; temperature {s.temperature}, "
+            f"attention {kernel}, decode {decode}{streaming(cfg.model, s.sinks)}; "
+            f"temperature {s.temperature}, "
             f"top-k {s.top_k}, top-p {s.top_p}, seed {s.seed}]")
+
+
+def streaming(model_cfg, sinks: int) -> str:
+    """What the header says of --sinks: what is kept once the text passes the context
+    (model/decode.py, check_sinks has refused a model whose keys cannot be renumbered)."""
+    if not sinks:
+        return ""
+    from model.decode import default_stream_window
+    return (f", past the context the first {sinks} tokens (sinks) and the newest "
+            f"{default_stream_window(model_cfg, sinks)}, renumbered")
 
 
 def refuse_what_cannot_write(cfg, run) -> None:

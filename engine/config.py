@@ -157,7 +157,9 @@ class SampleConfig:
                      choices=("auto", "float32", "bfloat16", "float16"))
     sinks: int = opt(0, "past the context, keep the first N tokens (attention sinks) and a "
                         "rolling window of the newest, renumbered, and stream for ever "
-                        "(StreamingLLM, arXiv:2309.17453); 0 = re-read the newest half")
+                        "(StreamingLLM, arXiv:2309.17453; positions that can be renumbered: "
+                        + ", ".join(n for n, p in REGISTRIES["position"].items() if not p.absolute)
+                        + "); 0 = re-read the newest half")
     explain: bool = opt(False, "show each step's top candidates before and after "
                                "temperature / top-k / top-p, and the token chosen")
     explain_top: int = opt(5, "candidates shown per step with explain")
