@@ -116,9 +116,10 @@ def header(ckpt, model, cfg, s, device, dtype, decode: str) -> str:
     """The line before the text: what samples, in what precision and why, and how. The
     attention kernel that pays on this machine is handed to the model here."""
     from engine.device import dtype_name
-    from engine.machine import fit_attention, why_dtype
+    from engine.machine import fit_attention, sampling_kernel_why, why_dtype
     from engine.state import mixing, position_words
     kernel = fit_attention(model, cfg.model, device, dtype)
+    kernel += sampling_kernel_why(cfg.model, cfg.train, device, dtype)
     why = why_dtype(device, dtype, s.dtype, cfg.model.n_embd, "sample.dtype")
     return (f"[{ckpt}: {position_words(cfg.model)}{mixing(cfg.model)}, "
             f"{model.num_params() / 1e6:.2f}M parameters, {dtype_name(dtype)} weights{why}, "
