@@ -190,9 +190,7 @@ def training_parts(cfg) -> tuple[int, dict[str, int]]:
 
 # What to shrink where each part of training_parts is the largest.
 SHRINK = {"activations": "model.block_size, train.batch_size, model.n_layer or model.n_embd",
-          "attention maps": "model.block_size (the maps grow as its square), train.batch_size "
-                            "or the heads that keep a map (model.n_head; a sparse layer's "
-                            "model.indexer_heads)",
+          "attention maps": "model.block_size (the maps grow as its square) or train.batch_size",
           "mtp logits": "model.mtp_depth, model.block_size or train.batch_size"}
 
 
@@ -209,12 +207,17 @@ def _largest_part(cfg, parts: dict[str, int]) -> str:
             else "make ") + "model.n_layer or model.n_embd smaller")
     what = {"activations": f"the activations backward keeps ({m.n_layer + m.mtp_depth} layers "
                            f"x {m.block_size:,} positions x {m.n_embd:,} wide, at batch {b})",
-            "attention maps": f"the attention maps ({maps:,} over the layers, each "
-                              f"{m.block_size:,} x {m.block_size:,} scores: model.block_size "
-                              f"squared, at batch {b})",
+            "attention maps": f"the attention maps ({maps:,} of them across the layers, "
+                              f"each {m.block_size:,} x {m.block_size:,} scores: "
+                              f"model.block_size squared, at batch {b})",
             "mtp logits": f"multi-token prediction's logits ({m.mtp_depth} x {m.block_size:,} "
                           f"positions x {m.vocab_size:,} tokens, at batch {b})"}[part]
-    return f"{what} are {share}: make {SHRINK[part]} smaller"
+    fewer = ""
+    if part == "attention maps":            # the heads that keep a map: a sparse layer's indexer too
+        indexer = any(getattr(MECHANISMS[n.strip()].layer, "selects_keys", False)
+                      for n in m.mechanism.split(","))
+        fewer = ", or keep fewer maps (model.n_head" + (", model.indexer_heads" if indexer else "") + ")"
+    return f"{what} are {share}: make {SHRINK[part]} smaller{fewer}"
 
 
 def available_bytes(device) -> int | None:
