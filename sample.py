@@ -116,14 +116,26 @@ def header(ckpt, model, cfg, s, device, dtype, decode: str) -> str:
     """The line before the text: what samples, in what precision and why, and how. The
     attention kernel that pays on this machine is handed to the model here."""
     from engine.device import dtype_name
-    from engine.machine import fit_attention, why_dtype
+    from engine.machine import fit_attention, sampling_kernel_why, why_dtype
     from engine.state import mixing, position_words
     kernel = fit_attention(model, cfg.model, device, dtype)
+    kernel += sampling_kernel_why(cfg.model, cfg.train, device, dtype)
     why = why_dtype(device, dtype, s.dtype, cfg.model.n_embd, "sample.dtype")
     return (f"[{ckpt}: {position_words(cfg.model)}{mixing(cfg.model)}, "
             f"{model.num_params() / 1e6:.2f}M parameters, {dtype_name(dtype)} weights{why}, "
-            f"attention {kernel}, decode {decode}; temperature {s.temperature}, "
+            f"attention {kernel}, decode {decode}{streaming(cfg.model, s.sinks)}; "
+            f"temperature {s.temperature}, "
             f"top-k {s.top_k}, top-p {s.top_p}, seed {s.seed}]")
+
+
+def streaming(model_cfg, sinks: int) -> str:
+    """What the header says of --sinks: what is kept once the text passes the context
+    (model/decode.py, check_sinks has refused a model whose keys cannot be renumbered)."""
+    if not sinks:
+        return ""
+    from model.decode import default_stream_window
+    return (f", past the context the first {sinks} tokens (sinks) and the newest "
+            f"{default_stream_window(model_cfg, sinks)}, renumbered")
 
 
 def refuse_what_cannot_write(cfg, run) -> None:

@@ -239,7 +239,13 @@ def forward(what: str, rest: list[str]) -> int:
 
 def parser() -> Parser:
     p = Parser("python -m attnlab.heads", __doc__)
-    p.add_argument("what", choices=["grid", "head", "search", "stats", "html", *PIECE_VIEWS])
+    # The forwarded studies are choices too, so --help and a mistyped name list every
+    # subcommand that runs; main hands them on before this parser reads their options.
+    p.add_argument("what", choices=["grid", "head", "search", "stats", "html", *PIECE_VIEWS,
+                                    *FORWARDED],
+                   help="what to show; lens, ablate and patch run python -m attnlab.lens "
+                   "(logit, ablate, patch) and induction python -m attnlab.induction, each "
+                   "with its own options (heads lens --help)")
     add_run_options(p)
     p.add_argument("--text", default="", help="the sentence to look at")
     p.add_argument("--out", type=out_option, default=None, help="output path (PNG for grid, head and chosen, HTML for "
@@ -310,6 +316,9 @@ def main(argv=None) -> int:
     if argv and argv[0] in FORWARDED:
         return forward(argv[0], argv[1:])
     args = parser().parse_args(argv)
+    if args.what in FORWARDED:                 # named after an option: its options are its own
+        raise AttnlabError(f"heads {args.what} takes its options after its name: python -m "
+                           f"attnlab.heads {args.what} [OPTIONS]")
     # Only grid, head, html and chosen write a file; the others print.
     writes = args.what in ("grid", "head", "html", "chosen")
     if args.out and not writes:                # else taken and ignored, as if written there

@@ -22,7 +22,6 @@ Zero-ablating the induction head makes the second half as hard as the first agai
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -156,9 +155,8 @@ def plot_heads(model, span: int, heads: dict[str, tuple[int, int]], path: Path,
 def figure_path(given: str | None, folder: str) -> Path:
     """--out as a folder for induction_heads.png (made where missing), or as the figure's
     own name where it ends in an image suffix (check_figure_out has vetted that suffix):
-    out_path's rule, with a name without a suffix taken as a folder to be made."""
-    given = given or folder
-    return out_path(given if Path(given).suffix else given + os.sep, "induction_heads.png")
+    out_path's rule."""
+    return out_path(given or folder, "induction_heads.png")
 
 
 def detect(args) -> int:

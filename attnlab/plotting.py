@@ -83,11 +83,12 @@ def own_folder(run: Path, name: str) -> Path:
 
 
 def out_path(given: str | None, default: str) -> Path:
-    """--out as given; inside it when it is a folder or ends in a slash (a folder to be
-    made); the default name when empty."""
+    """--out as given where it names a file (it has a suffix: x.png, view.html); inside it
+    where it is a folder, ends in a slash or has no suffix (a folder to be made: the help
+    says "a PNG path or a folder", and figs is no PNG's name); the default name when empty."""
     if not given:
         return Path(default)
-    folder = Path(given).is_dir() or given.endswith(("/", os.sep))
+    folder = Path(given).is_dir() or given.endswith(("/", os.sep)) or not Path(given).suffix
     return Path(given) / default if folder else Path(given)
 
 

@@ -39,15 +39,24 @@ def _in_order(letters: str, word: str) -> bool:
     return all(c in rest for c in letters)
 
 
+def _swapped(name: str, word: str) -> bool:
+    """`name` is `word` with two neighbouring letters swapped (mah, mha)."""
+    return len(name) == len(word) and any(
+        name[:i] + name[i + 1] + name[i] + name[i + 2:] == word for i in range(len(name) - 1))
+
+
 def closest(name: str, valid) -> str | None:
     """The valid name a misspelling most likely meant: the same but for capitals (MHA,
-    mha), one it abbreviates (its letters in order from the first: attn, attention), else
-    one difflib rates at least 0.7 alike (its own cutoff, 0.6, matched 'bogus' to 'yours':
-    three letters of five). model/registry.py keeps the same rule, as model/ imports
-    nothing of the project's."""
+    mha), the same with two neighbouring letters swapped (mah, mha: difflib rates a short
+    name's swap below its cutoff), one it abbreviates (its letters in order from the
+    first: attn, attention), else one difflib rates at least 0.7 alike (its own cutoff,
+    0.6, matched 'bogus' to 'yours': three letters of five). model/registry.py keeps the
+    same rule, as model/ imports nothing of the project's; tests/test_config.py holds the
+    two to the same answers."""
     same = [v for v in valid if v.lower() == name.lower()]            # MHA, Rope
+    swap = [v for v in valid if _swapped(name.lower(), v.lower())]    # mah, Rpoe
     short = [v for v in valid if len(name) >= 3 and v[:1] == name[:1] and _in_order(name, v)]
-    close = same or difflib.get_close_matches(name, short, n=1, cutoff=0) or \
+    close = same or swap or difflib.get_close_matches(name, short, n=1, cutoff=0) or \
         difflib.get_close_matches(name, list(valid), n=1, cutoff=0.7)
     return close[0] if close else None
 

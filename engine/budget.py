@@ -157,13 +157,21 @@ def model_sizes(model_cfg) -> tuple[int, int, str]:
 
 
 def training_bytes(cfg) -> tuple[int, int]:
-    """(parameters, bytes) that training cfg needs at least: 12 bytes a parameter (fp32
-    weights, gradients and one optimizer moment; AdamW keeps two), 4 a buffer number,
-    plus the activations backward keeps, 34·T·d + 5·H·T² bytes a layer and sequence at
-    16 bits (Korthikanti et al., arXiv:2205.05198, section 4), H the T×T maps the layer's
+    """(parameters, bytes) that training cfg needs at least: the sum of training_parts."""
+    params, parts = training_parts(cfg)
+    return params, sum(parts.values())
+
+
+def training_parts(cfg) -> tuple[int, dict[str, int]]:
+    """(parameters, bytes by what holds them) that training cfg needs at least: "weights",
+    12 bytes a parameter (fp32 weights, gradients and one optimizer moment; AdamW keeps
+    two) and 4 a buffer number; then the activations backward keeps, 34·T·d + 5·H·T² bytes
+    a layer and sequence at 16 bits (Korthikanti et al., arXiv:2205.05198, section 4):
+    "activations" the 34·T·d, "attention maps" the 5·H·T², H the T×T maps the layer's
     mechanism keeps (its entry's score_maps: the heads, and a sparse layer's indexer heads
-    too), multi-token prediction's blocks counted as layers. Both are lower bounds, so
-    a model refused for them could not have fitted."""
+    too), multi-token prediction's blocks counted as layers; "mtp logits" the logits each
+    multi-token prediction module keeps. All are lower bounds, so a model refused for
+    them could not have fitted."""
     m, t = cfg.model, cfg.train
     params, buffers, _ = model_sizes(m)
     # Counted per name of the pattern, which is cycled over the layers: a list n_layer long
@@ -174,9 +182,42 @@ def training_bytes(cfg) -> tuple[int, int]:
     blocks = m.n_layer + m.mtp_depth
     maps = sum(MECHANISMS[n].score_maps(m) * (blocks // len(names) + (i < blocks % len(names)))
                for i, n in enumerate(names))
-    activations = t.batch_size * (34 * blocks * m.block_size * m.n_embd + 5 * maps * m.block_size ** 2
-                                  + 4 * m.mtp_depth * m.block_size * m.vocab_size)
-    return params, 12 * params + 4 * buffers + activations
+    return params, {"weights": 12 * params + 4 * buffers,
+                    "activations": t.batch_size * 34 * blocks * m.block_size * m.n_embd,
+                    "attention maps": t.batch_size * 5 * maps * m.block_size ** 2,
+                    "mtp logits": t.batch_size * 4 * m.mtp_depth * m.block_size * m.vocab_size}
+
+
+# What to shrink where each part of training_parts is the largest.
+SHRINK = {"activations": "model.block_size, train.batch_size, model.n_layer or model.n_embd",
+          "attention maps": "model.block_size (the maps grow as its square) or train.batch_size",
+          "mtp logits": "model.mtp_depth, model.block_size or train.batch_size"}
+
+
+def _largest_part(cfg, parts: dict[str, int]) -> str:
+    """What dominates the estimate, in words, and the fields to shrink."""
+    part = max(parts, key=parts.get)
+    share = f"{parts[part] / 2**30:,.3g} GiB of it"
+    m, b = cfg.model, cfg.train.batch_size
+    maps = parts["attention maps"] // (5 * b * m.block_size ** 2)
+    if part == "weights":
+        largest = model_sizes(m)[2]
+        return (f"the weights and their optimizer state are {share}; " + (
+            f"the largest tensor is {largest}: make the field that sizes it, or " if largest
+            else "make ") + "model.n_layer or model.n_embd smaller")
+    what = {"activations": f"the activations backward keeps ({m.n_layer + m.mtp_depth} layers "
+                           f"x {m.block_size:,} positions x {m.n_embd:,} wide, at batch {b})",
+            "attention maps": f"the attention maps ({maps:,} of them across the layers, "
+                              f"each {m.block_size:,} x {m.block_size:,} scores: "
+                              f"model.block_size squared, at batch {b})",
+            "mtp logits": f"multi-token prediction's logits ({m.mtp_depth} x {m.block_size:,} "
+                          f"positions x {m.vocab_size:,} tokens, at batch {b})"}[part]
+    fewer = ""
+    if part == "attention maps":            # the heads that keep a map: a sparse layer's indexer too
+        indexer = any(getattr(MECHANISMS[n.strip()].layer, "selects_keys", False)
+                      for n in m.mechanism.split(","))
+        fewer = ", or keep fewer maps (model.n_head" + (", model.indexer_heads" if indexer else "") + ")"
+    return f"{what} are {share}: make {SHRINK[part]} smaller{fewer}"
 
 
 def available_bytes(device) -> int | None:
@@ -195,18 +236,17 @@ def available_bytes(device) -> int | None:
 
 
 def refuse_what_cannot_fit(cfg, device) -> None:
-    params, need = training_bytes(cfg)
-    have = available_bytes(device)
+    """Refuse, in one line, a run whose training cannot fit in the device's free memory,
+    naming the part of the estimate that dominates it and the fields that shrink it."""
+    params, parts = training_parts(cfg)
+    need, have = sum(parts.values()), available_bytes(device)
     if have is not None and need > have:
-        largest = model_sizes(cfg.model)[2]
         raise ConfigError(
             f"this model has about {params:,.3g} parameters and training it takes at least "
             f"{need / 2**30:,.3g} GiB (weights, gradients, optimizer state and activations at "
             f"batch {cfg.train.batch_size}), but this {device.type} has {have / 2**30:,.1f} GiB "
-            "free; " + (f"its largest tensor is {largest}: make the field that sizes it, or "
-                        if largest else "make ")
-            + "model.n_layer, model.n_embd, model.block_size or train.batch_size smaller "
-            "(python train.py --budget TIME picks a size that fits)")
+            f"free; {_largest_part(cfg, parts)} (python train.py --budget TIME picks a size "
+            "that fits)")
 
 
 def heads_for(n_embd: int) -> int:

@@ -22,6 +22,7 @@ from common.fields import opt
 from common.files import odd_kind
 from data.tokenizer import TOKENIZERS
 from data.tokens import SAMPLINGS
+from engine.machine import CPU_KINDS
 from engine.objectives import OBJECTIVES
 from engine.optim import LR_SCHEDULES
 from model import REGISTRIES, ModelConfig, ModelError
@@ -120,6 +121,14 @@ class TrainConfig:
     wandb_project: str = opt("attnlab", "wandb project name")
 
 
+def decode_widths() -> str:
+    """The width from which each CPU kind samples in bf16, for sample.dtype's help."""
+    kinds = CPU_KINDS.items()
+    return "; ".join([f"{name} from {kind.decode_bf16_from:,} wide" for name, kind in kinds
+                      if kind.decode_bf16_from is not None]
+                     + ["never on " + ", ".join(n for n, k in kinds if k.decode_bf16_from is None)])
+
+
 @dataclass
 class SampleConfig:
     prompt: str = opt("", "text to continue; empty = start of a new line (or document)")
@@ -140,12 +149,17 @@ class SampleConfig:
                               "model.mtp_depth)",
                       choices=("auto", "cache", "static", "graph", "mtp"))
     dtype: str = opt("auto", "weights while sampling: auto (bfloat16 on a GPU that has it; on a "
-                             "CPU with native bfloat16, a wide model whose one-token matmul, timed "
-                             "here, runs at least 1.1x faster in it; else float32), float32, "
-                             "bfloat16 or float16", choices=("auto", "float32", "bfloat16", "float16"))
+                             "CPU, bfloat16 from a model width fixed for its kind, where one "
+                             "token's matmuls were measured faster in it (engine/machine.py "
+                             f"CPU_KINDS: {decode_widths()}; the width decides, no timing); "
+                             "else float32), "
+                             "float32, bfloat16 or float16",
+                     choices=("auto", "float32", "bfloat16", "float16"))
     sinks: int = opt(0, "past the context, keep the first N tokens (attention sinks) and a "
                         "rolling window of the newest, renumbered, and stream for ever "
-                        "(StreamingLLM, arXiv:2309.17453); 0 = re-read the newest half")
+                        "(StreamingLLM, arXiv:2309.17453; positions that can be renumbered: "
+                        + ", ".join(n for n, p in REGISTRIES["position"].items() if not p.absolute)
+                        + "); 0 = re-read the newest half")
     explain: bool = opt(False, "show each step's top candidates before and after "
                                "temperature / top-k / top-p, and the token chosen")
     explain_top: int = opt(5, "candidates shown per step with explain")
@@ -336,6 +350,12 @@ def field_types(cls) -> dict[str, type]:
     return {f.name: hints[f.name] for f in fields(cls)}
 
 
+# The words the command line reads as a switch (any capitals); the message of a word
+# it refuses lists them all.
+TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+WORDS = ", ".join(f"{t}/{f}" for t, f in list(zip(TRUE_WORDS, FALSE_WORDS))[1:])
+
+
 def convert(key: str, raw, typ: type, typed: bool = False):
     """Convert a command-line string (or a TOML/JSON value) to the field's type. A file
     (`typed`) writes a switch as a boolean: a string there ("yes", "false") is refused,
@@ -343,14 +363,15 @@ def convert(key: str, raw, typ: type, typed: bool = False):
     if typ is bool:
         if isinstance(raw, bool):
             return raw
-        if typed and isinstance(raw, str):
-            raise ConfigError(f"{key} takes true or false, written without quotes in a file, "
-                              f"got the string {raw!r}")
-        if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "on"):
+        if typed:
+            got = f"the string {raw!r}" if isinstance(raw, str) else repr(raw)
+            raise ConfigError(f"{key} takes true or false, written without quotes in a file "
+                              f"(the command line also reads {WORDS}), got {got}")
+        if isinstance(raw, str) and raw.lower() in TRUE_WORDS:
             return True
-        if isinstance(raw, str) and raw.lower() in ("false", "0", "no", "off"):
+        if isinstance(raw, str) and raw.lower() in FALSE_WORDS:
             return False
-        raise ConfigError(f"{key} must be true or false, got {raw!r}")
+        raise ConfigError(f"{key} must be true or false (or {WORDS}), got {raw!r}")
     if typ is int:
         if isinstance(raw, bool) or isinstance(raw, float):
             raise ConfigError(f"{key} must be an integer, got {raw!r}")

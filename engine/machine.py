@@ -269,6 +269,27 @@ def fit_attention(model, model_cfg, device: torch.device, dtype: torch.dtype) ->
     return kernel_words(model_cfg, name)
 
 
+def sampling_kernel_why(model_cfg, train_cfg, device: torch.device, dtype: torch.dtype) -> str:
+    """Why sampling runs another kernel than training, for sample.py's header: `auto`
+    picks the kernel for the precision (attention_backend), and the weights sample in
+    another precision than training's autocast (pick_dtype reads another width for each).
+    "" where the kernel is named, no layer runs one, or both precisions pick the same."""
+    if (ATTENTION_BACKENDS.get(model_cfg.attention) is not ATTENTION_BACKENDS["auto"]
+            or not any(MECHANISMS[n].uses_kernel for n in names_used(model_cfg))):
+        return ""
+    try:
+        trained = pick_dtype(train_cfg.dtype, device, model_cfg.n_embd,
+                             experts=routes_experts(model_cfg))
+    except ConfigError:                  # a precision this device has none of: no comparison
+        return ""
+    here, there = (attention_backend(model_cfg, device, d) for d in (dtype, trained))
+    if here == there:
+        return ""
+    name = {d: str(d).removeprefix("torch.") for d in (dtype, trained)}
+    return (f" (model.attention=auto picks the kernel for the precision: {here} for these "
+            f"{name[dtype]} weights; training's {name[trained]} autocast runs {there} here)")
+
+
 def kernel_words(model_cfg, kernel: str) -> str:
     """The kernel as the device line says it: a mechanism that computes its own maths (a
     recurrent state, a latent) runs no kernel, and the line must not say it does."""

@@ -97,7 +97,7 @@ class Run:
         mix = mixing(c)
         return (f"model: {c.n_layer} layers x {c.n_head} heads, {c.n_embd} wide, context "
                 f"{c.block_size}, {position_words(c)}{mix}, {mechanism_words(c)}, "
-                f"{c.attention} attention{readout}: "
+                f"{attention_words(c, self.kernel)}{readout}: "
                 f"{m.num_params() / 1e6:.2f}M parameters ({m.num_params(True) / 1e6:.2f}M "
                 f"non-embedding), {m.flops_per_token() / 1e6:.1f} MFLOPs per token (train)")
 
@@ -119,6 +119,14 @@ def cpu_facts(device: torch.device) -> str:
         return ""
     n = torch.get_num_threads()
     return f" ({machine.describe_cpu()}; {n} thread{'s' if n > 1 else ''}, train.threads)"
+
+
+def attention_words(c, kernel: str) -> str:
+    """model.attention for the summary line, with the kernel it runs where that is not the
+    name itself (`auto`, chosen for this machine: the device line says why)."""
+    if not kernel or kernel == c.attention:
+        return f"{c.attention} attention"
+    return f"{c.attention} attention ({kernel} on this machine: see device)"
 
 
 def mechanism_words(c) -> str:

@@ -24,6 +24,22 @@ def _opt(default, help: str, registry: str | None = None, pattern: bool = False)
 
 MOST_LAYERS = 512
 MOST_EXPERTS = 512
+DIVISORS_SHOWN = 12        # a refusal lists at most this many of a size's divisors
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of `n`, found in pairs (d, n / d) from d up to √n, at most 100,000
+    tries, so an absurd size costs no time (past 10^10 some may be missed)."""
+    tries = range(1, min(math.isqrt(n), 100_000) + 1)
+    return sorted({x for d in tries if n % d == 0 for x in (d, n // d)})
+
+
+def listed(values: list[int], near: int) -> str:
+    """`values` for a refusal to list: all, or the DIVISORS_SHOWN nearest `near` by ratio."""
+    if len(values) <= DIVISORS_SHOWN:
+        return ", ".join(map(str, values))
+    shown = sorted(sorted(values, key=lambda d: abs(math.log(d / near)))[:DIVISORS_SHOWN])
+    return f"{', '.join(map(str, shown))} (the {DIVISORS_SHOWN} nearest {near})"
 
 
 @dataclass
@@ -194,11 +210,14 @@ class ModelConfig:
         if self.n_embd % self.n_head:
             raise ModelError(
                 f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}: "
-                "each head gets an equal slice d_k = n_embd / n_head")
+                "each head gets an equal slice d_k = n_embd / n_head; give model.n_head one of "
+                f"{listed(divisors(self.n_embd), self.n_head)}, or change model.n_embd")
         if self.n_head % self.kv_heads:
             raise ModelError(f"model.n_kv_head={self.n_kv_head} must divide "
                              f"model.n_head={self.n_head}: each key/value head serves "
-                             "a whole group of query heads")
+                             "a whole group of query heads; give one of "
+                             f"{listed(divisors(self.n_head), self.n_kv_head)} (or 0: one per "
+                             "query head)")
         if self.sliding_window and not self.causal:
             raise ModelError("model.sliding_window limits how far back a query looks; with "
                              "model.causal=false every token sees the whole sequence: set one "

@@ -18,6 +18,7 @@ from model.cache import CapturedStep, KVCache, StaticKVCache
 from model.config import ModelError
 from model.mechanisms import MECHANISMS
 from model.layers import layer_names
+from model.positions import POSITION_ENCODINGS
 from model.sampling import next_token_distribution, sample_next
 
 # How generate keeps earlier tokens: none, a growing cache, a static one, a CUDA graph;
@@ -68,8 +69,9 @@ def generate(model, idx, max_new_tokens: int, temperature: float = 1.0, top_k: i
     `sinks` streams past the context from a rolling cache instead: the first `sinks`
     tokens and the newest `stream_window` (default (block_size - sinks) // 2, so
     renumbered positions stay inside the context) are kept, for ever (StreamingLLM,
-    arXiv:2309.17453); sinks=0 keeps the window alone. It decodes from the growing
-    cache whatever `decode` says. `forced` (B, N) tokens are fed instead of sampled
+    arXiv:2309.17453); sinks=0 keeps the window alone. It needs keys that can be
+    renumbered (relative positions, or none: check_sinks refuses learned and sinusoidal
+    ones) and decodes from the growing cache whatever `decode` says. `forced` (B, N) tokens are fed instead of sampled
     (teacher forcing), so `on_step` sees the logits the model gives a known text."""
     model.check_generates()
     if decode == "mtp" and use_cache:
@@ -116,6 +118,14 @@ def check_sinks(config, decode: str, sinks: int) -> None:
         raise ModelError(f"sinks choose which keys a rolling cache keeps, and model."
                          f"mechanism={config.mechanism} keeps no keys: its fixed-size "
                          "state already reads past the context; sample without sinks (--sinks=0)")
+    if POSITION_ENCODINGS[config.position].absolute:
+        # The position went into each token's input and so into every layer's keys; no
+        # shift can take it back out, and the kept keys would keep positions past the
+        # new queries'.
+        raise ModelError(f"sinks renumber a rolling cache's keys, and model.position="
+                         f"{config.position} adds each token's absolute position to its input, "
+                         "where it cannot be renumbered; sample without sinks (--sinks=0): past "
+                         "the context the newest half is re-read")
     if config.rope_local_theta:
         raise ModelError("sinks renumber a rolling cache's keys by turning them with the model's "
                          "RoPE, and model.rope_local_theta turns the windowed layers' keys by "
@@ -318,11 +328,17 @@ def _decode_rolling(context, steps: CachedSteps, cache: KVCache):
         token = yield steps.step(token)
 
 
-def _decode_streaming(model, context, steps: CachedSteps, sinks: int, stream_window: int):
+def default_stream_window(config, sinks: int) -> int:
+    """The newest tokens a stream keeps beside `sinks` by default: (block_size - sinks) // 2,
+    so the renumbered positions (sinks + 2·window at most) stay inside the context."""
+    return max(1, (config.block_size - sinks) // 2)
+
+
+def _decode_streaming(model, context, steps: CachedSteps, sinks: int, window: int):
     """StreamingLLM (arXiv:2309.17453): a rolling cache of the first `sinks` tokens and
-    the newest `stream_window` (by default (block_size - sinks) // 2, so renumbered
-    positions stay inside the context), for any model."""
-    window = stream_window or max(1, (model.config.block_size - sinks) // 2)
+    the newest `window` (by default default_stream_window's), for a model whose keys can
+    be renumbered (check_sinks)."""
+    window = window or default_stream_window(model.config, sinks)
     return _decode_rolling(context, steps, stream_cache(model, window, sinks))
 
 

@@ -9,7 +9,7 @@ import weakref
 from dataclasses import astuple, fields
 
 from model.attention import ATTENTION_BACKENDS, MultiHeadAttention
-from model.config import ModelConfig, ModelError
+from model.config import ModelConfig, ModelError, divisors, listed
 from model.layers import BLOCKS, MLPS, NORMS
 from model.moe import MOE_EXPERTS, MOE_ROUTERS
 from model.mechanisms import MECHANISMS, NOT_MECHANISMS, Mechanism, entry_problems, names_used
@@ -61,12 +61,19 @@ def _in_order(letters: str, word: str) -> bool:
     return all(c in rest for c in letters)
 
 
+def _swapped(name: str, word: str) -> bool:
+    return len(name) == len(word) and any(
+        name[:i] + name[i + 1] + name[i] + name[i + 2:] == word for i in range(len(name) - 1))
+
+
 def unknown_name(key: str, name, valid) -> ModelError:
-    # The rule of common/errors.py's closest(), kept here: model/ lifts out with torch alone.
+    # The rule of common/errors.py's closest(), kept here: model/ lifts out with torch alone
+    # (tests/test_config.py holds the two to the same answers).
     name = str(name)
     same = [v for v in valid if v.lower() == name.lower()]
+    swap = [v for v in valid if _swapped(name.lower(), v.lower())]
     short = [v for v in valid if len(name) >= 3 and v[:1] == name[:1] and _in_order(name, v)]
-    close = same or difflib.get_close_matches(name, short, n=1, cutoff=0) or \
+    close = same or swap or difflib.get_close_matches(name, short, n=1, cutoff=0) or \
         difflib.get_close_matches(name, list(valid), n=1, cutoff=0.7)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return ModelError(f"unknown {key} {name!r}{hint}; valid choices: {', '.join(sorted(valid))}")
@@ -106,6 +113,7 @@ def check(config: ModelConfig, building: bool = False) -> None:
     CHECKED.pop(id(config), None)
     if building and config.vocab_size <= 0:
         raise ModelError("model.vocab_size must be set (it comes from the tokenizer)")
+    check_head_sizes(config)
     config.validate()
     check_names(config)
     check_mechanisms(config)
@@ -119,15 +127,14 @@ def check(config: ModelConfig, building: bool = False) -> None:
     backend = ATTENTION_BACKENDS[config.attention]
     position = POSITION_ENCODINGS[config.position]
     if backend.needs_window and not config.sliding_window:
+        # The example fits this context: a window is at most model.block_size wide.
         raise ModelError(f"model.attention={config.attention} computes only a sliding window's "
-                         "band; set model.sliding_window (e.g. 256) or use sdpa")
+                         f"band; set model.sliding_window (e.g. {max(1, config.block_size // 4)}, "
+                         f"a quarter of model.block_size={config.block_size}) or use sdpa")
     if config.dropout and not backend.has_dropout:
         choices = ", ".join(n for n, b in ATTENTION_BACKENDS.items() if b.has_dropout)
         raise ModelError(f"model.attention={config.attention} has no attention dropout; set "
                          f"model.dropout=0 or use one of {choices}")
-    if position.rotary and config.head_dim % 2:
-        raise ModelError(f"RoPE rotates pairs of dimensions, so the head size "
-                         f"(n_embd/n_head = {config.head_dim}) must be even")
     if not config.causal and position.biases_scores:
         relative = ", ".join(n for n, p in POSITION_ENCODINGS.items() if not p.biases_scores)
         raise ModelError(f"model.position={config.position} biases scores by causal distance, "
@@ -149,6 +156,29 @@ def check(config: ModelConfig, building: bool = False) -> None:
     if id(config) not in CHECKED:
         weakref.finalize(config, CHECKED.pop, id(config), None)
     CHECKED[id(config)] = astuple(config)
+
+
+def check_head_sizes(config: ModelConfig) -> None:
+    """model.n_head cuts model.n_embd into equal heads, and a rotary position turns each
+    head's dimensions in pairs, so its size must be even too: checked before
+    ModelConfig.validate (which knows no positions), so the refusal lists the head counts
+    that meet both. A size that is not a positive whole number is left to validate."""
+    n, h = config.n_embd, config.n_head
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (n, h)):
+        return
+    rotary = getattr(POSITION_ENCODINGS.get(config.position), "rotary", False)
+    if n % h == 0 and not (rotary and (n // h) % 2):
+        return
+    works = [d for d in divisors(n) if not (rotary and (n // d) % 2)]
+    give = (f"give model.n_head one of {listed(works, h)}, or change model.n_embd" if works
+            else "make model.n_embd even")
+    if n % h:
+        raise ModelError(f"model.n_embd={n} is not divisible by model.n_head={h}: each head "
+                         f"gets an equal slice d_k = n_embd / n_head" + (
+                             f", and model.position={config.position} turns its dimensions in "
+                             "pairs, so d_k must be even" if rotary else "") + f"; {give}")
+    raise ModelError(f"RoPE rotates pairs of dimensions, so the head size (n_embd/n_head = "
+                     f"{n // h}) must be even; {give}")
 
 
 def check_readout(config: ModelConfig) -> None:

@@ -529,10 +529,35 @@ def test_the_memory_bound_counts_every_field_that_sizes_a_tensor(field, needs, m
     from engine import budget
     monkeypatch.setattr(budget, "available_bytes", lambda device: 8 << 30)
     cfg = cli.build("tiny", needs + [f"--model.{field}={HUGE}"])
-    with pytest.raises(ConfigError, match=r"GiB free; its largest tensor is \S+, [0-9, x]*[0-9]{3},[0-9]{3},[0-9]{3},[0-9]{3}"):
+    # The field's tensor is named, or the T x T maps it makes (a sparse layer's indexer heads).
+    with pytest.raises(ConfigError, match=r"GiB free; (the weights and their optimizer state are .*; "
+                                          r"the largest tensor is \S+, [0-9, x]*[0-9]{3},[0-9]{3},[0-9]{3},[0-9]{3}"
+                                          r"|the attention maps \([0-9,]{15,} of them .*model.indexer_heads\))"):
         budget.refuse_what_cannot_fit(cfg, torch.device("cpu"))
     small = cli.build("tiny", needs + [f"--model.{field}=4"])
     budget.refuse_what_cannot_fit(small, torch.device("cpu"))        # a small one trains
+
+
+@pytest.mark.parametrize("args,dominant,shrink", [
+    (["--model.block_size=100000"], r"the attention maps \(4 of them across the layers, each "
+     r"100,000 x 100,000 scores: model.block_size squared, at batch 8\) are 1.49e\+03 GiB of it",
+     "make model.block_size (the maps grow as its square) or train.batch_size smaller, or keep "
+     "fewer maps (model.n_head)"),
+    (["--train.batch_size=1000000"], r"the activations backward keeps \(2 layers x 32 positions",
+     "make model.block_size, train.batch_size, model.n_layer or model.n_embd smaller")])
+def test_a_run_too_large_to_train_names_what_dominates_its_memory(args, dominant, shrink, monkeypatch):
+    """block_size=100000 was refused naming the MLP's 512 x 128 weight as the largest
+    tensor, while what grows is the activations and the T x T maps: the line names the part
+    of the estimate that dominates it and the fields that shrink that part."""
+    import re
+    from engine import budget
+    monkeypatch.setattr(budget, "available_bytes", lambda device: 8 << 30)
+    cfg = cli.build("tiny", args)
+    with pytest.raises(ConfigError) as err:
+        budget.refuse_what_cannot_fit(cfg, torch.device("cpu"))
+    said = str(err.value)
+    assert "\n" not in said and "largest tensor" not in said
+    assert re.search(dominant, said) and shrink in said, said
 
 
 def test_the_activation_bound_counts_a_sparse_layers_indexer_maps():

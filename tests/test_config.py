@@ -349,3 +349,110 @@ def test_a_config_file_cannot_send_a_runs_files_outside_the_folder_it_runs_from(
     hostile.write_text('[model]\nn_layer = 1\n')
     given = cli.build(str(hostile), [f"--{section}.{key}={tmp_path.parent / 'x'}"])
     assert getattr(getattr(given, section), key) == str(tmp_path.parent / "x")
+
+
+@pytest.mark.parametrize("preset,extra", [("cpu", []), ("tiny", []), ("tiny", ["--model.block_size=8"])])
+def test_the_window_a_banded_refusal_suggests_is_one_the_config_takes(preset, extra):
+    """model.attention=banded without a window suggested 256, which the cpu preset's context
+    of 128 then refused as wider than the context: the example is sized to the config."""
+    import re
+    with pytest.raises(ConfigError, match=r"set model.sliding_window \(e.g. (\d+)") as err:
+        cli.build(preset, ["--model.attention=banded", *extra])
+    window = re.search(r"e\.g\. (\d+)", str(err.value)).group(1)
+    cfg = cli.build(preset, ["--model.attention=banded", *extra, f"--model.sliding_window={window}"])
+    assert 0 < cfg.model.sliding_window <= cfg.model.block_size
+
+
+@pytest.mark.parametrize("args,meant", [(["--model.mechanism=mah"], "mha"),
+                                        (["--model.position=rpoe"], "rope"),
+                                        (["--model.norm=rmsnrom"], "rmsnorm"),
+                                        (["--data.tokenizer=bep"], "bpe"),
+                                        (["--data.tokenizer=cahr"], "char"),
+                                        (["--train.dtype=flaot32"], "float32")])
+def test_two_swapped_letters_get_a_did_you_mean(args, meant):
+    """mah for mha got the list of choices alone: difflib rates a three-letter swap at 0.67,
+    under the 0.7 it asks, and the swap's letters are not in the right order for an
+    abbreviation. The model's fields (model/registry.py) and the others (common/errors.py)
+    say it alike."""
+    with pytest.raises(ConfigError, match=f"did you mean {meant!r}"):
+        cli.build("tiny", args)
+
+
+def test_the_model_floors_did_you_mean_rule_answers_as_the_common_one():
+    """model/ keeps its own copy of common/errors.py's closest() (it lifts out with torch
+    alone): the two give the same suggestion, or none, for every kind of slip."""
+    from common.errors import closest
+    from model.registry import REGISTRIES, unknown_name
+    slips = ["mah", "MHA", "attn", "rpoe", "alibi2", "bogus", "x", "", "mla_spares", "gated_delta",
+             "layrenorm", "swigul", "eagre", "sdp", "learend", "yours_sinsk", "noen", "Rpoe"]
+    for registry, valid in REGISTRIES.items():
+        for slip in slips:
+            said = str(unknown_name("model.x", slip, valid))
+            close = closest(slip, sorted(valid))
+            assert (f"did you mean {close!r}" in said) if close else "did you mean" not in said, \
+                (registry, slip, said, close)
+
+
+@pytest.mark.parametrize("args,field,works", [
+    (["--model.n_head=5"], "n_head", [1, 2, 4, 8, 16, 32, 64]),        # cpu: 128 wide, RoPE
+    (["--model.n_head=128"], "n_head", [1, 2, 4, 8, 16, 32, 64]),      # a head of 1: odd
+    (["--model.n_embd=96", "--model.n_head=5"], "n_head", [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]),
+    (["--model.n_embd=96", "--model.n_head=5", "--model.position=learned"], "n_head",
+     [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]),
+    (["--model.n_kv_head=3"], "n_kv_head", [1, 2, 4]),                 # cpu: 4 heads
+    (["--model.n_head=12", "--model.n_embd=96", "--model.n_kv_head=5"], "n_kv_head",
+     [1, 2, 3, 4, 6, 12])])
+def test_a_head_count_that_does_not_fit_is_refused_with_every_value_that_does(args, field, works):
+    """n_head=5 with n_embd 128 said only 'not divisible', n_kv_head=3 with 4 heads only
+    'must divide': the line lists the values that work (with RoPE, those that leave each
+    head an even size too), and each one listed is taken."""
+    import re
+    with pytest.raises(ConfigError) as err:
+        cli.build("cpu", args)
+    said = str(err.value)
+    assert "\n" not in said
+    listed = [int(n) for n in re.search(r"give (?:model\.\w+ )?one of ([\d, ]+)", said).group(1)
+              .strip(", ").split(", ")]
+    assert listed == works
+    for value in listed:
+        cli.build("cpu", [*args, f"--model.{field}={value}"])
+
+
+def test_a_width_no_head_count_fits_says_to_change_the_width():
+    with pytest.raises(ConfigError, match=r"so d_k must be even; make model.n_embd even$"):
+        cli.build("cpu", ["--model.n_embd=97", "--model.n_head=7"])
+
+
+def test_the_sampling_precision_help_says_what_the_code_decides_it_from():
+    """sample.dtype's help said the one-token matmul was timed and bf16 kept where it ran
+    1.1x faster; machine.pick_dtype reads a width fixed per CPU kind and times nothing. The
+    help names each kind's width, as pick_dtype reads it."""
+    from engine.machine import CPU_KINDS
+    text = " ".join(config.SampleConfig.__dataclass_fields__["dtype"].metadata["help"].split())
+    assert "timed here" not in text and "1.1x" not in text
+    for name, kind in CPU_KINDS.items():
+        start = kind.decode_bf16_from
+        assert (f"{name} from {start:,} wide" if start is not None else name) in text
+    assert "CPU_KINDS" in text and "no timing" in text
+
+
+def test_a_switch_refused_on_the_command_line_lists_every_word_it_reads(tmp_path):
+    """--model.qk_norm=yes was read while a refused word was told 'true or false' alone:
+    the line lists every word the command line reads, and each one listed is read; a file
+    still takes a boolean without quotes, and its line says where the words are read."""
+    import re
+    with pytest.raises(ConfigError) as err:
+        cli.build("tiny", ["--model.qk_norm=maybe"])
+    said = str(err.value)
+    assert said.startswith("model.qk_norm must be true or false (or ") and "\n" not in said
+    pairs = [("true", "false")] + [tuple(p.split("/")) for p in
+                                   re.search(r"\(or ([\w/, ]+)\)", said).group(1).split(", ")]
+    assert {w for p in pairs for w in p} == {"true", "false", "yes", "no", "on", "off", "1", "0"}
+    for on, off in pairs:
+        for word, value in ((on, True), (off, False), (on.upper(), True)):
+            assert cli.build("tiny", [f"--model.qk_norm={word}"]).model.qk_norm is value
+    path = tmp_path / "mine.toml"
+    path.write_text("[model]\nqk_norm = 1\n")
+    with pytest.raises(ConfigError, match=r"qk_norm takes true or false, written without quotes "
+                                          r"in a file \(the command line also reads yes/no"):
+        config.load_preset(config.RunConfig(), str(path))

@@ -72,14 +72,17 @@ def test_a_figure_that_fails_part_way_leaves_the_old_file_whole(tmp_path):
 
 
 def test_one_figure_goes_where_out_says(tmp_path, capsys):
-    """--out an existing folder, a new folder ending in a slash, or a file in a folder
-    not made yet; the `wrote` line names the file written."""
+    """--out an existing folder, a new folder ending in a slash or without a suffix, or a
+    file in a folder not made yet; the `wrote` line names the file written."""
     from attnlab.figures import main
     from common.errors import AttnlabError
     (tmp_path / "old").mkdir()
     for out, written in [(tmp_path / "old", tmp_path / "old" / "masks.png"),
                          (f"{tmp_path / 'new'}/", tmp_path / "new" / "masks.png"),
-                         (tmp_path / "a" / "b" / "m.png", tmp_path / "a" / "b" / "m.png")]:
+                         (tmp_path / "a" / "b" / "m.png", tmp_path / "a" / "b" / "m.png"),
+                         # a new name without a suffix is a folder, as the help says ("a
+                         # PNG path or a folder"), not figs.png beside it
+                         (tmp_path / "x" / "figs", tmp_path / "x" / "figs" / "masks.png")]:
         main(["masks", "--out", str(out)])
         assert capsys.readouterr().out == f"wrote {written}\n"
         assert written.read_bytes()[:4] == b"\x89PNG"

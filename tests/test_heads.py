@@ -582,3 +582,23 @@ def test_a_piece_view_of_a_model_without_the_piece_says_how_to_train_one(tmp_pat
         heads.main(["sinks", "--text", PIECE_TEXT, "--layer", "1"])
     with pytest.raises(AttnlabError, match="heads sinks reads every head and takes no --head"):
         heads.main(["sinks", "--text", PIECE_TEXT, "--head", "1"])
+
+
+def test_help_and_a_mistyped_subcommand_list_every_subcommand_that_runs(capsys):
+    """--help and the invalid-choice error listed grid ... chosen, while lens, ablate,
+    patch and induction ran and docs/walkthrough.md sends learners to them."""
+    from attnlab import heads
+    text = " ".join(heads.parser().format_help().split())
+    for name in heads.FORWARDED:
+        assert name in re.search(r"\{([a-z,]+)\}", text).group(1).split(",")
+        with pytest.raises(SystemExit) as done:
+            heads.main([name, "--help"])          # each one listed runs
+        assert done.value.code == 0
+    from common.errors import AttnlabError, ConfigError
+    with pytest.raises(ConfigError, match="invalid choice: 'lense'") as err:
+        heads.main(["lense"])
+    assert "\n" not in str(err.value)
+    for name in ["grid", "head", "search", "stats", "html", *heads.PIECE_VIEWS, *heads.FORWARDED]:
+        assert f"'{name}'" in str(err.value)
+    with pytest.raises(AttnlabError, match="heads lens takes its options after its name"):
+        heads.main(["--text", "hi", "lens"])

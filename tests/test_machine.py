@@ -367,3 +367,30 @@ def test_each_cpu_kind_names_the_section_with_its_measurements():
                 (ROOT / "docs" / "benchmarks.md").read_text().splitlines() if line.startswith("#")}
     for name, kind in CPU_KINDS.items():
         assert kind.numbers in headings, (name, kind.numbers)
+
+
+@pytest.mark.parametrize("kind", list(machine.CPU_KINDS))
+def test_sampling_says_why_auto_runs_another_kernel_than_training(kind, monkeypatch):
+    """A run's device line said attention eager and sample.py's header, on the same run
+    and machine, attention sdpa with no reason: auto picks the kernel for the precision,
+    and the weights sample in another one than training's autocast. The header says so
+    where the two differ, naming both, and nothing where they agree or a kernel is named."""
+    from engine import cli
+    monkeypatch.setattr(machine, "cpu_kind_name", lambda flags=None: kind)
+    monkeypatch.setattr(machine, "native_bf16", lambda: machine.CPU_KINDS[kind].native_bf16)
+    cpu = torch.device("cpu")
+    cfg = cli.build("cpu", ["--train.device=cpu"])             # 128 wide
+    trained = machine.pick_dtype(cfg.train.dtype, cpu, cfg.model.n_embd)
+    sampled = machine.pick_dtype(cfg.sample.dtype, cpu, cfg.model.n_embd, decoding=True)
+    there, here = (machine.attention_backend(cfg.model, cpu, d) for d in (trained, sampled))
+    why = machine.sampling_kernel_why(cfg.model, cfg.train, cpu, sampled)
+    if here == there:
+        assert why == ""
+    else:
+        name = {d: str(d).removeprefix("torch.") for d in (trained, sampled)}
+        assert why == (f" (model.attention=auto picks the kernel for the precision: {here} for "
+                       f"these {name[sampled]} weights; training's {name[trained]} autocast "
+                       f"runs {there} here)")
+    assert (kind == "amx") <= (why != "")            # AMX: bf16 to train, fp32 to sample at 128
+    cfg.model.attention = "sdpa"
+    assert machine.sampling_kernel_why(cfg.model, cfg.train, cpu, sampled) == ""

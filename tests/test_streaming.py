@@ -29,15 +29,52 @@ def test_the_sink_cache_keeps_its_memory_and_positions_bounded_over_a_long_gener
             model(ids[:, t:t + 1], cache=cache)
             sizes.add(cache.nbytes())
             lengths.append(cache.length)
-    # One buffer of sinks + 2·window slots, allocated once; positions never pass it, so
-    # even learned positions (a table of block_size rows) stream for ever.
+    # One buffer of sinks + 2·window slots, allocated once; positions never pass it.
     assert sizes == {2 * 2 * (sinks + 2 * window) * 2 * 8 * 4}
     assert max(lengths) == sinks + 2 * window <= model.config.block_size
     assert cache.positions[:sinks].tolist() == list(range(sinks))
-    # generate streams the same way: 8x the context from a model with a position table.
+    if POSITION_ENCODINGS[position].absolute:
+        return                       # its keys cannot be renumbered: generate refuses them
+    # generate streams the same way: 8x the context.
     out = list(model.generate(ids[:, :3], 8 * model.config.block_size, sinks=sinks,
                               generator=torch.Generator().manual_seed(0)))
     assert len(out) == 8 * model.config.block_size
+
+
+@pytest.mark.parametrize("position", [n for n, p in POSITION_ENCODINGS.items() if p.absolute])
+def test_sinks_are_refused_for_absolute_positions_which_cannot_be_renumbered(position):
+    """Learned and sinusoidal positions streamed past the context with no word, though a
+    position added to the input is in every layer's keys, where no shift takes it back:
+    after a roll the kept keys carry positions past the new query's. One line says so and
+    what to do, from generate and from check_sinks alike (sample.py calls it first)."""
+    from model.config import ModelError
+    from model.decode import check_sinks
+    model = tiny(position, block_size=24)
+    ids = torch.randint(0, 40, (1, 3))
+    for call in (lambda: next(model.generate(ids, 100, sinks=4)),
+                 lambda: check_sinks(model.config, "cache", 4)):
+        with pytest.raises(ModelError) as err:
+            call()
+        said = str(err.value)
+        assert "\n" not in said and f"model.position={position} adds each token's absolute " \
+            "position to its input, where it cannot be renumbered" in said
+        assert "sample without sinks (--sinks=0)" in said
+
+
+def test_the_sample_header_names_the_window_the_stream_keeps(monkeypatch):
+    """sample.py's header says what streaming keeps past the context: the window the
+    rolling cache is given, not a number of its own."""
+    import sample
+    from model import decode
+    made = []
+    real = decode.stream_cache
+    monkeypatch.setattr(decode, "stream_cache", lambda m, w, s: made.append((w, s)) or real(m, w, s))
+    model = tiny("rope", block_size=24)
+    list(model.generate(torch.randint(0, 40, (1, 3)), 30, sinks=4))
+    assert made == [(10, 4)]
+    assert sample.streaming(model.config, 4) == (", past the context the first 4 tokens (sinks) "
+                                                 "and the newest 10, renumbered")
+    assert sample.streaming(model.config, 0) == ""
 
 
 @pytest.mark.parametrize("position", ["rope", "alibi", "none"])

@@ -57,6 +57,17 @@ def test_train_runs_end_to_end_and_writes_a_run_directory(trained):
     assert checkpoint.latest_run(out / "runs", log=lambda line: None) == run_dir
 
 
+def test_the_model_line_says_what_auto_attention_became_as_the_device_line_does(trained):
+    """The model line said `auto attention` while the device line said `attention eager`:
+    it names the kernel the device line names (whatever this machine chose)."""
+    import re
+    _, _, proc = trained
+    device = next(l for l in proc.stdout.splitlines() if l.startswith("device: "))
+    model = next(l for l in proc.stdout.splitlines() if l.startswith("model: "))
+    kernel = re.search(r", attention ([a-z]+)[;,]", device).group(1)
+    assert f", auto attention ({kernel} on this machine: see device): " in model
+
+
 def test_sample_streams_text_from_the_run(trained):
     _, run_dir, _ = trained
     # 4 + 28 tokens fill the context (32) exactly: within it, cached and uncached decoding
