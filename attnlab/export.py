@@ -35,12 +35,25 @@ def main(argv=None) -> int:
     print(f"wrote {args.out}: {arch.hf_class} ({arch.model_type}) from {ckpt}, "
           f"{model.num_params() / 1e6:.2f}M parameters")
     print(f"load it with: transformers.{arch.hf_class}.from_pretrained({args.out!r})")
+    if cfg.model.tie_embeddings and not written_tied(args.out):
+        # The class has its own lm_head (KimiLinearForCausalLM never ties): the shared
+        # matrix is written in both places, so transformers counts it twice.
+        print(f"the tied matrix is written twice, as the embedding and as {arch.hf_class}'s own "
+              f"head: transformers counts {model.wte.weight.numel():,} parameters more, the logits "
+              "are the same")
     if getattr(cfg.model, "mtp_depth", 0):
         # transformers' DeepSeek classes have no multi-token prediction module to load it into.
         print(f"not written: the multi-token prediction module (model.mtp_depth="
               f"{cfg.model.mtp_depth}); {arch.hf_class} has none, so the folder samples "
               "without --decode mtp")
     return 0
+
+
+def written_tied(out) -> bool:
+    """Does the written config.json tie the head to the embedding (transformers' default)?"""
+    import json
+    from pathlib import Path
+    return json.loads((Path(out) / "config.json").read_text()).get("tie_word_embeddings", True)
 
 
 if __name__ == "__main__":

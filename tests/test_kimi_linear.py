@@ -166,6 +166,12 @@ def test_our_kimi_linear_exports_to_a_folder_transformers_loads_with_equal_logit
         rounded = ours.float().double()
         torch.testing.assert_close(hf.eval()(x).logits, rounded(x).logits, atol=1e-9, rtol=0)
     assert load_hf_folder(tmp_path / "out")[1] == replace(cfg, tie_embeddings=False)
+    # What `python -m attnlab.export` says of a tied model here: transformers counts the
+    # shared matrix twice, once more than our count does.
+    from attnlab.export import written_tied
+    assert written_tied(tmp_path / "out") is False
+    extra = ours.wte.weight.numel() if tied else 0
+    assert sum(p.numel() for p in hf.parameters()) == ours.num_params() + extra
 
 
 def test_untouched_transformers_agrees_in_float32(hf_folder, tmp_path):
