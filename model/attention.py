@@ -152,6 +152,12 @@ class Mask:
             return None
         return self.bias_fn(self.q_pos[:, None], self.k_pos[None, :])      # (H, Tq, Tk)
 
+    def hide(self, x: torch.Tensor, value: float) -> torch.Tensor:
+        """x (..., Tq, Tk), scores or weights, with every hidden key's entry set to `value`:
+        -inf before a softmax, 0 after a function of each score alone (a sigmoid). Where no
+        key is hidden, x itself, and `dense` is never made."""
+        return x if self.sees_everything else x.masked_fill(~self.dense, value)
+
     def additive(self, dtype) -> torch.Tensor:
         """Bias and mask as one float matrix: bias where visible, -inf elsewhere."""
         bias = self.bias if self.bias is not None else torch.zeros((), device=self.k_pos.device)

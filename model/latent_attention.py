@@ -263,9 +263,8 @@ class LatentAttention(nn.Module):
         Tk = state.latent.shape[1]
         scores = torch.bmm(q.reshape(B, H * Tq, -1), state.latent.transpose(1, 2))
         scores = scores.view(B, H, Tq, Tk)
-        if not mask.sees_everything:
-            # Hidden keys get -inf: exp(-inf) = 0, no weight from the future or an empty slot.
-            scores = scores.masked_fill(~mask.dense, float("-inf"))
+        # Hidden keys get -inf: exp(-inf) = 0, no weight from the future or an empty slot.
+        scores = mask.hide(scores, float("-inf"))
         weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)),
                                 dim=-1).to(q.dtype)
         dropped = F.dropout(weights, self.dropout) if self.training and self.dropout else weights

@@ -30,9 +30,7 @@ class SigmoidAttention(MultiHeadAttention):
     def attend(self, q, k, v, mask: Mask, need_weights: bool = False):
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))   # (B, H, Tq, Tk)
         weights = torch.sigmoid(at_least_fp32(scores) + self.score_bias)
-        if not mask.sees_everything:
-            # σ gives a hidden key a weight above 0; the mask sets it to exactly 0.
-            weights = weights.masked_fill(~mask.dense, 0.0)
+        weights = mask.hide(weights, 0.0)    # σ gives a hidden key a weight above 0: set to 0
         weights = weights.to(q.dtype)
         out = F.dropout(weights, self.dropout if self.training else 0.0) @ v
         return out, (weights if need_weights else None)

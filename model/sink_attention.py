@@ -31,8 +31,7 @@ class SinkAttention(MultiHeadAttention):
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))   # (B, H, Tq, Tk)
         if mask.bias is not None:
             scores = scores + mask.bias
-        if not mask.sees_everything:
-            scores = scores.masked_fill(~mask.dense, float("-inf"))
+        scores = mask.hide(scores, float("-inf"))
         B, H, Tq, _ = scores.shape
         sink = self.sinks.view(1, H, 1, 1).expand(B, H, Tq, 1).to(scores.dtype)
         # The sink's logit joins each row's softmax as one more column, then is dropped.

@@ -428,3 +428,18 @@ def test_a_long_flex_block_mask_is_built_without_the_t_by_t_mask():
                           timeout=300)
     grown_mib = float(proc.stdout.strip().splitlines()[-1])
     assert grown_mib < 128, proc.stderr[-500:]
+
+
+def test_hide_sets_hidden_keys_and_leaves_a_mask_that_hides_none_alone():
+    """Mask.hide, the one line a mechanism without the formula masks with: every key the
+    rule hides gets the value, every visible one keeps its own, padding included; where
+    nothing is hidden (one decoded token, no window), x itself comes back."""
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(0))
+    pad = torch.tensor([[False] * 6, [True, False, False, False, False, False]])
+    mask = Mask.over(0, 6, 6, window=3, key_padding=pad)
+    hidden = mask.hide(x, 0.0)
+    q, k = torch.arange(6)[:, None], torch.arange(6)[None, :]
+    visible = ((k <= q) & (q - k < 3))[None, None] & ~pad[:, None, None, :]
+    assert torch.equal(hidden, torch.where(visible, x, torch.zeros(())))
+    row = x[..., :1, :]
+    assert Mask.over(5, 1, 6).hide(row, float("-inf")) is row

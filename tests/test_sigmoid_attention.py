@@ -49,7 +49,7 @@ def test_sigmoid_attention_is_the_papers_formula(window):
 
 @pytest.mark.parametrize("old, new", [
     ("+ self.score_bias)", "- self.score_bias)"),                 # the bias's sign
-    ("weights.masked_fill(~mask.dense, 0.0)", "weights"),        # hidden keys keep σ's weight
+    ("mask.hide(weights, 0.0)", "weights"),                      # hidden keys keep σ's weight
     ("/ math.sqrt(q.size(-1))", "/ q.size(-1)"),                 # the wrong scale
 ])
 def test_the_reference_catches_each_planted_slip(old, new, monkeypatch):
