@@ -536,10 +536,14 @@ def architecture_for(cfg: ModelConfig, tokenizer: Tokenizer | None = None) -> Ar
                       for name in takers[:1])
     for name, mechanism in ((n, MECHANISMS[n]) for n in names_used(cfg)):
         if mechanism.export_refusal:
+            # Where a card's class takes this mechanism, what stops it is the fix; else the
+            # mechanism itself is, and multi-head attention always exports.
+            remedy = ("; give those fields the card's values and train again" if stopped else
+                      "; only a model trained with a mechanism transformers has exports: train "
+                      "with --model.mechanism=mha (the article's multi-head attention; "
+                      "--model.n_kv_head for GQA/MQA)")
             raise ExportError(f"cannot export model.mechanism={name}: {mechanism.export_refusal}"
-                              f"{stopped}; only a model trained with a mechanism transformers has exports: "
-                              "train with --model.mechanism=mha (the article's multi-head "
-                              "attention; --model.n_kv_head for GQA/MQA)")
+                              f"{stopped}{remedy}")
     fewest = min(len(why) for why in reasons.values())
     nearest = [f"{name} ({ARCHITECTURES[name].hf_class}), stopped by: " + "; ".join(why)
                for name, why in reasons.items() if len(why) == fewest]
