@@ -536,9 +536,11 @@ def architecture_for(cfg: ModelConfig, tokenizer: Tokenizer | None = None) -> Ar
                       for name in takers[:1])
     for name, mechanism in ((n, MECHANISMS[n]) for n in names_used(cfg)):
         if mechanism.export_refusal:
-            # Where a card's class takes this mechanism, what stops it is the fix; else the
-            # mechanism itself is, and multi-head attention always exports.
-            remedy = ("; give those fields the card's values and train again" if stopped else
+            # Where a card's class takes this mechanism, what stops it is the first fix;
+            # multi-head attention, which always exports, is the other.
+            remedy = ("; give those fields the card's values and train again, or train with "
+                      "--model.mechanism=mha (the article's multi-head attention), which exports"
+                      if stopped else
                       "; only a model trained with a mechanism transformers has exports: train "
                       "with --model.mechanism=mha (the article's multi-head attention; "
                       "--model.n_kv_head for GQA/MQA)")
