@@ -18,7 +18,7 @@ from model.decode import generate as generate_tokens
 from model.cache import KVCache
 from model.config import ModelConfig, ModelError
 from model.extras import TokenTypes, UNetSkips, ValueEmbeddings
-from model.layers import BLOCKS, NORMS, layer_names
+from model.layers import BLOCKS, MLPS, NORMS, Block, layer_names
 from model.attention import Mask, MultiHeadAttention
 from model.mechanisms import MECHANISMS
 from model.meta import Unfilled
@@ -42,6 +42,11 @@ class Output(NamedTuple):
 
 
 class GPT(nn.Module):
+    # The block each layer gets, by model.block's name: the plain GPT has GPT-2's pre-norm
+    # Block (model/layers.py); GPTWithVariants, below, has every arrangement and the parts
+    # a config adds to a block.
+    block_types = {"prenorm": Block}
+
     @classmethod
     def skeleton(cls, config: ModelConfig) -> "GPT":
         """The model's modules, names and shapes on the meta device: no memory, no values
@@ -73,7 +78,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)    # token -> vector
         self.positions = POSITION_ENCODINGS[config.position](config)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(BLOCKS[config.block](config, i) for i in range(config.n_layer))
+        self.blocks = nn.ModuleList(self.block_types[config.block](config, i) for i in range(config.n_layer))
         self.norm_f = NORMS[config.norm](config)
         self.lm_head = self.output_layer(config)
         if config.tie_embeddings:
@@ -220,13 +225,13 @@ class GPT(nn.Module):
 # Fields that, set, ask for a part the plain GPT does not have (GPTWithVariants builds it).
 VARIANT_FIELDS = ("n_token_types", "value_embeds", "skip_connections", "zero_head", "logit_softcap",
                   "full_attention_every", "mtp_depth", "embed_scale", "qk_norm_weight",
-                  "score_scale", "rope_local_theta")
+                  "score_scale", "rope_local_theta", "token_mix", "moe_dense_layers")
 
 
 def wants_variants(config: ModelConfig) -> bool:
     """Does the config ask for a part the plain GPT does not have?"""
-    return (any(getattr(config, name) for name in VARIANT_FIELDS)
-            or not READOUTS[config.readout].plain or not BLOCKS[config.block].plain)
+    plain = (READOUTS[config.readout].plain, BLOCKS[config.block].plain, MLPS[config.mlp].has_weights)
+    return not all(plain) or any(getattr(config, name) for name in VARIANT_FIELDS)
 
 
 class GPTWithVariants(GPT):
@@ -234,9 +239,11 @@ class GPTWithVariants(GPT):
     field asks for it: BERT's segment embeddings, its norm after the embeddings and its
     masked-LM head (model/readout.py), value embeddings and U-net skips across the stack
     (model/extras.py), soft-capped logits, the adaptive softmax, or no output layer at
-    all (an encoder kept for its hidden states). GPT(config) builds this class when the
-    config asks for any of them; the names of the plain parts are kept, so checkpoints
+    all (an encoder kept for its hidden states), and blocks with more than GPT-2's
+    (BlockWithVariants and the post-norm and sandwich arrangements, model/layers.py).
+    GPT(config) builds this class when the config asks for any of them; the names of the plain parts are kept, so checkpoints
     read the same either way."""
+    block_types = BLOCKS
     PASS_ORDER = ("wte", "token_types", "positions", "local_positions", "norm_emb", "drop",
                   "blocks", "value_embeds", "skips", "norm_f", "head_transform", "lm_head",
                   "adaptive", "mtp")

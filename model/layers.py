@@ -164,31 +164,54 @@ class Block(nn.Module):
     """x + attention(norm(x)), then x + mlp(norm(x)): pre-norm residual (GPT-2), which
     keeps an identity path from input to output so deep stacks train stably. The
     stream leaves the last block unnormalised, so the model norms it once at the end.
+    The parts a config adds to a block are BlockWithVariants', below.
 
     The class attributes are the facts the model asks about a block."""
     norms_embeddings = False   # a norm between the embeddings and the first block
     final_norm = True          # a norm after the last block
     norms_outputs = False      # a norm on each sublayer's output too, before the residual sum
-    plain = True               # the article's GPT block: nothing for GPTWithVariants to add
+    plain = True               # GPT-2's arrangement, which the plain GPT builds as this class
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.norm_attn = NORMS[config.norm](config)
         # model.mechanism's entry for this layer (its facts), and the layer it builds.
-        self.mechanism = MECHANISMS[layer_names(config)[layer_idx]]
         # The default, `mha`, builds MultiHeadAttention of model/attention.py.
+        self.mechanism = MECHANISMS[layer_names(config)[layer_idx]]
         self.attn = self.mechanism.layer(config, layer_idx)
-        # DeepSeek-V3 keeps its first layers dense before the experts (model.moe_dense_layers).
-        mlp = MLPS["swiglu" if layer_idx < config.moe_dense_layers else config.mlp]
-        # An attention-only model (model.mlp=none) has no MLP and no norm in front of it.
-        self.norm_mlp = NORMS[config.norm](config) if mlp.has_weights else None
-        self.mlp = mlp(config) if mlp.has_weights else None
-        self.mix = TokenMix(config, layer_idx) if config.token_mix else None
+        self.norm_mlp = NORMS[config.norm](config)
+        self.mlp = MLPS[config.mlp](config)
 
     @property
     def has_weights(self) -> bool:
         """Has attention weights to return: a recurrent layer (DeltaNet) has none."""
         return self.mechanism.no_weights is None
+
+    def forward(self, x, positions, mask, cache=None, need_weights=False, value_embed=None):
+        a, weights = self.attn(self.norm_attn(x), positions, mask, cache, need_weights, value_embed)
+        x = x + a
+        x = x + self.mlp(self.norm_mlp(x))
+        return x, weights
+
+
+class BlockWithVariants(Block):
+    """The pre-norm block with the parts a config adds to GPT-2's, each built only when its
+    field asks for it: Canon layers' mix of the newest positions before attention
+    (model.token_mix), no MLP at all (model.mlp=none, an attention-only model), and
+    DeepSeek-V3's dense first layers before the experts (model.moe_dense_layers).
+    GPTWithVariants builds it, and the post-norm and sandwich blocks below are built on
+    it. Its parts have the plain Block's names and order, so a checkpoint reads the same."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        nn.Module.__init__(self)
+        self.norm_attn = NORMS[config.norm](config)
+        self.mechanism = MECHANISMS[layer_names(config)[layer_idx]]
+        self.attn = self.mechanism.layer(config, layer_idx)
+        mlp = MLPS["swiglu" if layer_idx < config.moe_dense_layers else config.mlp]
+        # An attention-only model (model.mlp=none) has no MLP and no norm in front of it.
+        self.norm_mlp = NORMS[config.norm](config) if mlp.has_weights else None
+        self.mlp = mlp(config) if mlp.has_weights else None
+        self.mix = TokenMix(config, layer_idx) if config.token_mix else None
 
     def forward(self, x, positions, mask, cache=None, need_weights=False, value_embed=None):
         h = self.norm_attn(x)
@@ -201,7 +224,7 @@ class Block(nn.Module):
         return x, weights
 
 
-class PostNormBlock(Block):
+class PostNormBlock(BlockWithVariants):
     """norm(x + attention(x)), then norm(x + mlp(x)): post-norm residual, as in "Attention
     Is All You Need" and BERT (arXiv:1810.04805). Every block hands on a normalised
     stream, so there is no final norm; BERT also normalises the summed embeddings
@@ -220,7 +243,7 @@ class PostNormBlock(Block):
         return x, weights
 
 
-class SandwichBlock(Block):
+class SandwichBlock(BlockWithVariants):
     """x + norm(attention(norm(x))), then x + norm(mlp(norm(x))): pre-norm with a second
     norm on each sublayer's output before it joins the stream ("sandwich" norm, CogView,
     arXiv:2105.13290; Gemma 2 and 3, whose four norms a layer are transformers'
@@ -246,4 +269,4 @@ class SandwichBlock(Block):
         return x, weights
 
 
-BLOCKS = {"prenorm": Block, "postnorm": PostNormBlock, "sandwich": SandwichBlock}
+BLOCKS = {"prenorm": BlockWithVariants, "postnorm": PostNormBlock, "sandwich": SandwichBlock}
