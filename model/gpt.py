@@ -164,14 +164,15 @@ class GPT(nn.Module):
     def mask_for(self, T: int, device, cache: KVCache | None, attention_mask) -> Mask:
         """The pass's one Mask (model/attention.py): T queries at positions 0..T-1 over
         the same keys, the model's window, and the padding; after a cache, the queries
-        follow its tokens and see the keys it holds (KVCache.mask)."""
-        bias_fn = self.positions.score_bias() if self.positions.biases_scores else None   # ALiBi
+        follow its tokens and see the keys it holds (KVCache.mask). The positions' score
+        bias rides along: ALiBi's, None for every other encoding."""
         padding = None if attention_mask is None else attention_mask == 0
-        if cache is not None:
-            return cache.mask(T, device, bias_fn=bias_fn, causal=self.config.causal, key_padding=padding)
         c = self.config
-        return Mask(0, T, torch.arange(T, device=device), window=c.sliding_window,
-                    n_global=c.n_global, bias_fn=bias_fn, causal=c.causal, key_padding=padding)
+        if cache is not None:
+            return cache.mask(T, device, bias_fn=self.positions.score_bias, causal=c.causal,
+                              key_padding=padding)
+        return Mask(0, T, torch.arange(T, device=device), bias_fn=self.positions.score_bias,
+                    window=c.sliding_window, n_global=c.n_global, causal=c.causal, key_padding=padding)
 
     def logits_and_loss(self, h, targets=None):
         """Scores for every vocabulary entry from the final hidden states (B, T, C), and

@@ -13,7 +13,7 @@ cached keys):
 * `rotate(x, start)` turns query vectors, and then key vectors, by an angle
   proportional to their position (RoPE, arXiv:2104.09864), so q·k depends only on
   the offset between them (on part of each head: model/partial_rope.py);
-* `score_bias()` returns a function of (query, key) positions added to the scores
+* `score_bias(q_pos, k_pos)` is added to the scores, for query and key positions
   (ALiBi, arXiv:2108.12409: a penalty growing with distance, no embedding at all).
 
 `start` is the absolute position of the first token in the chunk, which is what lets
@@ -61,8 +61,8 @@ class PositionEncoding(nn.Module):
         pass's layers can reuse. An encoding with nothing to reuse (a learner's) rotates."""
         return self.rotate(x, start)
 
-    def score_bias(self):
-        return None
+    # ALiBi's bias(q_pos, k_pos), added to the scores (the Mask's bias_fn); None: no bias.
+    score_bias = None
 
     def shift(self, k: torch.Tensor, delta: int) -> torch.Tensor:
         """Keys already encoded at their positions, moved by `delta` positions (a rolling
@@ -237,16 +237,13 @@ class ALiBi(PositionEncoding):
         super().__init__(config)
         self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)
 
-    def score_bias(self):
-        slopes = self.slopes
-
-        def bias(q_pos, k_pos, head=None):
-            """(H, *shape) penalties; for one head's score (flex), pass `head`."""
-            distance = (q_pos - k_pos).to(slopes.dtype)
-            if head is not None:
-                return -slopes[head] * distance
-            return -slopes.view(-1, *([1] * distance.dim())) * distance
-        return bias
+    def score_bias(self, q_pos, k_pos, head=None):
+        """(H, *shape) penalties for broadcastable query and key positions; for one head's
+        score (flex), pass `head`."""
+        distance = (q_pos - k_pos).to(self.slopes.dtype)
+        if head is not None:
+            return -self.slopes[head] * distance
+        return -self.slopes.view(-1, *([1] * distance.dim())) * distance
 
 
 def alibi_slopes(n_head: int) -> torch.Tensor:

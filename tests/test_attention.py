@@ -101,8 +101,8 @@ def _inputs(mask_spec, position, seed=0):
     v = torch.randn(B, H, k_len, D, generator=g, dtype=torch.float64)
     q, k = pos.rotate(q, q_start), pos.rotate(k, 0)        # keys sit at positions 0..k_len-1
     mask = Mask.over(q_start, q_len, k_len, window=window, n_global=n_global,
-                     bias_fn=pos.score_bias())
-    return q, k, v, mask, POSITION_ENCODINGS[position](cfg).score_bias()
+                     bias_fn=pos.score_bias)
+    return q, k, v, mask, POSITION_ENCODINGS[position](cfg).score_bias
 
 
 def _reference_case(mask_name, position):
@@ -145,7 +145,7 @@ def test_flex_gradients_match_the_reference_on_a_gpu(mask_name, position):
     # compiled kernel cannot read a CPU tensor.
     cfg = ModelConfig(vocab_size=8, n_head=q.shape[1], n_embd=q.shape[1] * q.shape[-1],
                       block_size=32, position=position, sliding_window=window, n_global=n_global)
-    bias_fn32 = POSITION_ENCODINGS[position](cfg).cuda().score_bias()
+    bias_fn32 = POSITION_ENCODINGS[position](cfg).cuda().score_bias
     mask32 = Mask(q_start, q_len, torch.arange(k_len, device="cuda"), window=window,
                   n_global=n_global, bias_fn=bias_fn32)
     out, _ = ATTENTION_BACKENDS["flex"](q, k, v, mask32)
@@ -243,7 +243,7 @@ def test_the_multi_head_layer_equals_an_independent_float64_reference(n_kv_head,
     positions = POSITION_ENCODINGS[position](cfg)
     x = torch.randn(2, T, C, dtype=dtype)
     mask = Mask(q_start=0, q_len=T, k_pos=torch.arange(T), window=window,
-                bias_fn=positions.score_bias())
+                bias_fn=positions.score_bias)
     with torch.no_grad():
         out, _ = layer(x, positions, mask)
 

@@ -286,7 +286,7 @@ def _layer_out(entry, seed=0, n_kv_head=0, window=0, alibi=False, value_embed=Fa
     layer = entry.layer(config, 0).double().eval()
     x = torch.randn(1, 7, config.n_embd, dtype=torch.float64)
     ve = torch.randn(1, 7, config.kv_heads * config.head_dim, dtype=torch.float64)
-    bias = POSITION_ENCODINGS["alibi"](config).score_bias() if alibi else None
+    bias = POSITION_ENCODINGS["alibi"](config).score_bias if alibi else None
     mask = Mask(q_start=0, q_len=7, k_pos=torch.arange(7), window=window, bias_fn=bias)
     try:                               # a layer may refuse what it has no place for
         with torch.no_grad():

@@ -168,7 +168,7 @@ def test_alibi_slopes_are_the_papers_geometric_series():
 
 def test_alibi_penalises_distance_linearly_and_never_the_token_itself():
     model = GPT(ModelConfig(vocab_size=8, n_layer=1, n_head=4, n_embd=16, position="alibi"))
-    bias = model.positions.score_bias()(torch.arange(6)[:, None], torch.arange(6)[None, :])
+    bias = model.positions.score_bias(torch.arange(6)[:, None], torch.arange(6)[None, :])
     assert bias.shape == (4, 6, 6) and (bias.diagonal(dim1=1, dim2=2) == 0).all()
     slopes = model.positions.slopes
     assert torch.allclose(bias[:, 5, 2], -3 * slopes)
