@@ -242,8 +242,8 @@ class GPTWithVariants(GPT):
     (model/extras.py), soft-capped logits, the adaptive softmax, or no output layer at
     all (an encoder kept for its hidden states), and blocks with more than GPT-2's
     (BlockWithVariants and the post-norm and sandwich arrangements, model/layers.py).
-    GPT(config) builds this class when the config asks for any of them; the names of the plain parts are kept, so checkpoints
-    read the same either way."""
+    GPT(config) builds this class when the config asks for any of them; the names of the
+    plain parts are kept, so checkpoints read the same either way."""
     block_types = BLOCKS
     PASS_ORDER = ("wte", "token_types", "positions", "local_positions", "norm_emb", "drop",
                   "blocks", "value_embeds", "skips", "norm_f", "head_transform", "lm_head",
