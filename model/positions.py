@@ -183,14 +183,14 @@ class RoPE(PositionEncoding):
         return Turn.apply(x, *self.turns_at(start + torch.arange(x.shape[-2], device=x.device), x.dtype))
 
     def rotate_in_pass(self, x, start, shared):
-        # The queries and keys of every layer of a pass share one start, so one pair of
-        # turning tensors, made for these positions alone, serves them all: nothing is
-        # kept that grows with position or limits it. Keyed by this table too: a model with
-        # two (Gemma 3's local and global frequencies) may turn by both in one pass.
-        key = (id(self), x.shape[-2], x.dtype, x.device)
-        if key not in shared:
-            shared[key] = self.turns_at(start + torch.arange(x.shape[-2], device=x.device), x.dtype)
-        return Turn.apply(x, *shared[key])
+        # The queries and keys of every layer of a pass are the same positions, so one pair
+        # of turning tensors, made for these positions alone, serves them all: nothing is
+        # kept that grows with position or limits it. Kept by table and precision: a model
+        # with two tables (Gemma 3's local and global frequencies) may turn by both in one
+        # pass, and a layer that turns in another precision gets its own.
+        if (self, x.dtype) not in shared:
+            shared[self, x.dtype] = self.turns_at(start + torch.arange(x.shape[-2], device=x.device), x.dtype)
+        return Turn.apply(x, *shared[self, x.dtype])
 
     def shift(self, k, delta):
         # Rotations compose: turning a key at p by delta·θ_i more puts it at p + delta.
