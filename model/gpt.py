@@ -18,14 +18,14 @@ from model.decode import generate as generate_tokens
 from model.cache import KVCache
 from model.config import ModelConfig, ModelError
 from model.extras import TokenTypes, UNetSkips, ValueEmbeddings
-from model.layers import BLOCKS, MLPS, NORMS, Block, layer_names
+from model.layers import BLOCKS, NORMS, Block, layer_names
 from model.attention import Mask, MultiHeadAttention
 from model.mechanisms import MECHANISMS
 from model.meta import Unfilled
 from model.mtp import MultiTokenPrediction
 from model.positions import POSITION_ENCODINGS
 from model.readout import READOUTS, AdaptiveReadout, MaskedLMTransform, head_macs
-from model.registry import CHECKED, check as check_config
+from model.registry import CHECKED, check as check_config, wants_variants
 
 
 # The parameters GPT-2's init scales (a mechanism's layer writes through its w_o, as
@@ -63,13 +63,15 @@ class GPT(nn.Module):
             return cls(config)
 
     def __new__(cls, config: ModelConfig | None = None, *args, **kwargs):
-        # GPT(config) is the plain model the article builds; a config that asks for a part
-        # beyond it (segment or value embeddings, U-net skips, post-norm, another readout,
-        # soft-capped logits) builds GPTWithVariants, below, which adds those parts.
-        if config is not None and CHECKED.get(id(config)) != astuple(config):
-            check_config(config, building=True)  # sizes and names (model/registry.py), once
-        if cls is GPT and config is not None and wants_variants(config):
-            cls = GPTWithVariants
+        # GPT(config) is the plain model the article builds. A config that model/registry.py
+        # has checked and found plain goes straight on; any other is checked here (sizes and
+        # names), and one that asks for a part beyond the plain model (segment or value
+        # embeddings, U-net skips, post-norm, another readout, soft-capped logits) builds
+        # GPTWithVariants, below, which adds those parts.
+        if config is not None and CHECKED.get(id(config)) != (astuple(config), True):
+            check_config(config, building=True)
+            if cls is GPT and wants_variants(config):
+                cls = GPTWithVariants
         return super().__new__(cls)
 
     def __init__(self, config: ModelConfig):
@@ -221,18 +223,6 @@ class GPT(nn.Module):
         instead of sampled. model/decode.py does the work and says the rest."""
         return generate_tokens(self, idx, max_new_tokens, temperature, top_k, top_p, generator,
                                use_cache, on_step, decode, sinks, stream_window, forced)
-
-
-# Fields that, set, ask for a part the plain GPT does not have (GPTWithVariants builds it).
-VARIANT_FIELDS = ("n_token_types", "value_embeds", "skip_connections", "zero_head", "logit_softcap",
-                  "full_attention_every", "mtp_depth", "embed_scale", "qk_norm_weight",
-                  "score_scale", "rope_local_theta", "token_mix", "moe_dense_layers")
-
-
-def wants_variants(config: ModelConfig) -> bool:
-    """Does the config ask for a part the plain GPT does not have?"""
-    plain = (READOUTS[config.readout].plain, BLOCKS[config.block].plain, MLPS[config.mlp].has_weights)
-    return not all(plain) or any(getattr(config, name) for name in VARIANT_FIELDS)
 
 
 class GPTWithVariants(GPT):

@@ -99,11 +99,22 @@ def check_names(config: ModelConfig) -> None:
                                  "entry under another name")
 
 
-# id(config) -> the config's values when it passed `check`, while the config lives: the
-# model built from it does not check it again, and a field changed since changes the
-# values, so the next build checks. Kept here, not on the config, so vars(config) stays
-# its fields.
-CHECKED: dict[int, tuple] = {}
+# id(config) -> (the config's values when it passed `check`, whether the plain GPT builds
+# it), while the config lives: a plain model built from it does not check it again, and a
+# field changed since changes the values, so the next build checks. Kept here, not on the
+# config, so vars(config) stays its fields.
+CHECKED: dict[int, tuple[tuple, bool]] = {}
+
+# Fields that, set, ask for a part the plain GPT does not have (GPTWithVariants builds it).
+VARIANT_FIELDS = ("n_token_types", "value_embeds", "skip_connections", "zero_head", "logit_softcap",
+                  "full_attention_every", "mtp_depth", "embed_scale", "qk_norm_weight",
+                  "score_scale", "rope_local_theta", "token_mix", "moe_dense_layers")
+
+
+def wants_variants(config: ModelConfig) -> bool:
+    """Does the config ask for a part the plain GPT does not have?"""
+    plain = (READOUTS[config.readout].plain, BLOCKS[config.block].plain, MLPS[config.mlp].has_weights)
+    return not all(plain) or any(getattr(config, name) for name in VARIANT_FIELDS)
 
 
 def check(config: ModelConfig, building: bool = False) -> None:
@@ -155,7 +166,7 @@ def check(config: ModelConfig, building: bool = False) -> None:
         return
     if id(config) not in CHECKED:
         weakref.finalize(config, CHECKED.pop, id(config), None)
-    CHECKED[id(config)] = astuple(config)
+    CHECKED[id(config)] = (astuple(config), not wants_variants(config))
 
 
 def check_head_sizes(config: ModelConfig) -> None:
