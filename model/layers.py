@@ -175,9 +175,9 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.norm_attn = NORMS[config.norm](config)
-        # model.mechanism's entry for this layer (its facts), and the layer it builds.
-        # The default, `mha`, builds MultiHeadAttention of model/attention.py.
-        self.mechanism = MECHANISMS[layer_names(config)[layer_idx]]
+        # model.mechanism's entry (its facts), and the layer it builds. The default, `mha`,
+        # builds MultiHeadAttention of model/attention.py.
+        self.mechanism = MECHANISMS[config.mechanism]
         self.attn = self.mechanism.layer(config, layer_idx)
         self.norm_mlp = NORMS[config.norm](config)
         self.mlp = MLPS[config.mlp](config)
@@ -196,16 +196,17 @@ class Block(nn.Module):
 
 class BlockWithVariants(Block):
     """The pre-norm block with the parts a config adds to GPT-2's, each built only when its
-    field asks for it: Canon layers' mix of the newest positions before attention
-    (model.token_mix), no MLP at all (model.mlp=none, an attention-only model), and
-    DeepSeek-V3's dense first layers before the experts (model.moe_dense_layers).
+    field asks for it: a mechanism per layer (a hybrid, model.mechanism=linear,mha), Canon
+    layers' mix of the newest positions before attention (model.token_mix), no MLP at all
+    (model.mlp=none, an attention-only model), and DeepSeek-V3's dense first layers before
+    the experts (model.moe_dense_layers).
     GPTWithVariants builds it, and the post-norm and sandwich blocks below are built on
     it. Its parts have the plain Block's names and order, so a checkpoint reads the same."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         nn.Module.__init__(self)
         self.norm_attn = NORMS[config.norm](config)
-        self.mechanism = MECHANISMS[layer_names(config)[layer_idx]]
+        self.mechanism = MECHANISMS[layer_names(config)[layer_idx]]     # this layer's entry
         self.attn = self.mechanism.layer(config, layer_idx)
         mlp = MLPS["swiglu" if layer_idx < config.moe_dense_layers else config.mlp]
         # An attention-only model (model.mlp=none) has no MLP and no norm in front of it.

@@ -112,8 +112,11 @@ VARIANT_FIELDS = ("n_token_types", "value_embeds", "skip_connections", "zero_hea
 
 
 def wants_variants(config: ModelConfig) -> bool:
-    """Does the config ask for a part the plain GPT does not have?"""
-    plain = (READOUTS[config.readout].plain, BLOCKS[config.block].plain, MLPS[config.mlp].has_weights)
+    """Does the config ask for a part the plain GPT does not have? A field of VARIANT_FIELDS,
+    a readout, block or MLP entry that is not the plain one, or a mechanism per layer (a
+    hybrid such as `linear,mha`, whose blocks BlockWithVariants builds)."""
+    plain = (READOUTS[config.readout].plain, BLOCKS[config.block].plain, MLPS[config.mlp].has_weights,
+             config.mechanism in MECHANISMS)
     return not all(plain) or any(getattr(config, name) for name in VARIANT_FIELDS)
 
 

@@ -20,20 +20,20 @@ from model import GPT, ModelConfig
 from model.registry import check
 
 # (fields over the cpu preset's model, backend, precision) -> (lines, files). Beside
-# nanoGPT's 83 for the same build and pass, the default's 117 carry what nanoGPT has not:
-# RoPE (its frequencies, and one turn per pass shared by every layer's q and k: 20), the
-# one mask rule every backend and cache reads (mask_for and the mask's form for SDPA: 10),
-# the config's check and the choice of the plain class or the one with variants (5), the
-# KV cache, GQA, QK-norm and value-embedding branches of the shared prologue (5), the point
-# where a tool reads q, k and v (1), the registries' lookups and return_attention's list.
+# nanoGPT's 83 for the same build and pass, the default's 115 carry what nanoGPT has not:
+# RoPE (its frequencies, and one turn per pass shared by every layer's q and k: 19), the
+# one mask rule every backend and cache reads (mask_for and the mask's form for SDPA: 9),
+# the check's record that the config is checked and plain (2), the KV cache, GQA, QK-norm
+# and value-embedding branches of the shared prologue (5), the point where a tool reads q,
+# k and v (1), the registries' lookups and return_attention's list.
 BUDGETS = {
-    "cpu preset, fp32 (sdpa)": ({}, "sdpa", torch.float32, 117, 4),
+    "cpu preset, fp32 (sdpa)": ({}, "sdpa", torch.float32, 115, 4),
     # the formula and the rule as a matrix (Mask.dense) instead of SDPA's triangle
-    "cpu preset, bf16 (the formula)": ({}, "eager", torch.bfloat16, 122, 4),
-    "learned positions": ({"position": "learned"}, "sdpa", torch.float32, 109, 4),
+    "cpu preset, bf16 (the formula)": ({}, "eager", torch.bfloat16, 120, 4),
+    "learned positions": ({"position": "learned"}, "sdpa", torch.float32, 107, 4),
     # its own maths (model/linear_attention.py, no kernel: auto stays auto) and the
     # config's head size
-    "linear attention": ({"mechanism": "linear"}, "auto", torch.float32, 112, 6),
+    "linear attention": ({"mechanism": "linear"}, "auto", torch.float32, 110, 6),
 }
 CPU_PRESET = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=65)
 
@@ -185,7 +185,8 @@ def test_the_annotations_a_reader_meets_name_what_exists(module):
 
 
 @pytest.mark.parametrize("fields", [{"token_mix": 3}, {"mlp": "none"}, {"block": "postnorm"},
-                                    {"value_embeds": True}, {"readout": "none", "tie_embeddings": False}])
+                                    {"value_embeds": True}, {"readout": "none", "tie_embeddings": False},
+                                    {"mechanism": "linear,mha"}])
 def test_a_checked_config_that_asks_for_a_variant_builds_it(fields):
     """The check records whether a config is plain; one that is not builds GPTWithVariants
     whether or not it was checked before, so no asked-for part is silently left out."""
