@@ -70,6 +70,11 @@ def main(argv: list[str]) -> int:
         print(line, file=sys.stderr)                          # before an error line
     prompt_ids = encode_prompt(tokenizer, s.prompt)
     print(header(ckpt, model, cfg, s, device, dtype, decode), file=sys.stderr)
+    if len(prompt_ids) > cfg.model.block_size and not s.sinks:
+        # The model reads at most its context: the text goes on from the prompt's end alone.
+        print(f"warning: the prompt is {len(prompt_ids):,} tokens and the model reads its last "
+              f"{cfg.model.block_size:,}; the first {len(prompt_ids) - cfg.model.block_size:,} do "
+              "not shape the text (--sinks streams past the context instead)", file=sys.stderr)
     for n in range(s.num_samples):
         if s.num_samples > 1:
             print(f"\n--- sample {n + 1} ---", flush=True)

@@ -93,6 +93,8 @@ def _build_model(cfg: RunConfig, data: TokenData, device: torch.device, log,
         fit_readout(cfg.model, counts, log)
         cfg.validate()                        # the shortlist against the vocabulary
     refuse_what_cannot_fit(cfg, device)       # again, now that the vocabulary is known
+    # built_for names the attention backend that pays on this machine (`auto` becomes eager
+    # or sdpa, model/attention.py); the run's `device:` line says which and why.
     model = GPT(machine.built_for(cfg.model, device, dtype))
     if counts is not None:
         model.adaptive.set_frequencies(counts)

@@ -251,6 +251,11 @@ class ModelConfig:
             if f.type == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value)):
                 raise ModelError(f"model.{f.name} must be a finite number, got {value!r}")
+            if f.type == "bool" and not isinstance(value, bool):
+                # bool("false") is True: a string here would switch the part on in silence.
+                raise ModelError(f"model.{f.name} must be a bool (True or False), got {value!r}")
+            if f.type == "str" and not isinstance(value, str):
+                raise ModelError(f"model.{f.name} must be a name (a string), got {value!r}")
         for name in ("block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

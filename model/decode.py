@@ -74,6 +74,7 @@ def generate(model, idx, max_new_tokens: int, temperature: float = 1.0, top_k: i
     ones) and decodes from the growing cache whatever `decode` says. `forced` (B, N) tokens are fed instead of sampled
     (teacher forcing), so `on_step` sees the logits the model gives a known text."""
     model.check_generates()
+    check_request(idx, max_new_tokens, temperature, top_k, top_p)
     if decode == "mtp" and use_cache:
         check_speculation(model, sinks, forced)
     decode = decode_mode(model, decode, use_cache, sinks, idx.device)
@@ -82,6 +83,25 @@ def generate(model, idx, max_new_tokens: int, temperature: float = 1.0, top_k: i
                                      generator, on_step)
     return _generate(model, idx, max_new_tokens, temperature, top_k, top_p, generator,
                      on_step, decode, sinks, stream_window, forced)
+
+
+def check_request(idx, max_new_tokens, temperature, top_k, top_p) -> None:
+    """ModelError, saying what to give, for a prompt or sampling setting that cannot be
+    honoured (the Python API meets no command-line parser: a negative temperature was
+    taken as greedy, an empty prompt failed deep in the first step)."""
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[1] == 0:
+        shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+        raise ModelError(f"the prompt must be token ids of shape (batch, length) with at least "
+                         f"one token, got {shape}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ModelError(f"max_new_tokens must be a whole number, 0 or more, got {max_new_tokens!r}")
+    if not 0 <= temperature < float("inf"):
+        raise ModelError(f"temperature must be 0 (always the likeliest token) or more, "
+                         f"got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ModelError(f"top_k must be a whole number, 0 (off) or more, got {top_k!r}")
+    if not 0 < top_p <= 1:
+        raise ModelError(f"top_p must be more than 0 and at most 1 (1: off), got {top_p!r}")
 
 
 def decode_mode(model, decode: str, use_cache: bool, sinks: int | None, device) -> str:

@@ -63,11 +63,12 @@ class GPT(nn.Module):
             return cls(config)
 
     def __new__(cls, config: ModelConfig | None = None, *args, **kwargs):
-        # GPT(config) is the plain model the article builds. A config that model/registry.py
-        # has checked and found plain goes straight on; any other is checked here (sizes and
-        # names), and one that asks for a part beyond the plain model (segment or value
+        # GPT(config) is the plain model the article builds, and its forward has no branch
+        # for a part it does not have; a config that asks for one (segment or value
         # embeddings, U-net skips, post-norm, another readout, soft-capped logits) builds
-        # GPTWithVariants, below, which adds those parts.
+        # GPTWithVariants, below, which adds those parts. A config that model/registry.py
+        # has checked and found plain goes straight on; any other is checked here (sizes
+        # and names) and its class chosen.
         if config is not None and CHECKED.get(id(config)) != (astuple(config), True):
             check_config(config, building=True)
             if cls is GPT and wants_variants(config):

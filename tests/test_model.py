@@ -532,10 +532,12 @@ def test_the_forward_pass_computes_what_it_did_before_its_switches_became_module
 
 @pytest.mark.parametrize("field,value", [("vocab_size", 1.5), ("n_kv_head", 1.0), ("sliding_window", 2.5),
                                          ("n_layer", True), ("dropout", "0.1"),
-                                         ("logit_softcap", float("nan")), ("rope_theta", float("inf"))])
+                                         ("logit_softcap", float("nan")), ("rope_theta", float("inf")),
+                                         ("causal", "false"), ("tie_embeddings", 1), ("mechanism", 3)])
 def test_the_python_api_refuses_a_value_of_the_wrong_kind_in_one_line(field, value):
     """A config made in Python meets no command-line parser: a float where a count belongs
-    gave a torch traceback from nn.Embedding, and nan or inf ran to a nan loss."""
+    gave a torch traceback from nn.Embedding, nan or inf ran to a nan loss, and the string
+    "false" switched causal attention on (bool("false") is True)."""
     from model.config import ModelError
     with pytest.raises(ModelError, match=f"model.{field} must be a"):
         GPT(ModelConfig(**{"vocab_size": 5, field: value}))

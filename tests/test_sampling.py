@@ -181,3 +181,41 @@ def test_logits_that_overflowed_still_give_a_distribution(row, expected, setting
         assert probs[0].tolist() == pytest.approx(expected)
     drawn = sample_next(logits.expand(50, -1), generator=torch.Generator().manual_seed(0), **settings)
     assert (probs[0][drawn[:, 0]] > 0).all()
+
+
+@pytest.mark.parametrize("prompt,settings,words", [
+    ((1, 0), {}, "at least one token"),
+    ((2,), {}, "shape \\(batch, length\\)"),
+    ((1, 3), {"temperature": -1.0}, "temperature must be 0"),
+    ((1, 3), {"temperature": float("nan")}, "temperature must be 0"),
+    ((1, 3), {"top_k": -1}, "top_k must be"),
+    ((1, 3), {"top_p": 0.0}, "top_p must be more than 0"),
+    ((1, 3), {"top_p": 1.5}, "top_p must be more than 0"),
+    ((1, 3), {"max_new_tokens": -1}, "max_new_tokens must be"),
+])
+def test_generate_refuses_what_it_cannot_honour_in_one_line(prompt, settings, words):
+    """The Python API meets no command-line parser: a negative temperature sampled greedily
+    and an empty prompt failed with an IndexError deep in the first step."""
+    from model import GPT, ModelConfig
+    from model.config import ModelError
+    model = GPT(ModelConfig(vocab_size=11, n_layer=1, n_head=2, n_embd=16, block_size=8)).eval()
+    settings = {"max_new_tokens": 2, **settings}
+    with pytest.raises(ModelError, match=words):
+        model.generate(torch.zeros(prompt, dtype=torch.long), **settings)
+
+
+def test_sample_py_says_when_the_prompt_is_longer_than_the_context(corpus, tmp_path):
+    """The model reads at most block_size tokens: a longer prompt's start was dropped in
+    silence. The run's context here is the tiny preset's 32 characters."""
+    from conftest import run_script, train_tiny
+    run = train_tiny(corpus, tmp_path, "long", "--train.max_iters=2", "--train.eval_interval=2",
+                     "--train.eval_iters=1")
+    prompt = "To be, or not to be, that is the question: whether 'tis nobler"   # a token a character
+    proc = run_script("sample.py", "--run", run, "--max_new_tokens=2", "--device=cpu",
+                      f"--prompt={prompt}", check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (f"warning: the prompt is {len(prompt)} tokens and the model reads its last 32; "
+            f"the first {len(prompt) - 32} do not shape the text") in proc.stderr
+    short = run_script("sample.py", "--run", run, "--max_new_tokens=2", "--device=cpu",
+                       "--prompt=To be", check=False)
+    assert short.returncode == 0 and "warning" not in short.stderr, short.stderr[-2000:]
