@@ -26,6 +26,7 @@ from engine.optim import Optimizers
 from data.tokens import Batches, TokenData
 from model import GPT
 from model.readout import READOUTS
+from model.layers import MLPS
 
 
 # Where the masking draws of validation batches start, far from any training step's.
@@ -95,8 +96,9 @@ class Run:
         readout = (f", adaptive readout (shortlist of {c.readout_shortlist:,})"
                    if READOUTS[c.readout].shortlisted else "")
         mix = mixing(c)
+        no_mlp = "" if MLPS[c.mlp].has_weights else ", no MLP (attention only)"
         return (f"model: {c.n_layer} layers x {c.n_head} heads, {c.n_embd} wide, context "
-                f"{c.block_size}, {position_words(c)}{mix}, {mechanism_words(c)}, "
+                f"{c.block_size}, {position_words(c)}{mix}, {mechanism_words(c)}{no_mlp}, "
                 f"{attention_words(c, self.kernel)}{readout}: "
                 f"{m.num_params() / 1e6:.2f}M parameters ({m.num_params(True) / 1e6:.2f}M "
                 f"non-embedding), {m.flops_per_token() / 1e6:.1f} MFLOPs per token (train)")

@@ -347,6 +347,17 @@ def test_the_summary_line_says_the_settings_that_change_what_mha_attends_to():
     assert mechanism_words(tiny(n_kv_head=2)) == mechanism_words(tiny()) == "mha mechanism"
 
 
+def test_the_summary_line_says_an_attention_only_model_has_no_mlp():
+    """With model.mlp=none only the parameter count told a learner the MLPs were gone."""
+    from types import SimpleNamespace
+    from engine.state import Run
+    for mlp, said in (("none", True), ("gelu", False)):
+        cfg = run_config.RunConfig()
+        cfg.model = tiny(mlp=mlp)
+        line = Run.summary(SimpleNamespace(cfg=cfg, model=GPT(cfg.model), kernel="sdpa"))
+        assert ("no MLP (attention only)" in line) == said, line
+
+
 @pytest.mark.parametrize("name", MECHANISM_NAMES)
 def test_the_summary_line_says_when_a_rotary_position_turns_nothing(name):
     """linear and deltanet runs said "rope positions" while their layers turn nothing by
