@@ -10,7 +10,7 @@ comma-separated pattern cycled over the layers (a hybrid: `linear,linear,linear,
 
 Each entry carries the facts the rest of the project asks about it, so a new mechanism
 is its class, its entry and its test: blocks and the encoder-decoder build `layer`,
-model/gpt.py counts `flops` and runs `init`, the decoders keep `cache`, attnlab's
+model/gpt.py counts `flops`, the decoders keep `cache`, attnlab's
 lens, page and `heads` read `no_weights` (and `heads` `weights_sum_to_one`),
 engine/interop.py reads `export_refusal`, model/registry.py checks `follows_mask`,
 `head_multiple`, `takes_value_embed`, `takes_qk_norm` and `uses_kernel`, generate reads `stream_refusal`.
