@@ -70,11 +70,7 @@ def main(argv: list[str]) -> int:
         print(line, file=sys.stderr)                          # before an error line
     prompt_ids = encode_prompt(tokenizer, s.prompt)
     print(header(ckpt, model, cfg, s, device, dtype, decode), file=sys.stderr)
-    if len(prompt_ids) > cfg.model.block_size and not s.sinks:
-        # The model reads at most its context: the text goes on from the prompt's end alone.
-        print(f"warning: the prompt is {len(prompt_ids):,} tokens and the model reads its last "
-              f"{cfg.model.block_size:,}; the first {len(prompt_ids) - cfg.model.block_size:,} do "
-              "not shape the text (--sinks streams past the context instead)", file=sys.stderr)
+    warn_if_cut(len(prompt_ids), cfg.model.block_size, s.sinks)
     for n in range(s.num_samples):
         if s.num_samples > 1:
             print(f"\n--- sample {n + 1} ---", flush=True)
@@ -97,6 +93,15 @@ def main(argv: list[str]) -> int:
             print(f"mtp: {model.mtp.accepted} of {model.mtp.drafted} drafts kept "
                   f"({model.mtp.accepted / model.mtp.drafted:.0%})", file=sys.stderr)
     return 0
+
+
+def warn_if_cut(prompt_len: int, context: int, sinks: int) -> None:
+    """The model reads at most its context: past it, the text goes on from the prompt's
+    end alone, which the learner is told (with sinks, the stream keeps its own window)."""
+    if prompt_len > context and not sinks:
+        print(f"warning: the prompt is {prompt_len:,} tokens and the model reads its last "
+              f"{context:,}; the first {prompt_len - context:,} do not shape the text "
+              "(--sinks streams past the context instead)", file=sys.stderr)
 
 
 def sample_settings(cfg, args):
