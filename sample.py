@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     from engine.device import pick_device
     from engine.machine import pick_dtype
     from engine.inference import StepExplainer, encode_prompt, load_run, pick_decode, stream_text
-    from model.decode import check_sinks, check_speculation
+    from model.decode import check_sinks, check_speculation, prompt_read
 
     apply_overrides(RunConfig(), args)            # a bad option fails before any loading
     device = pick_device(args.device)
@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
         print(line, file=sys.stderr)                          # before an error line
     prompt_ids = encode_prompt(tokenizer, s.prompt)
     print(header(ckpt, model, cfg, s, device, dtype, decode), file=sys.stderr)
-    warn_if_cut(len(prompt_ids), cfg.model.block_size, s.sinks)
+    warn_if_cut(len(prompt_ids), prompt_read(model, len(prompt_ids), decode, s.sinks or None))
     for n in range(s.num_samples):
         if s.num_samples > 1:
             print(f"\n--- sample {n + 1} ---", flush=True)
@@ -95,12 +95,12 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def warn_if_cut(prompt_len: int, context: int, sinks: int) -> None:
-    """The model reads at most its context: past it, the text goes on from the prompt's
-    end alone, which the learner is told (with sinks, the stream keeps its own window)."""
-    if prompt_len > context and not sinks:
+def warn_if_cut(prompt_len: int, read: int) -> None:
+    """Past its context the model reads only the prompt's end (model.decode.prompt_read),
+    which the learner is told."""
+    if read < prompt_len:
         print(f"warning: the prompt is {prompt_len:,} tokens and the model reads its last "
-              f"{context:,}; the first {prompt_len - context:,} do not shape the text "
+              f"{read:,}; the first {prompt_len - read:,} do not shape the text "
               "(--sinks streams past the context instead)", file=sys.stderr)
 
 

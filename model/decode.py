@@ -38,6 +38,14 @@ def stream_cache(model, window: int, sinks: int) -> KVCache:
     return KVCache(model.config.n_layer, window, window, sinks, shift=model.positions.shift)
 
 
+def prompt_read(model, prompt_len: int, decode: str, sinks: int | None) -> int:
+    """How many of a prompt's last tokens generation reads (_generate): every one where a
+    rolling cache or sinks stream past the context, otherwise at most block_size."""
+    if decode != "full" and (sinks is not None or decodes_with_rolling_cache(model)):
+        return prompt_len
+    return min(prompt_len, model.config.block_size)
+
+
 def decodes_with_rolling_cache(model) -> bool:
     """A windowed model whose positions are relative (or absent) can decode for ever
     from a rolling cache; learned and sinusoidal positions are absolute, and a layer that

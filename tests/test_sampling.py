@@ -219,3 +219,16 @@ def test_sample_py_says_when_the_prompt_is_longer_than_the_context(corpus, tmp_p
     short = run_script("sample.py", "--run", run, "--max_new_tokens=2", "--device=cpu",
                        "--prompt=To be", check=False)
     assert short.returncode == 0 and "warning" not in short.stderr, short.stderr[-2000:]
+
+
+def test_generation_reads_a_long_prompt_whole_only_where_a_rolling_cache_or_sinks_keep_it():
+    """The warning about a cut prompt follows what _generate reads: a windowed model with
+    relative positions (a rolling cache) and a streamed one read every token."""
+    from model import GPT, ModelConfig
+    from model.decode import prompt_read
+    small = dict(vocab_size=11, n_layer=1, n_head=2, n_embd=16, block_size=8)
+    plain = GPT(ModelConfig(**small))
+    rolling = GPT(ModelConfig(**small, sliding_window=4))
+    assert prompt_read(plain, 20, "cache", None) == prompt_read(rolling, 20, "full", None) == 8
+    assert prompt_read(rolling, 20, "cache", None) == prompt_read(plain, 20, "cache", 2) == 20
+    assert prompt_read(plain, 5, "cache", None) == 5
